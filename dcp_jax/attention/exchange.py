@@ -1,0 +1,95 @@
+"""Cross-rank pieces of sparse DCP decode that are not kernels: candidate merge, owner filter, LSE merge.
+
+The pure functions here work on gathered buffers and are tested directly; `exchange_top_k` and
+`merge_partial_attention` wrap them with the collectives over the "dcp" mesh axis (call inside shard_map).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dcp_jax.mesh import DCP
+
+HIGHEST = jax.lax.Precision.HIGHEST
+NEG_INF = float("-inf")
+
+
+def global_index(local_ids, rank, *, dcp, interleave):
+    """jnp twin of `layout.global_index` for ids found on `rank`; -1 stays -1."""
+    gpos = ((local_ids // interleave) * dcp + rank) * interleave + local_ids % interleave
+    return jnp.where(local_ids >= 0, gpos, -1).astype(jnp.int32)
+
+
+def merge_candidates(values, ids, *, k):
+    """Global top-k from per-rank candidates: score descending, then global id ascending; -1 ids last.
+
+    values [W, R, Kc] f32, ids [W, R, Kc] int32 global positions (-1 = none). Returns [R, k] each,
+    padded with (-inf, -1). Every rank runs this on the identical gathered buffer, so all agree.
+    """
+    num_ranks, rows, kc = values.shape
+    flat_values = jnp.moveaxis(values, 0, 1).reshape(rows, num_ranks * kc)
+    flat_ids = jnp.moveaxis(ids, 0, 1).reshape(rows, num_ranks * kc)
+    is_valid = flat_ids >= 0
+    neg_score = jnp.where(is_valid, -flat_values, jnp.inf)
+    id_key = jnp.where(is_valid, flat_ids, jnp.iinfo(jnp.int32).max)
+    neg_score, id_key = jax.lax.sort((neg_score, id_key), dimension=1, num_keys=2)
+    neg_score, id_key = neg_score[:, :k], id_key[:, :k]
+    is_kept = id_key != jnp.iinfo(jnp.int32).max
+    return jnp.where(is_kept, -neg_score, NEG_INF), jnp.where(is_kept, id_key, -1).astype(jnp.int32)
+
+
+def owner_filter(ids, block_tables, rank, *, dcp, interleave, page_size):
+    """Selected global ids this rank owns, as compacted physical slots.
+
+    ids [R, K] int32 global positions (-1 = none), block_tables [R, P] int32 virtual-block page ids,
+    rank: this rank (may be traced). Returns slots int32 [R, K] (`page*B + offset`, owned entries first in
+    their original order, then -1) and counts int32 [R].
+    """
+    rows, k = ids.shape
+    is_owned = (ids >= 0) & ((ids // interleave) % dcp == rank)
+    local = jnp.where(is_owned, (ids // (interleave * dcp)) * interleave + ids % interleave, 0)
+    block = jnp.clip(local // page_size, 0, block_tables.shape[1] - 1)
+    page = jnp.take_along_axis(block_tables, block, axis=1)
+    slot = page * page_size + local % page_size
+    # Destination of each owned entry = number of owned entries before it; the rest go past the end.
+    dest = jnp.where(is_owned, jnp.cumsum(is_owned, axis=1) - 1, k)
+    slots = jnp.full((rows, k + 1), -1, jnp.int32)
+    slots = slots.at[jnp.arange(rows)[:, None], dest].set(jnp.where(is_owned, slot, -1).astype(jnp.int32))
+    return slots[:, :k], is_owned.sum(axis=1).astype(jnp.int32)
+
+
+def merge_lse(outs, lses):
+    """Merge partial attention results by log-sum-exp.
+
+    outs [W, R, H, Dv] f32, lses [W, R, H] f32 (-inf = empty part). Returns out [R, H, Dv], lse [R, H];
+    all parts empty gives out 0 and lse -inf.
+    """
+    lse_max = jnp.max(lses, axis=0)
+    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    total = jnp.sum(jnp.exp(lses - lse_max), axis=0)
+    lse = jnp.log(total) + lse_max
+    factors = jnp.exp(lses - lse)
+    factors = jnp.where(jnp.isfinite(factors), factors, 0.0)  # -inf - -inf = NaN on empty rows
+    return jnp.einsum("wrh,wrhd->rhd", factors, outs, precision=HIGHEST), lse
+
+
+def exchange_top_k(values, local_ids, rank, *, k, dcp, interleave):
+    """Per rank: local top-k (values [R, K], local ids [R, K]) -> the identical global top-k ids [R, k] on
+    every rank of the DCP group. All-gathers 8 * W * K bytes per row."""
+    ids = global_index(local_ids, rank, dcp=dcp, interleave=interleave)
+    all_values = jax.lax.all_gather(values, DCP)  # [W, R, K]
+    all_ids = jax.lax.all_gather(ids, DCP)
+    return merge_candidates(all_values, all_ids, k=k)[1]
+
+
+def merge_partial_attention(out, lse):
+    """Per rank: out [R, W*h, C], lse [R, W*h] over this rank's owned tokens -> merged out [R, h, C] of
+    this rank's own h heads. All-gathers lse, then reduce-scatters the rescaled outputs over heads."""
+    all_lse = jax.lax.all_gather(lse, DCP)  # [W, R, W*h]
+    lse_max = jnp.max(all_lse, axis=0)
+    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    lse_total = jnp.log(jnp.sum(jnp.exp(all_lse - lse_max), axis=0)) + lse_max
+    factor = jnp.exp(lse - lse_total)
+    factor = jnp.where(jnp.isfinite(factor), factor, 0.0)  # -inf - -inf = NaN when no rank owns anything
+    return jax.lax.psum_scatter(factor[..., None] * out, DCP, scatter_dimension=1, tiled=True)

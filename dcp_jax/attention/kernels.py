@@ -1,0 +1,31 @@
+"""Which implementation runs each sparse-attention op: the Pallas kernels or the pure-jnp references."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from pallas_kernels import reference
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    indexer_logits: Callable
+    topk: Callable
+    sparse_mla_decode: Callable
+
+
+REFERENCE = Kernels(reference.indexer_logits, reference.topk, reference.sparse_mla_decode)
+
+
+def select_kernels(name: str) -> Kernels:
+    """'reference' (plain XLA, any backend) or 'pallas' (Pallas kernels; interpreted on CPU)."""
+    if name == "reference":
+        return REFERENCE
+    if name == "pallas":
+        from pallas_kernels.indexer import indexer_logits
+        from pallas_kernels.sparse_mla import sparse_mla_decode
+        from pallas_kernels.topk import topk
+
+        return Kernels(indexer_logits, topk, sparse_mla_decode)
+    raise ValueError(f"unknown kernels {name!r}; choose 'reference' or 'pallas'")

@@ -1,0 +1,261 @@
+"""Frozen configuration: the model (HF `config.json` fields), the parallel layout and the engine.
+
+No jax here. Variants are made with `dataclasses.replace`; derived values are properties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """DeepSeek-V3.2 model shape, spelled with the HF `DeepseekV32Config` field names."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    first_k_dense_replace: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None for default RoPE; else HF `rope_parameters` / `rope_scaling` with rope_type "yarn".
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 4096
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached MLA entry: latent c then roped key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        return dict(self.rope_scaling) if self.rope_scaling else {"rope_type": "default"}
+
+    @property
+    def softmax_scale(self) -> float:
+        """`qk_head_dim^-0.5`, times YaRN mscale^2 when YaRN scaling applies."""
+        scale = self.qk_head_dim**-0.5
+        rope = self.rope
+        if rope.get("rope_type") == "yarn":
+            factor = float(rope["factor"])
+            mscale_all_dim = float(rope.get("mscale_all_dim", 0.0) or 0.0)
+            if mscale_all_dim and factor > 1:
+                mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+                scale *= mscale * mscale
+        return scale
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
+
+    @classmethod
+    def from_hf(cls, path: str | os.PathLike) -> ModelConfig:
+        """Read a HF `config.json` (a file or a model directory)."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as f:
+            raw = json.load(f)
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in raw.items() if k in names and k != "rope_scaling"}
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling")
+        if rope:
+            rope = dict(rope)
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if "rope_theta" in rope:
+                kwargs["rope_theta"] = rope["rope_theta"]
+            if rope_type == "yarn":
+                kwargs["rope_scaling"] = tuple(sorted((k, v) for k, v in rope.items() if k != "type"))
+            elif rope_type != "default":
+                raise ValueError(f"unsupported rope_type {rope_type!r}; expected 'default' or 'yarn'")
+        if isinstance(kwargs.get("eos_token_id"), list):
+            kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
+        missing = sorted(n for n in names if n not in kwargs and _has_no_default(cls, n))
+        if missing:
+            raise ValueError(f"config.json lacks required fields {missing}")
+        return cls(**kwargs)
+
+
+def _has_no_default(cls, name: str) -> bool:
+    field = cls.__dataclass_fields__[name]
+    return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+
+
+# The embedded default: tiny, random, runs on simulated CPU devices in seconds. Eight index heads keep
+# exact score ties rare (see the oracle notes).
+TINY = ModelConfig(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=256,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    first_k_dense_replace=1,
+    num_attention_heads=8,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    index_n_heads=8,
+    index_head_dim=32,
+    index_topk=16,
+    max_position_embeddings=4096,
+)
+
+_DEEPSEEK_V32_YARN = (
+    ("beta_fast", 32),
+    ("beta_slow", 1),
+    ("factor", 40),
+    ("mscale", 1.0),
+    ("mscale_all_dim", 1.0),
+    ("original_max_position_embeddings", 4096),
+    ("rope_type", "yarn"),
+)
+
+DEEPSEEK_V32 = ModelConfig(
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    first_k_dense_replace=3,
+    num_attention_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=2048,
+    rope_scaling=_DEEPSEEK_V32_YARN,
+    max_position_embeddings=163840,
+)
+
+GLM5 = dataclasses.replace(
+    DEEPSEEK_V32,
+    hidden_size=6144,
+    num_hidden_layers=78,
+    num_attention_heads=64,
+    q_lora_rank=2048,
+    qk_nope_head_dim=192,
+    v_head_dim=256,
+    index_n_heads=32,
+)
+
+PRESETS = {"tiny": TINY, "deepseek-v3.2": DEEPSEEK_V32, "glm-5": GLM5}
+
+
+def preset(name: str, *, num_layers: int | None = None) -> ModelConfig:
+    """A built-in config by name, optionally with fewer layers (for benchmarks)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    cfg = PRESETS[name]
+    if num_layers is not None:
+        if num_layers < 1:
+            raise ValueError(f"{num_layers=} must be >= 1")
+        cfg = dataclasses.replace(cfg, num_hidden_layers=num_layers)
+    return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """`tp` ranks in all; DCP groups of `dcp` consecutive ranks share one request's KV along tokens."""
+
+    tp: int = 1
+    dcp: int = 1
+    interleave: int = 1
+
+    def __post_init__(self):
+        if self.dcp < 1 or self.tp < 1:
+            raise ValueError(f"tp and dcp must be >= 1, got tp={self.tp}, dcp={self.dcp}")
+        if self.tp % self.dcp:
+            raise ValueError(f"tp={self.tp} must be a multiple of dcp={self.dcp}")
+        if self.interleave < 1:
+            raise ValueError(f"interleave={self.interleave} must be >= 1")
+
+    @property
+    def dcp_groups(self) -> int:
+        return self.tp // self.dcp
+
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Paged KV pool and the decode bucket ladder (batch widths, each one compiled program)."""
+
+    page_size: int = 16
+    num_pages: int = 64
+    max_num_seqs: int = 8
+    max_model_len: int = 512
+    bucket_ladder: tuple[int, ...] = DEFAULT_BUCKETS
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.num_pages < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
+            raise ValueError(f"page_size, num_pages, max_num_seqs, max_model_len must be >= 1: {self}")
+        ladder = self.bucket_ladder
+        if not ladder or any(b < 1 for b in ladder) or list(ladder) != sorted(set(ladder)):
+            raise ValueError(f"bucket_ladder must be strictly increasing positive ints, got {ladder}")
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The ladder capped by max_num_seqs; the largest bucket always fits max_num_seqs rows."""
+        kept = [b for b in self.bucket_ladder if b < self.max_num_seqs]
+        return tuple(kept) + (self.max_num_seqs,)
+
+    def bucket_for(self, rows: int) -> int:
+        """Smallest bucket holding `rows` scheduled rows."""
+        if not 0 < rows <= self.max_num_seqs:
+            raise ValueError(f"{rows=} must be in [1, max_num_seqs={self.max_num_seqs}]")
+        return next(b for b in self.buckets if b >= rows)
+
+    def max_blocks_per_seq(self, dcp: int) -> int:
+        """Virtual blocks (page_size * dcp tokens each) a request of max_model_len needs."""
+        return -(-self.max_model_len // (self.page_size * dcp))

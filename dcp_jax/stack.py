@@ -1,0 +1,126 @@
+"""A stack of sparse DCP attention layers (pre-norm, residual): the decode step of the foundation demo and
+tests, and its single-device unsharded twin.
+
+Per rank: hidden [R, D] replicated in and out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from dcp_jax.attention.decode import DcpLayout, sparse_dcp_attention
+from dcp_jax.attention.kernels import Kernels
+from dcp_jax.attention.params import AttentionParams, init_attention_params, partition_specs
+from dcp_jax.attention.projections import mla_latent, index_key, rms_norm
+from dcp_jax.attention.unsharded import sparse_attention_unsharded
+from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
+from dcp_jax.kv_cache import KVCache
+from dcp_jax.metadata import DecodeMetadata
+from dcp_jax.rope import cos_sin, rope_tables
+from dcp_jax.step import DecodeStep, shard_decode_body
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackLayerParams:
+    input_norm: jax.Array  # [D]
+    attention: AttentionParams
+
+
+def init_stack_params(cfg: ModelConfig, key: jax.Array) -> list[StackLayerParams]:
+    keys = jax.random.split(key, cfg.num_hidden_layers)
+    return [
+        StackLayerParams(
+            input_norm=1.0 + 0.1 * jax.random.normal(jax.random.fold_in(k, 1), (cfg.hidden_size,)),
+            attention=init_attention_params(cfg, k),
+        )
+        for k in keys
+    ]
+
+
+def stack_param_specs(cfg: ModelConfig) -> list[StackLayerParams]:
+    return [StackLayerParams(input_norm=P(), attention=partition_specs()) for _ in range(cfg.num_hidden_layers)]
+
+
+def decode_stack_body(params, kv_cache: KVCache, hidden, md: DecodeMetadata, *, cfg, layout, kernels):
+    """Per rank: every layer reads the host-provided local lengths and slots of `md` unchanged."""
+    rope = cos_sin(md.positions, *rope_tables(cfg))
+    latent, index_k = [], []
+    for layer, lp in enumerate(params):
+        with jax.named_scope(f"layer_{layer}"):
+            attn, lat, idx = sparse_dcp_attention(
+                lp.attention,
+                rms_norm(hidden, lp.input_norm, cfg.rms_norm_eps),
+                kv_cache.latent[layer, 0],
+                kv_cache.index_k[layer, 0],
+                rope,
+                md.local_context_lens,
+                md.slot_mapping,
+                md.block_tables,
+                cfg=cfg,
+                layout=layout,
+                kernels=kernels,
+            )
+        hidden = hidden + attn
+        latent.append(lat)
+        index_k.append(idx)
+    return hidden, KVCache(latent=jnp.stack(latent)[:, None], index_k=jnp.stack(index_k)[:, None])
+
+
+def make_stack_step(
+    cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh, kernels: Kernels, body=None
+) -> DecodeStep:
+    """The decode step of the layer stack, one program per bucket. `body` replaces `decode_stack_body`
+    (tests and benchmarks use it to wire in variants)."""
+    layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
+    body = functools.partial(body or decode_stack_body, cfg=cfg, layout=layout, kernels=kernels)
+    sharded = shard_decode_body(body, mesh, param_specs=stack_param_specs(cfg), input_specs=P(), output_specs=P())
+    return DecodeStep(
+        sharded,
+        mesh,
+        buckets=engine.buckets,
+        dcp=parallel.dcp,
+        max_blocks=engine.max_blocks_per_seq(parallel.dcp),
+        input_shapes=lambda rows: jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.float32),
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseHistory:
+    """Unsharded per-row history of every layer: [layers, R, T, C+E] latents and [layers, R, T, J] keys."""
+
+    latents: jax.Array
+    index_keys: jax.Array
+
+
+def empty_history(cfg: ModelConfig, rows: int, max_len: int) -> DenseHistory:
+    return DenseHistory(
+        latents=jnp.zeros((cfg.num_hidden_layers, rows, max_len, cfg.latent_dim)),
+        index_keys=jnp.zeros((cfg.num_hidden_layers, rows, max_len, cfg.index_head_dim)),
+    )
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def decode_stack_unsharded(params, history: DenseHistory, hidden, positions, context_lens, *, cfg: ModelConfig):
+    """One decode step on one device without DCP or paging. Rows with context_lens 0 write nothing.
+    Returns (hidden [R, D], history, selected positions [layers, R, K])."""
+    rope = cos_sin(positions, *rope_tables(cfg))
+    rows = jnp.arange(hidden.shape[0])
+    write = jnp.where(context_lens > 0, positions, history.latents.shape[2])  # out of range -> dropped
+    latents, index_keys, selected = [], [], []
+    for layer, lp in enumerate(params):
+        x = rms_norm(hidden, lp.input_norm, cfg.rms_norm_eps)
+        lat = history.latents[layer].at[rows, write].set(mla_latent(lp.attention, x, *rope, cfg), mode="drop")
+        idx = history.index_keys[layer].at[rows, write].set(index_key(lp.attention, x, *rope, cfg), mode="drop")
+        attn, sel = sparse_attention_unsharded(lp.attention, x, lat, idx, rope, context_lens, cfg=cfg)
+        hidden = hidden + attn
+        latents.append(lat)
+        index_keys.append(idx)
+        selected.append(sel)
+    return hidden, DenseHistory(jnp.stack(latents), jnp.stack(index_keys)), jnp.stack(selected)
