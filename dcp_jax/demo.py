@@ -73,6 +73,7 @@ def run_comparison(
     mesh = make_mesh(parallel)
     params = init_stack_params(cfg, jax.random.key(seed)) if params is None else params
     step = make_stack_step(cfg, parallel, engine, mesh, select_kernels(kernels))
+    unsharded_params, params = params, step.place_params(params)
     kv_cache = allocate_kv_cache(cfg, engine, parallel.dcp, mesh)
     for rows in engine.buckets:
         step.compile(params, kv_cache, rows)
@@ -115,7 +116,7 @@ def run_comparison(
         is_active = np.isin(np.arange(num_requests), active)
         context = np.where(is_active, lens, 0).astype(np.int32)
         expected, history, _ = decode_stack_unsharded(
-            params, history, jnp.asarray(np.where(is_active[:, None], hidden, 0)), jnp.asarray(np.maximum(context - 1, 0)),
+            unsharded_params, history, jnp.asarray(np.where(is_active[:, None], hidden, 0)), jnp.asarray(np.maximum(context - 1, 0)),
             jnp.asarray(context), cfg=cfg,
         )
         max_err = max(max_err, float(np.max(np.abs(out[: len(active)] - np.asarray(expected)[active]))))

@@ -79,13 +79,15 @@ def make_stack_step(
     (tests and benchmarks use it to wire in variants)."""
     layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
     body = functools.partial(body or decode_stack_body, cfg=cfg, layout=layout, kernels=kernels)
-    sharded = shard_decode_body(body, mesh, param_specs=stack_param_specs(cfg), input_specs=P(), output_specs=P())
+    param_specs = stack_param_specs(cfg)
+    sharded = shard_decode_body(body, mesh, param_specs=param_specs, input_specs=P(), output_specs=P())
     return DecodeStep(
         sharded,
         mesh,
         buckets=engine.buckets,
         dcp=parallel.dcp,
         max_blocks=engine.max_blocks_per_seq(parallel.dcp),
+        param_specs=param_specs,
         input_shapes=lambda rows: jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.float32),
     )
 

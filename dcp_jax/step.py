@@ -59,10 +59,13 @@ class DecodeStep:
         buckets: Iterable[int],
         dcp: int,
         max_blocks: int,
+        param_specs,
         input_shapes: Callable[[int], object],
     ):
-        """`sharded_body` from `shard_decode_body`; `input_shapes(R)` gives the inputs' ShapeDtypeStructs."""
+        """`sharded_body` from `shard_decode_body` with `param_specs`; `input_shapes(R)` gives the inputs'
+        ShapeDtypeStructs."""
         self.mesh = mesh
+        self._param_shardings = jax.tree.map(lambda spec: sharding(mesh, spec), param_specs)
         self.buckets = tuple(buckets)
         self.dcp = dcp
         self.max_blocks = max_blocks
@@ -70,6 +73,10 @@ class DecodeStep:
         self._jitted = jax.jit(sharded_body, donate_argnums=(1,))
         self._compiled: dict[int, object] = {}
         self._md_shardings = jax.tree.map(lambda spec: sharding(mesh, spec), METADATA_SPECS)
+
+    def place_params(self, params):
+        """Params in the step's sharding (heads split over TP ranks), so no call reshards them."""
+        return jax.device_put(params, self._param_shardings)
 
     def metadata_shapes(self, rows: int) -> DecodeMetadata:
         w, p = self.dcp, self.max_blocks
@@ -100,9 +107,11 @@ class DecodeStep:
         return jax.make_jaxpr(self._jitted)(params, kv_cache, self._input_shapes(rows), self.metadata_shapes(rows))
 
     def __call__(self, params, kv_cache: KVCache, inputs, md: DecodeMetadata):
-        """Validate `md` on the host, transfer it once, run the bucket's compiled program."""
+        """Validate `md` on the host, transfer it with the inputs in one go, run the bucket's program."""
         check_decode_metadata(md, buckets=self.buckets, dcp=self.dcp, max_blocks=self.max_blocks)
         if md.rows not in self._compiled:
             raise ValueError(f"bucket {md.rows} is not compiled; call compile() for every bucket at start-up")
-        md = jax.device_put(md, self._md_shardings)
-        return self._compiled[md.rows](params, kv_cache, inputs, md)
+        compiled = self._compiled[md.rows]
+        arg_shardings = compiled.input_shardings[0]
+        inputs, md = jax.device_put((inputs, md), (arg_shardings[2], arg_shardings[3]))
+        return compiled(params, kv_cache, inputs, md)

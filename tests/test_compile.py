@@ -1,0 +1,140 @@
+"""Compile discipline of the decode step: one compile per bucket, no tracing afterwards, no device-side
+derivation of local lengths, and metadata errors before anything is traced."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dcp_jax.analysis import flat_indices_of, length_derivations
+from dcp_jax.attention.kernels import REFERENCE
+from dcp_jax.config import TINY, EngineConfig, ParallelConfig
+from dcp_jax.kv_cache import allocate_kv_cache
+from dcp_jax.mesh import DCP, make_mesh
+from dcp_jax.metadata import build_decode_metadata
+from dcp_jax.stack import decode_stack_body, init_stack_params, make_stack_step
+from pallas_kernels.reference import local_context_lens_on_device
+
+ENGINE = EngineConfig(page_size=4, num_pages=64, max_num_seqs=8, max_model_len=64)
+PARALLEL = ParallelConfig(tp=4, dcp=4, interleave=2)
+MAX_BLOCKS = ENGINE.max_blocks_per_seq(PARALLEL.dcp)
+
+
+class CountingBody:
+    """decode_stack_body that counts its traces."""
+
+    def __init__(self):
+        self.traces = 0
+
+    def __call__(self, *args, **kwargs):
+        self.traces += 1
+        return decode_stack_body(*args, **kwargs)
+
+
+def fallback_body(params, kv_cache, hidden, md, **kwargs):
+    """The failure mode guarded against: local lengths re-derived on device from the global ones."""
+    derived = local_context_lens_on_device(
+        md.context_lens, jax.lax.axis_index(DCP), dcp=kwargs["layout"].dcp, interleave=kwargs["layout"].interleave
+    )
+    return decode_stack_body(params, kv_cache, hidden, dataclasses.replace(md, local_context_lens=derived), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    mesh = make_mesh(PARALLEL)
+    params = init_stack_params(TINY, jax.random.key(0))
+    return mesh, params
+
+
+def metadata(lens, bucket):
+    per_block = ENGINE.page_size * PARALLEL.dcp
+    tables = [list(range(i * MAX_BLOCKS, i * MAX_BLOCKS + -(-n // per_block))) for i, n in enumerate(lens)]
+    return build_decode_metadata(lens, tables, bucket=bucket, dcp=PARALLEL.dcp, interleave=PARALLEL.interleave,
+                                 page_size=ENGINE.page_size, max_blocks=MAX_BLOCKS)
+
+
+def global_length_inputs(step, params, kv_cache, rows):
+    args = (params, kv_cache, step._input_shapes(rows), step.metadata_shapes(rows))
+    return flat_indices_of(args, lambda a: (a[3].positions, a[3].context_lens))
+
+
+def test_one_compile_per_bucket_and_no_tracing_afterwards(setup):
+    mesh, params = setup
+    body = CountingBody()
+    step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, REFERENCE, body=body)
+    params = step.place_params(params)
+    kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
+    for rows in ENGINE.buckets:
+        step.compile(params, kv_cache, rows)
+        step.compile(params, kv_cache, rows)  # a second request is a no-op
+    assert body.traces == len(ENGINE.buckets) == step.num_compiled
+
+    rng = np.random.default_rng(0)
+    with jax.no_tracing():
+        for _ in range(60):
+            rows = int(rng.integers(1, ENGINE.max_num_seqs + 1))
+            bucket = ENGINE.bucket_for(rows)
+            md = metadata(rng.integers(1, ENGINE.max_model_len, rows).tolist(), bucket)
+            hidden = rng.standard_normal((bucket, TINY.hidden_size)).astype(np.float32)
+            old_cache = kv_cache
+            out, kv_cache = step(params, kv_cache, hidden, md)
+            assert old_cache.latent.is_deleted()  # the KV cache is donated
+    assert np.all(np.isfinite(np.asarray(out)))
+    assert body.traces == len(ENGINE.buckets)
+
+
+def test_no_bucket_derives_local_lengths_on_device(setup):
+    mesh, params = setup
+    step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, REFERENCE)
+    kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
+    for rows in ENGINE.buckets:
+        jaxpr = step.jaxpr(params, kv_cache, rows)
+        assert length_derivations(jaxpr, global_length_inputs(step, params, kv_cache, rows)) == []
+
+
+def test_the_check_catches_a_wired_in_fallback(setup):
+    mesh, params = setup
+    step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, REFERENCE, body=fallback_body)
+    kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
+    rows = ENGINE.buckets[-1]
+    found = length_derivations(step.jaxpr(params, kv_cache, rows), global_length_inputs(step, params, kv_cache, rows))
+    assert {"floor_divide", "div", "clamp"} & {f.split(":")[0].split("/")[-1] for f in found}, found
+
+
+def test_the_fallback_variant_computes_the_same_step(setup):
+    """The check's counter-example is a faithful fallback: same outputs as the host-length step."""
+    mesh, params = setup
+    rows, md = 4, metadata([1, 9, 30], 4)
+    hidden = jnp.asarray(np.random.default_rng(1).standard_normal((rows, TINY.hidden_size)), jnp.float32)
+    outs = []
+    for body in (decode_stack_body, fallback_body):
+        step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, REFERENCE, body=body)
+        kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
+        step.compile(params, kv_cache, rows)
+        outs.append(np.asarray(step(params, kv_cache, hidden, md)[0]))
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-6)
+
+
+def test_bad_metadata_fails_before_tracing(setup):
+    mesh, params = setup
+    body = CountingBody()
+    step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, REFERENCE, body=body)
+    kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
+    step.compile(params, kv_cache, 4)
+    hidden = jnp.zeros((4, TINY.hidden_size))
+    good = metadata([3, 5], 4)
+    bad = [
+        (dataclasses.replace(good, local_context_lens=good.local_context_lens[:2]), ValueError, "local_context_lens"),
+        (dataclasses.replace(good, block_tables=good.block_tables.astype(np.int64)), TypeError, "block_tables"),
+        (dataclasses.replace(good, slot_mapping=None), TypeError, "slot_mapping"),
+        (metadata([3, 5], 3), ValueError, "bucket"),
+        (metadata([3, 5], 2), ValueError, "not compiled"),
+    ]
+    with jax.no_tracing():
+        for md, error, message in bad:
+            with pytest.raises(error, match=message):
+                step(params, kv_cache, hidden, md)
+    assert body.traces == 1
+    assert not kv_cache.latent.is_deleted()  # a rejected call does not consume the cache

@@ -1,0 +1,88 @@
+"""dcp_jax/attention/exchange.py: candidate merge, owner filter and LSE merge as pure functions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dcp_jax import layout
+from dcp_jax.attention import exchange
+from pallas_kernels import reference
+
+
+@pytest.mark.parametrize("dcp, interleave", [(1, 1), (2, 1), (3, 2), (4, 1), (8, 2)])
+@pytest.mark.parametrize("has_ties", [False, True])
+def test_local_topk_then_merge_is_the_global_topk(dcp, interleave, has_ties):
+    rng = np.random.default_rng(dcp * 10 + interleave)
+    k, rows, width = 8, 5, 64
+    lengths = np.array([0, 3, 8, 29, 64])  # empty, < k, == k, not a multiple of dcp, full
+    scores = rng.integers(0, 4, (rows, width)).astype(np.float32) if has_ties else rng.standard_normal((rows, width)).astype(np.float32)
+    _, expected = reference.topk(jnp.asarray(scores), jnp.asarray(lengths, jnp.int32), k=k)
+
+    local_lens = layout.local_context_lens(lengths, dcp, interleave)
+    values, ids = [], []
+    for rank in range(dcp):
+        local_width = -(-width // dcp) + interleave
+        gpos = layout.global_index(np.arange(local_width), rank, dcp, interleave)
+        local_scores = np.take(scores, np.minimum(gpos, width - 1), axis=1)
+        v, li = reference.topk(jnp.asarray(local_scores), jnp.asarray(local_lens[rank]), k=k)
+        values.append(v)
+        ids.append(exchange.global_index(li, rank, dcp=dcp, interleave=interleave))
+    _, merged = exchange.merge_candidates(jnp.stack(values), jnp.stack(ids), k=k)
+    np.testing.assert_array_equal(merged, expected)
+
+
+def test_merge_candidates_breaks_ties_by_global_id_and_pads():
+    values = jnp.array([[[1.0, 1.0, -jnp.inf]], [[1.0, 2.0, -jnp.inf]]])
+    ids = jnp.array([[[6, 2, -1]], [[1, 9, -1]]], jnp.int32)
+    got_values, got_ids = exchange.merge_candidates(values, ids, k=6)
+    np.testing.assert_array_equal(got_ids, [[9, 1, 2, 6, -1, -1]])
+    np.testing.assert_array_equal(got_values, [[2.0, 1.0, 1.0, 1.0, -np.inf, -np.inf]])
+
+
+@pytest.mark.parametrize("dcp, interleave, page_size", [(1, 1, 4), (2, 1, 4), (4, 2, 4), (8, 1, 2)])
+def test_owner_filter_compacts_owned_slots_in_order(dcp, interleave, page_size):
+    rng = np.random.default_rng(dcp)
+    rows, k, max_blocks = 4, 12, 6
+    tables = rng.permutation(rows * max_blocks).reshape(rows, max_blocks).astype(np.int32)
+    span = max_blocks * page_size * dcp
+    ids = np.stack([rng.permutation(span)[:k] for _ in range(rows)]).astype(np.int32)
+    ids[1, 5:] = -1
+    ids[2] = -1
+    for rank in range(dcp):
+        slots, counts = exchange.owner_filter(jnp.asarray(ids), jnp.asarray(tables), rank, dcp=dcp,
+                                              interleave=interleave, page_size=page_size)
+        for r in range(rows):
+            mine = [p for p in ids[r] if p >= 0 and layout.owner(p, dcp, interleave) == rank]
+            li = layout.local_index(np.array(mine, np.int64), dcp, interleave)
+            want = tables[r, li // page_size] * page_size + li % page_size
+            assert counts[r] == len(mine)
+            np.testing.assert_array_equal(slots[r, : len(mine)], want)
+            assert np.all(np.asarray(slots[r, len(mine):]) == -1)
+
+
+def test_merge_lse_equals_attention_over_the_union():
+    rng = np.random.default_rng(0)
+    rows, heads, tokens, dim, parts = 3, 4, 20, 8, 4
+    scores = rng.standard_normal((rows, heads, tokens))
+    values = rng.standard_normal((rows, tokens, dim))
+    part_of = rng.integers(0, parts, tokens)
+    part_of[:3] = 0  # part 3 may end up empty for a row: its lse is -inf
+    outs, lses = [], []
+    for w in range(parts):
+        mask = part_of == w
+        s = np.where(mask, scores, -np.inf)
+        lse = np.log(np.sum(np.exp(s), axis=-1)) if mask.any() else np.full((rows, heads), -np.inf)
+        probs = np.exp(s - np.where(np.isfinite(lse), lse, 0)[..., None]) * mask
+        outs.append(np.einsum("rht,rtd->rhd", probs, values))
+        lses.append(lse)
+    out, lse = exchange.merge_lse(jnp.asarray(np.stack(outs)), jnp.asarray(np.stack(lses)))
+    expected_lse = np.log(np.sum(np.exp(scores), axis=-1))
+    expected = np.einsum("rht,rtd->rhd", np.exp(scores - expected_lse[..., None]), values)
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-5)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_merge_lse_of_all_empty_parts_is_the_identity():
+    out, lse = exchange.merge_lse(jnp.ones((2, 1, 3, 4)), jnp.full((2, 1, 3), -jnp.inf))
+    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))

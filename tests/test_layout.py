@@ -1,0 +1,106 @@
+"""dcp_jax/layout.py against brute-force ownership counting."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dcp_jax import layout
+
+dcp_sizes = st.sampled_from([1, 2, 3, 4, 8])
+interleaves = st.sampled_from([1, 2, 4])
+
+
+def brute_force_placement(length, dcp, interleave):
+    """Deal tokens to ranks in runs of `interleave`, round-robin; local index = arrival order on the rank."""
+    owners, locals_, counts = [], [], [0] * dcp
+    for p in range(length):
+        rank = (p // interleave) % dcp
+        owners.append(rank)
+        locals_.append(counts[rank])
+        counts[rank] += 1
+    return np.array(owners, np.int64), np.array(locals_, np.int64), np.array(counts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(length=st.integers(0, 300), dcp=dcp_sizes, interleave=interleaves)
+def test_owner_local_index_and_lengths_match_brute_force(length, dcp, interleave):
+    owners, locals_, counts = brute_force_placement(length, dcp, interleave)
+    pos = np.arange(length)
+    np.testing.assert_array_equal(layout.owner(pos, dcp, interleave), owners)
+    np.testing.assert_array_equal(layout.local_index(pos, dcp, interleave), locals_)
+    np.testing.assert_array_equal(layout.local_context_lens([length], dcp, interleave)[:, 0], counts)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(0, 200), min_size=1, max_size=9), dcp=dcp_sizes, interleave=interleaves)
+def test_local_context_lens_is_vectorized_over_rows(lengths, dcp, interleave):
+    got = layout.local_context_lens(lengths, dcp, interleave)
+    assert got.shape == (dcp, len(lengths)) and got.dtype == np.int32
+    for row, length in enumerate(lengths):
+        np.testing.assert_array_equal(got[:, row], brute_force_placement(length, dcp, interleave)[2])
+    np.testing.assert_array_equal(got.sum(axis=0), lengths)
+
+
+@settings(max_examples=40, deadline=None)
+@given(length=st.integers(1, 300), dcp=dcp_sizes, interleave=interleaves)
+def test_global_index_inverts_owner_and_local_index(length, dcp, interleave):
+    pos = np.arange(length)
+    back = layout.global_index(layout.local_index(pos, dcp, interleave), layout.owner(pos, dcp, interleave), dcp, interleave)
+    np.testing.assert_array_equal(back, pos)
+
+
+def test_worked_example_from_the_spec():
+    np.testing.assert_array_equal(layout.owner(np.arange(7), 2, 2), [0, 0, 1, 1, 0, 0, 1])
+    np.testing.assert_array_equal(layout.local_context_lens([7], 2, 2)[:, 0], [4, 3])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 120), min_size=1, max_size=5),
+    dcp=dcp_sizes,
+    interleave=interleaves,
+    page_mult=st.sampled_from([1, 2, 4]),
+)
+def test_slot_mapping_writes_each_token_once_at_its_owner(lengths, dcp, interleave, page_mult):
+    page_size = interleave * page_mult
+    per_block = page_size * dcp
+    rng = np.random.default_rng(sum(lengths))
+    max_blocks = max(-(-n // per_block) for n in lengths)
+    pages = rng.permutation(len(lengths) * max_blocks).reshape(len(lengths), max_blocks).astype(np.int32)
+    seen = set()
+    for step in range(max(lengths)):
+        positions = np.array([step if step < n else -1 for n in lengths])
+        slots = layout.slot_mapping(positions, pages, dcp, interleave, page_size)
+        assert slots.shape == (dcp, len(lengths))
+        for row, p in enumerate(positions):
+            col = slots[:, row]
+            if p < 0:
+                assert np.all(col == -1)
+                continue
+            owner = (p // interleave) % dcp
+            assert np.all(np.delete(col, owner) == -1)
+            li = layout.local_index(p, dcp, interleave)
+            assert col[owner] == pages[row, li // page_size] * page_size + li % page_size
+            assert (owner, int(col[owner])) not in seen  # no two tokens share a rank's slot
+            seen.add((owner, int(col[owner])))
+
+
+def test_slot_mapping_rejects_missing_blocks():
+    with pytest.raises(ValueError, match="virtual block"):
+        layout.slot_mapping([8], np.zeros((1, 1), np.int32), 2, 1, 4)
+    with pytest.raises(ValueError, match="unallocated"):
+        layout.slot_mapping([0], -np.ones((1, 1), np.int32), 2, 1, 4)
+
+
+@pytest.mark.parametrize(
+    "dcp, interleave, page_size, message",
+    [(0, 1, 4, "dcp_size"), (2, 0, 4, "interleave"), (2, 8, 4, "interleave"), (2, 3, 4, "interleave"), (2, 1, 0, "page_size")],
+)
+def test_bad_layout_is_a_clear_error(dcp, interleave, page_size, message):
+    with pytest.raises(ValueError, match=message):
+        layout.slot_mapping([0], np.zeros((1, 1), np.int32), dcp, interleave, page_size)
+
+
+def test_negative_lengths_are_rejected():
+    with pytest.raises(ValueError, match="context_lens"):
+        layout.local_context_lens([3, -1], 2, 1)

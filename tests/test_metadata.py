@@ -1,0 +1,84 @@
+"""dcp_jax/metadata.py: the builder's padding and per-rank fields, and the host validator."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dcp_jax import layout
+from dcp_jax.config import EngineConfig
+from dcp_jax.metadata import FIELDS, DecodeMetadata, build_decode_metadata, check_decode_metadata
+
+BUCKETS = (1, 2, 4, 8)
+
+
+def build(lens, tables, bucket=4, dcp=2, interleave=1, page_size=4, max_blocks=3):
+    return build_decode_metadata(lens, tables, bucket=bucket, dcp=dcp, interleave=interleave,
+                                 page_size=page_size, max_blocks=max_blocks)
+
+
+@pytest.mark.parametrize("dcp, interleave", [(1, 1), (2, 1), (2, 2), (4, 2), (8, 1)])
+def test_fields_and_inert_pad_rows(dcp, interleave):
+    lens, tables = [5, 1, 17], [[3, 4], [0], [7, 2, 9, 10, 11]]
+    md = build(lens, tables, bucket=8, dcp=dcp, interleave=interleave, page_size=4, max_blocks=5)
+    assert set(FIELDS) == {"positions", "context_lens", "local_context_lens", "slot_mapping", "block_tables"}
+    for name in FIELDS:
+        assert getattr(md, name).dtype == np.int32
+    np.testing.assert_array_equal(md.context_lens, [5, 1, 17, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(md.positions, [4, 0, 16, 0, 0, 0, 0, 0])
+    # Local lengths are published for every dcp size, 1 included, and pad rows hold 0 tokens everywhere.
+    np.testing.assert_array_equal(md.local_context_lens, layout.local_context_lens(md.context_lens, dcp, interleave))
+    assert md.local_context_lens.shape == (dcp, 8)
+    assert np.all(md.slot_mapping[:, 3:] == -1) and np.all(md.block_tables[3:] == -1)
+    # Each real row is written by exactly its owner.
+    assert np.all((md.slot_mapping[:, :3] >= 0).sum(axis=0) == 1)
+    check_decode_metadata(md, buckets=(8,), dcp=dcp, max_blocks=5)
+
+
+def test_builder_rejects_bad_schedules():
+    with pytest.raises(ValueError, match="do not fit bucket"):
+        build([1, 1, 1], [[0], [1], [2]], bucket=2)
+    with pytest.raises(ValueError, match="needs 2 blocks"):
+        build([9], [[0]])
+    with pytest.raises(ValueError, match=">= 1"):
+        build([0], [[0]])
+    with pytest.raises(ValueError, match="max_blocks"):
+        build([100], [[0, 1, 2]])
+
+
+def test_validator_names_the_bad_field():
+    good = build([5, 3], [[0, 1], [2]])
+    check_decode_metadata(good, buckets=BUCKETS, dcp=2, max_blocks=3)
+    with pytest.raises(ValueError, match="bucket"):
+        check_decode_metadata(build([5, 3], [[0, 1], [2]], bucket=3), buckets=BUCKETS, dcp=2, max_blocks=3)
+    with pytest.raises(ValueError, match="local_context_lens has shape"):
+        check_decode_metadata(good, buckets=BUCKETS, dcp=4, max_blocks=3)
+    with pytest.raises(ValueError, match="block_tables has shape"):
+        check_decode_metadata(good, buckets=BUCKETS, dcp=2, max_blocks=5)
+    with pytest.raises(TypeError, match="slot_mapping has dtype"):
+        bad = dataclasses.replace(good, slot_mapping=good.slot_mapping.astype(np.int64))
+        check_decode_metadata(bad, buckets=BUCKETS, dcp=2, max_blocks=3)
+    with pytest.raises(TypeError, match="positions must be an array"):
+        check_decode_metadata(dataclasses.replace(good, positions=None), buckets=BUCKETS, dcp=2, max_blocks=3)
+    with pytest.raises(ValueError, match="do not sum"):
+        wrong = good.local_context_lens.copy()
+        wrong[0, 0] += 1
+        check_decode_metadata(dataclasses.replace(good, local_context_lens=wrong), buckets=BUCKETS, dcp=2, max_blocks=3)
+    with pytest.raises(TypeError, match="DecodeMetadata"):
+        check_decode_metadata({"context_lens": good.context_lens}, buckets=BUCKETS, dcp=2, max_blocks=3)
+
+
+def test_every_field_is_required():
+    with pytest.raises(TypeError):
+        DecodeMetadata(positions=np.zeros(1, np.int32), context_lens=np.zeros(1, np.int32))
+
+
+def test_bucket_ladder_is_capped_by_max_num_seqs():
+    assert EngineConfig(max_num_seqs=8).buckets == (1, 2, 4, 8)
+    assert EngineConfig(max_num_seqs=6).buckets == (1, 2, 4, 6)
+    assert EngineConfig(max_num_seqs=300).buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256, 300)
+    assert EngineConfig(max_num_seqs=6).bucket_for(3) == 4
+    with pytest.raises(ValueError):
+        EngineConfig(max_num_seqs=6).bucket_for(7)
+    with pytest.raises(ValueError, match="bucket_ladder"):
+        EngineConfig(bucket_ladder=(4, 2))
