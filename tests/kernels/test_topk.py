@@ -1,0 +1,132 @@
+"""Tests of pallas_kernels/topk.py against reference.topk (interpreted on CPU, compiled on GPU).
+
+Columns at or past a row's length hold NaN, +-inf and huge values, so any read of them shows up; the interpreter
+fills unwritten outputs with NaN, so exact equality with the reference proves every slot was written.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import reference, topk
+
+KNOBS = ("interpret", "num_groups", "tile", "capacity", "coarse_bits", "sort_in_kernel", "num_warps", "num_stages")
+_topk = jax.jit(topk.topk, static_argnums=2, static_argnames=KNOBS)
+_reference = jax.jit(reference.topk, static_argnames="k")
+
+# Small buffers: all-equal rows overflow the 64-slot candidate buffer and take the exact whole-row path.
+SMALL = dict(num_groups=64, tile=64, capacity=64, coarse_bits=8)
+
+
+def _scores(seed, rows, cols, lens, fill):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    if fill == "ties":  # few distinct values: long runs of exact ties, also at the k-th place
+        x = np.round(x * 2) / 2
+    elif fill == "negative":
+        x = -np.abs(x) - 1.0
+    elif fill == "signed_zeros":  # -0.0 ranks below 0.0 (the f32 total order, as lax.top_k on CPU)
+        x = np.where(rng.random((rows, cols)) < 0.8, np.copysign(0.0, x), x).astype(np.float32)
+    elif fill == "equal":
+        x[:] = 0.25
+    garbage = np.array([np.nan, np.inf, -np.inf, 3e38, -np.nan], np.float32)
+    for r, length in enumerate(lens):
+        x[r, length:] = rng.choice(garbage, size=max(cols - length, 0))
+    return jnp.asarray(x), jnp.asarray(np.asarray(lens, np.int32))
+
+
+def _check(scores, lens, k, interpret=True, **knobs):
+    values, indices = _topk(scores, lens, k, interpret=interpret, **knobs)
+    # The reference runs on the CPU: the GPU's lax.top_k put a higher column first among ties at some shapes.
+    cpu = jax.devices("cpu")[0]
+    want_values, want_indices = _reference(jax.device_put(scores, cpu), jax.device_put(lens, cpu), k=k)
+    assert values.shape == indices.shape == (scores.shape[0], k)
+    assert values.dtype == jnp.float32 and indices.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))
+    # Bitwise: the sign of zero must survive too.
+    np.testing.assert_array_equal(np.asarray(values).view(np.int32), np.asarray(want_values).view(np.int32))
+
+
+FILLS = ["normal", "ties", "negative", "signed_zeros", "equal"]
+
+
+@pytest.mark.parametrize("fill", FILLS)
+def test_default_knobs(fill):
+    # Lengths 0, < k, == k, full, and not multiples of any tile.
+    scores, lens = _scores(0, 6, 300, [0, 3, 7, 300, 129, 255], fill)
+    _check(scores, lens, 7)
+
+
+@pytest.mark.parametrize("fill", FILLS)
+def test_small_buffers(fill):
+    scores, lens = _scores(1, 6, 512, [0, 63, 64, 512, 200, 511], fill)
+    _check(scores, lens, 64, **SMALL)
+
+
+@pytest.mark.parametrize("fill", ["normal", "ties"])
+def test_xla_sort(fill):
+    scores, lens = _scores(2, 5, 512, [512, 16, 0, 333, 17], fill)
+    _check(scores, lens, 16, sort_in_kernel=False, tile=128)
+
+
+def test_k_one():
+    scores, lens = _scores(3, 4, 200, [200, 1, 0, 77], "ties")
+    _check(scores, lens, 1)
+
+
+def test_k_above_columns_pads():
+    scores, lens = _scores(4, 3, 20, [20, 3, 0], "normal")
+    _check(scores, lens, 37)
+
+
+def test_lens_clipped_to_columns():
+    scores, _ = _scores(5, 2, 40, [40, 40], "normal")
+    lens = jnp.array([1000, -5], jnp.int32)
+    values, indices = _topk(scores, lens, 7, interpret=True)
+    want_values, want_indices = _reference(scores, jnp.clip(lens, 0, 40), k=7)
+    np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+
+
+def test_sort_rows():
+    values = jnp.array([[1.0, -0.0, 0.0, -np.inf, 1.0, 2.0]], jnp.float32)
+    indices = jnp.array([[5, 3, 4, -1, 2, 0]], jnp.int32)
+    got_values, got_indices = topk.sort_rows(values, indices)
+    np.testing.assert_array_equal(np.asarray(got_indices), [[0, 2, 5, 4, 3, -1]])
+    np.testing.assert_array_equal(np.asarray(got_values).view(np.int32),
+                                  np.array([[2.0, 1.0, 1.0, 0.0, -0.0, -np.inf]], np.float32).view(np.int32))
+
+
+@pytest.mark.parametrize(
+    ("scores", "lens", "k", "knobs", "match"),
+    [
+        (jnp.zeros((2, 8, 1)), jnp.zeros(2, jnp.int32), 1, {}, "scores"),
+        (jnp.zeros((2, 8), jnp.bfloat16), jnp.zeros(2, jnp.int32), 1, {}, "scores"),
+        (jnp.zeros((2, 0)), jnp.zeros(2, jnp.int32), 1, {}, "columns"),
+        (jnp.zeros((2, 8)), jnp.zeros(3, jnp.int32), 1, {}, "lens"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.float32), 1, {}, "lens"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 0, {}, "k"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 2.0, {}, "k"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), True, {}, "k"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"tile": 96}, "tile"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"capacity": 0}, "capacity"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"coarse_bits": 33}, "coarse_bits"),
+    ],
+)
+def test_input_validation(scores, lens, k, knobs, match):
+    with pytest.raises(ValueError, match=match):
+        topk.topk(scores, lens, k, **knobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "cols", "fill"), [(8, 65536, "normal"), (4, 4096, "ties"), (3, 16384, "equal")])
+def test_compiled_real_shapes(rows, cols, fill):
+    lens = np.random.default_rng(6).integers(cols - 1000, cols + 1, rows)
+    lens[0] = 1000  # shorter than k
+    scores, lens = _scores(7, rows, cols, lens, fill)
+    check = functools.partial(_check, scores, lens, 2048)
+    check(interpret=False)
+    check(interpret=False, sort_in_kernel=False)
