@@ -1,0 +1,21 @@
+"""dcp-jax: DeepSeek-V3.2 sparse-attention decode with decode context parallelism in JAX.
+
+`from dcp_jax import LLM, SamplingParams` works; the names load lazily so `import dcp_jax` stays free of jax.
+"""
+
+_LAZY = {
+    "LLM": "dcp_jax.llm",
+    "RequestOutput": "dcp_jax.llm",
+    "SamplingParams": "dcp_jax.sampling",
+    "ModelConfig": "dcp_jax.config",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dcp_jax' has no attribute {name!r}")

@@ -53,6 +53,31 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def generate(args: argparse.Namespace) -> int:
+    from dcp_jax.llm import LLM, _use_cpu_devices
+    from dcp_jax.sampling import SamplingParams
+
+    tp = args.tp or args.dcp
+    _use_cpu_devices(max(args.devices or tp, tp))
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=args.stop)
+        llm = LLM(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, max_model_len=args.max_model_len,
+                  page_size=args.page_size, kernels=args.kernels, max_num_seqs=max(len(args.prompt), 1))
+        outputs = llm.generate(args.prompt, params, use_tqdm=True)
+    except ValueError as e:
+        print(f"dcp-jax generate: {e}", file=sys.stderr)
+        return 2
+    print(f"model {args.model}: {llm.cfg.num_hidden_layers} layers, tp={tp} dcp={args.dcp} "
+          f"interleave={args.interleave}, backend {llm.backend}")
+    for out in outputs:
+        print(f"--- prompt: {out.prompt!r}\n{out.text!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-jax", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +90,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", choices=["reference", "pallas"], default="reference")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=demo)
+    g = commands.add_parser("generate", help="generate text with a preset (random weights) or a HF checkpoint")
+    g.add_argument("--model", default="tiny", help="preset name (tiny, deepseek-v3.2, glm-5) or HF directory")
+    g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    g.add_argument("--dcp", type=int, default=1, help="DCP size W")
+    g.add_argument("--tp", type=int, default=None, help="TP ranks (default: dcp)")
+    g.add_argument("--interleave", type=int, default=1, help="interleave size S")
+    g.add_argument("--devices", type=int, default=None, help="simulated CPU devices (default: tp)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--max-model-len", type=int, default=256)
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--kernels", choices=["reference", "pallas"], default="reference")
+    g.set_defaults(run=generate)
     args = parser.parse_args(argv)
     return args.run(args)
 

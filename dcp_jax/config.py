@@ -75,6 +75,18 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A `config.json` dict HF's `DeepseekV32Config` reads (v5 `rope_parameters`); `from_dict` inverts it."""
+        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rope_scaling"}
+        raw["rope_parameters"] = {"rope_theta": self.rope_theta, **self.rope}
+        raw.update(
+            architectures=["DeepseekV32ForCausalLM"],
+            model_type="deepseek_v32",
+            num_key_value_heads=self.num_attention_heads,
+            tie_word_embeddings=False,
+        )
+        return raw
+
     @classmethod
     def from_hf(cls, path: str | os.PathLike) -> ModelConfig:
         """Read a HF `config.json` (a file or a model directory)."""
@@ -96,7 +108,9 @@ class ModelConfig:
             if "rope_theta" in rope:
                 kwargs["rope_theta"] = rope["rope_theta"]
             if rope_type == "yarn":
-                kwargs["rope_scaling"] = tuple(sorted((k, v) for k, v in rope.items() if k != "type"))
+                # The legacy spelling says {"type": "yarn"}; store it as rope_type so `rope` always names it.
+                rope = {k: v for k, v in rope.items() if k not in ("type", "rope_theta")} | {"rope_type": "yarn"}
+                kwargs["rope_scaling"] = tuple(sorted(rope.items()))
             elif rope_type != "default":
                 raise ValueError(f"unsupported rope_type {rope_type!r}; expected 'default' or 'yarn'")
         if isinstance(kwargs.get("eos_token_id"), list):

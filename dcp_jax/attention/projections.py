@@ -15,6 +15,8 @@ from dcp_jax.rope import apply_rope
 HIGHEST = jax.lax.Precision.HIGHEST
 # HF's indexer LayerNorm epsilon.
 INDEX_NORM_EPS = 1e-6
+# HF's q_a_layernorm and kv_a_layernorm are built with eps 1e-6 whatever config.rms_norm_eps says.
+LATENT_NORM_EPS = 1e-6
 
 
 def rms_norm(x, weight, eps):
@@ -33,7 +35,7 @@ def layer_norm(x, weight, bias, eps):
 
 def mla_query(p: AttentionParams, x, cos, sin, cfg: ModelConfig):
     """x [R, D] -> (q_resid [R, Q], q_nope [R, H, N], roped q_pe [R, H, E]) for the heads in `p`."""
-    q_resid = rms_norm(jnp.einsum("rd,dq->rq", x, p.wq_a, precision=HIGHEST), p.q_a_norm, cfg.rms_norm_eps)
+    q_resid = rms_norm(jnp.einsum("rd,dq->rq", x, p.wq_a, precision=HIGHEST), p.q_a_norm, LATENT_NORM_EPS)
     q = jnp.einsum("rq,qhk->rhk", q_resid, p.wq_b, precision=HIGHEST)
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
     return q_resid, q_nope, apply_rope(q_pe, cos, sin, interleaved=True)
@@ -42,7 +44,7 @@ def mla_query(p: AttentionParams, x, cos, sin, cfg: ModelConfig):
 def mla_latent(p: AttentionParams, x, cos, sin, cfg: ModelConfig):
     """x [R, D] -> the cached MLA entry [R, C+E]: normed latent c, then the roped shared key k_pe."""
     ckv = jnp.einsum("rd,dc->rc", x, p.wkv_a, precision=HIGHEST)
-    c = rms_norm(ckv[..., : cfg.kv_lora_rank], p.kv_a_norm, cfg.rms_norm_eps)
+    c = rms_norm(ckv[..., : cfg.kv_lora_rank], p.kv_a_norm, LATENT_NORM_EPS)
     k_pe = apply_rope(ckv[..., None, cfg.kv_lora_rank :], cos, sin, interleaved=True)[..., 0, :]
     return jnp.concatenate([c, k_pe], axis=-1)
 

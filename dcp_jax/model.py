@@ -1,0 +1,286 @@
+"""DeepSeek-V3.2 in flax nnx: embeddings, MLA + lightning indexer, dense MLP, DeepSeek MoE, final norm, lm_head.
+
+Every module's weights are `nnx.Param`s laid out `[in, out...]` (HF stores `[out, in]`; `weights.py` converts).
+The attention module holds exactly the fields of `AttentionParams`, so the shared projections, the sparse DCP
+decode pieces and the kernels read it unchanged. Methods named `prefill` / `decode` run inside `shard_map`
+(`model_step.py`): heads split over every TP rank, everything else replicated (MoE experts are replicated too:
+no expert parallelism yet, every rank computes every expert densely).
+
+Letters: B batch, T tokens (prefill), S query tokens, R rows (decode), D hidden, Q q_lora, H heads (local h),
+N nope, E rope, V v dim, C kv_lora (latent), I index heads, J index head dim, K index top-k, X experts,
+F expert / MLP width, A vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dcp_jax.attention import exchange, projections
+from dcp_jax.attention.decode import DcpLayout, write_slots
+from dcp_jax.attention.kernels import Kernels
+from dcp_jax.attention.params import AttentionParams, partition_specs
+from dcp_jax.attention.projections import rms_norm
+from dcp_jax.config import ModelConfig
+from dcp_jax.mesh import DCP, HEADS
+from pallas_kernels import reference
+
+HIGHEST = jax.lax.Precision.HIGHEST
+NEG_INF = float("-inf")
+
+
+def _dense(rngs: nnx.Rngs, shape, fan_in: int, dtype):
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype))
+
+
+def _norm(rngs: nnx.Rngs, size: int, dtype):
+    return nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (size,), jnp.float32)).astype(dtype))
+
+
+class Attention(nnx.Module):
+    """MLA with q_lora and the lightning indexer; the fields are those of `AttentionParams`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        d, q, h = cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads
+        n, e, v, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        i, j = cfg.index_n_heads, cfg.index_head_dim
+        self.cfg = cfg
+        self.wq_a = _dense(rngs, (d, q), d, dtype)
+        self.q_a_norm = _norm(rngs, q, dtype)
+        self.wq_b = _dense(rngs, (q, h, n + e), q, dtype)
+        self.wkv_a = _dense(rngs, (d, c + e), d, dtype)
+        self.kv_a_norm = _norm(rngs, c, dtype)
+        self.w_uk = _dense(rngs, (h, n, c), c, dtype)
+        self.w_uv = _dense(rngs, (h, v, c), c, dtype)
+        self.wo = _dense(rngs, (h, v, d), h * v, dtype)
+        self.index_wq = _dense(rngs, (q, i, j), q, dtype)
+        self.index_wk = _dense(rngs, (d, j), d, dtype)
+        self.index_k_norm = _norm(rngs, j, dtype)
+        self.index_k_norm_bias = nnx.Param((0.1 * jax.random.normal(rngs.params(), (j,))).astype(dtype))
+        self.index_weights = _dense(rngs, (d, i), d, dtype)
+
+    def params(self) -> AttentionParams:
+        return AttentionParams(**{f.name: getattr(self, f.name)[...] for f in dataclasses.fields(AttentionParams)})
+
+    def prefill(self, x, cos_sin, kv_cache, index_cache, slots):
+        """Per rank: x [B, T, D] replicated (every prompt token), cos/sin [B, T, E/2], this rank's kv_cache
+        [pages, Bp, C+E] and index_cache [pages, Bp, J], slots [B, T] (-1: not owned or pad, no write).
+
+        HF's sparse rule per query s: keys t <= s, the top-min(K, s+1) by index score. Pad queries past a
+        prompt's end compute garbage that nobody reads; a valid query never sees a later (pad) key.
+        Returns (output [B, T, D] summed over TP ranks, kv_cache, index_cache, selected ids [B, T, K]).
+        """
+        cfg, p = self.cfg, self.params()
+        b, t, d = x.shape
+        cos, sin = (a.reshape(b * t, -1) for a in cos_sin)
+        flat = x.reshape(b * t, d)
+        # 1. Projections of every token; each token's latent and index key are written by its owner only.
+        with jax.named_scope("projections"):
+            q_resid, q_nope, q_pe = projections.mla_query(p, flat, cos, sin, cfg)
+            index_q = projections.index_query(p, q_resid, cos, sin, cfg).reshape(b, t, cfg.index_n_heads, -1)
+            weights = projections.index_weights(p, flat, cfg).reshape(b, t, -1)
+            latent = projections.mla_latent(p, flat, cos, sin, cfg)
+            index_k = projections.index_key(p, flat, cos, sin, cfg)
+            kv_cache = write_slots(kv_cache, slots.reshape(-1), latent)
+            index_cache = write_slots(index_cache, slots.reshape(-1), index_k)
+        # 2. Index scores over the causal prefix, then the top-min(K, s+1) per query.
+        with jax.named_scope("indexer"):
+            dots = jnp.einsum("bsij,btj->bsit", index_q, index_k.reshape(b, t, -1), precision=HIGHEST)
+            scores = jnp.einsum("bsi,bsit->bst", weights, jax.nn.relu(dots), precision=HIGHEST)
+            causal_lens = jnp.broadcast_to(jnp.arange(1, t + 1, dtype=jnp.int32), (b, t)).reshape(-1)
+            _, selected = reference.topk(scores.reshape(b * t, t), causal_lens, k=cfg.index_topk)
+            rows = jnp.arange(b * t)[:, None]
+            is_selected = jnp.zeros((b * t, t + 1), bool).at[rows, jnp.where(selected >= 0, selected, t)].set(True)
+            is_selected = is_selected[:, :t].reshape(b, t, t)
+        # 3. Absorbed MLA over the selected keys of this rank's heads.
+        with jax.named_scope("sparse_mla"):
+            q = projections.absorb_query(p, q_nope, q_pe).reshape(b, t, -1, cfg.latent_dim)
+            latent = latent.reshape(b, t, cfg.latent_dim)
+            logits = jnp.einsum("bshc,btc->bhst", q, latent, precision=HIGHEST) * cfg.softmax_scale
+            logits = jnp.where(is_selected[:, None], logits, NEG_INF)
+            probs = jax.nn.softmax(logits, axis=-1)
+            out = jnp.einsum("bhst,btc->bshc", probs, latent[..., : cfg.kv_lora_rank], precision=HIGHEST)
+        # 4. W_UV, o_proj and the TP all-reduce.
+        attn = jax.lax.psum(projections.output_projection(p, out.reshape(b * t, -1, cfg.kv_lora_rank)), HEADS)
+        return attn.reshape(b, t, d), kv_cache, index_cache, selected.reshape(b, t, -1)
+
+    def decode(self, x, cos_sin, kv_cache, index_cache, local_lens, slots, block_tables, *, layout: DcpLayout,
+               kernels: Kernels):
+        """Per rank: the sparse DCP decode layer of `attention/decode.py` (x [R, D], kv_cache [pages, Bp, C+E],
+        index_cache [pages, Bp, J], local_lens / slots [R], block_tables [R, P]), also returning the global
+        top-k ids. Returns (output [R, D] summed over TP ranks, kv_cache, index_cache, selected [R, K])."""
+        cfg, p = self.cfg, self.params()
+        cos, sin = cos_sin
+        rank = jax.lax.axis_index(DCP)
+        # 1. Projections for every row on every rank; the new token's entries are written by its owner only.
+        with jax.named_scope("projections"):
+            q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
+            index_q = projections.index_query(p, q_resid, cos, sin, cfg)
+            weights = projections.index_weights(p, x, cfg)
+            kv_cache = write_slots(kv_cache, slots, projections.mla_latent(p, x, cos, sin, cfg))
+            index_cache = write_slots(index_cache, slots, projections.index_key(p, x, cos, sin, cfg))
+        # 2-3. Local logits over this rank's index-K shard (host-provided local lengths), local top-k.
+        with jax.named_scope("indexer"):
+            logits = kernels.indexer_logits(index_q, weights, index_cache, block_tables, local_lens)
+            values, local_ids = kernels.topk(logits, local_lens, k=cfg.index_topk)
+        # 4. Candidate exchange -> the same global top-k on every rank.
+        with jax.named_scope("exchange"):
+            selected = exchange.exchange_top_k(
+                values, local_ids, rank, k=cfg.index_topk, dcp=layout.dcp, interleave=layout.interleave
+            )
+        # 5. Owner filter: the selected tokens this rank holds, as compacted slots.
+        with jax.named_scope("owner_filter"):
+            owned_slots, counts = exchange.owner_filter(
+                selected, block_tables, rank, dcp=layout.dcp, interleave=layout.interleave,
+                page_size=layout.page_size,
+            )
+        # 6. Sparse MLA over owned slots for the heads of the whole DCP group.
+        with jax.named_scope("sparse_mla"):
+            q = jax.lax.all_gather(projections.absorb_query(p, q_nope, q_pe), DCP, axis=1, tiled=True)
+            out, lse = kernels.sparse_mla_decode(
+                q.astype(kv_cache.dtype), kv_cache, owned_slots, counts, cfg.softmax_scale,
+                value_dim=cfg.kv_lora_rank,
+            )
+        # 7. LSE merge back to this rank's heads, then W_UV, o_proj and the TP all-reduce.
+        with jax.named_scope("merge"):
+            latent_out = exchange.merge_partial_attention(out, lse).astype(x.dtype)
+            attn = jax.lax.psum(projections.output_projection(p, latent_out), HEADS)
+        return attn, kv_cache, index_cache, selected
+
+
+class MLP(nnx.Module):
+    """down(silu(gate x) * up x); also the shared experts (width moe_intermediate_size * n_shared_experts)."""
+
+    def __init__(self, hidden: int, width: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.gate = _dense(rngs, (hidden, width), hidden, dtype)
+        self.up = _dense(rngs, (hidden, width), hidden, dtype)
+        self.down = _dense(rngs, (width, hidden), width, dtype)
+
+    def __call__(self, x):
+        """x [..., D] -> [..., D]."""
+        gate = jnp.einsum("...d,df->...f", x, self.gate[...], precision=HIGHEST)
+        up = jnp.einsum("...d,df->...f", x, self.up[...], precision=HIGHEST)
+        return jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, self.down[...], precision=HIGHEST)
+
+
+class MoE(nnx.Module):
+    """DeepSeek MoE: sigmoid router with e_score_correction_bias, group-limited top-k, shared experts."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        d, x, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        self.cfg = cfg
+        self.router = _dense(rngs, (d, x), d, jnp.float32)
+        self.router_bias = nnx.Param(0.1 * jax.random.normal(rngs.params(), (x,), jnp.float32))
+        self.experts_gate = _dense(rngs, (x, d, f), d, dtype)
+        self.experts_up = _dense(rngs, (x, d, f), d, dtype)
+        self.experts_down = _dense(rngs, (x, f, d), f, dtype)
+        self.shared = MLP(d, f * cfg.n_shared_experts, rngs=rngs, dtype=dtype)
+
+    def route(self, x):
+        """x [R, D] -> dense combine weights [R, X] f32 (zero for experts a token does not use)."""
+        cfg = self.cfg
+        logits = jnp.einsum("rd,dx->rx", x.astype(jnp.float32), self.router[...], precision=HIGHEST)
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + self.router_bias[...]
+        rows = x.shape[0]
+        grouped = choice.reshape(rows, cfg.n_group, -1)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [R, groups]: sum of each group's top-2
+        _, kept_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+        is_kept = jnp.zeros((rows, cfg.n_group), bool).at[jnp.arange(rows)[:, None], kept_groups].set(True)
+        masked = jnp.where(jnp.repeat(is_kept, grouped.shape[-1], axis=1), choice, NEG_INF)
+        _, experts = jax.lax.top_k(masked, cfg.num_experts_per_tok)  # [R, k]
+        weights = jnp.take_along_axis(scores, experts, axis=1)  # unbiased scores
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        weights = weights * cfg.routed_scaling_factor
+        return jnp.zeros_like(scores).at[jnp.arange(rows)[:, None], experts].add(weights)
+
+    def __call__(self, x):
+        """x [..., D] -> [..., D]. Every expert runs on every token (replicated, dense; fine for tiny models)."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        combine = self.route(flat)
+        gate = jnp.einsum("rd,xdf->rxf", flat, self.experts_gate[...], precision=HIGHEST)
+        up = jnp.einsum("rd,xdf->rxf", flat, self.experts_up[...], precision=HIGHEST)
+        per_expert = jnp.einsum("rxf,xfd->rxd", jax.nn.silu(gate) * up, self.experts_down[...], precision=HIGHEST)
+        routed = jnp.einsum("rx,rxd->rd", combine.astype(per_expert.dtype), per_expert, precision=HIGHEST)
+        return (routed + self.shared(flat)).reshape(shape)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        self.input_norm = _norm(rngs, cfg.hidden_size, dtype)
+        self.post_attention_norm = _norm(rngs, cfg.hidden_size, dtype)
+        self.attention = Attention(cfg, rngs=rngs, dtype=dtype)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, rngs=rngs, dtype=dtype)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
+
+    def attention_input(self, h):
+        return rms_norm(h, self.input_norm[...], self.cfg.rms_norm_eps)
+
+    def feed_forward(self, h):
+        """h + MLP/MoE(post-attention norm of h)."""
+        return h + self.mlp(rms_norm(h, self.post_attention_norm[...], self.cfg.rms_norm_eps))
+
+
+class DeepseekV32(nnx.Module):
+    """The whole model; `prefill` and `decode` of `model_step.py` drive the layers."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        self.embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size)).astype(dtype))
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_hidden_layers)]
+        )
+        self.final_norm = _norm(rngs, cfg.hidden_size, dtype)
+        self.lm_head = _dense(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.hidden_size, dtype)
+
+    def embed_tokens(self, tokens):
+        return jnp.take(self.embed[...], tokens, axis=0)
+
+    def logits(self, h):
+        """h [..., D] -> f32 logits [..., A] (final RMSNorm, untied lm_head)."""
+        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
+        return jnp.einsum("...d,da->...a", h, self.lm_head[...], precision=HIGHEST).astype(jnp.float32)
+
+
+# Attention fields split over heads (every TP rank), from `attention/params.py`.
+_HEAD_SPECS = {f.name: getattr(partition_specs(), f.name) for f in dataclasses.fields(AttentionParams)}
+
+
+def param_specs(params: dict) -> dict:
+    """PartitionSpecs for the pure-dict state of `DeepseekV32`: attention heads split, the rest replicated."""
+
+    def spec(path, _):
+        names = [getattr(k, "key", None) for k in path]
+        if "attention" in names:
+            return _HEAD_SPECS[names[-1]]
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
+    """(graphdef, abstract pure-dict state of ShapeDtypeStructs) without allocating anything."""
+    model = nnx.eval_shape(lambda: DeepseekV32(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, state = nnx.split(model)
+    return graphdef, state
+
+
+def init_params(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> dict:
+    """Random weights (normal / sqrt(fan_in), norms 1 + 0.1 normal) as a pure dict of host arrays."""
+    return nnx.to_pure_dict(nnx.state(DeepseekV32(cfg, rngs=nnx.Rngs(seed), dtype=dtype)))
+
+
+def merge(graphdef, abstract_state, params: dict) -> DeepseekV32:
+    """A model whose weights are the arrays of `params` (a pure dict; traced values inside jit work)."""
+    state = jax.tree.map(lambda x: x, abstract_state)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)

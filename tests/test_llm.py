@@ -1,0 +1,99 @@
+"""The offline API (`dcp_jax/llm.py`) and the `generate` command, on the HF oracle checkpoint and the tiny preset."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dcp_jax import LLM, SamplingParams
+from dcp_jax.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent / "oracle"))
+import hf_tiny  # noqa: E402
+
+FIXTURE = dict(np.load(Path(__file__).parent / "fixtures" / "oracle" / "yarn.npz"))
+PROMPTS = [FIXTURE["prompt_ids"][i, :n].tolist() for i, n in enumerate(FIXTURE["prompt_lens"])]
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("yarn")
+    hf_tiny.write_random_checkpoint(hf_tiny.tiny_configs()["yarn"], int(FIXTURE["seed"]), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(str(checkpoint), dcp=2, tp=4, interleave=2, max_num_seqs=4, max_model_len=64, page_size=4)
+
+
+def test_greedy_generation_equals_hf(llm):
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    for i, out in enumerate(outs):
+        assert out.token_ids == FIXTURE["gen_tokens"][i].tolist()
+        assert out.finish_reason == "length"
+        chosen = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
+        np.testing.assert_allclose(chosen, FIXTURE["gen_logprobs"][i], atol=2e-3, rtol=0)
+        assert all(len(lp) >= 2 for lp in out.logprobs)
+        assert out.outputs[0] is out
+    assert llm.num_free_pages == llm.engine.num_pages
+
+
+def test_continuous_batching_more_requests_than_slots(llm):
+    """8 requests through 4 slots with different max_tokens: late requests join while others decode, every
+    output equals the HF greedy prefix, and every page comes back."""
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (10, 3, 7, 1, 2, 10, 5, 4)]
+    outs = llm.generate(prompt_token_ids=PROMPTS + PROMPTS[::-1], sampling_params=params)
+    order = [0, 1, 2, 3, 3, 2, 1, 0]
+    for out, p, i in zip(outs, params, order):
+        assert out.token_ids == FIXTURE["gen_tokens"][i, : p.max_tokens].tolist()
+    assert llm.num_free_pages == llm.engine.num_pages
+
+
+def test_stop_token_ids_and_stop_strings(llm):
+    stop_at = int(FIXTURE["gen_tokens"][2, 3])
+    out = llm.generate(prompt_token_ids=[PROMPTS[2]],
+                       sampling_params=SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == FIXTURE["gen_tokens"][2, :4].tolist() and out.finish_reason == "stop"
+    full = llm.generate(prompts=["hello"], sampling_params=SamplingParams(max_tokens=12, temperature=0,
+                                                                           ignore_eos=True))[0]
+    assert full.prompt_token_ids == llm.tokenizer.encode("hello")
+    assert full.text == llm.tokenizer.decode(full.token_ids)
+    visible = [c for c in full.text if c != "\ufffd"]
+    if visible:  # a random model may emit no printable byte; then there is no stop string to test
+        stop = visible[len(visible) // 2]
+        cut = llm.generate(prompts=["hello"], sampling_params=SamplingParams(max_tokens=12, temperature=0,
+                                                                              ignore_eos=True, stop=[stop]))[0]
+        assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
+
+
+def test_seeded_sampling_is_per_request(llm):
+    params = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=3)
+    alone = llm.generate(prompt_token_ids=[PROMPTS[1]], sampling_params=params)[0].token_ids
+    batched = llm.generate(prompt_token_ids=[PROMPTS[0], PROMPTS[1]], sampling_params=[
+        SamplingParams(max_tokens=4, temperature=1.0, seed=9), params])[1].token_ids
+    assert alone == batched
+
+
+def test_bad_requests_fail_before_running(llm):
+    with pytest.raises(ValueError, match="exactly one"):
+        llm.generate(prompts=["a"], prompt_token_ids=[[2]])
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(prompt_token_ids=[PROMPTS[3]], sampling_params=SamplingParams(max_tokens=30))
+    with pytest.raises(ValueError, match="token ids outside"):
+        llm.generate(prompt_token_ids=[[5, 512]])
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(prompt_token_ids=[[]])
+    assert llm.num_free_pages == llm.engine.num_pages
+
+
+def test_generate_command_with_a_hf_directory_and_the_tiny_preset(checkpoint, capsys):
+    assert main(["generate", "--model", str(checkpoint), "--dcp", "2", "--prompt", "hi", "--max-tokens", "4",
+                 "--max-model-len", "32", "--page-size", "4"]) == 0
+    assert "(4 tokens, length)" in capsys.readouterr().out
+    assert main(["generate", "--model", "tiny", "--dcp", "4", "--prompt", "hello", "--max-tokens", "3",
+                 "--max-model-len", "32"]) == 0
+    assert "model tiny" in capsys.readouterr().out
+    assert main(["generate", "--model", "nope", "--prompt", "x"]) == 2
