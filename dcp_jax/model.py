@@ -20,13 +20,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dcp_jax.attention import exchange, projections
-from dcp_jax.attention.decode import DcpLayout, write_slots
+from dcp_jax.attention import projections
+from dcp_jax.attention.decode import DcpLayout, sparse_dcp_attention, write_slots
 from dcp_jax.attention.kernels import Kernels
 from dcp_jax.attention.params import AttentionParams, partition_specs
 from dcp_jax.attention.projections import rms_norm
 from dcp_jax.config import ModelConfig
-from dcp_jax.mesh import DCP, HEADS
+from dcp_jax.mesh import HEADS
 from pallas_kernels import reference
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -113,43 +113,8 @@ class Attention(nnx.Module):
         """Per rank: the sparse DCP decode layer of `attention/decode.py` (x [R, D], kv_cache [pages, Bp, C+E],
         index_cache [pages, Bp, J], local_lens / slots [R], block_tables [R, P]), also returning the global
         top-k ids. Returns (output [R, D] summed over TP ranks, kv_cache, index_cache, selected [R, K])."""
-        cfg, p = self.cfg, self.params()
-        cos, sin = cos_sin
-        rank = jax.lax.axis_index(DCP)
-        # 1. Projections for every row on every rank; the new token's entries are written by its owner only.
-        with jax.named_scope("projections"):
-            q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
-            index_q = projections.index_query(p, q_resid, cos, sin, cfg)
-            weights = projections.index_weights(p, x, cfg)
-            kv_cache = write_slots(kv_cache, slots, projections.mla_latent(p, x, cos, sin, cfg))
-            index_cache = write_slots(index_cache, slots, projections.index_key(p, x, cos, sin, cfg))
-        # 2-3. Local logits over this rank's index-K shard (host-provided local lengths), local top-k.
-        with jax.named_scope("indexer"):
-            logits = kernels.indexer_logits(index_q, weights, index_cache, block_tables, local_lens)
-            values, local_ids = kernels.topk(logits, local_lens, k=cfg.index_topk)
-        # 4. Candidate exchange -> the same global top-k on every rank.
-        with jax.named_scope("exchange"):
-            selected = exchange.exchange_top_k(
-                values, local_ids, rank, k=cfg.index_topk, dcp=layout.dcp, interleave=layout.interleave
-            )
-        # 5. Owner filter: the selected tokens this rank holds, as compacted slots.
-        with jax.named_scope("owner_filter"):
-            owned_slots, counts = exchange.owner_filter(
-                selected, block_tables, rank, dcp=layout.dcp, interleave=layout.interleave,
-                page_size=layout.page_size,
-            )
-        # 6. Sparse MLA over owned slots for the heads of the whole DCP group.
-        with jax.named_scope("sparse_mla"):
-            q = jax.lax.all_gather(projections.absorb_query(p, q_nope, q_pe), DCP, axis=1, tiled=True)
-            out, lse = kernels.sparse_mla_decode(
-                q.astype(kv_cache.dtype), kv_cache, owned_slots, counts, cfg.softmax_scale,
-                value_dim=cfg.kv_lora_rank,
-            )
-        # 7. LSE merge back to this rank's heads, then W_UV, o_proj and the TP all-reduce.
-        with jax.named_scope("merge"):
-            latent_out = exchange.merge_partial_attention(out, lse).astype(x.dtype)
-            attn = jax.lax.psum(projections.output_projection(p, latent_out), HEADS)
-        return attn, kv_cache, index_cache, selected
+        return sparse_dcp_attention(self.params(), x, kv_cache, index_cache, cos_sin, local_lens, slots, block_tables,
+                                    cfg=self.cfg, layout=layout, kernels=kernels)
 
 
 class MLP(nnx.Module):

@@ -53,7 +53,7 @@ def decode_stack_body(params, kv_cache: KVCache, hidden, md: DecodeMetadata, *, 
     latent, index_k = [], []
     for layer, lp in enumerate(params):
         with jax.named_scope(f"layer_{layer}"):
-            attn, lat, idx = sparse_dcp_attention(
+            attn, lat, idx, _ = sparse_dcp_attention(
                 lp.attention,
                 rms_norm(hidden, lp.input_norm, cfg.rms_norm_eps),
                 kv_cache.latent[layer, 0],

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 from dcp_jax.kv_cache import KV_CACHE_SPECS, KVCache
 from dcp_jax.mesh import PER_DCP_RANK, REPLICATED, sharding

@@ -1,6 +1,5 @@
 """dcp_jax/attention/exchange.py: candidate merge, owner filter and LSE merge as pure functions."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

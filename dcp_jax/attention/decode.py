@@ -51,7 +51,8 @@ def sparse_dcp_attention(
     layout: DcpLayout,
     kernels: Kernels,
 ):
-    """Returns (attention output [R, D] summed over all TP ranks, kv_cache, index_cache)."""
+    """Returns (attention output [R, D] summed over all TP ranks, kv_cache, index_cache, the global top-k
+    positions [R, K] selected for each row (-1 padded, identical on every rank))."""
     cos, sin = cos_sin
     rank = jax.lax.axis_index(DCP)
     # 1. Projections for every row on every rank; the new token's entries are written by its owner only.
@@ -87,4 +88,4 @@ def sparse_dcp_attention(
     with jax.named_scope("merge"):
         latent_out = exchange.merge_partial_attention(out, lse).astype(x.dtype)
         attn = jax.lax.psum(projections.output_projection(p, latent_out), HEADS)
-    return attn, kv_cache, index_cache
+    return attn, kv_cache, index_cache, selected
