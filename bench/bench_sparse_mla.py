@@ -1,0 +1,244 @@
+"""Benchmark of pallas_kernels/sparse_mla.py on one GPU: correctness vs the reference, then timings.
+
+Run from the repo root: `PYTHONPATH=. python3 bench/bench_sparse_mla.py [--sweep]`.
+Prints same-run ceilings (bf16 8192^3 matmul, device copy), a GPU compare against reference.sparse_mla_decode,
+a table over B in {1, 8, 64}, H in {16, 64, 128}, k=2048 and DCP W in {1, 2, 4, 8} (count = k/W slots per
+row), and with --sweep a knob sweep. Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}.
+FLOPs per row: 2*H*count*(Dq + value_dim) (scores over 576 columns, values over 512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import reference, sparse_mla
+
+VALUE_DIM, ROPE_DIM, TOPK = 512, 64, 2048
+WIDTH = VALUE_DIM + ROPE_DIM
+SM_SCALE = 0.1352
+# 2**20 cache rows of 576 bf16 = 1.2 GB, so random slots miss the 60 MB L2.
+CACHE_PAGES, PAGE_SIZE = 16384, 64
+# Input sets per jitted call: enough kernels per dispatch that small shapes time the device, not the host.
+SETS_PER_CALL_SMALL, SETS_PER_CALL_LARGE = 32, 4
+# Rotate at least this many bytes of distinct KV rows per timing loop (4x the L2).
+ROTATE_BYTES = 256 << 20
+MAX_GROUPS = 16
+
+_START = time.perf_counter()
+OUT_DIR = os.environ.get("OUT", "out")
+LOG_PATH = os.path.join(OUT_DIR, "bench_sparse_mla.log")
+
+
+def log(line: str = "") -> None:
+    print(line, flush=True)
+    with open(LOG_PATH, "a") as f:
+        f.write(line + "\n")
+
+
+def elapsed() -> float:
+    return time.perf_counter() - _START
+
+
+def throughput_seconds(fn, arg_groups, *, min_seconds=0.05, reps=5) -> float:
+    """Median over `reps` of (wall time / calls) for back-to-back calls rotating over `arg_groups`."""
+    for args in arg_groups:
+        jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*arg_groups[0]))
+    once = time.perf_counter() - start
+    calls = max(len(arg_groups), math.ceil(min_seconds / max(once, 1e-6)))
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for i in range(calls):
+            result = fn(*arg_groups[i % len(arg_groups)])
+        jax.block_until_ready(result)
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def ceilings() -> dict:
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    n = 8192
+    a = jax.random.normal(key_a, (n, n), jnp.bfloat16)
+    b = jax.random.normal(key_b, (n, n), jnp.bfloat16)
+    matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.bfloat16))
+    matmul_s = throughput_seconds(matmul, [(a, b), (b, a)], min_seconds=0.2)
+    big = jax.random.normal(key_a, (2 << 30) // 4, jnp.float32)
+    copy = jax.jit(lambda x: x * 1.0001)
+    copy_s = throughput_seconds(copy, [(big,)], min_seconds=0.2)
+    return dict(matmul_tflops=2 * n**3 / matmul_s / 1e12, copy_tbps=2 * big.nbytes / copy_s / 1e12)
+
+
+def make_cache(dtype):
+    cache = jax.random.normal(jax.random.key(1), (CACHE_PAGES, PAGE_SIZE, WIDTH), jnp.float32)
+    return cache.astype(dtype)
+
+
+def make_sets(seed, num_sets, rows, heads, count, dtype):
+    """Stacked q [N, R, H, Dq], slots [N, R, k] (random rows of the whole cache, -1 past count), counts [N, R]."""
+    key_q, key_s = jax.random.split(jax.random.key(seed))
+    q = jax.random.normal(key_q, (num_sets, rows, heads, WIDTH), jnp.float32).astype(dtype)
+    slots = jax.random.randint(key_s, (num_sets, rows, TOPK), 0, CACHE_PAGES * PAGE_SIZE, jnp.int32)
+    slots = jnp.where(jnp.arange(TOPK) < count, slots, -1)
+    counts = jnp.full((num_sets, rows), count, jnp.int32)
+    return q, slots, counts
+
+
+def poison_allocator(nbytes: int) -> None:
+    # Best effort: leave NaN-filled freed blocks for the next allocation to reuse.
+    jax.block_until_ready(jnp.full((nbytes // 4,), jnp.nan, jnp.float32)).delete()
+
+
+def check_correctness(cache_bf16) -> list[dict]:
+    """Kernel vs reference on fresh random inputs: counts 0, 1, k and ragged ones; bf16 and f32 caches."""
+    results = []
+    cache_f32 = cache_bf16[:2048].astype(jnp.float32)  # a smaller f32 cache keeps the f32 compare cheap
+    counts = jnp.array([TOPK, 0, 1, 700, 1000, 333, 2047, 64], jnp.int32)
+    for dtype, cache in ((jnp.bfloat16, cache_bf16), (jnp.float32, cache_f32)):
+        for heads, num_splits in ((128, 1), (128, 4), (128, None), (64, None), (16, None)):
+            key_q, key_s = jax.random.split(jax.random.key(heads + (num_splits or 0)))
+            q = jax.random.normal(key_q, (len(counts), heads, WIDTH), jnp.float32).astype(dtype)
+            slots = jax.random.randint(key_s, (len(counts), TOPK), 0, cache.shape[0] * PAGE_SIZE, jnp.int32)
+            slots = jnp.where(jnp.arange(TOPK) < counts[:, None], slots, -1)
+            kernel = jax.jit(functools.partial(sparse_mla.sparse_mla_decode, sm_scale=SM_SCALE,
+                                               num_splits=num_splits))
+            poison_allocator(len(counts) * 16 * heads * VALUE_DIM * 4)
+            try:
+                out, lse = kernel(q, cache, slots, counts)
+            except Exception as error:  # report a compile failure and go on to the next case
+                log(f"check H={heads} splits={num_splits}: FAILED {str(error)[:300]}")
+                results.append(dict(dtype=jnp.dtype(dtype).name, heads=heads, num_splits=num_splits, ok=False))
+                continue
+            with jax.default_matmul_precision("highest"):
+                ref_out, ref_lse = jax.jit(functools.partial(reference.sparse_mla_decode, sm_scale=SM_SCALE))(
+                    q.astype(jnp.float32), cache, slots, counts)
+            full = counts > 0
+            rel = float(jnp.linalg.norm((out - ref_out)[full]) / jnp.linalg.norm(ref_out[full]))
+            lse_err = float(jnp.max(jnp.abs(lse - ref_lse)[full]))
+            is_empty_ok = bool(jnp.all(out[~full] == 0) & jnp.all(lse[~full] == -jnp.inf))
+            has_nan = bool(jnp.isnan(out).any() | jnp.isnan(lse).any())
+            tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+            ok = rel < tol and lse_err < 1e-3 and is_empty_ok and not has_nan
+            results.append(dict(dtype=jnp.dtype(dtype).name, heads=heads, num_splits=num_splits, rel_err=rel,
+                                lse_max_abs_err=lse_err, empty_rows_ok=is_empty_ok, nan=has_nan, ok=ok))
+            log(f"check {jnp.dtype(dtype).name:8s} H={heads:3d} splits={num_splits!s:4s} rel_err={rel:.2e} "
+                f"lse_err={lse_err:.2e} empty_ok={is_empty_ok} nan={has_nan} -> {'OK' if ok else 'FAIL'}")
+    return results
+
+
+@functools.partial(jax.jit, static_argnames="knobs")
+def _run_sets(q, slots, counts, kv_cache, knobs):
+    """The kernel on each stacked input set; knobs is a sorted tuple of (name, value)."""
+    return [sparse_mla.sparse_mla_decode(q[i], kv_cache, slots[i], counts[i], SM_SCALE, **dict(knobs))
+            for i in range(q.shape[0])]
+
+
+def time_kernel(cache, rows, heads, dcp, **knobs) -> dict:
+    count = TOPK // dcp
+    set_bytes = rows * count * WIDTH * cache.dtype.itemsize
+    sets_per_call = SETS_PER_CALL_LARGE if set_bytes * SETS_PER_CALL_LARGE >= ROTATE_BYTES else SETS_PER_CALL_SMALL
+    num_groups = max(1, min(MAX_GROUPS, math.ceil(ROTATE_BYTES / (set_bytes * sets_per_call))))
+    groups = [(*make_sets(100 + g, sets_per_call, rows, heads, count, cache.dtype), cache)
+              for g in range(num_groups)]
+    run = functools.partial(_run_sets, knobs=tuple(sorted(knobs.items())))
+    compile_start = time.perf_counter()
+    jax.block_until_ready(run(*groups[0]))
+    compile_s = time.perf_counter() - compile_start
+    seconds = throughput_seconds(run, groups) / sets_per_call
+    flops = 2 * rows * heads * count * (WIDTH + VALUE_DIM)
+    return dict(rows=rows, heads=heads, dcp=dcp, count=count, us=seconds * 1e6, tflops=flops / seconds / 1e12,
+                rotated_mb=num_groups * sets_per_call * set_bytes / 1e6, compile_s=compile_s, knobs=knobs)
+
+
+def time_xla_reference(cache, rows, heads) -> dict:
+    q, slots, counts = make_sets(200, 1, rows, heads, TOPK, cache.dtype)
+    ref = jax.jit(functools.partial(reference.sparse_mla_decode, sm_scale=SM_SCALE))
+    with jax.default_matmul_precision("default"):
+        seconds = throughput_seconds(ref, [(q[0], cache, slots[0], counts[0])])
+    return dict(rows=rows, heads=heads, us=seconds * 1e6)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true", help="also time knob variants")
+    parser.add_argument("--sweep-budget", type=float, default=110.0, help="seconds after which the sweep stops")
+    parser.add_argument("--budget", type=float, default=200.0, help="seconds after which the table stops")
+    args = parser.parse_args()
+    os.makedirs(OUT_DIR, exist_ok=True)
+    device = jax.devices()[0]
+    log(f"device: {device.device_kind}, jax {jax.__version__}, date {time.strftime('%Y-%m-%d')}")
+    report = dict(device=device.device_kind, jax=jax.__version__)
+
+    report["ceilings"] = ceil = ceilings()
+    log(f"ceilings: bf16 matmul 8192^3 {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s "
+        f"(read+write)  [{elapsed():.0f}s]")
+    cache = make_cache(jnp.bfloat16)
+    report["checks"] = check_correctness(cache)
+    log(f"correctness done [{elapsed():.0f}s]")
+
+    sweep = []
+    if args.sweep:
+        variants = [dict(block_s=bs, num_warps=8, num_stages=ns) for bs, ns in ((128, 1), (64, 2), (32, 5))]
+        variants += [dict(num_splits=s) for s in (4, 16)]
+        for knobs in variants:
+            for rows, heads, dcp in ((64, 128, 1), (64, 128, 4), (8, 128, 1), (8, 128, 4)):
+                if "num_splits" in knobs and rows == 64:
+                    continue
+                if elapsed() > args.sweep_budget:
+                    log(f"budget reached, skipping {knobs} B={rows}")
+                    continue
+                try:
+                    result = time_kernel(cache, rows, heads, dcp, **knobs)
+                except Exception as error:  # a variant that fails to compile (e.g. shared memory) is reported
+                    result = dict(rows=rows, heads=heads, dcp=dcp, knobs=knobs, error=str(error)[:300])
+                    log(f"sweep {knobs} B={rows} H={heads} W={dcp}: FAILED {result['error'][:160]}")
+                else:
+                    log(f"sweep {knobs} B={rows} H={heads} W={dcp}: {result['us']:.1f} us "
+                        f"{result['tflops']:.1f} TFLOP/s [{elapsed():.0f}s]")
+                sweep.append(result)
+    report["sweep"] = sweep
+    table = []
+    for rows in (64, 8, 1):
+        for heads in (128, 64, 16):
+            for dcp in (1, 2, 4, 8):
+                if elapsed() > args.budget:
+                    log(f"budget reached, skipping B={rows} H={heads} W={dcp}")
+                    continue
+                result = time_kernel(cache, rows, heads, dcp)
+                table.append(result)
+                log(f"B={rows:2d} H={heads:3d} W={dcp} count={result['count']:4d} {result['us']:8.1f} us "
+                    f"{result['tflops']:6.1f} TFLOP/s compile {result['compile_s']:.1f}s [{elapsed():.0f}s]")
+    report["table"] = table
+    report["xla_reference"] = xla = time_xla_reference(cache, 64, 128)
+    log(f"XLA reference B=64 H=128 k=2048: {xla['us']:.1f} us")
+
+    with open(os.path.join(OUT_DIR, "bench_sparse_mla.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    base = {(r["rows"], r["heads"]): r["us"] for r in table if r["dcp"] == 1}
+    if args.sweep:
+        log("sweep: " + "; ".join(f"{r['knobs']} B={r['rows']} W={r['dcp']}: "
+                                  + (f"{r['us']:.1f}us" if "us" in r else "fail") for r in sweep))
+    log("")
+    log(f"ceilings: matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s; "
+        f"checks {'all OK' if all(c['ok'] for c in report['checks']) else 'FAILED'}")
+    log("| B | H | W | count | us | TFLOP/s | % matmul | vs W=1 |")
+    log("|---|---|---|---|---|---|---|---|")
+    for r in table:
+        ratio = r["us"] / base.get((r["rows"], r["heads"]), math.nan)
+        log(f"| {r['rows']} | {r['heads']} | {r['dcp']} | {r['count']} | {r['us']:.1f} | {r['tflops']:.1f} | "
+            f"{100 * r['tflops'] / ceil['matmul_tflops']:.0f}% | {ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

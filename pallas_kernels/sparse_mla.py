@@ -1,0 +1,194 @@
+"""Sparse MLA decode over compacted physical slots (absorbed "MQA mode", split-K flash decoding).
+
+Contract: q [R, H, Dq] (absorbed latent query, `value_dim` wide, then the rope query), kv_cache
+[pages, B, Dq] bf16 or f32 (latent then roped key, one row per token shared by all heads), slots [R, S] int32
+physical slot ids `page*B + offset`, compacted (valid first), counts [R] int32 valid slots per row, sm_scale a
+Python float. Returns out f32 [R, H, value_dim] (softmax-weighted sum of the latent rows) and lse f32 [R, H]
+(natural log of the sum of exp(scaled scores)). A row with count <= 0 gives out 0 and lse -inf; counts above S
+act as S. Slots at or past a row's count are never read (they may hold -1 or garbage); valid slots must lie in
+[0, pages*B).
+
+Dots run in the cache's dtype (q is cast to it) with f32 accumulation; an f32 cache gets full-precision dots.
+Work per row is proportional to its count: each of `num_splits` programs of a row takes an equal share of the
+row's valid slots, rounded up to `block_s`, and loads nothing past the count. Partial results are merged by
+`merge_splits`. Tuning defaults were measured by `bench/bench_sparse_mla.py` (see docs/perf_sparse_mla.md).
+Letters: R rows, H heads, S slots, N splits, D latent (value_dim), E rope.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._platform import default_interpret
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Programs that keep the H200's 132 SMs busy; fewer rows x head blocks than this get split-K.
+_MIN_PROGRAMS = 128
+_MAX_SPLITS = 16
+# Default (block_s, num_stages) per cache dtype, measured on the H200 at block_h=64, num_warps=8. bf16: Q and two
+# buffers of 64 gathered rows are 3 * 64 * 576 * 2 B = 221 KB of the 227 KB of shared memory; f32 doubles each.
+_DEFAULT_BLOCKS = {jnp.dtype(jnp.bfloat16): (64, 3), jnp.dtype(jnp.float32): (16, 1)}
+
+# The jax-pallas-triton deprecation fires when a jitted caller lowers the kernel, not at the call: filter by text.
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
+
+
+def _sparse_mla_kernel(slots_ref, counts_ref, q_ref, kv_ref,  # inputs
+                       out_ref, lse_ref,                      # outputs
+                       *, sm_scale: float, value_dim: int, rope_dim: int, block_h: int, block_s: int,
+                       num_splits: int, precision):
+    head_block, split, row = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_slots = slots_ref.shape[1]
+    count = jnp.clip(counts_ref[row], 0, num_slots)
+    # This split's share of [0, count): equal chunks rounded up to whole blocks, so trailing splits may be empty.
+    chunk = pl.cdiv(pl.cdiv(count, num_splits), block_s) * block_s
+    start = split * chunk
+    end = jnp.minimum(start + chunk, count)
+    heads = pl.ds(head_block * block_h, block_h)
+    dtype = kv_ref.dtype
+    q_lat = q_ref[row, heads, pl.ds(0, value_dim)].astype(dtype)            # [h, D]
+    q_rope = q_ref[row, heads, pl.ds(value_dim, rope_dim)].astype(dtype)    # [h, E]
+    # Gathers index both cache dims with int arrays (the interpreter cannot mix an array with a slice).
+    lat_cols = jnp.arange(value_dim)[None, :]
+    rope_cols = value_dim + jnp.arange(rope_dim)[None, :]
+    # Scores in log2 units so the softmax uses exp2.
+    scale = sm_scale * LOG2E
+
+    def body(block, carry):
+        acc, m_prev, l_prev = carry
+        first = start + block * block_s
+        is_valid = first + jnp.arange(block_s) < end                      # [s]
+        slot = plgpu.load(slots_ref.at[row, pl.ds(first, block_s)], mask=is_valid, other=0)[:, None]
+        # Masked lanes load zeros, never the cache row their garbage slot id names.
+        k_lat = plgpu.load(kv_ref.at[slot, lat_cols], mask=is_valid[:, None], other=0)    # [s, D]
+        k_rope = plgpu.load(kv_ref.at[slot, rope_cols], mask=is_valid[:, None], other=0)  # [s, E]
+        scores = jnp.dot(q_lat, k_lat.T, precision=precision, preferred_element_type=jnp.float32)
+        scores += jnp.dot(q_rope, k_rope.T, precision=precision, preferred_element_type=jnp.float32)
+        scores = jnp.where(is_valid[None, :], scores * scale, -jnp.inf)   # [h, s]
+        # Every block holds at least one valid lane, so m_next is finite.
+        m_next = jnp.maximum(m_prev, scores.max(axis=1))
+        correction = jnp.exp2(m_prev - m_next)
+        probs = jnp.exp2(scores - m_next[:, None])
+        l_next = l_prev * correction + probs.sum(axis=1)
+        acc = acc * correction[:, None] + jnp.dot(
+            probs.astype(dtype), k_lat, precision=precision, preferred_element_type=jnp.float32)
+        return acc, m_next, l_next
+
+    acc = jnp.zeros((block_h, value_dim), jnp.float32)
+    m = jnp.full((block_h,), -jnp.inf, jnp.float32)
+    l = jnp.zeros((block_h,), jnp.float32)
+    num_blocks = pl.cdiv(jnp.maximum(end - start, 0), block_s)
+    acc, m, l = jax.lax.fori_loop(0, num_blocks, body, (acc, m, l))
+    # An empty split (l == 0) writes out 0 and lse -inf, so the merge gives it weight 0.
+    is_empty = l == 0.0
+    out_ref[...] = jnp.where(is_empty[:, None], 0.0, acc / jnp.where(is_empty, 1.0, l)[:, None])
+    lse_ref[...] = jnp.where(is_empty, -jnp.inf, (m + jnp.log2(jnp.where(is_empty, 1.0, l))) * LN2)
+
+
+def merge_splits(outs, lses):
+    """Merge split-K partial results by log-sum-exp.
+
+    outs [R, N, H, D] f32 (each normalized within its split), lses [R, N, H] f32 (-inf = empty split).
+    Returns out [R, H, D] f32 and lse [R, H] f32; all splits empty gives out 0 and lse -inf.
+    """
+    lse_max = lses.max(axis=1)
+    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    weights = jnp.exp(lses - lse_max[:, None])                            # [R, N, H], 0 for empty splits
+    total = weights.sum(axis=1)
+    lse = jnp.log(total) + lse_max
+    weights = weights / jnp.where(total > 0, total, 1.0)[:, None]
+    # An elementwise product and sum fuse into one reduction (no matmul call, exact f32).
+    return (weights[..., None] * outs).sum(axis=1), lse
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check_inputs(q, kv_cache, slots, counts, value_dim, block_h, block_s, num_splits):
+    if q.ndim != 3 or kv_cache.ndim != 3 or slots.ndim != 2 or counts.ndim != 1:
+        raise ValueError(f"want q [R, H, Dq], kv_cache [pages, B, Dq], slots [R, S], counts [R]; got "
+                         f"{q.shape=}, {kv_cache.shape=}, {slots.shape=}, {counts.shape=}")
+    rows, num_heads, width = q.shape
+    if kv_cache.shape[2] != width or slots.shape[0] != rows or counts.shape[0] != rows:
+        raise ValueError(f"mismatched shapes: {q.shape=}, {kv_cache.shape=}, {slots.shape=}, {counts.shape=}")
+    if kv_cache.dtype not in (jnp.bfloat16, jnp.float32) or q.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"q and kv_cache must be bf16 or f32; got {q.dtype=}, {kv_cache.dtype=}")
+    if slots.dtype != jnp.int32 or counts.dtype != jnp.int32:
+        raise ValueError(f"slots and counts must be int32; got {slots.dtype=}, {counts.dtype=}")
+    rope_dim = width - value_dim
+    # Triton needs power-of-two tiles and dot dimensions of at least 16.
+    if not (_is_power_of_two(value_dim) and _is_power_of_two(rope_dim) and value_dim >= 16 and rope_dim >= 16):
+        raise ValueError(f"value_dim and Dq - value_dim must be powers of two >= 16; got {value_dim=}, Dq={width}")
+    if not (_is_power_of_two(block_h) and block_h >= 16 and num_heads % block_h == 0):
+        raise ValueError(f"block_h must be a power of two >= 16 dividing H; got {block_h=}, H={num_heads}")
+    if not (_is_power_of_two(block_s) and block_s >= 16):
+        raise ValueError(f"block_s must be a power of two >= 16; got {block_s=}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1; got {num_splits=}")
+
+
+def default_num_splits(rows: int, head_blocks: int, num_slots: int, block_s: int) -> int:
+    """Fewest power-of-two splits giving >= _MIN_PROGRAMS programs, at most one split per full block."""
+    max_splits = max(1, min(_MAX_SPLITS, pl.cdiv(num_slots, block_s)))
+    splits = 1
+    while rows * head_blocks * splits < _MIN_PROGRAMS and splits * 2 <= max_splits:
+        splits *= 2
+    return splits
+
+
+def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, interpret=None,
+                      block_h=64, block_s=None, num_splits=None, num_warps=8, num_stages=None):
+    """Absorbed sparse MLA decode; see the module docstring for the contract.
+
+    Knobs: block_h heads per program (min(block_h, H) is used), block_s slots per step, num_splits split-K
+    programs per row (None: `default_num_splits`), num_warps and num_stages for Triton. block_s and num_stages
+    default per cache dtype.
+    """
+    block_h = min(block_h, q.shape[1])
+    default_block_s, default_stages = _DEFAULT_BLOCKS.get(jnp.dtype(kv_cache.dtype), (64, 3))
+    block_s = default_block_s if block_s is None else block_s
+    num_stages = default_stages if num_stages is None else num_stages
+    _check_inputs(q, kv_cache, slots, counts, value_dim, block_h, block_s, num_splits)
+    interpret = default_interpret(interpret)
+    rows, num_heads, width = q.shape
+    num_slots = slots.shape[1]
+    head_blocks = num_heads // block_h
+    if num_splits is None:
+        num_splits = default_num_splits(rows, head_blocks, num_slots, block_s)
+    # HIGHEST makes an f32 cache use IEEE dots instead of TF32; bf16 dots are unaffected.
+    precision = jax.lax.Precision.HIGHEST if kv_cache.dtype == jnp.float32 else None
+    kernel = functools.partial(
+        _sparse_mla_kernel, sm_scale=float(sm_scale), value_dim=value_dim, rope_dim=width - value_dim,
+        block_h=block_h, block_s=block_s, num_splits=num_splits, precision=precision)
+    flat_cache = kv_cache.reshape(-1, width)
+    # Head blocks vary fastest in launch order, so programs sharing a row's KV rows run together (L2 reuse).
+    grid = (head_blocks, num_splits, rows)
+    whole = pl.BlockSpec()
+    outs, lses = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[whole, whole, whole, whole],
+        out_specs=[
+            pl.BlockSpec((None, None, block_h, value_dim), lambda h, n, r: (r, n, h, 0)),
+            pl.BlockSpec((None, None, block_h), lambda h, n, r: (r, n, h)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((rows, num_splits, num_heads, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((rows, num_splits, num_heads), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"sparse_mla_decode_{block_h=}_{block_s=}_{num_splits=}",
+    )(slots, counts, q, flat_cache)
+    if num_splits == 1:
+        return outs[:, 0], lses[:, 0]
+    return merge_splits(outs, lses)

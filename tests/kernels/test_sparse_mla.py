@@ -1,0 +1,157 @@
+"""Tests of pallas_kernels/sparse_mla.py against reference.sparse_mla_decode (interpreted on CPU, compiled on GPU).
+
+Cache rows that no valid slot names hold NaN and slots past a row's count name those rows, -1 or ids far outside
+the cache, so any use of a slot past the count turns the output NaN (or faults on the GPU). The interpreter fills
+unwritten outputs with NaN, so a finite result proves every element was written.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import reference, sparse_mla
+
+# name -> (rows, heads, value_dim, rope_dim, slots, pages, page_size): tiny for the interpreter, real for the GPU.
+SHAPES = {
+    "tiny": (3, 16, 64, 16, 40, 8, 16),
+    "tiny_h64": (2, 64, 64, 16, 40, 8, 16),
+    "tiny_h128": (2, 128, 64, 16, 40, 8, 16),
+    "deepseek_tiny_s": (2, 16, 512, 64, 24, 4, 16),
+    "deepseek": (4, 128, 512, 64, 2048, 512, 64),
+}
+# Relative Frobenius error of out, max abs error of lse. bf16 rounds the softmax weights before the value dot.
+TOLERANCE = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (1e-2, 1e-3)}
+
+
+def _make_inputs(seed, shape, counts, dtype):
+    rows, heads, value_dim, rope_dim, num_slots, pages, page_size = shape
+    rng = np.random.default_rng(seed)
+    width = value_dim + rope_dim
+    counts = np.asarray(counts, np.int32)
+    assert counts.shape == (rows,)
+    slots = np.full((rows, num_slots), -1, np.int32)
+    for r, count in enumerate(counts):
+        slots[r, :count] = rng.permutation(pages * page_size)[:count]
+    is_named = np.zeros(pages * page_size, bool)
+    is_named[slots[slots >= 0]] = True
+    # Past the count: ids of NaN rows, -1, and ids far outside the cache.
+    garbage = np.concatenate([np.flatnonzero(~is_named), [-1, 2**30, -(2**30)]])
+    for r, count in enumerate(counts):
+        slots[r, count:] = rng.choice(garbage, size=num_slots - count)
+    cache = rng.standard_normal((pages * page_size, width)).astype(np.float32)
+    cache[~is_named] = np.nan
+    q = rng.standard_normal((rows, heads, width)).astype(np.float32)
+    return (jnp.asarray(q, dtype), jnp.asarray(cache.reshape(pages, page_size, width), dtype),
+            jnp.asarray(slots), jnp.asarray(counts))
+
+
+def _reference(q, kv_cache, slots, counts, sm_scale, value_dim):
+    # The reference gathers clamped slots for every column; give it a NaN-free cache (masked columns drop out).
+    clean = jnp.nan_to_num(kv_cache.astype(jnp.float32), nan=0.0)
+    return reference.sparse_mla_decode(q.astype(jnp.float32), clean, slots, counts, sm_scale, value_dim=value_dim)
+
+
+def _check(out, lse, ref_out, ref_lse, counts, dtype):
+    out_tol, lse_tol = TOLERANCE[dtype]
+    assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert not np.isnan(np.asarray(out)).any() and not np.isnan(np.asarray(lse)).any()
+    is_empty = np.asarray(counts) <= 0
+    np.testing.assert_array_equal(np.asarray(out)[is_empty], 0.0)
+    np.testing.assert_array_equal(np.asarray(lse)[is_empty], -np.inf)
+    full = ~is_empty
+    if full.any():
+        err = np.linalg.norm(np.asarray(out - ref_out)[full]) / np.linalg.norm(np.asarray(ref_out)[full])
+        assert err < out_tol, f"{err=}"
+        np.testing.assert_allclose(np.asarray(lse)[full], np.asarray(ref_lse)[full], rtol=0, atol=lse_tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    ("shape_name", "counts", "num_splits"),
+    [
+        ("tiny", [0, 1, 40], 1),           # empty, single slot, full row
+        ("tiny", [17, 33, 5], 3),          # not multiples of the block; splits left empty
+        ("tiny", [40, 0, 23], None),       # default split count
+        ("tiny_h64", [31, 40], 2),
+        ("tiny_h128", [40, 9], None),
+        ("deepseek_tiny_s", [24, 0], 2),
+    ],
+)
+def test_matches_reference(shape_name, counts, num_splits, dtype):
+    shape = SHAPES[shape_name]
+    value_dim = shape[2]
+    q, kv_cache, slots, counts = _make_inputs(sum(counts), shape, counts, dtype)
+    sm_scale = 0.3
+    out, lse = sparse_mla.sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, value_dim=value_dim,
+                                            block_s=16, num_splits=num_splits)
+    ref_out, ref_lse = _reference(q, kv_cache, slots, counts, sm_scale, value_dim)
+    _check(out, lse, ref_out, ref_lse, counts, dtype)
+
+
+def test_counts_past_slots_act_as_slots():
+    shape = SHAPES["tiny"]
+    q, kv_cache, slots, counts = _make_inputs(1, shape, [40, 40, 3], jnp.float32)
+    out, lse = sparse_mla.sparse_mla_decode(q, kv_cache, slots, jnp.array([99, 40, -5], jnp.int32), 0.3,
+                                            value_dim=64, block_s=16)
+    ref_out, ref_lse = _reference(q, kv_cache, slots, jnp.array([40, 40, 0], jnp.int32), 0.3, 64)
+    _check(out, lse, ref_out, ref_lse, jnp.array([40, 40, 0]), jnp.float32)
+
+
+def test_merge_splits_matches_whole_row():
+    # Attend over two disjoint parts of each row, then merge; part 1 of row 1 and both parts of row 2 are empty.
+    shape = SHAPES["tiny"]
+    q, kv_cache, slots, _ = _make_inputs(2, shape, [40, 40, 40], jnp.float32)
+    first = jnp.array([25, 30, 0], jnp.int32)
+    second = jnp.array([15, 0, 0], jnp.int32)
+    # Part 2 reads the slots after part 1's, shifted to the front (compacted).
+    shifted = jax.vmap(lambda row, n: jnp.roll(row, -n))(slots, first)
+    out_a, lse_a = _reference(q, kv_cache, slots, first, 0.3, 64)
+    out_b, lse_b = _reference(q, kv_cache, shifted, second, 0.3, 64)
+    out, lse = sparse_mla.merge_splits(jnp.stack([out_a, out_b], axis=1), jnp.stack([lse_a, lse_b], axis=1))
+    ref_out, ref_lse = _reference(q, kv_cache, slots, first + second, 0.3, 64)
+    _check(out, lse, ref_out, ref_lse, first + second, jnp.float32)
+
+
+def test_default_num_splits_fills_the_gpu():
+    assert sparse_mla.default_num_splits(64, 2, 2048, 64) == 1
+    assert sparse_mla.default_num_splits(8, 2, 2048, 64) == 8
+    assert sparse_mla.default_num_splits(1, 2, 2048, 64) == 16
+    # Never more splits than full blocks.
+    assert sparse_mla.default_num_splits(1, 1, 100, 64) == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(q=jnp.zeros((2, 16, 80))[0]), "want q"),
+        (dict(kv_cache=jnp.zeros((4, 16, 96))), "mismatched"),
+        (dict(counts=jnp.zeros((3,), jnp.int32)), "mismatched"),
+        (dict(kv_cache=jnp.zeros((4, 16, 80), jnp.float16)), "bf16 or f32"),
+        (dict(slots=jnp.zeros((2, 8), jnp.float32)), "int32"),
+        (dict(value_dim=48), "powers of two"),
+        (dict(q=jnp.zeros((2, 48, 80)), block_h=64), "block_h"),
+        (dict(block_s=24), "block_s"),
+        (dict(num_splits=0), "num_splits"),
+    ],
+)
+def test_rejects_bad_inputs(change, message):
+    args = dict(q=jnp.zeros((2, 16, 80)), kv_cache=jnp.zeros((4, 16, 80)), slots=jnp.zeros((2, 8), jnp.int32),
+                counts=jnp.zeros((2,), jnp.int32), value_dim=64)
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        sparse_mla.sparse_mla_decode(args.pop("q"), args.pop("kv_cache"), args.pop("slots"), args.pop("counts"),
+                                     0.1, **args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("num_splits", [1, 4, None])
+def test_real_shape_on_gpu(dtype, num_splits):
+    shape = SHAPES["deepseek"]
+    q, kv_cache, slots, counts = _make_inputs(3, shape, [2048, 0, 1, 700], dtype)
+    out, lse = jax.jit(lambda *a: sparse_mla.sparse_mla_decode(*a, 0.1352, num_splits=num_splits))(
+        q, kv_cache, slots, counts)
+    ref_out, ref_lse = _reference(q, kv_cache, slots, counts, 0.1352, 512)
+    _check(out, lse, ref_out, ref_lse, counts, dtype)
