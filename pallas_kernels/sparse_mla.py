@@ -128,8 +128,8 @@ def _check_inputs(q, kv_cache, slots, counts, value_dim, block_h, block_s, num_s
     # Triton needs power-of-two tiles and dot dimensions of at least 16.
     if not (_is_power_of_two(value_dim) and _is_power_of_two(rope_dim) and value_dim >= 16 and rope_dim >= 16):
         raise ValueError(f"value_dim and Dq - value_dim must be powers of two >= 16; got {value_dim=}, Dq={width}")
-    if not (_is_power_of_two(block_h) and block_h >= 16 and num_heads % block_h == 0):
-        raise ValueError(f"block_h must be a power of two >= 16 dividing H; got {block_h=}, H={num_heads}")
+    if not (_is_power_of_two(block_h) and block_h >= 16):
+        raise ValueError(f"block_h must be a power of two >= 16; got {block_h=}")
     if not (_is_power_of_two(block_s) and block_s >= 16):
         raise ValueError(f"block_s must be a power of two >= 16; got {block_s=}")
     if num_splits is not None and num_splits < 1:
@@ -149,19 +149,26 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, in
                       block_h=64, block_s=None, num_splits=None, num_warps=8, num_stages=None):
     """Absorbed sparse MLA decode; see the module docstring for the contract.
 
-    Knobs: block_h heads per program (min(block_h, H) is used), block_s slots per step, num_splits split-K
-    programs per row (None: `default_num_splits`), num_warps and num_stages for Triton. block_s and num_stages
-    default per cache dtype.
+    Knobs: block_h heads per program (at most; the largest power of two <= block_h dividing the padded H is
+    used), block_s slots per step, num_splits split-K programs per row (None: `default_num_splits`), num_warps
+    and num_stages for Triton. block_s and num_stages default per cache dtype. H that is not a multiple of 16
+    is padded with zero queries (Triton dots need >= 16 rows) whose outputs are dropped.
     """
-    block_h = min(block_h, q.shape[1])
     default_block_s, default_stages = _DEFAULT_BLOCKS.get(jnp.dtype(kv_cache.dtype), (64, 3))
     block_s = default_block_s if block_s is None else block_s
     num_stages = default_stages if num_stages is None else num_stages
     _check_inputs(q, kv_cache, slots, counts, value_dim, block_h, block_s, num_splits)
     interpret = default_interpret(interpret)
-    rows, num_heads, width = q.shape
+    num_heads = q.shape[1]
+    padded_heads = pl.cdiv(num_heads, 16) * 16
+    if padded_heads != num_heads:
+        q = jnp.pad(q, ((0, 0), (0, padded_heads - num_heads), (0, 0)))
+    block_h = min(block_h, padded_heads)
+    while padded_heads % block_h:
+        block_h //= 2
+    rows, _, width = q.shape
     num_slots = slots.shape[1]
-    head_blocks = num_heads // block_h
+    head_blocks = padded_heads // block_h
     if num_splits is None:
         num_splits = default_num_splits(rows, head_blocks, num_slots, block_s)
     # HIGHEST makes an f32 cache use IEEE dots instead of TF32; bf16 dots are unaffected.
@@ -182,13 +189,12 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, in
             pl.BlockSpec((None, None, block_h), lambda h, n, r: (r, n, h)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((rows, num_splits, num_heads, value_dim), jnp.float32),
-            jax.ShapeDtypeStruct((rows, num_splits, num_heads), jnp.float32),
+            jax.ShapeDtypeStruct((rows, num_splits, padded_heads, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((rows, num_splits, padded_heads), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"sparse_mla_decode_{block_h=}_{block_s=}_{num_splits=}",
     )(slots, counts, q, flat_cache)
-    if num_splits == 1:
-        return outs[:, 0], lses[:, 0]
-    return merge_splits(outs, lses)
+    out, lse = (outs[:, 0], lses[:, 0]) if num_splits == 1 else merge_splits(outs, lses)
+    return out[:, :num_heads], lse[:, :num_heads]

@@ -17,6 +17,8 @@ SHAPES = {
     "tiny": (3, 16, 64, 16, 40, 8, 16),
     "tiny_h64": (2, 64, 64, 16, 40, 8, 16),
     "tiny_h128": (2, 128, 64, 16, 40, 8, 16),
+    "tiny_h8_padded": (2, 8, 64, 16, 40, 8, 16),
+    "tiny_h48_padded": (2, 48, 64, 16, 40, 8, 16),
     "deepseek_tiny_s": (2, 16, 512, 64, 24, 4, 16),
     "deepseek": (4, 128, 512, 64, 2048, 512, 64),
 }
@@ -77,6 +79,8 @@ def _check(out, lse, ref_out, ref_lse, counts, dtype):
         ("tiny_h64", [31, 40], 2),
         ("tiny_h128", [40, 9], None),
         ("deepseek_tiny_s", [24, 0], 2),
+        ("tiny_h8_padded", [40, 3], 2),    # H < 16: zero-padded query heads, outputs dropped
+        ("tiny_h48_padded", [0, 29], None),  # H = 48: blocks of 16 heads
     ],
 )
 def test_matches_reference(shape_name, counts, num_splits, dtype):
@@ -131,7 +135,8 @@ def test_default_num_splits_fills_the_gpu():
         (dict(kv_cache=jnp.zeros((4, 16, 80), jnp.float16)), "bf16 or f32"),
         (dict(slots=jnp.zeros((2, 8), jnp.float32)), "int32"),
         (dict(value_dim=48), "powers of two"),
-        (dict(q=jnp.zeros((2, 48, 80)), block_h=64), "block_h"),
+        (dict(block_h=24), "block_h"),
+        (dict(block_h=8), "block_h"),
         (dict(block_s=24), "block_s"),
         (dict(num_splits=0), "num_splits"),
     ],
