@@ -1,0 +1,249 @@
+"""Benchmark of pallas_kernels/indexer.py on one GPU: correctness vs the reference, then a timing table.
+
+Run from the repo root: `PYTHONPATH=. python3 bench/bench_indexer.py [--check] [--table] [--modes fp8,bf16]
+[--knobs JSON]` (`--knobs '{"chunk_t": 64}'` times other tuning knobs than the defaults).
+Shapes: DeepSeek-V3.2 indexer, Hi=64, Di=128, page 64; B in {1, 8, 32, 64} rows of L in {4K, 16K, 64K, 128K}
+tokens each; fp8 (132 B/token: e4m3 key + f32 scale) and bf16 (256 B/token) keys.
+Timing: each call runs after an L2 flush on one of ROTATE block tables (random pages of a key pool of 8M
+tokens, >= 1 GB, far above the 60 MB L2). Kernel time = median CUPTI duration of the indexer kernel over RUNS
+calls, read from one JAX profiler trace around the table (wall clock minus an empty program's time where the
+trace has no GPU events); XLA reference time = median wall time minus the same empty-program time. One
+compile per shape: XLA compiles a Triton kernel in seconds, far longer than it runs.
+Effective TB/s counts key and scale bytes of the valid tokens; the copy ceiling (x -> x + 1 on 4 GB, read +
+write) is measured in the same run.
+Full logs go to $OUT (or ./out) as bench_indexer.{log,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.profiler import ProfileData
+
+from pallas_kernels import indexer, quant, reference
+
+HEADS, DIM, PAGE = 64, 128, 64
+BATCHES, LENGTHS = (1, 8, 32, 64), (4096, 16384, 65536, 131072)
+POOL_PAGES = 64 * 131072 // PAGE  # the largest shape's tokens: 1.1 GB fp8, 2.1 GB bf16
+ROTATE, RUNS = 4, 10
+CHECK_LENS = (0, 1, 63, 64, 1000, 8191, 12345, 16384)  # one row each, 16K columns (4K for f32)
+KEY_BYTES = {"fp8": DIM + 4, "bf16": 2 * DIM}
+
+_START = time.perf_counter()
+_LOG: list[str] = []
+
+
+def log(line=""):
+    print(line, flush=True)
+    _LOG.append(line)
+
+
+def elapsed():
+    return time.perf_counter() - _START
+
+
+def make_pool(mode, key):
+    """Key cache pool [POOL_PAGES, PAGE, DIM] and its per-token scale (None for bf16)."""
+    keys = jax.random.normal(key, (POOL_PAGES, PAGE, DIM), jnp.bfloat16)
+    if mode == "fp8":
+        return jax.jit(quant.quantize_index_keys)(keys)
+    return keys, None
+
+
+def make_queries(mode, rows, key):
+    key_q, key_w = jax.random.split(key)
+    q = jax.random.normal(key_q, (rows, HEADS, DIM), jnp.float32)
+    weights = jax.random.normal(key_w, (rows, HEADS), jnp.float32) * HEADS**-0.5
+    if mode == "fp8":
+        return quant.quantize_index_queries(q, weights)
+    return q.astype(jnp.bfloat16), weights * DIM**-0.5
+
+
+def block_tables_for(rows, length, seed, lens=None):
+    """Distinct random pool pages for each row's first ceil(len/PAGE) blocks, -1 after."""
+    rng = np.random.default_rng(seed)
+    blocks = length // PAGE
+    tables = rng.permutation(POOL_PAGES)[: rows * blocks].reshape(rows, blocks).astype(np.int32)
+    if lens is not None:
+        tables[np.arange(blocks)[None, :] >= -(-np.asarray(lens)[:, None] // PAGE)] = -1
+    return jnp.asarray(tables)
+
+
+_flush_buffer = None
+
+
+def flush_l2():
+    global _flush_buffer
+    if _flush_buffer is None:
+        _flush_buffer = jnp.zeros((64 << 20,), jnp.int32)  # 256 MB > 60 MB L2
+    _flush_buffer = jax.block_until_ready(_flush(_flush_buffer))
+
+
+@jax.jit
+def _flush(x):
+    return x + 1
+
+
+def timed(fn, args):
+    """Median wall seconds of fn(*args[i % len(args)]) over RUNS calls, each after an L2 flush."""
+    jax.block_until_ready(fn(*args[0]))
+    samples = []
+    for i in range(RUNS):
+        flush_l2()
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args[i % len(args)]))
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+_overhead = None
+
+
+def overhead_seconds():
+    """Dispatch-and-sync time of an almost empty program, subtracted from every timing."""
+    global _overhead
+    if _overhead is None:
+        _overhead = timed(jax.jit(lambda x: x + 1), [(jnp.zeros((8,), jnp.float32),)])
+    return _overhead
+
+
+def copy_tbps():
+    big = jnp.zeros((1 << 30,), jnp.int32)  # 4 GB
+    seconds = timed(jax.jit(lambda x: x + 1), [(big,)]) - overhead_seconds()
+    return 2 * big.nbytes / seconds / 1e12
+
+
+def time_kernel(pool, mode, rows, length, seed=0, *, with_reference=False, **knobs):
+    """Wall-clock timings of one shape; kernel_us is filled from the profiler trace by kernel_times()."""
+    k_cache, k_scale = pool
+    q, weights = make_queries(mode, rows, jax.random.key(seed))
+    lens = jnp.full((rows,), length, jnp.int32)
+    args = [(q, weights, k_cache, block_tables_for(rows, length, seed * 100 + i), lens) for i in range(ROTATE)]
+    kernel = jax.jit(lambda *a: indexer.indexer_logits(*a, k_scale=k_scale, interpret=False, **knobs))
+    result = dict(mode=mode, B=rows, L=length, knobs=knobs, bytes=rows * length * KEY_BYTES[mode],
+                  wall_us=(timed(kernel, args) - overhead_seconds()) * 1e6, xla_us=float("nan"))
+    if with_reference:
+        ref = jax.jit(lambda *a: reference.indexer_logits(*a, k_scale=k_scale))
+        result["xla_us"] = (timed(ref, args) - overhead_seconds()) * 1e6
+    return result
+
+
+def kernel_times(trace_dir, calls_per_shape):
+    """Durations (us) of the indexer kernels in a trace, grouped by call order: calls_per_shape per shape."""
+    lines = {}
+    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+            if plane.name.startswith("/device:GPU"):
+                for line in plane.lines:
+                    lines.setdefault(line.name, []).extend(
+                        (e.start_ns, e.duration_ns / 1e3) for e in line.events if "indexer" in e.name)
+    events = sorted(max(lines.values(), key=len, default=[]))  # one stream line, not its summaries
+    return [[us for _, us in events[i:i + calls_per_shape]] for i in range(0, len(events), calls_per_shape)]
+
+
+def check(pools):
+    """Relative error vs the reference on the GPU, mixed lengths incl. 0, 1, partial pages, full rows."""
+    log("== correctness on GPU: kernel (default knobs) vs reference.indexer_logits (HIGHEST) ==")
+    log(f"{'mode':<12}{'B':>4}{'L':>7}  {'rel err':>9}  {'-inf mismatches':>15}  {'nan':>4}")
+    mixed = np.array(CHECK_LENS, np.int32)
+    results = []
+    for mode in ("fp8", "bf16", "f32", "bf16q-fp8k"):
+        length, lens = (mixed[-1] // 4, mixed.clip(0, mixed[-1] // 4)) if mode == "f32" else (mixed[-1], mixed)
+        key_mode = "bf16" if mode in ("bf16", "f32") else "fp8"
+        k_cache, k_scale = pools[key_mode]
+        q, weights = make_queries(key_mode, len(lens), jax.random.key(7))
+        tables = block_tables_for(len(lens), length, 7, lens)
+        if mode == "f32":
+            q, k_cache = q.astype(jnp.float32), k_cache[: len(lens) * length // PAGE].astype(jnp.float32)
+            tables = jnp.where(tables >= 0, tables % k_cache.shape[0], -1)
+        if mode == "bf16q-fp8k":
+            q = q.astype(jnp.bfloat16)
+        lens = jnp.asarray(lens)
+        args = (q, weights, k_cache, tables, lens)
+        out = np.asarray(jax.jit(lambda *a: indexer.indexer_logits(*a, k_scale=k_scale, interpret=False))(*args))
+        ref = np.asarray(jax.jit(lambda *a: reference.indexer_logits(*a, k_scale=k_scale))(*args))
+        is_valid = np.arange(ref.shape[1])[None, :] < np.asarray(lens)[:, None]
+        err = float(np.linalg.norm(out[is_valid] - ref[is_valid]) / np.linalg.norm(ref[is_valid]))
+        inf_bad = int((np.isneginf(out) != ~is_valid).sum())
+        nans = int(np.isnan(out).sum())
+        log(f"{mode:<12}{len(lens):>4}{length:>7}  {err:9.2e}  {inf_bad:>15}  {nans:>4}")
+        results.append(dict(mode=mode, B=len(lens), L=length, rel_err=err, inf_mismatch=inf_bad, nan=nans))
+    return results
+
+
+def table(pools, modes, knobs, budget, reference_budget):
+    """Kernel and XLA reference per shape, while time is left; kernel times from one profiler trace."""
+    log(f"== table: kernel ({knobs or 'default knobs'}) vs XLA reference ==")
+    results = []
+    trace_dir = tempfile.mkdtemp()
+    jax.profiler.start_trace(trace_dir)
+    for mode in modes:
+        for rows in BATCHES:
+            for length in LENGTHS:
+                if elapsed() > budget:
+                    log(f"budget reached before {mode} B={rows} L={length}")
+                    break
+                r = time_kernel(pools[mode], mode, rows, length, with_reference=elapsed() < reference_budget,
+                                **knobs)
+                log(f"{mode} B={rows} L={length}: wall {r['wall_us']:.1f} us, xla {r['xla_us']:.1f} us   "
+                    f"[{elapsed():.0f} s]")
+                results.append(r)
+    jax.profiler.stop_trace()
+    groups = kernel_times(trace_dir, RUNS + 1)  # the first call of each shape compiles and warms up
+    if len(groups) != len(results):
+        log(f"profiler: {len(groups)} kernel groups for {len(results)} shapes; using wall-clock times")
+    for i, r in enumerate(results):
+        timed_calls = groups[i][1:] if len(groups) == len(results) else []
+        r["kernel_us"] = statistics.median(timed_calls) if timed_calls else float("nan")
+        r["us"] = r["kernel_us"] if timed_calls else r["wall_us"]
+        r["tbps"] = r["bytes"] / (r["us"] * 1e-6) / 1e12
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--modes", default="fp8,bf16", help="key modes of the table, comma-separated")
+    parser.add_argument("--knobs", default="{}", help="JSON keyword knobs for indexer_logits (default: none)")
+    parser.add_argument("--table", action="store_true")
+    parser.add_argument("--budget", type=float, default=200.0, help="seconds; later steps are skipped past it")
+    parser.add_argument("--reference-budget", type=float, default=150.0, help="seconds; XLA timings stop here")
+    args = parser.parse_args()
+    out_dir = os.environ.get("OUT", "out")
+    os.makedirs(out_dir, exist_ok=True)
+    log(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
+    pools = {mode: jax.block_until_ready(make_pool(mode, jax.random.key(1))) for mode in ("fp8", "bf16")}
+    copy = copy_tbps()
+    log(f"copy bandwidth (read + write, 4 GB): {copy:.2f} TB/s; empty-program overhead "
+        f"{overhead_seconds() * 1e6:.0f} us   [{elapsed():.0f} s]")
+    report = dict(device=jax.devices()[0].device_kind, copy_tbps=copy, overhead_us=overhead_seconds() * 1e6)
+    if args.check:
+        report["check"] = check(pools)
+    knobs = json.loads(args.knobs)
+    if args.table:
+        report["table"] = table(pools, args.modes.split(","), knobs, args.budget, args.reference_budget)
+    with open(os.path.join(out_dir, "bench_indexer.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    if report.get("table"):
+        log(f"== indexer logits, {report['device']}, Hi={HEADS} Di={DIM} page={PAGE}, knobs {knobs or 'default'}; "
+            f"copy {copy:.2f} TB/s ==")
+        log(f"{'mode':<5}{'B':>4}{'L':>8}{'kernel us':>11}{'XLA us':>10}{'speedup':>9}{'TB/s':>7}{'% copy':>8}")
+        for r in report["table"]:
+            log(f"{r['mode']:<5}{r['B']:>4}{r['L']:>8}{r['us']:>11.1f}{r['xla_us']:>10.1f}"
+                f"{r['xla_us'] / r['us']:>9.1f}{r['tbps']:>7.2f}{100 * r['tbps'] / copy:>8.0f}")
+    log(f"done in {elapsed():.0f} s")
+    with open(os.path.join(out_dir, "bench_indexer.log"), "w") as f:
+        f.write("\n".join(_LOG) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Lightning-indexer logits over a paged index-K cache (Pallas, Triton backend on GPU).
+
+Contract: q [R, Hi, Di] (f32, bf16 or float8_e4m3fn), weights [R, Hi] f32 with every scale folded in,
+k_cache [num_pages, page, Di] (f32, bf16 or float8_e4m3fn), block_tables [R, max_blocks] int32 page ids,
+lens [R] int32 local lengths (0 <= lens[r] <= max_blocks * page, computed on the host), optional
+k_scale [num_pages, page] f32 per token. Returns f32 [R, max_blocks * page]:
+`sum_h weights[r,h] * relu(q[r,h] . k_t) * k_scale[t]` for t < lens[r], -inf elsewhere.
+Block-table entries past a row's length (-1 on pad rows) are never read, nor are keys past it. q and keys
+are multiplied in the wider of their dtypes with f32 accumulation (fp8 x fp8 products are exact: Triton runs
+them as f16); f32 inputs use full-precision f32 dots. The wrapper pads Hi to a power of two >= 16 with
+zero-weight heads; Di must be a power of two >= 16 and tokens need no alignment (any page size works).
+
+Grid (R, ceil(max_blocks*page / block_t)): a program owns block_t tokens of one row and walks them in chunks
+of chunk_t tokens; each chunk gathers its keys once ([chunk_t, Di], one row per token through the block
+table) and scores all heads with one dot [chunk_t, Di] x [Di, Hi]; relu, weights and the head sum stay in
+registers. Chunks at or past the row's length only store -inf.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._platform import default_interpret
+
+# Pallas' Triton backend is what runs on the GPU today; its deprecation notice fires on every lowering.
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
+
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
+_MIN_DOT_DIM = 16  # smallest M, N, K of a Triton tensor-core dot
+# Automatic block_t: long programs amortize the q load and pipeline their chunks, but at least about four
+# programs per SM (132 on an H200) keep every SM streaming at small batch sizes.
+_MAX_BLOCK_T, _MIN_PROGRAMS = 1024, 512
+
+
+def _indexer_kernel(q_ref, weights_ref, k_ref, k_scale_ref, block_tables_ref, lens_ref,  # inputs
+                    out_ref,  # output
+                    *, page_size: int, max_blocks: int, chunk_t: int, precision):
+    row, split = pl.program_id(0), pl.program_id(1)
+    block_t = out_ref.shape[0]
+    start = split * block_t
+    length = lens_ref[0]
+    num_chunks = block_t // chunk_t
+    num_valid = jnp.clip(pl.cdiv(length - start, chunk_t), 0, num_chunks)
+    q = q_ref[...]  # [Hi, Di]
+    weights = weights_ref[...]  # [Hi]
+    num_cols = k_ref.shape[1]
+    cols = lax.broadcasted_iota(jnp.int32, (1, num_cols), 1)  # [1, Di]
+
+    def score_chunk(c, carry):
+        t = start + c * chunk_t + lax.iota(jnp.int32, chunk_t)  # [chunk_t] token positions in the row
+        is_valid = t < length
+        # Masked loads: entries past the length (-1 page ids, tail keys) cost no memory traffic.
+        page = plgpu.load(block_tables_ref.at[row * max_blocks + t // page_size], mask=is_valid, other=0)
+        slot = page * page_size + t % page_size
+        # A mask constant along Di (a broadcast) keeps the row loads 16 bytes wide.
+        row_mask = jnp.broadcast_to(is_valid[:, None], (chunk_t, num_cols))
+        keys = plgpu.load(k_ref.at[slot[:, None], cols], mask=row_mask, other=jnp.zeros((), k_ref.dtype))
+        dots = lax.dot_general(keys.astype(q.dtype), q, (((1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)  # [chunk_t, Hi]
+        logits = jnp.sum(jnp.maximum(dots, 0.0) * weights[None, :], axis=1)
+        if k_scale_ref is not None:
+            logits = logits * plgpu.load(k_scale_ref.at[slot], mask=is_valid, other=0.0)
+        out_ref[pl.ds(c * chunk_t, chunk_t)] = jnp.where(is_valid, logits, -jnp.inf)
+        return carry
+
+    def store_empty_chunk(c, carry):
+        out_ref[pl.ds(c * chunk_t, chunk_t)] = jnp.full((chunk_t,), -jnp.inf, jnp.float32)
+        return carry
+
+    lax.fori_loop(0, num_valid, score_chunk, None)
+    lax.fori_loop(num_valid, num_chunks, store_empty_chunk, None)
+
+
+def _check_inputs(q, weights, k_cache, block_tables, lens, k_scale):
+    if q.ndim != 3 or k_cache.ndim != 3 or block_tables.ndim != 2:
+        raise ValueError(f"need q [R, Hi, Di], k_cache [pages, page, Di], block_tables [R, P]; got "
+                         f"{q.shape=} {k_cache.shape=} {block_tables.shape=}")
+    rows, heads, dim = q.shape
+    num_pages, page_size, _ = k_cache.shape
+    if weights.shape != (rows, heads) or lens.shape != (rows,) or block_tables.shape[0] != rows:
+        raise ValueError(f"row/head mismatch: {q.shape=} {weights.shape=} {block_tables.shape=} {lens.shape=}")
+    if k_cache.shape[2] != dim:
+        raise ValueError(f"head dim mismatch: {q.shape=} {k_cache.shape=}")
+    if dim < _MIN_DOT_DIM or dim & (dim - 1):
+        raise ValueError(f"Di must be a power of two >= {_MIN_DOT_DIM}, got {q.shape=}")
+    if jnp.dtype(q.dtype) not in _DTYPES or jnp.dtype(k_cache.dtype) not in _DTYPES:
+        raise ValueError(f"q and k_cache must be f32, bf16 or float8_e4m3fn; got {q.dtype=} {k_cache.dtype=}")
+    if block_tables.dtype != jnp.int32 or lens.dtype != jnp.int32:
+        raise ValueError(f"block_tables and lens must be int32; got {block_tables.dtype=} {lens.dtype=}")
+    if k_scale is not None and (k_scale.shape != (num_pages, page_size) or k_scale.dtype != jnp.float32):
+        raise ValueError(f"k_scale must be f32 [pages, page]; got {k_scale.shape=} {k_scale.dtype=} "
+                         f"for {k_cache.shape=}")
+
+
+def _pow2_at_least(n):
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, interpret=None,
+                   block_t=None, chunk_t=128, num_warps=4, num_stages=3):
+    """Indexer logits f32 [R, max_blocks * page]; see the module docstring for the contract.
+
+    Tuning knobs: block_t tokens per program (None: the largest power of two <= 1024 that still gives 512
+    programs, so small batches fill the GPU), chunk_t tokens per dot (powers of two, chunk_t <= block_t; both
+    shrink to fit short rows), num_warps and num_stages for Triton. Defaults: the fastest timed by
+    bench/bench_indexer.py on an H200 at fp8 B=64 L=64K (docs/perf_indexer.md).
+    """
+    _check_inputs(q, weights, k_cache, block_tables, lens, k_scale)
+    interpret = default_interpret(interpret)
+    rows, heads, dim = q.shape
+    num_pages, page_size, _ = k_cache.shape
+    max_blocks = block_tables.shape[1]
+    num_tokens = max_blocks * page_size
+    if block_t is None:
+        block_t = _MAX_BLOCK_T
+        while block_t > chunk_t and rows * pl.cdiv(num_tokens, block_t) < _MIN_PROGRAMS:
+            block_t //= 2
+    if chunk_t < _MIN_DOT_DIM or chunk_t & (chunk_t - 1) or block_t % chunk_t or block_t & (block_t - 1):
+        raise ValueError(f"need powers of two {_MIN_DOT_DIM} <= chunk_t <= block_t, got {chunk_t=} {block_t=}")
+    chunk_t = min(chunk_t, max(_pow2_at_least(num_tokens), _MIN_DOT_DIM))
+    block_t = max(min(block_t, _pow2_at_least(num_tokens)), chunk_t)
+    num_splits = pl.cdiv(num_tokens, block_t)
+
+    # The wider of the two (f32 > bf16 > fp8): jnp refuses to promote 8-bit floats implicitly. An fp8 x fp8 dot
+    # stays fp8 in the kernel: Pallas gives Triton no imprecise-accumulation allowance, so Triton multiplies it
+    # as exact f16 on mma.sync rather than fp8 wgmma, yet it keeps 16-byte key loads; casting to f16 here got
+    # wgmma but 8-byte loads and measured 1.4x slower (bench/bench_indexer.py, H200, B=64 L=64K).
+    compute_dtype = max(jnp.dtype(q.dtype), jnp.dtype(k_cache.dtype), key=lambda d: d.itemsize)
+    # Zero heads with zero weight add relu(0) * 0 = 0; they lift Hi to a legal dot width.
+    padded_heads = max(_pow2_at_least(heads), _MIN_DOT_DIM)
+    q = jnp.pad(q.astype(compute_dtype), ((0, 0), (0, padded_heads - heads), (0, 0)))
+    weights = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, padded_heads - heads)))
+    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else lax.Precision.DEFAULT
+
+    kernel = functools.partial(_indexer_kernel, page_size=page_size, max_blocks=max_blocks, chunk_t=chunk_t,
+                               precision=precision)
+    out = pl.pallas_call(
+        kernel,
+        grid=(rows, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, padded_heads, dim), lambda r, s: (r, 0, 0)),  # q
+            pl.BlockSpec((None, padded_heads), lambda r, s: (r, 0)),  # weights
+            pl.no_block_spec,  # k_cache as [pages * page, Di]: gathered by slot
+            None if k_scale is None else pl.no_block_spec,  # k_scale as [pages * page]
+            pl.no_block_spec,  # block_tables as [R * P]
+            pl.BlockSpec((1,), lambda r, s: (r,)),  # lens
+        ],
+        out_specs=pl.BlockSpec((None, block_t), lambda r, s: (r, s)),
+        out_shape=jax.ShapeDtypeStruct((rows, num_splits * block_t), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"indexer_logits_{block_t=}_{chunk_t=}",
+    )(
+        q,
+        weights,
+        k_cache.reshape(num_pages * page_size, dim),
+        None if k_scale is None else k_scale.reshape(num_pages * page_size),
+        block_tables.reshape(rows * max_blocks),
+        lens,
+    )
+    # Only when the row width is not a multiple of block_t (never for power-of-two max_blocks * page).
+    return out if out.shape[1] == num_tokens else out[:, :num_tokens]

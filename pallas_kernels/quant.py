@@ -1,0 +1,72 @@
+"""fp8 lightning-indexer inputs as DeepSeek-V3.2 builds them (spec 1.2); plain jnp, no kernel.
+
+Formulas (Di = index head dim, a power of two):
+- `hadamard(x) = x @ H_Di * Di^-0.5` with H_Di the Sylvester Hadamard matrix: orthogonal and symmetric, so
+  `hadamard(q) . hadamard(k) == q . k` in exact arithmetic. It spreads outlier channels before quantization.
+- `quantize_e4m3_ue8m0(x)`: `scale = 2^ceil(log2(max(amax, 1e-4) / 448))` (ue8m0: a power of two, rounded up
+  so `|x| / scale <= 448`, the largest e4m3 value), `x8 = e4m3(x / scale)`; dividing by a power of two is exact.
+- Index keys: one scale per token, `k8, k_scale = quantize(hadamard(k))`: 128 B fp8 + 4 B f32 = 132 B/token at
+  Di = 128.
+- Index queries: one scale per (row, head), `q8, q_scale = quantize(hadamard(q))`, folded into the head weights
+  with the dot scale: since relu(c * a) = c * relu(a) for c > 0,
+  `sum_h w[h] * relu(q[h] . k * Di^-0.5) ~= k_scale * sum_h (w[h] * q_scale[h] * Di^-0.5) * relu(q8[h] . k8)`,
+  which is what `indexer.indexer_logits(q8, folded_weights, k8, ..., k_scale=k_scale)` computes.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+AMAX_FLOOR = 1e-4  # keeps all-zero vectors at a finite scale
+
+
+def hadamard(x):
+    """Normalized Walsh-Hadamard transform of the last dim (a power of two), in f32; orthogonal."""
+    n = x.shape[-1]
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"hadamard needs a power-of-two last dim, got {x.shape=}")
+    y = x.astype(jnp.float32)
+    lead = y.shape[:-1]
+    half = 1
+    while half < n:
+        # Butterfly over pairs (i, i + half) inside blocks of 2*half: (a + b, a - b).
+        pairs = y.reshape(*lead, n // (2 * half), 2, half)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = jnp.stack([a + b, a - b], axis=-2).reshape(*lead, n)
+        half *= 2
+    return y * n**-0.5
+
+
+def quantize_e4m3_ue8m0(x, axis=-1):
+    """fp8 e4m3 values and power-of-two scales over `axis`.
+
+    Returns (x8 float8_e4m3fn of x's shape, scale f32 of x's shape without `axis`), with
+    `x ~= x8 * scale` and `scale = 2^ceil(log2(max(amax, 1e-4) / 448))`.
+    """
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    raw = jnp.maximum(amax, AMAX_FLOOR) / E4M3_MAX
+    # raw = mantissa * 2^exponent with mantissa in [0.5, 1): a power of two exactly when mantissa == 0.5.
+    mantissa, exponent = jnp.frexp(raw)
+    scale = jnp.ldexp(jnp.ones_like(raw), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+    x8 = (x / scale).astype(jnp.float8_e4m3fn)
+    return x8, jnp.squeeze(scale, axis=axis)
+
+
+def quantize_index_keys(keys):
+    """keys [..., Di] (f32/bf16) -> (k8 [..., Di] float8_e4m3fn, k_scale [...] f32): Hadamard, then per token."""
+    return quantize_e4m3_ue8m0(hadamard(keys), axis=-1)
+
+
+def quantize_index_queries(q, weights):
+    """Per-(row, head) fp8 queries with every scale folded into the head weights.
+
+    q [R, Hi, Di] (f32/bf16, before the `Di^-0.5` dot scale), weights [R, Hi] f32 (the model's
+    `weights_proj(x) * Hi^-0.5`, may be negative). Returns (q8 [R, Hi, Di] float8_e4m3fn,
+    folded_weights [R, Hi] f32 = weights * q_scale * Di^-0.5).
+    """
+    if q.ndim != 3 or weights.shape != q.shape[:2]:
+        raise ValueError(f"need q [R, Hi, Di] and weights [R, Hi], got {q.shape=} {weights.shape=}")
+    q8, q_scale = quantize_e4m3_ue8m0(hadamard(q), axis=-1)
+    return q8, weights.astype(jnp.float32) * q_scale * q.shape[-1] ** -0.5

@@ -1,0 +1,117 @@
+"""pallas_kernels/indexer.py against reference.indexer_logits: interpreted on CPU, compiled on GPU."""
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from pallas_kernels import indexer, quant, reference
+
+FP8 = jnp.float8_e4m3fn
+
+
+def _case(seed, *, rows, heads, dim, page_size, max_blocks, lens, dtype, with_scale=False):
+    """Random inputs; each row gets distinct random pages for its first ceil(len/page) blocks, -1 after."""
+    rng = np.random.default_rng(seed)
+    num_pages = rows * max_blocks + 3
+    q = rng.standard_normal((rows, heads, dim), np.float32)
+    keys = rng.standard_normal((num_pages, page_size, dim), np.float32)
+    weights = jnp.asarray(rng.standard_normal((rows, heads)), jnp.float32)
+    block_tables = np.full((rows, max_blocks), -1, np.int32)
+    pages = rng.permutation(num_pages)
+    for r, n in enumerate(lens):
+        used = -(-n // page_size)
+        block_tables[r, :used] = pages[r * max_blocks:r * max_blocks + used]
+    if dtype == FP8:
+        q8, weights = quant.quantize_index_queries(jnp.asarray(q), weights)
+        k8, k_scale = quant.quantize_index_keys(jnp.asarray(keys))
+        q, keys = q8, k8
+    else:
+        q, keys = jnp.asarray(q, dtype), jnp.asarray(keys, dtype)
+        k_scale = jnp.asarray(rng.uniform(0.5, 2.0, (num_pages, page_size)), jnp.float32) if with_scale else None
+    return (q, weights, keys, jnp.asarray(block_tables), jnp.asarray(lens, jnp.int32)), dict(k_scale=k_scale)
+
+
+def _check(args, kwargs, *, rtol, **knobs):
+    out = np.asarray(indexer.indexer_logits(*args, **kwargs, **knobs))
+    ref = np.asarray(reference.indexer_logits(*args, **kwargs))
+    lens = np.asarray(args[4])
+    is_valid = np.arange(ref.shape[1])[None, :] < lens[:, None]
+    assert out.shape == ref.shape and out.dtype == np.float32
+    np.testing.assert_array_equal(out[~is_valid], -np.inf)
+    assert np.isfinite(out[is_valid]).all()
+    err = np.linalg.norm(out[is_valid] - ref[is_valid]) / max(np.linalg.norm(ref[is_valid]), 1e-30)
+    assert err <= rtol, f"relative error {err:.2e} > {rtol:.0e}"
+
+
+# (rows, heads, dim, page_size, max_blocks, lens): lengths 0, < one chunk, not a multiple of the page or chunk,
+# and full; tokens per row not a power of two (output slicing) and pad rows (len 0, block table all -1).
+CASES = [
+    (3, 4, 16, 4, 5, [0, 7, 20]),
+    (4, 8, 32, 8, 8, [64, 1, 33, 0]),
+    (5, 8, 16, 16, 3, [48, 17, 0, 16, 5]),
+]
+RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-5, FP8: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, FP8], ids=["f32", "bf16", "fp8"])
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_indexer_logits_matches_reference(case, dtype):
+    rows, heads, dim, page_size, max_blocks, lens = case
+    args, kwargs = _case(0, rows=rows, heads=heads, dim=dim, page_size=page_size, max_blocks=max_blocks,
+                         lens=lens, dtype=dtype, with_scale=dtype == jnp.bfloat16)
+    _check(args, kwargs, rtol=RTOL[dtype])
+
+
+def test_indexer_logits_several_chunks_per_program():
+    """block_t > chunk_t: one program walks valid chunks, then stores -inf for the rest."""
+    args, kwargs = _case(1, rows=3, heads=4, dim=16, page_size=4, max_blocks=16, lens=[64, 21, 0],
+                         dtype=jnp.float32, with_scale=True)
+    _check(args, kwargs, rtol=1e-5, block_t=64, chunk_t=16)
+
+
+def test_indexer_logits_bf16_queries_fp8_keys():
+    """Mixed dtypes multiply in the wider one (fp8 keys upcast to bf16 in the kernel)."""
+    args, kwargs = _case(2, rows=2, heads=4, dim=32, page_size=8, max_blocks=4, lens=[30, 9], dtype=FP8)
+    q8, *rest = args
+    _check((q8.astype(jnp.bfloat16), *rest), kwargs, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(q=jnp.zeros((2, 4))), "q.shape"),
+        (dict(weights=jnp.zeros((2, 8))), "weights.shape"),
+        (dict(k_cache=jnp.zeros((6, 4, 32))), "head dim"),
+        (dict(q=jnp.zeros((2, 4, 24)), k_cache=jnp.zeros((6, 4, 24))), "power of two"),
+        (dict(q=jnp.zeros((2, 4, 16), jnp.float16)), "dtype"),
+        (dict(block_tables=jnp.zeros((2, 3), jnp.float32)), "int32"),
+        (dict(lens=jnp.zeros((3,), jnp.int32)), "lens.shape"),
+        (dict(k_scale=jnp.zeros((6, 8), jnp.float32)), "k_scale"),
+    ],
+)
+def test_indexer_logits_rejects_bad_inputs(change, match):
+    args = dict(q=jnp.zeros((2, 4, 16)), weights=jnp.zeros((2, 4)), k_cache=jnp.zeros((6, 4, 16)),
+                block_tables=jnp.zeros((2, 3), jnp.int32), lens=jnp.zeros((2,), jnp.int32), k_scale=None)
+    args.update(change)
+    k_scale = args.pop("k_scale")
+    with pytest.raises(ValueError, match=match):
+        indexer.indexer_logits(*args.values(), k_scale=k_scale)
+
+
+def test_indexer_logits_rejects_bad_knobs():
+    args, kwargs = _case(0, rows=1, heads=4, dim=16, page_size=4, max_blocks=2, lens=[5], dtype=jnp.float32)
+    with pytest.raises(ValueError, match="chunk_t"):
+        indexer.indexer_logits(*args, **kwargs, chunk_t=24)
+    with pytest.raises(ValueError, match="block_t"):
+        indexer.indexer_logits(*args, **kwargs, block_t=32, chunk_t=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [FP8, jnp.bfloat16], ids=["fp8", "bf16"])
+def test_indexer_logits_compiled_real_shapes(dtype):
+    """DeepSeek-V3.2 indexer (Hi=64, Di=128, page 64) compiled with the default knobs; mixed lengths."""
+    lens = [0, 1, 63, 64, 1000, 4095, 3000, 4096]
+    args, kwargs = _case(4, rows=8, heads=64, dim=128, page_size=64, max_blocks=64, lens=lens, dtype=dtype,
+                         with_scale=True)
+    _check(args, kwargs, rtol=2e-3 if dtype == FP8 else 1e-4, interpret=False)

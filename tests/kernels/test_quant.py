@@ -1,0 +1,91 @@
+"""pallas_kernels/quant.py: Hadamard rotation, e4m3/ue8m0 quantization, and fp8 indexer top-k overlap."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import quant, reference
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 128])
+def test_hadamard_is_orthogonal(n):
+    rows = np.asarray(quant.hadamard(jnp.eye(n)))
+    np.testing.assert_allclose(rows @ rows.T, np.eye(n), atol=1e-6)
+    # Sylvester Hadamard: every entry is +-n^-0.5.
+    np.testing.assert_allclose(np.abs(rows), n**-0.5, rtol=1e-6)
+
+
+def test_hadamard_keeps_dot_products():
+    x, y = jax.random.normal(jax.random.key(0), (2, 5, 64))
+    np.testing.assert_allclose(jnp.sum(quant.hadamard(x) * quant.hadamard(y), -1), jnp.sum(x * y, -1),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_hadamard_rejects_non_power_of_two():
+    with pytest.raises(ValueError, match="power-of-two"):
+        quant.hadamard(jnp.zeros((3, 24)))
+
+
+def test_quantize_scale_is_power_of_two_covering_amax():
+    x = jax.random.normal(jax.random.key(1), (64, 128)) * jnp.logspace(-6, 3, 64)[:, None]
+    x = x.at[0].set(0.0).at[1, :].set(448.0 * 2.0**-3)  # all zeros; an amax that is exactly a power of two
+    x8, scale = quant.quantize_e4m3_ue8m0(x)
+    assert x8.dtype == jnp.float8_e4m3fn and x8.shape == x.shape and scale.shape == (64,)
+    mantissa, _ = np.frexp(np.asarray(scale))
+    np.testing.assert_array_equal(mantissa, 0.5)
+    amax = np.abs(np.asarray(x)).max(-1)
+    assert (np.asarray(scale) >= np.maximum(amax, quant.AMAX_FLOOR) / quant.E4M3_MAX).all()
+    # Rounded up by less than a factor of two, and exact when amax/448 already is a power of two.
+    assert (np.asarray(scale) < 2 * np.maximum(amax, quant.AMAX_FLOOR) / quant.E4M3_MAX).all()
+    assert scale[1] == 2.0**-3 and scale[0] == 2.0 ** np.ceil(np.log2(quant.AMAX_FLOOR / quant.E4M3_MAX))
+    assert np.isfinite(np.asarray(x8, np.float32)).all()
+
+
+def test_quantize_round_trip_error():
+    x = jax.random.normal(jax.random.key(2), (32, 4, 128))
+    x8, scale = quant.quantize_e4m3_ue8m0(x, axis=-1)
+    back = np.asarray(x8, np.float32) * np.asarray(scale)[..., None]
+    # e4m3 keeps 3 mantissa bits: relative rounding error <= 2^-4 for normals, absolute <= 2^-10 * scale below.
+    bound = np.maximum(np.abs(np.asarray(x)) * 2.0**-4, 2.0**-10 * np.asarray(scale)[..., None])
+    assert (np.abs(back - np.asarray(x)) <= bound).all()
+    rel = np.linalg.norm(back - x) / np.linalg.norm(x)
+    assert rel < 0.04, rel
+
+
+def test_quantize_index_queries_folds_scales():
+    q = jax.random.normal(jax.random.key(3), (3, 4, 32))
+    weights = jax.random.normal(jax.random.key(4), (3, 4))
+    q8, folded = quant.quantize_index_queries(q, weights)
+    _, q_scale = quant.quantize_e4m3_ue8m0(quant.hadamard(q))
+    np.testing.assert_allclose(folded, weights * q_scale * 32**-0.5, rtol=1e-6)
+    assert q8.shape == q.shape and q8.dtype == jnp.float8_e4m3fn
+    with pytest.raises(ValueError, match="weights"):
+        quant.quantize_index_queries(q, weights[:, :2])
+
+
+def test_fp8_indexer_top_k_overlaps_exact_scoring():
+    """fp8 mode (Hadamard, e4m3/ue8m0, folded scales) against exact f32 scoring on random data.
+
+    Measured overlap of the top 256 of 4096 tokens: 0.959 (DeepSeek reports 2013/2048 = 0.98 on a real
+    model, whose scores spread wider than random data's).
+    """
+    rows, heads, dim, page_size, tokens, k = 4, 8, 32, 16, 4096, 256
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (rows, heads, dim))
+    weights = jax.random.normal(keys[1], (rows, heads)) * heads**-0.5
+    k_cache = jax.random.normal(keys[2], (tokens // page_size, page_size, dim))
+    block_tables = jnp.tile(jnp.arange(tokens // page_size, dtype=jnp.int32), (rows, 1))
+    lens = jnp.full((rows,), tokens, jnp.int32)
+
+    exact = reference.indexer_logits(q, weights * dim**-0.5, k_cache, block_tables, lens)
+    q8, folded = quant.quantize_index_queries(q, weights)
+    k8, k_scale = quant.quantize_index_keys(k_cache)
+    fp8 = reference.indexer_logits(q8, folded, k8, block_tables, lens, k_scale=k_scale)
+
+    _, exact_ids = reference.topk(exact, lens, k=k)
+    _, fp8_ids = reference.topk(fp8, lens, k=k)
+    overlap = np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(np.asarray(exact_ids), np.asarray(fp8_ids))])
+    print(f"fp8 top-{k} overlap {overlap:.3f}")
+    assert overlap >= 0.9, overlap
