@@ -78,6 +78,15 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_decode(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from dcp_jax import decode_bench
+
+    return decode_bench.run(args, echo=lambda text: print(text, flush=True),
+                            progress=lambda total: tqdm(total=total, unit="point", file=sys.stderr))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-jax", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     p.add_argument("--steps", type=int, default=40, help="decode steps")
     p.add_argument("--max-seqs", type=int, default=4, help="concurrent requests (largest bucket)")
-    p.add_argument("--kernels", choices=["reference", "pallas"], default="reference")
+    p.add_argument("--kernels", choices=["auto", "pallas", "reference"], default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=demo)
     g = commands.add_parser("generate", help="generate text with a preset (random weights) or a HF checkpoint")
@@ -105,8 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--max-model-len", type=int, default=256)
     g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--kernels", choices=["reference", "pallas"], default="reference")
+    g.add_argument("--kernels", choices=["auto", "pallas", "reference"], default="auto")
     g.set_defaults(run=generate)
+    from dcp_jax.server import add_serve_parser
+
+    add_serve_parser(commands)
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from dcp_jax import decode_bench
+
+    b = bench.add_parser("decode", help="time the sharded decode step over DCP sizes x contexts x batches")
+    decode_bench.add_arguments(b)
+    b.set_defaults(run=bench_decode)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -78,7 +78,7 @@ class LLM:
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
                  max_num_seqs: int = 8, max_model_len: int = 512, page_size: int = 16, num_pages: int | None = None,
-                 kernels: str = "reference", seed: int = 0, num_layers: int | None = None):
+                 kernels: str = "auto", seed: int = 0, num_layers: int | None = None):
         parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave)
         _use_cpu_devices(parallel.tp)
         import jax

@@ -30,6 +30,16 @@ def test_dcp_step_equals_unsharded(dcp, interleave):
     assert report.max_abs_err < TOL
 
 
+@pytest.mark.parametrize("dcp, interleave", [(2, 2), (4, 1)])
+def test_dcp_step_with_pallas_kernels_equals_unsharded(dcp, interleave):
+    """The Pallas indexer, top-k and sparse MLA kernels (interpreted on CPU) wired into the DCP step."""
+    parallel = ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave)
+    report = run_comparison(TINY, parallel, ENGINE, SCHEDULE, kernels="pallas")
+    assert report.max_abs_err < TOL
+    tied = run_comparison(TINY, parallel, ENGINE, SCHEDULE, kernels="pallas", params=tied_index_params(3))
+    assert tied.max_abs_err < TOL
+
+
 @pytest.mark.parametrize("tp, dcp", [(4, 2), (8, 4), (8, 1)])
 def test_tp_larger_than_dcp(tp, dcp):
     report = run_comparison(TINY, ParallelConfig(tp=tp, dcp=dcp, interleave=2), ENGINE, SCHEDULE)

@@ -18,8 +18,16 @@ class Kernels:
 REFERENCE = Kernels(reference.indexer_logits, reference.topk, reference.sparse_mla_decode)
 
 
+KERNEL_CHOICES = ("auto", "pallas", "reference")
+
+
 def select_kernels(name: str) -> Kernels:
-    """'reference' (plain XLA, any backend) or 'pallas' (Pallas kernels; interpreted on CPU)."""
+    """'reference' (plain XLA, any backend), 'pallas' (Pallas kernels; interpreted on CPU) or 'auto' (Pallas
+    on a GPU, the references elsewhere)."""
+    if name == "auto":
+        import jax
+
+        name = "pallas" if jax.default_backend() == "gpu" else "reference"
     if name == "reference":
         return REFERENCE
     if name == "pallas":
@@ -28,4 +36,4 @@ def select_kernels(name: str) -> Kernels:
         from pallas_kernels.topk import topk
 
         return Kernels(indexer_logits, topk, sparse_mla_decode)
-    raise ValueError(f"unknown kernels {name!r}; choose 'reference' or 'pallas'")
+    raise ValueError(f"unknown kernels {name!r}; choose from {KERNEL_CHOICES}")

@@ -1,0 +1,44 @@
+"""Compile and compare the sharded decode stack with the Pallas kernels on the local accelerators.
+
+Runs the demo's continuous-batching schedule at every DCP size the devices allow, with the Pallas kernels
+and with the references, against the single-device unsharded computation; prints one row per run.
+Usage: PYTHONPATH=. python3 bench/gpu_check_decode.py
+"""
+
+import argparse
+import time
+import warnings
+
+import jax
+
+from dcp_jax.config import TINY, EngineConfig, ParallelConfig
+from dcp_jax.demo import run_comparison, staggered_schedule
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dcp", default="1,2,4,8", help="DCP sizes to try (those the devices allow run)")
+    parser.add_argument("--interleave", default="1,2")
+    parser.add_argument("--max-seqs", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=80)
+    args = parser.parse_args()
+    jax.config.update("jax_default_matmul_precision", "highest")
+    engine = EngineConfig(page_size=16, num_pages=64, max_num_seqs=args.max_seqs, max_model_len=args.steps + 16)
+    schedule = staggered_schedule(args.max_seqs, args.steps, seed=0)
+    devices = len(jax.devices())
+    print(f"backend {jax.default_backend()}, {devices} x {jax.devices()[0].device_kind}")
+    print(f"{'kernels':>10} {'dcp':>4} {'interleave':>10} {'buckets':>8} {'max ctx':>8} {'step ms':>8} {'max |err|':>10} {'wall s':>7}")
+    for dcp in [int(d) for d in args.dcp.split(",") if int(d) <= devices]:
+        for interleave in [int(s) for s in args.interleave.split(",")]:
+            for kernels in ("pallas", "reference"):
+                begin = time.perf_counter()
+                r = run_comparison(TINY, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), engine, schedule,
+                                   kernels=kernels)
+                print(f"{kernels:>10} {r.dcp:>4} {r.interleave:>10} {r.buckets_compiled:>8} {r.max_context:>8} "
+                      f"{r.step_ms:>8.2f} {r.max_abs_err:>10.2e} {time.perf_counter() - begin:>7.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
