@@ -1,6 +1,8 @@
 """Pure-jnp references of the sparse DCP decode kernels: obviously right, fp32, `precision=HIGHEST`.
 
 Each function has the signature of its kernel minus the tuning knobs; tests feed both one argument tuple.
+The cross-rank steps that are not kernels (candidate merge, owner filter, LSE merge) are plain jnp already and
+live, with their own tests, in `dcp_jax/attention/exchange.py`.
 Letters: R rows, H heads, D head/latent dim, T tokens (columns), K top-k, W dcp size, P blocks per row.
 """
 
