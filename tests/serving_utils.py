@@ -1,0 +1,29 @@
+"""Shared set-up of the serving tests: one engine configuration for every test file (so the session's
+persistent compilation cache compiles its programs once), started on loopback."""
+
+from __future__ import annotations
+
+import socket
+
+ENGINE_KW = dict(model="tiny", dcp=2, interleave=2, page_size=4, num_pages=24, max_num_seqs=8, max_model_len=64,
+                 bucket_ladder=(1, 2, 4, 8), seed=0)
+
+
+def make_engine(tmp_path_factory, **overrides):
+    from dcp_jax.engine import Engine
+
+    cache = tmp_path_factory.getbasetemp() / "xla_cache"
+    return Engine(**(ENGINE_KW | overrides), compilation_cache_dir=str(cache), progress=False)
+
+
+def start_server(tmp_path_factory, **kw):
+    from dcp_jax.server import OpenAIServer
+
+    server = OpenAIServer(make_engine(tmp_path_factory), host="127.0.0.1", port=0, **kw)
+    return server.start()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
