@@ -88,10 +88,11 @@ def main(argv=None) -> int:
     server = None
     url = args.url
     if url is None:
-        from dcp_jax.engine import Engine, _use_cpu_devices
+        from dcp_jax.engine import Engine
+        from dcp_jax.loading import use_cpu_devices
         from dcp_jax.server import OpenAIServer
 
-        _use_cpu_devices(8)
+        use_cpu_devices(8)
         engine = Engine(args.model, dcp=args.dcp, interleave=1, page_size=8, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.input_len + args.output_len + 8, bucket_ladder=(1, 2, 4, 8, 16, 32, 64),
                         prompt_logprobs=False)

@@ -54,11 +54,12 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from dcp_jax.llm import LLM, _use_cpu_devices
+    from dcp_jax.llm import LLM
+    from dcp_jax.loading import use_cpu_devices
     from dcp_jax.sampling import SamplingParams
 
     tp = args.tp or args.dcp
-    _use_cpu_devices(max(args.devices or tp, tp))
+    use_cpu_devices(max(args.devices or tp, tp))
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -84,7 +85,8 @@ def bench_decode(args: argparse.Namespace) -> int:
     from dcp_jax import decode_bench
 
     return decode_bench.run(args, echo=lambda text: print(text, flush=True),
-                            progress=lambda total: tqdm(total=total, unit="point", file=sys.stderr))
+                            progress=lambda total: tqdm(total=total, unit="point", file=sys.stderr,
+                                                                 mininterval=1 if sys.stderr.isatty() else 30))
 
 
 def main(argv: list[str] | None = None) -> int:

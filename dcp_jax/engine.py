@@ -23,7 +23,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dcp_jax.config import DEFAULT_BUCKETS, EngineConfig, ModelConfig, ParallelConfig, PRESETS, preset
+from dcp_jax.config import DEFAULT_BUCKETS
+from dcp_jax.loading import load_model
 from dcp_jax.metrics import ServingMetrics
 from dcp_jax.sampling import SamplingParams, log_softmax, sample
 from dcp_jax.scheduler import Request, RequestStatus, Scheduler
@@ -103,18 +104,6 @@ class _Stream:
     started: bool = False
 
 
-def _use_cpu_devices(count: int) -> None:
-    """Ask for `count` simulated CPU devices when jax has not started (no effect on GPUs or afterwards)."""
-    import jax
-
-    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return
-    try:
-        jax.config.update("jax_num_cpu_devices", max(count, 1))
-    except RuntimeError:
-        pass
-
-
 class Engine:
     """A continuous-batching server engine over one model on `tp` devices (KV split over `dcp` ranks).
 
@@ -125,44 +114,22 @@ class Engine:
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
                  page_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8, max_model_len: int = 512,
                  bucket_ladder: Sequence[int] = DEFAULT_BUCKETS, max_prefills_per_step: int = 4,
-                 kernels: str = "reference", seed: int = 0, num_layers: int | None = None,
+                 kernels: str = "auto", seed: int = 0, num_layers: int | None = None,
                  prompt_logprobs: bool = True, compilation_cache_dir: str | None = None, progress: bool = True):
-        parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave)
-        is_dir = os.path.isdir(model)
-        if not is_dir and model not in PRESETS:
-            raise ValueError(f"model {model!r} is neither a directory nor a preset {sorted(PRESETS)}")
-        _use_cpu_devices(parallel.tp)
         import jax
-
-        from dcp_jax.attention.kernels import select_kernels
-        from dcp_jax.mesh import make_mesh
-        from dcp_jax.model import init_params
-        from dcp_jax.model_step import ModelRunner
-        from dcp_jax.tokenizer import load_tokenizer
-        from dcp_jax.weights import load_hf_params
 
         if compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", os.fspath(compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         _count_compiles()
-        if parallel.tp > len(jax.devices()):
-            raise ValueError(f"tp={parallel.tp} needs {parallel.tp} devices, jax has {len(jax.devices())}")
-        cfg: ModelConfig = ModelConfig.from_hf(model) if is_dir else preset(model, num_layers=num_layers)
-        if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"{max_model_len=} exceeds max_position_embeddings={cfg.max_position_embeddings}")
-        blocks = -(-max_model_len // (page_size * parallel.dcp))
-        self.config = EngineConfig(page_size=page_size, num_pages=num_pages or max_num_seqs * blocks,
-                                   max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                   bucket_ladder=tuple(bucket_ladder))
-        self.model_name = os.path.basename(os.path.normpath(model)) if is_dir else model
-        self.cfg, self.parallel, self.seed = cfg, parallel, seed
+        loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
+                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, bucket_ladder=bucket_ladder,
+                            kernels=kernels, seed=seed, num_layers=num_layers)
+        self.config, self.model_name = loaded.engine, loaded.name
+        self.cfg, self.parallel, self.seed = loaded.cfg, loaded.parallel, seed
         self.has_prompt_logprobs = prompt_logprobs
-        self.tokenizer = load_tokenizer(model if is_dir else None, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-        mesh = make_mesh(parallel)
-        params = load_hf_params(cfg, model, mesh) if is_dir else init_params(cfg, seed)
-        self.runner = ModelRunner(cfg, params, parallel, self.config, mesh, select_kernels(kernels))
-        self.backend = jax.default_backend()
-        self.scheduler = Scheduler(self.config, parallel.dcp, eos_token_id=cfg.eos_token_id,
+        self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
+        self.scheduler = Scheduler(self.config, self.parallel.dcp, eos_token_id=self.cfg.eos_token_id,
                                    detokenize=self.tokenizer.decode, max_prefills_per_step=max_prefills_per_step)
         self.metrics = ServingMetrics(self._gauges)
         self._compiles_at_start = _compiles[0]

@@ -9,16 +9,14 @@ a finished request leaves the batch and its pages go back to the pool.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 
-from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig, PRESETS, preset
+from dcp_jax.loading import load_model
 from dcp_jax.page_allocator import PageAllocator
 from dcp_jax.sampling import SamplingParams, log_softmax, sample, top_logprobs
-from dcp_jax.tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass
@@ -58,18 +56,6 @@ class _Request:
         return len(self.prompt_ids) + len(self.generated)
 
 
-def _use_cpu_devices(count: int) -> None:
-    """Ask for `count` simulated CPU devices when jax has not started yet (no effect on GPUs or afterwards)."""
-    import jax
-
-    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return
-    try:
-        jax.config.update("jax_num_cpu_devices", max(count, 1))
-    except RuntimeError:  # backends already initialized: keep what is there
-        pass
-
-
 class LLM:
     """A DeepSeek-V3.2 model on `tp` devices (default `dcp`), KV split over DCP groups of `dcp` ranks.
 
@@ -79,34 +65,13 @@ class LLM:
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
                  max_num_seqs: int = 8, max_model_len: int = 512, page_size: int = 16, num_pages: int | None = None,
                  kernels: str = "auto", seed: int = 0, num_layers: int | None = None):
-        parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave)
-        _use_cpu_devices(parallel.tp)
-        import jax
-
-        from dcp_jax.attention.kernels import select_kernels
-        from dcp_jax.mesh import make_mesh
-        from dcp_jax.model import init_params
-        from dcp_jax.model_step import ModelRunner
-        from dcp_jax.weights import load_hf_params
-
-        is_dir = os.path.isdir(model)
-        if not is_dir and model not in PRESETS:
-            raise ValueError(f"model {model!r} is neither a directory nor a preset {sorted(PRESETS)}")
-        cfg: ModelConfig = ModelConfig.from_hf(model) if is_dir else preset(model, num_layers=num_layers)
-        if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"{max_model_len=} exceeds the model's max_position_embeddings "
-                             f"{cfg.max_position_embeddings}")
-        blocks = -(-max_model_len // (page_size * parallel.dcp))
-        engine = EngineConfig(page_size=page_size, num_pages=num_pages or max_num_seqs * blocks,
-                              max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-        mesh = make_mesh(parallel)
-        params = load_hf_params(cfg, model, mesh) if is_dir else init_params(cfg, seed)
-        self.cfg, self.parallel, self.engine, self.seed = cfg, parallel, engine, seed
-        self.tokenizer = load_tokenizer(model if is_dir else None, cfg.vocab_size, cfg.bos_token_id,
-                                        cfg.eos_token_id)
-        self.runner = ModelRunner(cfg, params, parallel, engine, mesh, select_kernels(kernels))
+        loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
+                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, kernels=kernels, seed=seed,
+                            num_layers=num_layers)
+        self.cfg, self.parallel, self.engine, self.seed = loaded.cfg, loaded.parallel, loaded.engine, seed
+        self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
         self.runner.compile_decode()
-        self.backend = jax.default_backend()
+        engine = loaded.engine
         self._allocator = PageAllocator(engine.num_pages)
         self._next_id = 0
 

@@ -15,7 +15,6 @@ import queue
 import threading
 import time
 import uuid
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from dcp_jax import protocol
@@ -452,9 +451,9 @@ def serve_command(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tp = args.tp or args.dcp
-    from dcp_jax.engine import _use_cpu_devices
+    from dcp_jax.loading import use_cpu_devices
 
-    _use_cpu_devices(max(args.devices or tp, tp))
+    use_cpu_devices(max(args.devices or tp, tp))
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
