@@ -1,0 +1,744 @@
+"""The sharded decode-step benchmark (issue 7): measurement for `bench/bench_decode.py` and `dcp-jax bench decode`.
+
+For every DCP size W (TP = W, one DCP group) x kernels ('pallas' / 'reference') x batch bucket B x context L it
+builds the real decode step of `model_step.decode_body` (random weights of a preset, KV pools filled with random
+latents and index keys, host-built metadata), compiles each bucket once, and times N steps after warm-up inside
+`jax.no_tracing()` with a compile counter. Beside it, same pool and same metadata:
+- `fallback`: the same step with the local lengths re-derived on device from the global ones
+  (`pallas_kernels.reference.local_context_lens_on_device`) - the failure mode the design forbids;
+- stage-isolating variants `through_<stage>` (see `STAGES`): each layer runs the attention data flow of
+  `attention/decode.py` only up to that stage, and the per-stage time is the difference of consecutive variants.
+The caller prints (this module returns strings and rows); see docs/perf_decode.md for the method.
+Letters: W dcp size, B batch rows (= bucket), L context length, ps page size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import re
+import statistics
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dcp_jax.analysis import flat_indices_of, length_derivations
+from dcp_jax.attention import exchange, projections
+from dcp_jax.attention.decode import DcpLayout, write_slots
+from dcp_jax.attention.kernels import select_kernels
+from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig, preset
+from dcp_jax.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_rank
+from dcp_jax.mesh import DCP, HEADS, make_mesh
+from dcp_jax.metadata import build_decode_metadata
+from dcp_jax.model import abstract_model, init_params, merge, param_specs
+from dcp_jax.model_step import decode_body
+from dcp_jax.rope import cos_sin, rope_tables
+from dcp_jax.step import DecodeStep, shard_decode_body
+from pallas_kernels.reference import local_context_lens_on_device
+
+# Cumulative prefixes of one layer's work, in data-flow order (DESIGN.md). "base" runs no attention at all
+# (embeddings, the final norm and lm_head, dispatch and the metadata transfer); "merge" is the whole attention
+# layer without the MLP; the full step (`host`) adds the MLP.
+STAGES = ("base", "projections", "indexer", "topk", "exchange", "sparse_mla", "merge")
+# Names of the breakdown columns: stage i's time is t(through_i) - t(through_{i-1}); "other" is t(base) and
+# "mlp" is t(host) - t(through_merge).
+BREAKDOWN = ("other",) + STAGES[1:] + ("mlp",)
+# A truncated layer adds this times the per-row mean of its dangling outputs to the residual stream, so XLA cannot
+# drop the work and the next layer depends on this one, as in the real step; small enough to keep values tame.
+SINK_SCALE = 1e-3
+HLO_INT_ARITHMETIC = ("add", "subtract", "multiply", "divide", "remainder", "clamp", "maximum", "minimum", "select")
+
+
+def _row_mean(x):
+    """Per-row mean of the finite entries of x [R, ...] as f32 [R] (-inf logits and -1 ids are fine)."""
+    x = x.astype(jnp.float32)
+    return jnp.mean(jnp.where(jnp.isfinite(x), x, 0.0).reshape(x.shape[0], -1), axis=1)
+
+
+def attention_through(p, x, kv_cache, index_cache, rope, local_lens, slots, block_tables, *, cfg: ModelConfig,
+                      layout: DcpLayout, kernels, through: str):
+    """Steps 1..`through` of `attention.decode.sparse_dcp_attention` (same calls, same order), per rank.
+
+    Returns (residual update [R, D], kv_cache, index_cache): the attention output for through="merge", else
+    SINK_SCALE times the row means of every value computed and not yet consumed (so nothing is dead code).
+    """
+    cos, sin = rope
+    rank = jax.lax.axis_index(DCP)
+    # 1. Projections; the new token's entries are written by its owner only.
+    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
+    index_q = projections.index_query(p, q_resid, cos, sin, cfg)
+    weights = projections.index_weights(p, x, cfg)
+    kv_cache = write_slots(kv_cache, slots, projections.mla_latent(p, x, cos, sin, cfg))
+    index_cache = write_slots(index_cache, slots, projections.index_key(p, x, cos, sin, cfg))
+
+    def sunk(*values, has_dangling_query=True):
+        """q_nope and q_pe are consumed only in step 6; until then they dangle too."""
+        values = values + ((q_nope, q_pe) if has_dangling_query else ())
+        sink = sum(_row_mean(v) for v in values)
+        return jnp.broadcast_to((SINK_SCALE * sink)[:, None], x.shape).astype(x.dtype), kv_cache, index_cache
+
+    if through == "projections":
+        return sunk(index_q, weights)
+    # 2. Local indexer logits over this rank's index-K shard.
+    logits = kernels.indexer_logits(index_q, weights, index_cache, block_tables, local_lens)
+    if through == "indexer":
+        return sunk(logits)
+    # 3. Local top-k.
+    values, local_ids = kernels.topk(logits, local_lens, k=cfg.index_topk)
+    if through == "topk":
+        return sunk(values, local_ids)
+    # 4-5. Candidate exchange and owner filter.
+    selected = exchange.exchange_top_k(values, local_ids, rank, k=cfg.index_topk, dcp=layout.dcp,
+                                       interleave=layout.interleave)
+    owned_slots, counts = exchange.owner_filter(selected, block_tables, rank, dcp=layout.dcp,
+                                                interleave=layout.interleave, page_size=layout.page_size)
+    if through == "exchange":
+        return sunk(owned_slots, counts)
+    # 6. Sparse MLA over owned slots for the DCP group's heads.
+    q = jax.lax.all_gather(projections.absorb_query(p, q_nope, q_pe), DCP, axis=1, tiled=True)
+    out, lse = kernels.sparse_mla_decode(q.astype(kv_cache.dtype), kv_cache, owned_slots, counts, cfg.softmax_scale,
+                                         value_dim=cfg.kv_lora_rank)
+    if through == "sparse_mla":
+        return sunk(out, lse, has_dangling_query=False)
+    # 7. LSE merge, W_UV, o_proj and the TP all-reduce.
+    if through != "merge":
+        raise ValueError(f"unknown stage {through!r}; choose from {STAGES[1:]}")
+    latent_out = exchange.merge_partial_attention(out, lse).astype(x.dtype)
+    return jax.lax.psum(projections.output_projection(p, latent_out), HEADS), kv_cache, index_cache
+
+
+def staged_decode_body(params, kv_cache: KVCache, tokens, md, *, graphdef, abstract, cfg: ModelConfig,
+                       layout: DcpLayout, kernels, through: str):
+    """`model_step.decode_body` with every layer cut after stage `through` (STAGES, or "mlp" for the whole layer:
+    then it computes exactly what decode_body does). Same inputs and output structure; selected ids are zeros."""
+    model = merge(graphdef, abstract, params)
+    rope = cos_sin(md.positions, *rope_tables(cfg))
+    hidden = model.embed_tokens(tokens)
+    latent, index_k = [], []
+    for i, layer in enumerate(model.layers):
+        lat, idx = kv_cache.latent[i, 0], kv_cache.index_k[i, 0]
+        if through != "base":
+            update, lat, idx = attention_through(
+                layer.attention.params(), layer.attention_input(hidden), lat, idx, rope, md.local_context_lens,
+                md.slot_mapping, md.block_tables, cfg=cfg, layout=layout, kernels=kernels,
+                through="merge" if through == "mlp" else through)
+            hidden = layer.feed_forward(hidden + update) if through == "mlp" else hidden + update
+        latent.append(lat)
+        index_k.append(idx)
+    cache = KVCache(latent=jnp.stack(latent)[:, None], index_k=jnp.stack(index_k)[:, None])
+    selected = jnp.zeros((cfg.num_hidden_layers, tokens.shape[0], cfg.index_topk), jnp.int32)
+    return (model.logits(hidden), selected), cache
+
+
+def fallback_decode_body(params, kv_cache: KVCache, tokens, md, *, layout: DcpLayout, **kwargs):
+    """The forbidden variant: local lengths re-derived on device from the global ones, then the real step."""
+    derived = local_context_lens_on_device(md.context_lens, jax.lax.axis_index(DCP), dcp=layout.dcp,
+                                           interleave=layout.interleave)
+    return decode_body(params, kv_cache, tokens, dataclasses.replace(md, local_context_lens=derived), layout=layout,
+                       **kwargs)
+
+
+def variant_body(variant: str) -> Callable:
+    """'host' (the real step), 'fallback', or 'through_<stage>'."""
+    if variant == "host":
+        return decode_body
+    if variant == "fallback":
+        return fallback_decode_body
+    if variant.startswith("through_") and variant[len("through_"):] in STAGES + ("mlp",):
+        return functools.partial(staged_decode_body, through=variant[len("through_"):])
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def variant_step(variant: str, cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh, kernels: str,
+                 *, graphdef, abstract) -> DecodeStep:
+    """The `DecodeStep` of one variant, wired as `model_step.ModelRunner` wires the real one (tokens [R] in,
+    (logits, selected) out, KV donated, one program per bucket of `engine`)."""
+    layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
+    specs = param_specs(nnx.to_pure_dict(abstract))
+    body = functools.partial(variant_body(variant), graphdef=graphdef, abstract=abstract, cfg=cfg, layout=layout,
+                             kernels=select_kernels(kernels))
+    sharded = shard_decode_body(body, mesh, param_specs=specs, input_specs=P(), output_specs=(P(), P()))
+    return DecodeStep(sharded, mesh, buckets=engine.buckets, dcp=parallel.dcp,
+                      max_blocks=engine.max_blocks_per_seq(parallel.dcp), param_specs=specs,
+                      input_shapes=lambda rows: jax.ShapeDtypeStruct((rows,), jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """One benchmark run. `batches` are the bucket ladder (each one compiled program); contexts are global
+    lengths L (every row of a point has length L); the KV pool holds max(batches) rows of max(contexts)."""
+
+    preset: str = "deepseek-v3.2"
+    num_layers: int | None = 2
+    dcp_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    contexts: tuple[int, ...] = (4096, 16384, 65536, 131072)
+    batches: tuple[int, ...] = (1, 8, 32, 64)
+    kernels: tuple[str, ...] = ("pallas", "reference")
+    breakdown_batches: tuple[int, ...] = (32,)
+    steps: int = 20
+    warmup: int = 3
+    page_size: int = 64
+    interleave: int = 1
+    dtype: str = "bfloat16"
+    fallback: bool = True
+    device_memory_gb: float | None = None
+    seed: int = 0
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return preset(self.preset, num_layers=self.num_layers)
+
+    def engine(self, dcp: int) -> EngineConfig:
+        max_len = max(self.contexts)
+        blocks = -(-max_len // (self.page_size * dcp))
+        return EngineConfig(page_size=self.page_size, num_pages=max(self.batches) * blocks,
+                            max_num_seqs=max(self.batches), max_model_len=max_len,
+                            bucket_ladder=tuple(sorted(set(self.batches))))
+
+    def variants(self, batch: int) -> tuple[str, ...]:
+        out = ("host",) + (("fallback",) if self.fallback else ())
+        if batch in self.breakdown_batches:
+            out += tuple(f"through_{s}" for s in STAGES)
+        return out
+
+
+class CompileCounter:
+    """Counts XLA backend compiles while active (jax's monitoring event, fired on every compile)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def _listener(self, event: str, duration: float, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+    @contextlib.contextmanager
+    def active(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        try:
+            yield self
+        finally:
+            jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def hlo_op_counts(hlo_text: str) -> Counter:
+    """Opcode -> count of the instructions of an optimized HLO module's text; integer arithmetic (an integer
+    result type) is also counted under 'int:<opcode>'."""
+    counts: Counter = Counter()
+    for match in re.finditer(r"=\s+([a-z][a-z0-9]*)\[[^\]]*\]\S*\s+([a-z][\w-]*)\(", hlo_text):
+        dtype, opcode = match.groups()
+        counts[opcode] += 1
+        if dtype[0] in "su" and opcode in HLO_INT_ARITHMETIC:
+            counts["int:" + opcode] += 1
+    return counts
+
+
+def fill_random(cache: KVCache, key) -> KVCache:
+    """Replace every pool entry with N(0, 1) values (latents and index keys are normed, so about unit scale), in
+    place on each rank's shard; donates `cache`."""
+
+    def fill(pool, k):
+        return jax.jit(lambda x: jax.random.normal(k, x.shape, x.dtype), donate_argnums=0,
+                       out_shardings=pool.sharding)(pool)
+
+    keys = jax.random.split(key, 2)
+    return KVCache(latent=fill(cache.latent, keys[0]), index_k=fill(cache.index_k, keys[1]))
+
+
+def block_tables_for(batch: int, context: int, *, dcp: int, page_size: int, max_blocks: int) -> list[list[int]]:
+    """Row i owns pages [i * max_blocks, ...): disjoint, as the page allocator would hand them out."""
+    needed = -(-context // (page_size * dcp))
+    return [list(range(i * max_blocks, i * max_blocks + needed)) for i in range(batch)]
+
+
+def kv_bytes_used(cfg: ModelConfig, *, batch: int, context: int, dcp: int, page_size: int, itemsize: int):
+    """(latent, index-K) bytes of one rank's pages holding `batch` rows of `context` tokens (whole pages)."""
+    tokens = batch * -(-context // (page_size * dcp)) * page_size
+    layers = cfg.num_hidden_layers
+    return tokens * layers * cfg.latent_dim * itemsize, tokens * layers * cfg.index_head_dim * itemsize
+
+
+def device_memory(grid: Grid) -> tuple[int, str]:
+    """(bytes one device may hold, where the number comes from)."""
+    if grid.device_memory_gb is not None:
+        return int(grid.device_memory_gb * 2**30), "option"
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), "memory_stats"
+    return int(139 * 2**30), "assumed H200 (139 GiB)"
+
+
+def max_tokens(cfg: ModelConfig, *, dcp: int, memory: int, weights: int, workspace: int, itemsize: int) -> int:
+    """Global KV tokens (summed over rows) that fit: each rank keeps 1/W of them, beside its weights and the
+    step's workspace (the compiled program's temp bytes)."""
+    per_token = cfg.num_hidden_layers * (cfg.latent_dim + cfg.index_head_dim) * itemsize
+    return max(0, (memory - weights - workspace) * dcp // per_token)
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    return float(np.percentile(sorted_values, q))
+
+
+def time_steps(step: DecodeStep, params, kv_cache, tokens, md, *, steps: int, warmup: int):
+    """Warm up, then time `steps` calls (host validation + one transfer + the compiled program, waited for with
+    block_until_ready) inside jax.no_tracing() and a compile counter. Returns (times_s, compiles, kv_cache)."""
+    for _ in range(warmup):
+        out, kv_cache = step(params, kv_cache, tokens, md)
+        jax.block_until_ready((out, kv_cache))
+    times = []
+    counter = CompileCounter()
+    with jax.no_tracing(), counter.active():
+        for _ in range(steps):
+            begin = time.perf_counter()
+            out, kv_cache = step(params, kv_cache, tokens, md)
+            jax.block_until_ready((out, kv_cache))
+            times.append(time.perf_counter() - begin)
+    if not np.all(np.isfinite(np.asarray(out[0]))):
+        raise FloatingPointError("non-finite logits")
+    return times, counter.count, kv_cache
+
+
+def run_info(grid: Grid) -> dict:
+    commit = "unknown"
+    with contextlib.suppress(Exception):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain"], capture_output=True, text=True).stdout
+        commit += "+dirty" if dirty.strip() else ""
+    dev = jax.devices()[0]
+    return dict(kind="run", date=datetime.datetime.now().isoformat(timespec="seconds"), commit=commit,
+                backend=jax.default_backend(), device=dev.device_kind, num_devices=len(jax.devices()),
+                jax=jax.__version__, grid=dataclasses.asdict(grid))
+
+
+def plan(grid: Grid) -> tuple[list[int], list[str]]:
+    """DCP sizes that this machine and the model allow, and a note for each one left out."""
+    cfg, devices, notes, sizes = grid.cfg, len(jax.devices()), [], []
+    for w in grid.dcp_sizes:
+        if w > devices:
+            notes.append(f"dcp={w} skipped: {devices} device(s)")
+        elif cfg.num_attention_heads % w:
+            notes.append(f"dcp={w} skipped: {cfg.num_attention_heads} heads do not split over {w} ranks")
+        else:
+            sizes.append(w)
+    return sizes, notes
+
+
+def num_points(grid: Grid, sizes: list[int]) -> int:
+    return len(sizes) * len(grid.kernels) * sum(len(grid.variants(b)) for b in grid.batches) * len(grid.contexts)
+
+
+def work_items(grid: Grid) -> list[tuple[int, str, str]]:
+    """(batch, kernels, variant) in the order they run for each DCP size: every host step first, then the
+    fallbacks, then the stage variants, so a --budget-s cut drops the least important ones."""
+    items = [(b, k, "host") for b in grid.batches for k in grid.kernels]
+    if grid.fallback:
+        items += [(b, k, "fallback") for b in grid.batches for k in grid.kernels]
+    items += [(b, k, v) for b in grid.batches for k in grid.kernels for v in grid.variants(b)[1 + grid.fallback:]]
+    return items
+
+
+def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[str], None] | None = None
+             ) -> Iterator[dict]:
+    """Yield one row (dict) per measurement as it completes: kind 'program' (per dcp x kernels x variant x
+    bucket: compile time, length derivations, HLO op counts, workspace, capacity), 'point' (a timed point),
+    'error' or 'skipped'. `budget_s` bounds the seconds spent per DCP size (work not started in time is
+    'skipped'). `on_point(description)` is called once per point (progress bars)."""
+    cfg, dtype = grid.cfg, jnp.dtype(grid.dtype)
+    sizes, _ = plan(grid)
+    graphdef, abstract = abstract_model(cfg, dtype)
+    host_params = init_params(cfg, grid.seed, dtype)
+    memory, memory_source = device_memory(grid)
+    rng = np.random.default_rng(grid.seed)
+    for w in sizes:
+        start = time.perf_counter()
+        parallel = ParallelConfig(tp=w, dcp=w, interleave=grid.interleave)
+        engine = grid.engine(w)
+        mesh = make_mesh(parallel)
+        max_blocks = engine.max_blocks_per_seq(w)
+        steps: dict[tuple[str, str], DecodeStep] = {}
+
+        def step_of(kernels_name: str, variant: str) -> DecodeStep:
+            if (kernels_name, variant) not in steps:
+                steps[kernels_name, variant] = variant_step(variant, cfg, parallel, engine, mesh, kernels_name,
+                                                            graphdef=graphdef, abstract=abstract)
+            return steps[kernels_name, variant]
+
+        params = step_of(grid.kernels[0], "host").place_params(host_params)
+        weights_per_rank = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(params))
+
+        def fresh_pool() -> KVCache:
+            return fill_random(allocate_kv_cache(cfg, engine, w, mesh, dtype), jax.random.key(grid.seed + w))
+
+        kv_cache = fresh_pool()
+        pool = kv_bytes_per_rank(kv_cache)
+        common = dict(preset=grid.preset, layers=cfg.num_hidden_layers, dtype=grid.dtype, dcp=w,
+                      page_size=grid.page_size, interleave=grid.interleave)
+        for batch, kernels_name, variant in work_items(grid):
+            key = dict(common, kernels=kernels_name, variant=variant, batch=batch)
+            where = f"dcp={w} {kernels_name} B={batch} {variant}"
+            if budget_s is not None and time.perf_counter() - start > budget_s:
+                for context in grid.contexts:
+                    if on_point:
+                        on_point(f"skipped {where}")
+                    yield dict(key, kind="skipped", context=context, reason=f"budget of {budget_s} s per DCP size")
+                continue
+            try:
+                step = step_of(kernels_name, variant)
+                if kv_cache.latent.is_deleted():  # a failed call consumed the donated pool
+                    kv_cache = fresh_pool()
+                begin = time.perf_counter()
+                compiled = step.compile(params, kv_cache, batch)
+                row = dict(key, kind="program", compile_s=time.perf_counter() - begin,
+                           weights_bytes_per_rank=weights_per_rank, pool_bytes_per_rank=pool,
+                           device_memory_bytes=memory, memory_source=memory_source)
+                if variant in ("host", "fallback"):
+                    row |= _program_analysis(step, params, kv_cache, batch, compiled)
+                    total = max_tokens(cfg, dcp=w, memory=memory, weights=weights_per_rank,
+                                       workspace=row["temp_bytes"] or 0, itemsize=dtype.itemsize)
+                    row |= dict(max_total_tokens=total, max_context=total // batch)
+                yield row
+            except Exception as e:  # noqa: BLE001 - one failing program must not end the run
+                if on_point:
+                    for _ in grid.contexts:
+                        on_point(f"error {where}")
+                yield dict(key, kind="error", stage="compile", error=f"{type(e).__name__}: {e}"[:2000])
+                continue
+            for context in grid.contexts:
+                if on_point:
+                    on_point(f"{where} L={context}")
+                point = dict(key, context=context)
+                try:
+                    tables = block_tables_for(batch, context, dcp=w, page_size=grid.page_size, max_blocks=max_blocks)
+                    md = build_decode_metadata([context] * batch, tables, bucket=batch, dcp=w,
+                                               interleave=grid.interleave, page_size=grid.page_size,
+                                               max_blocks=max_blocks)
+                    tokens = rng.integers(0, cfg.vocab_size, batch).astype(np.int32)
+                    if kv_cache.latent.is_deleted():
+                        kv_cache = fresh_pool()
+                    times, compiles, kv_cache = time_steps(step, params, kv_cache, tokens, md, steps=grid.steps,
+                                                           warmup=grid.warmup)
+                except Exception as e:  # noqa: BLE001
+                    yield dict(point, kind="error", stage="run", error=f"{type(e).__name__}: {e}"[:2000])
+                    continue
+                ordered = sorted(times)
+                median = statistics.median(ordered)
+                latent_bytes, index_bytes = kv_bytes_used(cfg, batch=batch, context=context, dcp=w,
+                                                          page_size=grid.page_size, itemsize=dtype.itemsize)
+                yield dict(point, kind="point", steps=len(times), median_ms=1e3 * median,
+                           p10_ms=1e3 * _percentile(ordered, 10), p90_ms=1e3 * _percentile(ordered, 90),
+                           min_ms=1e3 * ordered[0], max_ms=1e3 * ordered[-1], tokens_per_s=batch / median,
+                           recompiles=compiles, kv_latent_bytes_per_rank=latent_bytes,
+                           kv_index_bytes_per_rank=index_bytes)
+        steps.clear()  # free this DCP size's programs, weights and pool before the next one's
+        del params, kv_cache
+
+
+def _program_analysis(step: DecodeStep, params, kv_cache, rows: int, compiled) -> dict:
+    """Length-derived integer ops in the jaxpr, HLO op counts and workspace of one compiled bucket."""
+    args = (params, kv_cache, step._input_shapes(rows), step.metadata_shapes(rows))
+    global_inputs = flat_indices_of(args, lambda a: (a[3].positions, a[3].context_lens))
+    found = length_derivations(step.jaxpr(params, kv_cache, rows), global_inputs)
+    counts = hlo_op_counts(compiled.as_text())
+    temp = None
+    with contextlib.suppress(Exception):
+        temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    return dict(length_derivations=len(found), length_derivation_ops=sorted(Counter(
+                    f.split(":")[0].split("/")[-1] for f in found).items()),
+                hlo_ops=sum(v for k, v in counts.items() if not k.startswith("int:")),
+                hlo_int_arith_ops=sum(v for k, v in counts.items() if k.startswith("int:")),
+                temp_bytes=temp)
+
+
+# ---- summaries -------------------------------------------------------------------------------------------------
+
+
+def _index(rows: list[dict], kind: str, *fields) -> dict:
+    return {tuple(r[f] for f in fields): r for r in rows if r.get("kind") == kind}
+
+
+def breakdown(rows: list[dict]) -> dict[tuple, dict[str, float]]:
+    """(dcp, kernels, batch, context) -> stage -> ms (differences of consecutive staged medians)."""
+    points = _index(rows, "point", "dcp", "kernels", "batch", "context", "variant")
+    out = {}
+    for (w, k, b, c, v) in points:
+        if v != "through_base":
+            continue
+        chain = ["through_" + s for s in STAGES] + ["host"]
+        if not all((w, k, b, c, name) in points for name in chain):
+            continue
+        ms = [points[(w, k, b, c, name)]["median_ms"] for name in chain]
+        out[(w, k, b, c)] = dict(zip(BREAKDOWN, [ms[0]] + [ms[i] - ms[i - 1] for i in range(1, len(ms))]))
+    return out
+
+
+def failures(rows: list[dict]) -> list[str]:
+    """The targets the benchmark asserts: zero length derivations in every host-length program, zero recompiles in
+    every timed loop, and every configured program compiled and timed."""
+    bad = []
+    for r in rows:
+        where = f"dcp={r.get('dcp')} {r.get('kernels')} B={r.get('batch')} {r.get('variant')}"
+        if r["kind"] == "program" and r["variant"] == "host" and r["length_derivations"]:
+            bad.append(f"{where}: {r['length_derivations']} integer ops derived from global lengths")
+        if r["kind"] == "point" and r["recompiles"]:
+            bad.append(f"{where} L={r['context']}: {r['recompiles']} compiles during the timed steps")
+        if r["kind"] == "error":
+            bad.append(f"{where} L={r.get('context', '-')}: {r['stage']} failed: {r['error'][:300]}")
+    return bad
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def _context_label(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 10**6 else f"{n / 1e3:.1f}K" if n >= 10**3 else str(n)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The three tables of docs/perf_decode.md: latency, stage breakdown, host vs fallback programs."""
+    programs = _index(rows, "program", "dcp", "kernels", "batch", "variant")
+    points = _index(rows, "point", "dcp", "kernels", "batch", "context", "variant")
+    lines = ["| kernels | dcp | B | L | step ms (p10-p90) | tok/s | fallback ms (vs host) | KV/rank MiB | "
+             "index-K/rank MiB | max L at B | compile s | recompiles |", "|" + "---|" * 12]
+    for (w, k, b, c, v), p in points.items():
+        if v != "host":
+            continue
+        prog = programs.get((w, k, b, "host"), {})
+        fb = points.get((w, k, b, c, "fallback"))
+        fb_text = f"{fb['median_ms']:.3f} ({100 * (fb['median_ms'] / p['median_ms'] - 1):+.1f}%)" if fb else "-"
+        max_l = _tokens(prog["max_context"]) if "max_context" in prog else "-"
+        lines.append(f"| {k} | {w} | {b} | {c} | {p['median_ms']:.3f} ({p['p10_ms']:.3f}-{p['p90_ms']:.3f}) | "
+                     f"{p['tokens_per_s']:.0f} | {fb_text} | {_mib(p['kv_latent_bytes_per_rank'])} | "
+                     f"{_mib(p['kv_index_bytes_per_rank'])} | {max_l} | {prog.get('compile_s', 0):.1f} | "
+                     f"{p['recompiles']} |")
+    parts = ["\n".join(lines)]
+    stages = breakdown(rows)
+    if stages:
+        lines = ["| kernels | dcp | B | L | " + " | ".join(BREAKDOWN) + " | step |",
+                 "|" + "---|" * (len(BREAKDOWN) + 5)]
+        for (w, k, b, c), ms in stages.items():
+            lines.append(f"| {k} | {w} | {b} | {c} | " + " | ".join(f"{ms[s]:.3f}" for s in BREAKDOWN)
+                         + f" | {points[(w, k, b, c, 'host')]['median_ms']:.3f} |")
+        parts.append("Stage breakdown, ms (differences of staged-variant medians; see the method):\n"
+                     + "\n".join(lines))
+    lines = ["| kernels | dcp | B | length-derived int ops host / fallback | HLO ops host / fallback | "
+             "HLO int arithmetic host / fallback | compile s host / fallback |", "|" + "---|" * 7]
+    for (w, k, b, v), host in programs.items():
+        fb = programs.get((w, k, b, "fallback"))
+        if v != "host" or not fb or "hlo_ops" not in fb:
+            continue
+        ops = ", ".join(f"{name} {n}" for name, n in fb["length_derivation_ops"])
+        lines.append(f"| {k} | {w} | {b} | {host['length_derivations']} / {fb['length_derivations']} ({ops}) | "
+                     f"{host['hlo_ops']} / {fb['hlo_ops']} | {host['hlo_int_arith_ops']} / {fb['hlo_int_arith_ops']} | "
+                     f"{host['compile_s']:.1f} / {fb['compile_s']:.1f} |")
+    if len(lines) > 2:
+        parts.append("Host-supplied vs device-derived local lengths (compiled programs):\n" + "\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def plot(rows: list[dict], img_dir: str) -> list[str]:
+    """Latency vs context per DCP size (one panel per batch) and capacity vs DCP size, as PNGs in `img_dir`.
+    Returns the paths written; raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [r for r in rows if r["kind"] == "point" and r["variant"] == "host"]
+    programs = [r for r in rows if r["kind"] == "program" and r["variant"] == "host" and "max_total_tokens" in r]
+    if not points:
+        return []
+    os.makedirs(img_dir, exist_ok=True)
+    batches = sorted({r["batch"] for r in points})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.8), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        for (w, k) in sorted({(r["dcp"], r["kernels"]) for r in points}):
+            line = sorted((r["context"], r["median_ms"]) for r in points
+                          if (r["dcp"], r["kernels"], r["batch"]) == (w, k, b))
+            ax.plot(*zip(*line), marker="o", linestyle="-" if k == "pallas" else "--", label=f"DCP {w} {k}")
+        contexts = sorted({r["context"] for r in points})
+        ax.set(xscale="log", xlabel="context length", ylabel="step ms (median)", title=f"B = {b}", ylim=(0, None))
+        ax.set_xticks(contexts, [_context_label(c) for c in contexts])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    paths = [os.path.join(img_dir, "decode_latency_vs_context.png")]
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    if programs:
+        fig, ax = plt.subplots(figsize=(5, 3.8))
+        for k in sorted({r["kernels"] for r in programs}):
+            best = {}
+            for r in programs:
+                if r["kernels"] == k:
+                    best[r["dcp"]] = max(best.get(r["dcp"], 0), r["max_total_tokens"])
+            sizes = sorted(best)
+            ax.plot(sizes, [best[w] for w in sizes], marker="o", label=k)
+            ax.plot(sizes, [best[sizes[0]] * w / sizes[0] for w in sizes], linestyle=":", color="gray",
+                    label=f"{k}: ideal (W x DCP {sizes[0]})")
+        ax.set(xlabel="DCP size W", ylabel="KV tokens that fit (all rows)", title="capacity vs DCP size")
+        ax.set_xticks(sorted({r["dcp"] for r in programs}))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(os.path.join(img_dir, "decode_capacity_vs_dcp.png"))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+# ---- command line ----------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part.lower().replace("k", "")) * (1024 if part.lower().endswith("k") else 1)
+                       for part in text.split(",") if part)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (4K = 4096), got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(part for part in text.split(",") if part)
+    if not names or any(n not in ("pallas", "reference") for n in names):
+        raise argparse.ArgumentTypeError(f"kernels: a comma-separated subset of pallas,reference; got {text!r}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `dcp-jax bench decode` (defaults: the GPU grid of docs/perf_decode.md)."""
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    d = Grid()
+    parser.add_argument("--preset", default=d.preset, help="model preset: tiny, deepseek-v3.2, glm-5")
+    parser.add_argument("--num-layers", type=int, default=d.num_layers, help="layer-count override (0: the preset's)")
+    parser.add_argument("--dcp", type=_ints, default=d.dcp_sizes,
+                        help="DCP sizes (TP = DCP), in run order; sizes past the device count are skipped")
+    parser.add_argument("--contexts", type=_ints, default=d.contexts, help="context lengths, e.g. 4K,16K,64K,128K")
+    parser.add_argument("--batches", type=_ints, default=d.batches, help="batch buckets, run in the order given")
+    parser.add_argument("--kernels", type=_names, default=d.kernels, help="pallas,reference (both in one run)")
+    parser.add_argument("--breakdown-batches", type=lambda t: () if t == "none" else _ints(t),
+                        default=d.breakdown_batches, help="batches that get the stage breakdown ('none': skip it)")
+    parser.add_argument("--no-fallback", dest="fallback", action="store_false", help="skip the fallback variant")
+    parser.add_argument("--steps", type=int, default=d.steps, help="timed steps per point")
+    parser.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per point first")
+    parser.add_argument("--page-size", type=int, default=d.page_size)
+    parser.add_argument("--interleave", type=int, default=d.interleave)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=d.dtype, help="weights and KV cache")
+    parser.add_argument("--device-memory-gb", type=float, default=None,
+                        help="device memory for the capacity column (default: memory_stats, else 139 GiB)")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="per DCP size: start no program after this many seconds (the rest: 'skipped' rows)")
+    parser.add_argument("--out", default="results_decode.jsonl", help="JSON lines output")
+    parser.add_argument("--img-dir", default="docs/img", help="where plots go ('none': no plots)")
+    parser.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices (no effect on GPUs)")
+    parser.add_argument("--compile-cache", default=None, help="persistent compilation cache directory")
+    parser.add_argument("--report", nargs="+", default=None, metavar="JSONL",
+                        help="measure nothing: merge these result files into the tables and plots")
+
+
+def grid_from_args(args: argparse.Namespace) -> Grid:
+    return Grid(preset=args.preset, num_layers=args.num_layers or None, dcp_sizes=args.dcp, contexts=args.contexts,
+                batches=args.batches, kernels=args.kernels, breakdown_batches=args.breakdown_batches,
+                steps=args.steps, warmup=args.warmup, page_size=args.page_size, interleave=args.interleave,
+                dtype=args.dtype, fallback=args.fallback, device_memory_gb=args.device_memory_gb, seed=args.seed)
+
+
+def use_cpu_devices(count: int) -> None:
+    """Ask for `count` simulated CPU devices before jax starts (no effect on GPUs, nor once jax has started)."""
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    with contextlib.suppress(RuntimeError):
+        jax.config.update("jax_num_cpu_devices", count)
+
+
+def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None) -> int:
+    """The whole benchmark: grid from `args`, rows to `args.out` as they come, then the markdown tables, plots
+    and the target checks through `echo`. `progress(total=...)` makes a tqdm-like bar. Returns the exit code."""
+    if args.report:
+        rows = []
+        for path in args.report:
+            with open(path) as f:
+                rows += [json.loads(line) for line in f if line.strip()]
+        return report(rows, img_dir=args.img_dir, echo=echo)
+    use_cpu_devices(args.cpu_devices)
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    grid = grid_from_args(args)
+    cfg = grid.cfg  # validates the preset and layer count
+    for c in grid.contexts:
+        if c > cfg.max_position_embeddings:
+            echo(f"bench decode: context {c} exceeds {grid.preset}'s max_position_embeddings "
+                 f"{cfg.max_position_embeddings}")
+            return 2
+    sizes, notes = plan(grid)
+    info = run_info(grid)
+    memory, memory_source = device_memory(grid)
+    echo(f"{info['num_devices']} x {info['device']} ({info['backend']}), commit {info['commit']}, {grid.preset} "
+         f"{cfg.num_hidden_layers} layers {grid.dtype}, dcp {sizes}, kernels {list(grid.kernels)}, device memory "
+         f"{memory / 2**30:.1f} GiB ({memory_source})")
+    for note in notes:
+        echo(note)
+    if not sizes:
+        return 2
+    rows = [info]
+    bar = progress(total=num_points(grid, sizes)) if progress else None
+    on_point = (lambda text: (bar.set_description(text[:60]), bar.update(1))) if bar else None
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(json.dumps(info) + "\n")
+        for row in run_grid(grid, budget_s=args.budget_s, on_point=on_point):
+            rows.append(row)
+            f.write(json.dumps(row, default=str) + "\n")
+            f.flush()
+    if bar:
+        bar.close()
+    echo(f"wrote {len(rows)} rows to {args.out}")
+    return report(rows, img_dir=args.img_dir, echo=echo)
+
+
+def report(rows: list[dict], *, img_dir: str, echo: Callable[[str], None]) -> int:
+    """Plots, the markdown tables and the target checks of `rows` (one run, or several merged with
+    --report); returns the exit code: 1 when a target is not met."""
+    for info in (r for r in rows if r["kind"] == "run"):
+        echo(f"run {info['date']}: {info['num_devices']} x {info['device']}, commit {info['commit']}, "
+             f"jax {info['jax']}")
+    if img_dir != "none":
+        try:
+            for path in plot(rows, img_dir):
+                echo(f"plot: {path}")
+        except ImportError:
+            echo("plots skipped: matplotlib is not installed (pip install matplotlib)")
+    skipped = sum(r["kind"] == "skipped" for r in rows)
+    if skipped:
+        echo(f"{skipped} points skipped by --budget-s")
+    bad = failures(rows)
+    echo(markdown(rows))
+    echo("targets: zero length-derived ops in every host-length program, zero recompiles in every timed loop: "
+         + ("MET" if not bad else f"NOT MET ({len(bad)})"))
+    for line in bad:
+        echo("  " + line)
+    return 1 if bad else 0

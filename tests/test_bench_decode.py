@@ -1,0 +1,172 @@
+"""The decode benchmark (dcp_jax/decode_bench.py, `dcp-jax bench decode`) on simulated CPU devices: a tiny grid
+end to end through the CLI, its asserted targets, and the stage-isolating variants matching the real step.
+No timing is asserted (benchmarks are scripts); the tests check what the script computes and reports."""
+
+import contextlib
+import io
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from dcp_jax import cli, decode_bench
+from dcp_jax.config import ParallelConfig, preset
+from dcp_jax.kv_cache import allocate_kv_cache
+from dcp_jax.mesh import make_mesh
+from dcp_jax.metadata import build_decode_metadata
+from dcp_jax.model import abstract_model, init_params
+
+STAGED = [f"through_{s}" for s in decode_bench.STAGES]
+# page 4, L = 64: 16 pages per row at DCP 1, 8 at DCP 2 (exactly half).
+SMOKE = ["bench", "decode", "--preset", "tiny", "--num-layers", "1", "--dcp", "1,2,16", "--contexts", "64",
+         "--batches", "2", "--breakdown-batches", "2", "--kernels", "reference", "--steps", "2", "--warmup", "1",
+         "--page-size", "4", "--device-memory-gb", "0.05", "--img-dir", "none"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The tiny grid through the real `dcp-jax bench decode` entry point: (exit code, JSON rows, stdout)."""
+    out = tmp_path_factory.mktemp("bench") / "decode.jsonl"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+        rc = cli.main(SMOKE + ["--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return rc, rows, stdout.getvalue()
+
+
+def test_the_grid_runs_and_meets_its_targets(smoke):
+    rc, rows, text = smoke
+    assert rc == 0, text
+    assert rows[0]["kind"] == "run" and rows[0]["commit"] and rows[0]["device"]
+    assert not [r for r in rows if r["kind"] in ("error", "skipped")]
+    assert "dcp=16 skipped: 8 device(s)" in text
+    points = {(r["dcp"], r["variant"]): r for r in rows if r["kind"] == "point"}
+    assert set(points) == {(w, v) for w in (1, 2) for v in ["host", "fallback"] + STAGED}
+    for p in points.values():
+        assert p["recompiles"] == 0 and p["steps"] == 2
+        assert 0 < p["min_ms"] <= p["median_ms"] <= p["max_ms"]
+        assert p["tokens_per_s"] == pytest.approx(2e3 / p["median_ms"])
+    assert "targets: zero length-derived ops in every host-length program, zero recompiles" in text
+    assert "recompiles in every timed loop: MET" in text
+    for header in ("| kernels | dcp | B | L | step ms", "| other | projections | indexer | topk | exchange",
+                   "length-derived int ops host / fallback"):
+        assert header in text
+
+
+def test_host_lengths_compile_no_fallback_ops_and_the_fallback_does(smoke):
+    _, rows, _ = smoke
+    programs = {(r["dcp"], r["variant"]): r for r in rows if r["kind"] == "program"}
+    for w in (1, 2):
+        host, fallback = programs[(w, "host")], programs[(w, "fallback")]
+        assert host["length_derivations"] == 0
+        assert fallback["length_derivations"] > 0
+        assert {"div", "rem"} <= {name for name, _ in fallback["length_derivation_ops"]}
+        assert fallback["hlo_int_arith_ops"] > host["hlo_int_arith_ops"]
+        assert host["compile_s"] > 0 and host["temp_bytes"] is not None
+
+
+def test_dcp_halves_per_rank_kv_and_doubles_capacity(smoke):
+    _, rows, _ = smoke
+    points = {r["dcp"]: r for r in rows if r["kind"] == "point" and r["variant"] == "host"}
+    cfg = preset("tiny", num_layers=1)
+    itemsize = 2  # bfloat16
+    assert points[1]["kv_latent_bytes_per_rank"] == 2 * 64 * cfg.latent_dim * itemsize
+    assert points[1]["kv_index_bytes_per_rank"] == 2 * 64 * cfg.index_head_dim * itemsize
+    for key in ("kv_latent_bytes_per_rank", "kv_index_bytes_per_rank"):
+        assert 2 * points[2][key] == points[1][key]
+    programs = {r["dcp"]: r for r in rows if r["kind"] == "program" and r["variant"] == "host"}
+    assert programs[1]["memory_source"] == "option"
+    assert programs[2]["weights_bytes_per_rank"] < programs[1]["weights_bytes_per_rank"]  # heads split
+    ratio = programs[2]["max_total_tokens"] / programs[1]["max_total_tokens"]
+    assert 1.9 < ratio < 2.6, ratio
+    assert programs[1]["max_context"] == programs[1]["max_total_tokens"] // 2
+
+
+def test_the_staged_variant_of_the_whole_layer_is_the_real_step():
+    """Guards the breakdown against drift: staged_decode_body(through="mlp") must compute decode_body exactly,
+    so its truncations cut the real data flow."""
+    cfg = preset("tiny", num_layers=1)
+    parallel = ParallelConfig(tp=2, dcp=2, interleave=2)
+    grid = decode_bench.Grid(preset="tiny", num_layers=1, dcp_sizes=(2,), contexts=(48,), batches=(4,),
+                             page_size=4, interleave=2, dtype="float32")
+    engine = grid.engine(2)
+    mesh = make_mesh(parallel)
+    graphdef, abstract = abstract_model(cfg, jax.numpy.float32)
+    params = init_params(cfg, 0)
+    max_blocks = engine.max_blocks_per_seq(2)
+    lens = [48, 5, 17, 30]
+    tables = decode_bench.block_tables_for(4, 48, dcp=2, page_size=4, max_blocks=max_blocks)
+    md = build_decode_metadata(lens, tables, bucket=4, dcp=2, interleave=2, page_size=4, max_blocks=max_blocks)
+    tokens = np.array([3, 7, 11, 500], np.int32)
+    logits = {}
+    for variant in ("host", "through_mlp", "through_merge"):
+        step = decode_bench.variant_step(variant, cfg, parallel, engine, mesh, "reference", graphdef=graphdef,
+                                         abstract=abstract)
+        placed = step.place_params(params)
+        kv_cache = decode_bench.fill_random(allocate_kv_cache(cfg, engine, 2, mesh), jax.random.key(1))
+        step.compile(placed, kv_cache, 4)
+        (out, _), _ = step(placed, kv_cache, tokens, md)
+        logits[variant] = np.asarray(out)
+    assert np.all(np.isfinite(logits["host"]))
+    np.testing.assert_allclose(logits["through_mlp"], logits["host"], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(logits["through_merge"], logits["host"], atol=1e-3)  # the MLP is cut there
+
+
+def test_failures_name_fallback_ops_recompiles_and_errors():
+    base = dict(dcp=2, kernels="pallas", batch=8)
+    rows = [
+        dict(base, kind="program", variant="host", length_derivations=3),
+        dict(base, kind="program", variant="fallback", length_derivations=12),  # expected, not a failure
+        dict(base, kind="point", variant="host", context=4096, recompiles=1),
+        dict(base, kind="error", variant="host", stage="compile", error="RESOURCE_EXHAUSTED"),
+    ]
+    bad = decode_bench.failures(rows)
+    assert len(bad) == 3
+    assert "3 integer ops derived from global lengths" in bad[0]
+    assert "1 compiles during the timed steps" in bad[1]
+    assert "RESOURCE_EXHAUSTED" in bad[2]
+
+
+def test_breakdown_takes_differences_of_consecutive_variants():
+    chain = STAGED + ["host"]
+    rows = [dict(kind="point", dcp=1, kernels="reference", batch=4, context=64, variant=v, median_ms=float(i + 1))
+            for i, v in enumerate(chain)]
+    (key, stages), = decode_bench.breakdown(rows).items()
+    assert key == (1, "reference", 4, 64)
+    assert list(stages) == list(decode_bench.BREAKDOWN)
+    assert stages == dict(zip(decode_bench.BREAKDOWN, [1.0] * len(chain)))
+    assert decode_bench.breakdown(rows[1:]) == {}  # an incomplete chain gives no breakdown
+
+
+def test_hlo_op_counts_counts_integer_arithmetic():
+    text = """
+  %add.1 = s32[4]{0} add(s32[4]{0} %a, s32[4]{0} %b)
+  %add.2 = f32[4,8]{1,0} add(f32[4,8]{1,0} %c, f32[4,8]{1,0} %d)
+  %clamp.3 = s32[4]{0} clamp(s32[] %lo, s32[4]{0} %add.1, s32[] %hi)
+  %convert.4 = f8e4m3fn[4]{0} convert(f32[4]{0} %e)
+  ROOT %tuple.5 = (f32[4,8]{1,0}) tuple(f32[4,8]{1,0} %add.2)
+"""
+    counts = decode_bench.hlo_op_counts(text)
+    assert counts["add"] == 2 and counts["clamp"] == 1 and counts["convert"] == 1
+    assert counts["int:add"] == 1 and counts["int:clamp"] == 1 and "int:convert" not in counts
+
+
+def test_report_mode_merges_result_files(smoke, tmp_path):
+    _, rows, _ = smoke
+    halves = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for path, part in zip(halves, ([r for r in rows if r.get("dcp") != 2], [r for r in rows if r.get("dcp") == 2])):
+        path.write_text("".join(json.dumps(r) + "\n" for r in part))
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = cli.main(["bench", "decode", "--report", *map(str, halves), "--img-dir", "none"])
+    text = stdout.getvalue()
+    assert rc == 0, text
+    assert "| reference | 1 | 2 | 64 |" in text and "| reference | 2 | 2 | 64 |" in text
+
+
+def test_plots_are_written(smoke, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, rows, _ = smoke
+    paths = decode_bench.plot(rows, str(tmp_path))
+    assert [p.rsplit("/", 1)[-1] for p in paths] == ["decode_latency_vs_context.png", "decode_capacity_vs_dcp.png"]
