@@ -45,11 +45,8 @@ class HFTokenizer:
 
 
 def load_tokenizer(model_dir: str | None, vocab_size: int, bos_token_id: int, eos_token_id: int):
-    """`model_dir/tokenizer.json` when it exists and `tokenizers` is installed, else a ByteTokenizer."""
+    """`model_dir/tokenizer.json` when the directory has one, else a ByteTokenizer."""
     path = os.path.join(model_dir, "tokenizer.json") if model_dir else None
     if path and os.path.exists(path):
-        try:
-            return HFTokenizer(path, bos_token_id, eos_token_id)
-        except ImportError:
-            pass
+        return HFTokenizer(path, bos_token_id, eos_token_id)
     return ByteTokenizer(vocab_size, bos_token_id, eos_token_id)
