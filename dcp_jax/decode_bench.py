@@ -34,7 +34,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dcp_jax.analysis import flat_indices_of, length_derivations
 from dcp_jax.attention import exchange, projections
 from dcp_jax.attention.decode import DcpLayout, write_slots
 from dcp_jax.attention.kernels import select_kernels
@@ -449,9 +448,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
 
 def _program_analysis(step: DecodeStep, params, kv_cache, rows: int, compiled) -> dict:
     """Length-derived integer ops in the jaxpr, HLO op counts and workspace of one compiled bucket."""
-    args = (params, kv_cache, step._input_shapes(rows), step.metadata_shapes(rows))
-    global_inputs = flat_indices_of(args, lambda a: (a[3].positions, a[3].context_lens))
-    found = length_derivations(step.jaxpr(params, kv_cache, rows), global_inputs)
+    found = step.length_derivations(params, kv_cache, rows)
     counts = hlo_op_counts(compiled.as_text())
     temp = None
     with contextlib.suppress(Exception):

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from dcp_jax.analysis import flat_indices_of, length_derivations
 from dcp_jax.kv_cache import KV_CACHE_SPECS, KVCache
 from dcp_jax.mesh import PER_DCP_RANK, REPLICATED, sharding
 from dcp_jax.metadata import DecodeMetadata, check_decode_metadata
@@ -105,6 +106,13 @@ class DecodeStep:
     def jaxpr(self, params, kv_cache: KVCache, rows: int):
         """The traced step of bucket `rows` (for inspection)."""
         return jax.make_jaxpr(self._jitted)(params, kv_cache, self._input_shapes(rows), self.metadata_shapes(rows))
+
+    def length_derivations(self, params, kv_cache: KVCache, rows: int) -> list[str]:
+        """Integer ops in bucket `rows`' traced step computed from the global positions or context lengths
+        (`analysis.length_derivations`); empty when the step only uses the host-given local lengths."""
+        args = (params, kv_cache, self._input_shapes(rows), self.metadata_shapes(rows))
+        global_inputs = flat_indices_of(args, lambda a: (a[3].positions, a[3].context_lens))
+        return length_derivations(self.jaxpr(params, kv_cache, rows), global_inputs)
 
     def __call__(self, params, kv_cache: KVCache, inputs, md: DecodeMetadata):
         """Validate `md` on the host, transfer it with the inputs in one go, run the bucket's program."""

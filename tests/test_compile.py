@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dcp_jax.analysis import flat_indices_of, length_derivations
 from dcp_jax.attention.kernels import REFERENCE
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
 from dcp_jax.kv_cache import allocate_kv_cache
+from dcp_jax.loading import load_model
 from dcp_jax.mesh import DCP, make_mesh
 from dcp_jax.metadata import build_decode_metadata
 from dcp_jax.stack import decode_stack_body, init_stack_params, make_stack_step
@@ -55,11 +55,6 @@ def metadata(lens, bucket):
                                  page_size=ENGINE.page_size, max_blocks=MAX_BLOCKS)
 
 
-def global_length_inputs(step, params, kv_cache, rows):
-    args = (params, kv_cache, step._input_shapes(rows), step.metadata_shapes(rows))
-    return flat_indices_of(args, lambda a: (a[3].positions, a[3].context_lens))
-
-
 def test_one_compile_per_bucket_and_no_tracing_afterwards(setup):
     mesh, params = setup
     body = CountingBody()
@@ -90,8 +85,7 @@ def test_no_bucket_derives_local_lengths_on_device(setup):
     step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, REFERENCE)
     kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
     for rows in ENGINE.buckets:
-        jaxpr = step.jaxpr(params, kv_cache, rows)
-        assert length_derivations(jaxpr, global_length_inputs(step, params, kv_cache, rows)) == []
+        assert step.length_derivations(params, kv_cache, rows) == []
 
 
 def test_the_check_catches_a_wired_in_fallback(setup):
@@ -99,8 +93,14 @@ def test_the_check_catches_a_wired_in_fallback(setup):
     step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, REFERENCE, body=fallback_body)
     kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
     rows = ENGINE.buckets[-1]
-    found = length_derivations(step.jaxpr(params, kv_cache, rows), global_length_inputs(step, params, kv_cache, rows))
+    found = step.length_derivations(params, kv_cache, rows)
     assert {"floor_divide", "div", "clamp"} & {f.split(":")[0].split("/")[-1] for f in found}, found
+
+
+def test_no_bucket_of_the_model_decode_step_derives_local_lengths():
+    runner = load_model("tiny", dcp=4, interleave=2, max_num_seqs=4, max_model_len=64, kernels="reference").runner
+    for rows in runner.engine.buckets:
+        assert runner.decode_step.length_derivations(runner.params, runner.kv_cache, rows) == []
 
 
 def test_the_fallback_variant_computes_the_same_step(setup):
