@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._platform import default_interpret
+from pallas_kernels.lse import lse_merge_weights
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -99,12 +100,7 @@ def merge_splits(outs, lses):
     outs [R, N, H, D] f32 (each normalized within its split), lses [R, N, H] f32 (-inf = empty split).
     Returns out [R, H, D] f32 and lse [R, H] f32; all splits empty gives out 0 and lse -inf.
     """
-    lse_max = lses.max(axis=1)
-    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-    weights = jnp.exp(lses - lse_max[:, None])                            # [R, N, H], 0 for empty splits
-    total = weights.sum(axis=1)
-    lse = jnp.log(total) + lse_max
-    weights = weights / jnp.where(total > 0, total, 1.0)[:, None]
+    weights, lse = lse_merge_weights(lses, axis=1)  # [R, N, H], 0 for empty splits
     # An elementwise product and sum fuse into one reduction (no matmul call, exact f32).
     return (weights[..., None] * outs).sum(axis=1), lse
 

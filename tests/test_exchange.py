@@ -1,11 +1,14 @@
 """dcp_jax/attention/exchange.py: candidate merge, owner filter and LSE merge as pure functions."""
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
 from dcp_jax import layout
 from dcp_jax.attention import exchange
+from dcp_jax.mesh import DCP
 from pallas_kernels import reference
 
 
@@ -60,28 +63,30 @@ def test_owner_filter_compacts_owned_slots_in_order(dcp, interleave, page_size):
             assert np.all(np.asarray(slots[r, len(mine):]) == -1)
 
 
-def test_merge_lse_equals_attention_over_the_union():
-    rng = np.random.default_rng(0)
-    rows, heads, tokens, dim, parts = 3, 4, 20, 8, 4
+@pytest.mark.parametrize("dcp", [2, 4])
+def test_merge_partial_attention_equals_attention_over_the_union(dcp):
+    """Each rank attends over its own tokens for all W*h heads; the merge gives each rank its h heads of the
+    attention over every token. One rank owns nothing for some rows (lse -inf)."""
+    rng = np.random.default_rng(dcp)
+    rows, heads, tokens, dim = 3, 2 * dcp, 24, 8
     scores = rng.standard_normal((rows, heads, tokens))
     values = rng.standard_normal((rows, tokens, dim))
-    part_of = rng.integers(0, parts, tokens)
-    part_of[:3] = 0  # part 3 may end up empty for a row: its lse is -inf
+    owner = rng.integers(0, dcp - 1, tokens)  # the last rank owns no token
     outs, lses = [], []
-    for w in range(parts):
-        mask = part_of == w
+    for w in range(dcp):
+        mask = owner == w
         s = np.where(mask, scores, -np.inf)
-        lse = np.log(np.sum(np.exp(s), axis=-1)) if mask.any() else np.full((rows, heads), -np.inf)
+        with np.errstate(divide="ignore"):
+            lse = np.log(np.sum(np.exp(s), axis=-1))
         probs = np.exp(s - np.where(np.isfinite(lse), lse, 0)[..., None]) * mask
         outs.append(np.einsum("rht,rtd->rhd", probs, values))
         lses.append(lse)
-    out, lse = exchange.merge_lse(jnp.asarray(np.stack(outs)), jnp.asarray(np.stack(lses)))
+    mesh = jax.make_mesh((dcp,), (DCP,), axis_types=(jax.sharding.AxisType.Auto,))
+    merge = jax.shard_map(
+        lambda o, l: exchange.merge_partial_attention(o[0], l[0]),
+        mesh=mesh, in_specs=(P(DCP), P(DCP)), out_specs=P(None, DCP), check_vma=False,
+    )
+    out = merge(jnp.asarray(np.stack(outs), jnp.float32), jnp.asarray(np.stack(lses), jnp.float32))
     expected_lse = np.log(np.sum(np.exp(scores), axis=-1))
     expected = np.einsum("rht,rtd->rhd", np.exp(scores - expected_lse[..., None]), values)
-    np.testing.assert_allclose(lse, expected_lse, rtol=1e-5)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
-
-
-def test_merge_lse_of_all_empty_parts_is_the_identity():
-    out, lse = exchange.merge_lse(jnp.ones((2, 1, 3, 4)), jnp.full((2, 1, 3), -jnp.inf))
-    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))

@@ -1,7 +1,8 @@
 """Cross-rank pieces of sparse DCP decode that are not kernels: candidate merge, owner filter, LSE merge.
 
-The pure functions here work on gathered buffers and are tested directly; `exchange_top_k` and
-`merge_partial_attention` wrap them with the collectives over the "dcp" mesh axis (call inside shard_map).
+`merge_candidates` and `owner_filter` are pure functions of gathered buffers; `exchange_top_k` and
+`merge_partial_attention` (weights from `pallas_kernels.lse`) run the collectives over the "dcp" mesh axis
+(call them inside shard_map).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from dcp_jax.mesh import DCP
+from pallas_kernels.lse import lse_merge_weights
 
 HIGHEST = jax.lax.Precision.HIGHEST
 NEG_INF = float("-inf")
@@ -59,21 +61,6 @@ def owner_filter(ids, block_tables, rank, *, dcp, interleave, page_size):
     return slots[:, :k], is_owned.sum(axis=1).astype(jnp.int32)
 
 
-def merge_lse(outs, lses):
-    """Merge partial attention results by log-sum-exp.
-
-    outs [W, R, H, Dv] f32, lses [W, R, H] f32 (-inf = empty part). Returns out [R, H, Dv], lse [R, H];
-    all parts empty gives out 0 and lse -inf.
-    """
-    lse_max = jnp.max(lses, axis=0)
-    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-    total = jnp.sum(jnp.exp(lses - lse_max), axis=0)
-    lse = jnp.log(total) + lse_max
-    factors = jnp.exp(lses - lse)
-    factors = jnp.where(jnp.isfinite(factors), factors, 0.0)  # -inf - -inf = NaN on empty rows
-    return jnp.einsum("wrh,wrhd->rhd", factors, outs, precision=HIGHEST), lse
-
-
 def exchange_top_k(values, local_ids, rank, *, k, dcp, interleave):
     """Per rank: local top-k (values [R, K], local ids [R, K]) -> the identical global top-k ids [R, k] on
     every rank of the DCP group. All-gathers 8 * W * K bytes per row."""
@@ -86,10 +73,6 @@ def exchange_top_k(values, local_ids, rank, *, k, dcp, interleave):
 def merge_partial_attention(out, lse):
     """Per rank: out [R, W*h, C], lse [R, W*h] over this rank's owned tokens -> merged out [R, h, C] of
     this rank's own h heads. All-gathers lse, then reduce-scatters the rescaled outputs over heads."""
-    all_lse = jax.lax.all_gather(lse, DCP)  # [W, R, W*h]
-    lse_max = jnp.max(all_lse, axis=0)
-    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-    lse_total = jnp.log(jnp.sum(jnp.exp(all_lse - lse_max), axis=0)) + lse_max
-    factor = jnp.exp(lse - lse_total)
-    factor = jnp.where(jnp.isfinite(factor), factor, 0.0)  # -inf - -inf = NaN when no rank owns anything
+    weights, _ = lse_merge_weights(jax.lax.all_gather(lse, DCP), axis=0)  # [W, R, W*h]
+    factor = weights[jax.lax.axis_index(DCP)]
     return jax.lax.psum_scatter(factor[..., None] * out, DCP, scatter_dimension=1, tiled=True)
