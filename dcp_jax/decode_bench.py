@@ -34,12 +34,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dcp_jax.attention import exchange, projections
-from dcp_jax.attention.decode import DcpLayout, write_slots
+from dcp_jax.attention import decode
+from dcp_jax.attention.decode import DcpLayout
 from dcp_jax.attention.kernels import select_kernels
 from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig, preset
 from dcp_jax.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_rank
-from dcp_jax.mesh import DCP, HEADS, make_mesh
+from dcp_jax.loading import use_cpu_devices
+from dcp_jax.mesh import DCP, make_mesh
 from dcp_jax.metadata import build_decode_metadata
 from dcp_jax.model import abstract_model, init_params, merge, param_specs
 from dcp_jax.model_step import decode_body
@@ -68,54 +69,36 @@ def _row_mean(x):
 
 def attention_through(p, x, kv_cache, index_cache, rope, local_lens, slots, block_tables, *, cfg: ModelConfig,
                       layout: DcpLayout, kernels, through: str):
-    """Steps 1..`through` of `attention.decode.sparse_dcp_attention` (same calls, same order), per rank.
+    """Stages 1..`through` of `attention.decode.sparse_dcp_attention` (its own stage functions), per rank.
 
     Returns (residual update [R, D], kv_cache, index_cache): the attention output for through="merge", else
     SINK_SCALE times the row means of every value computed and not yet consumed (so nothing is dead code).
     """
-    cos, sin = rope
-    rank = jax.lax.axis_index(DCP)
-    # 1. Projections; the new token's entries are written by its owner only.
-    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
-    index_q = projections.index_query(p, q_resid, cos, sin, cfg)
-    weights = projections.index_weights(p, x, cfg)
-    kv_cache = write_slots(kv_cache, slots, projections.mla_latent(p, x, cos, sin, cfg))
-    index_cache = write_slots(index_cache, slots, projections.index_key(p, x, cos, sin, cfg))
+    if through not in STAGES[1:]:
+        raise ValueError(f"unknown stage {through!r}; choose from {STAGES[1:]}")
+    queries, kv_cache, index_cache = decode.project_and_write(p, x, kv_cache, index_cache, rope, slots, cfg=cfg)
 
     def sunk(*values, has_dangling_query=True):
         """q_nope and q_pe are consumed only in step 6; until then they dangle too."""
-        values = values + ((q_nope, q_pe) if has_dangling_query else ())
+        values = values + ((queries.q_nope, queries.q_pe) if has_dangling_query else ())
         sink = sum(_row_mean(v) for v in values)
         return jnp.broadcast_to((SINK_SCALE * sink)[:, None], x.shape).astype(x.dtype), kv_cache, index_cache
 
     if through == "projections":
-        return sunk(index_q, weights)
-    # 2. Local indexer logits over this rank's index-K shard.
-    logits = kernels.indexer_logits(index_q, weights, index_cache, block_tables, local_lens)
+        return sunk(queries.index_q, queries.index_weights)
+    logits = decode.local_scores(queries, index_cache, block_tables, local_lens, kernels=kernels)
     if through == "indexer":
         return sunk(logits)
-    # 3. Local top-k.
-    values, local_ids = kernels.topk(logits, local_lens, k=cfg.index_topk)
+    values, local_ids = decode.local_top_k(logits, local_lens, cfg=cfg, kernels=kernels)
     if through == "topk":
         return sunk(values, local_ids)
-    # 4-5. Candidate exchange and owner filter.
-    selected = exchange.exchange_top_k(values, local_ids, rank, k=cfg.index_topk, dcp=layout.dcp,
-                                       interleave=layout.interleave)
-    owned_slots, counts = exchange.owner_filter(selected, block_tables, rank, dcp=layout.dcp,
-                                                interleave=layout.interleave, page_size=layout.page_size)
+    _, owned_slots, counts = decode.select_owned(values, local_ids, block_tables, cfg=cfg, layout=layout)
     if through == "exchange":
         return sunk(owned_slots, counts)
-    # 6. Sparse MLA over owned slots for the DCP group's heads.
-    q = jax.lax.all_gather(projections.absorb_query(p, q_nope, q_pe), DCP, axis=1, tiled=True)
-    out, lse = kernels.sparse_mla_decode(q.astype(kv_cache.dtype), kv_cache, owned_slots, counts, cfg.softmax_scale,
-                                         value_dim=cfg.kv_lora_rank)
+    out, lse = decode.attend(p, queries, kv_cache, owned_slots, counts, cfg=cfg, kernels=kernels)
     if through == "sparse_mla":
         return sunk(out, lse, has_dangling_query=False)
-    # 7. LSE merge, W_UV, o_proj and the TP all-reduce.
-    if through != "merge":
-        raise ValueError(f"unknown stage {through!r}; choose from {STAGES[1:]}")
-    latent_out = exchange.merge_partial_attention(out, lse).astype(x.dtype)
-    return jax.lax.psum(projections.output_projection(p, latent_out), HEADS), kv_cache, index_cache
+    return decode.merge_heads(p, out, lse, x.dtype), kv_cache, index_cache
 
 
 def staged_decode_body(params, kv_cache: KVCache, tokens, md, *, graphdef, abstract, cfg: ModelConfig,
@@ -661,14 +644,6 @@ def grid_from_args(args: argparse.Namespace) -> Grid:
                 batches=args.batches, kernels=args.kernels, breakdown_batches=args.breakdown_batches,
                 steps=args.steps, warmup=args.warmup, page_size=args.page_size, interleave=args.interleave,
                 dtype=args.dtype, fallback=args.fallback, device_memory_gb=args.device_memory_gb, seed=args.seed)
-
-
-def use_cpu_devices(count: int) -> None:
-    """Ask for `count` simulated CPU devices before jax starts (no effect on GPUs, nor once jax has started)."""
-    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return
-    with contextlib.suppress(RuntimeError):
-        jax.config.update("jax_num_cpu_devices", count)
 
 
 def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None) -> int:

@@ -8,6 +8,7 @@ Per rank (h = H/tp local heads, W = dcp size, pages/B = this rank's KV pool):
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,64 @@ def write_slots(cache, slots, values):
     return flat.reshape(cache.shape)
 
 
+class Queries(NamedTuple):
+    """Per-row query-side projections of step 1 (local heads h, index heads I)."""
+
+    q_nope: jax.Array  # [R, h, N]
+    q_pe: jax.Array  # [R, h, E], roped
+    index_q: jax.Array  # [R, I, J]
+    index_weights: jax.Array  # [R, I] f32, scales folded in
+
+
+# The stages of one layer, in data-flow order; `sparse_dcp_attention` runs them all, benchmarks run prefixes.
+
+
+def project_and_write(p, x, kv_cache, index_cache, cos_sin, slots, *, cfg: ModelConfig):
+    """1. Projections for every row on every rank; the new token's latent and index key are written by its
+    owner only (slot -1 elsewhere). Returns (Queries, kv_cache, index_cache)."""
+    cos, sin = cos_sin
+    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
+    queries = Queries(q_nope, q_pe, projections.index_query(p, q_resid, cos, sin, cfg),
+                      projections.index_weights(p, x, cfg))
+    kv_cache = write_slots(kv_cache, slots, projections.mla_latent(p, x, cos, sin, cfg))
+    index_cache = write_slots(index_cache, slots, projections.index_key(p, x, cos, sin, cfg))
+    return queries, kv_cache, index_cache
+
+
+def local_scores(queries: Queries, index_cache, block_tables, local_lens, *, kernels: Kernels):
+    """2. Indexer logits [R, P*B] over this rank's index-K shard, -inf past the host-provided local lengths."""
+    return kernels.indexer_logits(queries.index_q, queries.index_weights, index_cache, block_tables, local_lens)
+
+
+def local_top_k(logits, local_lens, *, cfg: ModelConfig, kernels: Kernels):
+    """3. This rank's top-k: (scores [R, K], local token ids [R, K], -1 padded)."""
+    return kernels.topk(logits, local_lens, k=cfg.index_topk)
+
+
+def select_owned(values, local_ids, block_tables, *, cfg: ModelConfig, layout: DcpLayout):
+    """4-5. Candidate exchange -> the global top-k positions [R, K] (identical on every rank), then this rank's
+    share of them as compacted slots [R, K] and counts [R]."""
+    rank = jax.lax.axis_index(DCP)
+    selected = exchange.exchange_top_k(values, local_ids, rank, k=cfg.index_topk, dcp=layout.dcp,
+                                       interleave=layout.interleave)
+    owned_slots, counts = exchange.owner_filter(selected, block_tables, rank, dcp=layout.dcp,
+                                                interleave=layout.interleave, page_size=layout.page_size)
+    return selected, owned_slots, counts
+
+
+def attend(p, queries: Queries, kv_cache, owned_slots, counts, *, cfg: ModelConfig, kernels: Kernels):
+    """6. Sparse MLA over the owned slots for the heads of the whole DCP group: (out [R, W*h, C], lse [R, W*h])."""
+    q = jax.lax.all_gather(projections.absorb_query(p, queries.q_nope, queries.q_pe), DCP, axis=1, tiled=True)
+    return kernels.sparse_mla_decode(q.astype(kv_cache.dtype), kv_cache, owned_slots, counts, cfg.softmax_scale,
+                                     value_dim=cfg.kv_lora_rank)
+
+
+def merge_heads(p, out, lse, dtype):
+    """7. LSE merge back to this rank's h heads, W_UV, o_proj and the TP all-reduce: [R, D]."""
+    latent_out = exchange.merge_partial_attention(out, lse).astype(dtype)
+    return jax.lax.psum(projections.output_projection(p, latent_out), HEADS)
+
+
 def sparse_dcp_attention(
     p: AttentionParams,
     x,
@@ -53,39 +112,16 @@ def sparse_dcp_attention(
 ):
     """Returns (attention output [R, D] summed over all TP ranks, kv_cache, index_cache, the global top-k
     positions [R, K] selected for each row (-1 padded, identical on every rank))."""
-    cos, sin = cos_sin
-    rank = jax.lax.axis_index(DCP)
-    # 1. Projections for every row on every rank; the new token's entries are written by its owner only.
     with jax.named_scope("projections"):
-        q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
-        index_q = projections.index_query(p, q_resid, cos, sin, cfg)
-        weights = projections.index_weights(p, x, cfg)
-        kv_cache = write_slots(kv_cache, slots, projections.mla_latent(p, x, cos, sin, cfg))
-        index_cache = write_slots(index_cache, slots, projections.index_key(p, x, cos, sin, cfg))
-    # 2. Local logits over this rank's index-K shard, bounded by the host-provided local lengths.
+        queries, kv_cache, index_cache = project_and_write(p, x, kv_cache, index_cache, cos_sin, slots, cfg=cfg)
     with jax.named_scope("indexer"):
-        logits = kernels.indexer_logits(index_q, weights, index_cache, block_tables, local_lens)
-    # 3. Local top-k.
+        logits = local_scores(queries, index_cache, block_tables, local_lens, kernels=kernels)
     with jax.named_scope("topk"):
-        values, local_ids = kernels.topk(logits, local_lens, k=cfg.index_topk)
-    # 4. Candidate exchange -> the same global top-k on every rank.
+        values, local_ids = local_top_k(logits, local_lens, cfg=cfg, kernels=kernels)
     with jax.named_scope("exchange"):
-        selected = exchange.exchange_top_k(
-            values, local_ids, rank, k=cfg.index_topk, dcp=layout.dcp, interleave=layout.interleave
-        )
-    # 5. Owner filter: the selected tokens this rank holds, as compacted slots.
-    with jax.named_scope("owner_filter"):
-        owned_slots, counts = exchange.owner_filter(
-            selected, block_tables, rank, dcp=layout.dcp, interleave=layout.interleave, page_size=layout.page_size
-        )
-    # 6. Sparse MLA over owned slots for the heads of the whole DCP group.
+        selected, owned_slots, counts = select_owned(values, local_ids, block_tables, cfg=cfg, layout=layout)
     with jax.named_scope("sparse_mla"):
-        q = jax.lax.all_gather(projections.absorb_query(p, q_nope, q_pe), DCP, axis=1, tiled=True)
-        out, lse = kernels.sparse_mla_decode(
-            q.astype(kv_cache.dtype), kv_cache, owned_slots, counts, cfg.softmax_scale, value_dim=cfg.kv_lora_rank
-        )
-    # 7. LSE merge back to this rank's heads, then W_UV, o_proj and the TP all-reduce.
+        out, lse = attend(p, queries, kv_cache, owned_slots, counts, cfg=cfg, kernels=kernels)
     with jax.named_scope("merge"):
-        latent_out = exchange.merge_partial_attention(out, lse).astype(x.dtype)
-        attn = jax.lax.psum(projections.output_projection(p, latent_out), HEADS)
+        attn = merge_heads(p, out, lse, x.dtype)
     return attn, kv_cache, index_cache, selected
