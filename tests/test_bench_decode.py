@@ -1,5 +1,5 @@
-"""The decode benchmark (dcp_jax/decode_bench.py, `dcp-jax bench decode`) on simulated CPU devices: a tiny grid
-end to end through the CLI, its asserted targets, and the stage-isolating variants matching the real step.
+"""The decode benchmark (dcp_jax/decode_bench.py and decode_bench_results.py, `dcp-jax bench decode`) on
+simulated CPU devices: a tiny grid end to end through the CLI, its asserted targets, and the stage-isolating variants matching the real step.
 No timing is asserted (benchmarks are scripts); the tests check what the script computes and reports."""
 
 import contextlib
@@ -10,14 +10,14 @@ import jax
 import numpy as np
 import pytest
 
-from dcp_jax import cli, decode_bench
+from dcp_jax import cli, decode_bench, decode_bench_results
 from dcp_jax.config import ParallelConfig, preset
 from dcp_jax.kv_cache import allocate_kv_cache
 from dcp_jax.mesh import make_mesh
 from dcp_jax.metadata import build_decode_metadata
 from dcp_jax.model import abstract_model, init_params
 
-STAGED = [f"through_{s}" for s in decode_bench.STAGES]
+STAGED = [f"through_{s}" for s in decode_bench_results.STAGES]
 # page 4, L = 64: 16 pages per row at DCP 1, 8 at DCP 2 (exactly half).
 SMOKE = ["bench", "decode", "--preset", "tiny", "--num-layers", "1", "--dcp", "1,2,16", "--contexts", "64",
          "--batches", "2", "--breakdown-batches", "2", "--kernels", "reference", "--steps", "2", "--warmup", "1",
@@ -121,7 +121,7 @@ def test_failures_name_fallback_ops_recompiles_and_errors():
         dict(base, kind="point", variant="host", context=4096, recompiles=1),
         dict(base, kind="error", variant="host", stage="compile", error="RESOURCE_EXHAUSTED"),
     ]
-    bad = decode_bench.failures(rows)
+    bad = decode_bench_results.failures(rows)
     assert len(bad) == 3
     assert "3 integer ops derived from global lengths" in bad[0]
     assert "1 compiles during the timed steps" in bad[1]
@@ -132,11 +132,11 @@ def test_breakdown_takes_differences_of_consecutive_variants():
     chain = STAGED + ["host"]
     rows = [dict(kind="point", dcp=1, kernels="reference", batch=4, context=64, variant=v, median_ms=float(i + 1))
             for i, v in enumerate(chain)]
-    (key, stages), = decode_bench.breakdown(rows).items()
+    (key, stages), = decode_bench_results.breakdown(rows).items()
     assert key == (1, "reference", 4, 64)
     assert list(stages) == list(decode_bench.BREAKDOWN)
     assert stages == dict(zip(decode_bench.BREAKDOWN, [1.0] * len(chain)))
-    assert decode_bench.breakdown(rows[1:]) == {}  # an incomplete chain gives no breakdown
+    assert decode_bench_results.breakdown(rows[1:]) == {}  # an incomplete chain gives no breakdown
 
 
 def test_hlo_op_counts_counts_integer_arithmetic():
@@ -168,5 +168,5 @@ def test_report_mode_merges_result_files(smoke, tmp_path):
 def test_plots_are_written(smoke, tmp_path):
     pytest.importorskip("matplotlib")
     _, rows, _ = smoke
-    paths = decode_bench.plot(rows, str(tmp_path))
+    paths = decode_bench_results.plot(rows, str(tmp_path))
     assert [p.rsplit("/", 1)[-1] for p in paths] == ["decode_latency_vs_context.png", "decode_capacity_vs_dcp.png"]
