@@ -88,11 +88,13 @@ def build_decode_metadata(
     )
 
 
-def check_decode_metadata(md, *, buckets: Sequence[int], dcp: int, max_blocks: int) -> None:
+def check_decode_metadata(md, *, buckets: Sequence[int], dcp: int, max_blocks: int, page_size: int,
+                          num_pages: int) -> None:
     """Raise TypeError/ValueError unless `md` is a complete, well-shaped DecodeMetadata of a known bucket.
 
-    Runs on the host before anything is traced; also checks that local lengths add up to the global ones
-    when the arrays are host (numpy) arrays.
+    Runs on the host before anything is traced. When the arrays are host (numpy) arrays it also checks their
+    values: local lengths add up to the global ones, and every virtual block a row's context needs names a
+    page in [0, num_pages) (a bad id would make the row read another request's KV).
     """
     if not isinstance(md, DecodeMetadata):
         raise TypeError(f"expected DecodeMetadata, got {type(md).__name__}")
@@ -114,9 +116,18 @@ def check_decode_metadata(md, *, buckets: Sequence[int], dcp: int, max_blocks: i
             raise ValueError(f"DecodeMetadata.{name} has shape {tuple(value.shape)}, expected {shape}")
         if np.dtype(value.dtype) != np.int32:
             raise TypeError(f"DecodeMetadata.{name} has dtype {value.dtype}, expected int32")
-    if isinstance(md.context_lens, np.ndarray) and isinstance(md.local_context_lens, np.ndarray):
-        if not np.array_equal(md.local_context_lens.sum(axis=0), md.context_lens):
-            raise ValueError(
-                f"local_context_lens {md.local_context_lens.tolist()} do not sum to context_lens "
-                f"{md.context_lens.tolist()}"
-            )
+    if not all(isinstance(getattr(md, name), np.ndarray) for name in FIELDS):
+        return
+    if not np.array_equal(md.local_context_lens.sum(axis=0), md.context_lens):
+        raise ValueError(
+            f"local_context_lens {md.local_context_lens.tolist()} do not sum to context_lens {md.context_lens.tolist()}"
+        )
+    needed = -(-md.context_lens.astype(np.int64) // (page_size * dcp))  # virtual blocks in use per row
+    in_use = np.arange(max_blocks)[None, :] < needed[:, None]
+    bad = in_use & ((md.block_tables < 0) | (md.block_tables >= num_pages))
+    if np.any(bad):
+        row = int(np.argwhere(bad)[0, 0])
+        raise ValueError(
+            f"row {row}: block table {md.block_tables[row, : needed[row]].tolist()} needs page ids in "
+            f"[0, num_pages={num_pages}) for its {int(needed[row])} blocks"
+        )

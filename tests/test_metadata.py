@@ -32,7 +32,7 @@ def test_fields_and_inert_pad_rows(dcp, interleave):
     assert np.all(md.slot_mapping[:, 3:] == -1) and np.all(md.block_tables[3:] == -1)
     # Each real row is written by exactly its owner.
     assert np.all((md.slot_mapping[:, :3] >= 0).sum(axis=0) == 1)
-    check_decode_metadata(md, buckets=(8,), dcp=dcp, max_blocks=5)
+    check(md, buckets=(8,), dcp=dcp, max_blocks=5, num_pages=12)
 
 
 def test_builder_rejects_bad_schedules():
@@ -46,26 +46,38 @@ def test_builder_rejects_bad_schedules():
         build([100], [[0, 1, 2]])
 
 
+def check(md, **overrides):
+    check_decode_metadata(md, **(dict(buckets=BUCKETS, dcp=2, max_blocks=3, page_size=4, num_pages=8) | overrides))
+
+
 def test_validator_names_the_bad_field():
     good = build([5, 3], [[0, 1], [2]])
-    check_decode_metadata(good, buckets=BUCKETS, dcp=2, max_blocks=3)
+    check(good)
     with pytest.raises(ValueError, match="bucket"):
-        check_decode_metadata(build([5, 3], [[0, 1], [2]], bucket=3), buckets=BUCKETS, dcp=2, max_blocks=3)
+        check(build([5, 3], [[0, 1], [2]], bucket=3))
     with pytest.raises(ValueError, match="local_context_lens has shape"):
-        check_decode_metadata(good, buckets=BUCKETS, dcp=4, max_blocks=3)
+        check(good, dcp=4)
     with pytest.raises(ValueError, match="block_tables has shape"):
-        check_decode_metadata(good, buckets=BUCKETS, dcp=2, max_blocks=5)
+        check(good, max_blocks=5)
     with pytest.raises(TypeError, match="slot_mapping has dtype"):
         bad = dataclasses.replace(good, slot_mapping=good.slot_mapping.astype(np.int64))
-        check_decode_metadata(bad, buckets=BUCKETS, dcp=2, max_blocks=3)
+        check(bad)
     with pytest.raises(TypeError, match="positions must be an array"):
-        check_decode_metadata(dataclasses.replace(good, positions=None), buckets=BUCKETS, dcp=2, max_blocks=3)
+        check(dataclasses.replace(good, positions=None))
     with pytest.raises(ValueError, match="do not sum"):
         wrong = good.local_context_lens.copy()
         wrong[0, 0] += 1
-        check_decode_metadata(dataclasses.replace(good, local_context_lens=wrong), buckets=BUCKETS, dcp=2, max_blocks=3)
+        check(dataclasses.replace(good, local_context_lens=wrong))
+    for row, page in [(0, -1), (1, 8)]:  # both rows need their first virtual block only (8 tokens a block)
+        tables = good.block_tables.copy()
+        tables[row, 0] = page
+        with pytest.raises(ValueError, match=f"row {row}.*num_pages=8"):
+            check(dataclasses.replace(good, block_tables=tables))
+    tables = good.block_tables.copy()
+    tables[1, 2] = 99  # past the blocks row 1 uses: never read, so allowed
+    check(dataclasses.replace(good, block_tables=tables))
     with pytest.raises(TypeError, match="DecodeMetadata"):
-        check_decode_metadata({"context_lens": good.context_lens}, buckets=BUCKETS, dcp=2, max_blocks=3)
+        check({"context_lens": good.context_lens})
 
 
 def test_every_field_is_required():
