@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 
 from dcp_jax.config import DEFAULT_BUCKETS, EngineConfig, ModelConfig, ParallelConfig, PRESETS, preset
+from dcp_jax.layout import check_layout
 from dcp_jax.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
@@ -41,6 +42,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     (tp/dcp, dcp) mesh; on CPU `tp` simulated devices are used. The pool defaults to max_num_seqs full-length
     requests."""
     parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave)
+    check_layout(parallel.dcp, parallel.interleave, page_size)
     is_dir = os.path.isdir(model)
     if not is_dir and model not in PRESETS:
         raise ValueError(f"model {model!r} is neither a directory nor a preset {sorted(PRESETS)}")

@@ -1,4 +1,5 @@
-"""Tokenizers (no jax): bytes for the tiny random model, HF `tokenizer.json` through `tokenizers` when installed."""
+"""Tokenizers (no jax): a model directory's HF `tokenizer.json` (through `tokenizers`), else UTF-8 bytes (the tiny
+random model)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A HF `tokenizer.json` (needs the `tokenizers` package)."""
+    """A HF `tokenizer.json`; BOS is prepended here (never by the tokenizer's own post-processor)."""
 
     def __init__(self, path: str, bos_token_id: int | None, eos_token_id: int | None):
         from tokenizers import Tokenizer

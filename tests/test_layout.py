@@ -11,13 +11,17 @@ interleaves = st.sampled_from([1, 2, 4])
 
 
 def brute_force_placement(length, dcp, interleave):
-    """Deal tokens to ranks in runs of `interleave`, round-robin; local index = arrival order on the rank."""
+    """Deal the tokens like cards: the next `interleave` tokens go to the current rank, then the turn passes
+    to the next rank (wrapping); a token's local index is its arrival order on its rank."""
     owners, locals_, counts = [], [], [0] * dcp
-    for p in range(length):
-        rank = (p // interleave) % dcp
+    rank, dealt_to_rank = 0, 0
+    for _ in range(length):
         owners.append(rank)
         locals_.append(counts[rank])
         counts[rank] += 1
+        dealt_to_rank += 1
+        if dealt_to_rank == interleave:
+            rank, dealt_to_rank = (rank + 1) % dcp, 0
     return np.array(owners, np.int64), np.array(locals_, np.int64), np.array(counts)
 
 
@@ -67,6 +71,7 @@ def test_slot_mapping_writes_each_token_once_at_its_owner(lengths, dcp, interlea
     rng = np.random.default_rng(sum(lengths))
     max_blocks = max(-(-n // per_block) for n in lengths)
     pages = rng.permutation(len(lengths) * max_blocks).reshape(len(lengths), max_blocks).astype(np.int32)
+    owners, local_indices, _ = brute_force_placement(max(lengths), dcp, interleave)
     seen = set()
     for step in range(max(lengths)):
         positions = np.array([step if step < n else -1 for n in lengths])
@@ -77,9 +82,9 @@ def test_slot_mapping_writes_each_token_once_at_its_owner(lengths, dcp, interlea
             if p < 0:
                 assert np.all(col == -1)
                 continue
-            owner = (p // interleave) % dcp
+            owner = owners[p]
             assert np.all(np.delete(col, owner) == -1)
-            li = layout.local_index(p, dcp, interleave)
+            li = local_indices[p]
             assert col[owner] == pages[row, li // page_size] * page_size + li % page_size
             assert (owner, int(col[owner])) not in seen  # no two tokens share a rank's slot
             seen.add((owner, int(col[owner])))
