@@ -11,9 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dcp_jax.attention.kernels import REFERENCE
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
 from dcp_jax.demo import Schedule, run_comparison
-from dcp_jax.stack import decode_stack_unsharded, empty_history, init_stack_params
+from dcp_jax.kv_cache import allocate_kv_cache
+from dcp_jax.mesh import make_mesh
+from dcp_jax.metadata import build_decode_metadata
+from dcp_jax.stack import decode_stack_unsharded, empty_history, init_stack_params, make_stack_step
 
 ENGINE = EngineConfig(page_size=4, num_pages=48, max_num_seqs=4, max_model_len=40)
 # 3 active rows (one pad row) at steps 2-4 and after step 12; contexts reach 27 > index_topk = 16.
@@ -82,3 +86,40 @@ def test_exact_ties_at_the_topk_boundary(dcp, interleave):
         TINY, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), ENGINE, SCHEDULE, params=tied_index_params(3)
     )
     assert report.max_abs_err < TOL
+
+
+def test_a_rank_owning_none_of_the_top_k_with_context_above_k():
+    """All index scores tie, so the top-k is positions 0..K-1; with interleave = K = 16 they all live on rank 0,
+    and rank 1 owns none of them once contexts exceed K (its sparse MLA part is empty: out 0, lse -inf)."""
+    engine = EngineConfig(page_size=16, num_pages=16, max_num_seqs=4, max_model_len=40)
+    parallel = ParallelConfig(tp=2, dcp=2, interleave=TINY.index_topk)
+    report = run_comparison(TINY, parallel, engine, SCHEDULE, params=tied_index_params(3))
+    assert report.max_context > TINY.index_topk
+    assert report.max_abs_err < TOL
+
+
+def test_pad_rows_output_zero_and_write_no_kv():
+    parallel = ParallelConfig(tp=2, dcp=2, interleave=2)
+    mesh = make_mesh(parallel)
+    step = make_stack_step(TINY, parallel, ENGINE, mesh, REFERENCE)
+    params = step.place_params(init_stack_params(TINY, jax.random.key(0)))
+    empty = allocate_kv_cache(TINY, ENGINE, parallel.dcp, mesh)
+    rng = np.random.default_rng(0)
+    before = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), empty)  # no zeros to hide in
+    kv_cache = jax.tree.map(lambda a, like: jax.device_put(a, like.sharding), before, empty)
+    step.compile(params, kv_cache, 4)
+    lens, tables = [5, 9], [[3], [7, 1]]
+    md = build_decode_metadata(lens, tables, bucket=4, dcp=2, interleave=2, page_size=ENGINE.page_size,
+                               max_blocks=ENGINE.max_blocks_per_seq(2))
+    hidden = np.zeros((4, TINY.hidden_size), np.float32)
+    hidden[:2] = rng.standard_normal((2, TINY.hidden_size))
+    out, kv_cache = step(params, kv_cache, hidden, md)
+    assert np.all(np.asarray(out)[2:] == 0)
+    written = {(int(w), int(md.slot_mapping[w, r])) for r in range(2) for w in range(2) if md.slot_mapping[w, r] >= 0}
+    assert len(written) == 2
+    for name in ("latent", "index_k"):
+        new = np.asarray(getattr(kv_cache, name))
+        for layer in range(TINY.num_hidden_layers):
+            changed = np.any(new[layer] != getattr(before, name)[layer], axis=-1)  # [W, pages, B]
+            ranks, pages, offsets = np.nonzero(changed)
+            assert {(int(w), int(p * ENGINE.page_size + o)) for w, p, o in zip(ranks, pages, offsets)} == written
