@@ -43,7 +43,7 @@ from dcp_jax.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_rank
 from dcp_jax.loading import use_cpu_devices
 from dcp_jax.mesh import DCP, make_mesh
 from dcp_jax.metadata import build_decode_metadata
-from dcp_jax.model import abstract_model, init_params, merge, param_specs
+from dcp_jax.model import abstract_model, check_divisible, init_params, merge, param_specs
 from dcp_jax.model_step import decode_body
 from dcp_jax.rope import cos_sin, rope_tables
 from dcp_jax.step import DecodeStep, shard_decode_body
@@ -306,10 +306,13 @@ def plan(grid: Grid) -> tuple[list[int], list[str]]:
     for w in grid.dcp_sizes:
         if w > devices:
             notes.append(f"dcp={w} skipped: {devices} device(s)")
-        elif cfg.num_attention_heads % w:
-            notes.append(f"dcp={w} skipped: {cfg.num_attention_heads} heads do not split over {w} ranks")
-        else:
-            sizes.append(w)
+            continue
+        try:
+            check_divisible(cfg, w)
+        except ValueError as error:
+            notes.append(f"dcp={w} skipped: {error}")
+            continue
+        sizes.append(w)
     return sizes, notes
 
 

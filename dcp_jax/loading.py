@@ -57,10 +57,11 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
 
     from dcp_jax.attention.kernels import select_kernels
     from dcp_jax.mesh import make_mesh
-    from dcp_jax.model import init_params
+    from dcp_jax.model import check_divisible, init_params
     from dcp_jax.model_step import ModelRunner
     from dcp_jax.weights import load_hf_params
 
+    check_divisible(cfg, parallel.tp)
     kernel_set = select_kernels(kernels)
     mesh = make_mesh(parallel)
     params = load_hf_params(cfg, model, mesh) if is_dir else init_params(cfg, seed)

@@ -3,8 +3,8 @@
 Every module's weights are `nnx.Param`s laid out `[in, out...]` (HF stores `[out, in]`; `weights.py` converts).
 The attention module holds exactly the fields of `AttentionParams`, so the shared projections, the sparse DCP
 decode pieces and the kernels read it unchanged. Methods named `prefill` / `decode` run inside `shard_map`
-(`model_step.py`): heads split over every TP rank, everything else replicated (MoE experts are replicated too:
-no expert parallelism yet, every rank computes every expert densely).
+(`model_step.py`): attention heads, the MLP width and the routed experts are split over every TP rank (partial
+sums meet in one psum per block); embeddings, norms, the router and lm_head are replicated.
 
 Letters: B batch, T tokens (prefill), S query tokens, R rows (decode), D hidden, Q q_lora, H heads (local h),
 N nope, E rope, V v dim, C kv_lora (latent), I index heads, J index head dim, K index top-k, X experts,
@@ -125,11 +125,15 @@ class MLP(nnx.Module):
         self.up = _dense(rngs, (hidden, width), hidden, dtype)
         self.down = _dense(rngs, (width, hidden), width, dtype)
 
-    def __call__(self, x):
-        """x [..., D] -> [..., D]."""
+    def partial(self, x):
+        """Per rank, width F split over TP ranks: x [..., D] -> this rank's share [..., D] of the output."""
         gate = jnp.einsum("...d,df->...f", x, self.gate[...], precision=HIGHEST)
         up = jnp.einsum("...d,df->...f", x, self.up[...], precision=HIGHEST)
         return jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, self.down[...], precision=HIGHEST)
+
+    def __call__(self, x):
+        """Per rank: x [..., D] -> [..., D], summed over the TP ranks."""
+        return jax.lax.psum(self.partial(x), HEADS)
 
 
 class MoE(nnx.Module):
@@ -165,15 +169,18 @@ class MoE(nnx.Module):
         return jnp.zeros_like(scores).at[jnp.arange(rows)[:, None], experts].add(weights)
 
     def __call__(self, x):
-        """x [..., D] -> [..., D]. Every expert runs on every token (replicated, dense; fine for tiny models)."""
+        """Per rank, the X routed experts split over TP ranks: x [..., D] -> [..., D], summed over the ranks.
+        Each rank runs its experts densely on every token, weighted by the (replicated) router."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        combine = self.route(flat)
+        local_experts = self.experts_gate.shape[0]
+        first = jax.lax.axis_index(HEADS) * local_experts
+        combine = jax.lax.dynamic_slice_in_dim(self.route(flat), first, local_experts, axis=1)  # [R, X/tp]
         gate = jnp.einsum("rd,xdf->rxf", flat, self.experts_gate[...], precision=HIGHEST)
         up = jnp.einsum("rd,xdf->rxf", flat, self.experts_up[...], precision=HIGHEST)
         per_expert = jnp.einsum("rxf,xfd->rxd", jax.nn.silu(gate) * up, self.experts_down[...], precision=HIGHEST)
         routed = jnp.einsum("rx,rxd->rd", combine.astype(per_expert.dtype), per_expert, precision=HIGHEST)
-        return (routed + self.shared(flat)).reshape(shape)
+        return jax.lax.psum(routed + self.shared.partial(flat), HEADS).reshape(shape)
 
 
 class DecoderLayer(nnx.Module):
@@ -218,18 +225,39 @@ class DeepseekV32(nnx.Module):
 
 # Attention fields split over heads (every TP rank), from `attention/params.py`.
 _HEAD_SPECS = {f.name: getattr(partition_specs(), f.name) for f in dataclasses.fields(AttentionParams)}
+# MLP / shared-expert width and routed experts split over every TP rank.
+_FEED_FORWARD_SPECS = {
+    "gate": P(None, HEADS), "up": P(None, HEADS), "down": P(HEADS, None),
+    "experts_gate": P(HEADS, None, None), "experts_up": P(HEADS, None, None), "experts_down": P(HEADS, None, None),
+}
 
 
 def param_specs(params: dict) -> dict:
-    """PartitionSpecs for the pure-dict state of `DeepseekV32`: attention heads split, the rest replicated."""
+    """PartitionSpecs for the pure-dict state of `DeepseekV32`: attention heads, MLP widths and routed experts
+    split over every TP rank; the rest replicated."""
 
     def spec(path, _):
         names = [getattr(k, "key", None) for k in path]
         if "attention" in names:
             return _HEAD_SPECS[names[-1]]
+        if "mlp" in names:
+            return _FEED_FORWARD_SPECS.get(names[-1], P())
         return P()
 
     return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def check_divisible(cfg: ModelConfig, tp: int) -> None:
+    """Raise ValueError unless every dimension split over the `tp` ranks divides evenly."""
+    split = {
+        "num_attention_heads": cfg.num_attention_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "n_routed_experts": cfg.n_routed_experts,
+        "moe_intermediate_size * n_shared_experts": cfg.moe_intermediate_size * cfg.n_shared_experts,
+    }
+    bad = {name: size for name, size in split.items() if size % tp}
+    if bad:
+        raise ValueError(f"tp={tp} must divide {bad}")
 
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.float32):

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from dcp_jax.config import TINY, ModelConfig, ParallelConfig
 from dcp_jax.mesh import HEADS, make_mesh
-from dcp_jax.model import abstract_model, init_params
+from dcp_jax.model import abstract_model, check_divisible, init_params
 from dcp_jax.weights import hf_tensor_shapes, layer_to_hf, layer_to_ours, load_hf_params, save_hf
 
 sys.path.insert(0, str(Path(__file__).parent / "oracle"))
@@ -47,14 +47,18 @@ def test_layer_converters_are_inverse(tensors):
             np.testing.assert_array_equal(back[name], hf[name], err_msg=name)
 
 
-def test_load_places_heads_split_and_save_round_trips(checkpoint, tensors, tmp_path):
+def test_load_places_heads_and_experts_split_and_save_round_trips(checkpoint, tensors, tmp_path):
     mesh = make_mesh(ParallelConfig(tp=4, dcp=2))
     params = load_hf_params(CFG, checkpoint, mesh)
     attention = params["layers"][1]["attention"]
     assert attention["wq_b"].sharding.spec == P(None, HEADS, None)
     assert attention["wo"].sharding.spec == P(HEADS, None, None)
     assert attention["wq_b"].addressable_shards[0].data.shape[1] == CFG.num_attention_heads // 4
-    assert params["layers"][1]["mlp"]["experts_gate"].sharding.spec == P()
+    mlp = params["layers"][1]["mlp"]
+    assert mlp["experts_gate"].sharding.spec == P(HEADS, None, None)
+    assert mlp["experts_gate"].addressable_shards[0].data.shape[0] == CFG.n_routed_experts // 4
+    assert mlp["shared"]["down"].sharding.spec == P(HEADS, None)
+    assert mlp["router"].sharding.spec == P()
     # HF's kv_b_proj rows are [k_nope | v] per head: w_uk is the first qk_nope_head_dim rows of head 0.
     kv_b = tensors["model.layers.0.self_attn.kv_b_proj.weight"]
     np.testing.assert_array_equal(np.asarray(params["layers"][0]["attention"]["w_uk"])[0],
@@ -91,3 +95,9 @@ def test_random_init_fills_every_parameter():
     want = jax.tree.map(lambda a: a.shape, jax.tree.leaves(abstract))
     assert [p.shape for p in jax.tree.leaves(params)] == want
     assert not np.allclose(params["layers"][0]["attention"]["q_a_norm"], 1.0)
+
+
+def test_tp_must_divide_every_split_dimension():
+    check_divisible(CFG, 4)
+    with pytest.raises(ValueError, match="tp=3 must divide"):
+        check_divisible(CFG, 3)
