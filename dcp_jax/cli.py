@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+
+from dcp_jax.attention.kernels import KERNEL_CHOICES
+from dcp_jax.loading import use_cpu_devices
 
 
 def _parse_sizes(text: str) -> list[int]:
@@ -16,15 +20,8 @@ def _parse_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _use_simulated_devices(count: int) -> None:
-    """Give the CPU backend `count` devices (must run before jax initializes; no effect on GPUs)."""
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", count)
-
-
 def demo(args: argparse.Namespace) -> int:
-    _use_simulated_devices(args.devices)
+    use_cpu_devices(args.devices)
     import jax
     from tqdm import tqdm
 
@@ -55,7 +52,6 @@ def demo(args: argparse.Namespace) -> int:
 
 def generate(args: argparse.Namespace) -> int:
     from dcp_jax.llm import LLM
-    from dcp_jax.loading import use_cpu_devices
     from dcp_jax.sampling import SamplingParams
 
     tp = args.tp or args.dcp
@@ -79,6 +75,60 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve_arguments(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--model", default="tiny", help="preset name (tiny, deepseek-v3.2, glm-5) or HF directory")
+    s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model name)")
+    s.add_argument("--dcp", type=int, default=2, help="DCP size W")
+    s.add_argument("--tp", type=int, default=None, help="TP ranks (default: dcp)")
+    s.add_argument("--interleave", type=int, default=1, help="interleave size S")
+    s.add_argument("--devices", type=int, default=None, help="simulated CPU devices (default: tp)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    s.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--max-model-len", type=int, default=256)
+    s.add_argument("--max-num-seqs", type=int, default=8, help="largest decode bucket")
+    s.add_argument("--buckets", type=_parse_sizes, default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                   help="decode bucket ladder, comma-separated")
+    s.add_argument("--page-size", type=int, default=8)
+    s.add_argument("--num-pages", type=int, default=None, help="KV pages (default: max-num-seqs full requests)")
+    s.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
+                   help="auto: the Pallas kernels on a GPU, the references elsewhere")
+    s.add_argument("--seed", type=int, default=0, help="weights seed of a preset; default sampling seed")
+    s.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache")
+    s.add_argument("--no-prompt-logprobs", action="store_true", help="skip the all-logits prefill programs")
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tp = args.tp or args.dcp
+    use_cpu_devices(max(args.devices or tp, tp))
+    import jax
+
+    from dcp_jax.engine import Engine
+    from dcp_jax.server import OpenAIServer
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    try:
+        engine = Engine(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, page_size=args.page_size,
+                        num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        bucket_ladder=tuple(args.buckets), kernels=args.kernels, seed=args.seed,
+                        prompt_logprobs=not args.no_prompt_logprobs, compilation_cache_dir=args.compilation_cache_dir)
+        server = OpenAIServer(engine, host=args.host, port=args.port, api_key=args.api_key,
+                              served_model_name=args.served_model_name)
+    except (ValueError, OSError) as e:
+        print(f"dcp-jax serve: {e}", file=sys.stderr)
+        return 2
+    print(f"dcp-jax serve: model {server.model_name} ({engine.cfg.num_hidden_layers} layers), tp={tp} dcp={args.dcp} "
+          f"interleave={args.interleave}, buckets {engine.config.buckets}, {engine.num_pages} KV pages, "
+          f"backend {engine.backend}", flush=True)
+    print(f"dcp-jax serve: listening on {server.url}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def bench_decode(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -98,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     p.add_argument("--steps", type=int, default=40, help="decode steps")
     p.add_argument("--max-seqs", type=int, default=4, help="concurrent requests (largest bucket)")
-    p.add_argument("--kernels", choices=["auto", "pallas", "reference"], default="auto")
+    p.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=demo)
     g = commands.add_parser("generate", help="generate text with a preset (random weights) or a HF checkpoint")
@@ -116,11 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--max-model-len", type=int, default=256)
     g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--kernels", choices=["auto", "pallas", "reference"], default="auto")
+    g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
     g.set_defaults(run=generate)
-    from dcp_jax.server import add_serve_parser
-
-    add_serve_parser(commands)
+    s = commands.add_parser("serve", help="OpenAI-compatible server (default: the embedded tiny model)")
+    add_serve_arguments(s)
+    s.set_defaults(run=serve)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from dcp_jax import decode_bench
 

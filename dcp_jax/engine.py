@@ -5,7 +5,10 @@ background thread that runs the loop. Every decode bucket and every prefill leng
 tqdm bar), so serving never traces; `compiles_after_warmup` counts any compile that happens anyway. Requests come
 in from any thread through `add_request` (validated at once, ValueError before anything is queued) and `abort`;
 each request streams `StreamEvent`s (token and text deltas, logprobs, finish reason) into its own sink. A request
-that fails (sampling, detokenizing, its prefill) fails alone; the loop goes on.
+that fails (sampling, detokenizing, its prefill) fails alone; the loop goes on. The prefill and decode programs
+donate the KV cache: when one raises after consuming it, the cache is reallocated and every running request (whose
+context it held) fails; the waiting ones go on. A stopped engine refuses new requests (`EngineStoppedError`) and
+ends every stream still open with an "abort" event.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 from dcp_jax.config import DEFAULT_BUCKETS
 from dcp_jax.loading import load_model
 from dcp_jax.metrics import ServingMetrics
-from dcp_jax.sampling import SamplingParams, log_softmax, sample
+from dcp_jax.sampling import SamplingParams, log_softmax, sample, top_logprobs
 from dcp_jax.scheduler import Request, RequestStatus, Scheduler
 
 log = logging.getLogger(__name__)
@@ -52,13 +55,27 @@ def _count_compiles() -> None:
             _listener_registered[0] = True
 
 
+class EngineStoppedError(RuntimeError):
+    """The engine's loop is not running: nothing would ever serve the request."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
-    """One position: the token's logprob and the top-N {token id: logprob} (the token itself included)."""
+    """One position: the token's logprob and the top-N {token id: logprob} (the token itself included).
+    text_offset: for a generated token, where its text starts in the request's generated text (the characters
+    decoded before it; past a stop string's cut it exceeds the returned text). 0 for prompt tokens."""
 
     token_id: int
     logprob: float
     top: dict[int, float]
+    text_offset: int = 0
+
+    @classmethod
+    def of(cls, logprobs: np.ndarray, token: int, top_n: int, text_offset: int = 0) -> TokenLogprob:
+        """From a log-softmax row: the token's logprob and `sampling.top_logprobs` (the one helper for both
+        the engine and the offline LLM)."""
+        token = int(token)
+        return cls(token, float(logprobs[token]), top_logprobs(logprobs, token, top_n), text_offset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +153,13 @@ class Engine:
         self.warmup(progress=progress)
         self._compiles_after_warmup = _compiles[0]
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # the engine thread's
         self._ids = itertools.count()
+        # Guards `_accepting` and `_live_ids` (the ids of requests queued and not yet finished), both touched
+        # by callers' threads; holding it while queueing means no request slips in after the loop's last drain.
+        self._lock = threading.Lock()
+        self._accepting = False
+        self._live_ids: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._gauge_values = dict(running_requests=0, waiting_requests=0)
@@ -182,7 +204,11 @@ class Engine:
 
     # ---- the thread -------------------------------------------------------------------------------------
     def start(self) -> Engine:
+        """Start the loop's thread (again after `stop`)."""
         if self._thread is None:
+            self._stopping.clear()
+            with self._lock:
+                self._accepting = True
             self._thread = threading.Thread(target=self._loop, name="dcp-jax-engine", daemon=True)
             self._thread.start()
         return self
@@ -196,23 +222,44 @@ class Engine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The loop runs and takes requests."""
+        return self._accepting and self._thread is not None and self._thread.is_alive()
 
     def _loop(self) -> None:
-        while not self._stopping.is_set():
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self._drain_inbox(block=not self.scheduler.has_work)
+                    if self._stopping.is_set():
+                        break
+                    if self.scheduler.has_work:
+                        self.step()
+                except Exception:  # a bug in the loop itself: log it, fail what is live, keep serving
+                    log.exception("engine step failed")
+                    for request in [*self.scheduler.running, *self.scheduler.waiting]:
+                        self.scheduler.fail(request, "internal engine error")
+                        self._emit(request)
+        finally:
+            self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Refuse new requests, then end every open stream with an abort: the queued and running requests and
+        the ones still in the inbox."""
+        with self._lock:
+            self._accepting = False
+        while True:
             try:
-                self._drain_inbox(block=not self.scheduler.has_work)
-                if self._stopping.is_set():
-                    break
-                if self.scheduler.has_work:
-                    self.step()
-            except Exception:  # a bug in the loop itself: log it, fail what is live, keep serving
-                log.exception("engine step failed")
-                for request in [*self.scheduler.running, *self.scheduler.waiting]:
-                    self.scheduler.fail(request, "internal engine error")
-                    self._emit(request)
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                request, stream = payload
+                request.status, request.error = RequestStatus.FINISHED_ABORTED, "the engine stopped"
+                self._streams[request.request_id] = stream
+                self._emit(request)
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
             self.scheduler.abort(request.request_id)
+            request.error = "the engine stopped"
             self._emit(request)
 
     def _drain_inbox(self, *, block: bool) -> None:
@@ -223,7 +270,7 @@ class Engine:
         while True:
             kind, payload = item
             if kind == "add":
-                request, stream = payload
+                request, stream = payload  # add_request refused a duplicate id: this one is new
                 self._streams[request.request_id] = stream
                 try:
                     self.scheduler.add(request)
@@ -253,7 +300,8 @@ class Engine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, *, tag: Any = None,
                     prompt_logprobs: int | None = None, request_id: str | None = None) -> str:
-        """Queue a request (from any thread); its events go to `sink.put`. Returns its id."""
+        """Queue a request (from any thread); its events go to `sink.put`. Returns its id. ValueError for a
+        request that can never run or an id already live; EngineStoppedError when the loop is not running."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, params, prompt_logprobs)
         number = next(self._ids)
@@ -261,7 +309,13 @@ class Engine:
         seed = params.seed if params.seed is not None else (self.seed, number)
         request = Request(request_id, prompt_ids, params, rng=np.random.default_rng(seed),
                           prompt_logprobs=prompt_logprobs)
-        self._inbox.put(("add", (request, _Stream(sink, tag, params.logprobs))))
+        with self._lock:
+            if not self._accepting:
+                raise EngineStoppedError("the engine is not running")
+            if request_id in self._live_ids:
+                raise ValueError(f"duplicate request_id {request_id!r}: a request of that id is still running")
+            self._live_ids.add(request_id)
+            self._inbox.put(("add", (request, _Stream(sink, tag, params.logprobs))))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -302,13 +356,12 @@ class Engine:
         plan = sched.schedule()
         if plan.preempted:
             self.metrics.on_preempt(len(plan.preempted))
-        touched = list(plan.prefills)
-        for request in plan.prefills:
+        for i, request in enumerate(plan.prefills):
             try:
                 self._prefill(request)
-            except Exception as e:  # this request only
+            except Exception as e:  # this request only, unless the program consumed the KV cache
                 log.exception("prefill of %s failed", request.request_id)
-                sched.fail(request, f"prefill failed: {e}")
+                self._after_device_fault([request], f"prefill failed: {e}", not_cached=plan.prefills[i + 1:])
         rows = sched.decode_rows(plan)
         if rows:
             try:
@@ -316,15 +369,29 @@ class Engine:
                                                [r.pages for r in rows])
             except Exception as e:
                 log.exception("decode step failed")
-                for request in rows:
-                    sched.fail(request, f"decode failed: {e}")
+                self._after_device_fault(rows, f"decode failed: {e}")
             else:
                 for request, row in zip(rows, logits):
                     self._sample(request, row)
-            touched += [r for r in rows if r not in plan.prefills]
         self._gauge_values = dict(running_requests=sched.num_running, waiting_requests=sched.num_waiting)
-        for request in touched:
+        for request in dict.fromkeys([*plan.prefills, *plan.decodes]):
             self._emit(request)
+
+    def _after_device_fault(self, failed: list[Request], error: str, not_cached: Sequence[Request] = ()) -> None:
+        """A compiled call raised: fail `failed`. When the call consumed the donated KV cache, allocate a fresh
+        one and fail every running request whose context it held too (all but `not_cached`: admitted this step,
+        not prefilled yet); waiting requests hold no KV and go on."""
+        lost = not self.runner.kv_cache_is_usable()
+        if lost:
+            log.error("the failed call consumed the KV cache: reallocating it, failing the running requests")
+            error += " (the KV cache was lost)"
+            self.runner.reset_kv_cache()
+            self.metrics.on_kv_cache_reset()
+        for request in failed:
+            self.scheduler.fail(request, error)
+        if lost:
+            for request in [r for r in self.scheduler.running if r not in not_cached]:
+                self.scheduler.fail(request, error)
 
     def _prefill(self, request: Request) -> None:
         want = request.prompt_logprobs is not None and not request.is_resumed
@@ -341,18 +408,16 @@ class Engine:
 
     @staticmethod
     def _prompt_logprobs(prompt: list[int], logits: np.ndarray, top_n: int) -> list[TokenLogprob | None]:
-        out: list[TokenLogprob | None] = [None]
         lps = log_softmax(logits[: len(prompt) - 1])
-        for pos in range(1, len(prompt)):
-            out.append(_token_logprob(lps[pos - 1], prompt[pos], top_n))
-        return out
+        return [None] + [TokenLogprob.of(lps[pos - 1], prompt[pos], top_n) for pos in range(1, len(prompt))]
 
     def _sample(self, request: Request, logits: np.ndarray) -> None:
         try:
             token = sample(logits, request.params, request.rng)
             stream = self._streams[request.request_id]
             if stream.want_logprobs is not None:
-                stream.logprobs.append(_token_logprob(log_softmax(logits), token, stream.want_logprobs))
+                stream.logprobs.append(TokenLogprob.of(log_softmax(logits), token, stream.want_logprobs,
+                                                       text_offset=len(request.text)))
             if stream.first_token_time is None:
                 stream.first_token_time = time.monotonic()
                 self.metrics.on_first_token(stream.first_token_time - request.arrival_time)
@@ -384,6 +449,8 @@ class Engine:
         stream.sent_chars = max(stream.sent_chars, boundary)
         if finished:
             del self._streams[request.request_id]
+            with self._lock:
+                self._live_ids.discard(request.request_id)
             if stream.first_token_time is not None:
                 now = time.monotonic()
                 self.metrics.on_finish(request.finish_reason, e2e_s=now - request.arrival_time,
@@ -393,10 +460,13 @@ class Engine:
                                        decode_s=0.0, output_tokens=0)
         try:
             stream.sink.put(event)
-        except Exception:
+        except Exception:  # nobody can hear this request any more: free its pages and forget it
             log.exception("sink of %s failed", request.request_id)
             if not finished:
                 self.scheduler.abort(request.request_id)
+                del self._streams[request.request_id]
+                with self._lock:
+                    self._live_ids.discard(request.request_id)
 
     # ---- introspection ----------------------------------------------------------------------------------
     @property
@@ -407,9 +477,3 @@ class Engine:
     def num_pages(self) -> int:
         return self.scheduler.allocator.num_pages
 
-
-def _token_logprob(logprobs: np.ndarray, token: int, top_n: int) -> TokenLogprob:
-    best = np.argsort(-logprobs, kind="stable")[:top_n]
-    top = {int(t): float(logprobs[t]) for t in best}
-    top.setdefault(int(token), float(logprobs[token]))
-    return TokenLogprob(int(token), float(logprobs[token]), top)

@@ -1,28 +1,29 @@
 """The offline API, vLLM-style: `LLM(model=path_or_preset, dcp=N, ...)` and `LLM.generate(...)`.
 
-Continuous batching kept simple: waiting requests are admitted while a batch slot and their pages are free
-(pages for prompt + max_tokens are reserved up front, so a running request never runs out), admitted requests are
-prefilled together, then every running request decodes one token per step in the smallest bucket that holds them;
-a finished request leaves the batch and its pages go back to the pool.
+The serving engine's `Scheduler` drives the batch here too, without a thread or streams: the same admission (first
+come first served while a batch slot and the pages of the prefill plus the first decode token are free), the same
+page growth and preemption, the same stop rules (EOS and stop token ids end the generation and stay out of the
+text, stop strings cut it). Each step prefills the admitted requests together, then every running request decodes
+one token in the smallest bucket that holds them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 
 from dcp_jax.loading import load_model
-from dcp_jax.page_allocator import PageAllocator
 from dcp_jax.sampling import SamplingParams, log_softmax, sample, top_logprobs
+from dcp_jax.scheduler import Request, Scheduler
 
 
 @dataclasses.dataclass
 class RequestOutput:
     """One finished request. `logprobs[j]` holds the j-th generated token's logprob (log-softmax of the raw
-    logits) and those of the `SamplingParams.logprobs` most likely tokens. finish_reason: "stop" or "length"."""
+    logits) and those of the `SamplingParams.logprobs` most likely tokens. finish_reason: "stop" or "length".
+    `text` leaves out EOS and stop token ids and ends before a stop string (as the server's does)."""
 
     request_id: int
     prompt: str | None
@@ -36,24 +37,6 @@ class RequestOutput:
     def outputs(self) -> list[RequestOutput]:
         """vLLM spells the completion `outputs[0]`; one completion per request here."""
         return [self]
-
-
-@dataclasses.dataclass
-class _Request:
-    index: int
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams
-    rng: np.random.Generator
-    pages: list[int] = dataclasses.field(default_factory=list)
-    generated: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-
-    @property
-    def context_len(self) -> int:
-        return len(self.prompt_ids) + len(self.generated)
 
 
 class LLM:
@@ -71,8 +54,8 @@ class LLM:
         self.cfg, self.parallel, self.engine, self.seed = loaded.cfg, loaded.parallel, loaded.engine, seed
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
         self.runner.compile_decode()
-        engine = loaded.engine
-        self._allocator = PageAllocator(engine.num_pages)
+        self._scheduler = Scheduler(self.engine, self.parallel.dcp, eos_token_id=self.cfg.eos_token_id,
+                                    detokenize=self.tokenizer.decode, max_prefills_per_step=self.engine.max_num_seqs)
         self._next_id = 0
 
     def generate(self, prompts: str | Sequence[str] | None = None,
@@ -81,37 +64,48 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Generate for `prompts` (text, tokenized with BOS) or `prompt_token_ids` (used as given); one
         SamplingParams for all or one per prompt. Returns one RequestOutput per prompt, in order."""
-        requests = self._make_requests(prompts, prompt_token_ids, sampling_params)
-        waiting, running = deque(requests), []
+        sched = self._scheduler
+        requests, texts = self._make_requests(prompts, prompt_token_ids, sampling_params)
+        logprobs: dict[str, list[dict[int, float]]] = {r.request_id: [] for r in requests}
         progress = None
         if use_tqdm:
             from tqdm import tqdm
 
             progress = tqdm(total=len(requests), desc="Processed prompts", unit="req")
         try:
-            while waiting or running:
-                admitted = self._admit(waiting, running)
-                if admitted:
-                    logits, _ = self.runner.prefill([r.prompt_ids for r in admitted], [r.pages for r in admitted])
-                    self._append(admitted, logits)
-                    running += admitted
-                running = self._retire(running, progress)
-                if running:
-                    logits, _ = self.runner.decode([r.generated[-1] for r in running],
-                                                   [r.context_len for r in running], [r.pages for r in running])
-                    self._append(running, logits)
-                    running = self._retire(running, progress)
+            for r in requests:
+                sched.add(r)
+            while sched.has_work:
+                plan = sched.schedule()
+                if plan.prefills:
+                    logits, _ = self.runner.prefill([r.prefill_ids for r in plan.prefills],
+                                                    [r.pages for r in plan.prefills])
+                    for r, row in zip(plan.prefills, logits):
+                        if not r.is_resumed:  # a recompute after preemption: its next token is already sampled
+                            self._sample(r, row, logprobs[r.request_id])
+                rows = sched.decode_rows(plan)
+                if rows:
+                    logits, _ = self.runner.decode([r.output_ids[-1] for r in rows], [r.context_len for r in rows],
+                                                   [r.pages for r in rows])
+                    for r, row in zip(rows, logits):
+                        self._sample(r, row, logprobs[r.request_id])
+                if progress is not None:
+                    progress.update(sum(r.is_finished for r in requests) - progress.n)
         finally:
-            for r in running + list(waiting):
-                if r.pages:
-                    self._allocator.free(r.pages)
-                    r.pages = []
+            for r in requests:
+                sched.abort(r.request_id)  # a no-op for the finished; frees the pages of the rest
             if progress is not None:
                 progress.close()
-        return [RequestOutput(r.index, r.prompt, r.prompt_ids, r.generated, r.text, r.logprobs, r.finish_reason)
-                for r in requests]
+        return [RequestOutput(i, text, r.prompt_ids, r.output_ids, r.text, logprobs[r.request_id], r.finish_reason)
+                for i, (r, text) in enumerate(zip(requests, texts))]
 
-    def _make_requests(self, prompts, prompt_token_ids, sampling_params) -> list[_Request]:
+    def _sample(self, request: Request, logits: np.ndarray, logprobs: list[dict[int, float]]) -> None:
+        token = sample(logits, request.params, request.rng)
+        logprobs.append(top_logprobs(log_softmax(logits), token, request.params.logprobs or 0))
+        self._scheduler.append_token(request, token)
+
+    def _make_requests(self, prompts, prompt_token_ids, sampling_params) -> tuple[list[Request], list[str | None]]:
+        """Validate every prompt (ValueError before anything runs) and build its request."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts and prompt_token_ids")
         if prompts is not None:
@@ -128,65 +122,21 @@ class LLM:
         params = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(ids) or any(not isinstance(p, SamplingParams) for p in params):
             raise ValueError(f"need one SamplingParams or one per prompt ({len(ids)}), got {sampling_params!r}")
-        tokens_per_block = self.engine.page_size * self.parallel.dcp
         requests = []
         for i, (prompt_ids, p) in enumerate(zip(ids, params)):
             if not prompt_ids:
                 raise ValueError(f"prompt {i} is empty")
             if min(prompt_ids) < 0 or max(prompt_ids) >= self.cfg.vocab_size:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
-            total = len(prompt_ids) + p.max_tokens
-            if total > self.engine.max_model_len:
-                raise ValueError(f"prompt {i}: {len(prompt_ids)} prompt tokens + max_tokens={p.max_tokens} exceed "
-                                 f"max_model_len={self.engine.max_model_len}")
-            if -(-total // tokens_per_block) > self.engine.num_pages:
-                raise ValueError(f"prompt {i} needs more KV pages than the pool holds ({self.engine.num_pages})")
+            try:
+                self._scheduler.check_fits(len(prompt_ids), p.max_tokens)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
             seed = p.seed if p.seed is not None else (self.seed, self._next_id)
-            requests.append(_Request(i, prompts[i], prompt_ids, p, np.random.default_rng(seed)))
+            requests.append(Request(f"llm-{self._next_id}", prompt_ids, p, rng=np.random.default_rng(seed)))
             self._next_id += 1
-        return requests
-
-    def _admit(self, waiting: deque, running: list) -> list[_Request]:
-        admitted = []
-        tokens_per_block = self.engine.page_size * self.parallel.dcp
-        while waiting and len(running) + len(admitted) < self.engine.max_num_seqs:
-            r = waiting[0]
-            need = -(-(len(r.prompt_ids) + r.params.max_tokens) // tokens_per_block)
-            if need > self._allocator.num_free:
-                break
-            r.pages = self._allocator.allocate(need)
-            admitted.append(waiting.popleft())
-        return admitted
-
-    def _append(self, requests: list[_Request], logits: np.ndarray) -> None:
-        """Sample each request's next token from its logits row and update its stop state."""
-        for r, row in zip(requests, logits):
-            token = sample(row, r.params, r.rng)
-            r.generated.append(token)
-            r.logprobs.append(top_logprobs(log_softmax(row), token, r.params.logprobs or 0))
-            r.text = self.tokenizer.decode(r.generated)
-            p = r.params
-            hit = [r.text.find(s) for s in p.stop if s in r.text]
-            if hit:
-                r.text = r.text[: min(hit)]
-                r.finish_reason = "stop"
-            elif token in p.stop_token_ids or (token == self.cfg.eos_token_id and not p.ignore_eos):
-                r.finish_reason = "stop"
-            elif len(r.generated) >= p.max_tokens:
-                r.finish_reason = "length"
-
-    def _retire(self, running: list[_Request], progress) -> list[_Request]:
-        still = []
-        for r in running:
-            if r.finish_reason is None:
-                still.append(r)
-                continue
-            self._allocator.free(r.pages)
-            r.pages = []
-            if progress is not None:
-                progress.update(1)
-        return still
+        return requests, prompts
 
     @property
     def num_free_pages(self) -> int:
-        return self._allocator.num_free
+        return self._scheduler.allocator.num_free

@@ -51,11 +51,9 @@ class ServingMetrics:
         self.generation_tokens = 0
         self.finished: collections.Counter[str] = collections.Counter()
         self.preemptions = 0
+        self.kv_cache_resets = 0
         self._window_s = window_s
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens)
-
-    def set_gauges(self, gauges: Callable[[], dict[str, float]]) -> None:
-        self._gauges = gauges
 
     def on_prompt(self, tokens: int) -> None:
         with self._lock:
@@ -84,6 +82,10 @@ class ServingMetrics:
         with self._lock:
             self.preemptions += count
 
+    def on_kv_cache_reset(self) -> None:
+        with self._lock:
+            self.kv_cache_resets += 1
+
     def tokens_per_second(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
@@ -109,6 +111,8 @@ class ServingMetrics:
                 "prompt_tokens_total": ("Prompt tokens of admitted requests.", self.prompt_tokens),
                 "generation_tokens_total": ("Generated tokens.", self.generation_tokens),
                 "preemptions_total": ("Requests preempted for lack of KV pages.", self.preemptions),
+                "kv_cache_resets_total": ("KV caches reallocated after a failed step consumed the donated cache "
+                                          "(the running requests failed).", self.kv_cache_resets),
             }
             for name, (help_text, value) in counters.items():
                 lines += [f"# HELP {p}_{name} {help_text}", f"# TYPE {p}_{name} counter", f"{p}_{name} {value}"]

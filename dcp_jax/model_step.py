@@ -4,7 +4,8 @@ Decode: `DecodeStep` of `step.py` (one compiled program per bucket, host-built `
 around `decode_body`: embeddings -> per layer (sparse DCP attention, MLP / MoE) -> final norm -> lm_head logits.
 Prefill (first version): every rank computes the whole prompt (heads split over TP as in decode) with HF's sparse
 rule, and writes each token's latent and index key into its owner's shard at host-computed slots
-(`layout.slot_mapping` over every prompt position). Both return the per-layer selected global top-k ids.
+(`layout.slot_mapping` over every prompt position). Both programs output the per-layer selected global top-k ids;
+`ModelRunner` copies them to the host only when asked (`return_selected=True`: the oracle tests do, serving does not).
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ def prefill_lengths(max_model_len: int, smallest: int = 16) -> tuple[int, ...]:
 
 class ModelRunner:
     """Holds the placed weights, the KV cache and the compiled programs; takes host token ids, lengths and
-    block tables, returns host logits and selected top-k ids. Page allocation is the caller's."""
+    block tables, returns host logits (and, when asked, the selected top-k ids). Page allocation is the caller's.
+
+    Both programs donate the KV cache: when one raises, the cache may be gone (`kv_cache_is_usable`), and
+    `reset_kv_cache` allocates a fresh zeroed one (every context it held is lost)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh,
                  kernels: Kernels):
@@ -121,7 +125,24 @@ class ModelRunner:
         }
         self._prefill_input_shardings = (sharding(mesh, P()), sharding(mesh, P(DCP)), sharding(mesh, P()))
         self.params = self.decode_step.place_params(params)
-        self.kv_cache = allocate_kv_cache(cfg, engine, parallel.dcp, mesh)
+        # One compiled allocator, so `reset_kv_cache` never compiles while serving.
+        self._new_kv_cache = jax.jit(functools.partial(allocate_kv_cache, cfg, engine, parallel.dcp, mesh))
+        self.kv_cache = self._new_kv_cache()
+
+    def kv_cache_is_usable(self) -> bool:
+        """False when a failed program consumed the donated cache (deleted) or left it poisoned by an error."""
+        try:
+            leaves = jax.tree.leaves(self.kv_cache)
+            if any(leaf.is_deleted() for leaf in leaves):
+                return False
+            jax.block_until_ready(leaves)
+        except Exception:  # an asynchronous failure surfaces here
+            return False
+        return True
+
+    def reset_kv_cache(self) -> None:
+        """A fresh zeroed KV cache in the same placement (no recompile); every cached context is lost."""
+        self.kv_cache = self._new_kv_cache()
 
     def compile_decode(self, progress=None) -> None:
         """Compile every decode bucket (start-up); `progress` may wrap the loop (tqdm)."""
@@ -130,10 +151,11 @@ class ModelRunner:
             self.decode_step.compile(self.params, self.kv_cache, rows)
 
     def prefill(self, prompts: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]], *,
-                all_logits: bool = False):
+                all_logits: bool = False, return_selected: bool = False):
         """Prefill `prompts` (token ids, lengths >= 1) into the pages of `block_tables` (virtual-block page ids,
         enough for each prompt). Returns host (logits [n, A] at each prompt's last token, or [n, Tpad, A] at
-        every position when all_logits, and selected [layers, n, Tpad, K] global ids, -1 padded)."""
+        every position when all_logits, and selected [layers, n, Tpad, K] global ids, -1 padded, when
+        return_selected, else None)."""
         n = len(prompts)
         lens = [len(p) for p in prompts]
         if n != len(block_tables) or not n or min(lens) < 1:
@@ -155,11 +177,13 @@ class ModelRunner:
                                               self.engine.page_size)
         inputs = jax.device_put((tokens, slots, last), self._prefill_input_shardings)
         (logits, selected), self.kv_cache = self._prefill[all_logits](self.params, self.kv_cache, *inputs)
-        return np.asarray(logits)[:n], np.asarray(selected)[:, :n]
+        return np.asarray(logits)[:n], np.asarray(selected)[:, :n] if return_selected else None
 
-    def decode(self, tokens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]]):
+    def decode(self, tokens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], *,
+               return_selected: bool = False):
         """One decode step: row i feeds `tokens[i]` at position context_lens[i] - 1. Returns host
-        (logits [n, A] f32, selected [layers, n, K] global ids)."""
+        (logits [n, A] f32, selected [layers, n, K] global ids when return_selected, else None). The program
+        is the same either way (one per bucket); only the host copy of the selected ids is skipped."""
         n = len(tokens)
         md = build_decode_metadata(
             context_lens, block_tables, bucket=self.engine.bucket_for(n), dcp=self.parallel.dcp,
@@ -168,4 +192,4 @@ class ModelRunner:
         padded = np.zeros(md.rows, np.int32)
         padded[:n] = tokens
         (logits, selected), self.kv_cache = self.decode_step(self.params, self.kv_cache, padded, md)
-        return np.asarray(logits)[:n], np.asarray(selected)[:, :n]
+        return np.asarray(logits)[:n], np.asarray(selected)[:, :n] if return_selected else None

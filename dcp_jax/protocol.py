@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from dcp_jax.sampling import SamplingParams
+from dcp_jax.scheduler import REPLACEMENT_CHAR
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -248,18 +249,25 @@ class TokenizerView:
                 ids += self.tokenizer.encode(piece, add_special_tokens=False)
         return ids
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        if skip_special_tokens or not self.specials:
-            return self.tokenizer.decode(list(ids))
-        out, run = [], []
-        for t in ids:
-            name = self.special_name(t)
-            if name is None:
-                run.append(t)
-            else:
-                out += [self.tokenizer.decode(run), name]
-                run = []
-        return "".join(out + [self.tokenizer.decode(run)])
+    def decode(self, ids) -> str:
+        """Text of `ids`; special tokens have none."""
+        return self.tokenizer.decode(list(ids))
+
+    def text_offsets(self, ids) -> list[int]:
+        """offsets[i] = len(decode(ids[:i])): where token i's text starts in decode(ids) (a special token's text is
+        empty). Incremental: the text is committed at every clean boundary (no unfinished UTF-8 at its end), and
+        each decode spans the uncommitted tokens plus one token of context (a tokenizer may spell a token
+        differently at the start of a text)."""
+        offsets, done, start, head = [], 0, 0, 0  # done = len(decode(ids[:start])); head = that of the context
+        for i in range(len(ids)):
+            context = max(start - 1, 0)
+            piece = self.decode(ids[context:i])
+            offsets.append(done + len(piece) - head)
+            if not piece.endswith(REPLACEMENT_CHAR):
+                done += len(piece) - head
+                start = i
+                head = len(self.decode(ids[max(i - 1, 0):i]))
+        return offsets
 
     def token_text(self, token_id: int) -> str:
         """One token as text for logprobs; a byte that is not UTF-8 on its own is spelled `bytes:\\xNN`."""

@@ -8,12 +8,14 @@ Owns the request states, the waiting queue and the running batch. Pages are hand
    the youngest running request (its pages go back to the pool, it returns to the front of the queue and is
    recomputed by a prefill of prompt + generated tokens when readmitted), so a full pool never crashes a step;
 2. admits waiting requests first come first served while a batch slot and the pages of their prefill plus the
-   first decode token are free (nothing is admitted in a step that preempted);
+   first decode token (never more than `max_context_len` can ever need) are free (nothing is admitted in a step
+   that preempted);
 3. hands the engine a `StepPlan`: the requests to prefill, then the decode rows (the new ones join the batch).
 
 The engine reports sampled tokens with `append_token`, which applies the stop rules (EOS / stop token ids, stop
-strings, max_tokens, max_model_len) and frees a finished request's pages at once. `abort` frees a cancelled
-request's pages wherever it is. Every page taken is returned exactly once: `check_invariants` proves it.
+strings, max_tokens; `check_fits` already keeps prompt + max_tokens within max_model_len) and frees a finished
+request's pages at once. `abort` frees a cancelled request's pages wherever it is. Every page taken is returned
+exactly once: `check_invariants` proves it.
 """
 
 from __future__ import annotations
@@ -35,13 +37,24 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
-    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
+    FINISHED_LENGTH = "length"  # max_tokens
     FINISHED_ABORTED = "abort"  # cancelled or disconnected
     FINISHED_ERROR = "error"  # the request failed (and only it)
 
     @property
     def is_finished(self) -> bool:
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+def max_context_len(prompt_len: int, max_tokens: int) -> int:
+    """Context a request of this size can ever hold (its KV pages are sized by it): the prompt and every
+    generated token but the last, which is sampled and never fed back."""
+    return prompt_len + max_tokens - 1
+
+
+def blocks_for(tokens: int, tokens_per_block: int) -> int:
+    """Virtual blocks (page ids) that hold `tokens` tokens of context."""
+    return -(-tokens // tokens_per_block)
 
 
 @dataclasses.dataclass(eq=False)
@@ -83,6 +96,11 @@ class Request:
         return self.status.value if self.is_finished else None
 
     @property
+    def max_context_len(self) -> int:
+        """The most context this request can ever hold: the last sampled token is never fed back."""
+        return max_context_len(len(self.prompt_ids), self.params.max_tokens)
+
+    @property
     def prefill_ids(self) -> list[int]:
         """Tokens a prefill writes: the prompt for a new request; prompt + generated minus the last (which the
         next decode step feeds) for a preempted one, whose logits are then discarded."""
@@ -118,10 +136,6 @@ class StepPlan:
     decodes: tuple[Request, ...]
     preempted: tuple[Request, ...]
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefills and not self.decodes
-
 
 class Scheduler:
     """Request queue + running batch over one `PageAllocator`. Not thread-safe: the engine thread owns it."""
@@ -143,7 +157,7 @@ class Scheduler:
 
     # ---- queue ------------------------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.tokens_per_block)
+        return blocks_for(tokens, self.tokens_per_block)
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """ValueError unless a request of this size can ever run (before it is queued)."""
@@ -153,10 +167,10 @@ class Scheduler:
         if total > self.engine.max_model_len:
             raise ValueError(f"{prompt_len} prompt tokens + max_tokens={max_tokens} = {total} exceed "
                              f"max_model_len={self.engine.max_model_len}")
-        # The last sampled token is never fed back, so the context peaks at total - 1 tokens.
-        if self.blocks_for(total - 1) > self.engine.num_pages:
-            raise ValueError(f"a request of {total} tokens needs {self.blocks_for(total - 1)} KV pages, the pool "
-                             f"holds {self.engine.num_pages}")
+        need = self.blocks_for(max_context_len(prompt_len, max_tokens))
+        if need > self.engine.num_pages:
+            raise ValueError(f"a request of {total} tokens needs {need} KV pages, the pool holds "
+                             f"{self.engine.num_pages}")
 
     def add(self, request: Request) -> None:
         if request.request_id in self._requests:
@@ -246,8 +260,9 @@ class Scheduler:
         while (self.waiting and len(admitted) < self.max_prefills_per_step
                and len(self.running) < self.engine.max_num_seqs):
             request = self.waiting[0]
-            # The prefill's tokens plus the slot of the first decode token.
-            need = self.blocks_for(len(request.prefill_ids) + 1)
+            # The prefill's tokens plus the slot of the first decode token, capped by what the request can ever
+            # hold (the bound `check_fits` checked, so the head of the queue always fits an empty pool).
+            need = self.blocks_for(min(len(request.prefill_ids) + 1, request.max_context_len))
             if need > self.allocator.num_free:
                 break  # first come first served: nobody overtakes the head of the queue
             request.pages = self.allocator.allocate(need)
@@ -280,7 +295,7 @@ class Scheduler:
             self.finish(request, RequestStatus.FINISHED_STOPPED)
         elif is_eos or is_stop_id:
             self.finish(request, RequestStatus.FINISHED_STOPPED)
-        elif len(request.output_ids) >= params.max_tokens or request.context_len >= self.engine.max_model_len:
+        elif len(request.output_ids) >= params.max_tokens:  # check_fits: prompt + max_tokens <= max_model_len
             self.finish(request, RequestStatus.FINISHED_LENGTH)
 
     def check_invariants(self) -> None:

@@ -3,8 +3,10 @@
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with SSE `stream`),
 POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /health, GET /metrics (Prometheus text).
 Every request body is parsed and validated (`protocol.py`, `Engine.validate`) before anything is queued; a bad
-one gets a 400 with an OpenAI-shaped `{"error": {...}}`. A streaming client that goes away aborts its requests,
-so their KV pages return to the pool. Binds loopback unless told otherwise; `api_key` guards /v1/*.
+one gets a 400 with an OpenAI-shaped `{"error": {...}}`; a stopped engine gets a 503. A client that goes away
+aborts its requests, so their KV pages return to the pool: a streaming one at the next write, a waiting
+non-streaming one within DISCONNECT_POLL_S. Binds loopback unless told otherwise; `api_key` guards /v1/*.
+The `dcp-jax serve` command that builds and runs one lives in `cli.py`.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import select
+import socket
 import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from dcp_jax import protocol
-from dcp_jax.engine import Engine, StreamEvent, TokenLogprob
+from dcp_jax.engine import Engine, EngineStoppedError, StreamEvent, TokenLogprob
 from dcp_jax.protocol import ProtocolError, TokenizerView
 
 log = logging.getLogger(__name__)
@@ -26,6 +30,8 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20
 # How long a non-streaming request may wait for its tokens before the server gives up on it.
 REQUEST_TIMEOUT_S = 600.0
+# How often a non-streaming request checks whether its client is still connected.
+DISCONNECT_POLL_S = 0.25
 
 
 class _Choice:
@@ -110,10 +116,16 @@ class OpenAIServer:
                 raise ProtocolError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e), "prompt") from None
         sink: queue.Queue = queue.Queue()
         ids_out = []
-        for i, ids in enumerate(prompts):
-            for j in range(n):
-                p = params if params.seed is None or j == 0 else _with_seed(params, params.seed + j)
-                ids_out.append(self.engine.add_request(ids, p, sink, tag=i * n + j, prompt_logprobs=prompt_logprobs))
+        try:
+            for i, ids in enumerate(prompts):
+                for j in range(n):
+                    p = params if params.seed is None or j == 0 else _with_seed(params, params.seed + j)
+                    ids_out.append(self.engine.add_request(ids, p, sink, tag=i * n + j,
+                                                           prompt_logprobs=prompt_logprobs))
+        except EngineStoppedError as e:
+            self.abort(ids_out)
+            raise ProtocolError(f"{e}: the server cannot take requests", status=503,
+                                type="service_unavailable") from None
         return sink, ids_out
 
     def abort(self, request_ids) -> None:
@@ -272,11 +284,12 @@ class _Handler(BaseHTTPRequestHandler):
         out = []
         for index, choice in sorted(choices.items()):
             prompt = prompts[index // req.n]
-            text = (app.tokens.decode(prompt) if req.echo else "") + choice.text
+            echo = app.tokens.decode(prompt) if req.echo else ""
+            text = echo + choice.text
             logprobs = None
             if req.logprobs is not None:
                 logprobs = self._completion_logprobs(prompt if req.echo else [], choice.prompt_logprobs,
-                                                     choice.logprobs, len(choice.text))
+                                                     choice.logprobs, base=len(echo), end=len(text))
             out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
         prompt_tokens = sum(len(p) for p in prompts) * req.n
@@ -284,21 +297,26 @@ class _Handler(BaseHTTPRequestHandler):
                               "model": app.model_name, "choices": out,
                               "usage": _usage(prompt_tokens, completion_tokens)})
 
-    def _completion_logprobs(self, echoed: list[int], prompt_lps, lps: list[TokenLogprob], text_len: int) -> dict:
+    def _completion_logprobs(self, echoed: list[int], prompt_lps, lps: list[TokenLogprob], *, base: int,
+                             end: int | None) -> dict:
+        """OpenAI `logprobs` of the echoed prompt tokens, then the generated ones. `text_offset` indexes the
+        choice's returned text: echoed token i starts at len(decode(echoed[:i])) (BOS has no text), a generated
+        token at `base` (the echoed text's length) + where it starts in the generated text, clamped to `end` (the
+        text's length once known: a stop string may have cut the text before the last tokens)."""
         tokens = self.app.tokens
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
+        offsets = tokens.text_offsets(echoed) + [base + lp.text_offset for lp in lps]
         entries = list(zip(echoed, prompt_lps or [None] * len(echoed))) + [(lp.token_id, lp) for lp in lps]
-        for token_id, lp in entries:
-            text = tokens.token_text(token_id)
-            out["tokens"].append(text)
+        for (token_id, lp), offset in zip(entries, offsets):
+            out["tokens"].append(tokens.token_text(token_id))
             out["token_logprobs"].append(None if lp is None else lp.logprob)
             out["top_logprobs"].append(None if lp is None else {tokens.token_text(t): v for t, v in lp.top.items()})
-            out["text_offset"].append(offset)
-            offset += len(text)
+            out["text_offset"].append(offset if end is None else min(offset, end))
         return out
 
-    def _completion_chunk(self, rid, req, prompts, event: StreamEvent, choice_state: dict) -> dict:
+    def _completion_chunk(self, rid, req, prompts, event: StreamEvent, state: dict) -> dict:
+        """One choice's delta; `state[index]` carries the choice's text length so far (the echo included), so
+        text_offset stays an index into the whole streamed text."""
         index = event.tag
         text = event.text
         lps = event.logprobs or []
@@ -306,9 +324,12 @@ class _Handler(BaseHTTPRequestHandler):
         if req.echo and event.prompt_token_ids is not None:
             echoed = prompts[index // req.n]
             text = self.app.tokens.decode(echoed) + text
+        choice = state.setdefault(index, {"base": len(text) - len(event.text), "sent": 0})
+        choice["sent"] += len(text)
         logprobs = None
         if req.logprobs is not None:
-            logprobs = self._completion_logprobs(echoed, event.prompt_logprobs, lps, len(text))
+            end = choice["sent"] if event.finish_reason is not None else None
+            logprobs = self._completion_logprobs(echoed, event.prompt_logprobs, lps, base=choice["base"], end=end)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.app.model_name,
                 "choices": [{"index": index, "text": text, "logprobs": logprobs,
                              "finish_reason": event.finish_reason}]}
@@ -354,24 +375,49 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- shared: collect or stream ------------------------------------------------------------------------
     def _collect(self, sink: queue.Queue, rids: list[str]) -> dict[int, _Choice]:
+        """Every choice's events; aborts them when the client disconnects (checked every DISCONNECT_POLL_S) or
+        REQUEST_TIMEOUT_S passes."""
         choices = {}
         live = len(rids)
         deadline = time.monotonic() + REQUEST_TIMEOUT_S
-        try:
-            while live:
-                event = sink.get(timeout=max(deadline - time.monotonic(), 0.001))
-                choice = choices.setdefault(event.tag, _Choice())
-                choice.add(event)
-                if event.finish_reason is not None:
-                    live -= 1
-        except queue.Empty:
-            self.app.abort(rids)
-            raise ProtocolError("the request timed out", status=504, type="timeout") from None
+        next_check = time.monotonic() + DISCONNECT_POLL_S
+        while live:
+            try:
+                event = sink.get(timeout=DISCONNECT_POLL_S)
+            except queue.Empty:
+                event = None
+            now = time.monotonic()
+            if now >= next_check:  # events may keep coming: check by the clock, not only when none came
+                next_check = now + DISCONNECT_POLL_S
+                if self._client_gone():
+                    self.app.abort(rids)
+                    self.close_connection = True
+                    raise ConnectionResetError("the client disconnected")
+            if event is None:
+                if now > deadline:
+                    self.app.abort(rids)
+                    raise ProtocolError("the request timed out", status=504, type="timeout")
+                continue
+            choice = choices.setdefault(event.tag, _Choice())
+            choice.add(event)
+            if event.finish_reason is not None:
+                live -= 1
         errors = [c.error for c in choices.values() if c.finish_reason == "error"]
         if errors:
             self.app.abort(rids)
             raise ProtocolError(f"generation failed: {errors[0]}", status=500, type="server_error")
+        if any(c.finish_reason == "abort" for c in choices.values()):  # only the engine stopping aborts these
+            raise ProtocolError("the engine stopped before the request finished", status=503,
+                                type="service_unavailable")
         return choices
+
+    def _client_gone(self) -> bool:
+        """The client closed its end (readable with nothing to read) or the socket failed."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
 
     def _stream(self, sink: queue.Queue, rids: list[str], chunk, include_usage: bool, rid: str, obj: str) -> None:
         self.send_response(200)
@@ -382,6 +428,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         live, state = len(rids), {}
         prompt_tokens = completion_tokens = 0
+        # From here on the reply is an event stream: nothing may write a JSON error reply into it.
         try:
             while live:
                 event = sink.get(timeout=REQUEST_TIMEOUT_S)
@@ -404,6 +451,9 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError, queue.Empty, OSError):
             # The client went away (or nothing came for too long): free the requests' pages now.
             self.app.abort(rids)
+        except Exception:  # a bug while streaming: end this stream (no [DONE]) and free its requests' pages
+            log.exception("streaming %s failed", rid)
+            self.app.abort(rids)
 
     def _sse(self, body: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(body).encode() + b"\n\n")
@@ -420,60 +470,3 @@ _GET = {"/health": _Handler.health, "/metrics": _Handler.metrics, "/v1/models": 
 _POST = {"/v1/completions": _Handler.completions, "/v1/chat/completions": _Handler.chat_completions,
          "/tokenize": _Handler.tokenize, "/detokenize": _Handler.detokenize}
 
-
-# ---- the `dcp-jax serve` command -------------------------------------------------------------------------------
-def add_serve_parser(commands) -> None:
-    """Register `dcp-jax serve` on the CLI's subparsers."""
-    s = commands.add_parser("serve", help="OpenAI-compatible server (default: the embedded tiny model)")
-    s.add_argument("--model", default="tiny", help="preset name (tiny, deepseek-v3.2, glm-5) or HF directory")
-    s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model name)")
-    s.add_argument("--dcp", type=int, default=2, help="DCP size W")
-    s.add_argument("--tp", type=int, default=None, help="TP ranks (default: dcp)")
-    s.add_argument("--interleave", type=int, default=1, help="interleave size S")
-    s.add_argument("--devices", type=int, default=None, help="simulated CPU devices (default: tp)")
-    s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    s.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    s.add_argument("--max-model-len", type=int, default=256)
-    s.add_argument("--max-num-seqs", type=int, default=8, help="largest decode bucket")
-    s.add_argument("--buckets", default="1,2,4,8,16,32,64,128,256", help="decode bucket ladder")
-    s.add_argument("--page-size", type=int, default=8)
-    s.add_argument("--num-pages", type=int, default=None, help="KV pages (default: max-num-seqs full requests)")
-    s.add_argument("--kernels", choices=["reference", "pallas"], default="reference")
-    s.add_argument("--seed", type=int, default=0, help="weights seed of a preset; default sampling seed")
-    s.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache")
-    s.add_argument("--no-prompt-logprobs", action="store_true", help="skip the all-logits prefill programs")
-    s.set_defaults(run=serve_command)
-
-
-def serve_command(args) -> int:
-    import sys
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tp = args.tp or args.dcp
-    from dcp_jax.loading import use_cpu_devices
-
-    use_cpu_devices(max(args.devices or tp, tp))
-    import jax
-
-    jax.config.update("jax_default_matmul_precision", "highest")
-    try:
-        ladder = tuple(int(b) for b in args.buckets.split(",") if b)
-        engine = Engine(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, page_size=args.page_size,
-                        num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        bucket_ladder=ladder, kernels=args.kernels, seed=args.seed,
-                        prompt_logprobs=not args.no_prompt_logprobs, compilation_cache_dir=args.compilation_cache_dir)
-        server = OpenAIServer(engine, host=args.host, port=args.port, api_key=args.api_key,
-                              served_model_name=args.served_model_name)
-    except (ValueError, OSError) as e:
-        print(f"dcp-jax serve: {e}", file=sys.stderr)
-        return 2
-    print(f"dcp-jax serve: model {server.model_name} ({engine.cfg.num_hidden_layers} layers), tp={tp} dcp={args.dcp} "
-          f"interleave={args.interleave}, buckets {engine.config.buckets}, {engine.num_pages} KV pages, "
-          f"backend {engine.backend}", flush=True)
-    print(f"dcp-jax serve: listening on {server.url}", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    return 0

@@ -57,16 +57,19 @@ def test_stop_token_ids_and_stop_strings(llm):
     out = llm.generate(prompt_token_ids=[PROMPTS[2]],
                        sampling_params=SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]))[0]
     assert out.token_ids == FIXTURE["gen_tokens"][2, :4].tolist() and out.finish_reason == "stop"
+    # As the server's Scheduler does: the stop token id ends the generation and stays out of the text.
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1])
     full = llm.generate(prompts=["hello"], sampling_params=SamplingParams(max_tokens=12, temperature=0,
                                                                            ignore_eos=True))[0]
     assert full.prompt_token_ids == llm.tokenizer.encode("hello")
     assert full.text == llm.tokenizer.decode(full.token_ids)
+    # The stop string is a character the greedy run actually generated (the seeded model is deterministic).
     visible = [c for c in full.text if c != "\ufffd"]
-    if visible:  # a random model may emit no printable byte; then there is no stop string to test
-        stop = visible[len(visible) // 2]
-        cut = llm.generate(prompts=["hello"], sampling_params=SamplingParams(max_tokens=12, temperature=0,
-                                                                              ignore_eos=True, stop=[stop]))[0]
-        assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
+    assert visible, f"the greedy text {full.text!r} has no character to stop on"
+    stop = visible[len(visible) // 2]
+    cut = llm.generate(prompts=["hello"], sampling_params=SamplingParams(max_tokens=12, temperature=0,
+                                                                          ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
 
 
 def test_seeded_sampling_is_per_request(llm):

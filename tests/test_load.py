@@ -75,9 +75,29 @@ def test_concurrent_streams_pages_recompiles_and_batch_invariance(server):
     assert engine.compiles_after_warmup == 0
 
 
-def test_client_disconnect_mid_stream_frees_pages(server):
+def slow_decode_and_record_aborts(engine, monkeypatch, delay_s=0.02):
+    """Slow each decode step (so a request of 60 tokens outlives its client) and record, per aborted request,
+    how many tokens it had generated."""
+    real_decode, real_abort, aborted = engine.runner.decode, engine.scheduler.abort, {}
+
+    def slow(*args, **kwargs):
+        time.sleep(delay_s)
+        return real_decode(*args, **kwargs)
+
+    def abort(request_id):
+        request = real_abort(request_id)
+        if request is not None:
+            aborted[request_id] = len(request.output_ids)
+        return request
+
+    monkeypatch.setattr(engine.runner, "decode", slow)
+    monkeypatch.setattr(engine.scheduler, "abort", abort)
+    return aborted
+
+
+def test_client_disconnect_mid_stream_frees_pages(server, monkeypatch):
     engine = server.engine
-    aborted_before = engine.metrics.finished["abort"]
+    aborted = slow_decode_and_record_aborts(engine, monkeypatch)
     host, port = server.httpd.server_address[:2]
     conns = []
     for k in range(4):
@@ -94,5 +114,24 @@ def test_client_disconnect_mid_stream_frees_pages(server):
         resp.close()
         conn.close()
     assert wait_idle(engine), "disconnected requests kept their pages"
-    assert engine.metrics.finished["abort"] >= aborted_before + 1
+    # Every one of the 4 was aborted, long before its 60 tokens.
+    assert len(aborted) == 4 and all(n < 30 for n in aborted.values()), aborted
     assert engine.compiles_after_warmup == 0
+
+
+def test_client_disconnect_while_waiting_for_a_whole_reply_aborts(server, monkeypatch):
+    """A non-streaming client that goes away is noticed while its request still runs (the server polls the
+    socket), so the request is aborted instead of generating all its tokens for nobody."""
+    engine = server.engine
+    aborted = slow_decode_and_record_aborts(engine, monkeypatch)
+    host, port = server.httpd.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    body = {"model": "tiny", "prompt": [[9, 8, 7]], "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 30
+    while not engine.scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.scheduler.running, "the request never started"
+    conn.close()
+    assert wait_idle(engine), "the disconnected request kept its pages"
+    assert len(aborted) == 1 and all(n < 40 for n in aborted.values()), aborted

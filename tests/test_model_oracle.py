@@ -94,13 +94,14 @@ def run_case(checkpoints, name, dcp, interleave, cfg_change=None):
     runner.compile_decode()
     prompts = prompts_of(fx)
     tables = block_tables(dcp, len(prompts), seed=dcp * 10 + interleave)
-    prefill_logits, prefill_selected = runner.prefill(prompts, tables, all_logits=True)
+    prefill_logits, prefill_selected = runner.prefill(prompts, tables, all_logits=True, return_selected=True)
     decode_logits, decode_selected = [], []
     context = np.array([len(p) for p in prompts])
     if cfg_change is None:
         for j in range(1, fx["gen_tokens"].shape[1]):
             context = context + 1
-            logits, selected = runner.decode(fx["gen_tokens"][:, j - 1].tolist(), context.tolist(), tables)
+            logits, selected = runner.decode(fx["gen_tokens"][:, j - 1].tolist(), context.tolist(), tables,
+                                              return_selected=True)
             decode_logits.append(logits)
             decode_selected.append(selected)
     result = dict(prefill_logits=prefill_logits, prefill_selected=prefill_selected,

@@ -168,13 +168,34 @@ def test_stop_rules():
         s.append_token(text, 2)
 
 
-def test_max_model_len_ends_generation():
+def test_max_model_len_is_enforced_before_queueing_so_max_tokens_ends_generation():
     s = make(num_pages=64, max_model_len=6)
-    r = req("r", prompt_len=3, max_tokens=3)
+    with pytest.raises(ValueError, match="max_model_len"):
+        s.add(req("over", prompt_len=3, max_tokens=4))
+    r = req("r", prompt_len=3, max_tokens=3)  # exactly max_model_len: runs to its max_tokens
     s.add(r)
     while s.has_work:
         run_step(s)
-    assert r.finish_reason == "length" and len(r.prompt_ids) + len(r.output_ids) == 6
+    assert r.finish_reason == "length" and len(r.output_ids) == 3
+
+
+def test_request_filling_the_pool_with_one_token_is_admitted_not_stuck():
+    """check_fits and admission size a request by the same bound (the context it can ever hold): a 16-token prompt
+    with max_tokens=1 in a 2-page pool of 8-token blocks is accepted, admitted (2 pages, not 3), finishes, and the
+    request queued behind it runs too."""
+    s = make(num_pages=2, page_size=4, dcp=2, max_model_len=64)
+    full = req("full", prompt_len=16, max_tokens=1)
+    after = req("after", prompt_len=5, max_tokens=4)
+    s.add(full)
+    s.add(after)
+    plan, _ = run_step(s)
+    assert [r.request_id for r in plan.prefills] == ["full"] and full.finish_reason == "length"
+    for _ in range(10):
+        if not s.has_work:
+            break
+        run_step(s)
+    assert after.finish_reason == "length" and len(after.output_ids) == 4
+    assert s.allocator.num_free == 2
 
 
 def test_check_fits_rejects_impossible_requests():

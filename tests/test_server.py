@@ -1,7 +1,9 @@
 """The OpenAI-compatible server (dcp_jax/server.py, protocol.py) through the real `openai` client, on loopback."""
 
+import http.client
 import json
 import math
+import time
 import urllib.error
 import urllib.request
 
@@ -98,11 +100,13 @@ def test_n_list_of_prompts_seed_and_stop(client):
         [c.text for c in sorted(again.choices, key=lambda c: c.index)]
     greedy = client.completions.create(model="tiny", prompt="abc", max_tokens=10, temperature=0,
                                        extra_body={"ignore_eos": True}).choices[0].text
-    stop = next((ch for ch in greedy[1:] if ch.isprintable() and ch != "\ufffd"), None)
-    if stop is not None:
-        cut = client.completions.create(model="tiny", prompt="abc", max_tokens=10, temperature=0, stop=[stop],
-                                        extra_body={"ignore_eos": True}).choices[0]
-        assert cut.finish_reason == "stop" and cut.text == greedy[: greedy.index(stop, 1)]
+    # The stop string is a character the greedy run actually generated (the seeded model is deterministic).
+    visible = [ch for ch in greedy if ch != "\ufffd"]
+    assert visible, f"the greedy text {greedy!r} has no character to stop on"
+    stop = visible[len(visible) // 2]
+    cut = client.completions.create(model="tiny", prompt="abc", max_tokens=10, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == greedy[: greedy.index(stop)]
 
 
 def test_chat_completion_and_stream(server, client):
@@ -145,6 +149,90 @@ def test_bad_requests_are_400_in_openai_shape(server, client, kw, match):
         client.completions.create(**args)
     assert info.value.status_code == 400 and info.value.body["type"] == "invalid_request_error"
     assert server.engine.scheduler.num_waiting == 0
+
+
+@pytest.mark.parametrize("field, value", [
+    ("stream_options", 5),
+    ("stream_options", {"include_usage": "yes"}),
+    ("stop_token_ids", "7"),
+    ("stop_token_ids", [1.5]),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", [True]),
+])
+def test_wrong_types_in_stream_options_and_stop_token_ids_are_400(server, field, value):
+    status, body = raw(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": True,
+                                                   field: value})
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == field and error["type"] == "invalid_request_error"
+
+
+def test_text_offsets_index_the_returned_text_streamed_or_not(server, client):
+    """Echoed string prompt: BOS has no text (offset 0, as "H"); every offset indexes the returned text, and a
+    stream carries them on across chunks (the same values as the whole reply)."""
+    kw = dict(model="tiny", prompt="Hi there", max_tokens=8, temperature=0, echo=True, logprobs=0,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw).choices[0]
+    text, lp = r.text, r.logprobs
+    ids = server.tokens.encode("Hi there")
+    assert text.startswith("Hi there") and lp.tokens[0] == "<s>"
+    assert lp.text_offset[: len(ids) + 1] == [0, 0, 1, 2, 3, 4, 5, 6, 7, 8]  # BOS, "Hi there", the first token
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        if len(token) == 1:  # one character of text: it is right there
+            assert text[offset] == token
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+    assert "".join(c.choices[0].text for c in chunks) == text
+
+
+def test_a_bug_while_streaming_ends_the_stream_and_aborts(server, monkeypatch):
+    """After the 200 header an exception must not write a JSON error into the event stream: the stream ends
+    (no [DONE]) and the request is aborted."""
+    from dcp_jax import server as server_module
+
+    real, calls = server_module._Handler._completion_chunk, []
+
+    def buggy(self, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected chunk bug")
+        return real(self, *args)
+
+    monkeypatch.setattr(server_module._Handler, "_completion_chunk", buggy)
+    engine = server.engine
+    aborted = engine.metrics.finished["abort"]
+    host, port = server.httpd.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    body = {"model": "tiny", "prompt": [[5, 6, 7]], "max_tokens": 50, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    lines = [line for line in resp.read().decode().splitlines() if line]
+    conn.close()
+    assert len(lines) == 1 and lines[0].startswith("data: ") and "choices" in lines[0]
+    assert not any("error" in line or "[DONE]" in line for line in lines)
+    deadline = time.monotonic() + 30
+    while engine.metrics.finished["abort"] == aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.metrics.finished["abort"] == aborted + 1
+
+
+def test_a_stopped_engine_is_a_503_not_a_hang(server, client):
+    engine = server.engine
+    engine.stop()
+    try:
+        assert raw(server, "/health")[0] == 503
+        started = time.monotonic()
+        status, body = raw(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert status == 503 and "not running" in json.loads(body)["error"]["message"]
+        with pytest.raises(openai.InternalServerError):
+            list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=2, stream=True))
+        assert time.monotonic() - started < 10
+    finally:
+        engine.start()
+    assert raw(server, "/health")[0] == 200
 
 
 def test_bad_json_unknown_model_and_routes(server, client):
