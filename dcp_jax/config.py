@@ -11,6 +11,8 @@ import math
 import os
 from typing import Any
 
+from dcp_jax.layout import virtual_blocks
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -272,4 +274,4 @@ class EngineConfig:
 
     def max_blocks_per_seq(self, dcp: int) -> int:
         """Virtual blocks (page_size * dcp tokens each) a request of max_model_len needs."""
-        return -(-self.max_model_len // (self.page_size * dcp))
+        return int(virtual_blocks(self.max_model_len, dcp, self.page_size))

@@ -40,6 +40,7 @@ from dcp_jax.attention.kernels import select_kernels
 from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig, preset
 from dcp_jax.decode_bench_results import STAGES, report
 from dcp_jax.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_rank
+from dcp_jax.layout import virtual_blocks
 from dcp_jax.loading import use_cpu_devices
 from dcp_jax.mesh import DCP, make_mesh
 from dcp_jax.metadata import build_decode_metadata
@@ -178,7 +179,7 @@ class Grid:
 
     def engine(self, dcp: int) -> EngineConfig:
         max_len = max(self.contexts)
-        blocks = -(-max_len // (self.page_size * dcp))
+        blocks = int(virtual_blocks(max_len, dcp, self.page_size))
         return EngineConfig(page_size=self.page_size, num_pages=max(self.batches) * blocks,
                             max_num_seqs=max(self.batches), max_model_len=max_len,
                             bucket_ladder=tuple(sorted(set(self.batches))))
@@ -235,13 +236,13 @@ def fill_random(cache: KVCache, key) -> KVCache:
 
 def block_tables_for(batch: int, context: int, *, dcp: int, page_size: int, max_blocks: int) -> list[list[int]]:
     """Row i owns pages [i * max_blocks, ...): disjoint, as the page allocator would hand them out."""
-    needed = -(-context // (page_size * dcp))
+    needed = int(virtual_blocks(context, dcp, page_size))
     return [list(range(i * max_blocks, i * max_blocks + needed)) for i in range(batch)]
 
 
 def kv_bytes_used(cfg: ModelConfig, *, batch: int, context: int, dcp: int, page_size: int, itemsize: int):
     """(latent, index-K) bytes of one rank's pages holding `batch` rows of `context` tokens (whole pages)."""
-    tokens = batch * -(-context // (page_size * dcp)) * page_size
+    tokens = batch * int(virtual_blocks(context, dcp, page_size)) * page_size
     layers = cfg.num_hidden_layers
     return tokens * layers * cfg.latent_dim * itemsize, tokens * layers * cfg.index_head_dim * itemsize
 

@@ -17,6 +17,7 @@ import numpy as np
 from dcp_jax.attention.kernels import select_kernels
 from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
 from dcp_jax.kv_cache import allocate_kv_cache
+from dcp_jax.layout import virtual_blocks
 from dcp_jax.mesh import make_mesh
 from dcp_jax.metadata import build_decode_metadata
 from dcp_jax.page_allocator import PageAllocator
@@ -83,7 +84,6 @@ def run_comparison(
     allocator = PageAllocator(engine.num_pages)
     tables: list[list[int]] = [[] for _ in range(num_requests)]
     lens = np.zeros(num_requests, np.int64)
-    tokens_per_block = engine.page_size * parallel.dcp
     rng = np.random.default_rng(seed + 1)
     max_err, elapsed = 0.0, 0.0
     for t in range(schedule.num_steps):
@@ -94,8 +94,8 @@ def run_comparison(
                 tables[i] = []
         for i in active:
             lens[i] += 1
-            if len(tables[i]) * tokens_per_block < lens[i]:
-                tables[i] += allocator.allocate(1)
+            missing = virtual_blocks(lens[i], parallel.dcp, engine.page_size) - len(tables[i])
+            tables[i] += allocator.allocate(int(missing))
         hidden = rng.standard_normal((num_requests, cfg.hidden_size)).astype(np.float32)
         md = build_decode_metadata(
             [lens[i] for i in active],

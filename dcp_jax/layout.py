@@ -70,6 +70,11 @@ def local_context_lens(context_lens, dcp: int, interleave: int = 1) -> np.ndarra
     return (base[None, :] + rem).astype(np.int32)
 
 
+def virtual_blocks(tokens, dcp: int, page_size: int):
+    """Virtual blocks (one page id each, page_size * dcp global tokens) that hold `tokens` tokens (vectorized)."""
+    return -(-np.asarray(tokens, dtype=np.int64) // (page_size * dcp))
+
+
 def slot_mapping(positions, block_tables, dcp: int, interleave: int, page_size: int) -> np.ndarray:
     """int32 [dcp, rows]: physical slot `page * page_size + offset` of each row's token on every rank.
 

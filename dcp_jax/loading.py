@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 
 from dcp_jax.config import DEFAULT_BUCKETS, EngineConfig, ModelConfig, ParallelConfig, PRESETS, preset
-from dcp_jax.layout import check_layout
+from dcp_jax.layout import check_layout, virtual_blocks
 from dcp_jax.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
@@ -49,7 +49,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     cfg = ModelConfig.from_hf(model) if is_dir else preset(model, num_layers=num_layers)
     if max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"{max_model_len=} exceeds max_position_embeddings={cfg.max_position_embeddings}")
-    blocks = -(-max_model_len // (page_size * parallel.dcp))
+    blocks = int(virtual_blocks(max_model_len, parallel.dcp, page_size))
     engine = EngineConfig(page_size=page_size, num_pages=num_pages or max_num_seqs * blocks,
                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, bucket_ladder=tuple(bucket_ladder))
     use_cpu_devices(parallel.tp)

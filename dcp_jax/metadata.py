@@ -65,12 +65,11 @@ def build_decode_metadata(
         raise ValueError(f"{len(block_tables)} block tables for {num_rows} rows")
     if np.any(lens < 1):
         raise ValueError(f"context_lens of scheduled rows must be >= 1, got {lens.tolist()}")
-    tokens_per_block = page_size * dcp
     padded_lens = np.zeros(bucket, np.int32)
     padded_lens[:num_rows] = lens
     tables = np.full((bucket, max_blocks), -1, np.int32)
     for row, (length, table) in enumerate(zip(lens, block_tables)):
-        needed = -(-int(length) // tokens_per_block)
+        needed = int(layout.virtual_blocks(length, dcp, page_size))
         if needed > max_blocks:
             raise ValueError(f"row {row}: context_len {length} needs {needed} blocks > max_blocks={max_blocks}")
         if len(table) < needed:
@@ -122,7 +121,7 @@ def check_decode_metadata(md, *, buckets: Sequence[int], dcp: int, max_blocks: i
         raise ValueError(
             f"local_context_lens {md.local_context_lens.tolist()} do not sum to context_lens {md.context_lens.tolist()}"
         )
-    needed = -(-md.context_lens.astype(np.int64) // (page_size * dcp))  # virtual blocks in use per row
+    needed = layout.virtual_blocks(md.context_lens, dcp, page_size)  # virtual blocks in use per row
     in_use = np.arange(max_blocks)[None, :] < needed[:, None]
     bad = in_use & ((md.block_tables < 0) | (md.block_tables >= num_pages))
     if np.any(bad):

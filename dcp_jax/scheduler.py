@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dcp_jax.config import EngineConfig
+from dcp_jax.layout import virtual_blocks
 from dcp_jax.page_allocator import PageAllocator
 
 REPLACEMENT_CHAR = "\ufffd"  # what a byte-level decode of an unfinished UTF-8 sequence ends with
@@ -50,11 +51,6 @@ def max_context_len(prompt_len: int, max_tokens: int) -> int:
     """Context a request of this size can ever hold (its KV pages are sized by it): the prompt and every
     generated token but the last, which is sampled and never fed back."""
     return prompt_len + max_tokens - 1
-
-
-def blocks_for(tokens: int, tokens_per_block: int) -> int:
-    """Virtual blocks (page ids) that hold `tokens` tokens of context."""
-    return -(-tokens // tokens_per_block)
 
 
 @dataclasses.dataclass(eq=False)
@@ -146,7 +142,6 @@ class Scheduler:
             raise ValueError(f"{dcp=} and {max_prefills_per_step=} must be >= 1")
         self.engine = engine
         self.dcp = dcp
-        self.tokens_per_block = engine.page_size * dcp
         self.eos_token_id = eos_token_id
         self.detokenize = detokenize
         self.max_prefills_per_step = max_prefills_per_step
@@ -157,7 +152,7 @@ class Scheduler:
 
     # ---- queue ------------------------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
-        return blocks_for(tokens, self.tokens_per_block)
+        return int(virtual_blocks(tokens, self.dcp, self.engine.page_size))
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """ValueError unless a request of this size can ever run (before it is queued)."""

@@ -109,3 +109,7 @@ def test_bad_layout_is_a_clear_error(dcp, interleave, page_size, message):
 def test_negative_lengths_are_rejected():
     with pytest.raises(ValueError, match="context_lens"):
         layout.local_context_lens([3, -1], 2, 1)
+
+
+def test_virtual_blocks_hold_page_size_times_dcp_tokens():
+    np.testing.assert_array_equal(layout.virtual_blocks([0, 1, 8, 9, 16], 2, 4), [0, 1, 1, 2, 2])
