@@ -134,8 +134,8 @@ def test_breakdown_takes_differences_of_consecutive_variants():
             for i, v in enumerate(chain)]
     (key, stages), = decode_bench_results.breakdown(rows).items()
     assert key == (1, "reference", 4, 64)
-    assert list(stages) == list(decode_bench.BREAKDOWN)
-    assert stages == dict(zip(decode_bench.BREAKDOWN, [1.0] * len(chain)))
+    assert list(stages) == list(decode_bench_results.BREAKDOWN)
+    assert stages == dict(zip(decode_bench_results.BREAKDOWN, [1.0] * len(chain)))
     assert decode_bench_results.breakdown(rows[1:]) == {}  # an incomplete chain gives no breakdown
 
 
