@@ -39,7 +39,7 @@ from dcp_jax.attention.decode import DcpLayout
 from dcp_jax.attention.kernels import select_kernels
 from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig, preset
 from dcp_jax.decode_bench_results import STAGES, report
-from dcp_jax.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_rank
+from dcp_jax.kv_cache import KVCache, allocate_kv_cache, from_layers, kv_bytes_per_rank
 from dcp_jax.layout import virtual_blocks
 from dcp_jax.loading import use_cpu_devices
 from dcp_jax.mesh import DCP, make_mesh
@@ -103,18 +103,17 @@ def staged_decode_body(params, kv_cache: KVCache, tokens, md, *, graphdef, abstr
     model = merge(graphdef, abstract, params)
     rope = cos_sin(md.positions, *rope_tables(cfg))
     hidden = model.embed_tokens(tokens)
-    latent, index_k = [], []
+    caches = []
     for i, layer in enumerate(model.layers):
-        lat, idx = kv_cache.latent[i, 0], kv_cache.index_k[i, 0]
+        lat, idx = kv_cache.layer(i)
         if through != "base":
             update, lat, idx = attention_through(
                 layer.attention.params(), layer.attention_input(hidden), lat, idx, rope, md.local_context_lens,
                 md.slot_mapping, md.block_tables, cfg=cfg, layout=layout, kernels=kernels,
                 through="merge" if through == "mlp" else through)
             hidden = layer.feed_forward(hidden + update) if through == "mlp" else hidden + update
-        latent.append(lat)
-        index_k.append(idx)
-    cache = KVCache(latent=jnp.stack(latent)[:, None], index_k=jnp.stack(index_k)[:, None])
+        caches.append((lat, idx))
+    cache = from_layers(caches)
     selected = jnp.zeros((cfg.num_hidden_layers, tokens.shape[0], cfg.index_topk), jnp.int32)
     return (model.logits(hidden), selected), cache
 
@@ -230,8 +229,9 @@ def fill_random(cache: KVCache, key) -> KVCache:
         return jax.jit(lambda x: jax.random.normal(k, x.shape, x.dtype), donate_argnums=0,
                        out_shardings=pool.sharding)(pool)
 
-    keys = jax.random.split(key, 2)
-    return KVCache(latent=fill(cache.latent, keys[0]), index_k=fill(cache.index_k, keys[1]))
+    leaves, treedef = jax.tree.flatten(cache)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, [fill(pool, k) for pool, k in zip(leaves, keys)])
 
 
 def block_tables_for(batch: int, context: int, *, dcp: int, page_size: int, max_blocks: int) -> list[list[int]]:
@@ -378,7 +378,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                 continue
             try:
                 step = step_of(kernels_name, variant)
-                if kv_cache.latent.is_deleted():  # a failed call consumed the donated pool
+                if kv_cache.latent[0].is_deleted():  # a failed call consumed the donated pool
                     kv_cache = fresh_pool()
                 begin = time.perf_counter()
                 compiled = step.compile(params, kv_cache, batch)
@@ -407,7 +407,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                                                interleave=grid.interleave, page_size=grid.page_size,
                                                max_blocks=max_blocks)
                     tokens = rng.integers(0, cfg.vocab_size, batch).astype(np.int32)
-                    if kv_cache.latent.is_deleted():
+                    if kv_cache.latent[0].is_deleted():
                         kv_cache = fresh_pool()
                     times, compiles, kv_cache = time_steps(step, params, kv_cache, tokens, md, steps=grid.steps,
                                                            warmup=grid.warmup)

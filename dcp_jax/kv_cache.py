@@ -15,31 +15,46 @@ from dcp_jax.mesh import DCP, sharding
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    # [layers, W, pages, B, C+E]: rank w's latent pool (normed latent c, then roped k_pe).
-    latent: jax.Array
-    # [layers, W, pages, B, J]: rank w's indexer key pool.
-    index_k: jax.Array
+    # One buffer per layer, so each decode step scatters into (and donates) it in place, never restacking the
+    # pool. latent[l] [W, pages, B, C+E]: rank w's latent pool (normed latent c, then roped k_pe).
+    latent: tuple[jax.Array, ...]
+    # index_k[l] [W, pages, B, J]: rank w's indexer key pool.
+    index_k: tuple[jax.Array, ...]
+
+    @property
+    def num_pages(self) -> int:
+        return self.latent[0].shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.latent[0].shape[2]
+
+    def layer(self, i: int):
+        """Per rank (inside shard_map, W = 1 local shard): layer i's (latent [pages, B, C+E], index_k [pages, B, J])."""
+        return self.latent[i][0], self.index_k[i][0]
 
 
-# Split along W over "dcp", replicated over the DCP groups.
-KV_CACHE_SPECS = KVCache(latent=P(None, DCP), index_k=P(None, DCP))
+def from_layers(layers) -> KVCache:
+    """Per rank: KVCache from per-layer (latent [pages, B, C+E], index_k [pages, B, J]) pairs."""
+    return KVCache(latent=tuple(lat[None] for lat, _ in layers), index_k=tuple(idx[None] for _, idx in layers))
+
+
+# Split along W over "dcp", replicated over the DCP groups (a prefix spec for every layer's buffer).
+KV_CACHE_SPECS = KVCache(latent=P(DCP), index_k=P(DCP))
 
 
 def allocate_kv_cache(cfg: ModelConfig, engine: EngineConfig, dcp: int, mesh: Mesh, dtype=jnp.float32) -> KVCache:
     """Zero-filled pools, created directly in their sharded placement."""
-    shapes = KVCache(
-        latent=(cfg.num_hidden_layers, dcp, engine.num_pages, engine.page_size, cfg.latent_dim),
-        index_k=(cfg.num_hidden_layers, dcp, engine.num_pages, engine.page_size, cfg.index_head_dim),
-    )
 
-    def zeros(shape, spec):
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding(mesh, spec))()
+    def zeros(width):
+        shape = (dcp, engine.num_pages, engine.page_size, width)
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding(mesh, P(DCP)))()
 
-    return jax.tree.map(zeros, shapes, KV_CACHE_SPECS, is_leaf=lambda x: isinstance(x, tuple))
+    layers = range(cfg.num_hidden_layers)
+    return KVCache(latent=tuple(zeros(cfg.latent_dim) for _ in layers),
+                   index_k=tuple(zeros(cfg.index_head_dim) for _ in layers))
 
 
 def kv_bytes_per_rank(cache: KVCache) -> dict[str, int]:
-    """Bytes of each pool held by one DCP rank."""
-    return {
-        f.name: getattr(cache, f.name).nbytes // getattr(cache, f.name).shape[1] for f in dataclasses.fields(cache)
-    }
+    """Bytes of each pool (all layers) held by one DCP rank."""
+    return {f.name: sum(a.nbytes // a.shape[0] for a in getattr(cache, f.name)) for f in dataclasses.fields(cache)}

@@ -23,7 +23,7 @@ from dcp_jax import layout
 from dcp_jax.attention.decode import DcpLayout
 from dcp_jax.attention.kernels import Kernels
 from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
-from dcp_jax.kv_cache import KV_CACHE_SPECS, KVCache, allocate_kv_cache
+from dcp_jax.kv_cache import KV_CACHE_SPECS, KVCache, allocate_kv_cache, from_layers
 from dcp_jax.mesh import DCP, sharding
 from dcp_jax.metadata import DecodeMetadata, build_decode_metadata
 from dcp_jax.model import abstract_model, merge, param_specs
@@ -38,19 +38,17 @@ def decode_body(params, kv_cache: KVCache, tokens, md: DecodeMetadata, *, graphd
     model = merge(graphdef, abstract, params)
     rope = cos_sin(md.positions, *rope_tables(cfg))
     hidden = model.embed_tokens(tokens)
-    latent, index_k, selected = [], [], []
+    caches, selected = [], []
     for i, layer in enumerate(model.layers):
         with jax.named_scope(f"layer_{i}"):
             attn, lat, idx, sel = layer.attention.decode(
-                layer.attention_input(hidden), rope, kv_cache.latent[i, 0], kv_cache.index_k[i, 0],
+                layer.attention_input(hidden), rope, *kv_cache.layer(i),
                 md.local_context_lens, md.slot_mapping, md.block_tables, layout=layout, kernels=kernels,
             )
             hidden = layer.feed_forward(hidden + attn)
-        latent.append(lat)
-        index_k.append(idx)
+        caches.append((lat, idx))
         selected.append(sel)
-    cache = KVCache(latent=jnp.stack(latent)[:, None], index_k=jnp.stack(index_k)[:, None])
-    return (model.logits(hidden), jnp.stack(selected)), cache
+    return (model.logits(hidden), jnp.stack(selected)), from_layers(caches)
 
 
 def prefill_body(params, kv_cache: KVCache, tokens, slots, last, *, graphdef, abstract, cfg: ModelConfig,
@@ -62,20 +60,17 @@ def prefill_body(params, kv_cache: KVCache, tokens, slots, last, *, graphdef, ab
     b, t = tokens.shape
     rope = cos_sin(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), *rope_tables(cfg))
     hidden = model.embed_tokens(tokens)
-    latent, index_k, selected = [], [], []
+    caches, selected = [], []
     for i, layer in enumerate(model.layers):
         with jax.named_scope(f"layer_{i}"):
-            attn, lat, idx, sel = layer.attention.prefill(
-                layer.attention_input(hidden), rope, kv_cache.latent[i, 0], kv_cache.index_k[i, 0], slots[0]
-            )
+            attn, lat, idx, sel = layer.attention.prefill(layer.attention_input(hidden), rope, *kv_cache.layer(i),
+                                                          slots[0])
             hidden = layer.feed_forward(hidden + attn)
-        latent.append(lat)
-        index_k.append(idx)
+        caches.append((lat, idx))
         selected.append(sel)
     if not all_logits:
         hidden = hidden[jnp.arange(b), last]
-    cache = KVCache(latent=jnp.stack(latent)[:, None], index_k=jnp.stack(index_k)[:, None])
-    return (model.logits(hidden), jnp.stack(selected)), cache
+    return (model.logits(hidden), jnp.stack(selected)), from_layers(caches)
 
 
 def prefill_lengths(max_model_len: int, smallest: int = 16) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from dcp_jax.attention.params import AttentionParams, init_attention_params, par
 from dcp_jax.attention.projections import mla_latent, index_key, rms_norm
 from dcp_jax.attention.unsharded import sparse_attention_unsharded
 from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
-from dcp_jax.kv_cache import KVCache
+from dcp_jax.kv_cache import KVCache, from_layers
 from dcp_jax.metadata import DecodeMetadata
 from dcp_jax.rope import cos_sin, rope_tables
 from dcp_jax.step import DecodeStep, shard_decode_body
@@ -50,14 +50,13 @@ def stack_param_specs(cfg: ModelConfig) -> list[StackLayerParams]:
 def decode_stack_body(params, kv_cache: KVCache, hidden, md: DecodeMetadata, *, cfg, layout, kernels):
     """Per rank: every layer reads the host-provided local lengths and slots of `md` unchanged."""
     rope = cos_sin(md.positions, *rope_tables(cfg))
-    latent, index_k = [], []
+    caches = []
     for layer, lp in enumerate(params):
         with jax.named_scope(f"layer_{layer}"):
             attn, lat, idx, _ = sparse_dcp_attention(
                 lp.attention,
                 rms_norm(hidden, lp.input_norm, cfg.rms_norm_eps),
-                kv_cache.latent[layer, 0],
-                kv_cache.index_k[layer, 0],
+                *kv_cache.layer(layer),
                 rope,
                 md.local_context_lens,
                 md.slot_mapping,
@@ -67,9 +66,8 @@ def decode_stack_body(params, kv_cache: KVCache, hidden, md: DecodeMetadata, *, 
                 kernels=kernels,
             )
         hidden = hidden + attn
-        latent.append(lat)
-        index_k.append(idx)
-    return hidden, KVCache(latent=jnp.stack(latent)[:, None], index_k=jnp.stack(index_k)[:, None])
+        caches.append((lat, idx))
+    return hidden, from_layers(caches)
 
 
 def make_stack_step(

@@ -116,9 +116,8 @@ class DecodeStep:
 
     def __call__(self, params, kv_cache: KVCache, inputs, md: DecodeMetadata):
         """Validate `md` on the host, transfer it with the inputs in one go, run the bucket's program."""
-        _, _, num_pages, page_size, _ = kv_cache.latent.shape
         check_decode_metadata(md, buckets=self.buckets, dcp=self.dcp, max_blocks=self.max_blocks,
-                              page_size=page_size, num_pages=num_pages)
+                              page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)
         if md.rows not in self._compiled:
             raise ValueError(f"bucket {md.rows} is not compiled; call compile() for every bucket at start-up")
         compiled = self._compiled[md.rows]
