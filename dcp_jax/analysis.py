@@ -1,9 +1,10 @@
-"""Static checks on a traced decode step: does it derive anything from the global lengths?
+"""Static check on a traced decode step: does anything derive from the global positions or lengths?
 
-The host hands the step per-rank local lengths; global positions may only feed RoPE (a float conversion).
-`length_derivations` follows every value computed from the global inputs through the jaxpr, into
-sub-jaxprs (jit, shard_map, control flow), and reports each integer arithmetic op applied to one: the
-"fallback" arithmetic that derives local lengths on device (floordiv, mul, sub, clamp, add, ...).
+The host hands the step per-rank local lengths. Global positions may only become RoPE angles: converted to a
+float, broadcast, scaled (mul) and ended by cos/sin, whose outputs are free to use. `length_derivations`
+follows every value computed from the global inputs through the jaxpr, into sub-jaxprs (jit, shard_map,
+control flow), whatever its dtype, and reports every other operation applied to one: the "fallback"
+arithmetic (floordiv, mul, sub, clamp, ...), a comparison mask, a float round trip, a reduction.
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ import jax
 import numpy as np
 from jax.extend import core
 
-# Integer ops that arithmetic on a length would need.
-_ARITHMETIC = frozenset(
-    {"add", "sub", "mul", "div", "rem", "floor_divide", "max", "min", "clamp", "neg", "abs", "sign",
-     "shift_left", "shift_right_arithmetic", "shift_right_logical", "integer_pow", "select_n"}
-)
+# The RoPE angle path: positions -> float -> broadcast -> * inv_freq; cos/sin end it.
+_ROPE_PATH = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "mul", "copy"})
+_ROPE_END = frozenset({"cos", "sin"})
 
 
 def _sub_jaxprs(eqn) -> Iterable[core.Jaxpr]:
@@ -30,41 +29,47 @@ def _sub_jaxprs(eqn) -> Iterable[core.Jaxpr]:
                 yield item
 
 
-def _is_integer(var) -> bool:
-    dtype = getattr(var.aval, "dtype", None)
-    return dtype is not None and np.issubdtype(dtype, np.integer)
-
-
 def _is_tainted(var, tainted: set) -> bool:
     return not isinstance(var, core.Literal) and var in tainted
 
 
+def _is_float(var) -> bool:
+    return np.issubdtype(var.aval.dtype, np.floating)
+
+
+def _is_rope_step(eqn) -> bool:
+    if eqn.primitive.name == "convert_element_type":  # to a float only: a cast back to int would floor
+        return all(_is_float(v) for v in eqn.outvars)
+    return eqn.primitive.name in _ROPE_PATH
+
+
 def _walk(jaxpr: core.Jaxpr, tainted: set, found: list[str], where: str) -> None:
-    """Extend `tainted` (vars derived from the global inputs) through `jaxpr`, recording arithmetic on them.
-    Only integer values carry the taint: a float conversion (RoPE angles) ends it."""
+    """Extend `tainted` (vars derived from the global inputs) through `jaxpr`, recording every use of one that
+    is not a step of the RoPE angle path."""
     for eqn in jaxpr.eqns:
         if not any(_is_tainted(v, tainted) for v in eqn.invars):
             continue
         name = eqn.primitive.name
-        if name in _ARITHMETIC and any(_is_integer(v) for v in eqn.outvars):
-            found.append(f"{where}{name}: {eqn}")
         subs = list(_sub_jaxprs(eqn))
-        if not subs:
-            tainted.update(v for v in eqn.outvars if _is_integer(v))
         for sub in subs:
             if len(sub.invars) == len(eqn.invars):  # positional pass-through (jit, shard_map, ...)
                 sub_tainted = {s for s, v in zip(sub.invars, eqn.invars) if _is_tainted(v, tainted)}
-            else:  # control flow with extra operands: every integer input, conservatively
-                sub_tainted = {s for s in sub.invars if _is_integer(s)}
+            else:  # control flow with extra operands: every input, conservatively
+                sub_tainted = set(sub.invars)
             _walk(sub, sub_tainted, found, f"{where}{name}/")
             if len(sub.outvars) == len(eqn.outvars):
-                tainted.update(o for o, s in zip(eqn.outvars, sub.outvars) if _is_tainted(s, sub_tainted) and _is_integer(o))
+                tainted.update(o for o, s in zip(eqn.outvars, sub.outvars) if _is_tainted(s, sub_tainted))
             else:
-                tainted.update(o for o in eqn.outvars if _is_integer(o))
+                tainted.update(eqn.outvars)
+        if subs or name in _ROPE_END:
+            continue
+        if not _is_rope_step(eqn):
+            found.append(f"{where}{name}: {eqn}")
+        tainted.update(eqn.outvars)
 
 
 def length_derivations(closed: core.ClosedJaxpr, global_input_indices: Iterable[int]) -> list[str]:
-    """Integer arithmetic reachable from the flat inputs at `global_input_indices` (empty list = clean)."""
+    """Uses of the flat inputs at `global_input_indices` other than the RoPE angle path (empty list = clean)."""
     jaxpr = closed.jaxpr
     found: list[str] = []
     _walk(jaxpr, {jaxpr.invars[i] for i in global_input_indices}, found, "")

@@ -108,8 +108,8 @@ class DecodeStep:
         return jax.make_jaxpr(self._jitted)(params, kv_cache, self._input_shapes(rows), self.metadata_shapes(rows))
 
     def length_derivations(self, params, kv_cache: KVCache, rows: int) -> list[str]:
-        """Integer ops in bucket `rows`' traced step computed from the global positions or context lengths
-        (`analysis.length_derivations`); empty when the step only uses the host-given local lengths."""
+        """Operations in bucket `rows`' traced step that use the global positions or context lengths other than
+        as RoPE angles (`analysis.length_derivations`); empty when local lengths can only come from the host."""
         args = (params, kv_cache, self._input_shapes(rows), self.metadata_shapes(rows))
         global_inputs = flat_indices_of(args, lambda a: (a[3].positions, a[3].context_lens))
         return length_derivations(self.jaxpr(params, kv_cache, rows), global_inputs)

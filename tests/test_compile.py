@@ -41,6 +41,23 @@ def fallback_body(params, kv_cache, hidden, md, **kwargs):
     return decode_stack_body(params, kv_cache, hidden, dataclasses.replace(md, local_context_lens=derived), **kwargs)
 
 
+def counting_mask_body(params, kv_cache, hidden, md, **kwargs):
+    """A disguised fallback: count this rank's tokens below each row's position with a comparison mask."""
+    layout = kwargs["layout"]
+    tokens = jnp.arange(ENGINE.max_model_len)
+    is_mine = (tokens // layout.interleave) % layout.dcp == jax.lax.axis_index(DCP)
+    derived = jnp.sum(is_mine[None, :] & (tokens[None, :] <= md.positions[:, None]), axis=1).astype(jnp.int32)
+    return decode_stack_body(params, kv_cache, hidden, dataclasses.replace(md, local_context_lens=derived), **kwargs)
+
+
+def float_round_trip_body(params, kv_cache, hidden, md, **kwargs):
+    """A disguised fallback (S = 1 formula, close enough to matter): floor division through a float cast."""
+    layout = kwargs["layout"]
+    lengths = (md.positions + 1).astype(jnp.float32)
+    derived = (lengths * (1.0 / layout.dcp)).astype(jnp.int32)
+    return decode_stack_body(params, kv_cache, hidden, dataclasses.replace(md, local_context_lens=derived), **kwargs)
+
+
 @pytest.fixture(scope="module")
 def setup():
     mesh = make_mesh(PARALLEL)
@@ -88,13 +105,19 @@ def test_no_bucket_derives_local_lengths_on_device(setup):
         assert step.length_derivations(params, kv_cache, rows) == []
 
 
-def test_the_check_catches_a_wired_in_fallback(setup):
+@pytest.mark.parametrize(
+    "body, expected_ops",
+    [(fallback_body, {"floor_divide", "div", "clamp"}), (counting_mask_body, {"le", "lt", "ge", "gt"}),
+     (float_round_trip_body, {"add", "convert_element_type"})],
+    ids=["spec_fallback", "comparison_mask", "float_round_trip"],
+)
+def test_the_check_catches_a_wired_in_fallback(setup, body, expected_ops):
     mesh, params = setup
-    step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, REFERENCE, body=fallback_body)
+    step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, REFERENCE, body=body)
     kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
     rows = ENGINE.buckets[-1]
     found = step.length_derivations(params, kv_cache, rows)
-    assert {"floor_divide", "div", "clamp"} & {f.split(":")[0].split("/")[-1] for f in found}, found
+    assert expected_ops & {f.split(":")[0].split("/")[-1] for f in found}, found
 
 
 def test_no_bucket_of_the_model_decode_step_derives_local_lengths():
