@@ -64,7 +64,7 @@ def make_queries(mode, rows, key):
     q = jax.random.normal(key_q, (rows, HEADS, DIM), jnp.float32)
     weights = jax.random.normal(key_w, (rows, HEADS), jnp.float32) * HEADS**-0.5
     if mode == "fp8":
-        return quant.quantize_index_queries(q, weights)
+        return quant.quantize_index_queries(q, weights * DIM**-0.5)
     return q.astype(jnp.bfloat16), weights * DIM**-0.5
 
 

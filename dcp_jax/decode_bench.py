@@ -146,7 +146,7 @@ def variant_step(variant: str, cfg: ModelConfig, parallel: ParallelConfig, engin
     body = functools.partial(variant_body(variant), graphdef=graphdef, abstract=abstract, cfg=cfg, layout=layout,
                              kernels=select_kernels(kernels))
     sharded = shard_decode_body(body, mesh, param_specs=specs, input_specs=P(), output_specs=(P(), P()))
-    return DecodeStep(sharded, mesh, buckets=engine.buckets, dcp=parallel.dcp,
+    return DecodeStep(sharded, mesh, buckets=engine.buckets, dcp=parallel.dcp, interleave=parallel.interleave,
                       max_blocks=engine.max_blocks_per_seq(parallel.dcp), param_specs=specs,
                       input_shapes=lambda rows: jax.ShapeDtypeStruct((rows,), jnp.int32))
 

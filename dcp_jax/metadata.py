@@ -87,13 +87,14 @@ def build_decode_metadata(
     )
 
 
-def check_decode_metadata(md, *, buckets: Sequence[int], dcp: int, max_blocks: int, page_size: int,
-                          num_pages: int) -> None:
+def check_decode_metadata(md, *, buckets: Sequence[int], dcp: int, interleave: int, max_blocks: int,
+                          page_size: int, num_pages: int) -> None:
     """Raise TypeError/ValueError unless `md` is a complete, well-shaped DecodeMetadata of a known bucket.
 
     Runs on the host before anything is traced. When the arrays are host (numpy) arrays it also checks their
-    values: local lengths add up to the global ones, and every virtual block a row's context needs names a
-    page in [0, num_pages) (a bad id would make the row read another request's KV).
+    values: every virtual block a row's context needs names a page in [0, num_pages), no page is used by two
+    rows (either would make a row read or overwrite another request's KV), and positions, local lengths and
+    slots are exactly what `layout` gives for these context lengths and block tables.
     """
     if not isinstance(md, DecodeMetadata):
         raise TypeError(f"expected DecodeMetadata, got {type(md).__name__}")
@@ -117,10 +118,6 @@ def check_decode_metadata(md, *, buckets: Sequence[int], dcp: int, max_blocks: i
             raise TypeError(f"DecodeMetadata.{name} has dtype {value.dtype}, expected int32")
     if not all(isinstance(getattr(md, name), np.ndarray) for name in FIELDS):
         return
-    if not np.array_equal(md.local_context_lens.sum(axis=0), md.context_lens):
-        raise ValueError(
-            f"local_context_lens {md.local_context_lens.tolist()} do not sum to context_lens {md.context_lens.tolist()}"
-        )
     needed = layout.virtual_blocks(md.context_lens, dcp, page_size)  # virtual blocks in use per row
     in_use = np.arange(max_blocks)[None, :] < needed[:, None]
     bad = in_use & ((md.block_tables < 0) | (md.block_tables >= num_pages))
@@ -130,3 +127,19 @@ def check_decode_metadata(md, *, buckets: Sequence[int], dcp: int, max_blocks: i
             f"row {row}: block table {md.block_tables[row, : needed[row]].tolist()} needs page ids in "
             f"[0, num_pages={num_pages}) for its {int(needed[row])} blocks"
         )
+    pages = md.block_tables[in_use]
+    if len(np.unique(pages)) != len(pages):
+        raise ValueError(f"a page id is used by two rows' blocks: {sorted(pages.tolist())}")
+    if np.any(md.context_lens < 0):
+        raise ValueError(f"context_lens must be >= 0, got {md.context_lens.tolist()}")
+    positions = np.where(md.context_lens > 0, md.context_lens - 1, 0)
+    if not np.array_equal(md.positions, positions):
+        raise ValueError(f"positions {md.positions.tolist()} must be context_lens - 1 (0 for pad rows)")
+    local = layout.local_context_lens(md.context_lens, dcp, interleave)
+    if not np.array_equal(md.local_context_lens, local):
+        raise ValueError(f"local_context_lens {md.local_context_lens.tolist()} are not the layout's {local.tolist()} "
+                         f"for context_lens {md.context_lens.tolist()} (dcp={dcp}, interleave={interleave})")
+    slots = layout.slot_mapping(np.where(md.context_lens > 0, positions, -1), md.block_tables, dcp, interleave,
+                                page_size)
+    if not np.array_equal(md.slot_mapping, slots):
+        raise ValueError(f"slot_mapping {md.slot_mapping.tolist()} is not the layout's {slots.tolist()}")

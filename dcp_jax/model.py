@@ -1,6 +1,12 @@
 """DeepSeek-V3.2 in flax nnx: embeddings, MLA + lightning indexer, dense MLP, DeepSeek MoE, final norm, lm_head.
 
-Every module's weights are `nnx.Param`s laid out `[in, out...]` (HF stores `[out, in]`; `weights.py` converts).
+Layouts (HF stores linear weights `[out, in]`; `weights.py` converts): projections applied as `x @ W` are stored
+`[in, out...]` (wq_a [D, Q], wq_b [Q, H, N+E], wkv_a [D, C+E], wo [H, V, D], index_wq [Q, I, J], index_wk [D, J],
+index_weights [D, I], MLP gate/up [D, F] and down [F, D], experts [X, D, F] / [X, F, D], router [D, X], lm_head
+[D, A]); the two halves of HF's kv_b_proj keep HF's per-head `[out, in]` order: w_uk [H, N, C] and w_uv [H, V, C],
+with w_uv applied C -> V (`projections.output_projection`); embed is [A, D]. The router, its bias
+(e_score_correction_bias) and index_weights (the indexer's weights_proj) are always f32, as HF keeps them; every
+other weight has the model's dtype.
 The attention module holds exactly the fields of `AttentionParams`, so the shared projections, the sparse DCP
 decode pieces and the kernels read it unchanged. Methods named `prefill` / `decode` run inside `shard_map`
 (`model_step.py`): attention heads, the MLP width and the routed experts are split over every TP rank (partial
@@ -23,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from dcp_jax.attention import projections
 from dcp_jax.attention.decode import DcpLayout, sparse_dcp_attention, write_slots
 from dcp_jax.attention.kernels import Kernels
-from dcp_jax.attention.params import AttentionParams, partition_specs
+from dcp_jax.attention.params import AttentionParams, init_attention_params, partition_specs
 from dcp_jax.attention.projections import rms_norm
 from dcp_jax.config import ModelConfig
 from dcp_jax.mesh import HEADS
@@ -42,26 +48,14 @@ def _norm(rngs: nnx.Rngs, size: int, dtype):
 
 
 class Attention(nnx.Module):
-    """MLA with q_lora and the lightning indexer; the fields are those of `AttentionParams`."""
+    """MLA with q_lora and the lightning indexer; the fields are those of `AttentionParams`, initialized by
+    `init_attention_params` (index_weights f32 whatever `dtype`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        d, q, h = cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads
-        n, e, v, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        i, j = cfg.index_n_heads, cfg.index_head_dim
         self.cfg = cfg
-        self.wq_a = _dense(rngs, (d, q), d, dtype)
-        self.q_a_norm = _norm(rngs, q, dtype)
-        self.wq_b = _dense(rngs, (q, h, n + e), q, dtype)
-        self.wkv_a = _dense(rngs, (d, c + e), d, dtype)
-        self.kv_a_norm = _norm(rngs, c, dtype)
-        self.w_uk = _dense(rngs, (h, n, c), c, dtype)
-        self.w_uv = _dense(rngs, (h, v, c), c, dtype)
-        self.wo = _dense(rngs, (h, v, d), h * v, dtype)
-        self.index_wq = _dense(rngs, (q, i, j), q, dtype)
-        self.index_wk = _dense(rngs, (d, j), d, dtype)
-        self.index_k_norm = _norm(rngs, j, dtype)
-        self.index_k_norm_bias = nnx.Param((0.1 * jax.random.normal(rngs.params(), (j,))).astype(dtype))
-        self.index_weights = _dense(rngs, (d, i), d, dtype)
+        p = init_attention_params(cfg, rngs.params(), dtype)
+        for f in dataclasses.fields(AttentionParams):
+            setattr(self, f.name, nnx.Param(getattr(p, f.name)))
 
     def params(self) -> AttentionParams:
         return AttentionParams(**{f.name: getattr(self, f.name)[...] for f in dataclasses.fields(AttentionParams)})
@@ -89,8 +83,11 @@ class Attention(nnx.Module):
             index_cache = write_slots(index_cache, slots.reshape(-1), index_k)
         # 2. Index scores over the causal prefix, then the top-min(K, s+1) per query.
         with jax.named_scope("indexer"):
-            dots = jnp.einsum("bsij,btj->bsit", index_q, index_k.reshape(b, t, -1), precision=HIGHEST)
-            scores = jnp.einsum("bsi,bsit->bst", weights, jax.nn.relu(dots), precision=HIGHEST)
+            # f32 accumulation and f32 scores in any dtype, as the decode indexer (reference and kernel) does.
+            dots = jnp.einsum("bsij,btj->bsit", index_q, index_k.reshape(b, t, -1), precision=HIGHEST,
+                              preferred_element_type=jnp.float32)
+            scores = jnp.einsum("bsi,bsit->bst", weights, jax.nn.relu(dots), precision=HIGHEST,
+                                preferred_element_type=jnp.float32)
             causal_lens = jnp.broadcast_to(jnp.arange(1, t + 1, dtype=jnp.int32), (b, t)).reshape(-1)
             _, selected = reference.topk(scores.reshape(b * t, t), causal_lens, k=cfg.index_topk)
             rows = jnp.arange(b * t)[:, None]
@@ -100,10 +97,13 @@ class Attention(nnx.Module):
         with jax.named_scope("sparse_mla"):
             q = projections.absorb_query(p, q_nope, q_pe).reshape(b, t, -1, cfg.latent_dim)
             latent = latent.reshape(b, t, cfg.latent_dim)
-            logits = jnp.einsum("bshc,btc->bhst", q, latent, precision=HIGHEST) * cfg.softmax_scale
+            # f32 logits, softmax and value accumulation in any dtype (HF: fp32 softmax; decode's kernel: f32).
+            logits = jnp.einsum("bshc,btc->bhst", q, latent, precision=HIGHEST,
+                                preferred_element_type=jnp.float32) * cfg.softmax_scale
             logits = jnp.where(is_selected[:, None], logits, NEG_INF)
             probs = jax.nn.softmax(logits, axis=-1)
-            out = jnp.einsum("bhst,btc->bshc", probs, latent[..., : cfg.kv_lora_rank], precision=HIGHEST)
+            out = jnp.einsum("bhst,btc->bshc", probs, latent[..., : cfg.kv_lora_rank].astype(jnp.float32),
+                             precision=HIGHEST, preferred_element_type=jnp.float32).astype(x.dtype)
         # 4. W_UV, o_proj and the TP all-reduce.
         attn = jax.lax.psum(projections.output_projection(p, out.reshape(b * t, -1, cfg.kv_lora_rank)), HEADS)
         return attn.reshape(b, t, d), kv_cache, index_cache, selected.reshape(b, t, -1)
@@ -268,7 +268,9 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
 
 
 def init_params(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> dict:
-    """Random weights (normal / sqrt(fan_in), norms 1 + 0.1 normal) as a pure dict of host arrays."""
+    """Random weights (normal / sqrt(fan_in), norms 1 + 0.1 normal) as a pure dict of jax arrays: the full,
+    unsharded model on the default device (device 0), router / router_bias / index_weights in f32, the rest in
+    `dtype`. `jax.device_put` them with `param_specs` to shard."""
     return nnx.to_pure_dict(nnx.state(DeepseekV32(cfg, rngs=nnx.Rngs(seed), dtype=dtype)))
 
 

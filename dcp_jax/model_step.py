@@ -102,7 +102,8 @@ class ModelRunner:
         body = functools.partial(decode_body, layout=dcp_layout, kernels=kernels, **statics)
         sharded = shard_decode_body(body, mesh, param_specs=specs, input_specs=P(), output_specs=(P(), P()))
         self.decode_step = DecodeStep(
-            sharded, mesh, buckets=engine.buckets, dcp=parallel.dcp, max_blocks=self.max_blocks, param_specs=specs,
+            sharded, mesh, buckets=engine.buckets, dcp=parallel.dcp, interleave=parallel.interleave,
+            max_blocks=self.max_blocks, param_specs=specs,
             input_shapes=lambda rows: jax.ShapeDtypeStruct((rows,), jnp.int32),
         )
         self._prefill = {

@@ -84,6 +84,7 @@ def make_stack_step(
         mesh,
         buckets=engine.buckets,
         dcp=parallel.dcp,
+        interleave=parallel.interleave,
         max_blocks=engine.max_blocks_per_seq(parallel.dcp),
         param_specs=param_specs,
         input_shapes=lambda rows: jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.float32),

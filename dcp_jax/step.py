@@ -59,6 +59,7 @@ class DecodeStep:
         *,
         buckets: Iterable[int],
         dcp: int,
+        interleave: int,
         max_blocks: int,
         param_specs,
         input_shapes: Callable[[int], object],
@@ -69,6 +70,7 @@ class DecodeStep:
         self._param_shardings = jax.tree.map(lambda spec: sharding(mesh, spec), param_specs)
         self.buckets = tuple(buckets)
         self.dcp = dcp
+        self.interleave = interleave
         self.max_blocks = max_blocks
         self._input_shapes = input_shapes
         self._jitted = jax.jit(sharded_body, donate_argnums=(1,))
@@ -116,8 +118,8 @@ class DecodeStep:
 
     def __call__(self, params, kv_cache: KVCache, inputs, md: DecodeMetadata):
         """Validate `md` on the host, transfer it with the inputs in one go, run the bucket's program."""
-        check_decode_metadata(md, buckets=self.buckets, dcp=self.dcp, max_blocks=self.max_blocks,
-                              page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)
+        check_decode_metadata(md, buckets=self.buckets, dcp=self.dcp, interleave=self.interleave,
+                              max_blocks=self.max_blocks, page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)
         if md.rows not in self._compiled:
             raise ValueError(f"bucket {md.rows} is not compiled; call compile() for every bucket at start-up")
         compiled = self._compiled[md.rows]

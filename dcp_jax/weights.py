@@ -1,8 +1,9 @@
 """HF safetensors in and out for `DeepseekV32`: one layer converted at a time, strict, placed sharded.
 
 HF stores linear weights `[out, in]` under its on-disk names (experts one tensor each); the model holds them
-`[in, out...]` (see `model.py`). `hf_tensor_shapes(cfg)` lists every expected tensor; loading checks the files
-hold exactly those (a missing or unexpected tensor, or a shape mismatch, is a ValueError naming them), converts one
+`[in, out...]` (w_uk / w_uv per head; see `model.py`), each in the dtype of the model's leaf (the load dtype, but
+f32 for the router, its bias and the indexer's weights_proj, which HF keeps in fp32). `hf_tensor_shapes(cfg)`
+lists every expected tensor; loading checks the files hold exactly those (a missing or unexpected tensor, or a shape mismatch, is a ValueError naming them), converts one
 layer at a time and places each parameter on the mesh with the step's sharding (heads split, the rest replicated).
 """
 
@@ -179,12 +180,15 @@ class _Reader:
         return self.location[name].get_tensor(name)
 
 
-def _place(tree, specs, mesh: Mesh | None, dtype):
-    def put(x, spec):
-        x = np.asarray(x, dtype=dtype)
+def _place(tree, specs, abstract, mesh: Mesh | None):
+    """Each tensor cast to the dtype of its leaf in `abstract` (the model's: f32 router / router_bias /
+    index_weights whatever the load dtype) and placed with its spec."""
+
+    def put(x, spec, want):
+        x = np.asarray(x, dtype=want.dtype)
         return jax.device_put(x, sharding(mesh, spec)) if mesh is not None else jnp.asarray(x)
 
-    return jax.tree.map(put, tree, specs)
+    return jax.tree.map(put, tree, specs, abstract)
 
 
 def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None = None, dtype=jnp.float32,
@@ -205,17 +209,19 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     if wrong:
         raise ValueError(f"checkpoint {path} has tensors of the wrong shape: {wrong[:20]}")
     _, abstract = abstract_model(cfg, dtype)
-    specs = param_specs(nnx.to_pure_dict(abstract))
+    abstract = nnx.to_pure_dict(abstract)
+    specs = param_specs(abstract)
     layers = range(cfg.num_hidden_layers)
     params = {"layers": {}}
     for layer in progress(layers) if progress else layers:
         prefix = f"model.layers.{layer}."
         tensors = {n[len(prefix):]: reader.get(n) for n in expected if n.startswith(prefix)}
-        params["layers"][layer] = _place(layer_to_ours(cfg, layer, tensors), specs["layers"][layer], mesh, dtype)
+        params["layers"][layer] = _place(layer_to_ours(cfg, layer, tensors), specs["layers"][layer],
+                                         abstract["layers"][layer], mesh)
     top = {"embed": reader.get("model.embed_tokens.weight"), "final_norm": reader.get("model.norm.weight"),
            "lm_head": reader.get("lm_head.weight").T}
-    params |= {k: _place(v, specs[k], mesh, dtype) for k, v in top.items()}
-    _check_filled(nnx.to_pure_dict(abstract), params)
+    params |= {k: _place(v, specs[k], abstract[k], mesh) for k, v in top.items()}
+    _check_filled(abstract, params)
     return params
 
 
@@ -227,6 +233,8 @@ def _check_filled(abstract: dict, params: dict) -> None:
     for (path, a), (_, b) in zip(want[0], got[0]):
         if tuple(a.shape) != tuple(b.shape):
             raise ValueError(f"{jax.tree_util.keystr(path)}: converted shape {b.shape} != model shape {a.shape}")
+        if a.dtype != b.dtype:
+            raise ValueError(f"{jax.tree_util.keystr(path)}: converted dtype {b.dtype} != model dtype {a.dtype}")
 
 
 def save_hf(cfg: ModelConfig, params: dict, path: str | os.PathLike) -> None:

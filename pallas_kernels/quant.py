@@ -7,10 +7,13 @@ Formulas (Di = index head dim, a power of two):
   so `|x| / scale <= 448`, the largest e4m3 value), `x8 = e4m3(x / scale)`; dividing by a power of two is exact.
 - Index keys: one scale per token, `k8, k_scale = quantize(hadamard(k))`: 128 B fp8 + 4 B f32 = 132 B/token at
   Di = 128.
-- Index queries: one scale per (row, head), `q8, q_scale = quantize(hadamard(q))`, folded into the head weights
-  with the dot scale: since relu(c * a) = c * relu(a) for c > 0,
-  `sum_h w[h] * relu(q[h] . k * Di^-0.5) ~= k_scale * sum_h (w[h] * q_scale[h] * Di^-0.5) * relu(q8[h] . k8)`,
-  which is what `indexer.indexer_logits(q8, folded_weights, k8, ..., k_scale=k_scale)` computes.
+- Index queries: one scale per (row, head), `q8, q_scale = quantize(hadamard(q))`, folded into the head weights.
+  The weights are taken exactly as `dcp_jax.attention.projections.index_weights` returns them, i.e. with the
+  Hi^-0.5 head scale and the Di^-0.5 dot scale already folded in: `w[h] = weights_proj(x)[h] * Hi^-0.5 * Di^-0.5`.
+  Since relu(c * a) = c * relu(a) for c > 0,
+  `sum_h w[h] * relu(q[h] . k) ~= k_scale * sum_h (w[h] * q_scale[h]) * relu(q8[h] . k8)`,
+  which is what `indexer.indexer_logits(q8, folded_weights, k8, ..., k_scale=k_scale)` computes; the bf16 path
+  passes the same `w` with the unquantized q and k.
 """
 
 from __future__ import annotations
@@ -60,13 +63,14 @@ def quantize_index_keys(keys):
 
 
 def quantize_index_queries(q, weights):
-    """Per-(row, head) fp8 queries with every scale folded into the head weights.
+    """Per-(row, head) fp8 queries with the query scale folded into the head weights.
 
-    q [R, Hi, Di] (f32/bf16, before the `Di^-0.5` dot scale), weights [R, Hi] f32 (the model's
-    `weights_proj(x) * Hi^-0.5`, may be negative). Returns (q8 [R, Hi, Di] float8_e4m3fn,
-    folded_weights [R, Hi] f32 = weights * q_scale * Di^-0.5).
+    q [R, Hi, Di] (f32/bf16, `projections.index_query`), weights [R, Hi] f32 exactly as
+    `projections.index_weights` returns them (`weights_proj(x) * Hi^-0.5 * Di^-0.5`, may be negative; the same
+    weights the bf16 indexer takes). Returns (q8 [R, Hi, Di] float8_e4m3fn, folded_weights [R, Hi] f32 =
+    weights * q_scale); no other scale is applied here.
     """
     if q.ndim != 3 or weights.shape != q.shape[:2]:
         raise ValueError(f"need q [R, Hi, Di] and weights [R, Hi], got {q.shape=} {weights.shape=}")
     q8, q_scale = quantize_e4m3_ue8m0(hadamard(q), axis=-1)
-    return q8, weights.astype(jnp.float32) * q_scale * q.shape[-1] ** -0.5
+    return q8, weights.astype(jnp.float32) * q_scale

@@ -38,10 +38,11 @@ def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None):
 def topk(scores, lens, *, k):
     """Exact per-row top-k over the first lens[r] columns: score descending, then column ascending.
 
-    scores [R, T] f32, lens [R] int32. Returns values f32 [R, k], indices int32 [R, k]; rows with
-    lens[r] < k are padded with (-inf, -1).
+    scores [R, T] f32, lens [R] int32, clipped to [0, T] as the kernel does. Returns values f32 [R, k], indices
+    int32 [R, k]; rows with min(lens[r], T) < k are padded with (-inf, -1).
     """
     rows, cols = scores.shape
+    lens = jnp.clip(lens, 0, cols)
     if k > cols:
         scores = jnp.pad(scores, ((0, 0), (0, k - cols)), constant_values=NEG_INF)
     col = jnp.arange(scores.shape[1])

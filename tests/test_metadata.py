@@ -32,7 +32,7 @@ def test_fields_and_inert_pad_rows(dcp, interleave):
     assert np.all(md.slot_mapping[:, 3:] == -1) and np.all(md.block_tables[3:] == -1)
     # Each real row is written by exactly its owner.
     assert np.all((md.slot_mapping[:, :3] >= 0).sum(axis=0) == 1)
-    check(md, buckets=(8,), dcp=dcp, max_blocks=5, num_pages=12)
+    check(md, buckets=(8,), dcp=dcp, interleave=interleave, max_blocks=5, num_pages=12)
 
 
 def test_builder_rejects_bad_schedules():
@@ -47,7 +47,7 @@ def test_builder_rejects_bad_schedules():
 
 
 def check(md, **overrides):
-    check_decode_metadata(md, **(dict(buckets=BUCKETS, dcp=2, max_blocks=3, page_size=4, num_pages=8) | overrides))
+    check_decode_metadata(md, **(dict(buckets=BUCKETS, dcp=2, interleave=1, max_blocks=3, page_size=4, num_pages=8) | overrides))
 
 
 def test_validator_names_the_bad_field():
@@ -64,10 +64,17 @@ def test_validator_names_the_bad_field():
         check(bad)
     with pytest.raises(TypeError, match="positions must be an array"):
         check(dataclasses.replace(good, positions=None))
-    with pytest.raises(ValueError, match="do not sum"):
-        wrong = good.local_context_lens.copy()
-        wrong[0, 0] += 1
-        check(dataclasses.replace(good, local_context_lens=wrong))
+    with pytest.raises(ValueError, match="not the layout's"):
+        swapped = good.local_context_lens[::-1].copy()  # same sums, ranks swapped: still wrong
+        check(dataclasses.replace(good, local_context_lens=swapped))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        check(dataclasses.replace(good, slot_mapping=good.slot_mapping[::-1].copy()))
+    with pytest.raises(ValueError, match="positions"):
+        check(dataclasses.replace(good, positions=good.positions + 1))
+    shared = good.block_tables.copy()
+    shared[1, 0] = shared[0, 0]
+    with pytest.raises(ValueError, match="used by two rows"):
+        check(dataclasses.replace(good, block_tables=shared))
     for row, page in [(0, -1), (1, 8)]:  # both rows need their first virtual block only (8 tokens a block)
         tables = good.block_tables.copy()
         tables[row, 0] = page

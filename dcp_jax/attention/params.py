@@ -1,7 +1,9 @@
 """Weights of one MLA + lightning-indexer attention layer, in the layouts the decode math uses.
 
 Letters: D hidden, Q q_lora rank, H heads, N nope dim, E rope dim, V v dim, C kv_lora rank (latent),
-I index heads, J index head dim. HF stores `[out, in]`; here every projection is `[in, out...]`.
+I index heads, J index head dim. HF stores `[out, in]`; here every projection applied as `x @ W` is `[in, out...]`,
+while w_uk / w_uv keep HF's per-head `[out, in]` order ([H, N, C], [H, V, C]; w_uv is applied C -> V).
+index_weights (HF's weights_proj, which HF keeps in fp32) is f32 whatever the dtype of the rest.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class AttentionParams:
     index_wk: jax.Array  # [D, J]
     index_k_norm: jax.Array  # [J] LayerNorm weight
     index_k_norm_bias: jax.Array  # [J] LayerNorm bias
-    index_weights: jax.Array  # [D, I]
+    index_weights: jax.Array  # [D, I], f32
 
 
 def partition_specs() -> AttentionParams:
@@ -55,13 +57,15 @@ def partition_specs() -> AttentionParams:
 
 
 def init_attention_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> AttentionParams:
-    """Random weights (normal / sqrt(fan_in)); norms and biases random too so nothing is an identity."""
+    """Random weights (normal / sqrt(fan_in)); norms and biases random too so nothing is an identity.
+    Everything in `dtype` except index_weights, which is f32 (as HF keeps weights_proj). `model.Attention` uses
+    this too."""
     d, q, h = cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads
     n, e, v, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     i, j = cfg.index_n_heads, cfg.index_head_dim
     keys = iter(jax.random.split(key, 16))
 
-    def dense(shape, fan_in):
+    def dense(shape, fan_in, dtype=dtype):
         return (jax.random.normal(next(keys), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
 
     def norm(size):
@@ -80,5 +84,5 @@ def init_attention_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -
         index_wk=dense((d, j), d),
         index_k_norm=norm(j),
         index_k_norm_bias=(0.1 * jax.random.normal(next(keys), (j,), jnp.float32)).astype(dtype),
-        index_weights=dense((d, i), d),
+        index_weights=dense((d, i), d, jnp.float32),
     )

@@ -78,6 +78,7 @@ def index_key(p: AttentionParams, x, cos, sin, cfg: ModelConfig):
 
 
 def index_weights(p: AttentionParams, x, cfg: ModelConfig):
-    """Per-head weights [R, I] with I^-0.5 and the J^-0.5 score scale folded in (relu commutes with it)."""
-    w = jnp.einsum("rd,di->ri", x, p.index_weights, precision=HIGHEST).astype(jnp.float32)
+    """Per-head weights [R, I] f32 with I^-0.5 and the J^-0.5 score scale folded in (relu commutes with it).
+    Computed in f32 whatever x's dtype (HF runs weights_proj in fp32 on fp32 weights)."""
+    w = jnp.einsum("rd,di->ri", x.astype(jnp.float32), p.index_weights.astype(jnp.float32), precision=HIGHEST)
     return w * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)

@@ -59,7 +59,8 @@ def test_quantize_index_queries_folds_scales():
     weights = jax.random.normal(jax.random.key(4), (3, 4))
     q8, folded = quant.quantize_index_queries(q, weights)
     _, q_scale = quant.quantize_e4m3_ue8m0(quant.hadamard(q))
-    np.testing.assert_allclose(folded, weights * q_scale * 32**-0.5, rtol=1e-6)
+    # weights come as projections.index_weights returns them (Hi^-0.5 and Di^-0.5 folded): only q_scale is added.
+    np.testing.assert_allclose(folded, weights * q_scale, rtol=1e-6)
     assert q8.shape == q.shape and q8.dtype == jnp.float8_e4m3fn
     with pytest.raises(ValueError, match="weights"):
         quant.quantize_index_queries(q, weights[:, :2])
@@ -79,7 +80,8 @@ def test_fp8_indexer_top_k_overlaps_exact_scoring():
     block_tables = jnp.tile(jnp.arange(tokens // page_size, dtype=jnp.int32), (rows, 1))
     lens = jnp.full((rows,), tokens, jnp.int32)
 
-    exact = reference.indexer_logits(q, weights * dim**-0.5, k_cache, block_tables, lens)
+    weights = weights * dim**-0.5  # as projections.index_weights returns them: every scale folded
+    exact = reference.indexer_logits(q, weights, k_cache, block_tables, lens)
     q8, folded = quant.quantize_index_queries(q, weights)
     k8, k_scale = quant.quantize_index_keys(k_cache)
     fp8 = reference.indexer_logits(q8, folded, k8, block_tables, lens, k_scale=k_scale)
@@ -89,3 +91,31 @@ def test_fp8_indexer_top_k_overlaps_exact_scoring():
     overlap = np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(np.asarray(exact_ids), np.asarray(fp8_ids))])
     print(f"fp8 top-{k} overlap {overlap:.3f}")
     assert overlap >= 0.9, overlap
+
+
+def test_fp8_scores_match_bf16_scores_with_model_weights():
+    """One weights convention: `projections.index_weights` output feeds both the exact and the fp8 indexer, and
+    the fp8 scores approximate the exact ones in value, not only in ranking (a missed or doubled Di^-0.5 fails)."""
+    from dcp_jax.attention import projections
+    from dcp_jax.attention.params import init_attention_params
+    from dcp_jax.config import TINY
+    from dcp_jax.rope import cos_sin, rope_tables
+
+    rows, tokens, page_size = 4, 64, 16
+    p = init_attention_params(TINY, jax.random.key(6))
+    x = jax.random.normal(jax.random.key(7), (rows + tokens, TINY.hidden_size))
+    cos, sin = cos_sin(jnp.arange(rows + tokens, dtype=jnp.int32), *rope_tables(TINY))
+    q_resid, _, _ = projections.mla_query(p, x[:rows], cos[:rows], sin[:rows], TINY)
+    q = projections.index_query(p, q_resid, cos[:rows], sin[:rows], TINY)
+    weights = projections.index_weights(p, x[:rows], TINY)
+    k_cache = projections.index_key(p, x[rows:], cos[rows:], sin[rows:], TINY).reshape(-1, page_size,
+                                                                                        TINY.index_head_dim)
+    block_tables = jnp.tile(jnp.arange(tokens // page_size, dtype=jnp.int32), (rows, 1))
+    lens = jnp.full((rows,), tokens, jnp.int32)
+
+    exact = np.asarray(reference.indexer_logits(q, weights, k_cache, block_tables, lens))
+    q8, folded = quant.quantize_index_queries(q, weights)
+    k8, k_scale = quant.quantize_index_keys(k_cache)
+    fp8 = np.asarray(reference.indexer_logits(q8, folded, k8, block_tables, lens, k_scale=k_scale))
+    err = np.linalg.norm(fp8 - exact) / np.linalg.norm(exact)
+    assert err < 0.1, err

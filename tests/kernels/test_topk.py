@@ -91,6 +91,13 @@ def test_lens_clipped_to_columns():
     np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
 
 
+@pytest.mark.parametrize("k", [7, 37])
+def test_reference_clips_lens_like_the_kernel(k):
+    """lens > N (and < 0) given to both unclipped: k > N pads with (-inf, -1) in both, never a pad column id."""
+    scores, _ = _scores(8, 5, 20, [20] * 5, "normal")
+    _check(scores, jnp.array([1000, 25, -3, 20, 5], jnp.int32), k)
+
+
 def test_sort_rows():
     values = jnp.array([[1.0, -0.0, 0.0, -np.inf, 1.0, 2.0]], jnp.float32)
     indices = jnp.array([[5, 3, 4, -1, 2, 0]], jnp.int32)

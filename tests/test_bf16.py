@@ -1,0 +1,137 @@
+"""bf16 models: fp32-kept weights stay fp32 and exact; prefill selects and attends in f32 like decode does."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dcp_jax.attention import projections
+from dcp_jax.config import TINY, ModelConfig, ParallelConfig
+from dcp_jax.mesh import make_mesh
+from dcp_jax.model import abstract_model, init_params, merge
+from dcp_jax.rope import cos_sin, rope_tables
+from dcp_jax.weights import _check_filled, load_hf_params
+from pallas_kernels import reference
+
+sys.path.insert(0, str(Path(__file__).parent / "oracle"))
+import hf_tiny  # noqa: E402
+
+HF_CONFIG = hf_tiny.tiny_configs()["default_rope"]
+CFG = ModelConfig.from_dict(HF_CONFIG)
+F32_KEPT = {("mlp", "router"): "mlp.gate.weight", ("mlp", "router_bias"): "mlp.gate.e_score_correction_bias",
+            ("attention", "index_weights"): "self_attn.indexer.weights_proj.weight"}
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    return hf_tiny.random_tensors(HF_CONFIG, seed=11)
+
+
+def test_bf16_load_keeps_hf_fp32_weights_exact(tensors, tmp_path):
+    hf_tiny.write_checkpoint(HF_CONFIG, tensors, tmp_path)
+    params = load_hf_params(CFG, tmp_path, dtype=jnp.bfloat16)
+    seen = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [getattr(k, "key", None) for k in path]
+        kept = F32_KEPT.get((names[-2], names[-1])) if len(names) >= 2 else None
+        if kept is None:
+            assert leaf.dtype == jnp.bfloat16, jax.tree_util.keystr(path)
+            continue
+        assert leaf.dtype == jnp.float32, jax.tree_util.keystr(path)
+        want = tensors[f"model.layers.{names[1]}.{kept}"]
+        np.testing.assert_array_equal(np.asarray(leaf), want.T if want.ndim == 2 else want)
+        seen.add(kept)
+    assert seen == set(F32_KEPT.values())  # the tiny config has a MoE layer
+
+
+def test_random_init_keeps_the_same_fp32_leaves():
+    _, abstract = abstract_model(TINY, jnp.bfloat16)
+    params = init_params(TINY, seed=0, dtype=jnp.bfloat16)
+    _check_filled(nnx.to_pure_dict(abstract), params)
+    assert params["layers"][0]["attention"]["index_weights"].dtype == jnp.float32
+    assert params["layers"][1]["mlp"]["router"].dtype == jnp.float32
+    assert params["layers"][1]["mlp"]["router_bias"].dtype == jnp.float32
+    assert params["layers"][0]["attention"]["wq_a"].dtype == jnp.bfloat16
+
+
+def test_check_filled_rejects_a_wrong_dtype():
+    _, abstract = abstract_model(TINY, jnp.bfloat16)
+    abstract = nnx.to_pure_dict(abstract)
+    params = init_params(TINY, seed=0, dtype=jnp.bfloat16)
+    params["layers"][1]["mlp"]["router"] = params["layers"][1]["mlp"]["router"].astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="router.*dtype bfloat16 != model dtype float32"):
+        _check_filled(abstract, params)
+
+
+def _prefill_attention(batch, tokens, seed):
+    """Layer 0's `Attention.prefill` of a random bf16 model on random bf16 inputs (one device), and the inputs."""
+    graphdef, abstract = abstract_model(TINY, jnp.bfloat16)
+    params = init_params(TINY, seed=seed, dtype=jnp.bfloat16)
+    attention = merge(graphdef, abstract, params).layers[0].attention
+    x = jax.random.normal(jax.random.key(seed + 1), (batch, tokens, TINY.hidden_size), jnp.float32)
+    x = x.astype(jnp.bfloat16)
+    rope = cos_sin(jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (batch, tokens)), *rope_tables(TINY))
+    kv_cache = jnp.zeros((1, 16, TINY.latent_dim), jnp.bfloat16)
+    index_cache = jnp.zeros((1, 16, TINY.index_head_dim), jnp.bfloat16)
+    slots = jnp.full((batch, tokens), -1, jnp.int32)  # no writes: only the outputs matter here
+
+    def run(x, rope):
+        out, _, _, selected = attention.prefill(x, rope, kv_cache, index_cache, slots)
+        return out, selected
+
+    mesh = make_mesh(ParallelConfig(tp=1, dcp=1))
+    out, selected = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P())))(x, rope)
+    return attention.params(), x, rope, out, selected
+
+
+def test_bf16_prefill_selects_what_the_decode_indexer_selects():
+    """Every prefill query s selects the top-k of the same f32 scores that decode's indexer (reference and kernel:
+    f32 accumulation over the bf16 index cache) computes for that token over keys 0..s."""
+    b, t = 3, 96
+    p, x, (cos, sin), _, selected = _prefill_attention(b, t, seed=3)
+    flat, cos, sin = x.reshape(b * t, -1), cos.reshape(b * t, -1), sin.reshape(b * t, -1)
+    q_resid, _, _ = projections.mla_query(p, flat, cos, sin, TINY)
+    index_q = projections.index_query(p, q_resid, cos, sin, TINY)
+    weights = projections.index_weights(p, flat, TINY)
+    index_cache = projections.index_key(p, flat, cos, sin, TINY).reshape(b, t, -1)  # one page of t per prompt
+    assert index_cache.dtype == jnp.bfloat16
+    block_tables = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)[:, None]
+    lens = jnp.tile(jnp.arange(1, t + 1, dtype=jnp.int32), b)
+    logits = reference.indexer_logits(index_q, weights, index_cache, block_tables, lens)
+    _, want = reference.topk(logits, lens, k=TINY.index_topk)
+    got = np.sort(np.asarray(selected).reshape(b * t, -1), axis=-1)
+    np.testing.assert_array_equal(got, np.sort(np.asarray(want), axis=-1))
+
+
+def test_bf16_prefill_attention_is_f32_inside():
+    """The prefill's sparse MLA over its own selection equals f32 logits / softmax / value sums on the same bf16
+    queries and latents, up to summation order (a bf16 softmax is ~10x further off)."""
+    b, t = 2, 64
+    p, x, rope, out, selected = _prefill_attention(b, t, seed=5)
+    sel = np.asarray(selected)
+    is_selected = np.zeros((b, t, t + 1), bool)
+    np.put_along_axis(is_selected, np.where(sel >= 0, sel, t), True, axis=-1)
+
+    @jax.jit  # jitted like the prefill, so the bf16 projections round the same way
+    def f32_attention(x, rope, is_selected):
+        flat = x.reshape(b * t, -1)
+        cos, sin = (a.reshape(b * t, -1) for a in rope)
+        _, q_nope, q_pe = projections.mla_query(p, flat, cos, sin, TINY)
+        q = projections.absorb_query(p, q_nope, q_pe).reshape(b, t, -1, TINY.latent_dim).astype(jnp.float32)
+        latent = projections.mla_latent(p, flat, cos, sin, TINY).reshape(b, t, -1).astype(jnp.float32)
+        logits = jnp.einsum("bshc,btc->bhst", q, latent, precision="highest") * TINY.softmax_scale
+        probs = jax.nn.softmax(jnp.where(is_selected[:, None], logits, -jnp.inf), axis=-1)
+        latent_out = jnp.einsum("bhst,btc->bshc", probs, latent[..., : TINY.kv_lora_rank], precision="highest")
+        latent_out = latent_out.astype(jnp.bfloat16).reshape(b * t, -1, TINY.kv_lora_rank)
+        return projections.output_projection(p, latent_out).reshape(b, t, -1)
+
+    want = np.asarray(f32_attention(x, rope, jnp.asarray(is_selected[..., :t])), np.float32)
+    got = np.asarray(out, np.float32)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    print(f'prefill attention vs f32 math: relative error {err:.2e}')
+    assert err < 1e-3, err
