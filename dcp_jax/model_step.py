@@ -158,6 +158,12 @@ class ModelRunner:
             raise ValueError(f"need one non-empty prompt per block table, got {lens=} and {len(block_tables)} tables")
         if max(lens) > self.engine.max_model_len:
             raise ValueError(f"prompt of {max(lens)} tokens exceeds max_model_len={self.engine.max_model_len}")
+        for i, (length, table) in enumerate(zip(lens, block_tables)):
+            needed = int(layout.virtual_blocks(length, self.parallel.dcp, self.engine.page_size))
+            used = np.asarray(table, np.int64)[:needed]
+            if len(used) < needed or np.any((used < 0) | (used >= self.engine.num_pages)):
+                raise ValueError(f"prompt {i} of {length} tokens needs page ids in [0, {self.engine.num_pages}) for "
+                                 f"its blocks, got {list(table)}")
         rows = self.engine.bucket_for(n)
         t = next(length for length in self.prefill_lengths if length >= max(lens))
         tokens = np.zeros((rows, t), np.int32)
@@ -181,6 +187,9 @@ class ModelRunner:
         (logits [n, A] f32, selected [layers, n, K] global ids when return_selected, else None). The program
         is the same either way (one per bucket); only the host copy of the selected ids is skipped."""
         n = len(tokens)
+        if not n == len(context_lens) == len(block_tables):
+            raise ValueError(f"{n} tokens, {len(context_lens)} context lengths and {len(block_tables)} block tables "
+                             "must match")
         md = build_decode_metadata(
             context_lens, block_tables, bucket=self.engine.bucket_for(n), dcp=self.parallel.dcp,
             interleave=self.parallel.interleave, page_size=self.engine.page_size, max_blocks=self.max_blocks,

@@ -100,3 +100,13 @@ def test_generate_command_with_a_hf_directory_and_the_tiny_preset(checkpoint, ca
                  "--max-model-len", "32"]) == 0
     assert "model tiny" in capsys.readouterr().out
     assert main(["generate", "--model", "nope", "--prompt", "x"]) == 2
+
+
+def test_runner_rejects_bad_pages_and_mismatched_rows(llm):
+    runner, pages = llm.runner, llm.runner.engine.num_pages
+    with pytest.raises(ValueError, match="page ids"):
+        runner.prefill([[1, 2, 3]], [[pages]])
+    with pytest.raises(ValueError, match="page ids"):
+        runner.prefill([[1, 2, 3]], [[]])
+    with pytest.raises(ValueError, match="must match"):
+        runner.decode([1, 2], [3], [[0]])
