@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from serving_utils import start_server
+from serving_utils import start_server, wait_until
 
 CLIENTS = 64
 
@@ -22,13 +22,8 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def wait_idle(engine, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if engine.num_free_pages == engine.num_pages and not engine.scheduler.has_work:
-            return True
-        time.sleep(0.05)
-    return False
+def wait_idle(engine):
+    return wait_until(lambda: engine.num_free_pages == engine.num_pages and not engine.scheduler.has_work)
 
 
 async def stream_one(client, prompt, max_tokens, temperature):
@@ -128,10 +123,7 @@ def test_client_disconnect_while_waiting_for_a_whole_reply_aborts(server, monkey
     conn = http.client.HTTPConnection(host, port, timeout=30)
     body = {"model": "tiny", "prompt": [[9, 8, 7]], "max_tokens": 60, "temperature": 0, "ignore_eos": True}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    deadline = time.monotonic() + 30
-    while not engine.scheduler.running and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.scheduler.running, "the request never started"
+    assert wait_until(lambda: engine.scheduler.running), "the request never started"
     conn.close()
     assert wait_idle(engine), "the disconnected request kept its pages"
     assert len(aborted) == 1 and all(n < 40 for n in aborted.values()), aborted

@@ -3,7 +3,6 @@
 import http.client
 import json
 import math
-import time
 import urllib.error
 import urllib.request
 
@@ -11,7 +10,7 @@ import openai
 import pytest
 
 from dcp_jax import protocol
-from serving_utils import start_server
+from serving_utils import start_server, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -212,10 +211,7 @@ def test_a_bug_while_streaming_ends_the_stream_and_aborts(server, monkeypatch):
     conn.close()
     assert len(lines) == 1 and lines[0].startswith("data: ") and "choices" in lines[0]
     assert not any("error" in line or "[DONE]" in line for line in lines)
-    deadline = time.monotonic() + 30
-    while engine.metrics.finished["abort"] == aborted and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert engine.metrics.finished["abort"] == aborted + 1
+    assert wait_until(lambda: engine.metrics.finished["abort"] == aborted + 1)
 
 
 def test_a_stopped_engine_is_a_503_not_a_hang(server, client):
