@@ -15,6 +15,7 @@ Letters: W dcp size, B batch rows (= bucket), L context length, ps page size.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -318,7 +319,9 @@ def plan(grid: Grid) -> tuple[list[int], list[str]]:
 
 
 def num_points(grid: Grid, sizes: list[int]) -> int:
-    return len(sizes) * len(grid.kernels) * sum(len(grid.variants(b)) for b in grid.batches) * len(grid.contexts)
+    """Progress ticks: one per timed point, plus one per DCP size for its compile phase."""
+    points = len(grid.kernels) * sum(len(grid.variants(b)) for b in grid.batches) * len(grid.contexts)
+    return len(sizes) * (points + 1)
 
 
 def work_items(grid: Grid) -> list[tuple[int, str, str]]:
@@ -331,12 +334,47 @@ def work_items(grid: Grid) -> list[tuple[int, str, str]]:
     return items
 
 
-def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[str], None] | None = None
-             ) -> Iterator[dict]:
+def compile_programs(items, step_of: Callable[[str, str], DecodeStep], params, kv_cache, *, workers: int,
+                     on_point: Callable[[str], None] | None = None) -> dict:
+    """Lower every (batch, kernels, variant) program in this thread, then XLA-compile them on `workers` threads
+    (the Triton kernels of the Pallas programs take tens of seconds each to compile). Returns
+    {item: (step, lower_s, compile_s)} or {item: the exception}; compile_s is that program's wall time while up to
+    `workers` compiles ran at once."""
+    results, lowered = {}, []
+    for batch, kernels_name, variant in items:
+        try:
+            step = step_of(kernels_name, variant)
+            begin = time.perf_counter()
+            step.lower(params, kv_cache, batch)
+            lowered.append(((batch, kernels_name, variant), step, time.perf_counter() - begin))
+        except Exception as e:  # noqa: BLE001 - one failing program must not end the run
+            results[batch, kernels_name, variant] = e
+    if on_point:
+        on_point(f"compiling {len(lowered)} programs on {workers} threads")
+
+    def compile_one(step: DecodeStep, batch: int):
+        begin = time.perf_counter()
+        step.compile(params, kv_cache, batch)
+        return time.perf_counter() - begin
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {item: (step, lower_s, pool.submit(compile_one, step, item[0])) for item, step, lower_s in lowered}
+        for item, (step, lower_s, future) in futures.items():
+            try:
+                results[item] = (step, lower_s, future.result())
+            except Exception as e:  # noqa: BLE001
+                results[item] = e
+    return results
+
+
+def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[str], None] | None = None,
+             compile_workers: int = 1) -> Iterator[dict]:
     """Yield one row (dict) per measurement as it completes: kind 'program' (per dcp x kernels x variant x
     bucket: compile time, length derivations, HLO op counts, workspace, capacity), 'point' (a timed point),
-    'error' or 'skipped'. `budget_s` bounds the seconds spent per DCP size (work not started in time is
-    'skipped'). `on_point(description)` is called once per point (progress bars)."""
+    'error' or 'skipped'. Each DCP size first compiles all its programs (`compile_programs`, `compile_workers`
+    threads), then times them in `work_items` order; `budget_s` bounds the seconds spent per DCP size, compiles
+    included (programs whose timing has not started in time are 'skipped'). `on_point(description)` is called
+    once per point and once for the compile phase (progress bars)."""
     cfg, dtype = grid.cfg, jnp.dtype(grid.dtype)
     sizes, _ = plan(grid)
     graphdef, abstract = abstract_model(cfg, dtype)
@@ -367,35 +405,35 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
         pool = kv_bytes_per_rank(kv_cache)
         common = dict(preset=grid.preset, layers=cfg.num_hidden_layers, dtype=grid.dtype, dcp=w,
                       page_size=grid.page_size, interleave=grid.interleave)
-        for batch, kernels_name, variant in work_items(grid):
+        items = work_items(grid)
+        compiled = compile_programs(items, step_of, params, kv_cache, workers=compile_workers, on_point=on_point)
+        for batch, kernels_name, variant in items:
             key = dict(common, kernels=kernels_name, variant=variant, batch=batch)
             where = f"dcp={w} {kernels_name} B={batch} {variant}"
+            result = compiled[batch, kernels_name, variant]
+            if isinstance(result, Exception):
+                if on_point:
+                    for _ in grid.contexts:
+                        on_point(f"error {where}")
+                yield dict(key, kind="error", stage="compile", error=f"{type(result).__name__}: {result}"[:2000])
+                continue
+            step, lower_s, compile_s = result
+            if kv_cache.latent[0].is_deleted():  # a failed call consumed the donated pool
+                kv_cache = fresh_pool()
+            row = dict(key, kind="program", lower_s=lower_s, compile_s=compile_s, compile_workers=compile_workers,
+                       weights_bytes_per_rank=weights_per_rank, pool_bytes_per_rank=pool,
+                       device_memory_bytes=memory, memory_source=memory_source)
+            if variant in ("host", "fallback"):
+                row |= _program_analysis(step, params, kv_cache, batch, step.compile(params, kv_cache, batch))
+                total = max_tokens(cfg, dcp=w, memory=memory, weights=weights_per_rank,
+                                   workspace=row["temp_bytes"] or 0, itemsize=dtype.itemsize)
+                row |= dict(max_total_tokens=total, max_context=total // batch)
+            yield row
             if budget_s is not None and time.perf_counter() - start > budget_s:
                 for context in grid.contexts:
                     if on_point:
                         on_point(f"skipped {where}")
                     yield dict(key, kind="skipped", context=context, reason=f"budget of {budget_s} s per DCP size")
-                continue
-            try:
-                step = step_of(kernels_name, variant)
-                if kv_cache.latent[0].is_deleted():  # a failed call consumed the donated pool
-                    kv_cache = fresh_pool()
-                begin = time.perf_counter()
-                compiled = step.compile(params, kv_cache, batch)
-                row = dict(key, kind="program", compile_s=time.perf_counter() - begin,
-                           weights_bytes_per_rank=weights_per_rank, pool_bytes_per_rank=pool,
-                           device_memory_bytes=memory, memory_source=memory_source)
-                if variant in ("host", "fallback"):
-                    row |= _program_analysis(step, params, kv_cache, batch, compiled)
-                    total = max_tokens(cfg, dcp=w, memory=memory, weights=weights_per_rank,
-                                       workspace=row["temp_bytes"] or 0, itemsize=dtype.itemsize)
-                    row |= dict(max_total_tokens=total, max_context=total // batch)
-                yield row
-            except Exception as e:  # noqa: BLE001 - one failing program must not end the run
-                if on_point:
-                    for _ in grid.contexts:
-                        on_point(f"error {where}")
-                yield dict(key, kind="error", stage="compile", error=f"{type(e).__name__}: {e}"[:2000])
                 continue
             for context in grid.contexts:
                 if on_point:
@@ -489,6 +527,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="results_decode.jsonl", help="JSON lines output")
     parser.add_argument("--img-dir", default="docs/img", help="where plots go ('none': no plots)")
     parser.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices (no effect on GPUs)")
+    parser.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
+                        help="threads that XLA-compile the programs of a DCP size at once")
     parser.add_argument("--compile-cache", default=None, help="persistent compilation cache directory")
     parser.add_argument("--report", nargs="+", default=None, metavar="JSONL",
                         help="measure nothing: merge these result files into the tables and plots")
@@ -537,7 +577,8 @@ def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(json.dumps(info) + "\n")
-        for row in run_grid(grid, budget_s=args.budget_s, on_point=on_point):
+        for row in run_grid(grid, budget_s=args.budget_s, on_point=on_point,
+                            compile_workers=max(1, args.compile_workers)):
             rows.append(row)
             f.write(json.dumps(row, default=str) + "\n")
             f.flush()

@@ -74,6 +74,7 @@ class DecodeStep:
         self.max_blocks = max_blocks
         self._input_shapes = input_shapes
         self._jitted = jax.jit(sharded_body, donate_argnums=(1,))
+        self._lowered: dict[int, object] = {}
         self._compiled: dict[int, object] = {}
         self._md_shardings = jax.tree.map(lambda spec: sharding(mesh, spec), METADATA_SPECS)
 
@@ -92,13 +93,21 @@ class DecodeStep:
             shapes, self._md_shardings, is_leaf=lambda x: isinstance(x, tuple),
         )
 
-    def compile(self, params, kv_cache: KVCache, rows: int):
-        """Compile the program of bucket `rows` (once); returns it."""
+    def lower(self, params, kv_cache: KVCache, rows: int):
+        """Trace and lower the program of bucket `rows` (once), without the XLA compile. Lowering traces, so call
+        it from one thread; `compile` of lowered buckets may then run in parallel threads (one per bucket)."""
         if rows not in self.buckets:
             raise ValueError(f"{rows=} is not a bucket {list(self.buckets)}")
+        if rows not in self._lowered and rows not in self._compiled:
+            self._lowered[rows] = self._jitted.lower(params, kv_cache, self._input_shapes(rows),
+                                                     self.metadata_shapes(rows))
+        return self._lowered.get(rows)
+
+    def compile(self, params, kv_cache: KVCache, rows: int):
+        """Compile the program of bucket `rows` (once; lowering it first if needed); returns it."""
         if rows not in self._compiled:
-            lowered = self._jitted.lower(params, kv_cache, self._input_shapes(rows), self.metadata_shapes(rows))
-            self._compiled[rows] = lowered.compile()
+            self.lower(params, kv_cache, rows)
+            self._compiled[rows] = self._lowered.pop(rows).compile()
         return self._compiled[rows]
 
     @property
