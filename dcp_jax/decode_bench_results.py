@@ -18,8 +18,15 @@ def _index(rows: list[dict], kind: str, *fields) -> dict:
     return {tuple(r[f] for f in fields): r for r in rows if r.get("kind") == kind}
 
 
+def device_ms(point: dict) -> float:
+    """Step time of the pipelined loop (host work overlapped; device-bound when the device is the slower side),
+    or the median latency for rows of runs that did not measure it."""
+    return point.get("pipelined_ms", point["median_ms"])
+
+
 def breakdown(rows: list[dict]) -> dict[tuple, dict[str, float]]:
-    """(dcp, kernels, batch, context) -> stage -> ms (differences of consecutive staged medians)."""
+    """(dcp, kernels, batch, context) -> stage -> ms (differences of consecutive staged variants' pipelined step
+    times: the host-side work of a step is the same in every variant, so it must not blur the differences)."""
     points = _index(rows, "point", "dcp", "kernels", "batch", "context", "variant")
     out = {}
     for (w, k, b, c, v) in points:
@@ -28,7 +35,7 @@ def breakdown(rows: list[dict]) -> dict[tuple, dict[str, float]]:
         chain = ["through_" + s for s in STAGES] + ["host"]
         if not all((w, k, b, c, name) in points for name in chain):
             continue
-        ms = [points[(w, k, b, c, name)]["median_ms"] for name in chain]
+        ms = [device_ms(points[(w, k, b, c, name)]) for name in chain]
         out[(w, k, b, c)] = dict(zip(BREAKDOWN, [ms[0]] + [ms[i] - ms[i - 1] for i in range(1, len(ms))]))
     return out
 
@@ -64,17 +71,18 @@ def markdown(rows: list[dict]) -> str:
     """The three tables of docs/perf_decode.md: latency, stage breakdown, host vs fallback programs."""
     programs = _index(rows, "program", "dcp", "kernels", "batch", "variant")
     points = _index(rows, "point", "dcp", "kernels", "batch", "context", "variant")
-    lines = ["| kernels | dcp | B | L | step ms (p10-p90) | tok/s | fallback ms (vs host) | KV/rank MiB | "
-             "index-K/rank MiB | max L at B | compile s | recompiles |", "|" + "---|" * 12]
+    lines = ["| kernels | dcp | B | L | step ms (p10-p90) | pipelined ms | tok/s (pipelined) | fallback ms, "
+             "pipelined (vs host) | KV/rank MiB | index-K/rank MiB | max L at B | compile s | recompiles |",
+             "|" + "---|" * 13]
     for (w, k, b, c, v), p in points.items():
         if v != "host":
             continue
         prog = programs.get((w, k, b, "host"), {})
         fb = points.get((w, k, b, c, "fallback"))
-        fb_text = f"{fb['median_ms']:.3f} ({100 * (fb['median_ms'] / p['median_ms'] - 1):+.1f}%)" if fb else "-"
+        fb_text = f"{device_ms(fb):.3f} ({100 * (device_ms(fb) / device_ms(p) - 1):+.1f}%)" if fb else "-"
         max_l = _tokens(prog["max_context"]) if "max_context" in prog else "-"
         lines.append(f"| {k} | {w} | {b} | {c} | {p['median_ms']:.3f} ({p['p10_ms']:.3f}-{p['p90_ms']:.3f}) | "
-                     f"{p['tokens_per_s']:.0f} | {fb_text} | {_mib(p['kv_latent_bytes_per_rank'])} | "
+                     f"{device_ms(p):.3f} | {b / device_ms(p) * 1e3:.0f} | {fb_text} | {_mib(p['kv_latent_bytes_per_rank'])} | "
                      f"{_mib(p['kv_index_bytes_per_rank'])} | {max_l} | {prog.get('compile_s', 0):.1f} | "
                      f"{p['recompiles']} |")
     parts = ["\n".join(lines)]
@@ -84,8 +92,8 @@ def markdown(rows: list[dict]) -> str:
                  "|" + "---|" * (len(BREAKDOWN) + 5)]
         for (w, k, b, c), ms in stages.items():
             lines.append(f"| {k} | {w} | {b} | {c} | " + " | ".join(f"{ms[s]:.3f}" for s in BREAKDOWN)
-                         + f" | {points[(w, k, b, c, 'host')]['median_ms']:.3f} |")
-        parts.append("Stage breakdown, ms (differences of staged-variant medians; see the method):\n"
+                         + f" | {device_ms(points[(w, k, b, c, 'host')]):.3f} |")
+        parts.append("Stage breakdown, ms (differences of staged variants' pipelined step times; see the method):\n"
                      + "\n".join(lines))
     lines = ["| kernels | dcp | B | length-derived int ops host / fallback | HLO ops host / fallback | "
              "HLO int arithmetic host / fallback | compile s host / fallback |", "|" + "---|" * 7]
@@ -100,6 +108,42 @@ def markdown(rows: list[dict]) -> str:
     if len(lines) > 2:
         parts.append("Host-supplied vs device-derived local lengths (compiled programs):\n" + "\n".join(lines))
     return "\n\n".join(parts)
+
+
+def dcp_scaling(rows: list[dict]) -> tuple[str, list[str]]:
+    """DCP size W against the smallest W measured, per kernels x B x L (host steps): per-rank KV bytes, maximum
+    context and step-time ratios, as a markdown table; and the issue's target check at L >= 64K, B >= 32 (per-rank
+    KV <= half, maximum context >= 1.9x, pipelined step no slower), one line per W."""
+    points = _index(rows, "point", "dcp", "kernels", "batch", "context", "variant")
+    programs = _index(rows, "program", "dcp", "kernels", "batch", "variant")
+    sizes = sorted({w for (w, *_rest) in points})
+    if len(sizes) < 2:
+        return "", []
+    base_w = sizes[0]
+    lines = [f"| kernels | W | B | L | KV/rank vs W={base_w} | max L vs W={base_w} | step ms W={base_w} -> W "
+             f"(pipelined) | ratio |", "|" + "---|" * 8]
+    verdicts = []
+    for w in sizes[1:]:
+        ok, checked = True, 0
+        for (pw, k, b, c, v), p in sorted(points.items()):
+            base = points.get((base_w, k, b, c, v))
+            if pw != w or v != "host" or base is None:
+                continue
+            kv = p["kv_latent_bytes_per_rank"] / base["kv_latent_bytes_per_rank"]
+            prog, base_prog = programs.get((w, k, b, "host"), {}), programs.get((base_w, k, b, "host"), {})
+            cap = (prog["max_context"] / base_prog["max_context"]
+                   if "max_context" in prog and base_prog.get("max_context") else float("nan"))
+            ratio = device_ms(p) / device_ms(base)
+            lines.append(f"| {k} | {w} | {b} | {_context_label(c)} | {kv:.2f} | {cap:.2f} | "
+                         f"{device_ms(base):.3f} -> {device_ms(p):.3f} | {ratio:.2f} |")
+            if k == "pallas" and c >= 65536 and b >= 32:
+                checked += 1
+                ok &= kv <= 1 / (w // base_w) + 1e-9 and cap >= 0.95 * (w // base_w) and ratio <= 1.0
+        if checked:
+            verdicts.append(f"DCP={w} vs DCP={base_w} (pallas, L >= 64K, B >= 32, {checked} points): per-rank KV "
+                            f"<= 1/{w // base_w}, max context >= {0.95 * (w // base_w):.2f}x, step no slower: "
+                            + ("MET" if ok else "NOT MET"))
+    return "\n".join(lines), verdicts
 
 
 def plot(rows: list[dict], img_dir: str) -> list[str]:
@@ -119,11 +163,11 @@ def plot(rows: list[dict], img_dir: str) -> list[str]:
     fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.8), squeeze=False)
     for ax, b in zip(axes[0], batches):
         for (w, k) in sorted({(r["dcp"], r["kernels"]) for r in points}):
-            line = sorted((r["context"], r["median_ms"]) for r in points
+            line = sorted((r["context"], device_ms(r)) for r in points
                           if (r["dcp"], r["kernels"], r["batch"]) == (w, k, b))
             ax.plot(*zip(*line), marker="o", linestyle="-" if k == "pallas" else "--", label=f"DCP {w} {k}")
         contexts = sorted({r["context"] for r in points})
-        ax.set(xscale="log", xlabel="context length", ylabel="step ms (median)", title=f"B = {b}", ylim=(0, None))
+        ax.set(xscale="log", xlabel="context length", ylabel="step ms (pipelined loop)", title=f"B = {b}", ylim=(0, None))
         ax.set_xticks(contexts, [_context_label(c) for c in contexts])
         ax.minorticks_off()
         ax.grid(alpha=0.3)
@@ -174,6 +218,11 @@ def report(rows: list[dict], *, img_dir: str, echo: Callable[[str], None]) -> in
         echo(f"{skipped} points skipped by --budget-s")
     bad = failures(rows)
     echo(markdown(rows))
+    scaling, verdicts = dcp_scaling(rows)
+    if scaling:
+        echo("\nDCP scaling (host steps):\n" + scaling)
+    for line in verdicts:
+        echo(line)
     echo("targets: zero length-derived ops in every host-length program, zero recompiles in every timed loop: "
          + ("MET" if not bad else f"NOT MET ({len(bad)})"))
     for line in bad:

@@ -73,7 +73,7 @@ def test_validator_names_the_bad_field():
         check(dataclasses.replace(good, positions=good.positions + 1))
     shared = good.block_tables.copy()
     shared[1, 0] = shared[0, 0]
-    with pytest.raises(ValueError, match="used by two rows"):
+    with pytest.raises(ValueError, match="used by two blocks"):
         check(dataclasses.replace(good, block_tables=shared))
     for row, page in [(0, -1), (1, 8)]:  # both rows need their first virtual block only (8 tokens a block)
         tables = good.block_tables.copy()
