@@ -270,11 +270,14 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 def time_steps(step: DecodeStep, params, kv_cache, tokens, md, *, steps: int, warmup: int):
-    """Warm up, then inside jax.no_tracing() and a compile counter: `steps` calls each waited for with
-    block_until_ready (host validation + one transfer + the compiled program: the latency of one step), then
-    `steps` calls back to back with one wait at the end (host work overlaps the device: the step time of a
-    pipelined loop, bound by the device when it is the slower side). Returns (times_s, pipelined_s, compiles,
-    kv_cache)."""
+    """Warm up, then three loops of `steps` calls, inside jax.no_tracing() and a compile counter:
+    1. latency: each call (host validation + one transfer + the compiled program) waited for with
+       block_until_ready - what one step costs a caller that waits for its result;
+    2. pipelined: the same calls back to back, one wait at the end - host work overlaps the device, so this is
+       max(host, device) per step;
+    3. device: the program alone, back to back on inputs placed once (`DecodeStep.place_inputs`) - the device's
+       step time plus a dispatch.
+    Returns (latency times_s, pipelined_s, device_s, compiles, kv_cache)."""
     for _ in range(warmup):
         out, kv_cache = step(params, kv_cache, tokens, md)
         jax.block_until_ready((out, kv_cache))
@@ -291,9 +294,16 @@ def time_steps(step: DecodeStep, params, kv_cache, tokens, md, *, steps: int, wa
             out, kv_cache = step(params, kv_cache, tokens, md)
         jax.block_until_ready((out, kv_cache))
         pipelined = (time.perf_counter() - begin) / steps
+        placed = step.place_inputs(kv_cache, tokens, md)
+        jax.block_until_ready(placed)
+        begin = time.perf_counter()
+        for _ in range(steps):
+            out, kv_cache = step.run_placed(params, kv_cache, *placed)
+        jax.block_until_ready((out, kv_cache))
+        device = (time.perf_counter() - begin) / steps
     if not np.all(np.isfinite(np.asarray(out[0]))):
         raise FloatingPointError("non-finite logits")
-    return times, pipelined, counter.count, kv_cache
+    return times, pipelined, device, counter.count, kv_cache
 
 
 def run_info(grid: Grid) -> dict:
@@ -455,7 +465,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                     tokens = rng.integers(0, cfg.vocab_size, batch).astype(np.int32)
                     if kv_cache.latent[0].is_deleted():
                         kv_cache = fresh_pool()
-                    times, pipelined, compiles, kv_cache = time_steps(step, params, kv_cache, tokens, md,
+                    times, pipelined, device, compiles, kv_cache = time_steps(step, params, kv_cache, tokens, md,
                                                                       steps=grid.steps, warmup=grid.warmup)
                 except Exception as e:  # noqa: BLE001
                     yield dict(point, kind="error", stage="run", error=f"{type(e).__name__}: {e}"[:2000])
@@ -467,7 +477,8 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                 yield dict(point, kind="point", steps=len(times), median_ms=1e3 * median,
                            p10_ms=1e3 * _percentile(ordered, 10), p90_ms=1e3 * _percentile(ordered, 90),
                            min_ms=1e3 * ordered[0], max_ms=1e3 * ordered[-1], pipelined_ms=1e3 * pipelined,
-                           tokens_per_s=batch / median, pipelined_tokens_per_s=batch / pipelined,
+                           device_ms=1e3 * device, tokens_per_s=batch / median,
+                           pipelined_tokens_per_s=batch / pipelined,
                            recompiles=compiles, kv_latent_bytes_per_rank=latent_bytes,
                            kv_index_bytes_per_rank=index_bytes)
         steps.clear()  # free this DCP size's programs, weights and pool before the next one's

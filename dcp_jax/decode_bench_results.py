@@ -18,15 +18,14 @@ def _index(rows: list[dict], kind: str, *fields) -> dict:
     return {tuple(r[f] for f in fields): r for r in rows if r.get("kind") == kind}
 
 
-def device_ms(point: dict) -> float:
-    """Step time of the pipelined loop (host work overlapped; device-bound when the device is the slower side),
-    or the median latency for rows of runs that did not measure it."""
-    return point.get("pipelined_ms", point["median_ms"])
+def step_ms(point: dict) -> float:
+    """The device's step time: the program alone, back to back on placed inputs (`decode_bench.time_steps`)."""
+    return point["device_ms"]
 
 
 def breakdown(rows: list[dict]) -> dict[tuple, dict[str, float]]:
-    """(dcp, kernels, batch, context) -> stage -> ms (differences of consecutive staged variants' pipelined step
-    times: the host-side work of a step is the same in every variant, so it must not blur the differences)."""
+    """(dcp, kernels, batch, context) -> stage -> ms (differences of consecutive staged variants' device step
+    times, so the host-side work of a step, the same in every variant, does not blur them)."""
     points = _index(rows, "point", "dcp", "kernels", "batch", "context", "variant")
     out = {}
     for (w, k, b, c, v) in points:
@@ -35,7 +34,7 @@ def breakdown(rows: list[dict]) -> dict[tuple, dict[str, float]]:
         chain = ["through_" + s for s in STAGES] + ["host"]
         if not all((w, k, b, c, name) in points for name in chain):
             continue
-        ms = [device_ms(points[(w, k, b, c, name)]) for name in chain]
+        ms = [step_ms(points[(w, k, b, c, name)]) for name in chain]
         out[(w, k, b, c)] = dict(zip(BREAKDOWN, [ms[0]] + [ms[i] - ms[i - 1] for i in range(1, len(ms))]))
     return out
 
@@ -71,18 +70,19 @@ def markdown(rows: list[dict]) -> str:
     """The three tables of docs/perf_decode.md: latency, stage breakdown, host vs fallback programs."""
     programs = _index(rows, "program", "dcp", "kernels", "batch", "variant")
     points = _index(rows, "point", "dcp", "kernels", "batch", "context", "variant")
-    lines = ["| kernels | dcp | B | L | step ms (p10-p90) | pipelined ms | tok/s (pipelined) | fallback ms, "
-             "pipelined (vs host) | KV/rank MiB | index-K/rank MiB | max L at B | compile s | recompiles |",
-             "|" + "---|" * 13]
+    lines = ["| kernels | dcp | B | L | latency ms (p10-p90) | pipelined ms | device ms | tok/s (device) | "
+             "fallback device ms (vs host) | KV/rank MiB | index-K/rank MiB | max L at B | compile s | recompiles |",
+             "|" + "---|" * 14]
     for (w, k, b, c, v), p in points.items():
         if v != "host":
             continue
         prog = programs.get((w, k, b, "host"), {})
         fb = points.get((w, k, b, c, "fallback"))
-        fb_text = f"{device_ms(fb):.3f} ({100 * (device_ms(fb) / device_ms(p) - 1):+.1f}%)" if fb else "-"
+        fb_text = f"{step_ms(fb):.3f} ({100 * (step_ms(fb) / step_ms(p) - 1):+.1f}%)" if fb else "-"
         max_l = _tokens(prog["max_context"]) if "max_context" in prog else "-"
         lines.append(f"| {k} | {w} | {b} | {c} | {p['median_ms']:.3f} ({p['p10_ms']:.3f}-{p['p90_ms']:.3f}) | "
-                     f"{device_ms(p):.3f} | {b / device_ms(p) * 1e3:.0f} | {fb_text} | {_mib(p['kv_latent_bytes_per_rank'])} | "
+                     f"{p['pipelined_ms']:.3f} | {step_ms(p):.3f} | {b / step_ms(p) * 1e3:.0f} | {fb_text} | "
+                     f"{_mib(p['kv_latent_bytes_per_rank'])} | "
                      f"{_mib(p['kv_index_bytes_per_rank'])} | {max_l} | {prog.get('compile_s', 0):.1f} | "
                      f"{p['recompiles']} |")
     parts = ["\n".join(lines)]
@@ -92,8 +92,8 @@ def markdown(rows: list[dict]) -> str:
                  "|" + "---|" * (len(BREAKDOWN) + 5)]
         for (w, k, b, c), ms in stages.items():
             lines.append(f"| {k} | {w} | {b} | {c} | " + " | ".join(f"{ms[s]:.3f}" for s in BREAKDOWN)
-                         + f" | {device_ms(points[(w, k, b, c, 'host')]):.3f} |")
-        parts.append("Stage breakdown, ms (differences of staged variants' pipelined step times; see the method):\n"
+                         + f" | {step_ms(points[(w, k, b, c, 'host')]):.3f} |")
+        parts.append("Stage breakdown, ms (differences of staged variants' device step times; see the method):\n"
                      + "\n".join(lines))
     lines = ["| kernels | dcp | B | length-derived int ops host / fallback | HLO ops host / fallback | "
              "HLO int arithmetic host / fallback | compile s host / fallback |", "|" + "---|" * 7]
@@ -113,15 +113,15 @@ def markdown(rows: list[dict]) -> str:
 def dcp_scaling(rows: list[dict]) -> tuple[str, list[str]]:
     """DCP size W against the smallest W measured, per kernels x B x L (host steps): per-rank KV bytes, maximum
     context and step-time ratios, as a markdown table; and the issue's target check at L >= 64K, B >= 32 (per-rank
-    KV <= half, maximum context >= 1.9x, pipelined step no slower), one line per W."""
+    KV <= half, maximum context >= 1.9x, device step no slower), one line per W."""
     points = _index(rows, "point", "dcp", "kernels", "batch", "context", "variant")
     programs = _index(rows, "program", "dcp", "kernels", "batch", "variant")
     sizes = sorted({w for (w, *_rest) in points})
     if len(sizes) < 2:
         return "", []
     base_w = sizes[0]
-    lines = [f"| kernels | W | B | L | KV/rank vs W={base_w} | max L vs W={base_w} | step ms W={base_w} -> W "
-             f"(pipelined) | ratio |", "|" + "---|" * 8]
+    lines = [f"| kernels | W | B | L | KV/rank vs W={base_w} | max L vs W={base_w} | device step ms W={base_w} -> W "
+             f"| ratio | latency ms W={base_w} -> W |", "|" + "---|" * 9]
     verdicts = []
     for w in sizes[1:]:
         ok, checked = True, 0
@@ -133,9 +133,10 @@ def dcp_scaling(rows: list[dict]) -> tuple[str, list[str]]:
             prog, base_prog = programs.get((w, k, b, "host"), {}), programs.get((base_w, k, b, "host"), {})
             cap = (prog["max_context"] / base_prog["max_context"]
                    if "max_context" in prog and base_prog.get("max_context") else float("nan"))
-            ratio = device_ms(p) / device_ms(base)
+            ratio = step_ms(p) / step_ms(base)
             lines.append(f"| {k} | {w} | {b} | {_context_label(c)} | {kv:.2f} | {cap:.2f} | "
-                         f"{device_ms(base):.3f} -> {device_ms(p):.3f} | {ratio:.2f} |")
+                         f"{step_ms(base):.3f} -> {step_ms(p):.3f} | {ratio:.2f} | "
+                         f"{base['median_ms']:.3f} -> {p['median_ms']:.3f} |")
             if k == "pallas" and c >= 65536 and b >= 32:
                 checked += 1
                 ok &= kv <= 1 / (w // base_w) + 1e-9 and cap >= 0.95 * (w // base_w) and ratio <= 1.0
@@ -163,11 +164,11 @@ def plot(rows: list[dict], img_dir: str) -> list[str]:
     fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.8), squeeze=False)
     for ax, b in zip(axes[0], batches):
         for (w, k) in sorted({(r["dcp"], r["kernels"]) for r in points}):
-            line = sorted((r["context"], device_ms(r)) for r in points
+            line = sorted((r["context"], step_ms(r)) for r in points
                           if (r["dcp"], r["kernels"], r["batch"]) == (w, k, b))
             ax.plot(*zip(*line), marker="o", linestyle="-" if k == "pallas" else "--", label=f"DCP {w} {k}")
         contexts = sorted({r["context"] for r in points})
-        ax.set(xscale="log", xlabel="context length", ylabel="step ms (pipelined loop)", title=f"B = {b}", ylim=(0, None))
+        ax.set(xscale="log", xlabel="context length", ylabel="device step ms", title=f"B = {b}", ylim=(0, None))
         ax.set_xticks(contexts, [_context_label(c) for c in contexts])
         ax.minorticks_off()
         ax.grid(alpha=0.3)

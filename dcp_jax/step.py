@@ -125,13 +125,20 @@ class DecodeStep:
         global_inputs = flat_indices_of(args, lambda a: (a[3].positions, a[3].context_lens))
         return length_derivations(self.jaxpr(params, kv_cache, rows), global_inputs)
 
-    def __call__(self, params, kv_cache: KVCache, inputs, md: DecodeMetadata):
-        """Validate `md` on the host, transfer it with the inputs in one go, run the bucket's program."""
+    def place_inputs(self, kv_cache: KVCache, inputs, md: DecodeMetadata):
+        """Validate host metadata `md` and transfer it with the inputs in one go; returns them on the devices, in
+        the placement of the bucket's program."""
         check_decode_metadata(md, buckets=self.buckets, dcp=self.dcp, interleave=self.interleave,
                               max_blocks=self.max_blocks, page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)
         if md.rows not in self._compiled:
             raise ValueError(f"bucket {md.rows} is not compiled; call compile() for every bucket at start-up")
-        compiled = self._compiled[md.rows]
-        arg_shardings = compiled.input_shardings[0]
-        inputs, md = jax.device_put((inputs, md), (arg_shardings[2], arg_shardings[3]))
-        return compiled(params, kv_cache, inputs, md)
+        arg_shardings = self._compiled[md.rows].input_shardings[0]
+        return jax.device_put((inputs, md), (arg_shardings[2], arg_shardings[3]))
+
+    def run_placed(self, params, kv_cache: KVCache, inputs, md: DecodeMetadata):
+        """Run the bucket's program on inputs and metadata from `place_inputs` (no validation, no transfer)."""
+        return self._compiled[md.rows](params, kv_cache, inputs, md)
+
+    def __call__(self, params, kv_cache: KVCache, inputs, md: DecodeMetadata):
+        """Validate `md` on the host, transfer it with the inputs in one go, run the bucket's program."""
+        return self.run_placed(params, kv_cache, *self.place_inputs(kv_cache, inputs, md))

@@ -48,10 +48,11 @@ def test_the_grid_runs_and_meets_its_targets(smoke):
         assert 0 < p["min_ms"] <= p["median_ms"] <= p["max_ms"]
         assert p["tokens_per_s"] == pytest.approx(2e3 / p["median_ms"])
         assert p["pipelined_ms"] > 0 and p["pipelined_tokens_per_s"] == pytest.approx(2e3 / p["pipelined_ms"])
+        assert p["device_ms"] > 0
     assert "DCP scaling (host steps)" in text and "| reference | 2 | 2 | 64 | 0.50 |" in text
     assert "targets: zero length-derived ops in every host-length program, zero recompiles" in text
     assert "recompiles in every timed loop: MET" in text
-    for header in ("| kernels | dcp | B | L | step ms", "| other | projections | indexer | topk | exchange",
+    for header in ("| kernels | dcp | B | L | latency ms", "| other | projections | indexer | topk | exchange",
                    "length-derived int ops host / fallback"):
         assert header in text
 
@@ -132,7 +133,7 @@ def test_failures_name_fallback_ops_recompiles_and_errors():
 
 def test_breakdown_takes_differences_of_consecutive_variants():
     chain = STAGED + ["host"]
-    rows = [dict(kind="point", dcp=1, kernels="reference", batch=4, context=64, variant=v, median_ms=float(i + 1))
+    rows = [dict(kind="point", dcp=1, kernels="reference", batch=4, context=64, variant=v, device_ms=float(i + 1))
             for i, v in enumerate(chain)]
     (key, stages), = decode_bench_results.breakdown(rows).items()
     assert key == (1, "reference", 4, 64)
@@ -146,13 +147,13 @@ def test_dcp_scaling_checks_the_two_gpu_target_at_long_context():
         out = []
         for w, ms, kv, cap in [(1, 10.0, 200, 1000), (2, ms2, 100, 2000)]:
             common = dict(dcp=w, kernels="pallas", batch=32, variant="host")
-            out += [dict(common, kind="point", context=65536, median_ms=ms + 1, pipelined_ms=ms,
+            out += [dict(common, kind="point", context=65536, median_ms=ms + 1, device_ms=ms,
                          kv_latent_bytes_per_rank=kv),
                     dict(common, kind="program", max_context=cap)]
         return out
 
     table, verdicts = decode_bench_results.dcp_scaling(rows(9.0))
-    assert "| pallas | 2 | 32 | 64K | 0.50 | 2.00 | 10.000 -> 9.000 | 0.90 |" in table
+    assert "| pallas | 2 | 32 | 64K | 0.50 | 2.00 | 10.000 -> 9.000 | 0.90 | 11.000 -> 10.000 |" in table
     assert verdicts == ["DCP=2 vs DCP=1 (pallas, L >= 64K, B >= 32, 1 points): per-rank KV <= 1/2, max context "
                         ">= 1.90x, step no slower: MET"]
     assert decode_bench_results.dcp_scaling(rows(10.5))[1][0].endswith("NOT MET")
