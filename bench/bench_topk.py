@@ -37,6 +37,8 @@ COLUMNS = "4096,16384,65536,131072"
 L2_BYTES = 60 << 20
 # Knob variants timed by --sweep on [64, 64K]: name -> keyword arguments of topk.topk.
 SWEEP = {
+    "splits1": dict(splits=1),
+    "splits4": dict(splits=4),
     "warps8": dict(num_warps=8),
     "tile4096": dict(tile=4096),
     "groups16384_cap8192": dict(num_groups=16384, capacity=8192),

@@ -6,20 +6,24 @@ indices int32 [R, k], ordered by score descending, then column ascending; rows w
 are padded with (-inf, -1). Scores compare by their f32 total order, as `lax.top_k` does (CPU and H200):
 -0.0 ranks below 0.0, and a returned value is bit-identical to its score.
 
-Algorithm, one program per row; f32 scores map to int32 keys whose signed order is the f32 total order:
-1. Stream the row in tiles of `groups` columns, keeping the column-wise maximum: group g holds columns
-   g, g + groups, g + 2 * groups, ... The k-th largest group maximum, rounded down to its top `coarse_bits` key
-   bits, is a lower bound `floor` of the row's k-th largest key (k distinct columns reach it).
-2. Stream the row again and compact the columns with key >= floor, in column order, into a candidate buffer of
-   `capacity` entries (prefix-sum positions). Random scores leave about groups * ln(groups / (groups - k))
-   candidates (~2.4K at the defaults for k=2048).
-3. Binary-search the exact k-th largest key `threshold` over the candidates in registers; when they overflowed
-   the buffer (many ties near the k-th place), over the whole row instead: exact, but 32 streamed passes.
-4. Emit every key > threshold and the lowest-column ties at threshold up to k, in column order; pad.
-5. Sort the k emitted pairs (key descending, column ascending): a bitonic network in registers
-   (`sort_in_kernel=True`) or one XLA sort of [R, k] afterwards.
-Tuning defaults were measured by `bench/bench_topk.py` on an H200 (docs/perf_topk.md: [64, 64K] in 78 us). The
-bitonic network makes compiles slow (tens of seconds per (R, N) program): precompile the row buckets.
+Algorithm: three Pallas kernels; f32 scores map to int32 keys whose signed order is the f32 total order. Each
+row is cut into S chunks of `chunk` columns (S = `splits`, by default enough to give about 128 programs), so
+small batches still fill the GPU's SMs in the two streaming passes:
+1. (grid R x S) Column-wise key maxima of each chunk, in tiles of `groups` columns: group g holds columns
+   g, g + groups, g + 2 * groups, ...; XLA takes the maximum over the chunks.
+2. (grid R x S) The k-th largest group maximum, rounded down to its top `coarse_bits` key bits, is a lower bound
+   `floor` of the row's k-th largest key (k distinct columns reach it). Each chunk compacts its columns with key
+   >= floor, in column order, into its own candidate region of `capacity` entries (prefix-sum positions) and
+   stores their count. Random scores leave about groups * ln(groups / (groups - k)) candidates per row (~2.4K
+   at the defaults for k=2048), wherever they sit in the row.
+3. (grid R) Gather the regions' candidates, in chunk order, into one `capacity` vector; binary-search the exact
+   k-th largest key `threshold` over it in registers; when the row has more candidates than `capacity` (many
+   ties near the k-th place), over the whole row instead: exact, but 32 streamed passes. Emit every key >
+   threshold and the lowest-column ties at threshold up to k, in column order; pad; sort the k emitted pairs
+   (key descending, column ascending): a bitonic network in registers (`sort_in_kernel=True`) or one XLA sort of
+   [R, k] afterwards.
+Tuning defaults were measured by `bench/bench_topk.py` on an H200 (docs/perf_topk.md). The bitonic network makes
+compiles slow (tens of seconds per (R, N) program): precompile the row buckets.
 Letters: R rows, N columns, K = k.
 """
 
@@ -135,47 +139,73 @@ def _sort_pairs(keys, ids):
     return keys.reshape(n), ids.reshape(n)
 
 
-def _topk_kernel(scores_ref, lens_ref,                       # inputs
-                 values_ref, indices_ref, cand_keys_ref, cand_cols_ref,  # outputs (the last two are scratch)
-                 *, k: int, groups: int, tile: int, capacity: int, coarse_bits: int, sort_in_kernel: bool,
-                 interpret: bool):
+def _chunk_bounds(length, chunk: int):
+    """Columns [begin, end) of this program's chunk that lie inside the row's length."""
+    begin = pl.program_id(1) * chunk
+    return begin, jnp.clip(length - begin, 0, chunk) + begin
+
+
+def _chunk_maxima_kernel(scores_ref, lens_ref, maxima_ref, *, groups: int, chunk: int):
+    """Step 1 for one (row, chunk): maxima_ref[row, chunk * groups + g] = max key of group g in the chunk."""
+    row, part = pl.program_id(0), pl.program_id(1)
+    begin, end = _chunk_bounds(jnp.clip(lens_ref[row], 0, scores_ref.shape[1]), chunk)
+
+    def max_step(i, maxima):
+        return jnp.maximum(maxima, _load_keys(scores_ref, row, begin + i * groups, groups, end)[0])
+
+    maxima = lax.fori_loop(0, pl.cdiv(end - begin, groups), max_step, jnp.full((groups,), INVALID, jnp.int32))
+    plgpu.store(maxima_ref.at[row, pl.ds(part * groups, groups)], maxima)
+
+
+def _chunk_candidates_kernel(scores_ref, lens_ref, maxima_ref,             # inputs
+                             cand_keys_ref, cand_cols_ref, counts_ref,      # outputs
+                             *, k: int, groups: int, tile: int, chunk: int, capacity: int, coarse_bits: int):
+    """Step 2 for one (row, chunk): its candidates (key >= floor) into region `chunk` of the candidate buffers,
+    in column order, and their number (which may exceed `capacity`; only `capacity` are stored)."""
+    row, part = pl.program_id(0), pl.program_id(1)
+    begin, end = _chunk_bounds(jnp.clip(lens_ref[row], 0, scores_ref.shape[1]), chunk)
+    maxima = plgpu.load(maxima_ref.at[row, pl.ds(0, groups)])
+    floor = _kth_largest_key(lambda t: _count(maxima >= t), k, coarse_bits)
+    region = part * capacity
+
+    def compact_step(i, count):
+        keys, cols = _load_keys(scores_ref, row, begin + i * tile, tile, end)
+        is_candidate = (keys >= floor) & (keys != INVALID)
+        dest = count + jnp.cumsum(is_candidate.astype(jnp.int32)) - 1
+        is_stored = is_candidate & (dest < capacity)
+        _scatter(cand_keys_ref, row, region + dest, keys, is_stored)
+        _scatter(cand_cols_ref, row, region + dest, cols, is_stored)
+        return count + _count(is_candidate)
+
+    counts_ref[row, part] = lax.fori_loop(0, pl.cdiv(end - begin, tile), compact_step, jnp.int32(0))
+
+
+def _select_kernel(scores_ref, lens_ref, cand_keys_ref, cand_cols_ref, counts_ref,  # inputs
+                   values_ref, indices_ref,                                          # outputs
+                   *, k: int, tile: int, splits: int, capacity: int, sort_in_kernel: bool, interpret: bool):
+    """Step 3 for one row: exact threshold, emission in column order, padding, and the final order."""
     row = pl.program_id(0)
     length = jnp.clip(lens_ref[row], 0, scores_ref.shape[1])
     num_tiles = pl.cdiv(length, tile)
 
-    # 1. Column-wise maxima over tiles of `groups` columns, then a lower bound of the k-th largest key.
-    def max_step(i, maxima):
-        return jnp.maximum(maxima, _load_keys(scores_ref, row, i * groups, groups, length)[0])
-
-    maxima = lax.fori_loop(0, pl.cdiv(length, groups), max_step, jnp.full((groups,), INVALID, jnp.int32))
-    floor = _kth_largest_key(lambda t: _count(maxima >= t), k, coarse_bits)
-
-    # 2. Compact the columns with key >= floor, in column order; `count` may exceed the buffer.
-    def compact_step(i, count):
-        keys, cols = _load_keys(scores_ref, row, i * tile, tile, length)
-        is_candidate = (keys >= floor) & (keys != INVALID)
-        dest = count + jnp.cumsum(is_candidate.astype(jnp.int32)) - 1
-        is_stored = is_candidate & (dest < capacity)
-        _scatter(cand_keys_ref, row, dest, keys, is_stored)
-        _scatter(cand_cols_ref, row, dest, cols, is_stored)
-        return count + _count(is_candidate)
-
-    count = lax.fori_loop(0, num_tiles, compact_step, jnp.int32(0))
-    if not interpret:  # the interpreter runs a program's stores and loads in order
-        plgpu.debug_barrier()  # other threads of this program read the candidates next
-
-    # 3. Exact k-th largest key: over the candidates in registers, or over the whole row if they overflowed.
-    fits = count <= capacity
+    # Slot j of the row's candidate vector is entry j - starts[c] of region c, for the c with starts[c] <= j.
     slot = lax.broadcasted_iota(jnp.int32, (capacity,), 0)
-    is_loaded = slot < jnp.where(fits, count, 0)
-    cand_keys = plgpu.load(cand_keys_ref.at[row, pl.ds(0, capacity)], mask=is_loaded, other=INVALID)
-    cand_cols = plgpu.load(cand_cols_ref.at[row, pl.ds(0, capacity)], mask=is_loaded, other=0)
+    region_offset = jnp.zeros((capacity,), jnp.int32)
+    total = jnp.int32(0)
+    for part in range(splits):
+        region_offset = jnp.where(slot >= total, part * capacity - total, region_offset)
+        total = total + counts_ref[row, part]
+    fits = total <= capacity
+    is_loaded = slot < jnp.where(fits, total, 0)
+    source = jnp.where(is_loaded, slot + region_offset, 0)
+    cand_keys = plgpu.load(cand_keys_ref.at[row, source], mask=is_loaded, other=INVALID)
+    cand_cols = plgpu.load(cand_cols_ref.at[row, source], mask=is_loaded, other=0)
     row_tiles = jnp.where(fits, 0, num_tiles)
 
     def count_at_least(t):
-        def row_step(i, total):
+        def row_step(i, count):
             keys, _ = _load_keys(scores_ref, row, i * tile, tile, length)
-            return total + _count(keys >= t)
+            return count + _count(keys >= t)
 
         return lax.fori_loop(0, row_tiles, row_step, _count(cand_keys >= t))
 
@@ -183,7 +213,7 @@ def _topk_kernel(scores_ref, lens_ref,                       # inputs
     # A valid threshold has no INVALID keys above it; an INVALID one means every valid column is taken.
     need = k - count_at_least(threshold + 1)
 
-    # 4. Emit in column order, then pad the rest of the row.
+    # Emit in column order, then pad the rest of the row.
     taken, ties = _emit(values_ref, indices_ref, row, cand_keys, cand_cols, threshold, need, 0, 0)
 
     def emit_step(i, carry):
@@ -199,9 +229,9 @@ def _topk_kernel(scores_ref, lens_ref,                       # inputs
     if not sort_in_kernel:
         return
 
-    # 5. Bitonic sort of the emitted row in registers.
-    if not interpret:
-        plgpu.debug_barrier()
+    # Bitonic sort of the emitted row in registers.
+    if not interpret:  # the interpreter runs a program's stores and loads in order
+        plgpu.debug_barrier()  # other threads of this program wrote the slots read next
     is_out = out_slot < k
     values = plgpu.load(values_ref.at[row, pl.ds(0, width)], mask=is_out, other=-jnp.inf)
     ids = plgpu.load(indices_ref.at[row, pl.ds(0, width)], mask=is_out, other=-1)
@@ -230,6 +260,9 @@ def _check_inputs(scores, lens, k):
 
 
 def _check_knobs(**knobs):
+    if knobs["splits"] is not None and (not isinstance(knobs["splits"], int) or knobs["splits"] < 1
+                                        or knobs["splits"] & (knobs["splits"] - 1)):
+        raise ValueError(f"splits must be None or a power of two; got {knobs['splits']}")
     for name in ("num_groups", "tile", "capacity"):
         if knobs[name] < 1 or knobs[name] & (knobs[name] - 1):
             raise ValueError(f"{name} must be a power of two (a Triton block size); got {knobs[name]}")
@@ -237,38 +270,61 @@ def _check_knobs(**knobs):
         raise ValueError(f"coarse_bits must be in [1, 32]; got {knobs['coarse_bits']}")
 
 
+# Programs per streaming pass that `splits=None` aims for (the H200 has 132 SMs).
+TARGET_PROGRAMS = 128
+
+
 def topk(scores, lens, k, *, interpret=None, num_groups=8192, tile=8192, capacity=4096, coarse_bits=16,
-         sort_in_kernel=True, num_warps=16, num_stages=1):
+         splits=None, sort_in_kernel=True, num_warps=16, num_stages=1):
     """Top-k per row: values f32 [R, k] descending (ties: lower column first), indices int32 [R, k].
 
     scores [R, N] f32, lens [R] int32 (clipped to [0, N]; columns past it ignored). Rows with fewer than k valid
     columns pad with (-inf, -1). See the module docstring for the algorithm and the knobs; `num_groups` and
-    `capacity` are raised to k's next power of two when smaller, `num_groups` capped at N's.
+    `capacity` are raised to k's next power of two when smaller, `num_groups` capped at N's; `splits` (chunks
+    per row, a power of two; None: about TARGET_PROGRAMS / R) is capped so that chunks span whole tiles.
     """
     _check_inputs(scores, lens, k)
-    _check_knobs(num_groups=num_groups, tile=tile, capacity=capacity, coarse_bits=coarse_bits)
+    _check_knobs(num_groups=num_groups, tile=tile, capacity=capacity, coarse_bits=coarse_bits, splits=splits)
     interpret = default_interpret(interpret)
     rows, cols = scores.shape
     width = _next_pow2(k)
     groups = max(width, min(num_groups, _next_pow2(cols)))
     capacity = max(width, capacity)
     tile = min(tile, _next_pow2(cols))
-    kernel = functools.partial(
-        _topk_kernel, k=k, groups=groups, tile=tile, capacity=capacity, coarse_bits=coarse_bits,
-        sort_in_kernel=sort_in_kernel, interpret=interpret)
-    values, indices, _, _ = pl.pallas_call(
-        kernel,
+    step = max(groups, tile)  # a chunk spans whole tiles of both passes, so group g is the same in every chunk
+    if splits is None:
+        splits = _next_pow2(max(1, TARGET_PROGRAMS // rows) + 1) // 2  # largest power of two <= the target
+    splits = max(1, min(splits, pl.cdiv(cols, step)))
+    chunk = pl.cdiv(pl.cdiv(cols, splits), step) * step
+    splits = pl.cdiv(cols, chunk)
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    name = f"{k=}_{groups=}_{tile=}_{capacity=}_{splits=}"
+
+    maxima = pl.pallas_call(
+        functools.partial(_chunk_maxima_kernel, groups=groups, chunk=chunk),
+        out_shape=jax.ShapeDtypeStruct((rows, splits * groups), jnp.int32),
+        grid=(rows, splits), compiler_params=params, interpret=interpret, name=f"topk_maxima_{name}",
+    )(scores, lens)
+    maxima = jnp.max(maxima.reshape(rows, splits, groups), axis=1)
+    cand_keys, cand_cols, counts = pl.pallas_call(
+        functools.partial(_chunk_candidates_kernel, k=k, groups=groups, tile=tile, chunk=chunk, capacity=capacity,
+                          coarse_bits=coarse_bits),
+        out_shape=(
+            jax.ShapeDtypeStruct((rows, splits * capacity), jnp.int32),
+            jax.ShapeDtypeStruct((rows, splits * capacity), jnp.int32),
+            jax.ShapeDtypeStruct((rows, splits), jnp.int32),
+        ),
+        grid=(rows, splits), compiler_params=params, interpret=interpret, name=f"topk_candidates_{name}",
+    )(scores, lens, maxima)
+    values, indices = pl.pallas_call(
+        functools.partial(_select_kernel, k=k, tile=tile, splits=splits, capacity=capacity,
+                          sort_in_kernel=sort_in_kernel, interpret=interpret),
         out_shape=(
             jax.ShapeDtypeStruct((rows, k), jnp.float32),
             jax.ShapeDtypeStruct((rows, k), jnp.int32),
-            jax.ShapeDtypeStruct((rows, capacity), jnp.int32),
-            jax.ShapeDtypeStruct((rows, capacity), jnp.int32),
         ),
-        grid=(rows,),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"topk_{k=}_{groups=}_{tile=}_{capacity=}",
-    )(scores, lens)
+        grid=(rows,), compiler_params=params, interpret=interpret, name=f"topk_select_{name}",
+    )(scores, lens, cand_keys, cand_cols, counts)
     if not sort_in_kernel:
         values, indices = sort_rows(values, indices)
     return values, indices

@@ -13,7 +13,8 @@ import pytest
 
 from pallas_kernels import reference, topk
 
-KNOBS = ("interpret", "num_groups", "tile", "capacity", "coarse_bits", "sort_in_kernel", "num_warps", "num_stages")
+KNOBS = ("interpret", "num_groups", "tile", "capacity", "coarse_bits", "splits", "sort_in_kernel", "num_warps",
+         "num_stages")
 _topk = jax.jit(topk.topk, static_argnums=2, static_argnames=KNOBS)
 _reference = jax.jit(reference.topk, static_argnames="k")
 
@@ -60,10 +61,22 @@ def test_default_knobs(fill):
     _check(scores, lens, 7)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 8])
 @pytest.mark.parametrize("fill", FILLS)
-def test_small_buffers(fill):
+def test_small_buffers(fill, splits):
+    # With 8 chunks of 64 columns, rows of length 63, 64 and 200 leave chunks with no valid column.
     scores, lens = _scores(1, 6, 512, [0, 63, 64, 512, 200, 511], fill)
-    _check(scores, lens, 64, **SMALL)
+    _check(scores, lens, 64, splits=splits, **SMALL)
+
+
+@pytest.mark.parametrize("splits", [2, 8])
+@pytest.mark.parametrize("capacity", [64, 128])
+def test_candidates_in_one_chunk(splits, capacity):
+    """Ascending rows put every candidate in the last chunks: 128 slots hold them (gathered from the regions in
+    column order), 64 overflow and take the whole-row path."""
+    scores = jnp.asarray(np.tile(np.linspace(-3, 3, 512, dtype=np.float32), (3, 1)))
+    lens = jnp.array([512, 500, 90], jnp.int32)
+    _check(scores, lens, 64, splits=splits, **(SMALL | dict(capacity=capacity, coarse_bits=4)))
 
 
 @pytest.mark.parametrize("fill", ["normal", "ties"])
@@ -121,6 +134,7 @@ def test_sort_rows():
         (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"tile": 96}, "tile"),
         (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"capacity": 0}, "capacity"),
         (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"coarse_bits": 33}, "coarse_bits"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"splits": 3}, "splits"),
     ],
 )
 def test_input_validation(scores, lens, k, knobs, match):
@@ -136,4 +150,5 @@ def test_compiled_real_shapes(rows, cols, fill):
     scores, lens = _scores(7, rows, cols, lens, fill)
     check = functools.partial(_check, scores, lens, 2048)
     check(interpret=False)
+    check(interpret=False, splits=1)
     check(interpret=False, sort_in_kernel=False)
