@@ -38,6 +38,7 @@ L2_BYTES = 60 << 20
 # Knob variants timed by --sweep on [64, 64K]: name -> keyword arguments of topk.topk.
 SWEEP = {
     "splits1": dict(splits=1),
+    "splits2": dict(splits=2),
     "splits4": dict(splits=4),
     "warps8": dict(num_warps=8),
     "tile4096": dict(tile=4096),
@@ -92,9 +93,14 @@ def kernel_time(compiled, pairs, runs=5):
                     jax.block_until_ready(compiled(pairs))
             [path] = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
             plane = jax.profiler.ProfileData.from_file(path).find_plane_with_name("/device:GPU:0")
-            total_ns = sum(event.duration_ns for line in plane.lines if line.name.startswith("Stream")
-                           for event in line.events)
-        return total_ns * 1e-9 / (runs * len(pairs))
+            per_kernel = {}
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    for event in line.events:
+                        per_kernel[event.name[:60]] = per_kernel.get(event.name[:60], 0) + event.duration_ns
+        log("  kernels us/op: " + ", ".join(f"{name} {ns * 1e-3 / (runs * len(pairs)):.1f}"
+                                            for name, ns in sorted(per_kernel.items(), key=lambda x: -x[1])[:4]))
+        return sum(per_kernel.values()) * 1e-9 / (runs * len(pairs))
     except Exception as e:  # the profiler is a nice-to-have: keep the wall times
         log(f"profiler failed: {type(e).__name__}: {e}"[:300])
         return float("nan")
