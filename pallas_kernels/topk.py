@@ -11,11 +11,12 @@ row is cut into S chunks of `chunk` columns (S = `splits`, by default enough to 
 small batches still fill the GPU's SMs in the two streaming passes:
 1. (grid R x S) Column-wise key maxima of each chunk, in tiles of `groups` columns: group g holds columns
    g, g + groups, g + 2 * groups, ...
-2. (grid R x S) The maximum over the chunks gives the row's group maxima. The k-th largest group maximum, rounded down to its top `coarse_bits` key bits, is a lower bound
-   `floor` of the row's k-th largest key (k distinct columns reach it). Each chunk compacts its columns with key
-   >= floor, in column order, into its own candidate region of `capacity` entries (prefix-sum positions) and
-   stores their count. Random scores leave about groups * ln(groups / (groups - k)) candidates per row (~2.4K
-   at the defaults for k=2048), wherever they sit in the row.
+2. (grid R x S) The maximum over the chunks gives the row's group maxima. The k-th largest group maximum,
+   rounded down to its top `coarse_bits` key bits, is a lower bound `floor` of the row's k-th largest key (k
+   distinct columns reach it). Each chunk compacts its columns with key >= floor, in column order, into its own
+   candidate region of `capacity` entries (prefix-sum positions) and stores their count. Random scores leave
+   about groups * ln(groups / (groups - k)) candidates per row (~2.4K at the defaults for k=2048), wherever they
+   sit in the row.
 3. (grid R) Gather the regions' candidates, in chunk order, into one `capacity` vector; binary-search the exact
    k-th largest key `threshold` over it in registers; when the row has more candidates than `capacity` (many
    ties near the k-th place), over the whole row instead: exact, but 32 streamed passes. Emit every key >
@@ -161,7 +162,7 @@ def _chunk_candidates_kernel(scores_ref, lens_ref, maxima_ref,             # inp
                              cand_keys_ref, cand_cols_ref, counts_ref,      # outputs
                              *, k: int, groups: int, tile: int, chunk: int, splits: int, capacity: int,
                              coarse_bits: int):
-    """Step 2 for one (row, chunk): its candidates (key >= floor) into region `chunk` of the candidate buffers,
+    """Step 2 for one (row, chunk): its candidates (key >= floor) into the chunk's region of the candidate buffers,
     in column order, and their number (which may exceed `capacity`; only `capacity` are stored)."""
     row, part = pl.program_id(0), pl.program_id(1)
     begin, end = _chunk_bounds(jnp.clip(lens_ref[row], 0, scores_ref.shape[1]), chunk)
