@@ -161,3 +161,22 @@ def test_bad_metadata_fails_before_tracing(setup):
                 step(params, kv_cache, hidden, md)
     assert body.traces == 1
     assert not any(pool.is_deleted() for pool in jax.tree.leaves(kv_cache))  # a rejected call consumes nothing
+
+
+def test_placed_inputs_run_the_same_program(setup):
+    """`place_inputs` validates and transfers once; `run_placed` then runs the bucket's program on them (the
+    benchmark's device loop), giving what the validating call gives."""
+    mesh, params = setup
+    step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, REFERENCE)
+    kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
+    step.compile(params, kv_cache, 4)
+    md = metadata([1, 9, 30], 4)
+    hidden = jnp.asarray(np.random.default_rng(2).standard_normal((4, TINY.hidden_size)), jnp.float32)
+    with pytest.raises(ValueError, match="positions"):
+        step.place_inputs(kv_cache, hidden, dataclasses.replace(md, positions=md.positions + 1))
+    with jax.no_tracing():
+        want, kv_cache = step(params, kv_cache, hidden, md)
+        placed_hidden, placed_md = step.place_inputs(kv_cache, hidden, md)
+        assert isinstance(placed_md.block_tables, jax.Array)
+        got, kv_cache = step.run_placed(params, kv_cache, placed_hidden, placed_md)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
