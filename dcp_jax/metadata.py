@@ -54,7 +54,8 @@ def build_decode_metadata(
     """Fill `DecodeMetadata` (numpy) for the scheduled rows, padded to `bucket` inert rows.
 
     context_lens[i]: global length of request i after this step's token is appended (>= 1).
-    block_tables[i]: its virtual-block page ids (at least ceil(context_len / (page_size*dcp)) of them).
+    block_tables[i]: its virtual-block page ids (at least ceil(context_len / (page_size*dcp)) of them); arrays
+    (and the engine's `page_allocator.BlockTable`) are copied as they are, lists converted (slow when long).
     """
     layout.check_layout(dcp, interleave, page_size)
     lens = np.asarray(context_lens, dtype=np.int64).reshape(-1)
@@ -68,12 +69,13 @@ def build_decode_metadata(
     padded_lens = np.zeros(bucket, np.int32)
     padded_lens[:num_rows] = lens
     tables = np.full((bucket, max_blocks), -1, np.int32)
-    for row, (length, table) in enumerate(zip(lens, block_tables)):
-        needed = int(layout.virtual_blocks(length, dcp, page_size))
-        if needed > max_blocks:
-            raise ValueError(f"row {row}: context_len {length} needs {needed} blocks > max_blocks={max_blocks}")
-        if len(table) < needed:
-            raise ValueError(f"row {row}: context_len {length} needs {needed} blocks, block table has {len(table)}")
+    needed = layout.virtual_blocks(lens, dcp, page_size)
+    for row, table in enumerate(block_tables):
+        if needed[row] > max_blocks:
+            raise ValueError(f"row {row}: context_len {lens[row]} needs {needed[row]} blocks > {max_blocks=}")
+        if len(table) < needed[row]:
+            raise ValueError(f"row {row}: context_len {lens[row]} needs {needed[row]} blocks, block table has "
+                             f"{len(table)}")
         table = np.asarray(table, np.int32)[:max_blocks]
         tables[row, : len(table)] = table
     positions = np.where(padded_lens > 0, padded_lens - 1, 0).astype(np.int32)
@@ -127,8 +129,11 @@ def check_decode_metadata(md, *, buckets: Sequence[int], dcp: int, interleave: i
             f"row {row}: block table {md.block_tables[row, : needed[row]].tolist()} needs page ids in "
             f"[0, num_pages={num_pages}) for its {int(needed[row])} blocks"
         )
-    uses = np.bincount(md.block_tables[in_use], minlength=num_pages)  # O(pages): this runs before every step
-    if np.any(uses > 1):
+    pages = md.block_tables[in_use]
+    is_used = np.zeros(num_pages, np.bool_)  # O(pages), no sort: this runs before every step
+    is_used[pages] = True
+    if np.count_nonzero(is_used) != len(pages):
+        uses = np.bincount(pages, minlength=num_pages)
         raise ValueError(f"page ids used by two blocks (one row or two): {np.flatnonzero(uses > 1)[:16].tolist()}")
     if np.any(md.context_lens < 0):
         raise ValueError(f"context_lens must be >= 0, got {md.context_lens.tolist()}")

@@ -29,7 +29,7 @@ from typing import Any
 
 from dcp_jax.config import EngineConfig
 from dcp_jax.layout import virtual_blocks
-from dcp_jax.page_allocator import PageAllocator
+from dcp_jax.page_allocator import BlockTable, PageAllocator
 
 REPLACEMENT_CHAR = "\ufffd"  # what a byte-level decode of an unfinished UTF-8 sequence ends with
 
@@ -68,7 +68,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
     # Virtual-block page ids, one per page_size * dcp tokens of context.
-    pages: list[int] = dataclasses.field(default_factory=list)
+    pages: BlockTable = dataclasses.field(default_factory=BlockTable)
     # Generated text, cut before a stop string once one appears.
     text: str = ""
     num_preemptions: int = 0
@@ -239,7 +239,7 @@ class Scheduler:
             if missing <= 0:
                 i += 1
             elif missing <= self.allocator.num_free:
-                request.pages += self.allocator.allocate(missing)
+                request.pages.extend(self.allocator.allocate(missing))
                 i += 1
             else:
                 victim = self.running.pop()  # the youngest; may be `request` itself
@@ -260,7 +260,7 @@ class Scheduler:
             need = self.blocks_for(min(len(request.prefill_ids) + 1, request.max_context_len))
             if need > self.allocator.num_free:
                 break  # first come first served: nobody overtakes the head of the queue
-            request.pages = self.allocator.allocate(need)
+            request.pages.extend(self.allocator.allocate(need))
             request.status = RequestStatus.RUNNING
             self.waiting.popleft()
             self.running.append(request)
@@ -269,8 +269,7 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         if request.pages:
-            self.allocator.free(request.pages)
-            request.pages = []
+            self.allocator.free(request.pages.clear())
 
     # ---- results ----------------------------------------------------------------------------------------
     def append_token(self, request: Request, token: int) -> None:

@@ -1,8 +1,9 @@
-"""dcp_jax/page_allocator.py: pages are never lost or handed out twice."""
+"""dcp_jax/page_allocator.py: pages are never lost or handed out twice; block tables read as int32 arrays."""
 
+import numpy as np
 import pytest
 
-from dcp_jax.page_allocator import PageAllocator
+from dcp_jax.page_allocator import BlockTable, PageAllocator
 
 
 def test_allocate_and_free_round_trip():
@@ -25,3 +26,18 @@ def test_failed_allocation_takes_nothing():
     with pytest.raises(ValueError):
         pool.allocate(2)
     assert pool.num_free == 1
+
+
+def test_block_table_grows_and_reads_as_an_int32_array():
+    table = BlockTable([7, 3])
+    for page in range(40):  # past the first buffer: growth keeps the ids in order
+        table.extend([page])
+    table.extend([])
+    ids = [7, 3] + list(range(40))
+    assert len(table) == 42 and list(table) == ids and table == ids
+    view = np.asarray(table)
+    assert view.dtype == np.int32 and view.tolist() == ids and not view.flags.writeable
+    assert np.asarray(table, np.int64).flags.writeable  # another dtype is a copy
+    assert table.clear() == ids and len(table) == 0 and not table
+    table.extend([5])
+    assert table == [5]
