@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from pallas_kernels import reference, topk
 
@@ -83,6 +84,17 @@ def test_candidates_in_one_chunk(splits, capacity):
 def test_xla_sort(fill):
     scores, lens = _scores(2, 5, 512, [512, 16, 0, 333, 17], fill)
     _check(scores, lens, 16, sort_in_kernel=False, tile=128)
+
+
+@settings(max_examples=12, deadline=None)
+@given(rows=st.integers(1, 4), cols=st.integers(1, 300), k=st.integers(1, 70), splits=st.sampled_from([1, 2, 4, 8]),
+       fill=st.sampled_from(FILLS), seed=st.integers(0, 2**16), data=st.data())
+def test_random_shapes_and_chunkings(rows, cols, k, splits, fill, seed, data):
+    """Any rows x columns, k below or above the row lengths, 1-8 chunks of 32 columns, 64-slot regions (ties
+    overflow them into the whole-row path); lengths anywhere in [0, cols]."""
+    lens = data.draw(st.lists(st.integers(0, cols), min_size=rows, max_size=rows))
+    scores, lens = _scores(seed, rows, cols, lens, fill)
+    _check(scores, lens, k, splits=splits, num_groups=32, tile=32, capacity=64, coarse_bits=8)
 
 
 def test_k_one():
