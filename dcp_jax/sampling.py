@@ -62,25 +62,55 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
+def most_likely(scores: np.ndarray, n: int) -> np.ndarray:
+    """Ids of the `n` largest scores, largest first, the lower id first among ties (a stable descending sort
+    cut at n), in O(A) for n << A: a partition finds them, only they are sorted."""
+    n = min(n, len(scores))
+    if n <= 0:
+        return np.zeros(0, np.int64)
+    if 4 * n >= len(scores):
+        return np.argsort(-scores, kind="stable")[:n]
+    kth = scores[np.argpartition(-scores, n - 1)[n - 1]]  # the n-th largest value
+    above = np.flatnonzero(scores > kth)
+    ids = np.concatenate([above, np.flatnonzero(scores == kth)[: n - len(above)]])
+    return ids[np.lexsort((ids, -scores[ids]))]
+
+
+def kept_tokens(probs: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Token ids kept by top-k, then top-p (the smallest set of most likely tokens whose mass reaches top_p), most
+    likely first. Only a prefix of the order is sorted: it grows until its mass reaches top_p."""
+    limit = min(top_k, len(probs)) if top_k > 0 else len(probs)
+    size = min(limit, 256)
+    while True:
+        order = most_likely(probs, size)
+        kept = probs[order]
+        mass = np.cumsum(kept)
+        # Stop once the prefix's mass clears top_p by more than rounding: every later token is then cut.
+        if size >= limit or top_p < 1 and mass[-1] > top_p + 1e-9:
+            return order[mass - kept < top_p] if top_p < 1 else order  # mass of the more likely tokens < top_p
+        size = min(limit, 4 * size)
+
+
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token id from logits [A]: argmax when greedy (lowest id among ties), else temperature, top-k,
-    top-p (smallest set of most likely tokens whose mass reaches top_p), then a draw from `rng`."""
+    """One token id from logits [A]: argmax when greedy (lowest id among ties), else temperature, then top-k and
+    top-p when set, then a draw from `rng`. O(A) per call (plus sorting the kept tokens)."""
     logits = np.asarray(logits, np.float64)
     if params.is_greedy:
         return int(np.argmax(logits))
-    probs = np.exp(log_softmax(logits / params.temperature))
-    order = np.argsort(-probs, kind="stable")
-    if params.top_k > 0:
-        order = order[: params.top_k]
-    kept = probs[order]
-    if params.top_p < 1:
-        before = np.cumsum(kept) - kept  # mass of the more likely tokens
-        kept = kept[before < params.top_p]
-        order = order[: len(kept)]
-    return int(order[rng.choice(len(kept), p=kept / kept.sum())])
+    probs = np.exp((logits - logits.max()) / params.temperature)
+    probs /= probs.sum()
+    if params.top_k <= 0 and params.top_p >= 1:
+        return _draw(probs, rng)
+    order = kept_tokens(probs, params.top_k, params.top_p)
+    return int(order[_draw(probs[order], rng)])
+
+
+def _draw(weights: np.ndarray, rng: np.random.Generator) -> int:
+    """rng.choice(len(weights), p=weights / weights.sum()), the same draw, without its O(A) checks."""
+    cdf = np.cumsum(weights)
+    return int(np.searchsorted(cdf / cdf[-1], rng.random(), side="right"))
 
 
 def top_logprobs(logprobs: np.ndarray, token: int, n: int) -> dict[int, float]:
     """{token id: logprob} of the `n` most likely tokens plus the sampled `token`."""
-    best = np.argsort(-logprobs, kind="stable")[:n]
-    return {int(t): float(logprobs[t]) for t in [token, *best.tolist()]}
+    return {int(t): float(logprobs[t]) for t in [token, *most_likely(logprobs, n).tolist()]}

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dcp_jax.sampling import SamplingParams, log_softmax, sample, top_logprobs
+from dcp_jax.sampling import SamplingParams, kept_tokens, log_softmax, most_likely, sample, top_logprobs
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -63,3 +63,28 @@ def test_logprobs_hold_the_sampled_token_and_the_best():
     assert set(out) == {3, 1, 4}
     assert out[3] == pytest.approx(lp[3])
     assert top_logprobs(lp, token=0, n=0) == {0: pytest.approx(lp[0])}
+
+
+def test_most_likely_is_a_stable_descending_sort_cut_at_n():
+    rng = np.random.default_rng(3)
+    for scores in (rng.standard_normal(5000), np.round(rng.standard_normal(5000), 1)):  # the second: many ties
+        for n in (0, 1, 7, 300, 1249, 1251, 4999, 5000, 6000):
+            want = np.argsort(-scores, kind="stable")[:max(n, 0)]
+            np.testing.assert_array_equal(most_likely(scores, n), want)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.3), (0, 0.999), (50, 1.0), (50, 0.2), (3000, 0.95), (-1, 0.9)])
+def test_the_kept_tokens_are_the_stable_sorted_prefix(top_k, top_p):
+    """What the sampler keeps equals the full-sort definition: sort by probability (stable), cut at top_k, keep
+    the tokens whose more likely mass is below top_p; also with a nucleus larger than the first sorted prefix."""
+    rng = np.random.default_rng(4)
+    logits = np.round(rng.standard_normal(20000) * 2, 2)  # ties too
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    if top_k > 0:
+        order = order[:top_k]
+    kept = probs[order]
+    if top_p < 1:
+        order = order[np.cumsum(kept) - kept < top_p]
+    np.testing.assert_array_equal(kept_tokens(probs, top_k, top_p), order)
