@@ -3,14 +3,21 @@
 HF stores linear weights `[out, in]` under its on-disk names (experts one tensor each); the model holds them
 `[in, out...]` (w_uk / w_uv per head; see `model.py`), each in the dtype of the model's leaf (the load dtype, but
 f32 for the router, its bias and the indexer's weights_proj, which HF keeps in fp32). `hf_tensor_shapes(cfg)`
-lists every expected tensor; loading checks the files hold exactly those (a missing or unexpected tensor, or a shape mismatch, is a ValueError naming them), converts one
-layer at a time and places each parameter on the mesh with the step's sharding (heads split, the rest replicated).
+lists every expected tensor; loading checks the files hold exactly those (a missing or unexpected tensor, or a
+shape mismatch, is a ValueError naming them), converts one layer at a time and places each parameter on the mesh
+with the step's sharding (heads split, the rest replicated).
+
+Block-fp8 checkpoints (DeepSeek's release format: `quantization_config` {"quant_method": "fp8", "fmt": "e4m3",
+"weight_block_size": [bm, bn]}, e4m3 `X.weight` beside an f32 `X.weight_scale_inv` of one scale per bm x bn block)
+are dequantized on load (weight = e4m3 value x its block's scale) into the load dtype; the multi-token-prediction
+layers they carry (`num_nextn_predict_layers`, numbered after the decoder layers) are not used and not read.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Callable
 
 import jax
@@ -24,6 +31,7 @@ from dcp_jax.mesh import sharding
 from dcp_jax.model import abstract_model, param_specs
 
 _ATTENTION = "self_attn."
+FP8 = "F8_E4M3"  # the safetensors dtype of DeepSeek's fp8 weights
 
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -169,15 +177,66 @@ class _Reader:
 
         self._handles = [safe_open(f, framework="numpy") for f in files]
         self.location: dict[str, object] = {}
-        for handle in self._handles:
+        self._file: dict[str, str] = {}
+        for path, handle in zip(files, self._handles):
             for name in handle.keys():
                 self.location[name] = handle
+                self._file[name] = path
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.location[name].get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype string ("F32", "BF16", "F8_E4M3", ...)."""
+        return self.location[name].get_slice(name).get_dtype()
+
     def get(self, name: str) -> np.ndarray:
+        if self.dtype(name) == FP8:
+            return self._get_fp8(name)
         return self.location[name].get_tensor(name)
+
+    def _get_fp8(self, name: str) -> np.ndarray:
+        """numpy has no float8 type, so safetensors' numpy reader refuses e4m3: read the tensor's bytes from the
+        file (offsets from its header) and view them as ml_dtypes' float8_e4m3fn."""
+        import ml_dtypes
+
+        path = self._file[name]
+        with open(path, "rb") as f:
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            meta = json.loads(f.read(header_size))[name]
+            begin, end = meta["data_offsets"]
+            f.seek(8 + header_size + begin)
+            data = np.frombuffer(f.read(end - begin), np.uint8)
+        return data.view(ml_dtypes.float8_e4m3fn).reshape(meta["shape"])
+
+
+def fp8_block_size(path: str) -> tuple[int, int] | None:
+    """(bm, bn) of a block-fp8 checkpoint directory's `quantization_config`, None when it has none; ValueError for
+    any other quantization."""
+    with open(os.path.join(path, "config.json")) as f:
+        quantization = json.load(f).get("quantization_config")
+    if not quantization:
+        return None
+    block = quantization.get("weight_block_size")
+    if (quantization.get("quant_method") != "fp8" or quantization.get("fmt", "e4m3") != "e4m3"
+            or not isinstance(block, list) or len(block) != 2 or min(block) < 1):
+        raise ValueError(f"unsupported quantization_config {quantization}: only block fp8 (quant_method 'fp8', "
+                         "fmt 'e4m3', weight_block_size [bm, bn]) is read")
+    return int(block[0]), int(block[1])
+
+
+def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """f32 weight [out, in] from e4m3 values and one f32 scale per block of bm x bn (edge blocks partial)."""
+    scales = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), block[0], axis=0), block[1], axis=1)
+    return weight.astype(np.float32) * scales[: weight.shape[0], : weight.shape[1]]
+
+
+def _mtp_layer_names(path: str, cfg: ModelConfig, names) -> set[str]:
+    """Tensors of the multi-token-prediction layers (`num_nextn_predict_layers` of them after the decoder's)."""
+    with open(os.path.join(path, "config.json")) as f:
+        extra = int(json.load(f).get("num_nextn_predict_layers") or 0)
+    prefixes = tuple(f"model.layers.{cfg.num_hidden_layers + i}." for i in range(extra))
+    return {n for n in names if prefixes and n.startswith(prefixes)}
 
 
 def _place(tree, specs, abstract, mesh: Mesh | None):
@@ -199,15 +258,32 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     path = os.fspath(path)
     reader = _Reader(_safetensors_files(path))
     expected = hf_tensor_shapes(cfg)
+    block = fp8_block_size(path)
+    scales = {n: n + "_scale_inv" for n, shape in expected.items()
+              if block and len(shape) == 2 and n + "_scale_inv" in reader.location}
+    ignored = _mtp_layer_names(path, cfg, reader.location)
     missing = sorted(set(expected) - set(reader.location))
-    unexpected = sorted(set(reader.location) - set(expected))
+    unexpected = sorted(set(reader.location) - set(expected) - set(scales.values()) - ignored)
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the config: missing tensors {missing[:20]}"
                          f"{' ...' if len(missing) > 20 else ''}, unexpected tensors {unexpected[:20]}"
                          f"{' ...' if len(unexpected) > 20 else ''}")
     wrong = [f"{n}: file {reader.shape(n)} != expected {s}" for n, s in expected.items() if reader.shape(n) != s]
+    for name, scale in scales.items():
+        rows, cols = expected[name]
+        want = (-(-rows // block[0]), -(-cols // block[1]))
+        if reader.shape(scale) != want:
+            wrong.append(f"{scale}: file {reader.shape(scale)} != expected {want} (blocks of {block})")
+    wrong += [f"{n}: {reader.dtype(n)} " + ("without a weight_scale_inv" if n not in scales else "with a scale")
+              for n in expected if (reader.dtype(n) == FP8) != (n in scales)]
     if wrong:
-        raise ValueError(f"checkpoint {path} has tensors of the wrong shape: {wrong[:20]}")
+        raise ValueError(f"checkpoint {path} has tensors of the wrong shape or type: {wrong[:20]}")
+
+    def read(name: str) -> np.ndarray:
+        if name in scales:
+            return dequantize_fp8(reader.get(name), reader.get(scales[name]), block)
+        return reader.get(name)
+
     _, abstract = abstract_model(cfg, dtype)
     abstract = nnx.to_pure_dict(abstract)
     specs = param_specs(abstract)
@@ -215,11 +291,11 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     params = {"layers": {}}
     for layer in progress(layers) if progress else layers:
         prefix = f"model.layers.{layer}."
-        tensors = {n[len(prefix):]: reader.get(n) for n in expected if n.startswith(prefix)}
+        tensors = {n[len(prefix):]: read(n) for n in expected if n.startswith(prefix)}
         params["layers"][layer] = _place(layer_to_ours(cfg, layer, tensors), specs["layers"][layer],
                                          abstract["layers"][layer], mesh)
-    top = {"embed": reader.get("model.embed_tokens.weight"), "final_norm": reader.get("model.norm.weight"),
-           "lm_head": reader.get("lm_head.weight").T}
+    top = {"embed": read("model.embed_tokens.weight"), "final_norm": read("model.norm.weight"),
+           "lm_head": read("lm_head.weight").T}
     params |= {k: _place(v, specs[k], abstract[k], mesh) for k, v in top.items()}
     _check_filled(abstract, params)
     return params

@@ -101,3 +101,83 @@ def test_tp_must_divide_every_split_dimension():
     check_divisible(CFG, 4)
     with pytest.raises(ValueError, match="tp=3 must divide"):
         check_divisible(CFG, 3)
+
+
+BLOCK = (8, 12)  # not a divisor of every dimension: edge blocks are partial
+
+
+def _is_quantized(name: str, shape) -> bool:
+    """What DeepSeek's release stores in fp8: the 2-D projections of attention, indexer and MLP."""
+    return len(shape) == 2 and (".self_attn." in name or ".mlp." in name) and not name.endswith(
+        ("weights_proj.weight", "mlp.gate.weight"))
+
+
+def _block_fp8(tensors):
+    """(fp8 tensors with their *_scale_inv, the f32 weights they stand for)."""
+    import ml_dtypes
+
+    quantized, dequantized = {}, dict(tensors)
+    for name, w in tensors.items():
+        if not _is_quantized(name, w.shape):
+            continue
+        rows, cols = -(-w.shape[0] // BLOCK[0]), -(-w.shape[1] // BLOCK[1])
+        padded = np.zeros((rows * BLOCK[0], cols * BLOCK[1]), np.float32)
+        padded[: w.shape[0], : w.shape[1]] = np.abs(w)
+        scale = padded.reshape(rows, BLOCK[0], cols, BLOCK[1]).max(axis=(1, 3)) / 448 + 1e-12
+        full = np.repeat(np.repeat(scale, BLOCK[0], 0), BLOCK[1], 1)[: w.shape[0], : w.shape[1]]
+        q = (w / full).astype(ml_dtypes.float8_e4m3fn)
+        quantized[name], quantized[name + "_scale_inv"] = q, scale.astype(np.float32)
+        dequantized[name] = q.astype(np.float32) * full
+    return quantized, dequantized
+
+
+def _write_fp8(path, tensors, config_extra):
+    import json
+
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(HF_CONFIG | config_extra))
+
+
+FP8_CONFIG = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": list(BLOCK)}, "num_nextn_predict_layers": 1}
+
+
+def test_block_fp8_checkpoint_loads_dequantized(tensors, checkpoint, tmp_path):
+    """DeepSeek's release format: e4m3 weights with one f32 scale per 8 x 12 block and an MTP layer. Loading gives
+    exactly the params of an f32 checkpoint holding the dequantized weights, within fp8 error of the originals."""
+    quantized, dequantized = _block_fp8(tensors)
+    mtp = {f"model.layers.{CFG.num_hidden_layers}.enorm.weight": np.ones(CFG.hidden_size, np.float32)}
+    _write_fp8(tmp_path / "fp8", tensors | quantized | mtp, FP8_CONFIG)
+    hf_tiny.write_checkpoint(HF_CONFIG, dequantized, tmp_path / "f32")
+    got, want = load_hf_params(CFG, tmp_path / "fp8"), load_hf_params(CFG, tmp_path / "f32")
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    w, w0 = (np.asarray(p["layers"][1]["attention"]["wq_b"]) for p in (got, load_hf_params(CFG, checkpoint)))
+    assert 0 < np.linalg.norm(w - w0) / np.linalg.norm(w0) < 0.05
+
+
+@pytest.mark.parametrize("change, message", [
+    ("no_scale", "q_a_proj.weight: F8_E4M3 without a weight_scale_inv"),
+    ("scale_shape", "q_a_proj.weight_scale_inv: file .*blocks of \\(8, 12\\)"),
+    ("method", "unsupported quantization_config"),
+    ("no_mtp", "unexpected tensors .*model.layers.3.enorm.weight"),
+])
+def test_block_fp8_errors_name_the_problem(tensors, tmp_path, change, message):
+    quantized, _ = _block_fp8(tensors)
+    files = tensors | quantized | {"model.layers.3.enorm.weight": np.ones(CFG.hidden_size, np.float32)}
+    config = dict(FP8_CONFIG)
+    scale = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
+    if change == "no_scale":
+        del files[scale]
+    elif change == "scale_shape":
+        files[scale] = files[scale][:, :1].copy()
+    elif change == "method":
+        config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    else:
+        config["num_nextn_predict_layers"] = 0
+    _write_fp8(tmp_path, files, config)
+    with pytest.raises(ValueError, match=message):
+        load_hf_params(CFG, tmp_path)
