@@ -63,7 +63,8 @@ def generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop)
         llm = LLM(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, max_model_len=args.max_model_len,
-                  page_size=args.page_size, kernels=args.kernels, max_num_seqs=max(len(args.prompt), 1))
+                  page_size=args.page_size, kernels=args.kernels, max_num_seqs=max(len(args.prompt), 1),
+                  num_layers=args.num_layers)
         outputs = llm.generate(args.prompt, params, use_tqdm=True)
     except ValueError as e:
         print(f"dcp-jax generate: {e}", file=sys.stderr)
@@ -78,6 +79,7 @@ def generate(args: argparse.Namespace) -> int:
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model", default="tiny", help="preset name (tiny, deepseek-v3.2, glm-5) or HF directory")
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model name)")
+    s.add_argument("--num-layers", type=int, default=None, help="use only the first N decoder layers")
     s.add_argument("--dcp", type=int, default=2, help="DCP size W")
     s.add_argument("--tp", type=int, default=None, help="TP ranks (default: dcp)")
     s.add_argument("--interleave", type=int, default=1, help="interleave size S")
@@ -112,7 +114,8 @@ def serve(args: argparse.Namespace) -> int:
         engine = Engine(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, page_size=args.page_size,
                         num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         bucket_ladder=tuple(args.buckets), kernels=args.kernels, seed=args.seed,
-                        prompt_logprobs=not args.no_prompt_logprobs, compilation_cache_dir=args.compilation_cache_dir)
+                        num_layers=args.num_layers, prompt_logprobs=not args.no_prompt_logprobs,
+                        compilation_cache_dir=args.compilation_cache_dir)
         server = OpenAIServer(engine, host=args.host, port=args.port, api_key=args.api_key,
                               served_model_name=args.served_model_name)
     except (ValueError, OSError) as e:
@@ -154,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     g = commands.add_parser("generate", help="generate text with a preset (random weights) or a HF checkpoint")
     g.add_argument("--model", default="tiny", help="preset name (tiny, deepseek-v3.2, glm-5) or HF directory")
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    g.add_argument("--num-layers", type=int, default=None, help="use only the first N decoder layers")
     g.add_argument("--dcp", type=int, default=1, help="DCP size W")
     g.add_argument("--tp", type=int, default=None, help="TP ranks (default: dcp)")
     g.add_argument("--interleave", type=int, default=1, help="interleave size S")

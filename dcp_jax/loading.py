@@ -40,13 +40,17 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
                num_layers: int | None = None) -> LoadedModel:
     """Validate the arguments, then load weights (an HF directory) or draw random ones (a preset), placed on a
     (tp/dcp, dcp) mesh; on CPU `tp` simulated devices are used. The pool defaults to max_num_seqs full-length
-    requests."""
+    requests. `num_layers` keeps only the first decoder layers (of a preset or of the checkpoint)."""
     parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave)
     check_layout(parallel.dcp, parallel.interleave, page_size)
     is_dir = os.path.isdir(model)
     if not is_dir and model not in PRESETS:
         raise ValueError(f"model {model!r} is neither a directory nor a preset {sorted(PRESETS)}")
     cfg = ModelConfig.from_hf(model) if is_dir else preset(model, num_layers=num_layers)
+    if is_dir and num_layers is not None:
+        if not 1 <= num_layers <= cfg.num_hidden_layers:
+            raise ValueError(f"{num_layers=} must be in [1, {cfg.num_hidden_layers}] (the checkpoint's layers)")
+        cfg = dataclasses.replace(cfg, num_hidden_layers=num_layers)
     if max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"{max_model_len=} exceeds max_position_embeddings={cfg.max_position_embeddings}")
     blocks = int(virtual_blocks(max_model_len, parallel.dcp, page_size))

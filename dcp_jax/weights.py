@@ -9,8 +9,9 @@ with the step's sharding (heads split, the rest replicated).
 
 Block-fp8 checkpoints (DeepSeek's release format: `quantization_config` {"quant_method": "fp8", "fmt": "e4m3",
 "weight_block_size": [bm, bn]}, e4m3 `X.weight` beside an f32 `X.weight_scale_inv` of one scale per bm x bn block)
-are dequantized on load (weight = e4m3 value x its block's scale) into the load dtype; the multi-token-prediction
-layers they carry (`num_nextn_predict_layers`, numbered after the decoder layers) are not used and not read.
+are dequantized on load (weight = e4m3 value x its block's scale) into the load dtype. Layers the config does
+not use are not read: the multi-token-prediction layers (`num_nextn_predict_layers`, numbered after the decoder
+layers), and decoder layers past a `num_hidden_layers` lowered to load only the first ones.
 """
 
 from __future__ import annotations
@@ -231,11 +232,13 @@ def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, 
     return weight.astype(np.float32) * scales[: weight.shape[0], : weight.shape[1]]
 
 
-def _mtp_layer_names(path: str, cfg: ModelConfig, names) -> set[str]:
-    """Tensors of the multi-token-prediction layers (`num_nextn_predict_layers` of them after the decoder's)."""
+def _unused_layer_names(path: str, cfg: ModelConfig, names) -> set[str]:
+    """Tensors of the checkpoint's layers that `cfg` does not use: decoder layers past a truncated
+    `cfg.num_hidden_layers`, and the multi-token-prediction layers numbered after the decoder's."""
     with open(os.path.join(path, "config.json")) as f:
-        extra = int(json.load(f).get("num_nextn_predict_layers") or 0)
-    prefixes = tuple(f"model.layers.{cfg.num_hidden_layers + i}." for i in range(extra))
+        raw = json.load(f)
+    end = int(raw.get("num_hidden_layers", cfg.num_hidden_layers)) + int(raw.get("num_nextn_predict_layers") or 0)
+    prefixes = tuple(f"model.layers.{layer}." for layer in range(cfg.num_hidden_layers, end))
     return {n for n in names if prefixes and n.startswith(prefixes)}
 
 
@@ -261,7 +264,7 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     block = fp8_block_size(path)
     scales = {n: n + "_scale_inv" for n, shape in expected.items()
               if block and len(shape) == 2 and n + "_scale_inv" in reader.location}
-    ignored = _mtp_layer_names(path, cfg, reader.location)
+    ignored = _unused_layer_names(path, cfg, reader.location)
     missing = sorted(set(expected) - set(reader.location))
     unexpected = sorted(set(reader.location) - set(expected) - set(scales.values()) - ignored)
     if missing or unexpected:

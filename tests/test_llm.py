@@ -100,6 +100,11 @@ def test_generate_command_with_a_hf_directory_and_the_tiny_preset(checkpoint, ca
                  "--max-model-len", "32"]) == 0
     assert "model tiny" in capsys.readouterr().out
     assert main(["generate", "--model", "nope", "--prompt", "x"]) == 2
+    assert main(["generate", "--model", str(checkpoint), "--num-layers", "2", "--prompt", "hi", "--max-tokens", "2",
+                 "--max-model-len", "32", "--page-size", "4"]) == 0
+    assert "(2 tokens, length)" in capsys.readouterr().out
+    assert main(["generate", "--model", str(checkpoint), "--num-layers", "9", "--prompt", "x"]) == 2
+    assert "num_layers=9 must be in [1, 3]" in capsys.readouterr().err
 
 
 def test_runner_rejects_bad_pages_and_mismatched_rows(llm):

@@ -1,5 +1,6 @@
 """HF safetensors in and out (`dcp_jax/weights.py`): strict loading, sharded placement, exact round trip."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -87,6 +88,17 @@ def test_strict_loading_names_the_problem(tensors, tmp_path, change, message):
     hf_tiny.write_checkpoint(HF_CONFIG, bad, tmp_path)
     with pytest.raises(ValueError, match=message):
         load_hf_params(CFG, tmp_path)
+
+
+def test_the_first_layers_of_a_checkpoint_load_alone(checkpoint):
+    """A config with fewer layers than the checkpoint loads its first layers and skips the rest (not an error:
+    the count is asked for), equal to the same layers of a full load."""
+    full = load_hf_params(CFG, checkpoint)
+    first = load_hf_params(dataclasses.replace(CFG, num_hidden_layers=2), checkpoint)
+    assert sorted(first["layers"]) == [0, 1]
+    want = {**full, "layers": {i: full["layers"][i] for i in (0, 1)}}
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_random_init_fills_every_parameter():
