@@ -72,7 +72,8 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                              "mlp.shared_experts.down_proj.weight": (d, shared)}
         else:
             f = cfg.intermediate_size
-            layer_shapes |= {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
+            layer_shapes |= {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
+                             "mlp.down_proj.weight": (d, f)}
         shapes |= {f"model.layers.{layer}.{k}": s for k, s in layer_shapes.items()}
     return shapes
 
