@@ -37,6 +37,9 @@ from pallas_kernels import reference
 
 HIGHEST = jax.lax.Precision.HIGHEST
 NEG_INF = float("-inf")
+# Prefill queries per attention step. Its per-head index dots take B x 64 x index_n_heads x T f32 (2 GiB at 64
+# heads and T = 128K, instead of T x T x heads), its gathered latents B x 64 x index_topk x (C + E).
+PREFILL_QUERY_CHUNK = 64
 
 
 def _dense(rngs: nnx.Rngs, shape, fan_in: int, dtype):
@@ -60,11 +63,13 @@ class Attention(nnx.Module):
     def params(self) -> AttentionParams:
         return AttentionParams(**{f.name: getattr(self, f.name)[...] for f in dataclasses.fields(AttentionParams)})
 
-    def prefill(self, x, cos_sin, kv_cache, index_cache, slots):
+    def prefill(self, x, cos_sin, kv_cache, index_cache, slots, *, query_chunk: int = PREFILL_QUERY_CHUNK):
         """Per rank: x [B, T, D] replicated (every prompt token), cos/sin [B, T, E/2], this rank's kv_cache
         [pages, Bp, C+E] and index_cache [pages, Bp, J], slots [B, T] (-1: not owned or pad, no write).
 
-        HF's sparse rule per query s: keys t <= s, the top-min(K, s+1) by index score. Pad queries past a
+        HF's sparse rule per query s: keys t <= s, the top-min(K, s+1) by index score. Queries run in chunks of
+        `query_chunk` (one `lax.map` step each), so the index scores take O(B * chunk * T) memory and attention
+        gathers each query's K selected latents, O(B * chunk * K); neither is O(T^2). Pad queries past a
         prompt's end compute garbage that nobody reads; a valid query never sees a later (pad) key.
         Returns (output [B, T, D] summed over TP ranks, kv_cache, index_cache, selected ids [B, T, K]).
         """
@@ -81,32 +86,49 @@ class Attention(nnx.Module):
             index_k = projections.index_key(p, flat, cos, sin, cfg)
             kv_cache = write_slots(kv_cache, slots.reshape(-1), latent)
             index_cache = write_slots(index_cache, slots.reshape(-1), index_k)
-        # 2. Index scores over the causal prefix, then the top-min(K, s+1) per query.
-        with jax.named_scope("indexer"):
-            # f32 accumulation and f32 scores in any dtype, as the decode indexer (reference and kernel) does.
-            dots = jnp.einsum("bsij,btj->bsit", index_q, index_k.reshape(b, t, -1), precision=HIGHEST,
-                              preferred_element_type=jnp.float32)
-            scores = jnp.einsum("bsi,bsit->bst", weights, jax.nn.relu(dots), precision=HIGHEST,
-                                preferred_element_type=jnp.float32)
-            causal_lens = jnp.broadcast_to(jnp.arange(1, t + 1, dtype=jnp.int32), (b, t)).reshape(-1)
-            _, selected = reference.topk(scores.reshape(b * t, t), causal_lens, k=cfg.index_topk)
-            rows = jnp.arange(b * t)[:, None]
-            is_selected = jnp.zeros((b * t, t + 1), bool).at[rows, jnp.where(selected >= 0, selected, t)].set(True)
-            is_selected = is_selected[:, :t].reshape(b, t, t)
-        # 3. Absorbed MLA over the selected keys of this rank's heads.
-        with jax.named_scope("sparse_mla"):
             q = projections.absorb_query(p, q_nope, q_pe).reshape(b, t, -1, cfg.latent_dim)
-            latent = latent.reshape(b, t, cfg.latent_dim)
-            # f32 logits, softmax and value accumulation in any dtype (HF: fp32 softmax; decode's kernel: f32).
-            logits = jnp.einsum("bshc,btc->bhst", q, latent, precision=HIGHEST,
-                                preferred_element_type=jnp.float32) * cfg.softmax_scale
-            logits = jnp.where(is_selected[:, None], logits, NEG_INF)
-            probs = jax.nn.softmax(logits, axis=-1)
-            out = jnp.einsum("bhst,btc->bshc", probs, latent[..., : cfg.kv_lora_rank].astype(jnp.float32),
-                             precision=HIGHEST, preferred_element_type=jnp.float32).astype(x.dtype)
+        latent = latent.reshape(b, t, cfg.latent_dim)
+        index_k = index_k.reshape(b, t, -1)
+        chunk = min(query_chunk, t)
+        num_chunks = -(-t // chunk)
+        padded = num_chunks * chunk
+
+        def by_chunk(a):  # [B, T, ...] -> [num_chunks, B, chunk, ...], pad queries past T
+            a = jnp.pad(a, [(0, 0), (0, padded - t)] + [(0, 0)] * (a.ndim - 2))
+            return jnp.moveaxis(a.reshape(b, num_chunks, chunk, *a.shape[2:]), 1, 0)
+
+        def attend_chunk(args):
+            first, chunk_index_q, chunk_weights, chunk_q = args
+            # 2. Index scores of this chunk's queries over the causal prefix, then the top-min(K, s+1) per query.
+            with jax.named_scope("indexer"):
+                # f32 accumulation and f32 scores in any dtype, as the decode indexer (reference and kernel) does.
+                dots = jnp.einsum("bsij,btj->bsit", chunk_index_q, index_k, precision=HIGHEST,
+                                  preferred_element_type=jnp.float32)
+                scores = jnp.einsum("bsi,bsit->bst", chunk_weights, jax.nn.relu(dots), precision=HIGHEST,
+                                    preferred_element_type=jnp.float32)
+                causal_lens = jnp.minimum(first + jnp.arange(1, chunk + 1, dtype=jnp.int32), t)
+                _, selected = reference.topk(scores.reshape(b * chunk, t), jnp.tile(causal_lens, b),
+                                             k=cfg.index_topk)
+                selected = selected.reshape(b, chunk, -1)
+            # 3. Absorbed MLA over the gathered selected latents of this rank's heads.
+            with jax.named_scope("sparse_mla"):
+                keys = latent[jnp.arange(b)[:, None, None], jnp.maximum(selected, 0)]  # [B, chunk, K, C+E]
+                # f32 logits, softmax and value accumulation in any dtype (HF: fp32 softmax; decode's kernel: f32).
+                logits = jnp.einsum("bshc,bskc->bhsk", chunk_q, keys, precision=HIGHEST,
+                                    preferred_element_type=jnp.float32) * cfg.softmax_scale
+                logits = jnp.where((selected >= 0)[:, None], logits, NEG_INF)
+                probs = jax.nn.softmax(logits, axis=-1)
+                out = jnp.einsum("bhsk,bskc->bshc", probs, keys[..., : cfg.kv_lora_rank].astype(jnp.float32),
+                                 precision=HIGHEST, preferred_element_type=jnp.float32).astype(x.dtype)
+            return out, selected
+
+        firsts = jnp.arange(num_chunks, dtype=jnp.int32) * chunk
+        out, selected = jax.lax.map(attend_chunk, (firsts, by_chunk(index_q), by_chunk(weights), by_chunk(q)))
+        out = jnp.moveaxis(out, 0, 1).reshape(b, padded, *out.shape[3:])[:, :t]
+        selected = jnp.moveaxis(selected, 0, 1).reshape(b, padded, -1)[:, :t]
         # 4. W_UV, o_proj and the TP all-reduce.
         attn = jax.lax.psum(projections.output_projection(p, out.reshape(b * t, -1, cfg.kv_lora_rank)), HEADS)
-        return attn.reshape(b, t, d), kv_cache, index_cache, selected.reshape(b, t, -1)
+        return attn.reshape(b, t, d), kv_cache, index_cache, selected
 
     def decode(self, x, cos_sin, kv_cache, index_cache, local_lens, slots, block_tables, *, layout: DcpLayout,
                kernels: Kernels):

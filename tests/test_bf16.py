@@ -68,25 +68,35 @@ def test_check_filled_rejects_a_wrong_dtype():
         _check_filled(abstract, params)
 
 
-def _prefill_attention(batch, tokens, seed):
-    """Layer 0's `Attention.prefill` of a random bf16 model on random bf16 inputs (one device), and the inputs."""
-    graphdef, abstract = abstract_model(TINY, jnp.bfloat16)
-    params = init_params(TINY, seed=seed, dtype=jnp.bfloat16)
+def _prefill_attention(batch, tokens, seed, dtype=jnp.bfloat16, **prefill_options):
+    """Layer 0's `Attention.prefill` of a random model on random inputs (one device, `dtype`), and the inputs."""
+    graphdef, abstract = abstract_model(TINY, dtype)
+    params = init_params(TINY, seed=seed, dtype=dtype)
     attention = merge(graphdef, abstract, params).layers[0].attention
     x = jax.random.normal(jax.random.key(seed + 1), (batch, tokens, TINY.hidden_size), jnp.float32)
-    x = x.astype(jnp.bfloat16)
+    x = x.astype(dtype)
     rope = cos_sin(jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (batch, tokens)), *rope_tables(TINY))
-    kv_cache = jnp.zeros((1, 16, TINY.latent_dim), jnp.bfloat16)
-    index_cache = jnp.zeros((1, 16, TINY.index_head_dim), jnp.bfloat16)
+    kv_cache = jnp.zeros((1, 16, TINY.latent_dim), dtype)
+    index_cache = jnp.zeros((1, 16, TINY.index_head_dim), dtype)
     slots = jnp.full((batch, tokens), -1, jnp.int32)  # no writes: only the outputs matter here
 
     def run(x, rope):
-        out, _, _, selected = attention.prefill(x, rope, kv_cache, index_cache, slots)
+        out, _, _, selected = attention.prefill(x, rope, kv_cache, index_cache, slots, **prefill_options)
         return out, selected
 
     mesh = make_mesh(ParallelConfig(tp=1, dcp=1))
     out, selected = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P())))(x, rope)
     return attention.params(), x, rope, out, selected
+
+
+@pytest.mark.parametrize("query_chunk", [1, 8, 13])
+def test_prefill_query_chunks_give_the_one_chunk_result(query_chunk):
+    """Chunks of 1, 8 and 13 queries (27 tokens: the last chunk is partial and padded) select the same keys and
+    give the same outputs as one chunk of all the queries."""
+    _, _, _, want_out, want_selected = _prefill_attention(2, 27, seed=5, dtype=jnp.float32, query_chunk=27)
+    _, _, _, out, selected = _prefill_attention(2, 27, seed=5, dtype=jnp.float32, query_chunk=query_chunk)
+    np.testing.assert_array_equal(np.asarray(selected), np.asarray(want_selected))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-6, atol=1e-6)
 
 
 def test_bf16_prefill_selects_what_the_decode_indexer_selects():
