@@ -11,7 +11,7 @@ trace has no GPU events); XLA reference time = median wall time minus the same e
 compile per shape: XLA compiles a Triton kernel in seconds, far longer than it runs.
 Effective TB/s counts key and scale bytes of the valid tokens; the copy ceiling (x -> x + 1 on 4 GB, read +
 write) is measured in the same run.
-Full logs go to $OUT (or ./out) as bench_indexer.{log,json}.
+Full logs go to $OUT (or ./out) as bench_indexer.{log,json}. `--plot JSON PNG` draws a saved table (any machine).
 """
 
 from __future__ import annotations
@@ -209,6 +209,33 @@ def table(pools, modes, knobs, budget, reference_budget):
     return results
 
 
+def plot(report: dict, path: str) -> None:
+    """Effective TB/s vs L, one line per key mode x B, against the same-run copy ceiling, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    rows = report["table"]
+    for mode, style in (("bf16", "-"), ("fp8", "--")):
+        for color, batch in enumerate(sorted({r["B"] for r in rows})):
+            line = sorted((int(r["L"]), r["tbps"]) for r in rows if r["mode"] == mode and r["B"] == batch)
+            if line:
+                ax.plot(*zip(*line), marker="o", linestyle=style, color=f"C{color}", label=f"{mode} B={batch}")
+    ax.axhline(report["copy_tbps"], color="gray", linestyle=":", label=f"copy {report['copy_tbps']:.2f} TB/s")
+    lengths = sorted({int(r["L"]) for r in rows})
+    ax.set(xscale="log", xlabel="context length L (tokens per row)", ylabel="effective TB/s (key + scale bytes)",
+           title=f"indexer logits, {report['device']}, Hi={HEADS} Di={DIM} page {PAGE}", ylim=(0, None))
+    ax.set_xticks(lengths, [f"{n // 1024}K" for n in lengths])
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true")
@@ -217,7 +244,13 @@ def main():
     parser.add_argument("--table", action="store_true")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds; later steps are skipped past it")
     parser.add_argument("--reference-budget", type=float, default=150.0, help="seconds; XLA timings stop here")
+    parser.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None,
+                        help="measure nothing: plot the table of a bench_indexer.json")
     args = parser.parse_args()
+    if args.plot:
+        with open(args.plot[0]) as f:
+            plot(json.load(f), args.plot[1])
+        return
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     log(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
