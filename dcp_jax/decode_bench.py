@@ -2,8 +2,8 @@
 
 For every DCP size W (TP = W, one DCP group) x kernels ('pallas' / 'reference') x batch bucket B x context L it
 builds the real decode step of `model_step.decode_body` (random weights of a preset, KV pools filled with random
-latents and index keys, host-built metadata), compiles each bucket once, and times N steps after warm-up inside
-`jax.no_tracing()` with a compile counter. Beside it, same pool and same metadata:
+latents and index keys, host-built metadata), compiles each bucket once, and times it after warm-up inside
+`jax.no_tracing()` with a compile counter: step latency, pipelined steps and the program alone (`time_steps`). Beside it, same pool and same metadata:
 - `fallback`: the same step with the local lengths re-derived on device from the global ones
   (`pallas_kernels.reference.local_context_lens_on_device`) - the failure mode the design forbids;
 - stage-isolating variants `through_<stage>` (see `STAGES`): each layer runs the attention data flow of
@@ -543,7 +543,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device memory for the capacity column (default: memory_stats, else 139 GiB)")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="per DCP size: start no program after this many seconds (the rest: 'skipped' rows)")
+                        help="per DCP size, compiles included: time no program after this many seconds (the rest: "
+                             "'skipped' rows)")
     parser.add_argument("--out", default="results_decode.jsonl", help="JSON lines output")
     parser.add_argument("--img-dir", default="docs/img", help="where plots go ('none': no plots)")
     parser.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices (no effect on GPUs)")

@@ -76,6 +76,7 @@ class DecodeStep:
         self._jitted = jax.jit(sharded_body, donate_argnums=(1,))
         self._lowered: dict[int, object] = {}
         self._compiled: dict[int, object] = {}
+        self._input_placements: dict[int, tuple] = {}  # bucket -> placements of (inputs, md) in its program
         self._md_shardings = jax.tree.map(lambda spec: sharding(mesh, spec), METADATA_SPECS)
 
     def place_params(self, params):
@@ -107,7 +108,9 @@ class DecodeStep:
         """Compile the program of bucket `rows` (once; lowering it first if needed); returns it."""
         if rows not in self._compiled:
             self.lower(params, kv_cache, rows)
-            self._compiled[rows] = self._lowered.pop(rows).compile()
+            compiled = self._lowered.pop(rows).compile()
+            self._input_placements[rows] = tuple(compiled.input_shardings[0][2:4])
+            self._compiled[rows] = compiled
         return self._compiled[rows]
 
     @property
@@ -132,8 +135,7 @@ class DecodeStep:
                               max_blocks=self.max_blocks, page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)
         if md.rows not in self._compiled:
             raise ValueError(f"bucket {md.rows} is not compiled; call compile() for every bucket at start-up")
-        arg_shardings = self._compiled[md.rows].input_shardings[0]
-        return jax.device_put((inputs, md), (arg_shardings[2], arg_shardings[3]))
+        return jax.device_put((inputs, md), self._input_placements[md.rows])
 
     def run_placed(self, params, kv_cache: KVCache, inputs, md: DecodeMetadata):
         """Run the bucket's program on inputs and metadata from `place_inputs` (no validation, no transfer)."""
