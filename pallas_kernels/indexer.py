@@ -6,8 +6,10 @@ lens [R] int32 local lengths (0 <= lens[r] <= max_blocks * page, computed on the
 k_scale [num_pages, page] f32 per token. Returns f32 [R, max_blocks * page]:
 `sum_h weights[r,h] * relu(q[r,h] . k_t) * k_scale[t]` for t < lens[r], -inf elsewhere.
 Block-table entries past a row's length (-1 on pad rows) are never read, nor are keys past it. q and keys
-are multiplied in the wider of their dtypes with f32 accumulation (fp8 x fp8 products are exact: Triton runs
-them as f16); f32 inputs use full-precision f32 dots. The wrapper pads Hi to a power of two >= 16 with
+are multiplied in the wider of their dtypes with f32 accumulation; f32 inputs use full-precision f32 dots. fp8 q
+and fp8 keys run on fp8 tensor cores (wgmma) by default, accumulating `fp8_imprecise_acc` products at a time in
+the tensor core's reduced-precision accumulator as DeepGEMM's indexer does; `fp8_imprecise_acc=None` multiplies
+them exactly as f16 instead (mma.sync, about half the rate). The wrapper pads Hi to a power of two >= 16 with
 zero-weight heads; Di must be a power of two >= 16 and tokens need no alignment (any page size works).
 
 Grid (R, ceil(max_blocks*page / block_t)): a program owns block_t tokens of one row and walks them in chunks
@@ -28,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._platform import default_interpret
+from pallas_kernels.fp8_dot import MIN_IMPRECISE_ACC, fp8_dot_nt
 
 # Pallas' Triton backend is what runs on the GPU today; its deprecation notice fires on every lowering.
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
@@ -41,7 +44,7 @@ _MAX_BLOCK_T, _MIN_PROGRAMS = 1024, 512
 
 def _indexer_kernel(q_ref, weights_ref, k_ref, k_scale_ref, block_tables_ref, lens_ref,  # inputs
                     out_ref,  # output
-                    *, page_size: int, max_blocks: int, chunk_t: int, precision):
+                    *, page_size: int, max_blocks: int, chunk_t: int, precision, fp8_imprecise_acc):
     row, split = pl.program_id(0), pl.program_id(1)
     block_t = out_ref.shape[0]
     start = split * block_t
@@ -62,8 +65,11 @@ def _indexer_kernel(q_ref, weights_ref, k_ref, k_scale_ref, block_tables_ref, le
         # A mask constant along Di (a broadcast) keeps the row loads 16 bytes wide.
         row_mask = jnp.broadcast_to(is_valid[:, None], (chunk_t, num_cols))
         keys = plgpu.load(k_ref.at[slot[:, None], cols], mask=row_mask, other=jnp.zeros((), k_ref.dtype))
-        dots = lax.dot_general(keys.astype(q.dtype), q, (((1,), (1,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)  # [chunk_t, Hi]
+        if fp8_imprecise_acc is None:
+            dots = lax.dot_general(keys.astype(q.dtype), q, (((1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)  # [chunk_t, Hi]
+        else:
+            dots = fp8_dot_nt(keys, q, max_num_imprecise_acc=fp8_imprecise_acc)
         logits = jnp.sum(jnp.maximum(dots, 0.0) * weights[None, :], axis=1)
         if k_scale_ref is not None:
             logits = logits * plgpu.load(k_scale_ref.at[slot], mask=is_valid, other=0.0)
@@ -104,15 +110,18 @@ def _pow2_at_least(n):
 
 
 def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, interpret=None,
-                   block_t=None, chunk_t=128, num_warps=4, num_stages=3):
+                   block_t=None, chunk_t=128, num_warps=4, num_stages=3, fp8_imprecise_acc=128):
     """Indexer logits f32 [R, max_blocks * page]; see the module docstring for the contract.
 
     Tuning knobs: block_t tokens per program (None: the largest power of two <= 1024 that still gives 512
     programs, so small batches fill the GPU), chunk_t tokens per dot (powers of two, chunk_t <= block_t; both
-    shrink to fit short rows), num_warps and num_stages for Triton. Defaults: the fastest timed by
+    shrink to fit short rows), num_warps and num_stages for Triton, fp8_imprecise_acc (fp8 q and keys only: None
+    or >= 32, see the module docstring). Defaults: the fastest timed by
     bench/bench_indexer.py on an H200 at fp8 B=64 L=64K (docs/perf_indexer.md).
     """
     _check_inputs(q, weights, k_cache, block_tables, lens, k_scale)
+    if fp8_imprecise_acc is not None and fp8_imprecise_acc < MIN_IMPRECISE_ACC:
+        raise ValueError(f"fp8_imprecise_acc must be None or >= {MIN_IMPRECISE_ACC}; got {fp8_imprecise_acc}")
     interpret = default_interpret(interpret)
     rows, heads, dim = q.shape
     num_pages, page_size, _ = k_cache.shape
@@ -129,9 +138,8 @@ def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, int
     num_splits = pl.cdiv(num_tokens, block_t)
 
     # The wider of the two (f32 > bf16 > fp8): jnp refuses to promote 8-bit floats implicitly. An fp8 x fp8 dot
-    # stays fp8 in the kernel: Pallas gives Triton no imprecise-accumulation allowance, so Triton multiplies it
-    # as exact f16 on mma.sync rather than fp8 wgmma, yet it keeps 16-byte key loads; casting to f16 here got
-    # wgmma but 8-byte loads and measured 1.4x slower (bench/bench_indexer.py, H200, B=64 L=64K).
+    # stays fp8 in the kernel (16-byte key loads): `fp8_dot_nt` gets it fp8 wgmma, a plain dot f16 mma.sync.
+    # Casting to f16 here got wgmma but 8-byte loads and measured 1.4x slower (H200, B=64 L=64K).
     compute_dtype = max(jnp.dtype(q.dtype), jnp.dtype(k_cache.dtype), key=lambda d: d.itemsize)
     # Zero heads with zero weight add relu(0) * 0 = 0; they lift Hi to a legal dot width.
     padded_heads = max(_pow2_at_least(heads), _MIN_DOT_DIM)
@@ -140,7 +148,8 @@ def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, int
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else lax.Precision.DEFAULT
 
     kernel = functools.partial(_indexer_kernel, page_size=page_size, max_blocks=max_blocks, chunk_t=chunk_t,
-                               precision=precision)
+                               precision=precision,
+                               fp8_imprecise_acc=fp8_imprecise_acc if compute_dtype.itemsize == 1 else None)
     out = pl.pallas_call(
         kernel,
         grid=(rows, num_splits),

@@ -35,11 +35,12 @@ def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None):
     return jnp.where(cols[None, :] < lens[:, None], scores, NEG_INF)
 
 
-def topk(scores, lens, *, k):
+def topk(scores, lens, *, k, sorted=True):
     """Exact per-row top-k over the first lens[r] columns: score descending, then column ascending.
 
     scores [R, T] f32, lens [R] int32, clipped to [0, T] as the kernel does. Returns values f32 [R, k], indices
-    int32 [R, k]; rows with min(lens[r], T) < k are padded with (-inf, -1).
+    int32 [R, k]; rows with min(lens[r], T) < k are padded with (-inf, -1). sorted=False: the same entries in
+    column order, pads last.
     """
     rows, cols = scores.shape
     lens = jnp.clip(lens, 0, cols)
@@ -51,7 +52,11 @@ def topk(scores, lens, *, k):
     # lax.top_k puts the lower index first among equal values.
     values, indices = jax.lax.top_k(masked, k)
     is_kept = indices < lens[:, None]
-    return jnp.where(is_kept, values, NEG_INF), jnp.where(is_kept, indices, -1).astype(jnp.int32)
+    values, indices = jnp.where(is_kept, values, NEG_INF), jnp.where(is_kept, indices, -1).astype(jnp.int32)
+    if not sorted:
+        column = jnp.where(is_kept, indices, jnp.iinfo(jnp.int32).max)
+        _, values, indices = jax.lax.sort((column, values, indices), dimension=1, num_keys=1)
+    return values, indices
 
 
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512):

@@ -68,8 +68,9 @@ def local_scores(queries: Queries, index_cache, block_tables, local_lens, *, ker
 
 
 def local_top_k(logits, local_lens, *, cfg: ModelConfig, kernels: Kernels):
-    """3. This rank's top-k: (scores [R, K], local token ids [R, K], -1 padded)."""
-    return kernels.topk(logits, local_lens, k=cfg.index_topk)
+    """3. This rank's top-k: (scores [R, K], local token ids [R, K], -1 padded), in column order: the
+    exchange sorts the merged candidates anyway."""
+    return kernels.topk(logits, local_lens, k=cfg.index_topk, sorted=False)
 
 
 def select_owned(values, local_ids, block_tables, *, cfg: ModelConfig, layout: DcpLayout):

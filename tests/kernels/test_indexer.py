@@ -70,6 +70,13 @@ def test_indexer_logits_several_chunks_per_program():
     _check(args, kwargs, rtol=1e-5, block_t=64, chunk_t=16)
 
 
+@pytest.mark.parametrize("fp8_imprecise_acc", [None, 32])
+def test_indexer_logits_fp8_mma_modes(fp8_imprecise_acc):
+    """Both fp8 paths (exact f16 products, fp8 wgmma with an accumulation allowance) match off the GPU."""
+    args, kwargs = _case(3, rows=3, heads=16, dim=64, page_size=16, max_blocks=8, lens=[128, 77, 0], dtype=FP8)
+    _check(args, kwargs, rtol=1e-5, fp8_imprecise_acc=fp8_imprecise_acc)
+
+
 def test_indexer_logits_bf16_queries_fp8_keys():
     """Mixed dtypes multiply in the wider one (fp8 keys upcast to bf16 in the kernel)."""
     args, kwargs = _case(2, rows=2, heads=4, dim=32, page_size=8, max_blocks=4, lens=[30, 9], dtype=FP8)
@@ -105,13 +112,16 @@ def test_indexer_logits_rejects_bad_knobs():
         indexer.indexer_logits(*args, **kwargs, chunk_t=24)
     with pytest.raises(ValueError, match="block_t"):
         indexer.indexer_logits(*args, **kwargs, block_t=32, chunk_t=64)
+    with pytest.raises(ValueError, match="fp8_imprecise_acc"):
+        indexer.indexer_logits(*args, **kwargs, fp8_imprecise_acc=16)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [FP8, jnp.bfloat16], ids=["fp8", "bf16"])
-def test_indexer_logits_compiled_real_shapes(dtype):
+@pytest.mark.parametrize("dtype, fp8_imprecise_acc", [(FP8, 128), (FP8, None), (jnp.bfloat16, None)],
+                         ids=["fp8-wgmma", "fp8-exact", "bf16"])
+def test_indexer_logits_compiled_real_shapes(dtype, fp8_imprecise_acc):
     """DeepSeek-V3.2 indexer (Hi=64, Di=128, page 64) compiled with the default knobs; mixed lengths."""
     lens = [0, 1, 63, 64, 1000, 4095, 3000, 4096]
     args, kwargs = _case(4, rows=8, heads=64, dim=128, page_size=64, max_blocks=64, lens=lens, dtype=dtype,
                          with_scale=True)
-    _check(args, kwargs, rtol=2e-3 if dtype == FP8 else 1e-4, interpret=False)
+    _check(args, kwargs, rtol=2e-3 if dtype == FP8 else 1e-4, interpret=False, fp8_imprecise_acc=fp8_imprecise_acc)

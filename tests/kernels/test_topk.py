@@ -14,8 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 from pallas_kernels import reference, topk
 
-KNOBS = ("interpret", "num_groups", "tile", "capacity", "coarse_bits", "splits", "sort_in_kernel", "num_warps",
-         "num_stages")
+KNOBS = ("sorted", "interpret", "num_groups", "tile", "capacity", "coarse_bits", "radix_bits", "splits",
+         "sort_in_kernel", "num_warps", "num_stages")
 _topk = jax.jit(topk.topk, static_argnums=2, static_argnames=KNOBS)
 _reference = jax.jit(reference.topk, static_argnames="k")
 
@@ -45,6 +45,10 @@ def _check(scores, lens, k, interpret=True, **knobs):
     # The reference runs on the CPU: the GPU's lax.top_k put a higher column first among ties at some shapes.
     cpu = jax.devices("cpu")[0]
     want_values, want_indices = _reference(jax.device_put(scores, cpu), jax.device_put(lens, cpu), k=k)
+    if not knobs.get("sorted", True):  # the same entries in column order, pads last
+        order = np.argsort(np.where(want_indices < 0, np.iinfo(np.int32).max, want_indices), axis=1, kind="stable")
+        want_values = np.take_along_axis(np.asarray(want_values), order, axis=1)
+        want_indices = np.take_along_axis(np.asarray(want_indices), order, axis=1)
     assert values.shape == indices.shape == (scores.shape[0], k)
     assert values.dtype == jnp.float32 and indices.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))
@@ -70,6 +74,21 @@ def test_small_buffers(fill, splits):
     _check(scores, lens, 64, splits=splits, **SMALL)
 
 
+@pytest.mark.parametrize("radix_bits", [1, 3, 8])
+@pytest.mark.parametrize("fill", ["normal", "ties", "equal"])
+def test_radix_widths(fill, radix_bits):
+    """Digits of 1, 3 (32 and coarse 8 bits are not multiples: a narrower last digit) and 8 bits."""
+    scores, lens = _scores(9, 4, 512, [0, 63, 512, 200], fill)
+    _check(scores, lens, 64, splits=2, radix_bits=radix_bits, **SMALL)
+
+
+@pytest.mark.parametrize("fill", ["normal", "ties", "equal"])
+def test_column_order(fill):
+    """sorted=False: the same top-k entries, in column order, pads last (both candidate and whole-row paths)."""
+    scores, lens = _scores(10, 5, 512, [512, 16, 0, 333, 70], fill)
+    _check(scores, lens, 64, sorted=False, splits=4, **SMALL)
+
+
 @pytest.mark.parametrize("splits", [2, 8])
 @pytest.mark.parametrize("capacity", [64, 128])
 def test_candidates_in_one_chunk(splits, capacity):
@@ -88,13 +107,15 @@ def test_xla_sort(fill):
 
 @settings(max_examples=12, deadline=None)
 @given(rows=st.integers(1, 4), cols=st.integers(1, 300), k=st.integers(1, 70), splits=st.sampled_from([1, 2, 4, 8]),
-       fill=st.sampled_from(FILLS), seed=st.integers(0, 2**16), data=st.data())
-def test_random_shapes_and_chunkings(rows, cols, k, splits, fill, seed, data):
+       radix_bits=st.sampled_from([1, 2, 4]), sorted=st.booleans(), fill=st.sampled_from(FILLS),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_random_shapes_and_chunkings(rows, cols, k, splits, radix_bits, sorted, fill, seed, data):
     """Any rows x columns, k below or above the row lengths, 1-8 chunks of 32 columns, 64-slot regions (ties
     overflow them into the whole-row path); lengths anywhere in [0, cols]."""
     lens = data.draw(st.lists(st.integers(0, cols), min_size=rows, max_size=rows))
     scores, lens = _scores(seed, rows, cols, lens, fill)
-    _check(scores, lens, k, splits=splits, num_groups=32, tile=32, capacity=64, coarse_bits=8)
+    _check(scores, lens, k, splits=splits, radix_bits=radix_bits, sorted=sorted, num_groups=32, tile=32,
+           capacity=64, coarse_bits=8)
 
 
 def test_k_one():
@@ -147,6 +168,8 @@ def test_sort_rows():
         (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"capacity": 0}, "capacity"),
         (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"coarse_bits": 33}, "coarse_bits"),
         (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"splits": 3}, "splits"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"radix_bits": 0}, "radix_bits"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"radix_bits": 9}, "radix_bits"),
     ],
 )
 def test_input_validation(scores, lens, k, knobs, match):
@@ -164,3 +187,5 @@ def test_compiled_real_shapes(rows, cols, fill):
     check(interpret=False)
     check(interpret=False, splits=1)
     check(interpret=False, sort_in_kernel=False)
+    check(interpret=False, sorted=False)
+    check(interpret=False, radix_bits=1)
