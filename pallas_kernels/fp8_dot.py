@@ -12,7 +12,6 @@ This registers a Pallas-Triton lowering rule through JAX internals (`jax._src.pa
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core as jax_core
