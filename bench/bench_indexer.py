@@ -1,7 +1,9 @@
 """Benchmark of pallas_kernels/indexer.py on one GPU: correctness vs the reference, then a timing table.
 
 Run from the repo root: `PYTHONPATH=. python3 bench/bench_indexer.py [--check] [--table] [--modes fp8,bf16]
-[--knobs JSON]` (`--knobs '{"chunk_t": 64}'` times other tuning knobs than the defaults).
+[--knobs JSON] [--batches 1,8] [--lengths 65536]` (`--knobs '{"chunk_t": 64}'` times other tuning knobs than
+the defaults; a JSON list times each knob set per shape). `--check` compares fp8 on wgmma (the default) and
+exact (`fp8_imprecise_acc=None`).
 Shapes: DeepSeek-V3.2 indexer, Hi=64, Di=128, page 64; B in {1, 8, 32, 64} rows of L in {4K, 16K, 64K, 128K}
 tokens each; fp8 (132 B/token: e4m3 key + f32 scale) and bf16 (256 B/token) keys.
 Timing: each call runs after an L2 flush on one of ROTATE block tables (random pages of a key pool of 8M
@@ -156,9 +158,10 @@ def check(pools):
     log(f"{'mode':<12}{'B':>4}{'L':>7}  {'rel err':>9}  {'-inf mismatches':>15}  {'nan':>4}")
     mixed = np.array(CHECK_LENS, np.int32)
     results = []
-    for mode in ("fp8", "bf16", "f32", "bf16q-fp8k"):
+    for mode in ("fp8", "fp8-exact", "bf16", "f32", "bf16q-fp8k"):
         length, lens = (mixed[-1] // 4, mixed.clip(0, mixed[-1] // 4)) if mode == "f32" else (mixed[-1], mixed)
         key_mode = "bf16" if mode in ("bf16", "f32") else "fp8"
+        knobs = dict(fp8_imprecise_acc=None) if mode == "fp8-exact" else {}
         k_cache, k_scale = pools[key_mode]
         q, weights = make_queries(key_mode, len(lens), jax.random.key(7))
         tables = block_tables_for(len(lens), length, 7, lens)
@@ -169,7 +172,8 @@ def check(pools):
             q = q.astype(jnp.bfloat16)
         lens = jnp.asarray(lens)
         args = (q, weights, k_cache, tables, lens)
-        out = np.asarray(jax.jit(lambda *a: indexer.indexer_logits(*a, k_scale=k_scale, interpret=False))(*args))
+        out = np.asarray(jax.jit(lambda *a: indexer.indexer_logits(*a, k_scale=k_scale, interpret=False,
+                                                                    **knobs))(*args))
         ref = np.asarray(jax.jit(lambda *a: reference.indexer_logits(*a, k_scale=k_scale))(*args))
         is_valid = np.arange(ref.shape[1])[None, :] < np.asarray(lens)[:, None]
         err = float(np.linalg.norm(out[is_valid] - ref[is_valid]) / np.linalg.norm(ref[is_valid]))
@@ -180,23 +184,25 @@ def check(pools):
     return results
 
 
-def table(pools, modes, knobs, budget, reference_budget):
-    """Kernel and XLA reference per shape, while time is left; kernel times from one profiler trace."""
-    log(f"== table: kernel ({knobs or 'default knobs'}) vs XLA reference ==")
+def table(pools, modes, knob_sets, batches, lengths, budget, reference_budget):
+    """Kernel (per knob set) and XLA reference per shape, while time is left; kernel times from one profiler
+    trace. The reference is timed once per shape."""
+    log(f"== table: kernel ({knob_sets}) vs XLA reference ==")
     results = []
     trace_dir = tempfile.mkdtemp()
     jax.profiler.start_trace(trace_dir)
     for mode in modes:
-        for rows in BATCHES:
-            for length in LENGTHS:
-                if elapsed() > budget:
-                    log(f"budget reached before {mode} B={rows} L={length}")
-                    break
-                r = time_kernel(pools[mode], mode, rows, length, with_reference=elapsed() < reference_budget,
-                                **knobs)
-                log(f"{mode} B={rows} L={length}: wall {r['wall_us']:.1f} us, xla {r['xla_us']:.1f} us   "
-                    f"[{elapsed():.0f} s]")
-                results.append(r)
+        for rows in batches:
+            for length in lengths:
+                for i, knobs in enumerate(knob_sets):
+                    if elapsed() > budget:
+                        log(f"budget reached before {mode} B={rows} L={length} {knobs}")
+                        break
+                    r = time_kernel(pools[mode], mode, rows, length,
+                                    with_reference=i == 0 and elapsed() < reference_budget, **knobs)
+                    log(f"{mode} B={rows} L={length} {knobs}: wall {r['wall_us']:.1f} us, xla {r['xla_us']:.1f} us"
+                        f"   [{elapsed():.0f} s]")
+                    results.append(r)
     jax.profiler.stop_trace()
     groups = kernel_times(trace_dir, RUNS + 1)  # the first call of each shape compiles and warms up
     if len(groups) != len(results):
@@ -240,7 +246,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--modes", default="fp8,bf16", help="key modes of the table, comma-separated")
-    parser.add_argument("--knobs", default="{}", help="JSON keyword knobs for indexer_logits (default: none)")
+    parser.add_argument("--knobs", default="{}",
+                        help="JSON keyword knobs for indexer_logits, or a list of them (each timed per shape)")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="table rows B, comma-separated")
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="table lengths L, comma-separated")
     parser.add_argument("--table", action="store_true")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds; later steps are skipped past it")
     parser.add_argument("--reference-budget", type=float, default=150.0, help="seconds; XLA timings stop here")
@@ -262,17 +271,21 @@ def main():
     if args.check:
         report["check"] = check(pools)
     knobs = json.loads(args.knobs)
+    knob_sets = knobs if isinstance(knobs, list) else [knobs]
     if args.table:
-        report["table"] = table(pools, args.modes.split(","), knobs, args.budget, args.reference_budget)
+        report["table"] = table(pools, args.modes.split(","), knob_sets, [int(b) for b in args.batches.split(",")],
+                                [int(n) for n in args.lengths.split(",")], args.budget, args.reference_budget)
     with open(os.path.join(out_dir, "bench_indexer.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     if report.get("table"):
         log(f"== indexer logits, {report['device']}, Hi={HEADS} Di={DIM} page={PAGE}, knobs {knobs or 'default'}; "
             f"copy {copy:.2f} TB/s ==")
-        log(f"{'mode':<5}{'B':>4}{'L':>8}{'kernel us':>11}{'XLA us':>10}{'speedup':>9}{'TB/s':>7}{'% copy':>8}")
+        log(f"{'mode':<5}{'B':>4}{'L':>8}{'kernel us':>11}{'XLA us':>10}{'speedup':>9}{'TB/s':>7}{'% copy':>8}"
+            + ("  knobs" if len(knob_sets) > 1 else ""))
         for r in report["table"]:
             log(f"{r['mode']:<5}{r['B']:>4}{r['L']:>8}{r['us']:>11.1f}{r['xla_us']:>10.1f}"
-                f"{r['xla_us'] / r['us']:>9.1f}{r['tbps']:>7.2f}{100 * r['tbps'] / copy:>8.0f}")
+                f"{r['xla_us'] / r['us']:>9.1f}{r['tbps']:>7.2f}{100 * r['tbps'] / copy:>8.0f}"
+                + (f"  {json.dumps(r['knobs'])}" if len(knob_sets) > 1 else ""))
     log(f"done in {elapsed():.0f} s")
     with open(os.path.join(out_dir, "bench_indexer.log"), "w") as f:
         f.write("\n".join(_LOG) + "\n")
