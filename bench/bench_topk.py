@@ -39,8 +39,6 @@ L2_BYTES = 60 << 20
 # Knob variants timed by --sweep on [64, 64K]: name -> keyword arguments of topk.topk.
 SWEEP = {
     "xla_sort": dict(sort_in_kernel=False),
-    "radix1": dict(radix_bits=1),
-    "radix2": dict(radix_bits=2),
     "unsorted_splits4": dict(sorted=False, splits=4),
     "splits1": dict(splits=1),
     "splits2": dict(splits=2),

@@ -14,8 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 from pallas_kernels import reference, topk
 
-KNOBS = ("sorted", "interpret", "num_groups", "tile", "capacity", "coarse_bits", "radix_bits", "splits",
-         "sort_in_kernel", "num_warps", "num_stages")
+KNOBS = ("sorted", "interpret", "num_groups", "tile", "capacity", "coarse_bits", "splits", "sort_in_kernel",
+         "num_warps", "num_stages")
 _topk = jax.jit(topk.topk, static_argnums=2, static_argnames=KNOBS)
 _reference = jax.jit(reference.topk, static_argnames="k")
 
@@ -74,14 +74,6 @@ def test_small_buffers(fill, splits):
     _check(scores, lens, 64, splits=splits, **SMALL)
 
 
-@pytest.mark.parametrize("radix_bits", [1, 3, 8])
-@pytest.mark.parametrize("fill", ["normal", "ties", "equal"])
-def test_radix_widths(fill, radix_bits):
-    """Digits of 1, 3 (32 and coarse 8 bits are not multiples: a narrower last digit) and 8 bits."""
-    scores, lens = _scores(9, 4, 512, [0, 63, 512, 200], fill)
-    _check(scores, lens, 64, splits=2, radix_bits=radix_bits, **SMALL)
-
-
 @pytest.mark.parametrize("fill", ["normal", "ties", "equal"])
 def test_column_order(fill):
     """sorted=False: the same top-k entries, in column order, pads last (both candidate and whole-row paths)."""
@@ -107,15 +99,13 @@ def test_xla_sort(fill):
 
 @settings(max_examples=12, deadline=None)
 @given(rows=st.integers(1, 4), cols=st.integers(1, 300), k=st.integers(1, 70), splits=st.sampled_from([1, 2, 4, 8]),
-       radix_bits=st.sampled_from([1, 2, 4]), sorted=st.booleans(), fill=st.sampled_from(FILLS),
-       seed=st.integers(0, 2**16), data=st.data())
-def test_random_shapes_and_chunkings(rows, cols, k, splits, radix_bits, sorted, fill, seed, data):
+       sorted=st.booleans(), fill=st.sampled_from(FILLS), seed=st.integers(0, 2**16), data=st.data())
+def test_random_shapes_and_chunkings(rows, cols, k, splits, sorted, fill, seed, data):
     """Any rows x columns, k below or above the row lengths, 1-8 chunks of 32 columns, 64-slot regions (ties
     overflow them into the whole-row path); lengths anywhere in [0, cols]."""
     lens = data.draw(st.lists(st.integers(0, cols), min_size=rows, max_size=rows))
     scores, lens = _scores(seed, rows, cols, lens, fill)
-    _check(scores, lens, k, splits=splits, radix_bits=radix_bits, sorted=sorted, num_groups=32, tile=32,
-           capacity=64, coarse_bits=8)
+    _check(scores, lens, k, splits=splits, sorted=sorted, num_groups=32, tile=32, capacity=64, coarse_bits=8)
 
 
 def test_k_one():
@@ -168,8 +158,6 @@ def test_sort_rows():
         (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"capacity": 0}, "capacity"),
         (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"coarse_bits": 33}, "coarse_bits"),
         (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"splits": 3}, "splits"),
-        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"radix_bits": 0}, "radix_bits"),
-        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"radix_bits": 9}, "radix_bits"),
     ],
 )
 def test_input_validation(scores, lens, k, knobs, match):
@@ -188,4 +176,3 @@ def test_compiled_real_shapes(rows, cols, fill):
     check(interpret=False, splits=1)
     check(interpret=False, sort_in_kernel=False)
     check(interpret=False, sorted=False)
-    check(interpret=False, radix_bits=1)
