@@ -13,6 +13,8 @@ trace has no GPU events); XLA reference time = median wall time minus the same e
 compile per shape: XLA compiles a Triton kernel in seconds, far longer than it runs.
 Effective TB/s counts key and scale bytes of the valid tokens; the copy ceiling (x -> x + 1 on 4 GB, read +
 write) is measured in the same run.
+`--modes fp8+topk` times the indexer followed by the top-k (k=2048, column order, as the decode layer runs it)
+in one program: the sum of the four kernels, the logits read back from L2.
 Full logs go to $OUT (or ./out) as bench_indexer.{log,json}. `--plot JSON PNG` draws a saved table (any machine).
 """
 
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.profiler import ProfileData
 
-from pallas_kernels import indexer, quant, reference
+from pallas_kernels import indexer, quant, reference, topk
 
 HEADS, DIM, PAGE = 64, 128, 64
 BATCHES, LENGTHS = (1, 8, 32, 64), (4096, 16384, 65536, 131072)
@@ -39,6 +41,8 @@ POOL_PAGES = 64 * 131072 // PAGE  # the largest shape's tokens: 1.1 GB fp8, 2.1 
 ROTATE, RUNS = 4, 10
 CHECK_LENS = (0, 1, 63, 64, 1000, 8191, 12345, 16384)  # one row each, 16K columns (4K for f32)
 KEY_BYTES = {"fp8": DIM + 4, "bf16": 2 * DIM}
+TOP_K, KERNELS_PER_TOPK = 2048, 3
+PALLAS_KERNELS = ("indexer_logits", "topk_maxima", "topk_candidates", "topk_select")  # kernel name parts
 
 _START = time.perf_counter()
 _LOG: list[str] = []
@@ -124,32 +128,52 @@ def copy_tbps():
     return 2 * big.nbytes / seconds / 1e12
 
 
-def time_kernel(pool, mode, rows, length, seed=0, *, with_reference=False, **knobs):
-    """Wall-clock timings of one shape; kernel_us is filled from the profiler trace by kernel_times()."""
+def time_kernel(pool, mode, rows, length, seed=0, *, with_reference=False, with_topk=False, **knobs):
+    """Wall-clock timings of one shape; kernel_us is filled from the profiler trace by kernel_times().
+
+    with_topk: time the indexer followed by the top-k (k=TOP_K, column order, as the decode layer runs it) in
+    one program instead, the logits still in L2 when the top-k reads them.
+    """
     k_cache, k_scale = pool
     q, weights = make_queries(mode, rows, jax.random.key(seed))
     lens = jnp.full((rows,), length, jnp.int32)
     args = [(q, weights, k_cache, block_tables_for(rows, length, seed * 100 + i), lens) for i in range(ROTATE)]
-    kernel = jax.jit(lambda *a: indexer.indexer_logits(*a, k_scale=k_scale, interpret=False, **knobs))
-    result = dict(mode=mode, B=rows, L=length, knobs=knobs, bytes=rows * length * KEY_BYTES[mode],
-                  wall_us=(timed(kernel, args) - overhead_seconds()) * 1e6, xla_us=float("nan"))
+
+    def run(*a):
+        logits = indexer.indexer_logits(*a, k_scale=k_scale, interpret=False, **knobs)
+        return topk.topk(logits, a[-1], TOP_K, sorted=False, interpret=False) if with_topk else logits
+
+    result = dict(mode=mode + "+topk" if with_topk else mode, B=rows, L=length, knobs=knobs,
+                  bytes=rows * length * KEY_BYTES[mode], kernels_per_call=KERNELS_PER_TOPK + 1 if with_topk else 1,
+                  wall_us=(timed(jax.jit(run), args) - overhead_seconds()) * 1e6, xla_us=float("nan"))
     if with_reference:
-        ref = jax.jit(lambda *a: reference.indexer_logits(*a, k_scale=k_scale))
-        result["xla_us"] = (timed(ref, args) - overhead_seconds()) * 1e6
+        def ref(*a):
+            logits = reference.indexer_logits(*a, k_scale=k_scale)
+            return reference.topk(logits, a[-1], k=TOP_K, sorted=False) if with_topk else logits
+
+        result["xla_us"] = (timed(jax.jit(ref), args) - overhead_seconds()) * 1e6
     return result
 
 
-def kernel_times(trace_dir, calls_per_shape):
-    """Durations (us) of the indexer kernels in a trace, grouped by call order: calls_per_shape per shape."""
+def kernel_times(trace_dir, kernels_per_call, calls_per_shape):
+    """Per shape, the per-call sums of the indexer and top-k kernel durations (us) in a trace, in call order.
+
+    kernels_per_call: one entry per timed shape (1 for the indexer alone, 4 with the top-k)."""
     lines = {}
     for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
         for plane in ProfileData.from_file(path).planes:
             if plane.name.startswith("/device:GPU"):
                 for line in plane.lines:
                     lines.setdefault(line.name, []).extend(
-                        (e.start_ns, e.duration_ns / 1e3) for e in line.events if "indexer" in e.name)
-    events = sorted(max(lines.values(), key=len, default=[]))  # one stream line, not its summaries
-    return [[us for _, us in events[i:i + calls_per_shape]] for i in range(0, len(events), calls_per_shape)]
+                        (e.start_ns, e.duration_ns / 1e3) for e in line.events
+                        if any(name in e.name for name in PALLAS_KERNELS))
+    events = [us for _, us in sorted(max(lines.values(), key=len, default=[]))]  # one stream line
+    groups, at = [], 0
+    for per_call in kernels_per_call:
+        calls = [sum(events[i:i + per_call]) for i in range(at, at + per_call * calls_per_shape, per_call)]
+        groups.append(calls)
+        at += per_call * calls_per_shape
+    return groups if at == len(events) else []
 
 
 def check(pools):
@@ -198,13 +222,15 @@ def table(pools, modes, knob_sets, batches, lengths, budget, reference_budget):
                     if elapsed() > budget:
                         log(f"budget reached before {mode} B={rows} L={length} {knobs}")
                         break
-                    r = time_kernel(pools[mode], mode, rows, length,
+                    key_mode, with_topk = mode.removesuffix("+topk"), mode.endswith("+topk")
+                    r = time_kernel(pools[key_mode], key_mode, rows, length, with_topk=with_topk,
                                     with_reference=i == 0 and elapsed() < reference_budget, **knobs)
                     log(f"{mode} B={rows} L={length} {knobs}: wall {r['wall_us']:.1f} us, xla {r['xla_us']:.1f} us"
                         f"   [{elapsed():.0f} s]")
                     results.append(r)
     jax.profiler.stop_trace()
-    groups = kernel_times(trace_dir, RUNS + 1)  # the first call of each shape compiles and warms up
+    # The first call of each shape compiles and warms up.
+    groups = kernel_times(trace_dir, [r["kernels_per_call"] for r in results], RUNS + 1)
     if len(groups) != len(results):
         log(f"profiler: {len(groups)} kernel groups for {len(results)} shapes; using wall-clock times")
     for i, r in enumerate(results):
@@ -245,7 +271,8 @@ def plot(report: dict, path: str) -> None:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true")
-    parser.add_argument("--modes", default="fp8,bf16", help="key modes of the table, comma-separated")
+    parser.add_argument("--modes", default="fp8,bf16",
+                        help="key modes of the table, comma-separated; MODE+topk times the indexer then the top-k")
     parser.add_argument("--knobs", default="{}",
                         help="JSON keyword knobs for indexer_logits, or a list of them (each timed per shape)")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="table rows B, comma-separated")
@@ -280,10 +307,10 @@ def main():
     if report.get("table"):
         log(f"== indexer logits, {report['device']}, Hi={HEADS} Di={DIM} page={PAGE}, knobs {knobs or 'default'}; "
             f"copy {copy:.2f} TB/s ==")
-        log(f"{'mode':<5}{'B':>4}{'L':>8}{'kernel us':>11}{'XLA us':>10}{'speedup':>9}{'TB/s':>7}{'% copy':>8}"
+        log(f"{'mode':<9}{'B':>4}{'L':>8}{'kernel us':>11}{'XLA us':>10}{'speedup':>9}{'TB/s':>7}{'% copy':>8}"
             + ("  knobs" if len(knob_sets) > 1 else ""))
         for r in report["table"]:
-            log(f"{r['mode']:<5}{r['B']:>4}{r['L']:>8}{r['us']:>11.1f}{r['xla_us']:>10.1f}"
+            log(f"{r['mode']:<9}{r['B']:>4}{r['L']:>8}{r['us']:>11.1f}{r['xla_us']:>10.1f}"
                 f"{r['xla_us'] / r['us']:>9.1f}{r['tbps']:>7.2f}{100 * r['tbps'] / copy:>8.0f}"
                 + (f"  {json.dumps(r['knobs'])}" if len(knob_sets) > 1 else ""))
     log(f"done in {elapsed():.0f} s")

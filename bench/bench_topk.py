@@ -40,6 +40,11 @@ L2_BYTES = 60 << 20
 SWEEP = {
     "xla_sort": dict(sort_in_kernel=False),
     "unsorted_splits4": dict(sorted=False, splits=4),
+    "select_warps4": dict(select_warps=4),
+    "select_warps8": dict(select_warps=8),
+    "unsorted_select_warps8": dict(sorted=False, select_warps=8),
+    "groups4096": dict(num_groups=4096),
+    "groups4096_coarse12": dict(num_groups=4096, coarse_bits=12),
     "splits1": dict(splits=1),
     "splits2": dict(splits=2),
     "splits4": dict(splits=4),

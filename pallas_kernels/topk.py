@@ -280,7 +280,7 @@ TARGET_PROGRAMS = 128
 
 
 def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=8192, tile=8192, capacity=4096,
-         coarse_bits=16, splits=None, sort_in_kernel=True, num_warps=16, num_stages=1):
+         coarse_bits=16, splits=None, sort_in_kernel=True, num_warps=16, select_warps=None, num_stages=1):
     """Top-k per row: values f32 [R, k] descending (ties: lower column first), indices int32 [R, k].
 
     scores [R, N] f32, lens [R] int32 (clipped to [0, N]; columns past it ignored). Rows with fewer than k valid
@@ -288,7 +288,7 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=8192, tile=
     sort; for callers that merge or sort again). See the module docstring for the algorithm and the knobs;
     `num_groups` and `capacity` are raised to k's next power of two when smaller, `num_groups` capped at N's;
     `splits` (chunks per row, a power of two; None: about TARGET_PROGRAMS / R) is capped so that chunks span
-    whole tiles.
+    whole tiles; `select_warps` (None: num_warps) sets the warps of the per-row select kernel alone.
     """
     _check_inputs(scores, lens, k)
     _check_knobs(num_groups=num_groups, tile=tile, capacity=capacity, coarse_bits=coarse_bits, splits=splits)
@@ -329,7 +329,8 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=8192, tile=
             jax.ShapeDtypeStruct((rows, k), jnp.float32),
             jax.ShapeDtypeStruct((rows, k), jnp.int32),
         ),
-        grid=(rows,), compiler_params=params, interpret=interpret, name=f"topk_select_{name}",
+        grid=(rows,), interpret=interpret, name=f"topk_select_{name}",
+        compiler_params=plgpu.CompilerParams(num_warps=select_warps or num_warps, num_stages=num_stages),
     )(scores, lens, cand_keys, cand_cols, counts)
     if sorted and not sort_in_kernel:
         values, indices = sort_rows(values, indices)

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from pallas_kernels import reference, topk
 
 KNOBS = ("sorted", "interpret", "num_groups", "tile", "capacity", "coarse_bits", "splits", "sort_in_kernel",
-         "num_warps", "num_stages")
+         "num_warps", "select_warps", "num_stages")
 _topk = jax.jit(topk.topk, static_argnums=2, static_argnames=KNOBS)
 _reference = jax.jit(reference.topk, static_argnames="k")
 
@@ -175,4 +175,4 @@ def test_compiled_real_shapes(rows, cols, fill):
     check(interpret=False)
     check(interpret=False, splits=1)
     check(interpret=False, sort_in_kernel=False)
-    check(interpret=False, sorted=False)
+    check(interpret=False, sorted=False, select_warps=8)
