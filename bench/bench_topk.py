@@ -39,20 +39,19 @@ L2_BYTES = 60 << 20
 # Knob variants timed by --sweep on [64, 64K]: name -> keyword arguments of topk.topk.
 SWEEP = {
     "xla_sort": dict(sort_in_kernel=False),
-    "unsorted_splits4": dict(sorted=False, splits=4),
-    "select_warps4": dict(select_warps=4),
-    "select_warps8": dict(select_warps=8),
-    "unsorted_select_warps8": dict(sorted=False, select_warps=8),
-    "groups4096": dict(num_groups=4096),
-    "groups4096_coarse12": dict(num_groups=4096, coarse_bits=12),
     "splits1": dict(splits=1),
-    "splits2": dict(splits=2),
     "splits4": dict(splits=4),
     "warps8": dict(num_warps=8),
+    "select_warps8": dict(select_warps=8),
     "tile4096": dict(tile=4096),
+    "groups4096": dict(num_groups=4096),
     "groups16384_cap8192": dict(num_groups=16384, capacity=8192),
     "coarse12": dict(coarse_bits=12),
-    "stages2": dict(num_stages=2),
+    "unsorted_splits4": dict(sorted=False, splits=4),
+    "unsorted_select_warps4": dict(sorted=False, select_warps=4),
+    "unsorted_select_warps8": dict(sorted=False, select_warps=8),
+    "unsorted_w8_g4096_t4096": dict(sorted=False, select_warps=8, num_groups=4096, tile=4096),
+    "unsorted_w8_g4096_t4096_c12": dict(sorted=False, select_warps=8, num_groups=4096, tile=4096, coarse_bits=12),
 }
 
 
@@ -166,6 +165,9 @@ def main():
     parser.add_argument("--k", type=int, default=K)
     parser.add_argument("--batches", default=BATCHES, help="comma-separated row counts")
     parser.add_argument("--columns", default=COLUMNS, help="comma-separated column counts")
+    parser.add_argument("--variants", default=None,
+                        help='JSON {name: topk knobs} timed at every shape (default: {"default": {}, "unsorted": '
+                             '{"sorted": false}})')
     args = parser.parse_args()
     k = args.k
     batches = [int(b) for b in args.batches.split(",")]
@@ -181,7 +183,7 @@ def main():
     got_zero = topk.topk(zeros, zero_lens, 4)
     log(f"signed zeros: reference {np.asarray(ref_zero[1]).tolist()} kernel {np.asarray(got_zero[1]).tolist()}")
 
-    variants = {"default": {}, "unsorted": dict(sorted=False)}
+    variants = json.loads(args.variants) if args.variants else {"default": {}, "unsorted": dict(sorted=False)}
     shapes = [(b, n) for n in columns for b in batches]
     jobs, inputs = {}, {}
     for batch, cols in shapes:

@@ -39,7 +39,7 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8
 _MIN_DOT_DIM = 16  # smallest M, N, K of a Triton tensor-core dot
 # Automatic block_t: long programs amortize the q load and pipeline their chunks, but at least about four
 # programs per SM (132 on an H200) keep every SM streaming at small batch sizes.
-_MAX_BLOCK_T, _MIN_PROGRAMS = 1024, 512
+_MAX_BLOCK_T, _MIN_PROGRAMS = 512, 512
 
 
 def _indexer_kernel(q_ref, weights_ref, k_ref, k_scale_ref, block_tables_ref, lens_ref,  # inputs
@@ -110,10 +110,10 @@ def _pow2_at_least(n):
 
 
 def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, interpret=None,
-                   block_t=None, chunk_t=128, num_warps=4, num_stages=3, fp8_imprecise_acc=128):
+                   block_t=None, chunk_t=64, num_warps=4, num_stages=2, fp8_imprecise_acc=128):
     """Indexer logits f32 [R, max_blocks * page]; see the module docstring for the contract.
 
-    Tuning knobs: block_t tokens per program (None: the largest power of two <= 1024 that still gives 512
+    Tuning knobs: block_t tokens per program (None: the largest power of two <= 512 that still gives 512
     programs, so small batches fill the GPU), chunk_t tokens per dot (powers of two, chunk_t <= block_t; both
     shrink to fit short rows), num_warps and num_stages for Triton, fp8_imprecise_acc (fp8 q and keys only: None
     or >= 32, see the module docstring). Defaults: the fastest timed by
