@@ -15,7 +15,7 @@ small batches still fill the GPU's SMs in the two streaming passes:
    rounded down to its top `coarse_bits` key bits, is a lower bound `floor` of the row's k-th largest key (k
    distinct columns reach it). Each chunk compacts its columns with key >= floor, in column order, into its own
    candidate region of `capacity` entries (prefix-sum positions) and stores their count. Random scores leave
-   about groups * ln(groups / (groups - k)) candidates per row (~2.4K at the defaults for k=2048), wherever they
+   about groups * ln(groups / (groups - k)) candidates per row (~2.8K at the defaults for k=2048), wherever they
    sit in the row.
 3. (grid R) Gather the regions' candidates, in chunk order, into one `capacity` vector; binary-search the exact
    k-th largest key `threshold` over it in registers; when the row has more candidates than `capacity` (many
@@ -279,7 +279,7 @@ def _check_knobs(**knobs):
 TARGET_PROGRAMS = 128
 
 
-def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=8192, tile=8192, capacity=4096,
+def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=4096, capacity=4096,
          coarse_bits=16, splits=None, sort_in_kernel=True, num_warps=16, select_warps=None, num_stages=1):
     """Top-k per row: values f32 [R, k] descending (ties: lower column first), indices int32 [R, k].
 
@@ -288,7 +288,8 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=8192, tile=
     sort; for callers that merge or sort again). See the module docstring for the algorithm and the knobs;
     `num_groups` and `capacity` are raised to k's next power of two when smaller, `num_groups` capped at N's;
     `splits` (chunks per row, a power of two; None: about TARGET_PROGRAMS / R) is capped so that chunks span
-    whole tiles; `select_warps` (None: num_warps) sets the warps of the per-row select kernel alone.
+    whole tiles; `select_warps` sets the warps of the per-row select kernel alone (None: num_warps when sorted,
+    whose bitonic network gains from more threads, else 8, measured faster there).
     """
     _check_inputs(scores, lens, k)
     _check_knobs(num_groups=num_groups, tile=tile, capacity=capacity, coarse_bits=coarse_bits, splits=splits)
@@ -330,7 +331,8 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=8192, tile=
             jax.ShapeDtypeStruct((rows, k), jnp.int32),
         ),
         grid=(rows,), interpret=interpret, name=f"topk_select_{name}",
-        compiler_params=plgpu.CompilerParams(num_warps=select_warps or num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=select_warps or (num_warps if sorted else 8),
+                                             num_stages=num_stages),
     )(scores, lens, cand_keys, cand_cols, counts)
     if sorted and not sort_in_kernel:
         values, indices = sort_rows(values, indices)
