@@ -241,21 +241,28 @@ class ParallelConfig:
 
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Formats of the indexer key cache. exact: keys in the model dtype, scored as HF does. fp8: Hadamard-rotated e4m3
+# keys with a power-of-two f32 scale per token (index_head_dim + 4 bytes a token), scored with fp8 queries.
+INDEX_CACHE_FORMATS = ("exact", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Paged KV pool and the decode bucket ladder (batch widths, each one compiled program)."""
+    """Paged KV pool (page size, page count, index cache format) and the decode bucket ladder (batch widths, each
+    one compiled program)."""
 
     page_size: int = 16
     num_pages: int = 64
     max_num_seqs: int = 8
     max_model_len: int = 512
     bucket_ladder: tuple[int, ...] = DEFAULT_BUCKETS
+    index_cache: str = "exact"
 
     def __post_init__(self):
         if self.page_size < 1 or self.num_pages < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
             raise ValueError(f"page_size, num_pages, max_num_seqs, max_model_len must be >= 1: {self}")
+        if self.index_cache not in INDEX_CACHE_FORMATS:
+            raise ValueError(f"index_cache={self.index_cache!r} must be one of {INDEX_CACHE_FORMATS}")
         ladder = self.bucket_ladder
         if not ladder or any(b < 1 for b in ladder) or list(ladder) != sorted(set(ladder)):
             raise ValueError(f"bucket_ladder must be strictly increasing positive ints, got {ladder}")

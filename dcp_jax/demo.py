@@ -70,7 +70,8 @@ def run_comparison(
     kernels: str = "reference",
     params=None,
 ) -> Report:
-    """Run `schedule` through the DCP step and the unsharded twin; return the worst output difference."""
+    """Run `schedule` through the DCP step and the unsharded twin (both with index keys in `engine.index_cache`'s
+    format); return the worst output difference."""
     mesh = make_mesh(parallel)
     params = init_stack_params(cfg, jax.random.key(seed)) if params is None else params
     step = make_stack_step(cfg, parallel, engine, mesh, select_kernels(kernels))
@@ -80,7 +81,7 @@ def run_comparison(
         step.compile(params, kv_cache, rows)
 
     num_requests = len(schedule.start)
-    history = empty_history(cfg, num_requests, engine.max_model_len)
+    history = empty_history(cfg, num_requests, engine.max_model_len, engine.index_cache)
     allocator = PageAllocator(engine.num_pages)
     tables: list[list[int]] = [[] for _ in range(num_requests)]
     lens = np.zeros(num_requests, np.int64)

@@ -1,4 +1,5 @@
-"""Device KV pools: the MLA latent cache and the indexer key cache, split along tokens over "dcp"."""
+"""Device KV pools: the MLA latent cache and the indexer key cache (in `EngineConfig.index_cache`'s format), split
+along tokens over "dcp"."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from dcp_jax.attention import index_format
+from dcp_jax.attention.index_format import Fp8IndexKeys
 from dcp_jax.config import EngineConfig, ModelConfig
 from dcp_jax.mesh import DCP, sharding
 
@@ -18,8 +21,9 @@ class KVCache:
     # One buffer per layer, so each decode step scatters into (and donates) it in place, never restacking the
     # pool. latent[l] [W, pages, B, C+E]: rank w's latent pool (normed latent c, then roped k_pe).
     latent: tuple[jax.Array, ...]
-    # index_k[l] [W, pages, B, J]: rank w's indexer key pool.
-    index_k: tuple[jax.Array, ...]
+    # index_k[l] [W, pages, B, J]: rank w's indexer key pool; in the fp8 format `Fp8IndexKeys` of [W, pages, B, J]
+    # e4m3 keys and [W, pages, B] f32 scales.
+    index_k: tuple[jax.Array | Fp8IndexKeys, ...]
 
     @property
     def num_pages(self) -> int:
@@ -30,13 +34,15 @@ class KVCache:
         return self.latent[0].shape[2]
 
     def layer(self, i: int):
-        """Per rank (inside shard_map, W = 1 local shard): layer i's (latent [pages, B, C+E], index_k [pages, B, J])."""
-        return self.latent[i][0], self.index_k[i][0]
+        """Per rank (inside shard_map, W = 1 local shard): layer i's (latent [pages, B, C+E], index_k [pages, B, J]
+        or its fp8 form)."""
+        return self.latent[i][0], jax.tree.map(lambda a: a[0], self.index_k[i])
 
 
 def from_layers(layers) -> KVCache:
-    """Per rank: KVCache from per-layer (latent [pages, B, C+E], index_k [pages, B, J]) pairs."""
-    return KVCache(latent=tuple(lat[None] for lat, _ in layers), index_k=tuple(idx[None] for _, idx in layers))
+    """Per rank: KVCache from per-layer (latent [pages, B, C+E], index_k [pages, B, J] or its fp8 form) pairs."""
+    return KVCache(latent=tuple(lat[None] for lat, _ in layers),
+                   index_k=tuple(jax.tree.map(lambda a: a[None], idx) for _, idx in layers))
 
 
 # Split along W over "dcp", replicated over the DCP groups (a prefix spec for every layer's buffer).
@@ -44,17 +50,18 @@ KV_CACHE_SPECS = KVCache(latent=P(DCP), index_k=P(DCP))
 
 
 def allocate_kv_cache(cfg: ModelConfig, engine: EngineConfig, dcp: int, mesh: Mesh, dtype=jnp.float32) -> KVCache:
-    """Zero-filled pools, created directly in their sharded placement."""
-
-    def zeros(width):
-        shape = (dcp, engine.num_pages, engine.page_size, width)
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding(mesh, P(DCP)))()
-
+    """Zero-filled pools (latents of `dtype`, index keys in `engine.index_cache`'s format), created directly in
+    their sharded placement."""
+    pool = (dcp, engine.num_pages, engine.page_size)
+    placed = sharding(mesh, P(DCP))
+    new_latent = jax.jit(lambda: jnp.zeros(pool + (cfg.latent_dim,), dtype), out_shardings=placed)
+    new_index_k = jax.jit(lambda: index_format.zeros(pool + (cfg.index_head_dim,), engine.index_cache, dtype),
+                          out_shardings=placed)
     layers = range(cfg.num_hidden_layers)
-    return KVCache(latent=tuple(zeros(cfg.latent_dim) for _ in layers),
-                   index_k=tuple(zeros(cfg.index_head_dim) for _ in layers))
+    return KVCache(latent=tuple(new_latent() for _ in layers), index_k=tuple(new_index_k() for _ in layers))
 
 
 def kv_bytes_per_rank(cache: KVCache) -> dict[str, int]:
     """Bytes of each pool (all layers) held by one DCP rank."""
-    return {f.name: sum(a.nbytes // a.shape[0] for a in getattr(cache, f.name)) for f in dataclasses.fields(cache)}
+    return {f.name: sum(a.nbytes // a.shape[0] for a in jax.tree.leaves(getattr(cache, f.name)))
+            for f in dataclasses.fields(cache)}

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from dcp_jax.attention import index_format
 from dcp_jax.attention.decode import DcpLayout, sparse_dcp_attention
 from dcp_jax.attention.kernels import Kernels
 from dcp_jax.attention.params import AttentionParams, init_attention_params, partition_specs
@@ -94,16 +95,19 @@ def make_stack_step(
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DenseHistory:
-    """Unsharded per-row history of every layer: [layers, R, T, C+E] latents and [layers, R, T, J] keys."""
+    """Unsharded per-row history of every layer: [layers, R, T, C+E] latents and [layers, R, T, J] keys (or
+    their fp8 form, `index_format.py`)."""
 
     latents: jax.Array
-    index_keys: jax.Array
+    index_keys: jax.Array | index_format.Fp8IndexKeys
 
 
-def empty_history(cfg: ModelConfig, rows: int, max_len: int) -> DenseHistory:
+def empty_history(cfg: ModelConfig, rows: int, max_len: int, index_cache: str = "exact") -> DenseHistory:
+    """Zero f32 history, index keys in format `index_cache`."""
     return DenseHistory(
         latents=jnp.zeros((cfg.num_hidden_layers, rows, max_len, cfg.latent_dim)),
-        index_keys=jnp.zeros((cfg.num_hidden_layers, rows, max_len, cfg.index_head_dim)),
+        index_keys=index_format.zeros((cfg.num_hidden_layers, rows, max_len, cfg.index_head_dim), index_cache,
+                                      jnp.float32),
     )
 
 
@@ -118,10 +122,13 @@ def decode_stack_unsharded(params, history: DenseHistory, hidden, positions, con
     for layer, lp in enumerate(params):
         x = rms_norm(hidden, lp.input_norm, cfg.rms_norm_eps)
         lat = history.latents[layer].at[rows, write].set(mla_latent(lp.attention, x, *rope, cfg), mode="drop")
-        idx = history.index_keys[layer].at[rows, write].set(index_key(lp.attention, x, *rope, cfg), mode="drop")
+        keys = jax.tree.map(lambda a: a[layer], history.index_keys)
+        new_keys = index_format.encode_keys(index_key(lp.attention, x, *rope, cfg), keys)
+        idx = jax.tree.map(lambda a, new: a.at[rows, write].set(new, mode="drop"), keys, new_keys)
         attn, sel = sparse_attention_unsharded(lp.attention, x, lat, idx, rope, context_lens, cfg=cfg)
         hidden = hidden + attn
         latents.append(lat)
         index_keys.append(idx)
         selected.append(sel)
-    return hidden, DenseHistory(jnp.stack(latents), jnp.stack(index_keys)), jnp.stack(selected)
+    history = DenseHistory(jnp.stack(latents), jax.tree.map(lambda *a: jnp.stack(a), *index_keys))
+    return hidden, history, jnp.stack(selected)

@@ -44,6 +44,17 @@ def test_dcp_step_with_pallas_kernels_equals_unsharded(dcp, interleave):
     assert tied.max_abs_err < TOL
 
 
+@pytest.mark.parametrize("dcp, interleave, kernels", [(2, 2, "pallas"), (4, 1, "reference"), (8, 2, "reference")])
+def test_dcp_step_with_fp8_index_cache_equals_unsharded_fp8(dcp, interleave, kernels):
+    """fp8 index cache on both sides: the DCP step (fp8 keys and scales written per rank, fp8 queries scored by
+    the indexer) equals the single-device computation on the same quantized keys and queries."""
+    engine = dataclasses.replace(ENGINE, index_cache="fp8")
+    report = run_comparison(TINY, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), engine, SCHEDULE,
+                            kernels=kernels)
+    assert report.max_context > TINY.index_topk
+    assert report.max_abs_err < TOL
+
+
 @pytest.mark.parametrize("tp, dcp", [(4, 2), (8, 4), (8, 1)])
 def test_tp_larger_than_dcp(tp, dcp):
     report = run_comparison(TINY, ParallelConfig(tp=tp, dcp=dcp, interleave=2), ENGINE, SCHEDULE)

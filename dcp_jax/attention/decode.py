@@ -1,7 +1,8 @@
 """One sparse DCP decode attention layer, per rank (call inside shard_map over the mesh of `mesh.py`).
 
 Per rank (h = H/tp local heads, W = dcp size, pages/B = this rank's KV pool):
-  x [R, D] replicated; kv_cache [pages, B, C+E]; index_cache [pages, B, J];
+  x [R, D] replicated; kv_cache [pages, B, C+E]; index_cache [pages, B, J] (exact) or `Fp8IndexKeys` of
+  [pages, B, J] e4m3 keys and [pages, B] f32 scales (fp8, see `index_format.py`);
   positions, local_lens, slots [R]; block_tables [R, P].
 """
 
@@ -13,11 +14,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dcp_jax.attention import exchange, projections
+from dcp_jax.attention import exchange, index_format, projections
+from dcp_jax.attention.index_format import Fp8IndexKeys
 from dcp_jax.attention.kernels import Kernels
 from dcp_jax.attention.params import AttentionParams
 from dcp_jax.config import ModelConfig
 from dcp_jax.mesh import DCP, HEADS
+from pallas_kernels import quant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +33,16 @@ class DcpLayout:
 
 
 def write_slots(cache, slots, values):
-    """cache [pages, B, X] with values [R, X] written at physical slots [R]; slot -1 writes nothing."""
-    pages, page_size, width = cache.shape
-    flat = cache.reshape(pages * page_size, width)
-    target = jnp.where(slots >= 0, slots, pages * page_size)  # out of range -> dropped
-    flat = flat.at[target].set(values.astype(cache.dtype), mode="drop")
-    return flat.reshape(cache.shape)
+    """cache [pages, B, ...] with values [R, ...] written at physical slots [R]; slot -1 writes nothing. A pytree
+    cache (`Fp8IndexKeys`) takes values of the same structure, written leaf by leaf."""
+
+    def write(pool, new):
+        pages, page_size = pool.shape[:2]
+        flat = pool.reshape(pages * page_size, *pool.shape[2:])
+        target = jnp.where(slots >= 0, slots, pages * page_size)  # out of range -> dropped
+        return flat.at[target].set(new.astype(pool.dtype), mode="drop").reshape(pool.shape)
+
+    return jax.tree.map(write, cache, values)
 
 
 class Queries(NamedTuple):
@@ -51,19 +58,25 @@ class Queries(NamedTuple):
 
 
 def project_and_write(p, x, kv_cache, index_cache, cos_sin, slots, *, cfg: ModelConfig):
-    """1. Projections for every row on every rank; the new token's latent and index key are written by its
-    owner only (slot -1 elsewhere). Returns (Queries, kv_cache, index_cache)."""
+    """1. Projections for every row on every rank; the new token's latent and index key (in the index cache's
+    format) are written by its owner only (slot -1 elsewhere). Returns (Queries, kv_cache, index_cache)."""
     cos, sin = cos_sin
     q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
     queries = Queries(q_nope, q_pe, projections.index_query(p, q_resid, cos, sin, cfg),
                       projections.index_weights(p, x, cfg))
     kv_cache = write_slots(kv_cache, slots, projections.mla_latent(p, x, cos, sin, cfg))
-    index_cache = write_slots(index_cache, slots, projections.index_key(p, x, cos, sin, cfg))
+    index_keys = index_format.encode_keys(projections.index_key(p, x, cos, sin, cfg), index_cache)
+    index_cache = write_slots(index_cache, slots, index_keys)
     return queries, kv_cache, index_cache
 
 
 def local_scores(queries: Queries, index_cache, block_tables, local_lens, *, kernels: Kernels):
-    """2. Indexer logits [R, P*B] over this rank's index-K shard, -inf past the host-provided local lengths."""
+    """2. Indexer logits [R, P*B] over this rank's index-K shard, -inf past the host-provided local lengths; an
+    fp8 cache is scored with fp8 queries and its per-token scales."""
+    if isinstance(index_cache, Fp8IndexKeys):
+        q8, weights = quant.quantize_index_queries(queries.index_q, queries.index_weights)
+        return kernels.indexer_logits(q8, weights, index_cache.keys, block_tables, local_lens,
+                                      k_scale=index_cache.scales)
     return kernels.indexer_logits(queries.index_q, queries.index_weights, index_cache, block_tables, local_lens)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dcp_jax.attention import projections
+from dcp_jax.attention import index_format, projections
 from dcp_jax.attention.params import AttentionParams
 from dcp_jax.config import ModelConfig
 from pallas_kernels import reference
@@ -18,14 +18,14 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def sparse_attention_unsharded(p: AttentionParams, x, latents, index_keys, cos_sin, context_lens, *, cfg: ModelConfig):
-    """x [R, D]; latents [R, T, C+E] and index_keys [R, T, J] hold each row's history with the new token
-    already written at context_lens-1. Returns (output [R, D], selected top-k positions [R, K], -1 padded)."""
+    """x [R, D]; latents [R, T, C+E] and index_keys [R, T, J] (or their fp8 form, `index_format.py`) hold each
+    row's history with the new token already written at context_lens-1. Returns (output [R, D], selected top-k
+    positions [R, K], -1 padded)."""
     cos, sin = cos_sin
     q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
-    index_q = projections.index_query(p, q_resid, cos, sin, cfg)
-    weights = projections.index_weights(p, x, cfg)
-    dots = jnp.einsum("rij,rtj->rit", index_q, index_keys, precision=HIGHEST)
-    scores = jnp.einsum("ri,rit->rt", weights, jax.nn.relu(dots), precision=HIGHEST)
+    index_q, weights = index_format.encode_queries(projections.index_query(p, q_resid, cos, sin, cfg),
+                                                   projections.index_weights(p, x, cfg), index_keys)
+    scores = index_format.dense_scores(index_q[:, None], weights[:, None], index_keys)[:, 0]  # one query a row
     _, selected = reference.topk(scores, context_lens, k=cfg.index_topk)
     t = latents.shape[1]
     is_selected = jnp.any(jnp.arange(t)[None, :, None] == selected[:, None, :], axis=-1)  # [R, T]
