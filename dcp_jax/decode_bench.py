@@ -2,7 +2,7 @@
 
 For every DCP size W (TP = W, one DCP group) x kernels ('pallas' / 'reference') x batch bucket B x context L it
 builds the real decode step of `model_step.decode_body` (random weights of a preset, KV pools filled with random
-latents and index keys, host-built metadata), compiles each bucket once, and times it after warm-up inside
+latents and index keys in the grid's index cache format, host-built metadata), compiles each bucket once, and times it after warm-up inside
 `jax.no_tracing()` with a compile counter: step latency, pipelined steps and the program alone (`time_steps`). Beside it, same pool and same metadata:
 - `fallback`: the same step with the local lengths re-derived on device from the global ones
   (`pallas_kernels.reference.local_context_lens_on_device`) - the failure mode the design forbids;
@@ -35,10 +35,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dcp_jax.attention import decode
+from dcp_jax.attention import decode, index_format
 from dcp_jax.attention.decode import DcpLayout
+from dcp_jax.attention.index_format import Fp8IndexKeys
 from dcp_jax.attention.kernels import select_kernels
-from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig, preset
+from dcp_jax.config import INDEX_CACHE_FORMATS, EngineConfig, ModelConfig, ParallelConfig, preset
 from dcp_jax.decode_bench_results import STAGES, report
 from dcp_jax.kv_cache import KVCache, allocate_kv_cache, from_layers, kv_bytes_per_rank
 from dcp_jax.layout import virtual_blocks
@@ -49,6 +50,7 @@ from dcp_jax.model import abstract_model, check_divisible, init_params, merge, p
 from dcp_jax.model_step import decode_body
 from dcp_jax.rope import cos_sin, rope_tables
 from dcp_jax.step import DecodeStep, shard_decode_body
+from pallas_kernels import quant
 from pallas_kernels.reference import local_context_lens_on_device
 
 # A truncated layer adds this times the per-row mean of its dangling outputs to the residual stream, so XLA cannot
@@ -169,9 +171,14 @@ class Grid:
     page_size: int = 64
     interleave: int = 1
     dtype: str = "bfloat16"
+    index_cache: str = "exact"
     fallback: bool = True
     device_memory_gb: float | None = None
     seed: int = 0
+
+    def __post_init__(self):
+        if self.index_cache not in INDEX_CACHE_FORMATS:
+            raise ValueError(f"index_cache={self.index_cache!r} must be one of {INDEX_CACHE_FORMATS}")
 
     @property
     def cfg(self) -> ModelConfig:
@@ -182,7 +189,7 @@ class Grid:
         blocks = int(virtual_blocks(max_len, dcp, self.page_size))
         return EngineConfig(page_size=self.page_size, num_pages=max(self.batches) * blocks,
                             max_num_seqs=max(self.batches), max_model_len=max_len,
-                            bucket_ladder=tuple(sorted(set(self.batches))))
+                            bucket_ladder=tuple(sorted(set(self.batches))), index_cache=self.index_cache)
 
     def variants(self, batch: int) -> tuple[str, ...]:
         out = ("host",) + (("fallback",) if self.fallback else ())
@@ -222,17 +229,24 @@ def hlo_op_counts(hlo_text: str) -> Counter:
     return counts
 
 
+def _normal_like(pool, key):
+    """N(0, 1) entries of pool's shape; fp8 index keys hold N(0, 1) keys as the decode step writes them."""
+    if isinstance(pool, Fp8IndexKeys):
+        return Fp8IndexKeys(*quant.quantize_index_keys(jax.random.normal(key, pool.keys.shape)))
+    return jax.random.normal(key, pool.shape, pool.dtype)
+
+
 def fill_random(cache: KVCache, key) -> KVCache:
     """Replace every pool entry with N(0, 1) values (latents and index keys are normed, so about unit scale), in
     place on each rank's shard; donates `cache`."""
 
     def fill(pool, k):
-        return jax.jit(lambda x: jax.random.normal(k, x.shape, x.dtype), donate_argnums=0,
-                       out_shardings=pool.sharding)(pool)
+        return jax.jit(_normal_like, donate_argnums=0,
+                       out_shardings=jax.tree.map(lambda a: a.sharding, pool))(pool, k)
 
-    leaves, treedef = jax.tree.flatten(cache)
-    keys = jax.random.split(key, len(leaves))
-    return jax.tree.unflatten(treedef, [fill(pool, k) for pool, k in zip(leaves, keys)])
+    pools, treedef = jax.tree.flatten(cache, is_leaf=lambda x: isinstance(x, Fp8IndexKeys))
+    keys = jax.random.split(key, len(pools))
+    return jax.tree.unflatten(treedef, [fill(pool, k) for pool, k in zip(pools, keys)])
 
 
 def block_tables_for(batch: int, context: int, *, dcp: int, page_size: int, max_blocks: int) -> list[list[int]]:
@@ -241,11 +255,14 @@ def block_tables_for(batch: int, context: int, *, dcp: int, page_size: int, max_
     return [list(range(i * max_blocks, i * max_blocks + needed)) for i in range(batch)]
 
 
-def kv_bytes_used(cfg: ModelConfig, *, batch: int, context: int, dcp: int, page_size: int, itemsize: int):
-    """(latent, index-K) bytes of one rank's pages holding `batch` rows of `context` tokens (whole pages)."""
+def kv_bytes_used(cfg: ModelConfig, *, batch: int, context: int, dcp: int, page_size: int, itemsize: int,
+                  index_cache: str):
+    """(latent, index-K) bytes of one rank's pages holding `batch` rows of `context` tokens (whole pages), the
+    index keys in format `index_cache`."""
     tokens = batch * int(virtual_blocks(context, dcp, page_size)) * page_size
     layers = cfg.num_hidden_layers
-    return tokens * layers * cfg.latent_dim * itemsize, tokens * layers * cfg.index_head_dim * itemsize
+    index_bytes = index_format.bytes_per_token(index_cache, cfg.index_head_dim, itemsize)
+    return tokens * layers * cfg.latent_dim * itemsize, tokens * layers * index_bytes
 
 
 def device_memory(grid: Grid) -> tuple[int, str]:
@@ -258,10 +275,12 @@ def device_memory(grid: Grid) -> tuple[int, str]:
     return int(139 * 2**30), "assumed H200 (139 GiB)"
 
 
-def max_tokens(cfg: ModelConfig, *, dcp: int, memory: int, weights: int, workspace: int, itemsize: int) -> int:
+def max_tokens(cfg: ModelConfig, *, dcp: int, memory: int, weights: int, workspace: int, itemsize: int,
+               index_cache: str) -> int:
     """Global KV tokens (summed over rows) that fit: each rank keeps 1/W of them, beside its weights and the
-    step's workspace (the compiled program's temp bytes)."""
-    per_token = cfg.num_hidden_layers * (cfg.latent_dim + cfg.index_head_dim) * itemsize
+    step's workspace (the compiled program's temp bytes); index keys in format `index_cache`."""
+    index_bytes = index_format.bytes_per_token(index_cache, cfg.index_head_dim, itemsize)
+    per_token = cfg.num_hidden_layers * (cfg.latent_dim * itemsize + index_bytes)
     return max(0, (memory - weights - workspace) * dcp // per_token)
 
 
@@ -421,8 +440,8 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
 
         kv_cache = fresh_pool()
         pool = kv_bytes_per_rank(kv_cache)
-        common = dict(preset=grid.preset, layers=cfg.num_hidden_layers, dtype=grid.dtype, dcp=w,
-                      page_size=grid.page_size, interleave=grid.interleave)
+        common = dict(preset=grid.preset, layers=cfg.num_hidden_layers, dtype=grid.dtype,
+                      index_cache=grid.index_cache, dcp=w, page_size=grid.page_size, interleave=grid.interleave)
         items = work_items(grid)
         compiled = compile_programs(items, step_of, params, kv_cache, workers=compile_workers, on_point=on_point)
         for batch, kernels_name, variant in items:
@@ -444,7 +463,8 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
             if variant in ("host", "fallback"):
                 row |= _program_analysis(step, params, kv_cache, batch, step.compile(params, kv_cache, batch))
                 total = max_tokens(cfg, dcp=w, memory=memory, weights=weights_per_rank,
-                                   workspace=row["temp_bytes"] or 0, itemsize=dtype.itemsize)
+                                   workspace=row["temp_bytes"] or 0, itemsize=dtype.itemsize,
+                                   index_cache=grid.index_cache)
                 row |= dict(max_total_tokens=total, max_context=total // batch)
             yield row
             if budget_s is not None and time.perf_counter() - start > budget_s:
@@ -473,7 +493,8 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                 ordered = sorted(times)
                 median = statistics.median(ordered)
                 latent_bytes, index_bytes = kv_bytes_used(cfg, batch=batch, context=context, dcp=w,
-                                                          page_size=grid.page_size, itemsize=dtype.itemsize)
+                                                          page_size=grid.page_size, itemsize=dtype.itemsize,
+                                                          index_cache=grid.index_cache)
                 yield dict(point, kind="point", steps=len(times), median_ms=1e3 * median,
                            p10_ms=1e3 * _percentile(ordered, 10), p90_ms=1e3 * _percentile(ordered, 90),
                            min_ms=1e3 * ordered[0], max_ms=1e3 * ordered[-1], pipelined_ms=1e3 * pipelined,
@@ -539,6 +560,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=d.page_size)
     parser.add_argument("--interleave", type=int, default=d.interleave)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=d.dtype, help="weights and KV cache")
+    parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default=d.index_cache,
+                        help="indexer key cache: exact (the KV dtype, HF's math) or fp8 (e4m3 keys + an f32 scale per "
+                             "token, fp8 queries)")
     parser.add_argument("--device-memory-gb", type=float, default=None,
                         help="device memory for the capacity column (default: memory_stats, else 139 GiB)")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -559,7 +583,8 @@ def grid_from_args(args: argparse.Namespace) -> Grid:
     return Grid(preset=args.preset, num_layers=args.num_layers or None, dcp_sizes=args.dcp, contexts=args.contexts,
                 batches=args.batches, kernels=args.kernels, breakdown_batches=args.breakdown_batches,
                 steps=args.steps, warmup=args.warmup, page_size=args.page_size, interleave=args.interleave,
-                dtype=args.dtype, fallback=args.fallback, device_memory_gb=args.device_memory_gb, seed=args.seed)
+                dtype=args.dtype, index_cache=args.index_cache, fallback=args.fallback,
+                device_memory_gb=args.device_memory_gb, seed=args.seed)
 
 
 def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None) -> int:
@@ -586,7 +611,8 @@ def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None)
     info = run_info(grid)
     memory, memory_source = device_memory(grid)
     echo(f"{info['num_devices']} x {info['device']} ({info['backend']}), commit {info['commit']}, {grid.preset} "
-         f"{cfg.num_hidden_layers} layers {grid.dtype}, dcp {sizes}, kernels {list(grid.kernels)}, device memory "
+         f"{cfg.num_hidden_layers} layers {grid.dtype}, {grid.index_cache} index cache, dcp {sizes}, kernels "
+         f"{list(grid.kernels)}, device memory "
          f"{memory / 2**30:.1f} GiB ({memory_source})")
     for note in notes:
         echo(note)

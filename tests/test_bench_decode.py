@@ -86,13 +86,14 @@ def test_dcp_halves_per_rank_kv_and_doubles_capacity(smoke):
     assert programs[1]["max_context"] == programs[1]["max_total_tokens"] // 2
 
 
-def test_the_staged_variant_of_the_whole_layer_is_the_real_step():
+@pytest.mark.parametrize("index_cache", ["exact", "fp8"])
+def test_the_staged_variant_of_the_whole_layer_is_the_real_step(index_cache):
     """Guards the breakdown against drift: staged_decode_body(through="mlp") must compute decode_body exactly,
-    so its truncations cut the real data flow."""
+    so its truncations cut the real data flow (with either index cache, on a pool filled in its format)."""
     cfg = preset("tiny", num_layers=1)
     parallel = ParallelConfig(tp=2, dcp=2, interleave=2)
     grid = decode_bench.Grid(preset="tiny", num_layers=1, dcp_sizes=(2,), contexts=(48,), batches=(4,),
-                             page_size=4, interleave=2, dtype="float32")
+                             page_size=4, interleave=2, dtype="float32", index_cache=index_cache)
     engine = grid.engine(2)
     mesh = make_mesh(parallel)
     graphdef, abstract = abstract_model(cfg, jax.numpy.float32)
@@ -108,12 +109,28 @@ def test_the_staged_variant_of_the_whole_layer_is_the_real_step():
                                          abstract=abstract)
         placed = step.place_params(params)
         kv_cache = decode_bench.fill_random(allocate_kv_cache(cfg, engine, 2, mesh), jax.random.key(1))
+        index_k = kv_cache.index_k[0]
+        assert index_k.scales.min() > 0 if index_cache == "fp8" else index_k.dtype == jax.numpy.float32
         step.compile(placed, kv_cache, 4)
         (out, _), _ = step(placed, kv_cache, tokens, md)
         logits[variant] = np.asarray(out)
     assert np.all(np.isfinite(logits["host"]))
     np.testing.assert_allclose(logits["through_mlp"], logits["host"], rtol=1e-5, atol=1e-5)
     assert not np.allclose(logits["through_merge"], logits["host"], atol=1e-3)  # the MLP is cut there
+
+
+def test_fp8_index_cache_counts_index_head_dim_plus_4_bytes_a_token(smoke):
+    _, rows, _ = smoke
+    assert rows[0]["grid"]["index_cache"] == "exact"
+    assert {r["index_cache"] for r in rows if r["kind"] in ("program", "point")} == {"exact"}
+    cfg = preset("tiny", num_layers=1)
+    used = {f: decode_bench.kv_bytes_used(cfg, batch=2, context=64, dcp=1, page_size=4, itemsize=2, index_cache=f)
+            for f in ("exact", "fp8")}
+    assert used["fp8"] == (used["exact"][0], 2 * 64 * (cfg.index_head_dim + 4))
+    capacity = {f: decode_bench.max_tokens(cfg, dcp=2, memory=2**30, weights=0, workspace=0, itemsize=2,
+                                           index_cache=f) for f in ("exact", "fp8")}
+    assert capacity["fp8"] == 2 * 2**30 // (cfg.latent_dim * 2 + cfg.index_head_dim + 4)
+    assert capacity["exact"] == 2 * 2**30 // ((cfg.latent_dim + cfg.index_head_dim) * 2)
 
 
 def test_failures_name_fallback_ops_recompiles_and_errors():
