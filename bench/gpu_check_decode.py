@@ -11,7 +11,7 @@ import warnings
 
 import jax
 
-from dcp_jax.config import TINY, EngineConfig, ParallelConfig
+from dcp_jax.config import INDEX_CACHE_FORMATS, TINY, EngineConfig, ParallelConfig
 from dcp_jax.demo import run_comparison, staggered_schedule
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -23,12 +23,16 @@ def main():
     parser.add_argument("--interleave", default="1,2")
     parser.add_argument("--max-seqs", type=int, default=8)
     parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact",
+                        help="index cache format of both sides (fp8: fp8 queries and keys)")
     args = parser.parse_args()
     jax.config.update("jax_default_matmul_precision", "highest")
-    engine = EngineConfig(page_size=16, num_pages=64, max_num_seqs=args.max_seqs, max_model_len=args.steps + 16)
+    engine = EngineConfig(page_size=16, num_pages=64, max_num_seqs=args.max_seqs, max_model_len=args.steps + 16,
+                          index_cache=args.index_cache)
     schedule = staggered_schedule(args.max_seqs, args.steps, seed=0)
     devices = len(jax.devices())
-    print(f"backend {jax.default_backend()}, {devices} x {jax.devices()[0].device_kind}")
+    print(f"backend {jax.default_backend()}, {devices} x {jax.devices()[0].device_kind}, "
+          f"{args.index_cache} index cache")
     print(f"{'kernels':>10} {'dcp':>4} {'interleave':>10} {'buckets':>8} {'max ctx':>8} {'step ms':>8} {'max |err|':>10} {'wall s':>7}")
     for dcp in [int(d) for d in args.dcp.split(",") if int(d) <= devices]:
         for interleave in [int(s) for s in args.interleave.split(",")]:

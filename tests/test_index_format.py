@@ -4,9 +4,11 @@ scoring an fp8 cache alike, fp8 selections close to the exact ones, and bad form
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from dcp_jax import cli
 from dcp_jax.attention import index_format, projections
 from dcp_jax.attention.index_format import Fp8IndexKeys
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
@@ -82,3 +84,22 @@ def test_fp8_selection_overlaps_the_exact_selection():
     overlaps = [len(np.intersect1d(exact[b, s], fp8[b, s])) / k for b in range(BATCH) for s in range(k, TOKENS)]
     assert 0.8 <= np.mean(overlaps) < 1.0, np.mean(overlaps)  # < 1: the fp8 scores are not the exact ones
 
+
+def test_bad_index_cache_formats_are_refused_before_anything_runs(capsys):
+    with pytest.raises(ValueError, match=r"index_cache='fp16' must be one of \('exact', 'fp8'\)"):
+        EngineConfig(index_cache="fp16")
+    from dcp_jax import LLM
+    from dcp_jax.decode_bench import Grid
+    from dcp_jax.engine import Engine
+
+    with pytest.raises(ValueError, match="index_cache='int8'"):
+        LLM("tiny", index_cache="int8")
+    with pytest.raises(ValueError, match="index_cache='int8'"):
+        Engine("tiny", index_cache="int8", progress=False)
+    with pytest.raises(ValueError, match="index_cache='bf16'"):
+        Grid(index_cache="bf16")
+    for command in (["generate", "--prompt", "x"], ["serve"], ["bench", "decode"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(command + ["--index-cache", "fp16"])
+        assert exit_info.value.code == 2
+        assert "--index-cache: invalid choice: 'fp16'" in capsys.readouterr().err
