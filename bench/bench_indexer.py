@@ -182,9 +182,11 @@ def kernel_times(trace_dir, kernels_per_call, calls_per_shape):
 
 
 def check(pools):
-    """Relative error vs the reference on the GPU, mixed lengths incl. 0, 1, partial pages, full rows."""
+    """Relative error vs the reference on the GPU and on the CPU (exact products; XLA on the GPU may run fp8 dots
+    on fp8 tensor cores), mixed lengths incl. 0, 1, partial pages, full rows."""
     log("== correctness on GPU: kernel (default knobs) vs reference.indexer_logits (HIGHEST) ==")
-    log(f"{'mode':<12}{'B':>4}{'L':>7}  {'rel err':>9}  {'-inf mismatches':>15}  {'nan':>4}")
+    log(f"{'mode':<12}{'B':>4}{'L':>7}  {'rel err':>9}  {'vs CPU ref':>15}  {'GPU ref vs CPU':>15}  "
+        f"{'-inf mismatches':>15}  {'nan':>4}")
     mixed = np.array(CHECK_LENS, np.int32)
     results = []
     for mode in ("fp8", "fp8-exact", "bf16", "f32", "bf16q-fp8k"):
@@ -204,13 +206,32 @@ def check(pools):
         out = np.asarray(jax.jit(lambda *a: indexer.indexer_logits(*a, k_scale=k_scale, interpret=False,
                                                                     **knobs))(*args))
         ref = np.asarray(jax.jit(lambda *a: reference.indexer_logits(*a, k_scale=k_scale))(*args))
+        cpu_ref = cpu_reference(args, k_scale)
         is_valid = np.arange(ref.shape[1])[None, :] < np.asarray(lens)[:, None]
-        err = float(np.linalg.norm(out[is_valid] - ref[is_valid]) / np.linalg.norm(ref[is_valid]))
+
+        def rel_err(x, y):
+            return float(np.linalg.norm(x[is_valid] - y[is_valid]) / np.linalg.norm(y[is_valid]))
+
+        err, err_cpu, ref_err_cpu = rel_err(out, ref), rel_err(out, cpu_ref), rel_err(ref, cpu_ref)
         inf_bad = int((np.isneginf(out) != ~is_valid).sum())
         nans = int(np.isnan(out).sum())
-        log(f"{mode:<12}{len(lens):>4}{length:>7}  {err:9.2e}  {inf_bad:>15}  {nans:>4}")
-        results.append(dict(mode=mode, B=len(lens), L=length, rel_err=err, inf_mismatch=inf_bad, nan=nans))
+        log(f"{mode:<12}{len(lens):>4}{length:>7}  {err:9.2e}  {err_cpu:15.2e}  {ref_err_cpu:15.2e}  {inf_bad:>15}"
+            f"  {nans:>4}")
+        results.append(dict(mode=mode, B=len(lens), L=length, rel_err=err, rel_err_cpu=err_cpu,
+                            gpu_reference_rel_err_cpu=ref_err_cpu, inf_mismatch=inf_bad, nan=nans))
     return results
+
+
+def cpu_reference(args, k_scale):
+    """reference.indexer_logits on the CPU (exact f32 products) over just the rows' pages, copied off the GPU."""
+    q, weights, k_cache, tables, lens = args
+    used = jnp.clip(tables, 0)  # pages past a row's length are never read; page 0 stands in
+    pages = k_cache[used].reshape(-1, *k_cache.shape[1:])
+    scale = None if k_scale is None else k_scale[used].reshape(-1, k_cache.shape[1])
+    local_tables = jnp.arange(used.size, dtype=jnp.int32).reshape(used.shape)
+    cpu = jax.devices("cpu")[0]
+    moved = jax.device_put((q, weights, pages, local_tables, lens, scale), cpu)
+    return np.asarray(jax.jit(lambda *a: reference.indexer_logits(*a[:5], k_scale=a[5]))(*moved))
 
 
 def table(pools, modes, knob_sets, batches, lengths, budget, reference_budget):
