@@ -133,8 +133,8 @@ class Attention(nnx.Module):
     def decode(self, x, cos_sin, kv_cache, index_cache, local_lens, slots, block_tables, *, layout: DcpLayout,
                kernels: Kernels):
         """Per rank: the sparse DCP decode layer of `attention/decode.py` (x [R, D], kv_cache [pages, Bp, C+E],
-        index_cache [pages, Bp, J] or its fp8 form, local_lens / slots [R], block_tables [R, P]), also returning the global
-        top-k ids. Returns (output [R, D] summed over TP ranks, kv_cache, index_cache, selected [R, K])."""
+        index_cache [pages, Bp, J] or its fp8 form, local_lens / slots [R], block_tables [R, P]), also returning
+        the global top-k ids. Returns (output [R, D] summed over TP ranks, kv_cache, index_cache, selected [R, K])."""
         return sparse_dcp_attention(self.params(), x, kv_cache, index_cache, cos_sin, local_lens, slots, block_tables,
                                     cfg=self.cfg, layout=layout, kernels=kernels)
 

@@ -15,12 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from dcp_jax.attention import exchange, index_format, projections
-from dcp_jax.attention.index_format import Fp8IndexKeys
 from dcp_jax.attention.kernels import Kernels
 from dcp_jax.attention.params import AttentionParams
 from dcp_jax.config import ModelConfig
 from dcp_jax.mesh import DCP, HEADS
-from pallas_kernels import quant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +71,9 @@ def project_and_write(p, x, kv_cache, index_cache, cos_sin, slots, *, cfg: Model
 def local_scores(queries: Queries, index_cache, block_tables, local_lens, *, kernels: Kernels):
     """2. Indexer logits [R, P*B] over this rank's index-K shard, -inf past the host-provided local lengths; an
     fp8 cache is scored with fp8 queries and its per-token scales."""
-    if isinstance(index_cache, Fp8IndexKeys):
-        q8, weights = quant.quantize_index_queries(queries.index_q, queries.index_weights)
-        return kernels.indexer_logits(q8, weights, index_cache.keys, block_tables, local_lens,
-                                      k_scale=index_cache.scales)
-    return kernels.indexer_logits(queries.index_q, queries.index_weights, index_cache, block_tables, local_lens)
+    q, weights = index_format.encode_queries(queries.index_q, queries.index_weights, index_cache)
+    keys, k_scale = index_format.keys_and_scales(index_cache)
+    return kernels.indexer_logits(q, weights, keys, block_tables, local_lens, k_scale=k_scale)
 
 
 def local_top_k(logits, local_lens, *, cfg: ModelConfig, kernels: Kernels):

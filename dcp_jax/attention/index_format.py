@@ -61,6 +61,13 @@ def encode_queries(q, weights, like):
     return q8.reshape(q.shape), folded.reshape(*lead, -1)
 
 
+def keys_and_scales(cache):
+    """(keys, per-token scales or None) of an index cache, as `indexer_logits` takes them (k_cache, k_scale)."""
+    if isinstance(cache, Fp8IndexKeys):
+        return cache.keys, cache.scales
+    return cache, None
+
+
 def dense_scores(q, weights, keys):
     """q [B, S, I, J] and weights [B, S, I] from `encode_queries`, keys [B, T, J] (or `Fp8IndexKeys` of
     [B, T, J] and [B, T]) -> f32 [B, S, T]: `sum_i weights[i] * relu(q[i] . k[t])`, times scale[t] for fp8 keys,
