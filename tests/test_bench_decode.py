@@ -202,6 +202,19 @@ def test_report_mode_merges_result_files(smoke, tmp_path):
     assert "| reference | 1 | 2 | 64 |" in text and "| reference | 2 | 2 | 64 |" in text
 
 
+def test_report_refuses_mixed_index_cache_formats(smoke, tmp_path):
+    """Rows of an exact and an fp8 run share their keys: merging them is refused, not silently overwritten."""
+    _, rows, _ = smoke
+    fp8_rows = [dict(r, index_cache="fp8") if r["kind"] in ("point", "program") else r for r in rows]
+    paths = [tmp_path / "exact.jsonl", tmp_path / "fp8.jsonl"]
+    for path, part in zip(paths, (rows, fp8_rows)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in part))
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = cli.main(["bench", "decode", "--report", *map(str, paths), "--img-dir", "none"])
+    assert rc == 2 and "mix index-cache formats ['exact', 'fp8']" in stdout.getvalue()
+
+
 def test_plots_are_written(smoke, tmp_path):
     pytest.importorskip("matplotlib")
     _, rows, _ = smoke
