@@ -11,7 +11,7 @@ import warnings
 
 import jax
 
-from dcp_jax.config import INDEX_CACHE_FORMATS, TINY, EngineConfig, ParallelConfig
+from dcp_jax.config import INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, TINY, EngineConfig, ParallelConfig
 from dcp_jax.demo import run_comparison, staggered_schedule
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -24,7 +24,7 @@ def main():
     parser.add_argument("--max-seqs", type=int, default=8)
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact",
-                        help="index cache format of both sides (fp8: fp8 queries and keys)")
+                        help=INDEX_CACHE_HELP + "; both sides of the comparison use it")
     args = parser.parse_args()
     jax.config.update("jax_default_matmul_precision", "highest")
     engine = EngineConfig(page_size=16, num_pages=64, max_num_seqs=args.max_seqs, max_model_len=args.steps + 16,

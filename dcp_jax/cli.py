@@ -7,10 +7,9 @@ import logging
 import sys
 
 from dcp_jax.attention.kernels import KERNEL_CHOICES
-from dcp_jax.config import INDEX_CACHE_FORMATS
+from dcp_jax.config import INDEX_CACHE_FORMATS, INDEX_CACHE_HELP
 from dcp_jax.loading import use_cpu_devices
 
-INDEX_CACHE_HELP = "indexer key cache: exact (model dtype, HF's math) or fp8 (e4m3 keys + an f32 scale per token)"
 
 
 def _parse_sizes(text: str) -> list[int]:

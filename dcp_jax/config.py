@@ -244,6 +244,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Formats of the indexer key cache. exact: keys in the model dtype, scored as HF does. fp8: Hadamard-rotated e4m3
 # keys with a power-of-two f32 scale per token (index_head_dim + 4 bytes a token), scored with fp8 queries.
 INDEX_CACHE_FORMATS = ("exact", "fp8")
+INDEX_CACHE_HELP = "indexer key cache: exact (model dtype, HF's math) or fp8 (e4m3 keys + an f32 scale per token)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 For every DCP size W (TP = W, one DCP group) x kernels ('pallas' / 'reference') x batch bucket B x context L it
 builds the real decode step of `model_step.decode_body` (random weights of a preset, KV pools filled with random
-latents and index keys in the grid's index cache format, host-built metadata), compiles each bucket once, and times it after warm-up inside
-`jax.no_tracing()` with a compile counter: step latency, pipelined steps and the program alone (`time_steps`). Beside it, same pool and same metadata:
+latents and index keys in the grid's index cache format, host-built metadata), compiles each bucket once, and
+times it after warm-up inside `jax.no_tracing()` with a compile counter: step latency, pipelined steps and the
+program alone (`time_steps`). Beside it, same pool and same metadata:
 - `fallback`: the same step with the local lengths re-derived on device from the global ones
   (`pallas_kernels.reference.local_context_lens_on_device`) - the failure mode the design forbids;
 - stage-isolating variants `through_<stage>` (see `STAGES`): each layer runs the attention data flow of
@@ -39,7 +40,7 @@ from dcp_jax.attention import decode, index_format
 from dcp_jax.attention.decode import DcpLayout
 from dcp_jax.attention.index_format import Fp8IndexKeys
 from dcp_jax.attention.kernels import select_kernels
-from dcp_jax.config import INDEX_CACHE_FORMATS, EngineConfig, ModelConfig, ParallelConfig, preset
+from dcp_jax.config import INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, EngineConfig, ModelConfig, ParallelConfig, preset
 from dcp_jax.decode_bench_results import STAGES, report
 from dcp_jax.kv_cache import KVCache, allocate_kv_cache, from_layers, kv_bytes_per_rank
 from dcp_jax.layout import virtual_blocks
@@ -560,9 +561,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=d.page_size)
     parser.add_argument("--interleave", type=int, default=d.interleave)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=d.dtype, help="weights and KV cache")
-    parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default=d.index_cache,
-                        help="indexer key cache: exact (the KV dtype, HF's math) or fp8 (e4m3 keys + an f32 scale per "
-                             "token, fp8 queries)")
+    parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default=d.index_cache, help=INDEX_CACHE_HELP)
     parser.add_argument("--device-memory-gb", type=float, default=None,
                         help="device memory for the capacity column (default: memory_stats, else 139 GiB)")
     parser.add_argument("--seed", type=int, default=d.seed)

@@ -3,11 +3,12 @@
 `lax.dot_general` in a Pallas-Triton kernel emits `tt.dot` with no imprecise-accumulation allowance, and Triton
 then refuses fp8 wgmma with an f32 result: it upcasts both operands to f16 and runs mma.sync at half the fp8
 rate. `fp8_dot_nt` is the same product with the allowance Triton needs: `max_num_imprecise_acc` contraction
-elements may accumulate in the tensor core's reduced-precision fp8 accumulator before each exact f32 add
+elements may accumulate in the tensor core's reduced-precision (truncated f32) accumulator before each full f32 add
 (DeepGEMM's indexer accumulates its whole 128-wide contraction that way). Off the GPU (interpret mode, XLA) the
 product is exact f32.
 
 This registers a Pallas-Triton lowering rule through JAX internals (`jax._src.pallas.triton.lowering`, jax 0.11.2).
+Meant for kernel bodies: the primitive has no batching or differentiation rules.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ def fp8_dot_nt(a, b, *, max_num_imprecise_acc: int):
         raise ValueError(f"fp8_dot_nt wants a [M, K] and b [N, K]; got {a.shape=} {b.shape=}")
     if jnp.dtype(a.dtype) not in _FP8_DTYPES or a.dtype != b.dtype:
         raise ValueError(f"fp8_dot_nt wants two operands of one fp8 dtype; got {a.dtype=} {b.dtype=}")
-    if max_num_imprecise_acc < MIN_IMPRECISE_ACC:
+    if not isinstance(max_num_imprecise_acc, int) or max_num_imprecise_acc < MIN_IMPRECISE_ACC:
         raise ValueError(f"max_num_imprecise_acc must be >= {MIN_IMPRECISE_ACC} (wgmma); got "
                          f"{max_num_imprecise_acc}")
-    return fp8_dot_nt_p.bind(a, b, max_num_imprecise_acc=int(max_num_imprecise_acc))
+    return fp8_dot_nt_p.bind(a, b, max_num_imprecise_acc=max_num_imprecise_acc)
 
 
 def _exact_product(a, b, *, max_num_imprecise_acc):

@@ -8,9 +8,10 @@ k_scale [num_pages, page] f32 per token. Returns f32 [R, max_blocks * page]:
 Block-table entries past a row's length (-1 on pad rows) are never read, nor are keys past it. q and keys
 are multiplied in the wider of their dtypes with f32 accumulation; f32 inputs use full-precision f32 dots. fp8 q
 and fp8 keys run on fp8 tensor cores (wgmma) by default, accumulating `fp8_imprecise_acc` products at a time in
-the tensor core's reduced-precision accumulator as DeepGEMM's indexer does; `fp8_imprecise_acc=None` multiplies
-them exactly as f16 instead (mma.sync, about half the rate). The wrapper pads Hi to a power of two >= 16 with
-zero-weight heads; Di must be a power of two >= 16 and tokens need no alignment (any page size works).
+the tensor core's reduced-precision (truncated f32) accumulator as DeepGEMM's indexer does;
+`fp8_imprecise_acc=None` multiplies them exactly as f16 instead (mma.sync, about half the rate). The wrapper pads
+Hi to a power of two >= 16 with zero-weight heads; Di must be a power of two >= 16 and tokens need no alignment
+(any page size works).
 
 Grid (R, ceil(max_blocks*page / block_t)): a program owns block_t tokens of one row and walks them in chunks
 of chunk_t tokens; each chunk gathers its keys once ([chunk_t, Di], one row per token through the block
@@ -116,8 +117,8 @@ def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, int
     Tuning knobs: block_t tokens per program (None: the largest power of two <= 512 that still gives 512
     programs, so small batches fill the GPU), chunk_t tokens per dot (powers of two, chunk_t <= block_t; both
     shrink to fit short rows), num_warps and num_stages for Triton, fp8_imprecise_acc (fp8 q and keys only: None
-    or >= 32, see the module docstring). Defaults: the fastest timed by
-    bench/bench_indexer.py on an H200 at fp8 B=64 L=64K (docs/perf_indexer.md).
+    or >= 32, see the module docstring). Defaults from bench/bench_indexer.py on an H200 (docs/perf_indexer.md):
+    chunk_t and num_stages the fastest at fp8 B=64 L=64K; block_t <= 512 ties 1024 there and is faster at B=8.
     """
     _check_inputs(q, weights, k_cache, block_tables, lens, k_scale)
     if fp8_imprecise_acc is not None and fp8_imprecise_acc < MIN_IMPRECISE_ACC:

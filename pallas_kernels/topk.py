@@ -2,9 +2,9 @@
 
 Contract: scores [R, N] f32, lens [R] int32 (columns at or past lens[r] are ignored and may hold NaN or
 garbage; lens are clipped to [0, N]), k a Python int >= 1 (k > N is allowed). Returns values f32 [R, k] and
-indices int32 [R, k], ordered by score descending, then column ascending; rows with fewer than k valid columns
-are padded with (-inf, -1). Scores compare by their f32 total order, as `lax.top_k` does (CPU and H200):
--0.0 ranks below 0.0, and a returned value is bit-identical to its score.
+indices int32 [R, k], ordered by score descending, then column ascending (by column alone with `sorted=False`);
+rows with fewer than k valid columns are padded with (-inf, -1). Scores compare by their f32 total order, as
+`lax.top_k` does (CPU and H200): -0.0 ranks below 0.0, and a returned value is bit-identical to its score.
 
 Algorithm: three Pallas kernels; f32 scores map to int32 keys whose signed order is the f32 total order. Each
 row is cut into S chunks of `chunk` columns (S = `splits`, by default enough to give about 128 programs), so
@@ -20,9 +20,9 @@ small batches still fill the GPU's SMs in the two streaming passes:
 3. (grid R) Gather the regions' candidates, in chunk order, into one `capacity` vector; binary-search the exact
    k-th largest key `threshold` over it in registers; when the row has more candidates than `capacity` (many
    ties near the k-th place), over the whole row instead: exact, but 32 streamed passes. Emit every key >
-   threshold and the lowest-column ties at threshold up to k, in column order; pad; sort the k emitted pairs
-   (key descending, column ascending): a bitonic network in registers (`sort_in_kernel=True`) or one XLA sort of
-   [R, k] afterwards.
+   threshold and the lowest-column ties at threshold up to k, in column order; pad; unless `sorted=False`, sort
+   the k emitted pairs (key descending, column ascending): a bitonic network in registers (`sort_in_kernel=True`)
+   or one XLA sort of [R, k] afterwards.
 Tuning defaults were measured by `bench/bench_topk.py` on an H200 (docs/perf_topk.md). The bitonic network makes
 compiles slow (tens of seconds per (R, N) program): precompile the row buckets.
 Letters: R rows, N columns, K = k.
@@ -288,11 +288,14 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
     sort; for callers that merge or sort again). See the module docstring for the algorithm and the knobs;
     `num_groups` and `capacity` are raised to k's next power of two when smaller, `num_groups` capped at N's;
     `splits` (chunks per row, a power of two; None: about TARGET_PROGRAMS / R) is capped so that chunks span
-    whole tiles; `select_warps` sets the warps of the per-row select kernel alone (None: num_warps when sorted,
-    whose bitonic network gains from more threads, else 8, measured faster there).
+    whole tiles; `select_warps` sets the warps of the per-row select kernel alone (None: num_warps with the
+    in-kernel bitonic network, which gains from more threads, else 8, measured faster there).
     """
     _check_inputs(scores, lens, k)
     _check_knobs(num_groups=num_groups, tile=tile, capacity=capacity, coarse_bits=coarse_bits, splits=splits)
+    if select_warps is not None and (not isinstance(select_warps, int) or select_warps < 1
+                                     or select_warps & (select_warps - 1)):
+        raise ValueError(f"select_warps must be None or a power of two; got {select_warps}")
     interpret = default_interpret(interpret)
     rows, cols = scores.shape
     width = _next_pow2(k)
@@ -331,8 +334,8 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
             jax.ShapeDtypeStruct((rows, k), jnp.int32),
         ),
         grid=(rows,), interpret=interpret, name=f"topk_select_{name}",
-        compiler_params=plgpu.CompilerParams(num_warps=select_warps or (num_warps if sorted else 8),
-                                             num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=select_warps or (num_warps if sorted and sort_in_kernel else 8), num_stages=num_stages),
     )(scores, lens, cand_keys, cand_cols, counts)
     if sorted and not sort_in_kernel:
         values, indices = sort_rows(values, indices)

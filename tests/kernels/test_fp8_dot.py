@@ -25,6 +25,7 @@ def test_fp8_dot_nt_is_the_exact_product():
     (jnp.zeros((4, 8), FP8), jnp.zeros((4, 16), FP8), 32, "a \\[M, K\\]"),
     (jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((4, 8), jnp.bfloat16), 32, "fp8 dtype"),
     (jnp.zeros((4, 8), FP8), jnp.zeros((4, 8), FP8), 16, ">= 32"),
+    (jnp.zeros((4, 8), FP8), jnp.zeros((4, 8), FP8), 32.5, ">= 32"),
 ])
 def test_fp8_dot_nt_rejects_bad_inputs(a, b, acc, match):
     with pytest.raises(ValueError, match=match):

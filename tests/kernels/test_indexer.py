@@ -125,3 +125,10 @@ def test_indexer_logits_compiled_real_shapes(dtype, fp8_imprecise_acc):
     args, kwargs = _case(4, rows=8, heads=64, dim=128, page_size=64, max_blocks=64, lens=lens, dtype=dtype,
                          with_scale=True)
     _check(args, kwargs, rtol=2e-3 if dtype == FP8 else 1e-4, interpret=False, fp8_imprecise_acc=fp8_imprecise_acc)
+
+
+@pytest.mark.gpu
+def test_indexer_logits_compiled_short_rows_fp8():
+    """Rows of at most 16 tokens shrink the chunk below wgmma's 64-row tile: the fp8 dot must still compile."""
+    args, kwargs = _case(5, rows=4, heads=64, dim=128, page_size=8, max_blocks=2, lens=[0, 1, 9, 16], dtype=FP8)
+    _check(args, kwargs, rtol=2e-3, interpret=False)
