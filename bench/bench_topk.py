@@ -39,19 +39,18 @@ L2_BYTES = 60 << 20
 # Knob variants timed by --sweep on [64, 64K]: name -> keyword arguments of topk.topk.
 SWEEP = {
     "xla_sort": dict(sort_in_kernel=False),
-    "splits1": dict(splits=1),
-    "splits4": dict(splits=4),
-    "warps8": dict(num_warps=8),
     "select_warps8": dict(select_warps=8),
-    "tile4096": dict(tile=4096),
-    "groups4096": dict(num_groups=4096),
-    "groups16384_cap8192": dict(num_groups=16384, capacity=8192),
-    "coarse12": dict(coarse_bits=12),
-    "unsorted_splits4": dict(sorted=False, splits=4),
+    "unsorted_separate_floor": dict(sorted=False, separate_floor=True),
+    "unsorted_splits2": dict(sorted=False, splits=2, candidate_splits=2),
+    "unsorted_splits8": dict(sorted=False, splits=8, candidate_splits=8),
+    "unsorted_tile2048": dict(sorted=False, tile=2048),
+    "unsorted_tile1024": dict(sorted=False, tile=1024),
+    "unsorted_candidate_warps4": dict(sorted=False, candidate_warps=4),
+    "unsorted_candidate_warps16": dict(sorted=False, candidate_warps=16),
+    "unsorted_maxima_unroll1": dict(sorted=False, maxima_unroll=1),
+    "unsorted_groups8192": dict(sorted=False, num_groups=8192),
+    "unsorted_coarse12": dict(sorted=False, coarse_bits=12),
     "unsorted_select_warps4": dict(sorted=False, select_warps=4),
-    "unsorted_select_warps8": dict(sorted=False, select_warps=8),
-    "unsorted_w8_g4096_t4096": dict(sorted=False, select_warps=8, num_groups=4096, tile=4096),
-    "unsorted_w8_g4096_t4096_c12": dict(sorted=False, select_warps=8, num_groups=4096, tile=4096, coarse_bits=12),
 }
 
 

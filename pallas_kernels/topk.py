@@ -6,18 +6,18 @@ indices int32 [R, k], ordered by score descending, then column ascending (by col
 rows with fewer than k valid columns are padded with (-inf, -1). Scores compare by their f32 total order, as
 `lax.top_k` does (CPU and H200): -0.0 ranks below 0.0, and a returned value is bit-identical to its score.
 
-Algorithm: three Pallas kernels; f32 scores map to int32 keys whose signed order is the f32 total order. Each
-row is cut into S chunks of `chunk` columns (S = `splits`, by default enough to give about 128 programs), so
-small batches still fill the GPU's SMs in the two streaming passes:
+Algorithm: four Pallas kernels; f32 scores map to int32 keys whose signed order is the f32 total order. The two
+streaming passes cut each row into chunks (`splits` / `candidate_splits` per row, by default enough to give
+about 128 programs), so small batches still fill the GPU's SMs:
 1. (grid R x S) Column-wise key maxima of each chunk, in tiles of `groups` columns: group g holds columns
    g, g + groups, g + 2 * groups, ...
-2. (grid R x S) The maximum over the chunks gives the row's group maxima. The k-th largest group maximum,
-   rounded down to its top `coarse_bits` key bits, is a lower bound `floor` of the row's k-th largest key (k
-   distinct columns reach it). Each chunk compacts its columns with key >= floor, in column order, into its own
-   candidate region of `capacity` entries (prefix-sum positions) and stores their count. Random scores leave
-   about groups * ln(groups / (groups - k)) candidates per row (~2.8K at the defaults for k=2048), wherever they
-   sit in the row.
-3. (grid R) Gather the regions' candidates, in chunk order, into one `capacity` vector; binary-search the exact
+2. (grid R) The maximum over the chunks gives the row's group maxima. Their k-th largest, rounded down to its top
+   `coarse_bits` key bits, is a lower bound `floor` of the row's k-th largest key (k distinct columns reach it).
+   Random scores leave about groups * ln(groups / (groups - k)) keys >= floor per row (~2.8K at the defaults
+   for k=2048), wherever they sit in the row.
+3. (grid R x S') Each chunk compacts its columns with key >= floor (the candidates), in column order, into its
+   own region of `capacity` entries (prefix-sum positions) and stores their count.
+4. (grid R) Gather the regions' candidates, in chunk order, into one `capacity` vector; binary-search the exact
    k-th largest key `threshold` over it in registers; when the row has more candidates than `capacity` (many
    ties near the k-th place), over the whole row instead: exact, but 32 streamed passes. Emit every key >
    threshold and the lowest-column ties at threshold up to k, in column order; pad; unless `sorted=False`, sort
@@ -64,22 +64,56 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+# Tiles are laid out as [size // RUN, RUN] runs: entry [j, i] is position RUN * j + i. Triton gives each thread
+# whole runs (one 16-byte load of 4 keys), and a scatter's one-entry-per-thread layout owns the same entries, so
+# nothing moves through shared memory and prefix sums run along the runs in registers, with one cross-thread scan
+# over the run totals. (A flat [size] tile got the vectorized load and the scatter different owners: Triton
+# converted masks, keys and pointers through shared memory and ran each prefix sum twice; the compaction pass ran
+# at 0.7 TB/s on an H200.)
+RUN = 4
+
+
+def _run_iota(size):
+    """Positions [size // RUN, RUN] of a runs tile, and the first position of each entry's run."""
+    run = min(RUN, size)
+    shape = (size // run, run)
+    run_start = run * lax.broadcasted_iota(jnp.int32, shape, 0)
+    return run_start + lax.broadcasted_iota(jnp.int32, shape, 1), run_start
+
+
 def _load_keys(scores_ref, row, start, size, length):
-    """Keys of columns [start, start + size) of one row (INVALID at or past `length`) and their columns."""
-    cols = start + lax.broadcasted_iota(jnp.int32, (size,), 0)
+    """Keys of columns [start, start + size) of one row (INVALID at or past `length`) and their columns, as
+    [size // RUN, RUN] runs."""
+    offsets, run_offsets = _run_iota(size)
+    cols = start + offsets
     is_valid = cols < length
-    scores = plgpu.load(scores_ref.at[row, pl.ds(start, size)], mask=is_valid, other=0.0)
+    # When runs tile the row exactly, a run that starts inside the length is loaded whole (one 16-byte load; the
+    # columns past the length are masked below), since a mask must be uniform over a vector load.
+    whole_runs = scores_ref.shape[1] % offsets.shape[1] == 0
+    is_loaded = start + run_offsets < length if whole_runs else is_valid
+    scores = plgpu.load(scores_ref.at[row, cols], mask=is_loaded, other=0.0)
     return jnp.where(is_valid, _to_key(scores), INVALID), cols
+
+
+def _ranks(mask):
+    """Rank of each entry of a runs tile among its masked entries, in position order, and their number."""
+    flags = mask.astype(jnp.int32)
+    run_counts = jnp.sum(flags, axis=1)
+    run_starts = jnp.cumsum(run_counts) - run_counts
+    return run_starts[:, None] + jnp.cumsum(flags, axis=1) - 1, jnp.sum(run_counts)
 
 
 def _count(mask):
     return jnp.sum(mask.astype(jnp.int32))
 
 
-def _scatter(ref, row, dest, value, mask):
-    """ref[row, dest] = value where mask. Masked lanes aim past the row, where the interpreter's scatter drops
-    them (a lane left at dest -1 would wrap onto the last column); on the GPU they touch no memory."""
-    plgpu.store(ref.at[row, jnp.where(mask, dest, ref.shape[1])], value, mask=mask)
+def _scatter(ref, row, dest, value, mask, interpret: bool):
+    """ref[row, dest] = value where mask. On the GPU masked lanes touch no memory; the interpreter scatters every
+    lane, so there they aim past the row, where its scatter drops them (a lane at dest -1 would wrap onto the
+    last column, one at a taken slot would race with the lane that owns it)."""
+    if interpret:
+        dest = jnp.where(mask, dest, ref.shape[1])
+    plgpu.store(ref.at[row, dest], value, mask=mask)
 
 
 def _kth_largest_key(count_at_least, k, num_bits):
@@ -95,18 +129,18 @@ def _kth_largest_key(count_at_least, k, num_bits):
     return lax.fori_loop(0, num_bits, step, jnp.int32(0)) ^ INVALID
 
 
-def _emit(values_ref, indices_ref, row, keys, cols, threshold, need, taken, ties):
-    """Store keys > threshold and the first `need` ties (in the given column order) after `taken` slots.
+def _emit(values_ref, indices_ref, row, keys, cols, threshold, need, taken, ties, interpret):
+    """Store keys > threshold and the first `need` ties (in position order of the runs tile) after `taken` slots.
 
     `ties` counts the ties already seen in earlier chunks. Returns the updated (taken, ties).
     """
     is_tie = (keys == threshold) & (keys != INVALID)
-    tie_rank = ties + jnp.cumsum(is_tie.astype(jnp.int32))
-    is_taken = (keys > threshold) | (is_tie & (tie_rank <= need))
-    dest = taken + jnp.cumsum(is_taken.astype(jnp.int32)) - 1
-    _scatter(values_ref, row, dest, _from_key(keys), is_taken)
-    _scatter(indices_ref, row, dest, cols, is_taken)
-    return taken + _count(is_taken), ties + _count(is_tie)
+    tie_rank, num_ties = _ranks(is_tie)
+    is_taken = (keys > threshold) | (is_tie & (ties + tie_rank < need))
+    rank, num_taken = _ranks(is_taken)
+    _scatter(values_ref, row, taken + rank, _from_key(keys), is_taken, interpret)
+    _scatter(indices_ref, row, taken + rank, cols, is_taken, interpret)
+    return taken + num_taken, ties + num_ties
 
 
 def _sort_pairs(keys, ids):
@@ -147,40 +181,61 @@ def _chunk_bounds(length, chunk: int):
     return begin, jnp.clip(length - begin, 0, chunk) + begin
 
 
-def _chunk_maxima_kernel(scores_ref, lens_ref, maxima_ref, *, groups: int, chunk: int):
-    """Step 1 for one (row, chunk): maxima_ref[row, chunk * groups + g] = max key of group g in the chunk."""
+def _chunk_maxima_kernel(scores_ref, lens_ref, maxima_ref, *, groups: int, chunk: int, unroll: int):
+    """Step 1 for one (row, chunk): maxima_ref[row, chunk * groups + g] = max key of group g in the chunk.
+
+    Each step loads `unroll` tiles of `groups` columns before reducing them, to keep more loads in flight."""
     row, part = pl.program_id(0), pl.program_id(1)
     begin, end = _chunk_bounds(jnp.clip(lens_ref[row], 0, scores_ref.shape[1]), chunk)
+    offsets, _ = _run_iota(groups)
 
     def max_step(i, maxima):
-        return jnp.maximum(maxima, _load_keys(scores_ref, row, begin + i * groups, groups, end)[0])
+        tiles = [_load_keys(scores_ref, row, begin + (i * unroll + u) * groups, groups, end)[0]
+                 for u in range(unroll)]
+        return functools.reduce(jnp.maximum, tiles, maxima)
 
-    maxima = lax.fori_loop(0, pl.cdiv(end - begin, groups), max_step, jnp.full((groups,), INVALID, jnp.int32))
-    plgpu.store(maxima_ref.at[row, pl.ds(part * groups, groups)], maxima)
+    steps = pl.cdiv(end - begin, groups * unroll)
+    maxima = lax.fori_loop(0, steps, max_step, jnp.full(offsets.shape, INVALID, jnp.int32))
+    plgpu.store(maxima_ref.at[row, part * groups + offsets], maxima)
 
 
-def _chunk_candidates_kernel(scores_ref, lens_ref, maxima_ref,             # inputs
+def _row_floor(maxima_ref, row, *, k: int, groups: int, splits: int, coarse_bits: int):
+    """The row's group maxima (over its chunks') and their k-th largest, rounded down to its top `coarse_bits`
+    bits: the floor. (An XLA reduce over the chunks took up to 630 us.)"""
+    offsets, _ = _run_iota(groups)
+    maxima = plgpu.load(maxima_ref.at[row, offsets])
+    for other in range(1, splits):
+        maxima = jnp.maximum(maxima, plgpu.load(maxima_ref.at[row, other * groups + offsets]))
+    return _kth_largest_key(lambda t: _count(maxima >= t), k, coarse_bits)
+
+
+def _floor_kernel(maxima_ref, floor_ref, **floor_args):
+    """Step 2 for one row."""
+    row = pl.program_id(0)
+    floor_ref[row] = _row_floor(maxima_ref, row, **floor_args)
+
+
+def _chunk_candidates_kernel(scores_ref, lens_ref, floor_ref,               # inputs
                              cand_keys_ref, cand_cols_ref, counts_ref,      # outputs
-                             *, k: int, groups: int, tile: int, chunk: int, splits: int, capacity: int,
-                             coarse_bits: int):
-    """Step 2 for one (row, chunk): its candidates (key >= floor) into the chunk's region of the candidate buffers,
-    in column order, and their number (which may exceed `capacity`; only `capacity` are stored)."""
+                             *, tile: int, chunk: int, capacity: int, floor_args, interpret: bool):
+    """Step 3 for one (row, chunk): its candidates (key >= floor) into the chunk's region of `capacity` entries of
+    the candidate buffers, in column order, and their number (which may exceed `capacity`; only `capacity` are
+    stored). With `floor_args`, floor_ref holds the maxima and the program computes the floor itself (step 2)."""
     row, part = pl.program_id(0), pl.program_id(1)
     begin, end = _chunk_bounds(jnp.clip(lens_ref[row], 0, scores_ref.shape[1]), chunk)
-    maxima = plgpu.load(maxima_ref.at[row, pl.ds(0, groups)])
-    for other in range(1, splits):  # the row's maxima: over its chunks' (an XLA reduce here took up to 630 us)
-        maxima = jnp.maximum(maxima, plgpu.load(maxima_ref.at[row, pl.ds(other * groups, groups)]))
-    floor = _kth_largest_key(lambda t: _count(maxima >= t), k, coarse_bits)
+    floor = floor_ref[row] if floor_args is None else _row_floor(floor_ref, row, **floor_args)
+    floor = jnp.maximum(floor, INVALID + 1)  # keys past the length are never candidates
     region = part * capacity
 
     def compact_step(i, count):
         keys, cols = _load_keys(scores_ref, row, begin + i * tile, tile, end)
-        is_candidate = (keys >= floor) & (keys != INVALID)
-        dest = count + jnp.cumsum(is_candidate.astype(jnp.int32)) - 1
+        is_candidate = keys >= floor
+        rank, num_candidates = _ranks(is_candidate)
+        dest = count + rank
         is_stored = is_candidate & (dest < capacity)
-        _scatter(cand_keys_ref, row, region + dest, keys, is_stored)
-        _scatter(cand_cols_ref, row, region + dest, cols, is_stored)
-        return count + _count(is_candidate)
+        _scatter(cand_keys_ref, row, region + dest, keys, is_stored, interpret)
+        _scatter(cand_cols_ref, row, region + dest, cols, is_stored, interpret)
+        return count + num_candidates
 
     counts_ref[row, part] = lax.fori_loop(0, pl.cdiv(end - begin, tile), compact_step, jnp.int32(0))
 
@@ -188,14 +243,14 @@ def _chunk_candidates_kernel(scores_ref, lens_ref, maxima_ref,             # inp
 def _select_kernel(scores_ref, lens_ref, cand_keys_ref, cand_cols_ref, counts_ref,  # inputs
                    values_ref, indices_ref,                                          # outputs
                    *, k: int, tile: int, splits: int, capacity: int, sort_in_kernel: bool, interpret: bool):
-    """Step 3 for one row: exact threshold, emission in column order, padding, and the final order."""
+    """Step 4 for one row: exact threshold, emission in column order, padding, and the final order."""
     row = pl.program_id(0)
     length = jnp.clip(lens_ref[row], 0, scores_ref.shape[1])
     num_tiles = pl.cdiv(length, tile)
 
     # Slot j of the row's candidate vector is entry j - starts[c] of region c, for the c with starts[c] <= j.
-    slot = lax.broadcasted_iota(jnp.int32, (capacity,), 0)
-    region_offset = jnp.zeros((capacity,), jnp.int32)
+    slot, _ = _run_iota(capacity)
+    region_offset = jnp.zeros_like(slot)
     total = jnp.int32(0)
     for part in range(splits):
         region_offset = jnp.where(slot >= total, part * capacity - total, region_offset)
@@ -219,11 +274,11 @@ def _select_kernel(scores_ref, lens_ref, cand_keys_ref, cand_cols_ref, counts_re
     need = k - count_at_least(threshold + 1)
 
     # Emit in column order, then pad the rest of the row.
-    taken, ties = _emit(values_ref, indices_ref, row, cand_keys, cand_cols, threshold, need, 0, 0)
+    taken, ties = _emit(values_ref, indices_ref, row, cand_keys, cand_cols, threshold, need, 0, 0, interpret)
 
     def emit_step(i, carry):
         keys, cols = _load_keys(scores_ref, row, i * tile, tile, length)
-        return _emit(values_ref, indices_ref, row, keys, cols, threshold, need, *carry)
+        return _emit(values_ref, indices_ref, row, keys, cols, threshold, need, *carry, interpret)
 
     taken, _ = lax.fori_loop(0, row_tiles, emit_step, (taken, ties))
     width = _next_pow2(k)
@@ -264,78 +319,103 @@ def _check_inputs(scores, lens, k):
         raise ValueError(f"scores needs 1 <= N < 2**31 - 1 columns; got {scores.shape=}")
 
 
+def _is_pow2(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and not n & (n - 1)
+
+
 def _check_knobs(**knobs):
-    if knobs["splits"] is not None and (not isinstance(knobs["splits"], int) or knobs["splits"] < 1
-                                        or knobs["splits"] & (knobs["splits"] - 1)):
-        raise ValueError(f"splits must be None or a power of two; got {knobs['splits']}")
-    for name in ("num_groups", "tile", "capacity"):
-        if knobs[name] < 1 or knobs[name] & (knobs[name] - 1):
+    for name in ("splits", "candidate_splits", "floor_warps", "candidate_warps", "select_warps"):
+        if knobs[name] is not None and not _is_pow2(knobs[name]):
+            raise ValueError(f"{name} must be None or a power of two; got {knobs[name]}")
+    for name in ("num_groups", "tile", "capacity", "num_warps", "maxima_unroll"):
+        if not _is_pow2(knobs[name]):
             raise ValueError(f"{name} must be a power of two (a Triton block size); got {knobs[name]}")
     if not 1 <= knobs["coarse_bits"] <= 32:
         raise ValueError(f"coarse_bits must be in [1, 32]; got {knobs['coarse_bits']}")
 
 
-# Programs per streaming pass that `splits=None` aims for (the H200 has 132 SMs).
-TARGET_PROGRAMS = 128
+# Programs per streaming pass that `splits=None` / `candidate_splits=None` aim for (the H200 has 132 SMs, and
+# runs two 8-warp programs of either pass at once).
+TARGET_PROGRAMS = 256
+
+
+def _chunking(rows: int, cols: int, splits, step: int):
+    """(chunk, splits): chunks per row (None: the largest power of two <= TARGET_PROGRAMS / rows), capped so
+    that each chunk spans whole `step`s, and the chunk width."""
+    if splits is None:
+        splits = _next_pow2(max(1, TARGET_PROGRAMS // rows) + 1) // 2
+    splits = max(1, min(splits, pl.cdiv(cols, step)))
+    chunk = pl.cdiv(pl.cdiv(cols, splits), step) * step
+    return chunk, pl.cdiv(cols, chunk)
 
 
 def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=4096, capacity=4096,
-         coarse_bits=16, splits=None, sort_in_kernel=True, num_warps=16, select_warps=None, num_stages=1):
+         coarse_bits=16, splits=None, candidate_splits=None, sort_in_kernel=True, num_warps=8,
+         floor_warps=None, candidate_warps=None, select_warps=None, num_stages=1, maxima_unroll=4,
+         separate_floor=False):
     """Top-k per row: values f32 [R, k] descending (ties: lower column first), indices int32 [R, k].
 
     scores [R, N] f32, lens [R] int32 (clipped to [0, N]; columns past it ignored). Rows with fewer than k valid
     columns pad with (-inf, -1). `sorted=False` returns the same k entries in column order instead (no final
     sort; for callers that merge or sort again). See the module docstring for the algorithm and the knobs;
-    `num_groups` and `capacity` are raised to k's next power of two when smaller, `num_groups` capped at N's;
-    `splits` (chunks per row, a power of two; None: about TARGET_PROGRAMS / R) is capped so that chunks span
-    whole tiles; `select_warps` sets the warps of the per-row select kernel alone (None: num_warps with the
-    in-kernel bitonic network, which gains from more threads, else 8, measured faster there).
+    `num_groups` and `capacity` are raised to k's next power of two when smaller, `num_groups` capped at N's.
+    `splits` / `candidate_splits`: chunks per row of the maxima / candidates pass (powers of two; None: about
+    TARGET_PROGRAMS / R), capped so that chunks span whole groups / tiles; `maxima_unroll` tiles of `groups`
+    columns are loaded per step of the maxima pass; `separate_floor=True` finds each row's floor in a kernel of
+    its own instead of in every candidates program. Warps: `num_warps` for the maxima pass; `floor_warps` and
+    `candidate_warps` (None: num_warps) for the floor and candidates kernels; `select_warps` for the per-row
+    select kernel (None: 16 with the in-kernel bitonic network, which gains from more threads, else 8).
     """
     _check_inputs(scores, lens, k)
-    _check_knobs(num_groups=num_groups, tile=tile, capacity=capacity, coarse_bits=coarse_bits, splits=splits)
-    if select_warps is not None and (not isinstance(select_warps, int) or select_warps < 1
-                                     or select_warps & (select_warps - 1)):
-        raise ValueError(f"select_warps must be None or a power of two; got {select_warps}")
+    _check_knobs(num_groups=num_groups, tile=tile, capacity=capacity, coarse_bits=coarse_bits, splits=splits,
+                 candidate_splits=candidate_splits, num_warps=num_warps, floor_warps=floor_warps,
+                 candidate_warps=candidate_warps, select_warps=select_warps, maxima_unroll=maxima_unroll)
     interpret = default_interpret(interpret)
     rows, cols = scores.shape
     width = _next_pow2(k)
     groups = max(width, min(num_groups, _next_pow2(cols)))
     capacity = max(width, capacity)
     tile = min(tile, _next_pow2(cols))
-    step = max(groups, tile)  # a chunk spans whole tiles of both passes, so group g is the same in every chunk
-    if splits is None:
-        splits = _next_pow2(max(1, TARGET_PROGRAMS // rows) + 1) // 2  # largest power of two <= the target
-    splits = max(1, min(splits, pl.cdiv(cols, step)))
-    chunk = pl.cdiv(pl.cdiv(cols, splits), step) * step
-    splits = pl.cdiv(cols, chunk)
-    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    name = f"{k=}_{groups=}_{tile=}_{capacity=}_{splits=}"
+    chunk, splits = _chunking(rows, cols, splits, groups)  # whole groups: group g is the same in every chunk
+    candidate_chunk, candidate_splits = _chunking(rows, cols, candidate_splits, tile)
+    name = f"{k=}_{groups=}_{tile=}_{capacity=}_{splits=}_{candidate_splits=}"
+
+    def params(warps):
+        return plgpu.CompilerParams(num_warps=warps, num_stages=num_stages)
 
     maxima = pl.pallas_call(
-        functools.partial(_chunk_maxima_kernel, groups=groups, chunk=chunk),
+        functools.partial(_chunk_maxima_kernel, groups=groups, chunk=chunk, unroll=maxima_unroll),
         out_shape=jax.ShapeDtypeStruct((rows, splits * groups), jnp.int32),
-        grid=(rows, splits), compiler_params=params, interpret=interpret, name=f"topk_maxima_{name}",
+        grid=(rows, splits), compiler_params=params(num_warps), interpret=interpret, name=f"topk_maxima_{name}",
     )(scores, lens)
+    floor_args = dict(k=k, groups=groups, splits=splits, coarse_bits=coarse_bits)
+    if separate_floor:
+        floor = pl.pallas_call(
+            functools.partial(_floor_kernel, **floor_args),
+            out_shape=jax.ShapeDtypeStruct((rows,), jnp.int32),
+            grid=(rows,), compiler_params=params(floor_warps or num_warps), interpret=interpret,
+            name=f"topk_floor_{name}",
+        )(maxima)
     cand_keys, cand_cols, counts = pl.pallas_call(
-        functools.partial(_chunk_candidates_kernel, k=k, groups=groups, tile=tile, chunk=chunk, splits=splits,
-                          capacity=capacity, coarse_bits=coarse_bits),
+        functools.partial(_chunk_candidates_kernel, tile=tile, chunk=candidate_chunk, capacity=capacity,
+                          floor_args=None if separate_floor else floor_args, interpret=interpret),
         out_shape=(
-            jax.ShapeDtypeStruct((rows, splits * capacity), jnp.int32),
-            jax.ShapeDtypeStruct((rows, splits * capacity), jnp.int32),
-            jax.ShapeDtypeStruct((rows, splits), jnp.int32),
+            jax.ShapeDtypeStruct((rows, candidate_splits * capacity), jnp.int32),
+            jax.ShapeDtypeStruct((rows, candidate_splits * capacity), jnp.int32),
+            jax.ShapeDtypeStruct((rows, candidate_splits), jnp.int32),
         ),
-        grid=(rows, splits), compiler_params=params, interpret=interpret, name=f"topk_candidates_{name}",
-    )(scores, lens, maxima)
+        grid=(rows, candidate_splits), compiler_params=params(candidate_warps or num_warps), interpret=interpret,
+        name=f"topk_candidates_{name}",
+    )(scores, lens, floor if separate_floor else maxima)
     values, indices = pl.pallas_call(
-        functools.partial(_select_kernel, k=k, tile=tile, splits=splits, capacity=capacity,
+        functools.partial(_select_kernel, k=k, tile=tile, splits=candidate_splits, capacity=capacity,
                           sort_in_kernel=sorted and sort_in_kernel, interpret=interpret),
         out_shape=(
             jax.ShapeDtypeStruct((rows, k), jnp.float32),
             jax.ShapeDtypeStruct((rows, k), jnp.int32),
         ),
         grid=(rows,), interpret=interpret, name=f"topk_select_{name}",
-        compiler_params=plgpu.CompilerParams(
-            num_warps=select_warps or (num_warps if sorted and sort_in_kernel else 8), num_stages=num_stages),
+        compiler_params=params(select_warps or (16 if sorted and sort_in_kernel else 8)),
     )(scores, lens, cand_keys, cand_cols, counts)
     if sorted and not sort_in_kernel:
         values, indices = sort_rows(values, indices)

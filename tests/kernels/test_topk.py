@@ -14,8 +14,9 @@ from hypothesis import given, settings, strategies as st
 
 from pallas_kernels import reference, topk
 
-KNOBS = ("sorted", "interpret", "num_groups", "tile", "capacity", "coarse_bits", "splits", "sort_in_kernel",
-         "num_warps", "select_warps", "num_stages")
+KNOBS = ("sorted", "interpret", "num_groups", "tile", "capacity", "coarse_bits", "splits", "candidate_splits",
+         "sort_in_kernel", "num_warps", "floor_warps", "candidate_warps", "select_warps", "num_stages",
+         "maxima_unroll", "separate_floor")
 _topk = jax.jit(topk.topk, static_argnums=2, static_argnames=KNOBS)
 _reference = jax.jit(reference.topk, static_argnames=("k", "sorted"))
 
@@ -63,19 +64,22 @@ def test_default_knobs(fill):
     _check(scores, lens, 7)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 8])
+@pytest.mark.parametrize(("splits", "candidate_splits", "maxima_unroll", "separate_floor"),
+                         [(1, 1, 4, True), (2, 2, 1, False), (8, 8, 4, True), (1, 8, 2, False), (8, 2, 1, True)])
 @pytest.mark.parametrize("fill", FILLS)
-def test_small_buffers(fill, splits):
-    # With 8 chunks of 64 columns, rows of length 63, 64 and 200 leave chunks with no valid column.
-    scores, lens = _scores(1, 6, 512, [0, 63, 64, 512, 200, 511], fill)
-    _check(scores, lens, 64, splits=splits, **SMALL)
+def test_small_buffers(fill, splits, candidate_splits, maxima_unroll, separate_floor):
+    # With 8 chunks of 64 columns, rows of length 63, 64 and 200 leave chunks with no valid column; lengths that
+    # end inside a 4-column run load it whole.
+    scores, lens = _scores(1, 6, 512, [0, 63, 64, 512, 201, 511], fill)
+    _check(scores, lens, 64, splits=splits, candidate_splits=candidate_splits, maxima_unroll=maxima_unroll,
+           separate_floor=separate_floor, **SMALL)
 
 
 @pytest.mark.parametrize("fill", ["normal", "ties", "equal"])
 def test_column_order(fill):
     """sorted=False: the same top-k entries, in column order, pads last (both candidate and whole-row paths)."""
     scores, lens = _scores(10, 5, 512, [512, 16, 0, 333, 70], fill)
-    _check(scores, lens, 64, sorted=False, splits=4, **SMALL)
+    _check(scores, lens, 64, sorted=False, splits=4, candidate_splits=2, **SMALL)
 
 
 @pytest.mark.parametrize("splits", [2, 8])
@@ -85,7 +89,8 @@ def test_candidates_in_one_chunk(splits, capacity):
     column order), 64 overflow and take the whole-row path."""
     scores = jnp.asarray(np.tile(np.linspace(-3, 3, 512, dtype=np.float32), (3, 1)))
     lens = jnp.array([512, 500, 90], jnp.int32)
-    _check(scores, lens, 64, splits=splits, **(SMALL | dict(capacity=capacity, coarse_bits=4)))
+    _check(scores, lens, 64, splits=splits, candidate_splits=splits, **(SMALL | dict(capacity=capacity,
+                                                                                      coarse_bits=4)))
 
 
 @pytest.mark.parametrize("fill", ["normal", "ties"])
@@ -96,13 +101,18 @@ def test_xla_sort(fill):
 
 @settings(max_examples=12, deadline=None)
 @given(rows=st.integers(1, 4), cols=st.integers(1, 300), k=st.integers(1, 70), splits=st.sampled_from([1, 2, 4, 8]),
-       sorted=st.booleans(), fill=st.sampled_from(FILLS), seed=st.integers(0, 2**16), data=st.data())
-def test_random_shapes_and_chunkings(rows, cols, k, splits, sorted, fill, seed, data):
-    """Any rows x columns, k below or above the row lengths, 1-8 chunks of 32 columns, 64-slot regions (ties
-    overflow them into the whole-row path); lengths anywhere in [0, cols]."""
+       candidate_splits=st.sampled_from([1, 2, 4, 8]), maxima_unroll=st.sampled_from([1, 2, 4]),
+       separate_floor=st.booleans(), sorted=st.booleans(), fill=st.sampled_from(FILLS),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_random_shapes_and_chunkings(rows, cols, k, splits, candidate_splits, maxima_unroll, separate_floor, sorted,
+                                     fill, seed, data):
+    """Any rows x columns (odd ones load element-wise, not whole runs), k below or above the row lengths, 1-8
+    chunks of 32 columns in either streaming pass, 64-slot regions (ties overflow them into the whole-row path);
+    lengths anywhere in [0, cols]."""
     lens = data.draw(st.lists(st.integers(0, cols), min_size=rows, max_size=rows))
     scores, lens = _scores(seed, rows, cols, lens, fill)
-    _check(scores, lens, k, splits=splits, sorted=sorted, num_groups=32, tile=32, capacity=64, coarse_bits=8)
+    _check(scores, lens, k, splits=splits, candidate_splits=candidate_splits, maxima_unroll=maxima_unroll,
+           separate_floor=separate_floor, sorted=sorted, num_groups=32, tile=32, capacity=64, coarse_bits=8)
 
 
 def test_k_one():
@@ -155,6 +165,12 @@ def test_sort_rows():
         (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"capacity": 0}, "capacity"),
         (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"coarse_bits": 33}, "coarse_bits"),
         (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"splits": 3}, "splits"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"candidate_splits": 0}, "candidate_splits"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"num_warps": 6}, "num_warps"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"floor_warps": 3}, "floor_warps"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"candidate_warps": True}, "candidate_warps"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"select_warps": 12}, "select_warps"),
+        (jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), 1, {"maxima_unroll": 0}, "maxima_unroll"),
     ],
 )
 def test_input_validation(scores, lens, k, knobs, match):
@@ -170,6 +186,7 @@ def test_compiled_real_shapes(rows, cols, fill):
     scores, lens = _scores(7, rows, cols, lens, fill)
     check = functools.partial(_check, scores, lens, 2048)
     check(interpret=False)
-    check(interpret=False, splits=1)
+    check(interpret=False, splits=1, candidate_splits=8, floor_warps=4, candidate_warps=4)
+    check(interpret=False, splits=4, candidate_splits=2, separate_floor=False, maxima_unroll=1)
     check(interpret=False, sort_in_kernel=False)
     check(interpret=False, sorted=False, select_warps=8)
