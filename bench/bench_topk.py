@@ -43,14 +43,10 @@ SWEEP = {
     "unsorted_separate_floor": dict(sorted=False, separate_floor=True),
     "unsorted_splits2": dict(sorted=False, splits=2, candidate_splits=2),
     "unsorted_splits8": dict(sorted=False, splits=8, candidate_splits=8),
-    "unsorted_tile2048": dict(sorted=False, tile=2048),
-    "unsorted_tile1024": dict(sorted=False, tile=1024),
     "unsorted_candidate_warps4": dict(sorted=False, candidate_warps=4),
-    "unsorted_candidate_warps16": dict(sorted=False, candidate_warps=16),
-    "unsorted_maxima_unroll1": dict(sorted=False, maxima_unroll=1),
-    "unsorted_groups8192": dict(sorted=False, num_groups=8192),
+    "unsorted_maxima_unroll4": dict(sorted=False, maxima_unroll=4),
+    "unsorted_maxima_unroll8": dict(sorted=False, maxima_unroll=8),
     "unsorted_coarse12": dict(sorted=False, coarse_bits=12),
-    "unsorted_select_warps4": dict(sorted=False, select_warps=4),
 }
 
 

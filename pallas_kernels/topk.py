@@ -6,17 +6,18 @@ indices int32 [R, k], ordered by score descending, then column ascending (by col
 rows with fewer than k valid columns are padded with (-inf, -1). Scores compare by their f32 total order, as
 `lax.top_k` does (CPU and H200): -0.0 ranks below 0.0, and a returned value is bit-identical to its score.
 
-Algorithm: four Pallas kernels; f32 scores map to int32 keys whose signed order is the f32 total order. The two
-streaming passes cut each row into chunks (`splits` / `candidate_splits` per row, by default enough to give
-about 128 programs), so small batches still fill the GPU's SMs:
-1. (grid R x S) Column-wise key maxima of each chunk, in tiles of `groups` columns: group g holds columns
-   g, g + groups, g + 2 * groups, ...
-2. (grid R) The maximum over the chunks gives the row's group maxima. Their k-th largest, rounded down to its top
-   `coarse_bits` key bits, is a lower bound `floor` of the row's k-th largest key (k distinct columns reach it).
-   Random scores leave about groups * ln(groups / (groups - k)) keys >= floor per row (~2.8K at the defaults
-   for k=2048), wherever they sit in the row.
-3. (grid R x S') Each chunk compacts its columns with key >= floor (the candidates), in column order, into its
-   own region of `capacity` entries (prefix-sum positions) and stores their count.
+Algorithm: three Pallas kernels (four with `separate_floor`); f32 scores map to int32 keys whose signed order is
+the f32 total order. Group g of a row holds its columns g, g + groups, g + 2 * groups, ... Both streaming passes
+split each row over several programs (by default about 256 programs in all), so small batches still fill the
+GPU's SMs:
+1. (grid R x S) Group maxima: each program owns groups / S of the row's groups and walks the whole row, loading
+   that slice of every `groups` columns.
+2. The k-th largest group maximum, rounded down to its top `coarse_bits` key bits, is a lower bound `floor` of
+   the row's k-th largest key (k distinct columns reach it). Random scores leave about
+   groups * ln(groups / (groups - k)) keys >= floor per row (~2.8K at the defaults for k=2048), wherever they
+   sit in the row. Every program of step 3 finds it (16 CTA-wide counts over the maxima), or one kernel per row.
+3. (grid R x S') Each program compacts its chunk's columns with key >= floor (the candidates), in column order,
+   into its own region of `capacity` entries (prefix-sum positions) and stores their count.
 4. (grid R) Gather the regions' candidates, in chunk order, into one `capacity` vector; binary-search the exact
    k-th largest key `threshold` over it in registers; when the row has more candidates than `capacity` (many
    ties near the k-th place), over the whole row instead: exact, but 32 streamed passes. Emit every key >
@@ -181,31 +182,30 @@ def _chunk_bounds(length, chunk: int):
     return begin, jnp.clip(length - begin, 0, chunk) + begin
 
 
-def _chunk_maxima_kernel(scores_ref, lens_ref, maxima_ref, *, groups: int, chunk: int, unroll: int):
-    """Step 1 for one (row, chunk): maxima_ref[row, chunk * groups + g] = max key of group g in the chunk.
+def _maxima_kernel(scores_ref, lens_ref, maxima_ref, *, groups: int, size: int, unroll: int):
+    """Step 1 for one (row, part): maxima_ref[row, g] = max key of group g, for the part's `size` groups.
 
-    Each step loads `unroll` tiles of `groups` columns before reducing them, to keep more loads in flight."""
+    Each step loads `unroll` slices (one per `groups` columns) before reducing them, to keep more loads in flight.
+    """
     row, part = pl.program_id(0), pl.program_id(1)
-    begin, end = _chunk_bounds(jnp.clip(lens_ref[row], 0, scores_ref.shape[1]), chunk)
-    offsets, _ = _run_iota(groups)
+    length = jnp.clip(lens_ref[row], 0, scores_ref.shape[1])
+    offsets, _ = _run_iota(size)
+    first = part * size
 
     def max_step(i, maxima):
-        tiles = [_load_keys(scores_ref, row, begin + (i * unroll + u) * groups, groups, end)[0]
-                 for u in range(unroll)]
-        return functools.reduce(jnp.maximum, tiles, maxima)
+        slices = [_load_keys(scores_ref, row, (i * unroll + u) * groups + first, size, length)[0]
+                  for u in range(unroll)]
+        return functools.reduce(jnp.maximum, slices, maxima)
 
-    steps = pl.cdiv(end - begin, groups * unroll)
+    steps = pl.cdiv(pl.cdiv(length, groups), unroll)
     maxima = lax.fori_loop(0, steps, max_step, jnp.full(offsets.shape, INVALID, jnp.int32))
-    plgpu.store(maxima_ref.at[row, part * groups + offsets], maxima)
+    plgpu.store(maxima_ref.at[row, first + offsets], maxima)
 
 
-def _row_floor(maxima_ref, row, *, k: int, groups: int, splits: int, coarse_bits: int):
-    """The row's group maxima (over its chunks') and their k-th largest, rounded down to its top `coarse_bits`
-    bits: the floor. (An XLA reduce over the chunks took up to 630 us.)"""
+def _row_floor(maxima_ref, row, *, k: int, groups: int, coarse_bits: int):
+    """The k-th largest of the row's group maxima, rounded down to its top `coarse_bits` bits: the floor."""
     offsets, _ = _run_iota(groups)
     maxima = plgpu.load(maxima_ref.at[row, offsets])
-    for other in range(1, splits):
-        maxima = jnp.maximum(maxima, plgpu.load(maxima_ref.at[row, other * groups + offsets]))
     return _kth_largest_key(lambda t: _count(maxima >= t), k, coarse_bits)
 
 
@@ -339,19 +339,22 @@ def _check_knobs(**knobs):
 TARGET_PROGRAMS = 256
 
 
-def _chunking(rows: int, cols: int, splits, step: int):
-    """(chunk, splits): chunks per row (None: the largest power of two <= TARGET_PROGRAMS / rows), capped so
-    that each chunk spans whole `step`s, and the chunk width."""
-    if splits is None:
-        splits = _next_pow2(max(1, TARGET_PROGRAMS // rows) + 1) // 2
-    splits = max(1, min(splits, pl.cdiv(cols, step)))
-    chunk = pl.cdiv(pl.cdiv(cols, splits), step) * step
+def _default_splits(rows: int, splits):
+    """splits, or (None) the largest power of two <= TARGET_PROGRAMS / rows."""
+    return _next_pow2(max(1, TARGET_PROGRAMS // rows) + 1) // 2 if splits is None else splits
+
+
+def _chunking(rows: int, cols: int, splits, tile: int):
+    """(chunk, splits) of the candidates pass: chunks per row, capped so that each chunk spans whole tiles, and
+    the chunk width."""
+    splits = max(1, min(_default_splits(rows, splits), pl.cdiv(cols, tile)))
+    chunk = pl.cdiv(pl.cdiv(cols, splits), tile) * tile
     return chunk, pl.cdiv(cols, chunk)
 
 
 def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=4096, capacity=4096,
          coarse_bits=16, splits=None, candidate_splits=None, sort_in_kernel=True, num_warps=8,
-         floor_warps=None, candidate_warps=None, select_warps=None, num_stages=1, maxima_unroll=4,
+         floor_warps=None, candidate_warps=None, select_warps=None, num_stages=1, maxima_unroll=16,
          separate_floor=False):
     """Top-k per row: values f32 [R, k] descending (ties: lower column first), indices int32 [R, k].
 
@@ -359,9 +362,10 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
     columns pad with (-inf, -1). `sorted=False` returns the same k entries in column order instead (no final
     sort; for callers that merge or sort again). See the module docstring for the algorithm and the knobs;
     `num_groups` and `capacity` are raised to k's next power of two when smaller, `num_groups` capped at N's.
-    `splits` / `candidate_splits`: chunks per row of the maxima / candidates pass (powers of two; None: about
-    TARGET_PROGRAMS / R), capped so that chunks span whole groups / tiles; `maxima_unroll` tiles of `groups`
-    columns are loaded per step of the maxima pass; `separate_floor=True` finds each row's floor in a kernel of
+    `splits`: programs per row of the maxima pass, each owning groups // splits groups (a power of two; None:
+    about TARGET_PROGRAMS / R, capped at groups / 4); `maxima_unroll` slices of a program's groups are loaded
+    per step; `candidate_splits`: chunks per row of the candidates pass (a power of two; None: about
+    TARGET_PROGRAMS / R), capped so that chunks span whole tiles; `separate_floor=True` finds each row's floor in a kernel of
     its own instead of in every candidates program. Warps: `num_warps` for the maxima pass; `floor_warps` and
     `candidate_warps` (None: num_warps) for the floor and candidates kernels; `select_warps` for the per-row
     select kernel (None: 16 with the in-kernel bitonic network, which gains from more threads, else 8).
@@ -376,7 +380,7 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
     groups = max(width, min(num_groups, _next_pow2(cols)))
     capacity = max(width, capacity)
     tile = min(tile, _next_pow2(cols))
-    chunk, splits = _chunking(rows, cols, splits, groups)  # whole groups: group g is the same in every chunk
+    splits = max(1, min(_default_splits(rows, splits), groups // RUN))
     candidate_chunk, candidate_splits = _chunking(rows, cols, candidate_splits, tile)
     name = f"{k=}_{groups=}_{tile=}_{capacity=}_{splits=}_{candidate_splits=}"
 
@@ -384,11 +388,11 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
         return plgpu.CompilerParams(num_warps=warps, num_stages=num_stages)
 
     maxima = pl.pallas_call(
-        functools.partial(_chunk_maxima_kernel, groups=groups, chunk=chunk, unroll=maxima_unroll),
-        out_shape=jax.ShapeDtypeStruct((rows, splits * groups), jnp.int32),
+        functools.partial(_maxima_kernel, groups=groups, size=groups // splits, unroll=maxima_unroll),
+        out_shape=jax.ShapeDtypeStruct((rows, groups), jnp.int32),
         grid=(rows, splits), compiler_params=params(num_warps), interpret=interpret, name=f"topk_maxima_{name}",
     )(scores, lens)
-    floor_args = dict(k=k, groups=groups, splits=splits, coarse_bits=coarse_bits)
+    floor_args = dict(k=k, groups=groups, coarse_bits=coarse_bits)
     if separate_floor:
         floor = pl.pallas_call(
             functools.partial(_floor_kernel, **floor_args),
