@@ -97,7 +97,7 @@ def _load_keys(scores_ref, row, start, size, length):
 
 
 def _ranks(mask):
-    """Rank of each entry of a runs tile among its masked entries, in position order, and their number."""
+    """Rank of each masked entry of a runs tile among the masked entries, in position order, and their number."""
     flags = mask.astype(jnp.int32)
     run_counts = jnp.sum(flags, axis=1)
     run_starts = jnp.cumsum(run_counts) - run_counts
