@@ -365,8 +365,8 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
     `splits`: programs per row of the maxima pass, each owning groups // splits groups (a power of two; None:
     about TARGET_PROGRAMS / R, capped at groups / 4); `maxima_unroll` slices of a program's groups are loaded
     per step; `candidate_splits`: chunks per row of the candidates pass (a power of two; None: about
-    TARGET_PROGRAMS / R), capped so that chunks span whole tiles; `separate_floor=True` finds each row's floor in a kernel of
-    its own instead of in every candidates program. Warps: `num_warps` for the maxima pass; `floor_warps` and
+    TARGET_PROGRAMS / R), capped so that chunks span whole tiles; `separate_floor=True` finds each row's floor
+    in a kernel of its own instead of in every candidates program. Warps: `num_warps` for the maxima pass; `floor_warps` and
     `candidate_warps` (None: num_warps) for the floor and candidates kernels; `select_warps` for the per-row
     select kernel (None: 16 with the in-kernel bitonic network, which gains from more threads, else 8).
     """
