@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-PROBES = ["bench/probe_mgpu_row_gather.py", "bench/probe_mgpu_union_view.py"]
+PROBES = ["bench/probe_mgpu_row_gather.py", "bench/probe_mgpu_union_view.py", "bench/probe_mgpu_sparse_mla.py"]
 
 
 @pytest.mark.parametrize("path", PROBES)

@@ -1,0 +1,228 @@
+"""GPU probe for issue 4: a first warp-specialized sparse MLA decode kernel in Mosaic GPU (not wired anywhere).
+
+The design of docs/perf_sparse_mla.md ("A first Mosaic kernel to try"), bf16 only, no split-K:
+- one CTA per (64-head block, row); three warpgroups: two compute, one producer;
+- the producer gathers each block of 64 slots with one 128-byte TMA per (slot, 64-column slab) into a
+  (1, 64)-tiled view of a double-buffered K buffer [9 slabs, 64 slots, 64]; a slot past the row's count is
+  pointed past the cache, so the TMA fills its row with zeros;
+- each compute warpgroup reads the same bytes through an (8, 64)-tiled view (a plgpu.RefUnion): it computes
+  all 64 x 64 scores (9 wgmmas of K=64), the online softmax, and P times its 4 value slabs (256 columns).
+Output: out bf16 [R, H, 512] and lse f32 [R, H] (natural log), compared with reference.sparse_mla_decode.
+`--lower` only lowers it for CUDA (works on the CPU venv; the CPU test suite does this).
+Run: PYTHONPATH=. python3 bench/probe_mgpu_sparse_mla.py [--lower]
+"""
+
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import reference
+
+VALUE_DIM, ROPE_DIM = 512, 64
+WIDTH = VALUE_DIM + ROPE_DIM
+SLAB = 64  # columns per 128-byte swizzled slab of bf16
+NUM_SLABS = WIDTH // SLAB  # 9: 8 value slabs, then the rope slab
+BLOCK_H = 64  # heads per CTA (one wgmma M)
+BLOCK_S = 64  # slots per block
+STAGES = 2
+LOG2E = math.log2(math.e)
+
+
+def _tiled(tile):
+    return plgpu.TilingTransform(tile), plgpu.SwizzleTransform(128)
+
+
+def sparse_mla_decode(q, kv, slots, counts, sm_scale):
+    """q [R, H, 576] bf16, kv [num_slots, 576] bf16, slots [R, S] int32, counts [R, 16] int32 (count in column
+    0: a 64-byte row for the TMA). Returns out bf16 [R, H, 512], lse f32 [R, H]."""
+    rows, heads, _ = q.shape
+    num_slots = kv.shape[0]
+    max_slots = slots.shape[1]
+    scale = sm_scale * LOG2E
+
+    def kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch):
+        (q_smem, kv_union, slots_smem, counts_smem, lse_smem,
+         q_barrier, counts_barriers, slots_barriers, kv_barriers, consumed_barriers, done_barrier) = scratch
+        rows_view, mma_view = kv_union
+        head_block, row = lax.axis_index("head_block"), lax.axis_index("row")
+        heads_slice = pl.ds(head_block * BLOCK_H, BLOCK_H)
+        wg = lax.axis_index("wg")
+
+        # Every warpgroup runs this: each copies the count into its own row of counts_smem.
+        plgpu.copy_gmem_to_smem(counts_ref.at[pl.ds(row, 1)], counts_smem.at[pl.ds(wg, 1)], counts_barriers.at[wg])
+        plgpu.barrier_wait(counts_barriers.at[wg])
+        count = jnp.clip(counts_smem[wg, 0], 0, max_slots)
+        num_blocks = lax.div(count + BLOCK_S - 1, BLOCK_S)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+
+            @pl.when(wg == 0)
+            def _load_q():
+                for c in range(NUM_SLABS):
+                    plgpu.copy_gmem_to_smem(q_ref.at[row, heads_slice, pl.ds(c * SLAB, SLAB)], q_smem.at[c],
+                                            q_barrier.at[0])
+
+            plgpu.barrier_wait(q_barrier.at[0])
+            m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            accs = tuple(plgpu.layout_cast(jnp.zeros((BLOCK_H, SLAB), jnp.float32), plgpu.Layout.WGMMA)
+                         for _ in range(4))
+
+            def block_step(block, carry):
+                accs, m_i, l_i = carry
+                stage = lax.rem(block, STAGES)
+                plgpu.barrier_wait(kv_barriers.at[stage])
+
+                def scores_dot(acc_ref):
+                    for c in range(NUM_SLABS):
+                        plgpu.wgmma(acc_ref, q_smem.at[c], mma_view.at[stage, c].transpose((1, 0)))
+                    return acc_ref[...]
+
+                scores = pl.run_scoped(scores_dot, plgpu.ACC((BLOCK_H, BLOCK_S), jnp.float32))
+                slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_S), 1, layout=plgpu.Layout.WGMMA)
+                scores = jnp.where(block * BLOCK_S + slot_ids < count, scores * scale, -jnp.inf)
+                m_next = jnp.maximum(m_i, scores.max(axis=1))
+                alpha = jnp.exp2(m_i - m_next)
+                probs = jnp.exp2(scores - lax.broadcast_in_dim(m_next, scores.shape, [0]))
+                l_i = l_i * alpha + probs.sum(axis=1)
+                probs16 = probs.astype(jnp.bfloat16)
+                new_accs = []
+                for j in range(4):
+                    acc = accs[j] * lax.broadcast_in_dim(alpha, accs[j].shape, [0])
+
+                    def values_dot(acc_ref, j=j):
+                        plgpu.wgmma(acc_ref, probs16, mma_view.at[stage, wg * 4 + j])
+
+                    new_accs.append(pl.run_state(values_dot)(plgpu.ACC.init(acc)))
+                plgpu.barrier_arrive(consumed_barriers.at[stage])
+                return tuple(new_accs), m_next, l_i
+
+            accs, m_i, l_i = lax.fori_loop(0, num_blocks, block_step, (accs, m_i, l_i))
+            # Both warpgroups are done with Q: its slabs become the output staging buffers.
+            plgpu.barrier_arrive(done_barrier.at[0])
+            plgpu.barrier_wait(done_barrier.at[0])
+            has_mass = l_i > 0
+            inv_l = jnp.where(has_mass, 1.0 / jnp.where(has_mass, l_i, 1.0), 0.0)
+            for j in range(4):
+                q_smem[wg * 4 + j] = (accs[j] * lax.broadcast_in_dim(inv_l, accs[j].shape, [0])).astype(
+                    jnp.bfloat16)
+
+            @pl.when(wg == 0)
+            def _lse():
+                lse_smem[...] = jnp.where(has_mass, (m_i + jnp.log2(jnp.where(has_mass, l_i, 1.0))) / LOG2E,
+                                          -jnp.inf)
+
+            plgpu.commit_smem()
+            for j in range(4):
+                plgpu.copy_smem_to_gmem(
+                    q_smem.at[wg * 4 + j], out_ref.at[row, heads_slice, pl.ds((wg * 4 + j) * SLAB, SLAB)])
+
+            @pl.when(wg == 0)
+            def _store_lse():
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[row, heads_slice])
+
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _produce():
+            plgpu.set_max_registers(40, action="decrease")
+
+            @pl.loop(0, num_blocks)
+            def _gather(block):
+                stage = lax.rem(block, STAGES)
+
+                @pl.when(block >= STAGES)
+                def _wait_consumed():
+                    plgpu.barrier_wait(consumed_barriers.at[stage])
+
+                plgpu.copy_gmem_to_smem(slots_ref.at[row, pl.ds(block * BLOCK_S, BLOCK_S)],
+                                        slots_smem.at[stage], slots_barriers.at[stage])
+                plgpu.barrier_wait(slots_barriers.at[stage])
+                for i in range(BLOCK_S):
+                    # Past the count, aim past the cache: the TMA fills the row with zeros.
+                    slot = jnp.where(block * BLOCK_S + i < count, slots_smem[stage, i], num_slots)
+                    for c in range(NUM_SLABS):
+                        plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(slot, 1), pl.ds(c * SLAB, SLAB)],
+                                                rows_view.at[stage, c, pl.ds(i, 1)], kv_barriers.at[stage])
+
+    def entry(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref):
+        slabs = (STAGES, NUM_SLABS, BLOCK_S, SLAB)
+        pl.run_scoped(
+            lambda *scratch: kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch),
+            plgpu.SMEM((NUM_SLABS, BLOCK_H, SLAB), jnp.bfloat16, transforms=_tiled((8, SLAB))),
+            plgpu.RefUnion(plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((1, SLAB))),
+                           plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((8, SLAB)))),
+            plgpu.SMEM((STAGES, BLOCK_S), jnp.int32),
+            plgpu.SMEM((3, 16), jnp.int32),
+            plgpu.SMEM((BLOCK_H,), jnp.float32),
+            plgpu.Barrier(num_arrivals=NUM_SLABS, num_barriers=1),  # one arrival per Q slab copy
+            plgpu.Barrier(num_barriers=3),
+            plgpu.Barrier(num_barriers=STAGES),
+            plgpu.Barrier(num_arrivals=BLOCK_S * NUM_SLABS, num_barriers=STAGES),  # one per row slab copy
+            plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
+            plgpu.Barrier(num_arrivals=2, num_barriers=1),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((rows, heads, VALUE_DIM), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((rows, heads), jnp.float32)),
+        grid=(heads // BLOCK_H, rows), grid_names=("head_block", "row"),
+        num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, kv, slots, counts)
+
+
+def _inputs(rows, heads, max_slots, num_slots, counts, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (rows, heads, WIDTH), jnp.bfloat16)
+    kv = jax.random.normal(keys[1], (num_slots, WIDTH), jnp.bfloat16)
+    slots = jax.random.randint(keys[2], (rows, max_slots), 0, num_slots, jnp.int32)
+    counts = jnp.zeros((rows, 16), jnp.int32).at[:, 0].set(jnp.asarray(counts, jnp.int32))
+    return q, kv, slots, counts
+
+
+def main():
+    decode = jax.jit(sparse_mla_decode, static_argnums=4)
+    if "--lower" in sys.argv:
+        q, kv, slots, counts = (jax.ShapeDtypeStruct(s, d) for s, d in [
+            ((2, 128, WIDTH), jnp.bfloat16), ((1 << 16, WIDTH), jnp.bfloat16), ((2, 2048), jnp.int32),
+            ((2, 16), jnp.int32)])
+        decode.trace(q, kv, slots, counts, 0.1352).lower(lowering_platforms=("cuda",))
+        print("lowers")
+        return
+    print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
+    sm_scale = 0.1352
+    rows, heads, max_slots = 8, 128, 2048
+    q, kv, slots, counts = _inputs(rows, heads, max_slots, 1 << 16, [2048, 0, 1, 700, 1000, 333, 2047, 64])
+    out, lse = decode(q, kv, slots, counts, sm_scale)
+    want_out, want_lse = reference.sparse_mla_decode(q, kv[:, None, :], slots, counts[:, 0], sm_scale)
+    rel = float(jnp.linalg.norm(out.astype(jnp.float32) - want_out) / jnp.linalg.norm(want_out))
+    lse_err = float(jnp.max(jnp.where(jnp.isfinite(want_lse), jnp.abs(lse - want_lse), 0.0)))
+    empty_ok = bool(jnp.all(out[1] == 0) and jnp.all(lse[1] == -jnp.inf))
+    print(f"check: rel error {rel:.2e}, max lse error {lse_err:.2e}, empty row ok {empty_ok}", flush=True)
+    # Time B=64, H=128, 2048 valid slots per row over a 1.2 GB cache.
+    rows = 64
+    q, kv, slots, counts = _inputs(rows, heads, max_slots, 1 << 20, [max_slots] * rows, seed=1)
+    jax.block_until_ready(decode(q, kv, slots, counts, sm_scale))
+    start, n = time.perf_counter(), 20
+    for _ in range(n):
+        result = decode(q, kv, slots, counts, sm_scale)
+    jax.block_until_ready(result)
+    seconds = (time.perf_counter() - start) / n
+    flops = 2 * rows * heads * max_slots * (WIDTH + VALUE_DIM)
+    print(f"B={rows} H={heads} k={max_slots}: {seconds * 1e6:.1f} us = {flops / seconds / 1e12:.0f} TFLOP/s "
+          "(host-timed, back to back)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
