@@ -10,7 +10,8 @@ Run on the GPU machine from the repo root: `PYTHONPATH=. python3 bench/bench_top
 2. Timing: one jitted call runs the op on `sets` input sets (> 2x the 60 MB L2 together); the median over
    repeats of (wall time / sets) is the time per call. The copy ceiling is `x + 1` over the same sets.
 Variants: the default (sorted by score) and `sorted=False` (column order). --sweep also times knob variants
-on [max batch, 64K]. Prints the table last; logs go to --out (default $OUT).
+on [max batch, 64K]. Prints the table last; logs go to --out (default $OUT). `--plot JSON PNG` draws a saved
+bench_topk.json (any machine).
 On a CPU, `--k 16 --batches 2 --columns 256` is a quick interpreted smoke run.
 """
 
@@ -153,6 +154,37 @@ def bad_rows(got, want):
     return np.flatnonzero(bad).tolist()
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """GPU kernel us vs rows B (one panel per N): the default (sorted), column order and lax.top_k, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = sorted({r["cols"] for r in rows})
+    fig, axes = plt.subplots(1, len(columns), figsize=(4.2 * len(columns), 3.8), sharey=True, squeeze=False)
+    for ax, cols in zip(axes[0], columns):
+        shape_rows = [r for r in rows if r["cols"] == cols]
+        for variant, label, style in (("default", "Pallas, sorted", "-o"), ("unsorted", "Pallas, column order", "-s")):
+            line = sorted((r["batch"], r["kernel_us"]) for r in shape_rows if r["variant"] == variant)
+            if line:
+                ax.plot(*zip(*line), style, label=label)
+        reference_line = sorted({(r["batch"], r["top_k_us"]) for r in shape_rows if r["variant"] == "default"})
+        ax.plot(*zip(*reference_line), "--^", color="gray", label="lax.top_k")
+        if cols == 65536:
+            ax.axhline(40, color="C3", linestyle=":", label="target at [64, 64K]: 40 us")
+        batches = sorted({r["batch"] for r in shape_rows})
+        ax.set(xscale="log", yscale="log", xlabel="rows B", title=f"k={K}, N={cols // 1024}K columns")
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("GPU kernel time, us")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
@@ -163,7 +195,13 @@ def main():
     parser.add_argument("--variants", default=None,
                         help='JSON {name: topk knobs} timed at every shape (default: {"default": {}, "unsorted": '
                              '{"sorted": false}})')
+    parser.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None,
+                        help="measure nothing: plot the rows of a bench_topk.json")
     args = parser.parse_args()
+    if args.plot:
+        with open(args.plot[0]) as f:
+            plot(json.load(f), args.plot[1])
+        return 0
     k = args.k
     batches = [int(b) for b in args.batches.split(",")]
     columns = [int(c) for c in args.columns.split(",")]
