@@ -2,14 +2,17 @@
 
 The design of docs/perf_sparse_mla.md ("A first Mosaic kernel to try"), bf16 only, no split-K:
 - one CTA per (64-head block, row); three warpgroups: two compute, one producer;
-- the producer gathers each block of 64 slots with one 128-byte TMA per (slot, 64-column slab) into a
-  (1, 64)-tiled view of a double-buffered K buffer [9 slabs, 64 slots, 64]; a slot past the row's count is
-  pointed past the cache, so the TMA fills its row with zeros;
-- each compute warpgroup reads the same bytes through an (8, 64)-tiled view (a plgpu.RefUnion): it computes
-  all 64 x 64 scores (9 wgmmas of K=64), the online softmax, and P times its 4 value slabs (256 columns).
+- the producer gathers each block of 64 slots into a double-buffered K buffer [9 slabs, 64 slots, 64], (8, 64)-
+  tiled and 128B-swizzled, which the compute warpgroups read. Two ways (`--gather`):
+  `tma`: one 128-byte TMA per (slot, slab) into a (1, 64)-tiled view of the same bytes (a plgpu.RefUnion); a
+  slot past the row's count is pointed past the cache, so the TMA fills its row with zeros;
+  `cp_async`: each of the producer's 128 threads copies 36 16-byte chunks with cp.async to the swizzled
+  addresses it computes (zero-filled past the count), then waits, fences and arrives once;
+- each compute warpgroup computes all 64 x 64 scores (9 wgmmas of K=64), the online softmax, and P times its
+  4 value slabs (256 columns).
 Output: out bf16 [R, H, 512] and lse f32 [R, H] (natural log), compared with reference.sparse_mla_decode.
 `--lower` only lowers it for CUDA (works on the CPU venv; the CPU test suite does this).
-Run: PYTHONPATH=. python3 bench/probe_mgpu_sparse_mla.py [--lower]
+Run: PYTHONPATH=. python3 bench/probe_mgpu_sparse_mla.py [--gather tma|cp_async] [--lower]
 """
 
 import math
@@ -19,7 +22,10 @@ import time
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import reference
@@ -38,18 +44,72 @@ def _tiled(tile):
     return plgpu.TilingTransform(tile), plgpu.SwizzleTransform(128)
 
 
-def sparse_mla_decode(q, kv, slots, counts, sm_scale):
+CHUNK = 16  # bytes per cp.async
+ROW_BYTES = WIDTH * 2
+CHUNKS_PER_ROW = ROW_BYTES // CHUNK  # 72
+CHUNKS_PER_SLAB_ROW = SLAB * 2 // CHUNK  # 8
+CHUNKS_PER_THREAD = BLOCK_S * CHUNKS_PER_ROW // 128  # 36
+
+
+def _cp_async_gather(kv_ref, slots_ref, limit_ref, kv_smem):
+    """The producer warpgroup copies rows slots[:64] of the cache into kv_smem ([9, 64, 64], (8, 64)-tiled,
+    128B-swizzled) with cp.async, zero-filling rows at or past limit[0]; then waits for its copies and fences
+    them for the async proxy (wgmma). The caller arrives on the stage's barrier."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                                  plgpu.RefType(transforms=_tiled((8, SLAB)))))
+    def gather(launch_ctx, kv_gmem, slots, limit, smem):
+        del launch_ctx
+        i32, i64, i8 = (ir.IntegerType.get_signless(n) for n in (32, 64, 8))
+        index = ir.IndexType.get()
+
+        def const(value, ty=i32):
+            return arith.constant(ty, value)
+
+        tid = arith.andi(mgpu_utils.thread_idx(), const(127))
+        limit_value = memref.load(limit, [arith.constant(index, 0)])
+        gmem_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(kv_gmem))
+        smem_base = mgpu_utils.memref_ptr(smem)
+        for u in range(CHUNKS_PER_THREAD):
+            chunk = arith.addi(tid, const(128 * u))
+            row = arith.divui(chunk, const(CHUNKS_PER_ROW))
+            col = arith.remui(chunk, const(CHUNKS_PER_ROW))  # 16-byte chunk within the row
+            is_valid = arith.cmpi(arith.CmpIPredicate.slt, row, limit_value)
+            slot = memref.load(slots, [arith.index_cast(index, row)])
+            slot = arith.select(is_valid, slot, const(0))
+            slab = arith.divui(col, const(CHUNKS_PER_SLAB_ROW))
+            within = arith.remui(col, const(CHUNKS_PER_SLAB_ROW))
+            swizzled = arith.xori(within, arith.andi(row, const(7)))
+            smem_offset = arith.addi(arith.addi(arith.muli(slab, const(BLOCK_S * SLAB * 2)),
+                                                arith.muli(row, const(SLAB * 2))),
+                                     arith.muli(swizzled, const(CHUNK)))
+            gmem_offset = arith.addi(arith.muli(arith.extui(i64, slot), const(ROW_BYTES, i64)),
+                                     arith.extui(i64, arith.muli(col, const(CHUNK))))
+            nvvm.CpAsyncOp(mgpu_utils.getelementptr(smem_base, [smem_offset], i8),
+                           mgpu_utils.getelementptr(gmem_base, [gmem_offset], i8),
+                           CHUNK, nvvm.LoadCacheModifierKind.CG,
+                           cpSize=arith.select(is_valid, const(CHUNK), const(0)))
+        nvvm.cp_async_commit_group()
+        nvvm.cp_async_wait_group(0)
+        mgpu_utils.commit_shared()  # fence the copies for the async proxy, then a warpgroup barrier
+
+    gather(kv_ref, slots_ref, limit_ref, kv_smem)
+
+
+def sparse_mla_decode(q, kv, slots, counts, sm_scale, gather="tma"):
     """q [R, H, 576] bf16, kv [num_slots, 576] bf16, slots [R, S] int32, counts [R, 16] int32 (count in column
     0: a 64-byte row for the TMA). Returns out bf16 [R, H, 512], lse f32 [R, H]."""
+    if gather not in ("tma", "cp_async"):
+        raise ValueError(f"gather must be 'tma' or 'cp_async'; got {gather!r}")
     rows, heads, _ = q.shape
     num_slots = kv.shape[0]
     max_slots = slots.shape[1]
     scale = sm_scale * LOG2E
 
     def kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch):
-        (q_smem, kv_union, slots_smem, counts_smem, lse_smem,
+        (q_smem, kv_buffers, slots_smem, counts_smem, limits_smem, lse_smem,
          q_barrier, counts_barriers, slots_barriers, kv_barriers, consumed_barriers, done_barrier) = scratch
-        rows_view, mma_view = kv_union
+        rows_view, mma_view = kv_buffers if gather == "tma" else (None, kv_buffers)
         head_block, row = lax.axis_index("head_block"), lax.axis_index("row")
         heads_slice = pl.ds(head_block * BLOCK_H, BLOCK_H)
         wg = lax.axis_index("wg")
@@ -146,6 +206,12 @@ def sparse_mla_decode(q, kv, slots, counts, sm_scale):
                 plgpu.copy_gmem_to_smem(slots_ref.at[row, pl.ds(block * BLOCK_S, BLOCK_S)],
                                         slots_smem.at[stage], slots_barriers.at[stage])
                 plgpu.barrier_wait(slots_barriers.at[stage])
+                if gather == "cp_async":
+                    limits_smem[stage] = count - block * BLOCK_S
+                    _cp_async_gather(kv_ref, slots_smem.at[stage], limits_smem.at[pl.ds(stage, 1)],
+                                     mma_view.at[stage])
+                    plgpu.barrier_arrive(kv_barriers.at[stage])
+                    return
                 for i in range(BLOCK_S):
                     # Past the count, aim past the cache: the TMA fills the row with zeros.
                     slot = jnp.where(block * BLOCK_S + i < count, slots_smem[stage, i], num_slots)
@@ -155,18 +221,22 @@ def sparse_mla_decode(q, kv, slots, counts, sm_scale):
 
     def entry(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref):
         slabs = (STAGES, NUM_SLABS, BLOCK_S, SLAB)
+        mma_buffers = plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((8, SLAB)))
+        kv_buffers = (mma_buffers if gather == "cp_async" else
+                      plgpu.RefUnion(plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((1, SLAB))), mma_buffers))
         pl.run_scoped(
             lambda *scratch: kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch),
             plgpu.SMEM((NUM_SLABS, BLOCK_H, SLAB), jnp.bfloat16, transforms=_tiled((8, SLAB))),
-            plgpu.RefUnion(plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((1, SLAB))),
-                           plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((8, SLAB)))),
+            kv_buffers,
             plgpu.SMEM((STAGES, BLOCK_S), jnp.int32),
             plgpu.SMEM((3, 16), jnp.int32),
+            plgpu.SMEM((STAGES,), jnp.int32),
             plgpu.SMEM((BLOCK_H,), jnp.float32),
             plgpu.Barrier(num_arrivals=NUM_SLABS, num_barriers=1),  # one arrival per Q slab copy
             plgpu.Barrier(num_barriers=3),
             plgpu.Barrier(num_barriers=STAGES),
-            plgpu.Barrier(num_arrivals=BLOCK_S * NUM_SLABS, num_barriers=STAGES),  # one per row slab copy
+            # tma: one arrival per (row, slab) copy; cp_async: the producer arrives once per block.
+            plgpu.Barrier(num_arrivals=BLOCK_S * NUM_SLABS if gather == "tma" else 1, num_barriers=STAGES),
             plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
             plgpu.Barrier(num_arrivals=2, num_barriers=1),
             collective_axes="wg",
@@ -192,19 +262,21 @@ def _inputs(rows, heads, max_slots, num_slots, counts, seed=0):
 
 
 def main():
-    decode = jax.jit(sparse_mla_decode, static_argnums=4)
+    gather = sys.argv[sys.argv.index("--gather") + 1] if "--gather" in sys.argv else "tma"
+    decode = jax.jit(sparse_mla_decode, static_argnums=(4, 5))
     if "--lower" in sys.argv:
         q, kv, slots, counts = (jax.ShapeDtypeStruct(s, d) for s, d in [
             ((2, 128, WIDTH), jnp.bfloat16), ((1 << 16, WIDTH), jnp.bfloat16), ((2, 2048), jnp.int32),
             ((2, 16), jnp.int32)])
-        decode.trace(q, kv, slots, counts, 0.1352).lower(lowering_platforms=("cuda",))
-        print("lowers")
+        for way in ("tma", "cp_async"):
+            decode.trace(q, kv, slots, counts, 0.1352, way).lower(lowering_platforms=("cuda",))
+            print(f"gather={way} lowers")
         return
-    print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
+    print("jax", jax.__version__, jax.devices()[0].device_kind, f"gather={gather}", flush=True)
     sm_scale = 0.1352
     rows, heads, max_slots = 8, 128, 2048
     q, kv, slots, counts = _inputs(rows, heads, max_slots, 1 << 16, [2048, 0, 1, 700, 1000, 333, 2047, 64])
-    out, lse = decode(q, kv, slots, counts, sm_scale)
+    out, lse = decode(q, kv, slots, counts, sm_scale, gather)
     want_out, want_lse = reference.sparse_mla_decode(q, kv[:, None, :], slots, counts[:, 0], sm_scale)
     rel = float(jnp.linalg.norm(out.astype(jnp.float32) - want_out) / jnp.linalg.norm(want_out))
     lse_err = float(jnp.max(jnp.where(jnp.isfinite(want_lse), jnp.abs(lse - want_lse), 0.0)))
@@ -213,10 +285,10 @@ def main():
     # Time B=64, H=128, 2048 valid slots per row over a 1.2 GB cache.
     rows = 64
     q, kv, slots, counts = _inputs(rows, heads, max_slots, 1 << 20, [max_slots] * rows, seed=1)
-    jax.block_until_ready(decode(q, kv, slots, counts, sm_scale))
+    jax.block_until_ready(decode(q, kv, slots, counts, sm_scale, gather))
     start, n = time.perf_counter(), 20
     for _ in range(n):
-        result = decode(q, kv, slots, counts, sm_scale)
+        result = decode(q, kv, slots, counts, sm_scale, gather)
     jax.block_until_ready(result)
     seconds = (time.perf_counter() - start) / n
     flops = 2 * rows * heads * max_slots * (WIDTH + VALUE_DIM)
