@@ -8,11 +8,13 @@ The design of docs/perf_sparse_mla.md ("A first Mosaic kernel to try"), bf16 onl
   slot past the row's count is pointed past the cache, so the TMA fills its row with zeros;
   `cp_async`: each of the producer's 128 threads copies 36 16-byte chunks with cp.async to the swizzled
   addresses it computes (zero-filled past the count), then waits, fences and arrives once;
-- each compute warpgroup computes all 64 x 64 scores (9 wgmmas of K=64), the online softmax, and P times its
-  4 value slabs (256 columns).
+- scores (`--scores`): `both`: each compute warpgroup computes all 64 x 64 scores (9 wgmmas of K=64) and the
+  online softmax itself (1.53x the tensor work); `handoff`: warpgroup 0 does, and hands the bf16 probabilities
+  and rescale factors to warpgroup 1 through SMEM (FlashMLA's split). Each warpgroup multiplies P by its 4 value
+  slabs (256 columns).
 Output: out bf16 [R, H, 512] and lse f32 [R, H] (natural log), compared with reference.sparse_mla_decode.
 `--lower` only lowers it for CUDA (works on the CPU venv; the CPU test suite does this).
-Run: PYTHONPATH=. python3 bench/probe_mgpu_sparse_mla.py [--gather tma|cp_async] [--lower]
+Run: PYTHONPATH=. python3 bench/probe_mgpu_sparse_mla.py [--gather tma|cp_async] [--scores both|handoff] [--lower]
 """
 
 import math
@@ -34,9 +36,9 @@ VALUE_DIM, ROPE_DIM = 512, 64
 WIDTH = VALUE_DIM + ROPE_DIM
 SLAB = 64  # columns per 128-byte swizzled slab of bf16
 NUM_SLABS = WIDTH // SLAB  # 9: 8 value slabs, then the rope slab
+BLOCK_S = 64  # slots per block (the K of the value wgmmas, which Mosaic wants a multiple of 64)
+STAGES = 2  # K buffers: two fill the 227 KB of SMEM with Q
 BLOCK_H = 64  # heads per CTA (one wgmma M)
-BLOCK_S = 64  # slots per block
-STAGES = 2
 LOG2E = math.log2(math.e)
 
 
@@ -48,7 +50,6 @@ CHUNK = 16  # bytes per cp.async
 ROW_BYTES = WIDTH * 2
 CHUNKS_PER_ROW = ROW_BYTES // CHUNK  # 72
 CHUNKS_PER_SLAB_ROW = SLAB * 2 // CHUNK  # 8
-CHUNKS_PER_THREAD = BLOCK_S * CHUNKS_PER_ROW // 128  # 36
 
 
 def _cp_async_gather(kv_ref, slots_ref, limit_ref, kv_smem):
@@ -70,7 +71,7 @@ def _cp_async_gather(kv_ref, slots_ref, limit_ref, kv_smem):
         limit_value = memref.load(limit, [arith.constant(index, 0)])
         gmem_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(kv_gmem))
         smem_base = mgpu_utils.memref_ptr(smem)
-        for u in range(CHUNKS_PER_THREAD):
+        for u in range(BLOCK_S * CHUNKS_PER_ROW // 128):
             chunk = arith.addi(tid, const(128 * u))
             row = arith.divui(chunk, const(CHUNKS_PER_ROW))
             col = arith.remui(chunk, const(CHUNKS_PER_ROW))  # 16-byte chunk within the row
@@ -96,79 +97,83 @@ def _cp_async_gather(kv_ref, slots_ref, limit_ref, kv_smem):
     gather(kv_ref, slots_ref, limit_ref, kv_smem)
 
 
-def sparse_mla_decode(q, kv, slots, counts, sm_scale, gather="tma"):
-    """q [R, H, 576] bf16, kv [num_slots, 576] bf16, slots [R, S] int32, counts [R, 16] int32 (count in column
-    0: a 64-byte row for the TMA). Returns out bf16 [R, H, 512], lse f32 [R, H]."""
+def sparse_mla_decode(q, kv, slots, counts, sm_scale, gather="tma", scores_by="both"):
+    """q [R, H, 576] bf16, kv [num_slots, 576] bf16, slots [R, S] int32 (S a multiple of 64), counts [R, 16]
+    int32 (count in column 0: a 64-byte row for the TMA). Returns out bf16 [R, H, 512], lse f32 [R, H]."""
     if gather not in ("tma", "cp_async"):
         raise ValueError(f"gather must be 'tma' or 'cp_async'; got {gather!r}")
+    if scores_by not in ("both", "handoff"):
+        raise ValueError(f"scores_by must be 'both' or 'handoff'; got {scores_by!r}")
+    if slots.shape[1] % BLOCK_S:
+        raise ValueError(f"S must be a multiple of {BLOCK_S}; got {slots.shape=}")
     rows, heads, _ = q.shape
     num_slots = kv.shape[0]
     max_slots = slots.shape[1]
     scale = sm_scale * LOG2E
 
     def kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch):
-        (q_smem, kv_buffers, slots_smem, counts_smem, limits_smem, lse_smem,
-         q_barrier, counts_barriers, slots_barriers, kv_barriers, consumed_barriers, done_barrier) = scratch
+        (q_smem, kv_buffers, meta_smem, row_stats, probs_smem,
+         q_barrier, counts_barriers, slots_barriers, kv_barriers, consumed_barriers, done_barrier,
+         probs_ready_barrier, probs_consumed_barrier) = scratch
+        # Small buffers share two allocations (each SMEM allocation is padded to 1 KB): meta_smem rows 0 ..
+        # STAGES-1 hold each stage's slots, row `STAGES` each warpgroup's copy of the count (16 ints apiece) and
+        # then the per-stage valid-row limits; row_stats rows hold the lse, the rescale factors and the row sums.
+        slots_smem = meta_smem.at[pl.ds(0, STAGES)]
+        lse_smem, alpha_smem, l_smem = (row_stats.at[i] for i in range(3))
         rows_view, mma_view = kv_buffers if gather == "tma" else (None, kv_buffers)
         head_block, row = lax.axis_index("head_block"), lax.axis_index("row")
         heads_slice = pl.ds(head_block * BLOCK_H, BLOCK_H)
         wg = lax.axis_index("wg")
 
-        # Every warpgroup runs this: each copies the count into its own row of counts_smem.
-        plgpu.copy_gmem_to_smem(counts_ref.at[pl.ds(row, 1)], counts_smem.at[pl.ds(wg, 1)], counts_barriers.at[wg])
+        # Every warpgroup runs this: each copies the count into its own 16 ints of meta_smem.
+        plgpu.copy_gmem_to_smem(counts_ref.at[pl.ds(row, 1)], meta_smem.at[pl.ds(STAGES, 1), pl.ds(wg * 16, 16)],
+                                counts_barriers.at[wg])
         plgpu.barrier_wait(counts_barriers.at[wg])
-        count = jnp.clip(counts_smem[wg, 0], 0, max_slots)
+        count = jnp.clip(meta_smem[STAGES, wg * 16], 0, max_slots)
         num_blocks = lax.div(count + BLOCK_S - 1, BLOCK_S)
 
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-
-            @pl.when(wg == 0)
-            def _load_q():
-                for c in range(NUM_SLABS):
-                    plgpu.copy_gmem_to_smem(q_ref.at[row, heads_slice, pl.ds(c * SLAB, SLAB)], q_smem.at[c],
-                                            q_barrier.at[0])
-
-            plgpu.barrier_wait(q_barrier.at[0])
-            m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        def init_carry():
+            row_vector = plgpu.Layout.WGMMA.reduce(1)
+            m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_vector)
+            l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), row_vector)
             accs = tuple(plgpu.layout_cast(jnp.zeros((BLOCK_H, SLAB), jnp.float32), plgpu.Layout.WGMMA)
                          for _ in range(4))
+            return accs, m_i, l_i
 
-            def block_step(block, carry):
-                accs, m_i, l_i = carry
-                stage = lax.rem(block, STAGES)
-                plgpu.barrier_wait(kv_barriers.at[stage])
+        def softmax_block(block, stage, m_i, l_i):
+            """Scores of one block (9 wgmmas), masked past the count; the online-softmax update."""
+            def scores_dot(acc_ref):
+                for c in range(NUM_SLABS):
+                    plgpu.wgmma(acc_ref, q_smem.at[c], mma_view.at[stage, c].transpose((1, 0)))
+                return acc_ref[...]
 
-                def scores_dot(acc_ref):
-                    for c in range(NUM_SLABS):
-                        plgpu.wgmma(acc_ref, q_smem.at[c], mma_view.at[stage, c].transpose((1, 0)))
-                    return acc_ref[...]
+            scores = pl.run_scoped(scores_dot, plgpu.ACC((BLOCK_H, BLOCK_S), jnp.float32))
+            slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_S), 1, layout=plgpu.Layout.WGMMA)
+            scores = jnp.where(block * BLOCK_S + slot_ids < count, scores * scale, -jnp.inf)
+            m_next = jnp.maximum(m_i, scores.max(axis=1))
+            alpha = jnp.exp2(m_i - m_next)
+            probs = jnp.exp2(scores - lax.broadcast_in_dim(m_next, scores.shape, [0]))
+            return probs.astype(jnp.bfloat16), alpha, m_next, l_i * alpha + probs.sum(axis=1)
 
-                scores = pl.run_scoped(scores_dot, plgpu.ACC((BLOCK_H, BLOCK_S), jnp.float32))
-                slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_S), 1, layout=plgpu.Layout.WGMMA)
-                scores = jnp.where(block * BLOCK_S + slot_ids < count, scores * scale, -jnp.inf)
-                m_next = jnp.maximum(m_i, scores.max(axis=1))
-                alpha = jnp.exp2(m_i - m_next)
-                probs = jnp.exp2(scores - lax.broadcast_in_dim(m_next, scores.shape, [0]))
-                l_i = l_i * alpha + probs.sum(axis=1)
-                probs16 = probs.astype(jnp.bfloat16)
-                new_accs = []
-                for j in range(4):
-                    acc = accs[j] * lax.broadcast_in_dim(alpha, accs[j].shape, [0])
+        def values_block(accs, alpha, probs, stage, first_slab):
+            """accs * alpha + probs @ value slabs first_slab .. first_slab + 3 (probs in registers or SMEM)."""
+            new_accs = []
+            for j in range(4):
+                acc = accs[j] * lax.broadcast_in_dim(alpha, accs[j].shape, [0])
 
-                    def values_dot(acc_ref, j=j):
-                        plgpu.wgmma(acc_ref, probs16, mma_view.at[stage, wg * 4 + j])
+                def values_dot(acc_ref, j=j):
+                    plgpu.wgmma(acc_ref, probs, mma_view.at[stage, first_slab + j])
 
-                    new_accs.append(pl.run_state(values_dot)(plgpu.ACC.init(acc)))
-                plgpu.barrier_arrive(consumed_barriers.at[stage])
-                return tuple(new_accs), m_next, l_i
+                new_accs.append(pl.run_state(values_dot)(plgpu.ACC.init(acc)))
+            return tuple(new_accs)
 
-            accs, m_i, l_i = lax.fori_loop(0, num_blocks, block_step, (accs, m_i, l_i))
+        def finish(accs, m_i, l_i):
+            """Normalize and store this warpgroup's 256 output columns (and, warpgroup 0, the lse)."""
             # Both warpgroups are done with Q: its slabs become the output staging buffers.
             plgpu.barrier_arrive(done_barrier.at[0])
             plgpu.barrier_wait(done_barrier.at[0])
+            if scores_by == "handoff":  # warpgroup 1 has no softmax state of its own
+                l_i = plgpu.load(l_smem, layout=plgpu.Layout.WGMMA.reduce(1))
             has_mass = l_i > 0
             inv_l = jnp.where(has_mass, 1.0 / jnp.where(has_mass, l_i, 1.0), 0.0)
             for j in range(4):
@@ -191,6 +196,71 @@ def sparse_mla_decode(q, kv, slots, counts, sm_scale, gather="tma"):
 
             plgpu.wait_smem_to_gmem(0)
 
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+
+            @pl.when(wg == 0)
+            def _load_q():
+                for c in range(NUM_SLABS):
+                    plgpu.copy_gmem_to_smem(q_ref.at[row, heads_slice, pl.ds(c * SLAB, SLAB)], q_smem.at[c],
+                                            q_barrier.at[0])
+
+            plgpu.barrier_wait(q_barrier.at[0])
+
+        if scores_by == "both":
+            @pl.when(wg < 2)
+            def _both():
+                def block_step(block, carry):
+                    accs, m_i, l_i = carry
+                    stage = lax.rem(block, STAGES)
+                    plgpu.barrier_wait(kv_barriers.at[stage])
+                    probs, alpha, m_i, l_i = softmax_block(block, stage, m_i, l_i)
+                    accs = values_block(accs, alpha, probs, stage, wg * 4)
+                    plgpu.barrier_arrive(consumed_barriers.at[stage])
+                    return accs, m_i, l_i
+
+                finish(*lax.fori_loop(0, num_blocks, block_step, init_carry()))
+        else:
+            @pl.when(wg == 0)
+            def _scorer():
+                def block_step(block, carry):
+                    accs, m_i, l_i = carry
+                    stage = lax.rem(block, STAGES)
+                    plgpu.barrier_wait(kv_barriers.at[stage])
+                    probs, alpha, m_i, l_i = softmax_block(block, stage, m_i, l_i)
+
+                    @pl.when(block > 0)
+                    def _wait_probs_read():
+                        plgpu.barrier_wait(probs_consumed_barrier.at[0])
+
+                    probs_smem[...] = probs
+                    alpha_smem[...] = alpha
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(probs_ready_barrier.at[0])
+                    accs = values_block(accs, alpha, probs, stage, 0)
+                    plgpu.barrier_arrive(consumed_barriers.at[stage])
+                    return accs, m_i, l_i
+
+                accs, m_i, l_i = lax.fori_loop(0, num_blocks, block_step, init_carry())
+                l_smem[...] = l_i
+                finish(accs, m_i, l_i)
+
+            @pl.when(wg == 1)
+            def _second():
+                def block_step(block, accs):
+                    stage = lax.rem(block, STAGES)
+                    plgpu.barrier_wait(kv_barriers.at[stage])
+                    plgpu.barrier_wait(probs_ready_barrier.at[0])
+                    alpha = plgpu.load(alpha_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+                    accs = values_block(accs, alpha, probs_smem, stage, 4)
+                    plgpu.barrier_arrive(probs_consumed_barrier.at[0])
+                    plgpu.barrier_arrive(consumed_barriers.at[stage])
+                    return accs
+
+                accs, m_i, l_i = init_carry()
+                finish(lax.fori_loop(0, num_blocks, block_step, accs), m_i, l_i)
+
         @pl.when(wg == 2)
         def _produce():
             plgpu.set_max_registers(40, action="decrease")
@@ -207,8 +277,8 @@ def sparse_mla_decode(q, kv, slots, counts, sm_scale, gather="tma"):
                                         slots_smem.at[stage], slots_barriers.at[stage])
                 plgpu.barrier_wait(slots_barriers.at[stage])
                 if gather == "cp_async":
-                    limits_smem[stage] = count - block * BLOCK_S
-                    _cp_async_gather(kv_ref, slots_smem.at[stage], limits_smem.at[pl.ds(stage, 1)],
+                    meta_smem[STAGES, 48 + stage] = count - block * BLOCK_S
+                    _cp_async_gather(kv_ref, slots_smem.at[stage], meta_smem.at[STAGES, pl.ds(48 + stage, 1)],
                                      mma_view.at[stage])
                     plgpu.barrier_arrive(kv_barriers.at[stage])
                     return
@@ -220,6 +290,7 @@ def sparse_mla_decode(q, kv, slots, counts, sm_scale, gather="tma"):
                                                 rows_view.at[stage, c, pl.ds(i, 1)], kv_barriers.at[stage])
 
     def entry(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref):
+        handoff = scores_by == "handoff"
         slabs = (STAGES, NUM_SLABS, BLOCK_S, SLAB)
         mma_buffers = plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((8, SLAB)))
         kv_buffers = (mma_buffers if gather == "cp_async" else
@@ -228,10 +299,10 @@ def sparse_mla_decode(q, kv, slots, counts, sm_scale, gather="tma"):
             lambda *scratch: kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch),
             plgpu.SMEM((NUM_SLABS, BLOCK_H, SLAB), jnp.bfloat16, transforms=_tiled((8, SLAB))),
             kv_buffers,
-            plgpu.SMEM((STAGES, BLOCK_S), jnp.int32),
-            plgpu.SMEM((3, 16), jnp.int32),
-            plgpu.SMEM((STAGES,), jnp.int32),
-            plgpu.SMEM((BLOCK_H,), jnp.float32),
+            plgpu.SMEM((STAGES + 1, BLOCK_S), jnp.int32),
+            plgpu.SMEM((3, BLOCK_H), jnp.float32),
+            # handoff: warpgroup 0's probabilities, for warpgroup 1
+            plgpu.SMEM((BLOCK_H, BLOCK_S), jnp.bfloat16, transforms=_tiled((8, SLAB))) if handoff else None,
             plgpu.Barrier(num_arrivals=NUM_SLABS, num_barriers=1),  # one arrival per Q slab copy
             plgpu.Barrier(num_barriers=3),
             plgpu.Barrier(num_barriers=STAGES),
@@ -239,6 +310,8 @@ def sparse_mla_decode(q, kv, slots, counts, sm_scale, gather="tma"):
             plgpu.Barrier(num_arrivals=BLOCK_S * NUM_SLABS if gather == "tma" else 1, num_barriers=STAGES),
             plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
             plgpu.Barrier(num_arrivals=2, num_barriers=1),
+            plgpu.Barrier(num_barriers=1) if handoff else None,
+            plgpu.Barrier(num_barriers=1) if handoff else None,
             collective_axes="wg",
         )
 
@@ -248,7 +321,7 @@ def sparse_mla_decode(q, kv, slots, counts, sm_scale, gather="tma"):
                   jax.ShapeDtypeStruct((rows, heads), jnp.float32)),
         grid=(heads // BLOCK_H, rows), grid_names=("head_block", "row"),
         num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )(q, kv, slots, counts)
 
 
@@ -262,21 +335,25 @@ def _inputs(rows, heads, max_slots, num_slots, counts, seed=0):
 
 
 def main():
-    gather = sys.argv[sys.argv.index("--gather") + 1] if "--gather" in sys.argv else "tma"
-    decode = jax.jit(sparse_mla_decode, static_argnums=(4, 5))
+    def option(name, default):
+        return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+    gather, scores_by = option("--gather", "tma"), option("--scores", "both")
+    decode = jax.jit(sparse_mla_decode, static_argnums=(4, 5, 6))
     if "--lower" in sys.argv:
         q, kv, slots, counts = (jax.ShapeDtypeStruct(s, d) for s, d in [
             ((2, 128, WIDTH), jnp.bfloat16), ((1 << 16, WIDTH), jnp.bfloat16), ((2, 2048), jnp.int32),
             ((2, 16), jnp.int32)])
         for way in ("tma", "cp_async"):
-            decode.trace(q, kv, slots, counts, 0.1352, way).lower(lowering_platforms=("cuda",))
-            print(f"gather={way} lowers")
+            for by in ("both", "handoff"):
+                decode.trace(q, kv, slots, counts, 0.1352, way, by).lower(lowering_platforms=("cuda",))
+                print(f"gather={way} scores={by} lowers")
         return
-    print("jax", jax.__version__, jax.devices()[0].device_kind, f"gather={gather}", flush=True)
+    print("jax", jax.__version__, jax.devices()[0].device_kind, f"gather={gather} scores={scores_by}", flush=True)
     sm_scale = 0.1352
     rows, heads, max_slots = 8, 128, 2048
     q, kv, slots, counts = _inputs(rows, heads, max_slots, 1 << 16, [2048, 0, 1, 700, 1000, 333, 2047, 64])
-    out, lse = decode(q, kv, slots, counts, sm_scale, gather)
+    out, lse = decode(q, kv, slots, counts, sm_scale, gather, scores_by)
     want_out, want_lse = reference.sparse_mla_decode(q, kv[:, None, :], slots, counts[:, 0], sm_scale)
     rel = float(jnp.linalg.norm(out.astype(jnp.float32) - want_out) / jnp.linalg.norm(want_out))
     lse_err = float(jnp.max(jnp.where(jnp.isfinite(want_lse), jnp.abs(lse - want_lse), 0.0)))
@@ -285,10 +362,10 @@ def main():
     # Time B=64, H=128, 2048 valid slots per row over a 1.2 GB cache.
     rows = 64
     q, kv, slots, counts = _inputs(rows, heads, max_slots, 1 << 20, [max_slots] * rows, seed=1)
-    jax.block_until_ready(decode(q, kv, slots, counts, sm_scale, gather))
+    jax.block_until_ready(decode(q, kv, slots, counts, sm_scale, gather, scores_by))
     start, n = time.perf_counter(), 20
     for _ in range(n):
-        result = decode(q, kv, slots, counts, sm_scale, gather)
+        result = decode(q, kv, slots, counts, sm_scale, gather, scores_by)
     jax.block_until_ready(result)
     seconds = (time.perf_counter() - start) / n
     flops = 2 * rows * heads * max_slots * (WIDTH + VALUE_DIM)
