@@ -11,7 +11,6 @@ from dcp_jax.config import INDEX_CACHE_FORMATS, INDEX_CACHE_HELP
 from dcp_jax.loading import use_cpu_devices
 
 
-
 def _parse_sizes(text: str) -> list[int]:
     try:
         sizes = [int(part) for part in text.split(",") if part]

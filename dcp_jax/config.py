@@ -247,6 +247,12 @@ INDEX_CACHE_FORMATS = ("exact", "fp8")
 INDEX_CACHE_HELP = "indexer key cache: exact (model dtype, HF's math) or fp8 (e4m3 keys + an f32 scale per token)"
 
 
+def check_index_cache(index_cache: str) -> None:
+    """Refuse an unknown index-cache format."""
+    if index_cache not in INDEX_CACHE_FORMATS:
+        raise ValueError(f"index_cache={index_cache!r} must be one of {INDEX_CACHE_FORMATS}")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Paged KV pool (page size, page count, index cache format) and the decode bucket ladder (batch widths, each
@@ -262,8 +268,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.page_size < 1 or self.num_pages < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
             raise ValueError(f"page_size, num_pages, max_num_seqs, max_model_len must be >= 1: {self}")
-        if self.index_cache not in INDEX_CACHE_FORMATS:
-            raise ValueError(f"index_cache={self.index_cache!r} must be one of {INDEX_CACHE_FORMATS}")
+        check_index_cache(self.index_cache)
         ladder = self.bucket_ladder
         if not ladder or any(b < 1 for b in ladder) or list(ladder) != sorted(set(ladder)):
             raise ValueError(f"bucket_ladder must be strictly increasing positive ints, got {ladder}")

@@ -40,7 +40,8 @@ from dcp_jax.attention import decode, index_format
 from dcp_jax.attention.decode import DcpLayout
 from dcp_jax.attention.index_format import Fp8IndexKeys
 from dcp_jax.attention.kernels import select_kernels
-from dcp_jax.config import INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, EngineConfig, ModelConfig, ParallelConfig, preset
+from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, EngineConfig, ModelConfig, ParallelConfig,
+                            check_index_cache, preset)
 from dcp_jax.decode_bench_results import STAGES, report
 from dcp_jax.kv_cache import KVCache, allocate_kv_cache, from_layers, kv_bytes_per_rank
 from dcp_jax.layout import virtual_blocks
@@ -178,8 +179,7 @@ class Grid:
     seed: int = 0
 
     def __post_init__(self):
-        if self.index_cache not in INDEX_CACHE_FORMATS:
-            raise ValueError(f"index_cache={self.index_cache!r} must be one of {INDEX_CACHE_FORMATS}")
+        check_index_cache(self.index_cache)
 
     @property
     def cfg(self) -> ModelConfig:

@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dcp_jax.config import INDEX_CACHE_FORMATS
+from dcp_jax.config import check_index_cache
 from pallas_kernels import quant
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -33,14 +33,9 @@ class Fp8IndexKeys:
     scales: jax.Array
 
 
-def _check_format(index_cache: str) -> None:
-    if index_cache not in INDEX_CACHE_FORMATS:
-        raise ValueError(f"index_cache={index_cache!r} must be one of {INDEX_CACHE_FORMATS}")
-
-
 def zeros(shape, index_cache: str, dtype):
     """Zero index keys of `shape` [..., J] in format `index_cache` ('exact': of `dtype`)."""
-    _check_format(index_cache)
+    check_index_cache(index_cache)
     if index_cache == "fp8":
         return Fp8IndexKeys(jnp.zeros(shape, jnp.float8_e4m3fn), jnp.zeros(shape[:-1], jnp.float32))
     return jnp.zeros(shape, dtype)
@@ -48,7 +43,7 @@ def zeros(shape, index_cache: str, dtype):
 
 def bytes_per_token(index_cache: str, index_head_dim: int, itemsize: int) -> int:
     """Bytes one cached token takes in format `index_cache` (`itemsize`: the model dtype's, used by 'exact')."""
-    _check_format(index_cache)
+    check_index_cache(index_cache)
     return index_head_dim + FP8_SCALE_BYTES if index_cache == "fp8" else index_head_dim * itemsize
 
 
