@@ -3,7 +3,8 @@
 Run from the repo root: `PYTHONPATH=. python3 bench/bench_sparse_mla.py [--sweep]`.
 Prints same-run ceilings (bf16 8192^3 matmul, device copy), a GPU compare against reference.sparse_mla_decode,
 a table over B in {1, 8, 64}, H in {16, 64, 128}, k=2048 and DCP W in {1, 2, 4, 8} (count = k/W slots per
-row), and with --sweep a knob sweep. Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}.
+row) with the default backend (Mosaic on the H200 for bf16), the Triton backend on a few of those shapes, and
+with --sweep a Triton knob sweep. Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}.
 FLOPs per row: 2*H*count*(Dq + value_dim) (scores over 576 columns, values over 512).
 """
 
@@ -104,20 +105,22 @@ def check_correctness(cache_bf16) -> list[dict]:
     results = []
     cache_f32 = cache_bf16[:2048].astype(jnp.float32)  # a smaller f32 cache keeps the f32 compare cheap
     counts = jnp.array([TOPK, 0, 1, 700, 1000, 333, 2047, 64], jnp.int32)
-    for dtype, cache in ((jnp.bfloat16, cache_bf16), (jnp.float32, cache_f32)):
+    for dtype, cache, backend in ((jnp.bfloat16, cache_bf16, "auto"), (jnp.bfloat16, cache_bf16, "triton"),
+                                  (jnp.float32, cache_f32, "auto")):
         for heads, num_splits in ((128, 1), (128, 4), (128, None), (64, None), (16, None)):
             key_q, key_s = jax.random.split(jax.random.key(heads + (num_splits or 0)))
             q = jax.random.normal(key_q, (len(counts), heads, WIDTH), jnp.float32).astype(dtype)
             slots = jax.random.randint(key_s, (len(counts), TOPK), 0, cache.shape[0] * PAGE_SIZE, jnp.int32)
             slots = jnp.where(jnp.arange(TOPK) < counts[:, None], slots, -1)
             kernel = jax.jit(functools.partial(sparse_mla.sparse_mla_decode, sm_scale=SM_SCALE,
-                                               num_splits=num_splits))
+                                               num_splits=num_splits, backend=backend))
             poison_allocator(len(counts) * 16 * heads * VALUE_DIM * 4)
             try:
                 out, lse = kernel(q, cache, slots, counts)
             except Exception as error:  # report a compile failure and go on to the next case
-                log(f"check H={heads} splits={num_splits}: FAILED {str(error)[:300]}")
-                results.append(dict(dtype=jnp.dtype(dtype).name, heads=heads, num_splits=num_splits, ok=False))
+                log(f"check {backend} H={heads} splits={num_splits}: FAILED {str(error)[:300]}")
+                results.append(dict(dtype=jnp.dtype(dtype).name, backend=backend, heads=heads, num_splits=num_splits,
+                                    ok=False))
                 continue
             with jax.default_matmul_precision("highest"):
                 ref_out, ref_lse = jax.jit(functools.partial(reference.sparse_mla_decode, sm_scale=SM_SCALE))(
@@ -129,10 +132,11 @@ def check_correctness(cache_bf16) -> list[dict]:
             has_nan = bool(jnp.isnan(out).any() | jnp.isnan(lse).any())
             tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
             ok = rel < tol and lse_err < 1e-3 and is_empty_ok and not has_nan
-            results.append(dict(dtype=jnp.dtype(dtype).name, heads=heads, num_splits=num_splits, rel_err=rel,
-                                lse_max_abs_err=lse_err, empty_rows_ok=is_empty_ok, nan=has_nan, ok=ok))
-            log(f"check {jnp.dtype(dtype).name:8s} H={heads:3d} splits={num_splits!s:4s} rel_err={rel:.2e} "
-                f"lse_err={lse_err:.2e} empty_ok={is_empty_ok} nan={has_nan} -> {'OK' if ok else 'FAIL'}")
+            results.append(dict(dtype=jnp.dtype(dtype).name, backend=backend, heads=heads, num_splits=num_splits,
+                                rel_err=rel, lse_max_abs_err=lse_err, empty_rows_ok=is_empty_ok, nan=has_nan, ok=ok))
+            log(f"check {jnp.dtype(dtype).name:8s} {backend:6s} H={heads:3d} splits={num_splits!s:4s} "
+                f"rel_err={rel:.2e} lse_err={lse_err:.2e} empty_ok={is_empty_ok} nan={has_nan} -> "
+                f"{'OK' if ok else 'FAIL'}")
     return results
 
 
@@ -219,6 +223,12 @@ def main():
                 log(f"B={rows:2d} H={heads:3d} W={dcp} count={result['count']:4d} {result['us']:8.1f} us "
                     f"{result['tflops']:6.1f} TFLOP/s compile {result['compile_s']:.1f}s [{elapsed():.0f}s]")
     report["table"] = table
+    triton = []
+    for rows, heads, dcp in ((64, 128, 1), (64, 128, 4), (8, 128, 1), (1, 128, 1)):
+        result = time_kernel(cache, rows, heads, dcp, backend="triton")
+        triton.append(result)
+        log(f"triton B={rows:2d} H={heads:3d} W={dcp} {result['us']:8.1f} us {result['tflops']:6.1f} TFLOP/s")
+    report["triton"] = triton
     report["xla_reference"] = xla = time_xla_reference(cache, 64, 128)
     log(f"XLA reference B=64 H=128 k=2048: {xla['us']:.1f} us")
 
@@ -229,6 +239,12 @@ def main():
         log("sweep: " + "; ".join(f"{r['knobs']} B={r['rows']} W={r['dcp']}: "
                                   + (f"{r['us']:.1f}us" if "us" in r else "fail") for r in sweep))
     log("")
+    default_us = {(r["rows"], r["heads"], r["dcp"]): r["us"] for r in table}
+    log("| backend | B | H | W | us | TFLOP/s | default backend's time / this |")
+    log("|---|---|---|---|---|---|---|")
+    for r in triton:
+        log(f"| triton | {r['rows']} | {r['heads']} | {r['dcp']} | {r['us']:.1f} | {r['tflops']:.1f} | "
+            f"{default_us.get((r['rows'], r['heads'], r['dcp']), math.nan) / r['us']:.2f} |")
     log(f"ceilings: matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s; "
         f"checks {'all OK' if all(c['ok'] for c in report['checks']) else 'FAILED'}")
     log("| B | H | W | count | us | TFLOP/s | % matmul | vs W=1 |")

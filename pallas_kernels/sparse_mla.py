@@ -12,6 +12,8 @@ Dots run in the cache's dtype (q is cast to it) with f32 accumulation; an f32 ca
 Work per row is proportional to its count: each of `num_splits` programs of a row takes an equal share of the
 row's valid slots, rounded up to `block_s`, and loads nothing past the count. Partial results are merged by
 `merge_splits`. Tuning defaults were measured by `bench/bench_sparse_mla.py` (see docs/perf_sparse_mla.md).
+Two implementations (`backend`): a Triton kernel (any supported shape, bf16 or f32) and, for a bf16 cache of
+512 + 64 columns on Hopper, the faster warp-specialized Mosaic GPU kernel of sparse_mla_mosaic.py.
 Letters: R rows, H heads, S slots, N splits, D latent (value_dim), E rope.
 """
 
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import sparse_mla_mosaic
 from pallas_kernels._platform import default_interpret
 from pallas_kernels.lse import lse_merge_weights
 
@@ -105,6 +108,20 @@ def merge_splits(outs, lses):
     return (weights[..., None] * outs).sum(axis=1), lse
 
 
+def _mosaic_decode(q, kv_cache, slots, counts, sm_scale, num_splits):
+    num_heads = q.shape[1]
+    q, kv_rows, slots, counts = sparse_mla_mosaic.prepare(q, kv_cache, slots, counts)
+    rows, padded_heads, _ = q.shape
+    if num_splits is None:
+        num_splits = default_num_splits(rows, padded_heads // sparse_mla_mosaic.BLOCK_H, slots.shape[1],
+                                        sparse_mla_mosaic.BLOCK_S)
+    outs, lses = sparse_mla_mosaic.sparse_mla_partials(q, kv_rows, slots, counts, sm_scale=float(sm_scale),
+                                                       num_splits=num_splits)
+    outs = outs.astype(jnp.float32)
+    out, lse = (outs[:, 0], lses[:, 0]) if num_splits == 1 else merge_splits(outs, lses)
+    return out[:, :num_heads], lse[:, :num_heads]
+
+
 def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -141,11 +158,17 @@ def default_num_splits(rows: int, head_blocks: int, num_slots: int, block_s: int
     return splits
 
 
-def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, interpret=None,
+BACKENDS = ("auto", "triton", "mosaic")
+
+
+def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, interpret=None, backend="auto",
                       block_h=64, block_s=None, num_splits=None, num_warps=8, num_stages=None):
     """Absorbed sparse MLA decode; see the module docstring for the contract.
 
-    Knobs: block_h heads per program (at most; the largest power of two <= block_h dividing the padded H is
+    backend: "mosaic" (bf16 cache of 512 + 64 columns on an sm_90 GPU; out is rounded to bf16 in the kernel),
+    "triton", or "auto" (mosaic where it applies and the kernel is compiled, else triton). num_splits applies
+    to both; the other knobs are Triton's.
+    Triton knobs: block_h heads per program (at most; the largest power of two <= block_h dividing the padded H is
     used), block_s slots per step, num_splits split-K programs per row (None: `default_num_splits`), num_warps
     and num_stages for Triton. block_s and num_stages default per cache dtype. H that is not a multiple of 16
     is padded with zero queries (Triton dots need >= 16 rows) whose outputs are dropped.
@@ -154,7 +177,15 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, in
     block_s = default_block_s if block_s is None else block_s
     num_stages = default_stages if num_stages is None else num_stages
     _check_inputs(q, kv_cache, slots, counts, value_dim, block_h, block_s, num_splits)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     interpret = default_interpret(interpret)
+    mosaic_applies = sparse_mla_mosaic.supports(q, kv_cache, value_dim)
+    if backend == "mosaic" and (interpret or not mosaic_applies):
+        raise ValueError("backend='mosaic' needs a bf16 cache of 512 + 64 columns on an sm_90 GPU, compiled "
+                         f"(not interpreted); got {kv_cache.dtype=}, {value_dim=}, Dq={q.shape[-1]}, {interpret=}")
+    if backend == "mosaic" or (backend == "auto" and mosaic_applies and not interpret):
+        return _mosaic_decode(q, kv_cache, slots, counts, sm_scale, num_splits)
     num_heads = q.shape[1]
     padded_heads = pl.cdiv(num_heads, 16) * 16
     if padded_heads != num_heads:

@@ -1,5 +1,8 @@
 """Tests of pallas_kernels/sparse_mla.py against reference.sparse_mla_decode (interpreted on CPU, compiled on GPU).
 
+The Mosaic GPU backend has no interpreter: on CPU it is lowered for CUDA (which checks shapes, layouts and shared
+memory); its numbers are checked by the `gpu` tests.
+
 Cache rows that no valid slot names hold NaN and slots past a row's count name those rows, -1 or ids far outside
 the cache, so any use of a slot past the count turns the output NaN (or faults on the GPU). The interpreter fills
 unwritten outputs with NaN, so a finite result proves every element was written.
@@ -10,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import reference, sparse_mla
+from pallas_kernels import reference, sparse_mla, sparse_mla_mosaic
 
 # name -> (rows, heads, value_dim, rope_dim, slots, pages, page_size): tiny for the interpreter, real for the GPU.
 SHAPES = {
@@ -151,12 +154,56 @@ def test_rejects_bad_inputs(change, message):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(("dtype", "backend"), [(jnp.float32, "auto"), (jnp.bfloat16, "triton"),
+                                                (jnp.bfloat16, "auto")], ids=["f32", "bf16-triton", "bf16-auto"])
 @pytest.mark.parametrize("num_splits", [1, 4, None])
-def test_real_shape_on_gpu(dtype, num_splits):
+def test_real_shape_on_gpu(dtype, backend, num_splits):
     shape = SHAPES["deepseek"]
     q, kv_cache, slots, counts = _make_inputs(3, shape, [2048, 0, 1, 700], dtype)
-    out, lse = jax.jit(lambda *a: sparse_mla.sparse_mla_decode(*a, 0.1352, num_splits=num_splits))(
-        q, kv_cache, slots, counts)
+    out, lse = jax.jit(lambda *a: sparse_mla.sparse_mla_decode(*a, 0.1352, num_splits=num_splits,
+                                                               backend=backend))(q, kv_cache, slots, counts)
     ref_out, ref_lse = _reference(q, kv_cache, slots, counts, 0.1352, 512)
     _check(out, lse, ref_out, ref_lse, counts, dtype)
+
+
+def test_rejects_bad_backend():
+    q, kv_cache, slots, counts = _make_inputs(0, SHAPES["tiny"], [1, 2, 3], jnp.bfloat16)
+    with pytest.raises(ValueError, match="backend must be"):
+        sparse_mla.sparse_mla_decode(q, kv_cache, slots, counts, 0.1, value_dim=64, backend="cuda")
+    # The Mosaic kernel wants 512 + 64 columns on an sm_90 GPU, compiled.
+    with pytest.raises(ValueError, match="backend='mosaic' needs"):
+        sparse_mla.sparse_mla_decode(q, kv_cache, slots, counts, 0.1, value_dim=64, backend="mosaic")
+
+
+@pytest.mark.parametrize(("rows", "heads", "num_slots", "num_splits"),
+                         [(2, 128, 2048, 1), (1, 64, 1024, 4), (3, 64, 64, 16)])
+def test_mosaic_kernel_lowers_for_cuda(rows, heads, num_slots, num_splits):
+    args = (jax.ShapeDtypeStruct((rows, heads, sparse_mla_mosaic.WIDTH), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1 << 16, sparse_mla_mosaic.WIDTH), jnp.bfloat16),
+            jax.ShapeDtypeStruct((rows, num_slots), jnp.int32),
+            jax.ShapeDtypeStruct((rows, sparse_mla_mosaic.COUNT_COLUMNS), jnp.int32))
+    sparse_mla_mosaic.sparse_mla_partials.trace(*args, sm_scale=0.1, num_splits=num_splits).lower(
+        lowering_platforms=("cuda",))
+
+
+def test_mosaic_prepare_pads_to_the_kernel():
+    q, kv_cache, slots, counts = _make_inputs(0, SHAPES["deepseek_tiny_s"], [24, 0], jnp.float32)
+    q_p, rows_p, slots_p, counts_p = sparse_mla_mosaic.prepare(q, kv_cache, slots, jnp.array([99, -3], jnp.int32))
+    assert q_p.shape == (2, 64, 576) and q_p.dtype == jnp.bfloat16 and not q_p[:, 16:].any()
+    assert rows_p.shape == (4 * 16, 576)
+    assert slots_p.shape == (2, 64) and (slots_p[:, :24] == slots).all()
+    np.testing.assert_array_equal(counts_p, [[24] + [0] * 15, [0] * 16])  # clipped to [0, S]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 64, 128])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_mosaic_matches_reference_on_gpu(heads, num_splits):
+    # S = 1000 is not a multiple of the 64-slot block; counts 0, 1, S, and ragged ones around block edges.
+    shape = (6, heads, 512, 64, 1000, 512, 64)
+    counts = [0, 1, 1000, 63, 65, 640]
+    q, kv_cache, slots, counts = _make_inputs(heads + (num_splits or 0), shape, counts, jnp.bfloat16)
+    out, lse = jax.jit(lambda *a: sparse_mla.sparse_mla_decode(*a, 0.1352, num_splits=num_splits,
+                                                               backend="mosaic"))(q, kv_cache, slots, counts)
+    ref_out, ref_lse = _reference(q, kv_cache, slots, counts, 0.1352, 512)
+    _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
