@@ -3,8 +3,9 @@
 Run from the repo root: `PYTHONPATH=. python3 bench/bench_sparse_mla.py [--sweep]`.
 Prints same-run ceilings (bf16 8192^3 matmul, device copy), a GPU compare against reference.sparse_mla_decode,
 a table over B in {1, 8, 64}, H in {16, 64, 128}, k=2048 and DCP W in {1, 2, 4, 8} (count = k/W slots per
-row) with the default backend (Mosaic on the H200 for bf16), the Triton backend on a few of those shapes, and
-with --sweep a Triton knob sweep. Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}.
+row) with the default backend (Mosaic on the H200 for bf16), other variants (`VARIANTS`: the Triton backend,
+Mosaic with split scores) on a few of those shapes, and with --sweep a Triton knob sweep. --quick times only
+the variant comparison. Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}.
 FLOPs per row: 2*H*count*(Dq + value_dim) (scores over 576 columns, values over 512).
 """
 
@@ -33,6 +34,10 @@ SETS_PER_CALL_SMALL, SETS_PER_CALL_LARGE = 32, 4
 # Rotate at least this many bytes of distinct KV rows per timing loop (4x the L2).
 ROTATE_BYTES = 256 << 20
 MAX_GROUPS = 16
+
+# Compared with the default backend on COMPARED_SHAPES (B, H, W): name -> sparse_mla_decode knobs.
+VARIANTS = {"triton": dict(backend="triton"), "mosaic-split-scores": dict(backend="mosaic", split_scores=True)}
+COMPARED_SHAPES = ((64, 128, 1), (64, 128, 4), (8, 128, 1), (1, 128, 1))
 
 _START = time.perf_counter()
 OUT_DIR = os.environ.get("OUT", "out")
@@ -177,7 +182,14 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="also time knob variants")
     parser.add_argument("--sweep-budget", type=float, default=110.0, help="seconds after which the sweep stops")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds after which the table stops")
+    parser.add_argument("--quick", action="store_true",
+                        help="skip the checks, the full table and the XLA reference: only the variant comparison")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"variants compared with the default backend, from {sorted(VARIANTS)}")
     args = parser.parse_args()
+    variants = [name for name in args.variants.split(",") if name]
+    if unknown := sorted(set(variants) - set(VARIANTS)):
+        parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
     os.makedirs(OUT_DIR, exist_ok=True)
     device = jax.devices()[0]
     log(f"device: {device.device_kind}, jax {jax.__version__}, date {time.strftime('%Y-%m-%d')}")
@@ -187,14 +199,14 @@ def main():
     log(f"ceilings: bf16 matmul 8192^3 {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s "
         f"(read+write)  [{elapsed():.0f}s]")
     cache = make_cache(jnp.bfloat16)
-    report["checks"] = check_correctness(cache)
+    report["checks"] = [] if args.quick else check_correctness(cache)
     log(f"correctness done [{elapsed():.0f}s]")
 
     sweep = []
     if args.sweep:
-        variants = [dict(block_s=bs, num_warps=8, num_stages=ns) for bs, ns in ((128, 1), (64, 2), (32, 5))]
-        variants += [dict(num_splits=s) for s in (4, 16)]
-        for knobs in variants:
+        sweep_knobs = [dict(block_s=bs, num_warps=8, num_stages=ns) for bs, ns in ((128, 1), (64, 2), (32, 5))]
+        sweep_knobs += [dict(num_splits=s) for s in (4, 16)]
+        for knobs in sweep_knobs:
             for rows, heads, dcp in ((64, 128, 1), (64, 128, 4), (8, 128, 1), (8, 128, 4)):
                 if "num_splits" in knobs and rows == 64:
                     continue
@@ -211,8 +223,8 @@ def main():
                         f"{result['tflops']:.1f} TFLOP/s [{elapsed():.0f}s]")
                 sweep.append(result)
     report["sweep"] = sweep
-    table = []
-    for rows in (64, 8, 1):
+    table = [time_kernel(cache, rows, heads, dcp) for rows, heads, dcp in COMPARED_SHAPES] if args.quick else []
+    for rows in () if args.quick else (64, 8, 1):
         for heads in (128, 64, 16):
             for dcp in (1, 2, 4, 8):
                 if elapsed() > args.budget:
@@ -223,14 +235,16 @@ def main():
                 log(f"B={rows:2d} H={heads:3d} W={dcp} count={result['count']:4d} {result['us']:8.1f} us "
                     f"{result['tflops']:6.1f} TFLOP/s compile {result['compile_s']:.1f}s [{elapsed():.0f}s]")
     report["table"] = table
-    triton = []
-    for rows, heads, dcp in ((64, 128, 1), (64, 128, 4), (8, 128, 1), (1, 128, 1)):
-        result = time_kernel(cache, rows, heads, dcp, backend="triton")
-        triton.append(result)
-        log(f"triton B={rows:2d} H={heads:3d} W={dcp} {result['us']:8.1f} us {result['tflops']:6.1f} TFLOP/s")
-    report["triton"] = triton
-    report["xla_reference"] = xla = time_xla_reference(cache, 64, 128)
-    log(f"XLA reference B=64 H=128 k=2048: {xla['us']:.1f} us")
+    compared = []
+    for name in variants:
+        for rows, heads, dcp in COMPARED_SHAPES:
+            result = dict(time_kernel(cache, rows, heads, dcp, **VARIANTS[name]), variant=name)
+            compared.append(result)
+            log(f"{name} B={rows:2d} H={heads:3d} W={dcp} {result['us']:8.1f} us {result['tflops']:6.1f} TFLOP/s")
+    report["variants"] = compared
+    if not args.quick:
+        report["xla_reference"] = xla = time_xla_reference(cache, 64, 128)
+        log(f"XLA reference B=64 H=128 k=2048: {xla['us']:.1f} us")
 
     with open(os.path.join(OUT_DIR, "bench_sparse_mla.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -240,13 +254,14 @@ def main():
                                   + (f"{r['us']:.1f}us" if "us" in r else "fail") for r in sweep))
     log("")
     default_us = {(r["rows"], r["heads"], r["dcp"]): r["us"] for r in table}
-    log("| backend | B | H | W | us | TFLOP/s | default backend's time / this |")
+    log("| variant | B | H | W | us | TFLOP/s | default's time / this |")
     log("|---|---|---|---|---|---|---|")
-    for r in triton:
-        log(f"| triton | {r['rows']} | {r['heads']} | {r['dcp']} | {r['us']:.1f} | {r['tflops']:.1f} | "
+    for r in compared:
+        log(f"| {r['variant']} | {r['rows']} | {r['heads']} | {r['dcp']} | {r['us']:.1f} | {r['tflops']:.1f} | "
             f"{default_us.get((r['rows'], r['heads'], r['dcp']), math.nan) / r['us']:.2f} |")
     log(f"ceilings: matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s; "
-        f"checks {'all OK' if all(c['ok'] for c in report['checks']) else 'FAILED'}")
+        "checks " + ("skipped (--quick)" if args.quick else
+                     "all OK" if all(c["ok"] for c in report["checks"]) else "FAILED"))
     log("| B | H | W | count | us | TFLOP/s | % matmul | vs W=1 |")
     log("|---|---|---|---|---|---|---|---|")
     for r in table:
