@@ -108,7 +108,7 @@ def merge_splits(outs, lses):
     return (weights[..., None] * outs).sum(axis=1), lse
 
 
-def _mosaic_decode(q, kv_cache, slots, counts, sm_scale, num_splits, split_scores):
+def _mosaic_decode(q, kv_cache, slots, counts, sm_scale, num_splits):
     num_heads = q.shape[1]
     q, kv_rows, slots, counts = sparse_mla_mosaic.prepare(q, kv_cache, slots, counts)
     rows, padded_heads, _ = q.shape
@@ -116,7 +116,7 @@ def _mosaic_decode(q, kv_cache, slots, counts, sm_scale, num_splits, split_score
         num_splits = default_num_splits(rows, padded_heads // sparse_mla_mosaic.BLOCK_H, slots.shape[1],
                                         sparse_mla_mosaic.BLOCK_S)
     outs, lses = sparse_mla_mosaic.sparse_mla_partials(q, kv_rows, slots, counts, sm_scale=float(sm_scale),
-                                                       num_splits=num_splits, split_scores=split_scores)
+                                                       num_splits=num_splits)
     outs = outs.astype(jnp.float32)
     out, lse = (outs[:, 0], lses[:, 0]) if num_splits == 1 else merge_splits(outs, lses)
     return out[:, :num_heads], lse[:, :num_heads]
@@ -162,14 +162,12 @@ BACKENDS = ("auto", "triton", "mosaic")
 
 
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, interpret=None, backend="auto",
-                      block_h=64, block_s=None, num_splits=None, num_warps=8, num_stages=None,
-                      split_scores=sparse_mla_mosaic.SPLIT_SCORES):
+                      block_h=64, block_s=None, num_splits=None, num_warps=8, num_stages=None):
     """Absorbed sparse MLA decode; see the module docstring for the contract.
 
     backend: "mosaic" (bf16 cache of 512 + 64 columns on an sm_90 GPU; out is rounded to bf16 in the kernel),
     "triton", or "auto" (mosaic where it applies and the kernel is compiled, else triton). num_splits applies
-    to both; split_scores is Mosaic's (see `sparse_mla_mosaic.sparse_mla_partials`); the other knobs are
-    Triton's.
+    to both; the other knobs are Triton's.
     Triton knobs: block_h heads per program (at most; the largest power of two <= block_h dividing the padded H is
     used), block_s slots per step, num_splits split-K programs per row (None: `default_num_splits`), num_warps
     and num_stages for Triton. block_s and num_stages default per cache dtype. H that is not a multiple of 16
@@ -187,7 +185,7 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, in
         raise ValueError("backend='mosaic' needs a bf16 cache of 512 + 64 columns on an sm_90 GPU, compiled "
                          f"(not interpreted); got {kv_cache.dtype=}, {value_dim=}, Dq={q.shape[-1]}, {interpret=}")
     if backend == "mosaic" or (backend == "auto" and mosaic_applies and not interpret):
-        return _mosaic_decode(q, kv_cache, slots, counts, sm_scale, num_splits, split_scores)
+        return _mosaic_decode(q, kv_cache, slots, counts, sm_scale, num_splits)
     num_heads = q.shape[1]
     padded_heads = pl.cdiv(num_heads, 16) * 16
     if padded_heads != num_heads:

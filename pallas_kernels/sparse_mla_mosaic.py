@@ -14,7 +14,6 @@ only; on CPU it can be lowered for CUDA (the tests do).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -29,57 +28,33 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 VALUE_DIM, ROPE_DIM = 512, 64
 WIDTH = VALUE_DIM + ROPE_DIM
+SLAB = 64  # columns per 128-byte swizzled slab of bf16
+NUM_SLABS = WIDTH // SLAB  # 9: 8 value slabs, then the rope slab
 BLOCK_S = 64  # slots per block: the K of the value wgmmas
 STAGES = 2  # Q and two stages fill the 227 KB of SMEM
 BLOCK_H = 64  # heads per CTA: one wgmma M
 ROW_BYTES = WIDTH * 2
 CHUNK = 16  # bytes per cp.async
-LINE = 128  # bytes per cache line: 8 chunks
 COUNT_COLUMNS = 16  # counts travel as [R, 16] int32: a TMA row must be 16-byte aligned and 64 bytes suit it
 LOG2E = math.log2(math.e)
-# Whether each compute warpgroup scores half of each block (64-byte swizzled 32-column slabs) by default.
-SPLIT_SCORES = False
 COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40  # 2 * 232 + 40 warpgroup registers per thread fill 64K
 
 
-@dataclasses.dataclass(frozen=True)
-class _Slabs:
-    """How Q, the KV stages and the output are cut into column slabs of `cols` bf16 (one swizzle row each):
-    64 columns with 128-byte swizzling, or 32 with 64-byte swizzling (split scores: each warpgroup's half of P
-    is then a whole tile column)."""
-    cols: int
-
-    @property
-    def swizzle(self):
-        return self.cols * 2
-
-    @property
-    def count(self):  # slabs per 576-column row: the last 64 columns are the rope part
-        return WIDTH // self.cols
-
-    @property
-    def per_warpgroup(self):  # value slabs each compute warpgroup owns
-        return VALUE_DIM // 2 // self.cols
-
-    def transforms(self):
-        return plgpu.TilingTransform((8, self.cols)), plgpu.SwizzleTransform(self.swizzle)
+def _tiled(tile):
+    return plgpu.TilingTransform(tile), plgpu.SwizzleTransform(128)
 
 
-def _cp_async_gather(kv_ref, slots_ref, info_ref, kv_smem, slabs: _Slabs):
-    """The producer warpgroup copies the cache rows named by slots_ref [64] into kv_smem ([slabs, 64 slots,
-    cols], tiled and swizzled by `slabs`) with cp.async, zero-filling rows at or past info_ref[0]; then waits
-    for its copies and fences them for the async proxy (wgmma). The caller arrives on the stage's barrier.
+def _cp_async_gather(kv_ref, slots_ref, info_ref, kv_smem):
+    """The producer warpgroup copies the cache rows named by slots_ref [64] into kv_smem ([9, 64, 64],
+    (8, 64)-tiled, 128B-swizzled) with cp.async, zero-filling rows at or past info_ref[0]; then waits for its
+    copies and fences them for the async proxy (wgmma). The caller arrives on the stage's barrier.
 
     Warp w copies rows 16w .. 16w + 15; lane l copies 16-byte chunk l % 8 of each 128-byte line of rows
     16w + 4j + l // 8 (j < 4). So one warp instruction copies four whole lines, and each thread computes four
-    row addresses once: each of its 36 copies is a row address plus a constant. Swizzling (as the hardware
-    does it): the 16-byte chunk index within a slab row is XORed with bits 7 and up of the row's byte offset."""
-    row_bytes = slabs.cols * 2  # one slab row
-    slab_bytes = BLOCK_S * row_bytes
-    slabs_per_line = LINE // row_bytes
+    row addresses once: each of its 36 copies is a row address plus a constant."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                  plgpu.RefType(transforms=slabs.transforms())))
+                                  plgpu.RefType(transforms=_tiled((8, SLAB)))))
     def gather(launch_ctx, kv_gmem, slots, info, smem):
         del launch_ctx
         i32, i64, i8 = (ir.IntegerType.get_signless(n) for n in (32, 64, 8))
@@ -102,18 +77,13 @@ def _cp_async_gather(kv_ref, slots_ref, info_ref, kv_smem, slabs: _Slabs):
             src_row = mgpu_utils.getelementptr(
                 gmem_base, [arith.addi(arith.muli(arith.extui(i64, slot), const(ROW_BYTES, i64)),
                                        arith.extui(i64, arith.muli(chunk, const(CHUNK))))], i8)
-            # This thread's chunk of a line lands in slab (line * slabs_per_line + chunk // chunks_per_slab_row).
-            chunks_per_slab_row = row_bytes // CHUNK
-            row_offset = arith.muli(row, const(row_bytes))
-            swizzled = arith.xori(arith.remui(chunk, const(chunks_per_slab_row)),
-                                  arith.andi(arith.shrui(row_offset, const(7)), const(slabs.swizzle // CHUNK - 1)))
-            dst_row = mgpu_utils.getelementptr(smem_base, [
-                arith.addi(arith.addi(row_offset, arith.muli(swizzled, const(CHUNK))),
-                           arith.muli(arith.divui(chunk, const(chunks_per_slab_row)), const(slab_bytes)))], i8)
+            swizzled = arith.xori(chunk, arith.andi(row, const(7)))
+            dst_row = mgpu_utils.getelementptr(
+                smem_base, [arith.addi(arith.muli(row, const(SLAB * 2)), arith.muli(swizzled, const(CHUNK)))], i8)
             size = arith.select(is_valid, const(CHUNK), const(0))  # 0: zero-fill, read nothing
-            for line in range(ROW_BYTES // LINE):
-                nvvm.CpAsyncOp(mgpu_utils.getelementptr(dst_row, [line * slabs_per_line * slab_bytes], i8),
-                               mgpu_utils.getelementptr(src_row, [line * LINE], i8),
+            for slab in range(NUM_SLABS):  # a slab row is one 128-byte line of the cache row
+                nvvm.CpAsyncOp(mgpu_utils.getelementptr(dst_row, [slab * BLOCK_S * SLAB * 2], i8),
+                               mgpu_utils.getelementptr(src_row, [slab * SLAB * 2], i8),
                                CHUNK, nvvm.LoadCacheModifierKind.CG, cpSize=size)
         nvvm.cp_async_commit_group()
         nvvm.cp_async_wait_group(0)
@@ -122,17 +92,13 @@ def _cp_async_gather(kv_ref, slots_ref, info_ref, kv_smem, slabs: _Slabs):
     gather(kv_ref, slots_ref, info_ref, kv_smem)
 
 
-def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits,
-            split_scores):
-    (q_smem, kv_smem, meta_smem, row_stats, probs_smem,
-     q_barrier, count_barrier, slots_barriers, kv_barriers, consumed_barriers, done_barrier,
-     maxima_barrier, probs_barrier) = scratch
-    slabs = _Slabs(BLOCK_S // 2 if split_scores else BLOCK_S)
+def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits):
+    (q_smem, kv_smem, meta_smem, row_stats,
+     q_barrier, count_barrier, slots_barriers, kv_barriers, consumed_barriers, done_barrier) = scratch
     # meta_smem rows 0 .. STAGES-1 hold each stage's slots; row STAGES holds the count (16 ints) and then each
-    # stage's gather limit. row_stats row 2 stages the lse; with split scores, rows 0 and 1 hold each
-    # warpgroup's block row maxima, and at the end its row sums.
+    # stage's gather limit. row_stats row 0 stages the lse.
     slots_smem = meta_smem.at[pl.ds(0, STAGES)]
-    lse_smem = row_stats.at[2]
+    lse_smem = row_stats.at[0]
     head_block, split, row = lax.axis_index("head_block"), lax.axis_index("split"), lax.axis_index("row")
     heads = pl.ds(head_block * BLOCK_H, BLOCK_H)
     wg = lax.axis_index("wg")
@@ -157,17 +123,12 @@ def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, 
 
         @pl.when(wg == 0)
         def _load_q():
-            for c in range(slabs.count):
-                plgpu.copy_gmem_to_smem(q_ref.at[row, heads, pl.ds(c * slabs.cols, slabs.cols)], q_smem.at[c],
+            for c in range(NUM_SLABS):
+                plgpu.copy_gmem_to_smem(q_ref.at[row, heads, pl.ds(c * SLAB, SLAB)], q_smem.at[c],
                                         q_barrier.at[0])
 
         plgpu.barrier_wait(q_barrier.at[0])
         row_vector = plgpu.Layout.WGMMA.reduce(1)
-        # Split scores: warpgroup w scores slots 32w .. 32w + 31 of each block; the two swap row maxima and bf16
-        # probabilities through SMEM. Else each scores all 64 slots itself (1.53x the tensor work).
-        scored = BLOCK_S // 2 if split_scores else BLOCK_S
-        first_scored = wg * scored if split_scores else 0
-        first_value_slab = wg * slabs.per_warpgroup
 
         def block_step(block, carry):
             accs, m_i, l_i = carry
@@ -175,69 +136,52 @@ def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, 
             plgpu.barrier_wait(kv_barriers.at[stage])
 
             def scores_dot(acc_ref):
-                for c in range(slabs.count):
-                    keys = kv_smem.at[stage, c, pl.ds(first_scored, scored)] if split_scores else kv_smem.at[stage, c]
-                    plgpu.wgmma(acc_ref, q_smem.at[c], keys.transpose((1, 0)))
+                for c in range(NUM_SLABS):
+                    plgpu.wgmma(acc_ref, q_smem.at[c], kv_smem.at[stage, c].transpose((1, 0)))
                 return acc_ref[...]
 
-            scores = pl.run_scoped(scores_dot, plgpu.ACC((BLOCK_H, scored), jnp.float32))
-            slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, scored), 1, layout=plgpu.Layout.WGMMA)
+            scores = pl.run_scoped(scores_dot, plgpu.ACC((BLOCK_H, BLOCK_S), jnp.float32))
+            slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_S), 1, layout=plgpu.Layout.WGMMA)
             # Scores in log2 units so the softmax uses exp2; every block holds a valid slot, so m_next is finite.
-            scores = jnp.where(block * BLOCK_S + first_scored + slot_ids < length, scores * scale, -jnp.inf)
-            block_max = scores.max(axis=1)
-            if split_scores:  # a warpgroup's half may be all masked (-inf); the other half is not
-                row_stats[wg] = block_max
-                plgpu.barrier_arrive(maxima_barrier.at[0])
-                plgpu.barrier_wait(maxima_barrier.at[0])
-                block_max = jnp.maximum(block_max, plgpu.load(row_stats.at[1 - wg], layout=row_vector))
-            m_next = jnp.maximum(m_i, block_max)
+            scores = jnp.where(block * BLOCK_S + slot_ids < length, scores * scale, -jnp.inf)
+            m_next = jnp.maximum(m_i, scores.max(axis=1))
             alpha = jnp.exp2(m_i - m_next)
             probs = jnp.exp2(scores - lax.broadcast_in_dim(m_next, scores.shape, [0]))
-            l_next = l_i * alpha + probs.sum(axis=1)  # split scores: over this warpgroup's slots only
+            l_next = l_i * alpha + probs.sum(axis=1)
             probs = probs.astype(jnp.bfloat16)
-            if split_scores:
-                probs_smem[:, pl.ds(first_scored, scored)] = probs
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(probs_barrier.at[0])
-                plgpu.barrier_wait(probs_barrier.at[0])
-                probs = probs_smem
             new_accs = []
-            for j, acc in enumerate(accs):  # this warpgroup's value slabs
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            for j in range(4):  # this warpgroup's value slabs wg*4 .. wg*4 + 3
+                acc = accs[j] * lax.broadcast_in_dim(alpha, accs[j].shape, [0])
 
                 def values_dot(acc_ref, j=j):
-                    plgpu.wgmma(acc_ref, probs, kv_smem.at[stage, first_value_slab + j])
+                    plgpu.wgmma(acc_ref, probs, kv_smem.at[stage, wg * 4 + j])
 
                 new_accs.append(pl.run_state(values_dot)(plgpu.ACC.init(acc)))
             plgpu.barrier_arrive(consumed_barriers.at[stage])
             return tuple(new_accs), m_next, l_next
 
-        accs = tuple(plgpu.layout_cast(jnp.zeros((BLOCK_H, slabs.cols), jnp.float32), plgpu.Layout.WGMMA)
-                     for _ in range(slabs.per_warpgroup))
+        accs = tuple(plgpu.layout_cast(jnp.zeros((BLOCK_H, SLAB), jnp.float32), plgpu.Layout.WGMMA)
+                     for _ in range(4))
         m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_vector)
         l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), row_vector)
         accs, m_i, l_i = lax.fori_loop(0, num_blocks, block_step, (accs, m_i, l_i))
 
         # Both warpgroups are done with Q: its slabs stage the output. An empty split writes 0 and lse -inf.
-        if split_scores:  # the other warpgroup has read the last block's maxima: their rows take the row sums
-            row_stats[wg] = l_i
         plgpu.barrier_arrive(done_barrier.at[0])
         plgpu.barrier_wait(done_barrier.at[0])
-        if split_scores:
-            l_i = l_i + plgpu.load(row_stats.at[1 - wg], layout=row_vector)
         has_mass = l_i > 0
         inv_l = jnp.where(has_mass, 1.0 / jnp.where(has_mass, l_i, 1.0), 0.0)
-        for j, acc in enumerate(accs):
-            q_smem[first_value_slab + j] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(jnp.bfloat16)
+        for j in range(4):
+            q_smem[wg * 4 + j] = (accs[j] * lax.broadcast_in_dim(inv_l, accs[j].shape, [0])).astype(jnp.bfloat16)
 
         @pl.when(wg == 0)
         def _lse():
             lse_smem[...] = jnp.where(has_mass, (m_i + jnp.log2(jnp.where(has_mass, l_i, 1.0))) / LOG2E, -jnp.inf)
 
         plgpu.commit_smem()
-        for j in range(slabs.per_warpgroup):
-            columns = pl.ds((first_value_slab + j) * slabs.cols, slabs.cols)
-            plgpu.copy_smem_to_gmem(q_smem.at[first_value_slab + j], out_ref.at[row, split, heads, columns])
+        for j in range(4):
+            plgpu.copy_smem_to_gmem(q_smem.at[wg * 4 + j],
+                                    out_ref.at[row, split, heads, pl.ds((wg * 4 + j) * SLAB, SLAB)])
 
         @pl.when(wg == 0)
         def _store_lse():
@@ -262,38 +206,32 @@ def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, 
             plgpu.barrier_wait(slots_barriers.at[stage])
             meta_smem[STAGES, 16 + stage] = length - block * BLOCK_S
             _cp_async_gather(kv_ref, slots_smem.at[stage], meta_smem.at[STAGES, pl.ds(16 + stage, 1)],
-                             kv_smem.at[stage], slabs)
+                             kv_smem.at[stage])
             plgpu.barrier_arrive(kv_barriers.at[stage])
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "split_scores"))
-def sparse_mla_partials(q, kv_rows, slots, counts, *, sm_scale: float, num_splits: int,
-                        split_scores: bool = SPLIT_SCORES):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits"))
+def sparse_mla_partials(q, kv_rows, slots, counts, *, sm_scale: float, num_splits: int):
     """The kernel on prepared inputs: q bf16 [R, H, 576] (H a multiple of 64), kv_rows bf16 [slots, 576],
     slots int32 [R, S] (S a multiple of 64), counts int32 [R, 16] (the count in column 0). Returns per-split
-    out bf16 [R, N, H, 512] and lse f32 [R, N, H]. split_scores: each compute warpgroup scores half of each
-    block and they swap probabilities through SMEM (else each scores the whole block)."""
+    out bf16 [R, N, H, 512] and lse f32 [R, N, H]."""
     rows, heads, _ = q.shape
-    slabs = _Slabs(BLOCK_S // 2 if split_scores else BLOCK_S)
 
     def entry(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref):
+        slabs = (STAGES, NUM_SLABS, BLOCK_S, SLAB)
         pl.run_scoped(
             lambda *scratch: _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch,
-                                     scale=sm_scale * LOG2E, num_splits=num_splits, split_scores=split_scores),
-            plgpu.SMEM((slabs.count, BLOCK_H, slabs.cols), jnp.bfloat16, transforms=slabs.transforms()),
-            plgpu.SMEM((STAGES, slabs.count, BLOCK_S, slabs.cols), jnp.bfloat16, transforms=slabs.transforms()),
+                                     scale=sm_scale * LOG2E, num_splits=num_splits),
+            plgpu.SMEM((NUM_SLABS, BLOCK_H, SLAB), jnp.bfloat16, transforms=_tiled((8, SLAB))),
+            plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM((STAGES + 1, BLOCK_S), jnp.int32),
-            plgpu.SMEM((3, BLOCK_H), jnp.float32),
-            # split scores: the block's bf16 probabilities, each warpgroup writing its half (one tile column)
-            plgpu.SMEM((BLOCK_H, BLOCK_S), jnp.bfloat16, transforms=slabs.transforms()) if split_scores else None,
-            plgpu.Barrier(num_arrivals=slabs.count, num_barriers=1),  # one arrival per Q slab copy
+            plgpu.SMEM((1, BLOCK_H), jnp.float32),
+            plgpu.Barrier(num_arrivals=NUM_SLABS, num_barriers=1),  # one arrival per Q slab copy
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=STAGES),
             plgpu.Barrier(num_barriers=STAGES),  # the producer arrives once per gathered block
             plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
             plgpu.Barrier(num_arrivals=2, num_barriers=1),
-            plgpu.Barrier(num_arrivals=2, num_barriers=1) if split_scores else None,  # maxima written
-            plgpu.Barrier(num_arrivals=2, num_barriers=1) if split_scores else None,  # probabilities written
             collective_axes="wg",
         )
 

@@ -175,16 +175,15 @@ def test_rejects_bad_backend():
         sparse_mla.sparse_mla_decode(q, kv_cache, slots, counts, 0.1, value_dim=64, backend="mosaic")
 
 
-@pytest.mark.parametrize("split_scores", [False, True], ids=["duplicate", "split"])
 @pytest.mark.parametrize(("rows", "heads", "num_slots", "num_splits"),
                          [(2, 128, 2048, 1), (1, 64, 1024, 4), (3, 64, 64, 16)])
-def test_mosaic_kernel_lowers_for_cuda(rows, heads, num_slots, num_splits, split_scores):
+def test_mosaic_kernel_lowers_for_cuda(rows, heads, num_slots, num_splits):
     args = (jax.ShapeDtypeStruct((rows, heads, sparse_mla_mosaic.WIDTH), jnp.bfloat16),
             jax.ShapeDtypeStruct((1 << 16, sparse_mla_mosaic.WIDTH), jnp.bfloat16),
             jax.ShapeDtypeStruct((rows, num_slots), jnp.int32),
             jax.ShapeDtypeStruct((rows, sparse_mla_mosaic.COUNT_COLUMNS), jnp.int32))
-    sparse_mla_mosaic.sparse_mla_partials.trace(*args, sm_scale=0.1, num_splits=num_splits,
-                                                split_scores=split_scores).lower(lowering_platforms=("cuda",))
+    sparse_mla_mosaic.sparse_mla_partials.trace(*args, sm_scale=0.1, num_splits=num_splits).lower(
+        lowering_platforms=("cuda",))
 
 
 def test_mosaic_prepare_pads_to_the_kernel():
@@ -197,15 +196,14 @@ def test_mosaic_prepare_pads_to_the_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split_scores", [False, True], ids=["duplicate", "split"])
 @pytest.mark.parametrize("heads", [16, 64, 128])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
-def test_mosaic_matches_reference_on_gpu(heads, num_splits, split_scores):
+def test_mosaic_matches_reference_on_gpu(heads, num_splits):
     # S = 1000 is not a multiple of the 64-slot block; counts 0, 1, S, and ragged ones around block edges.
     shape = (6, heads, 512, 64, 1000, 512, 64)
     counts = [0, 1, 1000, 63, 65, 640]
     q, kv_cache, slots, counts = _make_inputs(heads + (num_splits or 0), shape, counts, jnp.bfloat16)
-    out, lse = jax.jit(lambda *a: sparse_mla.sparse_mla_decode(
-        *a, 0.1352, num_splits=num_splits, backend="mosaic", split_scores=split_scores))(q, kv_cache, slots, counts)
+    out, lse = jax.jit(lambda *a: sparse_mla.sparse_mla_decode(*a, 0.1352, num_splits=num_splits,
+                                                               backend="mosaic"))(q, kv_cache, slots, counts)
     ref_out, ref_lse = _reference(q, kv_cache, slots, counts, 0.1352, 512)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
