@@ -4,7 +4,8 @@ Run from the repo root: `PYTHONPATH=. python3 bench/bench_sparse_mla.py [--sweep
 Prints same-run ceilings (bf16 8192^3 matmul, device copy), a GPU compare against reference.sparse_mla_decode,
 a table over B in {1, 8, 64}, H in {16, 64, 128}, k=2048 and DCP W in {1, 2, 4, 8} (count = k/W slots per
 row) with the default backend (Mosaic on the H200 for bf16), other variants (`VARIANTS`: the Triton backend)
-on a few of those shapes, and with --sweep a Triton knob sweep. --quick times only the variant comparison. Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}.
+on a few of those shapes, and with --sweep a Triton knob sweep. --quick times only the variant comparison.
+Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}.
 FLOPs per row: 2*H*count*(Dq + value_dim) (scores over 576 columns, values over 512).
 """
 

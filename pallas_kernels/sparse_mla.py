@@ -168,9 +168,9 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, in
     backend: "mosaic" (bf16 cache of 512 + 64 columns on an sm_90 GPU; out is rounded to bf16 in the kernel),
     "triton", or "auto" (mosaic where it applies and the kernel is compiled, else triton). num_splits applies
     to both; the other knobs are Triton's.
-    Triton knobs: block_h heads per program (at most; the largest power of two <= block_h dividing the padded H is
-    used), block_s slots per step, num_splits split-K programs per row (None: `default_num_splits`), num_warps
-    and num_stages for Triton. block_s and num_stages default per cache dtype. H that is not a multiple of 16
+    Triton knobs: block_h heads per program (at most; the largest power of two <= block_h dividing the padded H
+    is used), block_s slots per step, num_splits split-K programs per row (None: `default_num_splits`),
+    num_warps and num_stages for Triton. block_s and num_stages default per cache dtype. H that is not a multiple of 16
     is padded with zero queries (Triton dots need >= 16 rows) whose outputs are dropped.
     """
     default_block_s, default_stages = _DEFAULT_BLOCKS.get(jnp.dtype(kv_cache.dtype), (64, 3))
