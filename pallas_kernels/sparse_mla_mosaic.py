@@ -3,8 +3,8 @@
 Same contract as sparse_mla.py for a bf16 cache of 512 latent + 64 rope columns (q is cast to bf16). Per CTA,
 one row, one split of its valid slots and 64 heads, with three warpgroups:
 - a producer gathers each block of 64 slots' cache rows into one of two SMEM stages ([9 slabs, 64, 64],
-  (8, 64)-tiled, 128B-swizzled) with cp.async, zero-filling rows past the split's end (a TMA per row piece is
-  4x slower: docs/perf_sparse_mla.md);
+  (8, 64)-tiled, 128B-swizzled) with cp.async, zero-filling rows past the split's end (one TMA per 128-byte
+  row piece made the kernel 10x slower: docs/perf_sparse_mla.md);
 - two compute warpgroups each compute the block's 64 x 64 scores (9 wgmmas of K=64) and the online softmax,
   then multiply the probabilities by their half of the value slabs (256 output columns each).
 The output is rounded to bf16 in the kernel (as FlashMLA does) and returned as f32; split-K partial results
