@@ -5,7 +5,8 @@ Prints same-run ceilings (bf16 8192^3 matmul, device copy), a GPU compare agains
 a table over B in {1, 8, 64}, H in {16, 64, 128}, k=2048 and DCP W in {1, 2, 4, 8} (count = k/W slots per
 row) with the default backend (Mosaic on the H200 for bf16), other variants (`VARIANTS`: the Triton backend)
 on a few of those shapes, and with --sweep a Triton knob sweep. --quick times only the variant comparison.
-Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}.
+Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}; `--plot JSON PNG` draws a saved JSON (per-rank
+time vs DCP size; no GPU needed).
 FLOPs per row: 2*H*count*(Dq + value_dim) (scores over 576 columns, values over 512).
 """
 
@@ -177,6 +178,41 @@ def time_xla_reference(cache, rows, heads) -> dict:
     return dict(rows=rows, heads=heads, us=seconds * 1e6)
 
 
+def plot(report: dict, path: str) -> None:
+    """Per-rank kernel time vs DCP size W (one panel per batch B): the default backend for each H, the ideal 1/W
+    scaling of its H=128 line, and the compared variants' points, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["rows"] for r in report["table"]}, reverse=True)
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), sharey=True, squeeze=False)
+    for ax, rows in zip(axes[0], batches):
+        for i, heads in enumerate(sorted({r["heads"] for r in report["table"]}, reverse=True)):
+            line = sorted((r["dcp"], r["us"]) for r in report["table"] if (r["rows"], r["heads"]) == (rows, heads))
+            ax.plot(*zip(*line), "-o", color=f"C{i}", label=f"default backend, H={heads}")
+            if i == 0:
+                ax.plot([w for w, _ in line], [line[0][1] / w for w, _ in line], ":", color=f"C{i}",
+                        label=f"H={heads} at W=1, divided by W")
+        for j, name in enumerate(sorted({r["variant"] for r in report.get("variants", [])})):
+            points = sorted((r["dcp"], r["us"]) for r in report["variants"]
+                            if r["variant"] == name and r["rows"] == rows)
+            if points:
+                ax.plot(*zip(*points), "x", markersize=9, color=f"C{3 + j}", label=f"{name}, H=128")
+        widths = sorted({r["dcp"] for r in report["table"]})
+        ax.set(xscale="log", yscale="log", xlabel="DCP size W (k/W owned slots per row)",
+               title=f"B={rows}, k={TOPK}, bf16 latent")
+        ax.set_xticks(widths, [str(w) for w in widths])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("per-rank kernel time, us")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="also time knob variants")
@@ -186,7 +222,13 @@ def main():
                         help="skip the checks, the full table and the XLA reference: only the variant comparison")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"variants compared with the default backend, from {sorted(VARIANTS)}")
+    parser.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None,
+                        help="measure nothing: plot a saved bench_sparse_mla.json")
     args = parser.parse_args()
+    if args.plot:
+        with open(args.plot[0]) as f:
+            plot(json.load(f), args.plot[1])
+        return
     variants = [name for name in args.variants.split(",") if name]
     if unknown := sorted(set(variants) - set(VARIANTS)):
         parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
