@@ -1,4 +1,4 @@
-"""Lightning-indexer logits over a paged index-K cache (Pallas, Triton backend on GPU).
+"""Lightning-indexer logits over a paged index-K cache (Pallas: Triton, or Mosaic GPU for fp8 on Hopper).
 
 Contract: q [R, Hi, Di] (f32, bf16 or float8_e4m3fn), weights [R, Hi] f32 with every scale folded in,
 k_cache [num_pages, page, Di] (f32, bf16 or float8_e4m3fn), block_tables [R, max_blocks] int32 page ids,
@@ -13,7 +13,11 @@ the tensor core's reduced-precision (truncated f32) accumulator as DeepGEMM's in
 Hi to a power of two >= 16 with zero-weight heads; Di must be a power of two >= 16 and tokens need no alignment
 (any page size works).
 
-Grid (R, ceil(max_blocks*page / block_t)): a program owns block_t tokens of one row and walks them in chunks
+Two implementations (`backend`): the Triton kernel below (every dtype and shape) and, for fp8 q and keys with
+key scales, pages of 64 tokens and Di = 128 on Hopper, the TMA-pipelined Mosaic GPU kernel of
+indexer_mosaic.py (the same fp8 tensor-core arithmetic as `fp8_imprecise_acc=128`).
+
+Triton grid (R, ceil(max_blocks*page / block_t)): a program owns block_t tokens of one row and walks them in chunks
 of chunk_t tokens; each chunk gathers its keys once ([chunk_t, Di], one row per token through the block
 table) and scores all heads with one dot [chunk_t, Di] x [Di, Hi]; relu, weights and the head sum stay in
 registers. Chunks at or past the row's length only store -inf.
@@ -30,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import indexer_mosaic
 from pallas_kernels._platform import default_interpret
 from pallas_kernels.fp8_dot import MIN_IMPRECISE_ACC, fp8_dot_nt
 
@@ -41,6 +46,9 @@ _MIN_DOT_DIM = 16  # smallest M, N, K of a Triton tensor-core dot
 # Automatic block_t: long programs amortize the q load and pipeline their chunks, but at least about four
 # programs per SM (132 on an H200) keep every SM streaming at small batch sizes.
 _MAX_BLOCK_T, _MIN_PROGRAMS = 512, 512
+BACKENDS = ("auto", "triton", "mosaic")
+# Mosaic CTAs own up to 16 pages (1024 tokens), fewer while that gives under 1024 CTAs (several per SM).
+_MOSAIC_MAX_PAGES_PER_CTA, _MOSAIC_MIN_CTAS = 16, 1024
 
 
 def _indexer_kernel(q_ref, weights_ref, k_ref, k_scale_ref, block_tables_ref, lens_ref,  # inputs
@@ -110,11 +118,35 @@ def _pow2_at_least(n):
     return 1 << max(n - 1, 0).bit_length()
 
 
-def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, interpret=None,
-                   block_t=None, chunk_t=64, num_warps=4, num_stages=2, fp8_imprecise_acc=128):
+def _mosaic_logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages):
+    rows, heads, _ = q.shape
+    max_blocks = block_tables.shape[1]
+    if pages_per_cta is None:
+        pages_per_cta = _MOSAIC_MAX_PAGES_PER_CTA
+        while pages_per_cta > 4 and rows * pl.cdiv(max_blocks, pages_per_cta) < _MOSAIC_MIN_CTAS:
+            pages_per_cta //= 2
+    if pages_per_cta < 4 or pages_per_cta & (pages_per_cta - 1) or stages < 1:
+        raise ValueError(f"need pages_per_cta a power of two >= 4 and stages >= 1; got {pages_per_cta=} {stages=}")
+    padded_heads = max(_pow2_at_least(heads), _MIN_DOT_DIM)  # zero-weight heads add nothing
+    q = jnp.pad(q, ((0, 0), (0, padded_heads - heads), (0, 0)))
+    weights = jnp.pad(weights, ((0, 0), (0, padded_heads - heads)))
+    weights, tables, lens = indexer_mosaic.prepare(weights, block_tables, lens, pages_per_cta)
+    out = indexer_mosaic.indexer_logits_pages(q, weights, k_cache, k_scale, tables, lens,
+                                             pages_per_cta=pages_per_cta, stages=stages)
+    out = out.reshape(rows, -1)
+    return out if tables.shape[1] == max_blocks else out[:, :max_blocks * indexer_mosaic.PAGE]
+
+
+def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, interpret=None, backend="auto",
+                   block_t=None, chunk_t=64, num_warps=4, num_stages=2, fp8_imprecise_acc=128,
+                   pages_per_cta=None, stages=4):
     """Indexer logits f32 [R, max_blocks * page]; see the module docstring for the contract.
 
-    Tuning knobs: block_t tokens per program (None: the largest power of two <= 512 that still gives 512
+    backend: "mosaic" (fp8 q and keys with k_scale, page 64, Di 128, on an sm_90 GPU, compiled), "triton", or
+    "auto" (mosaic where it applies and fp8_imprecise_acc is not None, else triton).
+    Mosaic knobs: pages_per_cta (None: the largest power of two <= 16 that still gives 1024 CTAs) and stages
+    (TMA page buffers per CTA).
+    Triton knobs: block_t tokens per program (None: the largest power of two <= 512 that still gives 512
     programs, so small batches fill the GPU), chunk_t tokens per dot (powers of two, chunk_t <= block_t; both
     shrink to fit short rows), num_warps and num_stages for Triton, fp8_imprecise_acc (fp8 q and keys only: None
     or >= 32, see the module docstring). Defaults from bench/bench_indexer.py on an H200 (docs/perf_indexer.md):
@@ -123,7 +155,16 @@ def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, int
     _check_inputs(q, weights, k_cache, block_tables, lens, k_scale)
     if fp8_imprecise_acc is not None and fp8_imprecise_acc < MIN_IMPRECISE_ACC:
         raise ValueError(f"fp8_imprecise_acc must be None or >= {MIN_IMPRECISE_ACC}; got {fp8_imprecise_acc}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     interpret = default_interpret(interpret)
+    mosaic_applies = (indexer_mosaic.supports(q, k_cache, k_scale) and fp8_imprecise_acc is not None
+                      and not interpret)
+    if backend == "mosaic" and not mosaic_applies:
+        raise ValueError("backend='mosaic' needs fp8 q and keys with k_scale, pages of 64 tokens, Di = 128, at most "
+                         "256 heads and fp8_imprecise_acc set, compiled on an sm_90 GPU")
+    if backend != "triton" and mosaic_applies:
+        return _mosaic_logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages)
     rows, heads, dim = q.shape
     num_pages, page_size, _ = k_cache.shape
     max_blocks = block_tables.shape[1]

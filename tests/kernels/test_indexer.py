@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 
-from pallas_kernels import indexer, quant, reference
+from pallas_kernels import indexer, indexer_mosaic, quant, reference
 
 FP8 = jnp.float8_e4m3fn
 
@@ -114,17 +115,73 @@ def test_indexer_logits_rejects_bad_knobs():
         indexer.indexer_logits(*args, **kwargs, block_t=32, chunk_t=64)
     with pytest.raises(ValueError, match="fp8_imprecise_acc"):
         indexer.indexer_logits(*args, **kwargs, fp8_imprecise_acc=16)
+    with pytest.raises(ValueError, match="backend must be"):
+        indexer.indexer_logits(*args, **kwargs, backend="cuda")
+    with pytest.raises(ValueError, match="backend='mosaic' needs"):  # f32 keys, and interpreted on CPU
+        indexer.indexer_logits(*args, **kwargs, backend="mosaic")
+
+
+@pytest.mark.parametrize("rows, heads, max_blocks, pages_per_cta, stages",
+                         [(4, 64, 64, 16, 4), (3, 16, 8, 4, 2), (1, 128, 256, 32, 6)])
+def test_mosaic_kernel_lowers_for_cuda(rows, heads, max_blocks, pages_per_cta, stages):
+    """No interpreter runs the Mosaic GPU kernel; lowering it for CUDA checks its layouts and SMEM plan."""
+    fp8 = jnp.float8_e4m3fn
+    args = (jax.ShapeDtypeStruct((rows, heads, indexer_mosaic.DIM), fp8),
+            jax.ShapeDtypeStruct((rows, heads), jnp.float32),
+            jax.ShapeDtypeStruct((1000, indexer_mosaic.PAGE, indexer_mosaic.DIM), fp8),
+            jax.ShapeDtypeStruct((1000, indexer_mosaic.PAGE), jnp.float32),
+            jax.ShapeDtypeStruct((rows, max_blocks), jnp.int32),
+            jax.ShapeDtypeStruct((rows, indexer_mosaic.LENS_COLUMNS), jnp.int32))
+    indexer_mosaic.indexer_logits_pages.trace(*args, pages_per_cta=pages_per_cta, stages=stages).lower(
+        lowering_platforms=("cuda",))
+
+
+def test_mosaic_prepare_pads_to_the_kernel():
+    tables = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
+    weights, padded, lens = indexer_mosaic.prepare(jnp.ones((2, 3), jnp.bfloat16), tables,
+                                                   jnp.array([999, -4], jnp.int32), pages_per_cta=4)
+    assert weights.dtype == jnp.float32
+    np.testing.assert_array_equal(padded[:, :5], tables)
+    assert padded.shape == (2, 8)
+    assert lens.shape == (2, indexer_mosaic.LENS_COLUMNS)
+    np.testing.assert_array_equal(lens[:, 0], [5 * indexer_mosaic.PAGE, 0])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, fp8_imprecise_acc", [(FP8, 128), (FP8, None), (jnp.bfloat16, None)],
-                         ids=["fp8-wgmma", "fp8-exact", "bf16"])
-def test_indexer_logits_compiled_real_shapes(dtype, fp8_imprecise_acc):
+@pytest.mark.parametrize("dtype, fp8_imprecise_acc, backend",
+                         [(FP8, 128, "triton"), (FP8, 128, "mosaic"), (FP8, None, "triton"),
+                          (jnp.bfloat16, None, "triton")],
+                         ids=["fp8-wgmma", "fp8-mosaic", "fp8-exact", "bf16"])
+def test_indexer_logits_compiled_real_shapes(dtype, fp8_imprecise_acc, backend):
     """DeepSeek-V3.2 indexer (Hi=64, Di=128, page 64) compiled with the default knobs; mixed lengths."""
     lens = [0, 1, 63, 64, 1000, 4095, 3000, 4096]
     args, kwargs = _case(4, rows=8, heads=64, dim=128, page_size=64, max_blocks=64, lens=lens, dtype=dtype,
                          with_scale=True)
-    _check(args, kwargs, rtol=2e-3 if dtype == FP8 else 1e-4, interpret=False, fp8_imprecise_acc=fp8_imprecise_acc)
+    _check(args, kwargs, rtol=2e-3 if dtype == FP8 else 1e-4, interpret=False, fp8_imprecise_acc=fp8_imprecise_acc,
+           backend=backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, max_blocks, pages_per_cta, stages",
+                         [(64, 64, 4, 1), (64, 70, 16, 4), (20, 9, 8, 6), (128, 33, None, 3)])
+def test_mosaic_kernel_on_gpu(heads, max_blocks, pages_per_cta, stages):
+    """The Mosaic kernel: a ragged block-table width, fewer heads than a wgmma N, lengths 0 ... full, NaN keys
+    and scales behind every token past a row's length (never read, or masked)."""
+    full = max_blocks * 64
+    lens = [0, 1, 63, 64, 65, 1000 % full, full - 1, full, 3 * 64 + 5]
+    args, kwargs = _case(6, rows=len(lens), heads=heads, dim=128, page_size=64, max_blocks=max_blocks, lens=lens,
+                         dtype=FP8)
+    q, weights, keys, tables, lens_ = args
+    valid = np.arange(64)[None, :] + 64 * np.arange(max_blocks)[:, None]  # [blocks, 64] token positions
+    nan_keys, nan_scales = np.array(keys.astype(jnp.float32)), np.array(kwargs["k_scale"])
+    for r, n in enumerate(lens):
+        for b, page in enumerate(np.asarray(tables)[r]):
+            if page >= 0:
+                nan_keys[page][valid[b] >= n] = np.nan
+                nan_scales[page][valid[b] >= n] = np.nan
+    args = (q, weights, jnp.asarray(nan_keys, FP8), tables, lens_)
+    _check(args, dict(k_scale=jnp.asarray(nan_scales)), rtol=2e-3, interpret=False, backend="mosaic",
+           pages_per_cta=pages_per_cta, stages=stages)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,144 @@
+"""Indexer logits for Hopper (sm_90) in Mosaic GPU: the fp8 fast path of `indexer.indexer_logits`.
+
+Same contract as indexer.py for fp8 (e4m3) queries and keys with per-token f32 key scales, pages of 64 tokens
+and Di = 128. Each CTA (one warpgroup) owns `pages_per_cta` consecutive block-table entries of one row:
+- it copies its block-table entries, the row's length, q and the weights to SMEM by TMA;
+- then it streams its valid pages (each one contiguous [64, 128] fp8 key tile and its 64 scales) through
+  `stages` TMA buffers; a page is one wgmma [64 tokens, 128] x [128, Hi] on fp8 tensor cores (f32 accumulator,
+  the tensor core's reduced-precision fp8 accumulation, as DeepGEMM's indexer and the Triton kernel's default);
+- relu, the weights, the head sum and the key scale stay in registers; the CTA's logits (-inf past the row's
+  length) leave by one TMA store.
+Pages past a row's length are never read. Mosaic GPU has no interpreter for TMA, so this kernel runs on the GPU
+only; on CPU it can be lowered for CUDA (the tests do).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+PAGE = 64  # tokens per page: one wgmma M
+DIM = 128  # fp8 key bytes: one 128-byte swizzled row
+LENS_COLUMNS = 16  # lens travel as [R, 16] int32: a TMA copies at least 16 bytes
+MAX_HEADS = 256  # a wgmma N
+_META_WIDTH = 32  # int32 per SMEM metadata row: 128 bytes keep the next row's TMA destination aligned
+
+
+def _tiled():
+    return plgpu.TilingTransform((8, DIM)), plgpu.SwizzleTransform(DIM)
+
+
+def _kernel(q_ref, weights_ref, keys_ref, scales_ref, tables_ref, lens_ref, out_ref, scratch, *,
+            pages_per_cta: int, stages: int):
+    (q_smem, weights_smem, keys_smem, scales_smem, meta_smem, out_smem,
+     meta_barrier, query_barrier, page_barriers) = scratch
+    split, row = lax.axis_index("split"), lax.axis_index("row")
+    first_page = split * pages_per_cta
+    plgpu.copy_gmem_to_smem(tables_ref.at[pl.ds(row, 1), pl.ds(first_page, pages_per_cta)],
+                            meta_smem.at[pl.ds(0, 1), pl.ds(0, pages_per_cta)], meta_barrier.at[0])
+    plgpu.copy_gmem_to_smem(lens_ref.at[pl.ds(row, 1)], meta_smem.at[pl.ds(1, 1), pl.ds(0, LENS_COLUMNS)],
+                            meta_barrier.at[0])
+    plgpu.copy_gmem_to_smem(q_ref.at[row], q_smem, query_barrier.at[0])
+    plgpu.copy_gmem_to_smem(weights_ref.at[pl.ds(row, 1)], weights_smem, query_barrier.at[0])
+    plgpu.barrier_wait(meta_barrier.at[0])
+    remaining = meta_smem[1, 0] - first_page * PAGE  # tokens of the row from this CTA's first one on
+    num_valid = jnp.clip(lax.div(remaining + PAGE - 1, PAGE), 0, pages_per_cta)
+
+    def fetch(i):  # page i of the CTA into stage i % stages
+        stage = lax.rem(i, stages)
+        page = meta_smem[0, i]
+        plgpu.copy_gmem_to_smem(keys_ref.at[page], keys_smem.at[stage], page_barriers.at[stage])
+        plgpu.copy_gmem_to_smem(scales_ref.at[pl.ds(page, 1)], scales_smem.at[pl.ds(stage, 1)],
+                                page_barriers.at[stage])
+
+    for i in range(stages):
+        pl.when(i < num_valid)(functools.partial(fetch, i))
+
+    plgpu.barrier_wait(query_barrier.at[0])
+    heads = q_smem.shape[0]
+    weights = plgpu.load(weights_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+    weights = lax.broadcast_in_dim(weights, (PAGE, heads), [1])
+    token_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    @pl.loop(0, num_valid)
+    def _score_page(i):
+        stage = lax.rem(i, stages)
+        plgpu.barrier_wait(page_barriers.at[stage])
+
+        def dot(acc_ref):
+            plgpu.wgmma(acc_ref, keys_smem.at[stage], q_smem.transpose((1, 0)))
+            return acc_ref[...]
+
+        dots = pl.run_scoped(dot, plgpu.ACC((PAGE, heads), jnp.float32))  # [tokens, heads]
+        scales = plgpu.load(scales_smem.at[stage], layout=token_layout)
+        logits = jnp.sum(jnp.maximum(dots, 0.0) * weights, axis=1) * scales
+        tokens = plgpu.broadcasted_iota(jnp.int32, (PAGE,), 0, layout=token_layout)
+        out_smem[i] = jnp.where(i * PAGE + tokens < remaining, logits, -jnp.inf)
+        # Every thread has read the stage (keys by the awaited wgmma, scales above): refill it.
+        plgpu.commit_smem()
+        pl.when(i + stages < num_valid)(lambda: fetch(i + stages))
+
+    @pl.loop(num_valid, pages_per_cta)
+    def _empty_page(i):
+        out_smem[i] = plgpu.layout_cast(jnp.full((PAGE,), -jnp.inf, jnp.float32), token_layout)
+
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[row, pl.ds(first_page, pages_per_cta)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("pages_per_cta", "stages"))
+def indexer_logits_pages(q, weights, keys, scales, tables, lens, *, pages_per_cta: int, stages: int):
+    """The kernel on prepared inputs: q fp8 [R, Hi, 128], weights f32 [R, Hi], keys fp8 [pages, 64, 128],
+    scales f32 [pages, 64], tables int32 [R, P] (P a multiple of pages_per_cta), lens int32 [R, 16] (the
+    length in column 0, at most P * 64). Returns the logits f32 [R, P, 64]."""
+    rows, heads, _ = q.shape
+    num_blocks = tables.shape[1]
+
+    def indexer_logits_mosaic(*refs):  # the kernel's name in profiles
+        pl.run_scoped(
+            lambda *scratch: _kernel(*refs, scratch, pages_per_cta=pages_per_cta, stages=stages),
+            plgpu.SMEM((heads, DIM), jnp.float8_e4m3fn, transforms=_tiled()),
+            plgpu.SMEM((1, heads), jnp.float32),
+            plgpu.SMEM((stages, PAGE, DIM), jnp.float8_e4m3fn, transforms=_tiled()),
+            plgpu.SMEM((stages, PAGE), jnp.float32),
+            plgpu.SMEM((2, max(_META_WIDTH, pages_per_cta)), jnp.int32),  # block-table entries; the length
+            plgpu.SMEM((pages_per_cta, PAGE), jnp.float32),
+            plgpu.Barrier(num_arrivals=2, num_barriers=1),
+            plgpu.Barrier(num_arrivals=2, num_barriers=1),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # keys and scales of a page
+        )
+
+    return plgpu.kernel(
+        indexer_logits_mosaic,
+        out_type=jax.ShapeDtypeStruct((rows, num_blocks, PAGE), jnp.float32),
+        grid=(num_blocks // pages_per_cta, rows), grid_names=("split", "row"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, weights, keys, scales, tables, lens)
+
+
+def supports(q, k_cache, k_scale) -> bool:
+    """Whether this kernel takes these inputs: fp8 q and keys with per-token scales, pages of 64 tokens,
+    Di = 128, at most 256 heads, on an sm_90 GPU."""
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    if k_scale is None or q.dtype != fp8 or k_cache.dtype != fp8:
+        return False
+    if k_cache.shape[1:] != (PAGE, DIM) or q.shape[1] > MAX_HEADS:
+        return False
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
+
+
+def prepare(weights, block_tables, lens, pages_per_cta: int):
+    """Pads the contract's inputs to the kernel's: block tables to a multiple of pages_per_cta entries (never
+    read), lens to [R, 16] (clipped to [0, P * 64])."""
+    num_blocks = block_tables.shape[1]
+    lens = jnp.clip(lens, 0, num_blocks * PAGE)
+    tables = jnp.pad(block_tables, ((0, 0), (0, -num_blocks % pages_per_cta)))
+    lens = jnp.pad(lens[:, None], ((0, 0), (0, LENS_COLUMNS - 1)))
+    return weights.astype(jnp.float32), tables, lens
