@@ -14,7 +14,9 @@ compile per shape: XLA compiles a Triton kernel in seconds, far longer than it r
 Effective TB/s counts key and scale bytes of the valid tokens; the copy ceiling (x -> x + 1 on 4 GB, read +
 write) is measured in the same run.
 `--modes fp8+topk` times the indexer followed by the top-k (k=2048, column order, as the decode layer runs it)
-in one program: the sum of the four kernels, the logits read back from L2.
+in one program: the sum of its kernels, the logits read back from L2. With the default knobs that is
+`indexer_topk.indexer_top_k`, which fuses the top-k's maxima pass into the Mosaic indexer where it can (three
+kernels, else four); with knobs, the indexer with those knobs, then the top-k.
 Full logs go to $OUT (or ./out) as bench_indexer.{log,json}. `--plot JSON PNG` draws a saved table (any machine).
 """
 
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.profiler import ProfileData
 
-from pallas_kernels import indexer, quant, reference, topk
+from pallas_kernels import indexer, indexer_topk, quant, reference, topk
 
 HEADS, DIM, PAGE = 64, 128, 64
 BATCHES, LENGTHS = (1, 8, 32, 64), (4096, 16384, 65536, 131072)
@@ -144,12 +146,17 @@ def time_kernel(pool, mode, rows, length, seed=0, *, with_reference=False, with_
     lens = jnp.full((rows,), length, jnp.int32)
     args = [(q, weights, k_cache, block_tables_for(rows, length, seed * 100 + i), lens) for i in range(ROTATE)]
 
+    fused = with_topk and not knobs and indexer_topk.fuses_group_maxima(q, k_cache, k_scale, args[0][3], TOP_K)
+
     def run(*a):
+        if fused:
+            return indexer_topk.indexer_top_k(*a, k=TOP_K, k_scale=k_scale, sorted=False)
         logits = indexer.indexer_logits(*a, k_scale=k_scale, interpret=False, **knobs)
         return topk.topk(logits, a[-1], TOP_K, sorted=False, interpret=False) if with_topk else logits
 
-    result = dict(mode=mode + "+topk" if with_topk else mode, B=rows, L=length, knobs=knobs,
-                  bytes=rows * length * KEY_BYTES[mode], kernels_per_call=KERNELS_PER_TOPK + 1 if with_topk else 1,
+    kernels_per_call = 1 + (KERNELS_PER_TOPK - fused if with_topk else 0)
+    result = dict(mode=mode + "+topk" if with_topk else mode, B=rows, L=length, knobs=knobs, fused=fused,
+                  bytes=rows * length * KEY_BYTES[mode], kernels_per_call=kernels_per_call,
                   wall_us=(timed(jax.jit(run), args) - overhead_seconds()) * 1e6, xla_us=float("nan"))
     if with_reference:
         def ref(*a):
@@ -163,7 +170,7 @@ def time_kernel(pool, mode, rows, length, seed=0, *, with_reference=False, with_
 def kernel_times(trace_dir, kernels_per_call, calls_per_shape):
     """Per shape, the per-call sums of the indexer and top-k kernel durations (us) in a trace, in call order.
 
-    kernels_per_call: one entry per timed shape (1 for the indexer alone, 4 with the top-k)."""
+    kernels_per_call: one entry per timed shape (1 for the indexer alone, 3 or 4 with the top-k)."""
     lines = {}
     for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
         for plane in ProfileData.from_file(path).planes:
@@ -251,8 +258,8 @@ def table(pools, modes, knob_sets, batches, lengths, budget, reference_budget):
                     key_mode, with_topk = mode.removesuffix("+topk"), mode.endswith("+topk")
                     r = time_kernel(pools[key_mode], key_mode, rows, length, with_topk=with_topk,
                                     with_reference=i == 0 and elapsed() < reference_budget, **knobs)
-                    log(f"{mode} B={rows} L={length} {knobs}: wall {r['wall_us']:.1f} us, xla {r['xla_us']:.1f} us"
-                        f"   [{elapsed():.0f} s]")
+                    log(f"{mode} B={rows} L={length} {knobs}{' fused' if r['fused'] else ''}: wall "
+                        f"{r['wall_us']:.1f} us, xla {r['xla_us']:.1f} us   [{elapsed():.0f} s]")
                     results.append(r)
     jax.profiler.stop_trace()
     # The first call of each shape compiles and warms up.
@@ -336,9 +343,12 @@ def main():
         log(f"{'mode':<9}{'B':>4}{'L':>8}{'kernel us':>11}{'XLA us':>10}{'speedup':>9}{'TB/s':>7}{'% copy':>8}"
             + ("  knobs" if len(knob_sets) > 1 else ""))
         for r in report["table"]:
-            log(f"{r['mode']:<9}{r['B']:>4}{r['L']:>8}{r['us']:>11.1f}{r['xla_us']:>10.1f}"
+            mode = r["mode"] + ("*" if r["fused"] else "")
+            log(f"{mode:<9}{r['B']:>4}{r['L']:>8}{r['us']:>11.1f}{r['xla_us']:>10.1f}"
                 f"{r['xla_us'] / r['us']:>9.1f}{r['tbps']:>7.2f}{100 * r['tbps'] / copy:>8.0f}"
                 + (f"  {json.dumps(r['knobs'])}" if len(knob_sets) > 1 else ""))
+        if any(r["fused"] for r in report["table"]):
+            log("* the top-k's maxima pass fused into the indexer (indexer_topk.indexer_top_k)")
     log(f"done in {elapsed():.0f} s")
     with open(os.path.join(out_dir, "bench_indexer.log"), "w") as f:
         f.write("\n".join(_LOG) + "\n")

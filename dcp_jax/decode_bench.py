@@ -86,10 +86,9 @@ def attention_through(p, x, kv_cache, index_cache, rope, local_lens, slots, bloc
 
     if through == "projections":
         return sunk(queries.index_q, queries.index_weights)
-    logits = decode.local_scores(queries, index_cache, block_tables, local_lens, kernels=kernels)
     if through == "indexer":
-        return sunk(logits)
-    values, local_ids = decode.local_top_k(logits, local_lens, cfg=cfg, kernels=kernels)
+        return sunk(decode.local_scores(queries, index_cache, block_tables, local_lens, kernels=kernels))
+    values, local_ids = decode.local_top_k(queries, index_cache, block_tables, local_lens, cfg=cfg, kernels=kernels)
     if through == "topk":
         return sunk(values, local_ids)
     _, owned_slots, counts = decode.select_owned(values, local_ids, block_tables, cfg=cfg, layout=layout)

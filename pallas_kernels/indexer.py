@@ -49,6 +49,8 @@ _MAX_BLOCK_T, _MIN_PROGRAMS = 512, 512
 BACKENDS = ("auto", "triton", "mosaic")
 # Mosaic CTAs own up to 16 pages (1024 tokens), fewer while that gives under 1024 CTAs (several per SM).
 _MOSAIC_MAX_PAGES_PER_CTA, _MOSAIC_MIN_CTAS = 16, 1024
+_MOSAIC_NEEDS = ("the Mosaic kernel (backend='mosaic') needs fp8 q and keys with k_scale, pages of 64 tokens, "
+                 "Di = 128, at most 256 heads and fp8_imprecise_acc set, compiled on an sm_90 GPU")
 
 
 def _indexer_kernel(q_ref, weights_ref, k_ref, k_scale_ref, block_tables_ref, lens_ref,  # inputs
@@ -118,7 +120,13 @@ def _pow2_at_least(n):
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _mosaic_logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages):
+def mosaic_applies(q, k_cache, k_scale, *, interpret=None, fp8_imprecise_acc=128) -> bool:
+    """Whether backend="auto" runs the Mosaic GPU kernel on these inputs."""
+    return (indexer_mosaic.supports(q, k_cache, k_scale) and fp8_imprecise_acc is not None
+            and not default_interpret(interpret))
+
+
+def _mosaic_logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, with_maxima=False):
     rows, heads, _ = q.shape
     max_blocks = block_tables.shape[1]
     if pages_per_cta is None:
@@ -131,10 +139,21 @@ def _mosaic_logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_c
     q = jnp.pad(q, ((0, 0), (0, padded_heads - heads), (0, 0)))
     weights = jnp.pad(weights, ((0, 0), (0, padded_heads - heads)))
     weights, tables, lens = indexer_mosaic.prepare(weights, block_tables, lens, pages_per_cta)
-    out = indexer_mosaic.indexer_logits_pages(q, weights, k_cache, k_scale, tables, lens,
-                                             pages_per_cta=pages_per_cta, stages=stages)
-    out = out.reshape(rows, -1)
-    return out if tables.shape[1] == max_blocks else out[:, :max_blocks * indexer_mosaic.PAGE]
+    outs = indexer_mosaic.indexer_logits_pages(q, weights, k_cache, k_scale, tables, lens,
+                                               pages_per_cta=pages_per_cta, stages=stages, with_maxima=with_maxima)
+    # Rows of whole pages (groups), minus the block-table padding.
+    return tuple(out.reshape(rows, -1)[:, :max_blocks * out.shape[2]] for out in (outs if with_maxima else (outs,)))
+
+
+def indexer_logits_and_group_maxima(q, weights, k_cache, block_tables, lens, *, k_scale, pages_per_cta=None,
+                                    stages=4):
+    """(indexer_logits(...), the top-k keys of the maxima of each row's groups of 16 consecutive tokens int32
+    [R, max_blocks * 4]): topk.topk's `group_maxima`. Mosaic GPU only (`mosaic_applies`); groups past a row's
+    length hold the key of -inf."""
+    _check_inputs(q, weights, k_cache, block_tables, lens, k_scale)
+    if not mosaic_applies(q, k_cache, k_scale):
+        raise ValueError(_MOSAIC_NEEDS)
+    return _mosaic_logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, with_maxima=True)
 
 
 def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, interpret=None, backend="auto",
@@ -158,13 +177,11 @@ def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, int
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     interpret = default_interpret(interpret)
-    mosaic_applies = (indexer_mosaic.supports(q, k_cache, k_scale) and fp8_imprecise_acc is not None
-                      and not interpret)
-    if backend == "mosaic" and not mosaic_applies:
-        raise ValueError("backend='mosaic' needs fp8 q and keys with k_scale, pages of 64 tokens, Di = 128, at most "
-                         "256 heads and fp8_imprecise_acc set, compiled on an sm_90 GPU")
-    if backend != "triton" and mosaic_applies:
-        return _mosaic_logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages)
+    use_mosaic = mosaic_applies(q, k_cache, k_scale, interpret=interpret, fp8_imprecise_acc=fp8_imprecise_acc)
+    if backend == "mosaic" and not use_mosaic:
+        raise ValueError(_MOSAIC_NEEDS)
+    if backend != "triton" and use_mosaic:
+        return _mosaic_logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages)[0]
     rows, heads, dim = q.shape
     num_pages, page_size, _ = k_cache.shape
     max_blocks = block_tables.shape[1]

@@ -19,7 +19,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, memref, vector
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 PAGE = 64  # tokens per page: one wgmma M
@@ -33,9 +36,42 @@ def _tiled():
     return plgpu.TilingTransform((8, DIM)), plgpu.SwizzleTransform(DIM)
 
 
-def _kernel(q_ref, weights_ref, keys_ref, scales_ref, tables_ref, lens_ref, out_ref, scratch, *,
-            pages_per_cta: int, stages: int):
-    (q_smem, weights_smem, keys_smem, scales_smem, meta_smem, out_smem,
+GROUP_TOKENS = 16  # tokens per group of the fused group maxima: one warp's rows of a page's wgmma tile
+
+
+def _store_group_maxima(logits, maxima_ref):
+    """maxima_ref[w] = the top-k key (topk.py) of the largest of logits[16w : 16w + 16], for each warp w.
+
+    In the wgmma row layout warp w holds tokens 16w .. 16w + 15, two per thread (lane // 4 and lane // 4 + 8),
+    each replicated over a quad: a max of the two and three butterfly shuffles give the warp's maximum."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1), plgpu.RefType()))
+    def store(launch_ctx, logits, maxima):
+        del launch_ctx
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        values = [vector.extract(r, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+                  for r in logits.registers.flat]
+        largest = values[0]
+        for value in values[1:]:
+            largest = arith.maximumf(largest, value)
+        for distance in (4, 8, 16):
+            largest = arith.maximumf(largest, mgpu_utils.shfl_bfly(largest, distance))
+        bits = arith.bitcast(i32, largest)
+        is_negative = arith.cmpi(arith.CmpIPredicate.slt, bits, mgpu_utils.c(0, i32))
+        key = arith.select(is_negative, arith.xori(bits, mgpu_utils.c(0x7FFFFFFF, i32)), bits)
+        tid = mgpu_utils.thread_idx()
+        is_first_lane = arith.cmpi(arith.CmpIPredicate.eq, arith.andi(tid, mgpu_utils.c(31, i32)),
+                                   mgpu_utils.c(0, i32))
+        warp = arith.andi(arith.shrui(tid, mgpu_utils.c(5, i32)), mgpu_utils.c(3, i32))
+        with mgpu_utils.when(is_first_lane):
+            memref.store(key, maxima, [arith.index_cast(index, warp)])
+
+    store(logits, maxima_ref)
+
+
+def _kernel(q_ref, weights_ref, keys_ref, scales_ref, tables_ref, lens_ref, out_ref, maxima_ref, scratch, *,
+            pages_per_cta: int, stages: int, with_maxima: bool):
+    (q_smem, weights_smem, keys_smem, scales_smem, meta_smem, out_smem, maxima_smem,
      meta_barrier, query_barrier, page_barriers) = scratch
     split, row = lax.axis_index("split"), lax.axis_index("row")
     first_page = split * pages_per_cta
@@ -78,37 +114,59 @@ def _kernel(q_ref, weights_ref, keys_ref, scales_ref, tables_ref, lens_ref, out_
         scales = plgpu.load(scales_smem.at[stage], layout=token_layout)
         logits = jnp.sum(jnp.maximum(dots, 0.0) * weights, axis=1) * scales
         tokens = plgpu.broadcasted_iota(jnp.int32, (PAGE,), 0, layout=token_layout)
-        out_smem[i] = jnp.where(i * PAGE + tokens < remaining, logits, -jnp.inf)
+        logits = jnp.where(i * PAGE + tokens < remaining, logits, -jnp.inf)
+        out_smem[i] = logits
+        if with_maxima:
+            _store_group_maxima(logits, maxima_smem.at[i])
         # Every thread has read the stage (keys by the awaited wgmma, scales above): refill it.
         plgpu.commit_smem()
         pl.when(i + stages < num_valid)(lambda: fetch(i + stages))
 
     @pl.loop(num_valid, pages_per_cta)
     def _empty_page(i):
-        out_smem[i] = plgpu.layout_cast(jnp.full((PAGE,), -jnp.inf, jnp.float32), token_layout)
+        empty = plgpu.layout_cast(jnp.full((PAGE,), -jnp.inf, jnp.float32), token_layout)
+        out_smem[i] = empty
+        if with_maxima:
+            _store_group_maxima(empty, maxima_smem.at[i])
 
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, out_ref.at[row, pl.ds(first_page, pages_per_cta)])
+    if with_maxima:
+        plgpu.copy_smem_to_gmem(maxima_smem, maxima_ref.at[row, pl.ds(first_page, pages_per_cta)])
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("pages_per_cta", "stages"))
-def indexer_logits_pages(q, weights, keys, scales, tables, lens, *, pages_per_cta: int, stages: int):
+@functools.partial(jax.jit, static_argnames=("pages_per_cta", "stages", "with_maxima"))
+def indexer_logits_pages(q, weights, keys, scales, tables, lens, *, pages_per_cta: int, stages: int,
+                         with_maxima: bool = False):
     """The kernel on prepared inputs: q fp8 [R, Hi, 128], weights f32 [R, Hi], keys fp8 [pages, 64, 128],
     scales f32 [pages, 64], tables int32 [R, P] (P a multiple of pages_per_cta), lens int32 [R, 16] (the
-    length in column 0, at most P * 64). Returns the logits f32 [R, P, 64]."""
+    length in column 0, at most P * 64). Returns the logits f32 [R, P, 64]; with_maxima also the top-k keys
+    (topk.py) of the maxima of each row's groups of 16 consecutive tokens, int32 [R, P, 4] (the key of -inf
+    for groups past the length)."""
     rows, heads, _ = q.shape
     num_blocks = tables.shape[1]
+    logits_type = jax.ShapeDtypeStruct((rows, num_blocks, PAGE), jnp.float32)
+    groups_per_page = PAGE // GROUP_TOKENS
+    if with_maxima:
+        out_type = (logits_type, jax.ShapeDtypeStruct((rows, num_blocks, groups_per_page), jnp.int32))
+        maxima_scratch = plgpu.SMEM((pages_per_cta, groups_per_page), jnp.int32)
+    else:
+        out_type, maxima_scratch = logits_type, None
 
     def indexer_logits_mosaic(*refs):  # the kernel's name in profiles
+        if not with_maxima:
+            refs = (*refs, None)
         pl.run_scoped(
-            lambda *scratch: _kernel(*refs, scratch, pages_per_cta=pages_per_cta, stages=stages),
+            lambda *scratch: _kernel(*refs, scratch, pages_per_cta=pages_per_cta, stages=stages,
+                                     with_maxima=with_maxima),
             plgpu.SMEM((heads, DIM), jnp.float8_e4m3fn, transforms=_tiled()),
             plgpu.SMEM((1, heads), jnp.float32),
             plgpu.SMEM((stages, PAGE, DIM), jnp.float8_e4m3fn, transforms=_tiled()),
             plgpu.SMEM((stages, PAGE), jnp.float32),
             plgpu.SMEM((2, max(_META_WIDTH, pages_per_cta)), jnp.int32),  # block-table entries; the length
             plgpu.SMEM((pages_per_cta, PAGE), jnp.float32),
+            maxima_scratch,
             plgpu.Barrier(num_arrivals=2, num_barriers=1),
             plgpu.Barrier(num_arrivals=2, num_barriers=1),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # keys and scales of a page
@@ -116,7 +174,7 @@ def indexer_logits_pages(q, weights, keys, scales, tables, lens, *, pages_per_ct
 
     return plgpu.kernel(
         indexer_logits_mosaic,
-        out_type=jax.ShapeDtypeStruct((rows, num_blocks, PAGE), jnp.float32),
+        out_type=out_type,
         grid=(num_blocks // pages_per_cta, rows), grid_names=("split", "row"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(q, weights, keys, scales, tables, lens)

@@ -59,6 +59,11 @@ def topk(scores, lens, *, k, sorted=True):
     return values, indices
 
 
+def indexer_top_k(q, weights, k_cache, block_tables, lens, *, k, k_scale=None, sorted=True):
+    """topk of indexer_logits: the reference of the fused pair (pallas_kernels/indexer_topk.py)."""
+    return topk(indexer_logits(q, weights, k_cache, block_tables, lens, k_scale=k_scale), lens, k=k, sorted=sorted)
+
+
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512):
     """Absorbed MLA over compacted physical slots.
 

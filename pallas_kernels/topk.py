@@ -11,7 +11,7 @@ the f32 total order. Group g of a row holds its columns g, g + groups, g + 2 * g
 split each row over several programs (by default about 256 programs in all), so small batches still fill the
 GPU's SMs:
 1. (grid R x S) Group maxima: each program owns groups / S of the row's groups and walks the whole row, loading
-   that slice of every `groups` columns.
+   that slice of every `groups` columns. (Or the caller passes them: `group_maxima`, any grouping.)
 2. The k-th largest group maximum, rounded down to its top `coarse_bits` key bits, is a lower bound `floor` of
    the row's k-th largest key (k distinct columns reach it). Random scores leave about
    groups * ln(groups / (groups - k)) keys >= floor per row (~2.8K at the defaults for k=2048), wherever they
@@ -61,7 +61,7 @@ def _from_key(key):
     return lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), jnp.float32)
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
@@ -281,7 +281,7 @@ def _select_kernel(scores_ref, lens_ref, cand_keys_ref, cand_cols_ref, counts_re
         return _emit(values_ref, indices_ref, row, keys, cols, threshold, need, *carry, interpret)
 
     taken, _ = lax.fori_loop(0, row_tiles, emit_step, (taken, ties))
-    width = _next_pow2(k)
+    width = next_pow2(k)
     out_slot = lax.broadcasted_iota(jnp.int32, (width,), 0)
     is_pad = (out_slot >= taken) & (out_slot < k)
     plgpu.store(values_ref.at[row, pl.ds(0, width)], jnp.full((width,), -jnp.inf, jnp.float32), mask=is_pad)
@@ -319,6 +319,13 @@ def _check_inputs(scores, lens, k):
         raise ValueError(f"scores needs 1 <= N < 2**31 - 1 columns; got {scores.shape=}")
 
 
+def _check_group_maxima(group_maxima, rows, width):
+    if (group_maxima.ndim != 2 or group_maxima.shape[0] != rows or group_maxima.dtype != jnp.int32
+            or not _is_pow2(group_maxima.shape[1]) or group_maxima.shape[1] < width):
+        raise ValueError(f"group_maxima must be int32 [R={rows}, G], G a power of two >= {width}; got "
+                         f"{group_maxima.shape=} {group_maxima.dtype=}")
+
+
 def _is_pow2(n) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and not n & (n - 1)
 
@@ -341,7 +348,7 @@ TARGET_PROGRAMS = 256
 
 def _default_splits(rows: int, splits):
     """splits, or (None) the largest power of two <= TARGET_PROGRAMS / rows."""
-    return _next_pow2(max(1, TARGET_PROGRAMS // rows) + 1) // 2 if splits is None else splits
+    return next_pow2(max(1, TARGET_PROGRAMS // rows) + 1) // 2 if splits is None else splits
 
 
 def _chunking(rows: int, cols: int, splits, tile: int):
@@ -355,7 +362,7 @@ def _chunking(rows: int, cols: int, splits, tile: int):
 def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=4096, capacity=4096,
          coarse_bits=16, splits=None, candidate_splits=None, sort_in_kernel=True, num_warps=8,
          floor_warps=None, candidate_warps=None, select_warps=None, num_stages=1, maxima_unroll=16,
-         separate_floor=False):
+         separate_floor=False, group_maxima=None):
     """Top-k per row: values f32 [R, k] descending (ties: lower column first), indices int32 [R, k].
 
     scores [R, N] f32, lens [R] int32 (clipped to [0, N]; columns past it ignored). Rows with fewer than k valid
@@ -369,6 +376,10 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
     in a kernel of its own instead of in every candidates program. Warps: `num_warps` for the maxima pass; `floor_warps` and
     `candidate_warps` (None: num_warps) for the floor and candidates kernels; `select_warps` for the per-row
     select kernel (None: 16 with the in-kernel bitonic network, which gains from more threads, else 8).
+    `group_maxima` int32 [R, G] (optional; G a power of two >= k): step 1's result computed elsewhere (by the
+    Mosaic indexer), the keys (`_to_key`) of the largest valid score of each of G groups partitioning each row's
+    valid columns, any grouping; an entry may be lower than its group's largest key (the result stays exact;
+    the candidates grow), never higher. Given it, the maxima pass is skipped and `num_groups` is unused.
     """
     _check_inputs(scores, lens, k)
     _check_knobs(num_groups=num_groups, tile=tile, capacity=capacity, coarse_bits=coarse_bits, splits=splits,
@@ -376,10 +387,13 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
                  candidate_warps=candidate_warps, select_warps=select_warps, maxima_unroll=maxima_unroll)
     interpret = default_interpret(interpret)
     rows, cols = scores.shape
-    width = _next_pow2(k)
-    groups = max(width, min(num_groups, _next_pow2(cols)))
+    width = next_pow2(k)
+    groups = max(width, min(num_groups, next_pow2(cols)))
+    if group_maxima is not None:
+        _check_group_maxima(group_maxima, rows, width)
+        groups = group_maxima.shape[1]
     capacity = max(width, capacity)
-    tile = min(tile, _next_pow2(cols))
+    tile = min(tile, next_pow2(cols))
     splits = max(1, min(_default_splits(rows, splits), groups // RUN))
     candidate_chunk, candidate_splits = _chunking(rows, cols, candidate_splits, tile)
     name = f"{k=}_{groups=}_{tile=}_{capacity=}_{splits=}_{candidate_splits=}"
@@ -387,7 +401,7 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
     def params(warps):
         return plgpu.CompilerParams(num_warps=warps, num_stages=num_stages)
 
-    maxima = pl.pallas_call(
+    maxima = group_maxima if group_maxima is not None else pl.pallas_call(
         functools.partial(_maxima_kernel, groups=groups, size=groups // splits, unroll=maxima_unroll),
         out_shape=jax.ShapeDtypeStruct((rows, groups), jnp.int32),
         grid=(rows, splits), compiler_params=params(num_warps), interpret=interpret, name=f"topk_maxima_{name}",

@@ -68,18 +68,25 @@ def project_and_write(p, x, kv_cache, index_cache, cos_sin, slots, *, cfg: Model
     return queries, kv_cache, index_cache
 
 
-def local_scores(queries: Queries, index_cache, block_tables, local_lens, *, kernels: Kernels):
-    """2. Indexer logits [R, P*B] over this rank's index-K shard, -inf past the host-provided local lengths; an
-    fp8 cache is scored with fp8 queries and its per-token scales."""
+def _indexer_inputs(queries: Queries, index_cache):
+    """(q, weights, keys, k_scale) of the indexer: an fp8 cache is scored with fp8 queries and its per-token
+    scales."""
     q, weights = index_format.encode_queries(queries.index_q, queries.index_weights, index_cache)
-    keys, k_scale = index_format.keys_and_scales(index_cache)
+    return q, weights, *index_format.keys_and_scales(index_cache)
+
+
+def local_scores(queries: Queries, index_cache, block_tables, local_lens, *, kernels: Kernels):
+    """2. Indexer logits [R, P*B] over this rank's index-K shard, -inf past the host-provided local lengths."""
+    q, weights, keys, k_scale = _indexer_inputs(queries, index_cache)
     return kernels.indexer_logits(q, weights, keys, block_tables, local_lens, k_scale=k_scale)
 
 
-def local_top_k(logits, local_lens, *, cfg: ModelConfig, kernels: Kernels):
-    """3. This rank's top-k: (scores [R, K], local token ids [R, K], -1 padded), in column order: the
-    exchange sorts the merged candidates anyway."""
-    return kernels.topk(logits, local_lens, k=cfg.index_topk, sorted=False)
+def local_top_k(queries: Queries, index_cache, block_tables, local_lens, *, cfg: ModelConfig, kernels: Kernels):
+    """2-3. This rank's top-k of its indexer logits (fused where the kernels allow): (scores [R, K], local token
+    ids [R, K], -1 padded), in column order: the exchange sorts the merged candidates anyway."""
+    q, weights, keys, k_scale = _indexer_inputs(queries, index_cache)
+    return kernels.indexer_top_k(q, weights, keys, block_tables, local_lens, k=cfg.index_topk, k_scale=k_scale,
+                                 sorted=False)
 
 
 def select_owned(values, local_ids, block_tables, *, cfg: ModelConfig, layout: DcpLayout):
@@ -124,10 +131,8 @@ def sparse_dcp_attention(
     positions [R, K] selected for each row (-1 padded, identical on every rank))."""
     with jax.named_scope("projections"):
         queries, kv_cache, index_cache = project_and_write(p, x, kv_cache, index_cache, cos_sin, slots, cfg=cfg)
-    with jax.named_scope("indexer"):
-        logits = local_scores(queries, index_cache, block_tables, local_lens, kernels=kernels)
-    with jax.named_scope("topk"):
-        values, local_ids = local_top_k(logits, local_lens, cfg=cfg, kernels=kernels)
+    with jax.named_scope("indexer_topk"):
+        values, local_ids = local_top_k(queries, index_cache, block_tables, local_lens, cfg=cfg, kernels=kernels)
     with jax.named_scope("exchange"):
         selected, owned_slots, counts = select_owned(values, local_ids, block_tables, cfg=cfg, layout=layout)
     with jax.named_scope("sparse_mla"):

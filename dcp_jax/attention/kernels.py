@@ -12,10 +12,11 @@ from pallas_kernels import reference
 class Kernels:
     indexer_logits: Callable
     topk: Callable
+    indexer_top_k: Callable  # topk of indexer_logits, fused where the kernels allow
     sparse_mla_decode: Callable
 
 
-REFERENCE = Kernels(reference.indexer_logits, reference.topk, reference.sparse_mla_decode)
+REFERENCE = Kernels(reference.indexer_logits, reference.topk, reference.indexer_top_k, reference.sparse_mla_decode)
 
 
 KERNEL_CHOICES = ("auto", "pallas", "reference")
@@ -32,8 +33,9 @@ def select_kernels(name: str) -> Kernels:
         return REFERENCE
     if name == "pallas":
         from pallas_kernels.indexer import indexer_logits
+        from pallas_kernels.indexer_topk import indexer_top_k
         from pallas_kernels.sparse_mla import sparse_mla_decode
         from pallas_kernels.topk import topk
 
-        return Kernels(indexer_logits, topk, sparse_mla_decode)
+        return Kernels(indexer_logits, topk, indexer_top_k, sparse_mla_decode)
     raise ValueError(f"unknown kernels {name!r}; choose from {KERNEL_CHOICES}")

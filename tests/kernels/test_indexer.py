@@ -117,13 +117,14 @@ def test_indexer_logits_rejects_bad_knobs():
         indexer.indexer_logits(*args, **kwargs, fp8_imprecise_acc=16)
     with pytest.raises(ValueError, match="backend must be"):
         indexer.indexer_logits(*args, **kwargs, backend="cuda")
-    with pytest.raises(ValueError, match="backend='mosaic' needs"):  # f32 keys, and interpreted on CPU
+    with pytest.raises(ValueError, match="backend=.mosaic.. needs"):  # f32 keys, and interpreted on CPU
         indexer.indexer_logits(*args, **kwargs, backend="mosaic")
 
 
 @pytest.mark.parametrize("rows, heads, max_blocks, pages_per_cta, stages",
                          [(4, 64, 64, 16, 4), (3, 16, 8, 4, 2), (1, 128, 256, 32, 6)])
-def test_mosaic_kernel_lowers_for_cuda(rows, heads, max_blocks, pages_per_cta, stages):
+@pytest.mark.parametrize("with_maxima", [False, True], ids=["logits", "with-maxima"])
+def test_mosaic_kernel_lowers_for_cuda(rows, heads, max_blocks, pages_per_cta, stages, with_maxima):
     """No interpreter runs the Mosaic GPU kernel; lowering it for CUDA checks its layouts and SMEM plan."""
     fp8 = jnp.float8_e4m3fn
     args = (jax.ShapeDtypeStruct((rows, heads, indexer_mosaic.DIM), fp8),
@@ -132,8 +133,8 @@ def test_mosaic_kernel_lowers_for_cuda(rows, heads, max_blocks, pages_per_cta, s
             jax.ShapeDtypeStruct((1000, indexer_mosaic.PAGE), jnp.float32),
             jax.ShapeDtypeStruct((rows, max_blocks), jnp.int32),
             jax.ShapeDtypeStruct((rows, indexer_mosaic.LENS_COLUMNS), jnp.int32))
-    indexer_mosaic.indexer_logits_pages.trace(*args, pages_per_cta=pages_per_cta, stages=stages).lower(
-        lowering_platforms=("cuda",))
+    indexer_mosaic.indexer_logits_pages.trace(*args, pages_per_cta=pages_per_cta, stages=stages,
+                                              with_maxima=with_maxima).lower(lowering_platforms=("cuda",))
 
 
 def test_mosaic_prepare_pads_to_the_kernel():

@@ -150,6 +150,35 @@ def test_sort_rows():
                                   np.array([[2.0, 1.0, 1.0, 0.0, -0.0, -np.inf]], np.float32).view(np.int32))
 
 
+def _group_maxima(scores, lens, group):
+    """Keys of the largest valid score of each run of `group` columns (-inf's key where a run has none)."""
+    rows, cols = scores.shape
+    valid = np.arange(cols)[None, :] < np.asarray(lens)[:, None]
+    x = np.where(valid, np.asarray(scores), -np.inf).reshape(rows, cols // group, group).max(axis=2)
+    return topk._to_key(jnp.asarray(x, jnp.float32))
+
+
+@pytest.mark.parametrize("fill", FILLS)
+@pytest.mark.parametrize("lowered", [False, True], ids=["maxima", "lower-bounds"])
+def test_given_group_maxima(fill, lowered):
+    """Maxima of contiguous groups from the caller (as the Mosaic indexer emits them) skip the maxima pass; lower
+    values (here all -inf) still give the exact result, through more candidates or the whole-row path."""
+    scores, lens = _scores(2, 6, 1024, [0, 63, 64, 1024, 201, 1000], fill)
+    maxima = _group_maxima(scores, lens, 16)  # 64 groups
+    if lowered:
+        maxima = jnp.full_like(maxima, topk._to_key(jnp.float32(-jnp.inf)))
+    for sorted_ in (True, False):
+        _check(scores, lens, 64, group_maxima=maxima, sorted=sorted_, **{**SMALL, "num_groups": 8})
+
+
+def test_group_maxima_validation():
+    scores, lens = jnp.zeros((2, 256)), jnp.zeros(2, jnp.int32)
+    for bad in (jnp.zeros((2, 16), jnp.int32), jnp.zeros((2, 48), jnp.int32), jnp.zeros((2, 64)),
+                jnp.zeros((3, 64), jnp.int32)):
+        with pytest.raises(ValueError, match="group_maxima"):
+            topk.topk(scores, lens, 20, group_maxima=bad)
+
+
 @pytest.mark.parametrize(
     ("scores", "lens", "k", "knobs", "match"),
     [
