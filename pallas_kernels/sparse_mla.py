@@ -3,15 +3,17 @@
 Contract: q [R, H, Dq] (absorbed latent query, `value_dim` wide, then the rope query), kv_cache
 [pages, B, Dq] bf16 or f32 (latent then roped key, one row per token shared by all heads), slots [R, S] int32
 physical slot ids `page*B + offset`, compacted (valid first), counts [R] int32 valid slots per row, sm_scale a
-Python float. Returns out f32 [R, H, value_dim] (softmax-weighted sum of the latent rows) and lse f32 [R, H]
-(natural log of the sum of exp(scaled scores)). A row with count <= 0 gives out 0 and lse -inf; counts above S
+Python float. Returns out [R, H, value_dim] in the cache's dtype (softmax-weighted sum of the latent rows; a
+bf16 out is rounded once from f32, as FlashMLA's) and lse f32 [R, H] (natural log of the sum of exp(scaled
+scores)). A row with count <= 0 gives out 0 and lse -inf; counts above S
 act as S. Slots at or past a row's count are never read (they may hold -1 or garbage); valid slots must lie in
 [0, pages*B).
 
 Dots run in the cache's dtype (q is cast to it) with f32 accumulation; an f32 cache gets full-precision dots.
 Work per row is proportional to its count: each of `num_splits` programs of a row takes an equal share of the
-row's valid slots, rounded up to `block_s`, and loads nothing past the count. Partial results are merged by
-`merge_splits`. Tuning defaults were measured by `bench/bench_sparse_mla.py` (see docs/perf_sparse_mla.md).
+row's valid slots, rounded up to `block_s`, and loads nothing past the count. Partial results (f32, or bf16 from
+the Mosaic kernel) are merged in f32 by `merge_splits`; a single split is written in the output dtype by the
+kernel. Tuning defaults were measured by `bench/bench_sparse_mla.py` (see docs/perf_sparse_mla.md).
 Two implementations (`backend`): a Triton kernel (any supported shape, bf16 or f32) and, for a bf16 cache of
 512 + 64 columns on Hopper, the faster warp-specialized Mosaic GPU kernel of sparse_mla_mosaic.py.
 Letters: R rows, H heads, S slots, N splits, D latent (value_dim), E rope.
@@ -93,14 +95,14 @@ def _sparse_mla_kernel(slots_ref, counts_ref, q_ref, kv_ref,  # inputs
     acc, m, l = jax.lax.fori_loop(0, num_blocks, body, (acc, m, l))
     # An empty split (l == 0) writes out 0 and lse -inf, so the merge gives it weight 0.
     is_empty = l == 0.0
-    out_ref[...] = jnp.where(is_empty[:, None], 0.0, acc / jnp.where(is_empty, 1.0, l)[:, None])
+    out_ref[...] = jnp.where(is_empty[:, None], 0.0, acc / jnp.where(is_empty, 1.0, l)[:, None]).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(is_empty, -jnp.inf, (m + jnp.log2(jnp.where(is_empty, 1.0, l))) * LN2)
 
 
 def merge_splits(outs, lses):
     """Merge split-K partial results by log-sum-exp.
 
-    outs [R, N, H, D] f32 (each normalized within its split), lses [R, N, H] f32 (-inf = empty split).
+    outs [R, N, H, D] f32 or bf16 (each normalized within its split), lses [R, N, H] f32 (-inf = empty split).
     Returns out [R, H, D] f32 and lse [R, H] f32; all splits empty gives out 0 and lse -inf.
     """
     weights, lse = lse_merge_weights(lses, axis=1)  # [R, N, H], 0 for empty splits
@@ -117,9 +119,8 @@ def _mosaic_decode(q, kv_cache, slots, counts, sm_scale, num_splits):
                                         sparse_mla_mosaic.BLOCK_S)
     outs, lses = sparse_mla_mosaic.sparse_mla_partials(q, kv_rows, slots, counts, sm_scale=float(sm_scale),
                                                        num_splits=num_splits)
-    outs = outs.astype(jnp.float32)
     out, lse = (outs[:, 0], lses[:, 0]) if num_splits == 1 else merge_splits(outs, lses)
-    return out[:, :num_heads], lse[:, :num_heads]
+    return out[:, :num_heads].astype(jnp.bfloat16), lse[:, :num_heads]
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -216,7 +217,8 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, in
             pl.BlockSpec((None, None, block_h), lambda h, n, r: (r, n, h)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((rows, num_splits, padded_heads, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((rows, num_splits, padded_heads, value_dim),
+                                 kv_cache.dtype if num_splits == 1 else jnp.float32),
             jax.ShapeDtypeStruct((rows, num_splits, padded_heads), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -224,4 +226,4 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, in
         name=f"sparse_mla_decode_{block_h=}_{block_s=}_{num_splits=}",
     )(slots, counts, q, flat_cache)
     out, lse = (outs[:, 0], lses[:, 0]) if num_splits == 1 else merge_splits(outs, lses)
-    return out[:, :num_heads], lse[:, :num_heads]
+    return out[:, :num_heads].astype(kv_cache.dtype), lse[:, :num_heads]

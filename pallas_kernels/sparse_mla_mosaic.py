@@ -7,8 +7,8 @@ one row, one split of its valid slots and 64 heads, with three warpgroups:
   row piece made the kernel 10x slower: docs/perf_sparse_mla.md);
 - two compute warpgroups each compute the block's 64 x 64 scores (9 wgmmas of K=64) and the online softmax,
   then multiply the probabilities by their half of the value slabs (256 output columns each).
-The output is rounded to bf16 in the kernel (as FlashMLA does) and returned as f32; split-K partial results
-are merged by `sparse_mla.merge_splits`. Mosaic GPU has no interpreter for this kernel, so it runs on the GPU
+The output is rounded to bf16 in the kernel (as FlashMLA does); split-K partial results are merged by
+`sparse_mla.merge_splits`. Mosaic GPU has no interpreter for this kernel, so it runs on the GPU
 only; on CPU it can be lowered for CUDA (the tests do).
 """
 
