@@ -6,7 +6,8 @@ a table over B in {1, 8, 64}, H in {16, 64, 128}, k=2048 and DCP W in {1, 2, 4, 
 row) with the default backend (Mosaic on the H200 for bf16), other variants (`VARIANTS`: the Triton backend)
 on a few of those shapes, and with --sweep a Triton knob sweep. --quick times only the variant comparison.
 Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}; `--plot JSON PNG` draws a saved JSON (per-rank
-time vs DCP size; no GPU needed).
+time vs DCP size; no GPU needed). `--breakdown 'B,H,W;...'` lists the GPU kernels of one call per shape with
+their durations (the Pallas kernel and the XLA ops around it).
 FLOPs per row: 2*H*count*(Dq + value_dim) (scores over 576 columns, values over 512).
 """
 
@@ -14,14 +15,17 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import json
 import math
 import os
 import statistics
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
+from jax.profiler import ProfileData
 
 from pallas_kernels import reference, sparse_mla
 
@@ -178,6 +182,29 @@ def time_xla_reference(cache, rows, heads) -> dict:
     return dict(rows=rows, heads=heads, us=seconds * 1e6)
 
 
+def kernel_breakdown(cache, rows, heads, dcp, calls=20) -> dict:
+    """Per GPU kernel of one `sparse_mla_decode` call (the Pallas kernel and the XLA ops around it): median
+    duration over `calls` calls, from a profiler trace."""
+    q, slots, counts = make_sets(300, 1, rows, heads, TOPK // dcp, cache.dtype)
+    run = jax.jit(functools.partial(sparse_mla.sparse_mla_decode, sm_scale=SM_SCALE))
+    args = (q[0], cache, slots[0], counts[0])
+    jax.block_until_ready(run(*args))
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir):
+        for _ in range(calls):
+            jax.block_until_ready(run(*args))
+    durations = {}
+    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+            if plane.name.startswith("/device:GPU"):
+                for line in plane.lines:
+                    for event in line.events:
+                        durations.setdefault(event.name, []).append(event.duration_ns / 1e3)
+    # Stream lines repeat some events under other line names: keep kernels seen once per call.
+    kernels = {name: statistics.median(us) for name, us in durations.items() if len(us) == calls}
+    return dict(rows=rows, heads=heads, dcp=dcp, kernels=kernels, total_us=sum(kernels.values()))
+
+
 def plot(report: dict, path: str) -> None:
     """Per-rank kernel time vs DCP size W (one panel per batch B): the default backend for each H, the ideal 1/W
     scaling of its H=128 line, and the compared variants' points, as a PNG."""
@@ -224,6 +251,8 @@ def main():
                         help=f"variants compared with the default backend, from {sorted(VARIANTS)}")
     parser.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None,
                         help="measure nothing: plot a saved bench_sparse_mla.json")
+    parser.add_argument("--breakdown", default="",
+                        help="only list the GPU kernels of one call at these B,H,W shapes, e.g. '8,128,1;1,128,1'")
     args = parser.parse_args()
     if args.plot:
         with open(args.plot[0]) as f:
@@ -237,6 +266,18 @@ def main():
     log(f"device: {device.device_kind}, jax {jax.__version__}, date {time.strftime('%Y-%m-%d')}")
     report = dict(device=device.device_kind, jax=jax.__version__)
 
+    if args.breakdown:
+        cache = make_cache(jnp.bfloat16)
+        report["breakdown"] = []
+        for shape in args.breakdown.split(";"):
+            r = kernel_breakdown(cache, *(int(n) for n in shape.split(",")))
+            report["breakdown"].append(r)
+            log(f"B={r['rows']} H={r['heads']} W={r['dcp']}: {len(r['kernels'])} kernels, {r['total_us']:.1f} us busy")
+            for name, us in sorted(r["kernels"].items(), key=lambda item: -item[1]):
+                log(f"  {us:8.1f} us  {name[:100]}")
+        with open(os.path.join(OUT_DIR, "bench_sparse_mla.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        return
     report["ceilings"] = ceil = ceilings()
     log(f"ceilings: bf16 matmul 8192^3 {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s "
         f"(read+write)  [{elapsed():.0f}s]")
