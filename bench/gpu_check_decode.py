@@ -2,10 +2,11 @@
 
 Runs the demo's continuous-batching schedule at every DCP size the devices allow, with the Pallas kernels
 and with the references, against the single-device unsharded computation; prints one row per run.
-Usage: PYTHONPATH=. python3 bench/gpu_check_decode.py
+Usage: PYTHONPATH=. python3 bench/gpu_check_decode.py [--model tiny-indexer --index-cache fp8]
 """
 
 import argparse
+import dataclasses
 import time
 import warnings
 
@@ -16,6 +17,10 @@ from dcp_jax.demo import run_comparison, staggered_schedule
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
+# model -> (config, page size). tiny-indexer: the tiny model with DeepSeek-V3.2's indexer (64 heads of 128) and
+# pages of 64 tokens, so that an fp8 index cache runs the Mosaic GPU indexer on Hopper.
+MODELS = {"tiny": (TINY, 16), "tiny-indexer": (dataclasses.replace(TINY, index_n_heads=64, index_head_dim=128), 64)}
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
@@ -25,20 +30,23 @@ def main():
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact",
                         help=INDEX_CACHE_HELP + "; both sides of the comparison use it")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                        help="tiny-indexer: DeepSeek's indexer shape and pages of 64 (the Mosaic indexer with fp8)")
     args = parser.parse_args()
     jax.config.update("jax_default_matmul_precision", "highest")
-    engine = EngineConfig(page_size=16, num_pages=64, max_num_seqs=args.max_seqs, max_model_len=args.steps + 16,
-                          index_cache=args.index_cache)
+    cfg, page_size = MODELS[args.model]
+    engine = EngineConfig(page_size=page_size, num_pages=64, max_num_seqs=args.max_seqs,
+                          max_model_len=args.steps + 16, index_cache=args.index_cache)
     schedule = staggered_schedule(args.max_seqs, args.steps, seed=0)
     devices = len(jax.devices())
-    print(f"backend {jax.default_backend()}, {devices} x {jax.devices()[0].device_kind}, "
+    print(f"backend {jax.default_backend()}, {devices} x {jax.devices()[0].device_kind}, model {args.model}, "
           f"{args.index_cache} index cache")
     print(f"{'kernels':>10} {'dcp':>4} {'interleave':>10} {'buckets':>8} {'max ctx':>8} {'step ms':>8} {'max |err|':>10} {'wall s':>7}")
     for dcp in [int(d) for d in args.dcp.split(",") if int(d) <= devices]:
         for interleave in [int(s) for s in args.interleave.split(",")]:
             for kernels in ("pallas", "reference"):
                 begin = time.perf_counter()
-                r = run_comparison(TINY, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), engine, schedule,
+                r = run_comparison(cfg, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), engine, schedule,
                                    kernels=kernels)
                 print(f"{kernels:>10} {r.dcp:>4} {r.interleave:>10} {r.buckets_compiled:>8} {r.max_context:>8} "
                       f"{r.step_ms:>8.2f} {r.max_abs_err:>10.2e} {time.perf_counter() - begin:>7.1f}", flush=True)
