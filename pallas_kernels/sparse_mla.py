@@ -4,8 +4,8 @@ Contract: q [R, H, Dq] (absorbed latent query, `value_dim` wide, then the rope q
 [pages, B, Dq] bf16 or f32 (latent then roped key, one row per token shared by all heads), slots [R, S] int32
 physical slot ids `page*B + offset`, compacted (valid first), counts [R] int32 valid slots per row, sm_scale a
 Python float. Returns out [R, H, value_dim] in the cache's dtype (softmax-weighted sum of the latent rows; a
-bf16 out is rounded once from f32, as FlashMLA's) and lse f32 [R, H] (natural log of the sum of exp(scaled
-scores)). A row with count <= 0 gives out 0 and lse -inf; counts above S
+bf16 out is rounded from f32 accumulators, as FlashMLA's) and lse f32 [R, H] (natural log of the sum of
+exp(scaled scores)). A row with count <= 0 gives out 0 and lse -inf; counts above S
 act as S. Slots at or past a row's count are never read (they may hold -1 or garbage); valid slots must lie in
 [0, pages*B).
 
@@ -95,7 +95,8 @@ def _sparse_mla_kernel(slots_ref, counts_ref, q_ref, kv_ref,  # inputs
     acc, m, l = jax.lax.fori_loop(0, num_blocks, body, (acc, m, l))
     # An empty split (l == 0) writes out 0 and lse -inf, so the merge gives it weight 0.
     is_empty = l == 0.0
-    out_ref[...] = jnp.where(is_empty[:, None], 0.0, acc / jnp.where(is_empty, 1.0, l)[:, None]).astype(out_ref.dtype)
+    out = jnp.where(is_empty[:, None], 0.0, acc / jnp.where(is_empty, 1.0, l)[:, None])
+    out_ref[...] = out.astype(out_ref.dtype)
     lse_ref[...] = jnp.where(is_empty, -jnp.inf, (m + jnp.log2(jnp.where(is_empty, 1.0, l))) * LN2)
 
 
