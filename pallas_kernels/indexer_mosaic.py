@@ -8,6 +8,8 @@ and Di = 128. Each CTA (one warpgroup) owns `pages_per_cta` consecutive block-ta
   the tensor core's reduced-precision fp8 accumulation, as DeepGEMM's indexer and the Triton kernel's default);
 - relu, the weights, the head sum and the key scale stay in registers; the CTA's logits (-inf past the row's
   length) leave by one TMA store.
+Optionally (`with_maxima`) it also stores the top-k keys of the maxima of each group of 16 tokens, which
+`topk.topk(group_maxima=)` takes in place of its first pass (indexer_topk.py).
 Pages past a row's length are never read. Mosaic GPU has no interpreter for TMA, so this kernel runs on the GPU
 only; on CPU it can be lowered for CUDA (the tests do).
 """
@@ -29,14 +31,12 @@ PAGE = 64  # tokens per page: one wgmma M
 DIM = 128  # fp8 key bytes: one 128-byte swizzled row
 LENS_COLUMNS = 16  # lens travel as [R, 16] int32: a TMA copies at least 16 bytes
 MAX_HEADS = 256  # a wgmma N
+GROUP_TOKENS = 16  # tokens per group of the fused group maxima: one warp's rows of a page's wgmma tile
 _META_WIDTH = 32  # int32 per SMEM metadata row: 128 bytes keep the next row's TMA destination aligned
 
 
 def _tiled():
     return plgpu.TilingTransform((8, DIM)), plgpu.SwizzleTransform(DIM)
-
-
-GROUP_TOKENS = 16  # tokens per group of the fused group maxima: one warp's rows of a page's wgmma tile
 
 
 def _store_group_maxima(logits, maxima_ref):
