@@ -121,7 +121,8 @@ def _kth_largest_key(count_at_least, k, num_bits):
     """Largest key t, its low (32 - num_bits) bits zero, with count_at_least(t) >= k; INVALID if there is none.
 
     The search runs over unsigned keys (key ^ INVALID), setting one bit per step from the top. (Resolving 2 or
-    4 bits per step with one count of all digit values measured no faster, and 4 bits 4x slower, on an H200.)
+    4 bits per step with one count of all digit values measured no faster, and 4 bits 4x slower, on an H200;
+    bisecting between the smallest and largest candidates, fewer steps, no faster either.)
     """
     def step(bit, unsigned):
         trial = unsigned | lax.shift_left(jnp.int32(1), 31 - bit)
@@ -215,33 +216,49 @@ def _floor_kernel(maxima_ref, floor_ref, **floor_args):
     floor_ref[row] = _row_floor(maxima_ref, row, **floor_args)
 
 
-def _chunk_candidates_kernel(scores_ref, lens_ref, floor_ref,               # inputs
-                             cand_keys_ref, cand_cols_ref, counts_ref,      # outputs
+def _chunk_candidates_kernel(scores_ref, lens_ref, floor_ref,   # inputs
+                             cand_cols_ref, counts_ref,           # outputs
                              *, tile: int, chunk: int, capacity: int, floor_args, interpret: bool):
-    """Step 3 for one (row, chunk): its candidates (key >= floor) into the chunk's region of `capacity` entries of
-    the candidate buffers, in column order, and their number (which may exceed `capacity`; only `capacity` are
-    stored). With `floor_args`, floor_ref holds the maxima and the program computes the floor itself (step 2)."""
+    """Step 3 for one (row, chunk): the columns of its candidates (key >= floor) into the chunk's region of
+    `capacity` entries, in column order, and their number (which may exceed `capacity`; only `capacity` are
+    stored). With `floor_args`, floor_ref holds the maxima and the program computes the floor itself (step 2).
+    Tiles inside the length load without masks and, when the floor is non-negative, compare raw f32 bits (a key
+    >= floor >= 0 is the bits of a non-negative float); the last tile is masked. (Storing the candidates' keys
+    as well, a second scatter and 92-112 registers instead of 80, cost this kernel more on an H200 than step 4
+    spends loading their scores again.)"""
     row, part = pl.program_id(0), pl.program_id(1)
     begin, end = _chunk_bounds(jnp.clip(lens_ref[row], 0, scores_ref.shape[1]), chunk)
     floor = floor_ref[row] if floor_args is None else _row_floor(floor_ref, row, **floor_args)
     floor = jnp.maximum(floor, INVALID + 1)  # keys past the length are never candidates
     region = part * capacity
 
-    def compact_step(i, count):
-        keys, cols = _load_keys(scores_ref, row, begin + i * tile, tile, end)
+    def compact(keys, cols, count):
         is_candidate = keys >= floor
         rank, num_candidates = _ranks(is_candidate)
         dest = count + rank
-        is_stored = is_candidate & (dest < capacity)
-        _scatter(cand_keys_ref, row, region + dest, keys, is_stored, interpret)
-        _scatter(cand_cols_ref, row, region + dest, cols, is_stored, interpret)
+        _scatter(cand_cols_ref, row, region + dest, cols, is_candidate & (dest < capacity), interpret)
         return count + num_candidates
 
-    counts_ref[row, part] = lax.fori_loop(0, pl.cdiv(end - begin, tile), compact_step, jnp.int32(0))
+    def inner_step(i, count, *, nonnegative_floor):
+        offsets, _ = _run_iota(tile)
+        cols = begin + i * tile + offsets
+        bits = lax.bitcast_convert_type(plgpu.load(scores_ref.at[row, cols]), jnp.int32)
+        keys = bits if nonnegative_floor else _to_key(lax.bitcast_convert_type(bits, jnp.float32))
+        return compact(keys, cols, count)
+
+    def masked_step(i, count):
+        return compact(*_load_keys(scores_ref, row, begin + i * tile, tile, end), count)
+
+    inner_tiles = lax.div(end - begin, tile)
+    count = lax.cond(
+        floor >= 0,
+        lambda: lax.fori_loop(0, inner_tiles, functools.partial(inner_step, nonnegative_floor=True), jnp.int32(0)),
+        lambda: lax.fori_loop(0, inner_tiles, functools.partial(inner_step, nonnegative_floor=False), jnp.int32(0)))
+    counts_ref[row, part] = lax.fori_loop(inner_tiles, pl.cdiv(end - begin, tile), masked_step, count)
 
 
-def _select_kernel(scores_ref, lens_ref, cand_keys_ref, cand_cols_ref, counts_ref,  # inputs
-                   values_ref, indices_ref,                                          # outputs
+def _select_kernel(scores_ref, lens_ref, cand_cols_ref, counts_ref,  # inputs
+                   values_ref, indices_ref,                           # outputs
                    *, k: int, tile: int, splits: int, capacity: int, sort_in_kernel: bool, interpret: bool):
     """Step 4 for one row: exact threshold, emission in column order, padding, and the final order."""
     row = pl.program_id(0)
@@ -258,8 +275,9 @@ def _select_kernel(scores_ref, lens_ref, cand_keys_ref, cand_cols_ref, counts_re
     fits = total <= capacity
     is_loaded = slot < jnp.where(fits, total, 0)
     source = jnp.where(is_loaded, slot + region_offset, 0)
-    cand_keys = plgpu.load(cand_keys_ref.at[row, source], mask=is_loaded, other=INVALID)
     cand_cols = plgpu.load(cand_cols_ref.at[row, source], mask=is_loaded, other=0)
+    cand_keys = jnp.where(is_loaded, _to_key(plgpu.load(scores_ref.at[row, cand_cols], mask=is_loaded, other=0.0)),
+                          INVALID)
     row_tiles = jnp.where(fits, 0, num_tiles)
 
     def count_at_least(t):
@@ -414,11 +432,10 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
             grid=(rows,), compiler_params=params(floor_warps or num_warps), interpret=interpret,
             name=f"topk_floor_{name}",
         )(maxima)
-    cand_keys, cand_cols, counts = pl.pallas_call(
+    cand_cols, counts = pl.pallas_call(
         functools.partial(_chunk_candidates_kernel, tile=tile, chunk=candidate_chunk, capacity=capacity,
                           floor_args=None if separate_floor else floor_args, interpret=interpret),
         out_shape=(
-            jax.ShapeDtypeStruct((rows, candidate_splits * capacity), jnp.int32),
             jax.ShapeDtypeStruct((rows, candidate_splits * capacity), jnp.int32),
             jax.ShapeDtypeStruct((rows, candidate_splits), jnp.int32),
         ),
@@ -434,7 +451,7 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
         ),
         grid=(rows,), interpret=interpret, name=f"topk_select_{name}",
         compiler_params=params(select_warps or (16 if sorted and sort_in_kernel else 8)),
-    )(scores, lens, cand_keys, cand_cols, counts)
+    )(scores, lens, cand_cols, counts)
     if sorted and not sort_in_kernel:
         values, indices = sort_rows(values, indices)
     return values, indices

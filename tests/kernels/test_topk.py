@@ -208,7 +208,8 @@ def test_input_validation(scores, lens, k, knobs, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("rows", "cols", "fill"), [(8, 65536, "normal"), (4, 4096, "ties"), (3, 16384, "equal")])
+@pytest.mark.parametrize(("rows", "cols", "fill"), [(8, 65536, "normal"), (4, 4096, "ties"), (3, 16384, "equal"),
+                                                  (2, 8192, "negative")])
 def test_compiled_real_shapes(rows, cols, fill):
     lens = np.random.default_rng(6).integers(cols - 1000, cols + 1, rows)
     lens[0] = 1000  # shorter than k
