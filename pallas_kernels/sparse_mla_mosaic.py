@@ -130,7 +130,7 @@ def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, 
         plgpu.barrier_wait(q_barrier.at[0])
         row_vector = plgpu.Layout.WGMMA.reduce(1)
 
-        def block_step(block, carry):
+        def block_step(block, carry, *, masked):
             accs, m_i, l_i = carry
             stage = lax.rem(block, STAGES)
             plgpu.barrier_wait(kv_barriers.at[stage])
@@ -140,31 +140,34 @@ def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, 
                     plgpu.wgmma(acc_ref, q_smem.at[c], kv_smem.at[stage, c].transpose((1, 0)))
                 return acc_ref[...]
 
-            scores = pl.run_scoped(scores_dot, plgpu.ACC((BLOCK_H, BLOCK_S), jnp.float32))
-            slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_S), 1, layout=plgpu.Layout.WGMMA)
             # Scores in log2 units so the softmax uses exp2; every block holds a valid slot, so m_next is finite.
-            scores = jnp.where(block * BLOCK_S + slot_ids < length, scores * scale, -jnp.inf)
+            scores = pl.run_scoped(scores_dot, plgpu.ACC((BLOCK_H, BLOCK_S), jnp.float32)) * scale
+            if masked:
+                slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_S), 1, layout=plgpu.Layout.WGMMA)
+                scores = jnp.where(block * BLOCK_S + slot_ids < length, scores, -jnp.inf)
             m_next = jnp.maximum(m_i, scores.max(axis=1))
             alpha = jnp.exp2(m_i - m_next)
             probs = jnp.exp2(scores - lax.broadcast_in_dim(m_next, scores.shape, [0]))
             l_next = l_i * alpha + probs.sum(axis=1)
             probs = probs.astype(jnp.bfloat16)
-            new_accs = []
-            for j in range(4):  # this warpgroup's value slabs wg*4 .. wg*4 + 3
-                acc = accs[j] * lax.broadcast_in_dim(alpha, accs[j].shape, [0])
+            accs = tuple(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) for acc in accs)
 
-                def values_dot(acc_ref, j=j):
+            def values_dot(acc_refs):  # this warpgroup's value slabs wg*4 .. wg*4 + 3, one wait for all four
+                for j, acc_ref in enumerate(acc_refs):
                     plgpu.wgmma(acc_ref, probs, kv_smem.at[stage, wg * 4 + j])
 
-                new_accs.append(pl.run_state(values_dot)(plgpu.ACC.init(acc)))
+            accs = pl.run_state(values_dot)(tuple(plgpu.ACC.init(acc) for acc in accs))
             plgpu.barrier_arrive(consumed_barriers.at[stage])
-            return tuple(new_accs), m_next, l_next
+            return tuple(accs), m_next, l_next
 
         accs = tuple(plgpu.layout_cast(jnp.zeros((BLOCK_H, SLAB), jnp.float32), plgpu.Layout.WGMMA)
                      for _ in range(4))
         m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_vector)
         l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), row_vector)
-        accs, m_i, l_i = lax.fori_loop(0, num_blocks, block_step, (accs, m_i, l_i))
+        # Only the last block can hold slots past the split's end: the others skip the mask.
+        full_blocks = lax.div(length, BLOCK_S)
+        carry = lax.fori_loop(0, full_blocks, functools.partial(block_step, masked=False), (accs, m_i, l_i))
+        accs, m_i, l_i = lax.fori_loop(full_blocks, num_blocks, functools.partial(block_step, masked=True), carry)
 
         # Both warpgroups are done with Q: its slabs stage the output. An empty split writes 0 and lse -inf.
         plgpu.barrier_arrive(done_barrier.at[0])
