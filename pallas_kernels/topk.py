@@ -16,9 +16,10 @@ GPU's SMs:
    the row's k-th largest key (k distinct columns reach it). Random scores leave about
    groups * ln(groups / (groups - k)) keys >= floor per row (~2.8K at the defaults for k=2048), wherever they
    sit in the row. Every program of step 3 finds it (16 CTA-wide counts over the maxima), or one kernel per row.
-3. (grid R x S') Each program compacts its chunk's columns with key >= floor (the candidates), in column order,
-   into its own region of `capacity` entries (prefix-sum positions) and stores their count.
-4. (grid R) Gather the regions' candidates, in chunk order, into one `capacity` vector; binary-search the exact
+3. (grid R x S') Each program compacts the columns of its chunk with key >= floor (the candidates), in column
+   order, into its own region of `capacity` entries (prefix-sum positions) and stores their count.
+4. (grid R) Gather the regions' candidate columns, in chunk order, into one `capacity` vector and load their
+   scores again (at B=64 on an H200, cheaper than storing their keys in step 3); binary-search the exact
    k-th largest key `threshold` over it in registers; when the row has more candidates than `capacity` (many
    ties near the k-th place), over the whole row instead: exact, but 32 streamed passes. Emit every key >
    threshold and the lowest-column ties at threshold up to k, in column order; pad; unless `sorted=False`, sort
