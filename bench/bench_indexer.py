@@ -23,7 +23,6 @@ Full logs go to $OUT (or ./out) as bench_indexer.{log,json}. `--plot JSON PNG` d
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import statistics
@@ -33,8 +32,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.profiler import ProfileData
 
+from bench.gpu_trace import trace_events
 from pallas_kernels import indexer, indexer_topk, quant, reference, topk
 
 HEADS, DIM, PAGE = 64, 128, 64
@@ -171,15 +170,9 @@ def kernel_times(trace_dir, kernels_per_call, calls_per_shape):
     """Per shape, the per-call sums of the indexer and top-k kernel durations (us) in a trace, in call order.
 
     kernels_per_call: one entry per timed shape (1 for the indexer alone, 3 or 4 with the top-k)."""
-    lines = {}
-    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-        for plane in ProfileData.from_file(path).planes:
-            if plane.name.startswith("/device:GPU"):
-                for line in plane.lines:
-                    lines.setdefault(line.name, []).extend(
-                        (e.start_ns, e.duration_ns / 1e3) for e in line.events
-                        if any(name in e.name for name in PALLAS_KERNELS))
-    events = [us for _, us in sorted(max(lines.values(), key=len, default=[]))]  # one stream line
+    lines = [[(e.start_ns, e.duration_ns / 1e3) for e in events if any(name in e.name for name in PALLAS_KERNELS)]
+             for events in trace_events(trace_dir).values()]
+    events = [us for _, us in sorted(max(lines, key=len, default=[]))]  # one stream line
     groups, at = [], 0
     for per_call in kernels_per_call:
         calls = [sum(events[i:i + per_call]) for i in range(at, at + per_call * calls_per_shape, per_call)]

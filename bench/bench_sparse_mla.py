@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import json
 import math
 import os
@@ -25,8 +24,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-from jax.profiler import ProfileData
 
+from bench.gpu_trace import trace_events
 from pallas_kernels import reference, sparse_mla
 
 VALUE_DIM, ROPE_DIM, TOPK = 512, 64, 2048
@@ -194,12 +193,9 @@ def kernel_breakdown(cache, rows, heads, dcp, calls=20) -> dict:
         for _ in range(calls):
             jax.block_until_ready(run(*args))
     durations = {}
-    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-        for plane in ProfileData.from_file(path).planes:
-            if plane.name.startswith("/device:GPU"):
-                for line in plane.lines:
-                    for event in line.events:
-                        durations.setdefault(event.name, []).append(event.duration_ns / 1e3)
+    for events in trace_events(trace_dir).values():
+        for event in events:
+            durations.setdefault(event.name, []).append(event.duration_ns / 1e3)
     # Stream lines repeat some events under other line names: keep kernels seen once per call.
     kernels = {name: statistics.median(us) for name, us in durations.items() if len(us) == calls}
     return dict(rows=rows, heads=heads, dcp=dcp, kernels=kernels, total_us=sum(kernels.values()))

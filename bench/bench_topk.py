@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import functools
-import glob
 import json
 import os
 import sys
@@ -31,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.gpu_trace import trace_events
 from pallas_kernels import reference, topk
 
 K = 2048
@@ -94,13 +94,14 @@ def kernel_time(compiled, pairs, runs=5):
             with jax.profiler.trace(trace_dir):
                 for _ in range(runs):
                     jax.block_until_ready(compiled(pairs))
-            [path] = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-            plane = jax.profiler.ProfileData.from_file(path).find_plane_with_name("/device:GPU:0")
             per_kernel = {}
-            for line in plane.lines:
-                if line.name.startswith("Stream"):
-                    for event in line.events:
+            for line_name, events in trace_events(trace_dir, "/device:GPU:0").items():
+                if line_name.startswith("Stream"):
+                    for event in events:
                         per_kernel[event.name[:60]] = per_kernel.get(event.name[:60], 0) + event.duration_ns
+        if not per_kernel:
+            log("profiler: no GPU stream events")
+            return float("nan")
         log("  kernels us/op: " + ", ".join(f"{name} {ns * 1e-3 / (runs * len(pairs)):.1f}"
                                             for name, ns in sorted(per_kernel.items(), key=lambda x: -x[1])[:4]))
         return sum(per_kernel.values()) * 1e-9 / (runs * len(pairs))
