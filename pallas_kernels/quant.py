@@ -1,4 +1,5 @@
-"""fp8 lightning-indexer inputs as DeepSeek-V3.2 builds them (spec 1.2); plain jnp, no kernel.
+"""fp8 formats, plain jnp (no kernel): the lightning-indexer inputs as DeepSeek-V3.2 builds them (spec 1.2), and
+the fp8 latent cache of sparse MLA.
 
 Formulas (Di = index head dim, a power of two):
 - `hadamard(x) = x @ H_Di * Di^-0.5` with H_Di the Sylvester Hadamard matrix: orthogonal and symmetric, so
@@ -14,14 +15,21 @@ Formulas (Di = index head dim, a power of two):
   `sum_h w[h] * relu(q[h] . k) ~= k_scale * sum_h (w[h] * q_scale[h]) * relu(q8[h] . k8)`,
   which is what `indexer.indexer_logits(q8, folded_weights, k8, ..., k_scale=k_scale)` computes; the bf16 path
   passes the same `w` with the unquantized q and k.
+- Latent cache (FlashMLA's fp8 sparse-decode format, 656 B/token at D = 512, E = 64): per token, the latent's D
+  values in e4m3 with one ue8m0 scale per 128 columns (4 f32), and the roped key's E values in bf16, kept as
+  three arrays. An e4m3 value times a power of two is exact in bf16, so the kernel dequantizes exactly.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 AMAX_FLOOR = 1e-4  # keeps all-zero vectors at a finite scale
+LATENT_TILE = 128  # latent columns per scale in the fp8 latent cache
 
 
 def hadamard(x):
@@ -74,3 +82,31 @@ def quantize_index_queries(q, weights):
         raise ValueError(f"need q [R, Hi, Di] and weights [R, Hi], got {q.shape=} {weights.shape=}")
     q8, q_scale = quantize_e4m3_ue8m0(hadamard(q), axis=-1)
     return q8, weights.astype(jnp.float32) * q_scale
+
+
+class Fp8LatentCache(NamedTuple):
+    """The fp8 latent cache of sparse MLA: `latent` [pages, B, D] float8_e4m3fn, `scales` [pages, B, D // 128]
+    f32 (powers of two), `rope` [pages, B, E] bf16. Token t of a page is latent[p, t] * its tile scales, then
+    rope[p, t]."""
+    latent: jax.Array
+    scales: jax.Array
+    rope: jax.Array
+
+
+def quantize_latent_cache(kv, value_dim=512) -> Fp8LatentCache:
+    """kv [pages, B, D + E] (latent then roped key, f32/bf16) -> Fp8LatentCache, D = value_dim a multiple of
+    128: e4m3 latent with one ue8m0 scale per 128 columns of each token; the roped key rounded to bf16."""
+    if value_dim % LATENT_TILE or not 0 < value_dim < kv.shape[-1]:
+        raise ValueError(f"value_dim must be a positive multiple of {LATENT_TILE} below the row width "
+                         f"{kv.shape[-1]}; got {value_dim}")
+    tiles = kv[..., :value_dim].reshape(*kv.shape[:-1], value_dim // LATENT_TILE, LATENT_TILE)
+    latent, scales = quantize_e4m3_ue8m0(tiles, axis=-1)
+    return Fp8LatentCache(latent.reshape(*kv.shape[:-1], value_dim), scales,
+                          kv[..., value_dim:].astype(jnp.bfloat16))
+
+
+def dequantize_latent_cache(cache: Fp8LatentCache):
+    """Fp8LatentCache -> f32 [pages, B, D + E] (exact: every value is representable)."""
+    latent = cache.latent.astype(jnp.float32)
+    tiles = latent.reshape(*latent.shape[:-1], -1, LATENT_TILE) * cache.scales[..., None]
+    return jnp.concatenate([tiles.reshape(latent.shape), cache.rope.astype(jnp.float32)], axis=-1)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quant import Fp8LatentCache, dequantize_latent_cache
+
 HIGHEST = jax.lax.Precision.HIGHEST
 NEG_INF = float("-inf")
 
@@ -67,11 +69,14 @@ def indexer_top_k(q, weights, k_cache, block_tables, lens, *, k, k_scale=None, s
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512):
     """Absorbed MLA over compacted physical slots.
 
-    q [R, H, Dq] (latent query then rope query), kv_cache [pages, B, Dq] (latent then roped key),
-    slots [R, S] int32 physical slots, valid first, counts [R] int32. value_dim = latent width (512 in
-    DeepSeek). Returns out f32 [R, H, value_dim] (softmax-weighted latents) and lse f32 [R, H]
-    (natural log of the sum of exp(scaled scores)); a row with count 0 gives out 0 and lse -inf.
+    q [R, H, Dq] (latent query then rope query), kv_cache [pages, B, Dq] (latent then roped key) or an
+    Fp8LatentCache (dequantized first), slots [R, S] int32 physical slots, valid first, counts [R] int32.
+    value_dim = latent width (512 in DeepSeek). Returns out f32 [R, H, value_dim] (softmax-weighted latents)
+    and lse f32 [R, H] (natural log of the sum of exp(scaled scores)); a row with count 0 gives out 0 and
+    lse -inf.
     """
+    if isinstance(kv_cache, Fp8LatentCache):
+        kv_cache = dequantize_latent_cache(kv_cache)
     num_pages, page_size, width = kv_cache.shape
     flat = kv_cache.reshape(num_pages * page_size, width).astype(jnp.float32)
     num_slots = slots.shape[1]

@@ -119,3 +119,26 @@ def test_fp8_scores_match_bf16_scores_with_model_weights():
     fp8 = np.asarray(reference.indexer_logits(q8, folded, k8, block_tables, lens, k_scale=k_scale))
     err = np.linalg.norm(fp8 - exact) / np.linalg.norm(exact)
     assert err < 0.1, err
+
+
+def test_latent_cache_is_656_bytes_per_token_and_exact_to_dequantize():
+    kv = jax.random.normal(jax.random.key(3), (4, 16, 576)) * jnp.exp(jax.random.normal(jax.random.key(4), (4, 16, 1)))
+    kv = kv.at[0, 0].set(0.0)  # an all-zero token keeps a finite scale
+    cache = quant.quantize_latent_cache(kv)
+    assert cache.latent.shape == (4, 16, 512) and cache.scales.shape == (4, 16, 4) and cache.rope.shape == (4, 16, 64)
+    assert sum(part.dtype.itemsize * part.shape[-1] for part in cache) == 656
+    scales = np.asarray(cache.scales)
+    np.testing.assert_array_equal(np.exp2(np.round(np.log2(scales))), scales)  # powers of two (ue8m0)
+    rows = quant.dequantize_latent_cache(cache)
+    # e4m3 keeps 3 mantissa bits: each latent value is within 1/16 of its magnitude, or of the tile's scale.
+    tiles = np.asarray(kv[..., :512]).reshape(4, 16, 4, 128)
+    error = np.abs(np.asarray(rows[..., :512]).reshape(4, 16, 4, 128) - tiles)
+    assert (error <= np.maximum(np.abs(tiles) / 16, scales[..., None] * 2.0**-9)).all()
+    np.testing.assert_array_equal(rows[..., 512:], kv[..., 512:].astype(jnp.bfloat16).astype(jnp.float32))
+    # Dequantized values are exact: quantizing them again keeps every value (a tile's scale may halve).
+    np.testing.assert_array_equal(quant.dequantize_latent_cache(quant.quantize_latent_cache(rows)), rows)
+
+
+def test_latent_cache_rejects_a_latent_not_in_whole_tiles():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quant.quantize_latent_cache(jnp.zeros((2, 4, 96)), value_dim=80)
