@@ -3,8 +3,9 @@
 Run from the repo root: `PYTHONPATH=. python3 bench/bench_sparse_mla.py [--sweep]`.
 Prints same-run ceilings (bf16 8192^3 matmul, device copy), a GPU compare against reference.sparse_mla_decode,
 a table over B in {1, 8, 64}, H in {16, 64, 128}, k=2048 and DCP W in {1, 2, 4, 8} (count = k/W slots per
-row) with the default backend (Mosaic on the H200 for bf16), other variants (`VARIANTS`: the Triton backend)
-on a few of those shapes, and with --sweep a Triton knob sweep. --quick times only the variant comparison.
+row) with the default backend (Mosaic on the H200 for bf16), other variants (`VARIANTS`: the Triton backend,
+the fp8 latent cache) on a few of those shapes, and with --sweep a Triton knob sweep. --quick times only the
+variant comparison.
 Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}; `--plot JSON PNG` draws a saved JSON (per-rank
 time vs DCP size; no GPU needed). `--breakdown 'B,H,W;...'` lists the GPU kernels of one call per shape with
 their durations (the Pallas kernel and the XLA ops around it).
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.gpu_trace import trace_events
-from pallas_kernels import reference, sparse_mla
+from pallas_kernels import quant, reference, sparse_mla
 
 VALUE_DIM, ROPE_DIM, TOPK = 512, 64, 2048
 WIDTH = VALUE_DIM + ROPE_DIM
@@ -40,7 +41,7 @@ ROTATE_BYTES = 256 << 20
 MAX_GROUPS = 16
 
 # Compared with the default backend on COMPARED_SHAPES (B, H, W): name -> sparse_mla_decode knobs.
-VARIANTS = {"triton": dict(backend="triton")}
+VARIANTS = {"triton": dict(backend="triton"), "fp8_latent": dict(cache="fp8_latent")}
 COMPARED_SHAPES = ((64, 128, 1), (64, 128, 4), (8, 128, 1), (1, 128, 1))
 
 _START = time.perf_counter()
@@ -89,6 +90,11 @@ def ceilings() -> dict:
     return dict(matmul_tflops=2 * n**3 / matmul_s / 1e12, copy_tbps=2 * big.nbytes / copy_s / 1e12)
 
 
+def token_bytes(cache) -> int:
+    """Cache bytes per token: 576 values, or 656 B for an fp8 latent cache."""
+    return sum(part.dtype.itemsize * part.shape[-1] for part in jax.tree.leaves(cache))
+
+
 def make_cache(dtype):
     cache = jax.random.normal(jax.random.key(1), (CACHE_PAGES, PAGE_SIZE, WIDTH), jnp.float32)
     return cache.astype(dtype)
@@ -110,16 +116,20 @@ def poison_allocator(nbytes: int) -> None:
 
 
 def check_correctness(cache_bf16) -> list[dict]:
-    """Kernel vs reference on fresh random inputs: counts 0, 1, k and ragged ones; bf16 and f32 caches."""
+    """Kernel vs reference on fresh random inputs: counts 0, 1, k and ragged ones; bf16, f32 and fp8 latent
+    caches (the fp8 one with bf16 queries)."""
     results = []
     cache_f32 = cache_bf16[:2048].astype(jnp.float32)  # a smaller f32 cache keeps the f32 compare cheap
+    cache_fp8 = quant.quantize_latent_cache(cache_f32, value_dim=VALUE_DIM)
     counts = jnp.array([TOPK, 0, 1, 700, 1000, 333, 2047, 64], jnp.int32)
     for dtype, cache, backend in ((jnp.bfloat16, cache_bf16, "auto"), (jnp.bfloat16, cache_bf16, "triton"),
-                                  (jnp.float32, cache_f32, "auto")):
+                                  (jnp.float32, cache_f32, "auto"), (jnp.bfloat16, cache_fp8, "auto")):
+        cache_name = "fp8" if isinstance(cache, quant.Fp8LatentCache) else jnp.dtype(dtype).name
+        pages = jax.tree.leaves(cache)[0].shape[0]
         for heads, num_splits in ((128, 1), (128, 4), (128, None), (64, None), (16, None)):
             key_q, key_s = jax.random.split(jax.random.key(heads + (num_splits or 0)))
             q = jax.random.normal(key_q, (len(counts), heads, WIDTH), jnp.float32).astype(dtype)
-            slots = jax.random.randint(key_s, (len(counts), TOPK), 0, cache.shape[0] * PAGE_SIZE, jnp.int32)
+            slots = jax.random.randint(key_s, (len(counts), TOPK), 0, pages * PAGE_SIZE, jnp.int32)
             slots = jnp.where(jnp.arange(TOPK) < counts[:, None], slots, -1)
             kernel = jax.jit(functools.partial(sparse_mla.sparse_mla_decode, sm_scale=SM_SCALE,
                                                num_splits=num_splits, backend=backend))
@@ -128,7 +138,7 @@ def check_correctness(cache_bf16) -> list[dict]:
                 out, lse = kernel(q, cache, slots, counts)
             except Exception as error:  # report a compile failure and go on to the next case
                 log(f"check {backend} H={heads} splits={num_splits}: FAILED {str(error)[:300]}")
-                results.append(dict(dtype=jnp.dtype(dtype).name, backend=backend, heads=heads, num_splits=num_splits,
+                results.append(dict(dtype=cache_name, backend=backend, heads=heads, num_splits=num_splits,
                                     ok=False))
                 continue
             with jax.default_matmul_precision("highest"):
@@ -141,9 +151,9 @@ def check_correctness(cache_bf16) -> list[dict]:
             has_nan = bool(jnp.isnan(out).any() | jnp.isnan(lse).any())
             tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
             ok = rel < tol and lse_err < 1e-3 and is_empty_ok and not has_nan
-            results.append(dict(dtype=jnp.dtype(dtype).name, backend=backend, heads=heads, num_splits=num_splits,
+            results.append(dict(dtype=cache_name, backend=backend, heads=heads, num_splits=num_splits,
                                 rel_err=rel, lse_max_abs_err=lse_err, empty_rows_ok=is_empty_ok, nan=has_nan, ok=ok))
-            log(f"check {jnp.dtype(dtype).name:8s} {backend:6s} H={heads:3d} splits={num_splits!s:4s} "
+            log(f"check {cache_name:8s} {backend:6s} H={heads:3d} splits={num_splits!s:4s} "
                 f"rel_err={rel:.2e} lse_err={lse_err:.2e} empty_ok={is_empty_ok} nan={has_nan} -> "
                 f"{'OK' if ok else 'FAIL'}")
     return results
@@ -158,10 +168,11 @@ def _run_sets(q, slots, counts, kv_cache, knobs):
 
 def time_kernel(cache, rows, heads, dcp, **knobs) -> dict:
     count = TOPK // dcp
-    set_bytes = rows * count * WIDTH * cache.dtype.itemsize
+    set_bytes = rows * count * token_bytes(cache)
+    q_dtype = jnp.bfloat16 if isinstance(cache, quant.Fp8LatentCache) else cache.dtype
     sets_per_call = SETS_PER_CALL_LARGE if set_bytes * SETS_PER_CALL_LARGE >= ROTATE_BYTES else SETS_PER_CALL_SMALL
     num_groups = max(1, min(MAX_GROUPS, math.ceil(ROTATE_BYTES / (set_bytes * sets_per_call))))
-    groups = [(*make_sets(100 + g, sets_per_call, rows, heads, count, cache.dtype), cache)
+    groups = [(*make_sets(100 + g, sets_per_call, rows, heads, count, q_dtype), cache)
               for g in range(num_groups)]
     run = functools.partial(_run_sets, knobs=tuple(sorted(knobs.items())))
     compile_start = time.perf_counter()
@@ -314,10 +325,15 @@ def main():
                 log(f"B={rows:2d} H={heads:3d} W={dcp} count={result['count']:4d} {result['us']:8.1f} us "
                     f"{result['tflops']:6.1f} TFLOP/s compile {result['compile_s']:.1f}s [{elapsed():.0f}s]")
     report["table"] = table
+    caches = dict(bf16=cache)
+    if any(VARIANTS[name].get("cache") == "fp8_latent" for name in variants):
+        caches["fp8_latent"] = quant.quantize_latent_cache(cache, value_dim=VALUE_DIM)
     compared = []
     for name in variants:
         for rows, heads, dcp in COMPARED_SHAPES:
-            result = dict(time_kernel(cache, rows, heads, dcp, **VARIANTS[name]), variant=name)
+            knobs = dict(VARIANTS[name])
+            variant_cache = caches[knobs.pop("cache", "bf16")]
+            result = dict(time_kernel(variant_cache, rows, heads, dcp, **knobs), variant=name)
             compared.append(result)
             log(f"{name} B={rows:2d} H={heads:3d} W={dcp} {result['us']:8.1f} us {result['tflops']:6.1f} TFLOP/s")
     report["variants"] = compared

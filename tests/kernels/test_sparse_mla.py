@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import reference, sparse_mla, sparse_mla_mosaic
+from pallas_kernels import quant, reference, sparse_mla, sparse_mla_mosaic
 
 # name -> (rows, heads, value_dim, rope_dim, slots, pages, page_size): tiny for the interpreter, real for the GPU.
 SHAPES = {
@@ -23,6 +23,7 @@ SHAPES = {
     "tiny_h8_padded": (2, 8, 64, 16, 40, 8, 16),
     "tiny_h48_padded": (2, 48, 64, 16, 40, 8, 16),
     "deepseek_tiny_s": (2, 16, 512, 64, 24, 4, 16),
+    "tiny_d128": (3, 16, 128, 16, 40, 8, 16),  # the smallest latent an fp8 latent cache takes (one scale tile)
     "deepseek": (4, 128, 512, 64, 2048, 512, 64),
 }
 # Relative Frobenius error of out, max abs error of lse. bf16 rounds the softmax weights before the value dot.
@@ -96,6 +97,49 @@ def test_matches_reference(shape_name, counts, num_splits, dtype):
                                             block_s=16, num_splits=num_splits)
     ref_out, ref_lse = _reference(q, kv_cache, slots, counts, sm_scale, value_dim)
     _check(out, lse, ref_out, ref_lse, counts, dtype)
+
+
+def _fp8_inputs(seed, shape, counts):
+    """bf16 queries and the f32 cache quantized to an Fp8LatentCache (the NaN rows stay NaN in every part)."""
+    q, kv_cache, slots, counts = _make_inputs(seed, shape, counts, jnp.float32)
+    return q.astype(jnp.bfloat16), quant.quantize_latent_cache(kv_cache, value_dim=shape[2]), slots, counts
+
+
+def _fp8_reference(q, cache, slots, counts, sm_scale, value_dim):
+    return _reference(q, quant.dequantize_latent_cache(cache), slots, counts, sm_scale, value_dim)
+
+
+@pytest.mark.parametrize(
+    ("shape_name", "counts", "num_splits"),
+    [
+        ("tiny_d128", [0, 1, 40], 1),
+        ("tiny_d128", [17, 33, 5], 3),
+        ("tiny_d128", [40, 0, 23], None),
+        ("deepseek_tiny_s", [24, 0], 2),   # four scale tiles
+        ("deepseek_tiny_s", [7, 24], 1),
+    ],
+)
+def test_fp8_latent_cache_matches_reference(shape_name, counts, num_splits):
+    shape = SHAPES[shape_name]
+    q, cache, slots, counts = _fp8_inputs(sum(counts), shape, counts)
+    out, lse = sparse_mla.sparse_mla_decode(q, cache, slots, counts, 0.3, value_dim=shape[2], block_s=16,
+                                            num_splits=num_splits)
+    ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.3, shape[2])
+    _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)  # out in bf16
+
+
+def test_fp8_latent_cache_rejects_bad_parts():
+    q, cache, slots, counts = _fp8_inputs(0, SHAPES["tiny_d128"], [1, 2, 3])
+    run = lambda cache, **knobs: sparse_mla.sparse_mla_decode(q, cache, slots, counts, 0.1, value_dim=128,
+                                                               **knobs)
+    with pytest.raises(ValueError, match="e4m3 latent, f32 scales, bf16 rope"):
+        run(cache._replace(scales=cache.scales.astype(jnp.bfloat16)))
+    with pytest.raises(ValueError, match="one scale per 128"):
+        run(cache._replace(scales=cache.scales[..., :0]))
+    with pytest.raises(ValueError, match="needs latent"):
+        run(cache._replace(rope=cache.rope[:2]))
+    with pytest.raises(ValueError, match="backend='mosaic' needs"):
+        run(cache, backend="mosaic")
 
 
 def test_counts_past_slots_act_as_slots():
@@ -207,4 +251,15 @@ def test_mosaic_matches_reference_on_gpu(heads, num_splits):
     out, lse = jax.jit(lambda *a: sparse_mla.sparse_mla_decode(*a, 0.1352, num_splits=num_splits,
                                                                backend="mosaic"))(q, kv_cache, slots, counts)
     ref_out, ref_lse = _reference(q, kv_cache, slots, counts, 0.1352, 512)
+    _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 4, None])
+def test_fp8_latent_cache_on_gpu(num_splits):
+    shape = SHAPES["deepseek"]
+    q, cache, slots, counts = _fp8_inputs(4, shape, [2048, 0, 1, 700])
+    out, lse = jax.jit(lambda *a: sparse_mla.sparse_mla_decode(*a, 0.1352, num_splits=num_splits))(
+        q, cache, slots, counts)
+    ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.1352, 512)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
