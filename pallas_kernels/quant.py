@@ -17,7 +17,7 @@ Formulas (Di = index head dim, a power of two):
   passes the same `w` with the unquantized q and k.
 - Latent cache (FlashMLA's fp8 sparse-decode format, 656 B/token at D = 512, E = 64): per token, the latent's D
   values in e4m3 with one ue8m0 scale per 128 columns (4 f32), and the roped key's E values in bf16, kept as
-  three arrays. An e4m3 value times a power of two is exact in bf16, so the kernel dequantizes exactly.
+  three arrays. An e4m3 value times a power of two is exact in bf16, so dequantizing loses nothing.
 """
 
 from __future__ import annotations
