@@ -2,7 +2,7 @@
 
 Runs the demo's continuous-batching schedule at every DCP size the devices allow, with the Pallas kernels
 and with the references, against the single-device unsharded computation; prints one row per run.
-Usage: PYTHONPATH=. python3 bench/gpu_check_decode.py [--model tiny-indexer --index-cache fp8]
+Usage: PYTHONPATH=. python3 bench/gpu_check_decode.py [--model tiny-indexer --index-cache fp8 --latent-cache fp8]
 """
 
 import argparse
@@ -12,7 +12,8 @@ import warnings
 
 import jax
 
-from dcp_jax.config import INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, TINY, EngineConfig, ParallelConfig
+from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP, TINY,
+                            EngineConfig, ParallelConfig)
 from dcp_jax.demo import run_comparison, staggered_schedule
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -30,17 +31,21 @@ def main():
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact",
                         help=INDEX_CACHE_HELP + "; both sides of the comparison use it")
+    parser.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact",
+                        help=LATENT_CACHE_HELP + "; both sides use it (the fp8 kernel's bf16 rounding can change "
+                             "a later layer's top-k, so pallas rows may differ more than reference rows)")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
                         help="tiny-indexer: DeepSeek's indexer shape and pages of 64 (the Mosaic indexer with fp8)")
     args = parser.parse_args()
     jax.config.update("jax_default_matmul_precision", "highest")
     cfg, page_size = MODELS[args.model]
     engine = EngineConfig(page_size=page_size, num_pages=64, max_num_seqs=args.max_seqs,
-                          max_model_len=args.steps + 16, index_cache=args.index_cache)
+                          max_model_len=args.steps + 16, index_cache=args.index_cache,
+                          latent_cache=args.latent_cache)
     schedule = staggered_schedule(args.max_seqs, args.steps, seed=0)
     devices = len(jax.devices())
     print(f"backend {jax.default_backend()}, {devices} x {jax.devices()[0].device_kind}, model {args.model}, "
-          f"{args.index_cache} index cache")
+          f"{args.index_cache} index cache, {args.latent_cache} latent cache")
     print(f"{'kernels':>10} {'dcp':>4} {'interleave':>10} {'buckets':>8} {'max ctx':>8} {'step ms':>8} {'max |err|':>10} {'wall s':>7}")
     for dcp in [int(d) for d in args.dcp.split(",") if int(d) <= devices]:
         for interleave in [int(s) for s in args.interleave.split(",")]:

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from dcp_jax.attention.kernels import KERNEL_CHOICES
-from dcp_jax.config import INDEX_CACHE_FORMATS, INDEX_CACHE_HELP
+from dcp_jax.config import INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP
 from dcp_jax.loading import use_cpu_devices
 
 
@@ -65,13 +65,14 @@ def generate(args: argparse.Namespace) -> int:
                                 top_k=args.top_k, seed=args.seed, stop=args.stop)
         llm = LLM(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, max_model_len=args.max_model_len,
                   page_size=args.page_size, kernels=args.kernels, max_num_seqs=max(len(args.prompt), 1),
-                  num_layers=args.num_layers, index_cache=args.index_cache)
+                  num_layers=args.num_layers, index_cache=args.index_cache, latent_cache=args.latent_cache)
         outputs = llm.generate(args.prompt, params, use_tqdm=True)
     except ValueError as e:
         print(f"dcp-jax generate: {e}", file=sys.stderr)
         return 2
     print(f"model {args.model}: {llm.cfg.num_hidden_layers} layers, tp={tp} dcp={args.dcp} "
-          f"interleave={args.interleave}, {args.index_cache} index cache, backend {llm.backend}")
+          f"interleave={args.interleave}, {args.index_cache} index cache, {args.latent_cache} latent cache, "
+          f"backend {llm.backend}")
     for out in outputs:
         print(f"--- prompt: {out.prompt!r}\n{out.text!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
     return 0
@@ -97,6 +98,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                    help="auto: the Pallas kernels on a GPU, the references elsewhere")
     s.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
+    s.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
     s.add_argument("--seed", type=int, default=0, help="weights seed of a preset; default sampling seed")
     s.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache")
     s.add_argument("--no-prompt-logprobs", action="store_true", help="skip the all-logits prefill programs")
@@ -116,7 +118,7 @@ def serve(args: argparse.Namespace) -> int:
         engine = Engine(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, page_size=args.page_size,
                         num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         bucket_ladder=tuple(args.buckets), kernels=args.kernels, seed=args.seed,
-                        num_layers=args.num_layers, index_cache=args.index_cache,
+                        num_layers=args.num_layers, index_cache=args.index_cache, latent_cache=args.latent_cache,
                         prompt_logprobs=not args.no_prompt_logprobs,
                         compilation_cache_dir=args.compilation_cache_dir)
         server = OpenAIServer(engine, host=args.host, port=args.port, api_key=args.api_key,
@@ -126,7 +128,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     print(f"dcp-jax serve: model {server.model_name} ({engine.cfg.num_hidden_layers} layers), tp={tp} dcp={args.dcp} "
           f"interleave={args.interleave}, buckets {engine.config.buckets}, {engine.num_pages} KV pages "
-          f"({args.index_cache} index cache), backend {engine.backend}", flush=True)
+          f"({args.index_cache} index cache, {args.latent_cache} latent cache), backend {engine.backend}", flush=True)
     print(f"dcp-jax serve: listening on {server.url}", flush=True)
     try:
         server.serve_forever()
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
     g.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
+    g.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
     g.set_defaults(run=generate)
     s = commands.add_parser("serve", help="OpenAI-compatible server (default: the embedded tiny model)")
     add_serve_arguments(s)

@@ -129,7 +129,7 @@ def _has_no_default(cls, name: str) -> bool:
 
 
 # The embedded default: tiny, random, runs on simulated CPU devices in seconds. Eight index heads keep
-# exact score ties rare (see the oracle notes).
+# exact score ties rare (see the oracle notes). A 128-column latent is one tile of the fp8 latent cache.
 TINY = ModelConfig(
     vocab_size=512,
     hidden_size=256,
@@ -139,7 +139,7 @@ TINY = ModelConfig(
     first_k_dense_replace=1,
     num_attention_heads=8,
     q_lora_rank=64,
-    kv_lora_rank=64,
+    kv_lora_rank=128,
     qk_nope_head_dim=32,
     qk_rope_head_dim=16,
     v_head_dim=32,
@@ -253,10 +253,23 @@ def check_index_cache(index_cache: str) -> None:
         raise ValueError(f"index_cache={index_cache!r} must be one of {INDEX_CACHE_FORMATS}")
 
 
+# Formats of the MLA latent cache. exact: the model dtype, as HF. fp8: FlashMLA's 656 B/token format (e4m3 latent
+# with a power-of-two f32 scale per 128 columns, bf16 roped key); attention reads its dequantized values.
+LATENT_CACHE_FORMATS = ("exact", "fp8")
+LATENT_CACHE_HELP = ("MLA latent cache: exact (model dtype) or fp8 (e4m3 latent + an f32 scale per 128 columns, "
+                     "bf16 rope; kv_lora_rank a multiple of 128)")
+
+
+def check_latent_cache(latent_cache: str) -> None:
+    """Refuse an unknown latent-cache format."""
+    if latent_cache not in LATENT_CACHE_FORMATS:
+        raise ValueError(f"latent_cache={latent_cache!r} must be one of {LATENT_CACHE_FORMATS}")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Paged KV pool (page size, page count, index cache format) and the decode bucket ladder (batch widths, each
-    one compiled program)."""
+    """Paged KV pool (page size, page count, index and latent cache formats) and the decode bucket ladder (batch
+    widths, each one compiled program)."""
 
     page_size: int = 16
     num_pages: int = 64
@@ -264,11 +277,13 @@ class EngineConfig:
     max_model_len: int = 512
     bucket_ladder: tuple[int, ...] = DEFAULT_BUCKETS
     index_cache: str = "exact"
+    latent_cache: str = "exact"
 
     def __post_init__(self):
         if self.page_size < 1 or self.num_pages < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
             raise ValueError(f"page_size, num_pages, max_num_seqs, max_model_len must be >= 1: {self}")
         check_index_cache(self.index_cache)
+        check_latent_cache(self.latent_cache)
         ladder = self.bucket_ladder
         if not ladder or any(b < 1 for b in ladder) or list(ladder) != sorted(set(ladder)):
             raise ValueError(f"bucket_ladder must be strictly increasing positive ints, got {ladder}")

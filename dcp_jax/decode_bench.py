@@ -2,8 +2,8 @@
 
 For every DCP size W (TP = W, one DCP group) x kernels ('pallas' / 'reference') x batch bucket B x context L it
 builds the real decode step of `model_step.decode_body` (random weights of a preset, KV pools filled with random
-latents and index keys in the grid's index cache format, host-built metadata), compiles each bucket once, and
-times it after warm-up inside `jax.no_tracing()` with a compile counter: step latency, pipelined steps and the
+latents and index keys in the grid's latent and index cache formats, host-built metadata), compiles each bucket
+once, and times it after warm-up inside `jax.no_tracing()` with a compile counter: step latency, pipelined steps and the
 program alone (`time_steps`). Beside it, same pool and same metadata:
 - `fallback`: the same step with the local lengths re-derived on device from the global ones
   (`pallas_kernels.reference.local_context_lens_on_device`) - the failure mode the design forbids;
@@ -36,12 +36,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dcp_jax.attention import decode, index_format
+from dcp_jax.attention import decode, index_format, latent_format
 from dcp_jax.attention.decode import DcpLayout
 from dcp_jax.attention.index_format import Fp8IndexKeys
 from dcp_jax.attention.kernels import select_kernels
-from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, EngineConfig, ModelConfig, ParallelConfig,
-                            check_index_cache, preset)
+from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP,
+                            EngineConfig, ModelConfig, ParallelConfig, check_index_cache, check_latent_cache, preset)
 from dcp_jax.decode_bench_results import STAGES, report
 from dcp_jax.kv_cache import KVCache, allocate_kv_cache, from_layers, kv_bytes_per_rank
 from dcp_jax.layout import virtual_blocks
@@ -53,6 +53,7 @@ from dcp_jax.model_step import decode_body
 from dcp_jax.rope import cos_sin, rope_tables
 from dcp_jax.step import DecodeStep, shard_decode_body
 from pallas_kernels import quant
+from pallas_kernels.quant import Fp8LatentCache
 from pallas_kernels.reference import local_context_lens_on_device
 
 # A truncated layer adds this times the per-row mean of its dangling outputs to the residual stream, so XLA cannot
@@ -173,12 +174,14 @@ class Grid:
     interleave: int = 1
     dtype: str = "bfloat16"
     index_cache: str = "exact"
+    latent_cache: str = "exact"
     fallback: bool = True
     device_memory_gb: float | None = None
     seed: int = 0
 
     def __post_init__(self):
         check_index_cache(self.index_cache)
+        check_latent_cache(self.latent_cache)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -189,7 +192,8 @@ class Grid:
         blocks = int(virtual_blocks(max_len, dcp, self.page_size))
         return EngineConfig(page_size=self.page_size, num_pages=max(self.batches) * blocks,
                             max_num_seqs=max(self.batches), max_model_len=max_len,
-                            bucket_ladder=tuple(sorted(set(self.batches))), index_cache=self.index_cache)
+                            bucket_ladder=tuple(sorted(set(self.batches))), index_cache=self.index_cache,
+                            latent_cache=self.latent_cache)
 
     def variants(self, batch: int) -> tuple[str, ...]:
         out = ("host",) + (("fallback",) if self.fallback else ())
@@ -230,9 +234,13 @@ def hlo_op_counts(hlo_text: str) -> Counter:
 
 
 def _normal_like(pool, key):
-    """N(0, 1) entries of pool's shape; fp8 index keys hold N(0, 1) keys as the decode step writes them."""
+    """N(0, 1) entries of pool's shape; fp8 index keys and latents hold N(0, 1) values as the decode step writes
+    them."""
     if isinstance(pool, Fp8IndexKeys):
         return Fp8IndexKeys(*quant.quantize_index_keys(jax.random.normal(key, pool.keys.shape)))
+    if isinstance(pool, Fp8LatentCache):
+        shape = (*pool.latent.shape[:-1], pool.latent.shape[-1] + pool.rope.shape[-1])
+        return quant.quantize_latent_cache(jax.random.normal(key, shape), value_dim=pool.latent.shape[-1])
     return jax.random.normal(key, pool.shape, pool.dtype)
 
 
@@ -244,7 +252,7 @@ def fill_random(cache: KVCache, key) -> KVCache:
         return jax.jit(_normal_like, donate_argnums=0,
                        out_shardings=jax.tree.map(lambda a: a.sharding, pool))(pool, k)
 
-    pools, treedef = jax.tree.flatten(cache, is_leaf=lambda x: isinstance(x, Fp8IndexKeys))
+    pools, treedef = jax.tree.flatten(cache, is_leaf=lambda x: isinstance(x, (Fp8IndexKeys, Fp8LatentCache)))
     keys = jax.random.split(key, len(pools))
     return jax.tree.unflatten(treedef, [fill(pool, k) for pool, k in zip(pools, keys)])
 
@@ -256,13 +264,14 @@ def block_tables_for(batch: int, context: int, *, dcp: int, page_size: int, max_
 
 
 def kv_bytes_used(cfg: ModelConfig, *, batch: int, context: int, dcp: int, page_size: int, itemsize: int,
-                  index_cache: str):
+                  index_cache: str, latent_cache: str):
     """(latent, index-K) bytes of one rank's pages holding `batch` rows of `context` tokens (whole pages), the
-    index keys in format `index_cache`."""
+    index keys in format `index_cache`, the latents in format `latent_cache`."""
     tokens = batch * int(virtual_blocks(context, dcp, page_size)) * page_size
     layers = cfg.num_hidden_layers
     index_bytes = index_format.bytes_per_token(index_cache, cfg.index_head_dim, itemsize)
-    return tokens * layers * cfg.latent_dim * itemsize, tokens * layers * index_bytes
+    latent_bytes = latent_format.bytes_per_token(latent_cache, cfg, itemsize)
+    return tokens * layers * latent_bytes, tokens * layers * index_bytes
 
 
 def device_memory(grid: Grid) -> tuple[int, str]:
@@ -276,11 +285,13 @@ def device_memory(grid: Grid) -> tuple[int, str]:
 
 
 def max_tokens(cfg: ModelConfig, *, dcp: int, memory: int, weights: int, workspace: int, itemsize: int,
-               index_cache: str) -> int:
+               index_cache: str, latent_cache: str) -> int:
     """Global KV tokens (summed over rows) that fit: each rank keeps 1/W of them, beside its weights and the
-    step's workspace (the compiled program's temp bytes); index keys in format `index_cache`."""
+    step's workspace (the compiled program's temp bytes); index keys in format `index_cache`, latents in format
+    `latent_cache`."""
     index_bytes = index_format.bytes_per_token(index_cache, cfg.index_head_dim, itemsize)
-    per_token = cfg.num_hidden_layers * (cfg.latent_dim * itemsize + index_bytes)
+    latent_bytes = latent_format.bytes_per_token(latent_cache, cfg, itemsize)
+    per_token = cfg.num_hidden_layers * (latent_bytes + index_bytes)
     return max(0, (memory - weights - workspace) * dcp // per_token)
 
 
@@ -441,7 +452,8 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
         kv_cache = fresh_pool()
         pool = kv_bytes_per_rank(kv_cache)
         common = dict(preset=grid.preset, layers=cfg.num_hidden_layers, dtype=grid.dtype,
-                      index_cache=grid.index_cache, dcp=w, page_size=grid.page_size, interleave=grid.interleave)
+                      index_cache=grid.index_cache, latent_cache=grid.latent_cache, dcp=w, page_size=grid.page_size,
+                      interleave=grid.interleave)
         items = work_items(grid)
         compiled = compile_programs(items, step_of, params, kv_cache, workers=compile_workers, on_point=on_point)
         for batch, kernels_name, variant in items:
@@ -455,7 +467,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                 yield dict(key, kind="error", stage="compile", error=f"{type(result).__name__}: {result}"[:2000])
                 continue
             step, lower_s, compile_s = result
-            if kv_cache.latent[0].is_deleted():  # a failed call consumed the donated pool
+            if jax.tree.leaves(kv_cache.latent[0])[0].is_deleted():  # a failed call consumed the donated pool
                 kv_cache = fresh_pool()
             row = dict(key, kind="program", lower_s=lower_s, compile_s=compile_s, compile_workers=compile_workers,
                        weights_bytes_per_rank=weights_per_rank, pool_bytes_per_rank=pool,
@@ -464,7 +476,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                 row |= _program_analysis(step, params, kv_cache, batch, step.compile(params, kv_cache, batch))
                 total = max_tokens(cfg, dcp=w, memory=memory, weights=weights_per_rank,
                                    workspace=row["temp_bytes"] or 0, itemsize=dtype.itemsize,
-                                   index_cache=grid.index_cache)
+                                   index_cache=grid.index_cache, latent_cache=grid.latent_cache)
                 row |= dict(max_total_tokens=total, max_context=total // batch)
             yield row
             if budget_s is not None and time.perf_counter() - start > budget_s:
@@ -483,7 +495,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                                                interleave=grid.interleave, page_size=grid.page_size,
                                                max_blocks=max_blocks)
                     tokens = rng.integers(0, cfg.vocab_size, batch).astype(np.int32)
-                    if kv_cache.latent[0].is_deleted():
+                    if jax.tree.leaves(kv_cache.latent[0])[0].is_deleted():
                         kv_cache = fresh_pool()
                     times, pipelined, device, compiles, kv_cache = time_steps(step, params, kv_cache, tokens, md,
                                                                       steps=grid.steps, warmup=grid.warmup)
@@ -494,7 +506,8 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                 median = statistics.median(ordered)
                 latent_bytes, index_bytes = kv_bytes_used(cfg, batch=batch, context=context, dcp=w,
                                                           page_size=grid.page_size, itemsize=dtype.itemsize,
-                                                          index_cache=grid.index_cache)
+                                                          index_cache=grid.index_cache,
+                                                          latent_cache=grid.latent_cache)
                 yield dict(point, kind="point", steps=len(times), median_ms=1e3 * median,
                            p10_ms=1e3 * _percentile(ordered, 10), p90_ms=1e3 * _percentile(ordered, 90),
                            min_ms=1e3 * ordered[0], max_ms=1e3 * ordered[-1], pipelined_ms=1e3 * pipelined,
@@ -561,6 +574,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interleave", type=int, default=d.interleave)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=d.dtype, help="weights and KV cache")
     parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default=d.index_cache, help=INDEX_CACHE_HELP)
+    parser.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default=d.latent_cache,
+                        help=LATENT_CACHE_HELP)
     parser.add_argument("--device-memory-gb", type=float, default=None,
                         help="device memory for the capacity column (default: memory_stats, else 139 GiB)")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -581,7 +596,7 @@ def grid_from_args(args: argparse.Namespace) -> Grid:
     return Grid(preset=args.preset, num_layers=args.num_layers or None, dcp_sizes=args.dcp, contexts=args.contexts,
                 batches=args.batches, kernels=args.kernels, breakdown_batches=args.breakdown_batches,
                 steps=args.steps, warmup=args.warmup, page_size=args.page_size, interleave=args.interleave,
-                dtype=args.dtype, index_cache=args.index_cache, fallback=args.fallback,
+                dtype=args.dtype, index_cache=args.index_cache, latent_cache=args.latent_cache, fallback=args.fallback,
                 device_memory_gb=args.device_memory_gb, seed=args.seed)
 
 
@@ -600,6 +615,11 @@ def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     grid = grid_from_args(args)
     cfg = grid.cfg  # validates the preset and layer count
+    try:
+        latent_format.check_model(grid.latent_cache, cfg)
+    except ValueError as e:
+        echo(f"bench decode: {e}")
+        return 2
     for c in grid.contexts:
         if c > cfg.max_position_embeddings:
             echo(f"bench decode: context {c} exceeds {grid.preset}'s max_position_embeddings "
@@ -609,7 +629,8 @@ def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None)
     info = run_info(grid)
     memory, memory_source = device_memory(grid)
     echo(f"{info['num_devices']} x {info['device']} ({info['backend']}), commit {info['commit']}, {grid.preset} "
-         f"{cfg.num_hidden_layers} layers {grid.dtype}, {grid.index_cache} index cache, dcp {sizes}, kernels "
+         f"{cfg.num_hidden_layers} layers {grid.dtype}, {grid.index_cache} index cache, {grid.latent_cache} latent "
+         f"cache, dcp {sizes}, kernels "
          f"{list(grid.kernels)}, device memory "
          f"{memory / 2**30:.1f} GiB ({memory_source})")
     for note in notes:

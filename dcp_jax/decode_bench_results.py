@@ -204,11 +204,12 @@ def plot(rows: list[dict], img_dir: str) -> list[str]:
 
 def report(rows: list[dict], *, img_dir: str, echo: Callable[[str], None]) -> int:
     """Plots, the markdown tables and the target checks of `rows` (one run, or several merged with
-    --report); returns the exit code: 1 when a target is not met, 2 for runs of different index-cache formats
-    (their rows share keys, so one would hide the other)."""
-    formats = {r.get("index_cache", "exact") for r in rows if r["kind"] in ("point", "program")}
+    --report); returns the exit code: 1 when a target is not met, 2 for runs of different index- or latent-cache
+    formats (their rows share keys, so one would hide the other)."""
+    formats = {(r.get("index_cache", "exact"), r.get("latent_cache", "exact"))
+               for r in rows if r["kind"] in ("point", "program")}
     if len(formats) > 1:
-        echo(f"error: these rows mix index-cache formats {sorted(formats)}; report each format separately")
+        echo(f"error: these rows mix (index, latent) cache formats {sorted(formats)}; report each format separately")
         return 2
     for info in (r for r in rows if r["kind"] == "run"):
         echo(f"run {info['date']}: {info['num_devices']} x {info['device']}, commit {info['commit']}, "

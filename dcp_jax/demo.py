@@ -70,8 +70,8 @@ def run_comparison(
     kernels: str = "reference",
     params=None,
 ) -> Report:
-    """Run `schedule` through the DCP step and the unsharded twin (both with index keys in `engine.index_cache`'s
-    format); return the worst output difference."""
+    """Run `schedule` through the DCP step and the unsharded twin (both with latents and index keys in
+    `engine.latent_cache`'s and `engine.index_cache`'s formats); return the worst output difference."""
     mesh = make_mesh(parallel)
     params = init_stack_params(cfg, jax.random.key(seed)) if params is None else params
     step = make_stack_step(cfg, parallel, engine, mesh, select_kernels(kernels))
@@ -81,7 +81,7 @@ def run_comparison(
         step.compile(params, kv_cache, rows)
 
     num_requests = len(schedule.start)
-    history = empty_history(cfg, num_requests, engine.max_model_len, engine.index_cache)
+    history = empty_history(cfg, num_requests, engine.max_model_len, engine.index_cache, engine.latent_cache)
     allocator = PageAllocator(engine.num_pages)
     tables: list[list[int]] = [[] for _ in range(num_requests)]
     lens = np.zeros(num_requests, np.int64)

@@ -128,13 +128,16 @@ class Engine:
     prompt_logprobs: also compile the all-positions prefill, so requests may ask for prompt logprobs (echo).
     index_cache: the indexer key cache, "exact" (model dtype, HF's math) or "fp8" (e4m3 keys and an f32 scale per
     token, scored with fp8 queries).
+    latent_cache: the MLA latent cache, "exact" (model dtype) or "fp8" (656 B/token at DeepSeek's sizes: e4m3
+    latent with an f32 scale per 128 columns, bf16 rope; attention reads the dequantized values).
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
                  page_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8, max_model_len: int = 512,
                  bucket_ladder: Sequence[int] = DEFAULT_BUCKETS, max_prefills_per_step: int = 4,
                  kernels: str = "auto", seed: int = 0, num_layers: int | None = None, index_cache: str = "exact",
-                 prompt_logprobs: bool = True, compilation_cache_dir: str | None = None, progress: bool = True):
+                 latent_cache: str = "exact", prompt_logprobs: bool = True, compilation_cache_dir: str | None = None,
+                 progress: bool = True):
         import jax
 
         if compilation_cache_dir:
@@ -143,7 +146,8 @@ class Engine:
         _count_compiles()
         loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len, bucket_ladder=bucket_ladder,
-                            kernels=kernels, seed=seed, num_layers=num_layers, index_cache=index_cache)
+                            kernels=kernels, seed=seed, num_layers=num_layers, index_cache=index_cache,
+                            latent_cache=latent_cache)
         self.config, self.model_name = loaded.engine, loaded.name
         self.cfg, self.parallel, self.seed = loaded.cfg, loaded.parallel, seed
         self.has_prompt_logprobs = prompt_logprobs

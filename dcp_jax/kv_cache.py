@@ -1,5 +1,5 @@
-"""Device KV pools: the MLA latent cache and the indexer key cache (in `EngineConfig.index_cache`'s format), split
-along tokens over "dcp"."""
+"""Device KV pools: the MLA latent cache and the indexer key cache (in `EngineConfig.latent_cache`'s and
+`EngineConfig.index_cache`'s formats), split along tokens over "dcp"."""
 
 from __future__ import annotations
 
@@ -9,39 +9,42 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from dcp_jax.attention import index_format
+from dcp_jax.attention import index_format, latent_format
 from dcp_jax.attention.index_format import Fp8IndexKeys
 from dcp_jax.config import EngineConfig, ModelConfig
 from dcp_jax.mesh import DCP, sharding
+from pallas_kernels.quant import Fp8LatentCache
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     # One buffer per layer, so each decode step scatters into (and donates) it in place, never restacking the
-    # pool. latent[l] [W, pages, B, C+E]: rank w's latent pool (normed latent c, then roped k_pe).
-    latent: tuple[jax.Array, ...]
+    # pool. latent[l] [W, pages, B, C+E]: rank w's latent pool (normed latent c, then roped k_pe); in the fp8
+    # format `Fp8LatentCache` of [W, pages, B, C] e4m3, [W, pages, B, C/128] f32 scales and [W, pages, B, E] bf16.
+    latent: tuple[jax.Array | Fp8LatentCache, ...]
     # index_k[l] [W, pages, B, J]: rank w's indexer key pool; in the fp8 format `Fp8IndexKeys` of [W, pages, B, J]
     # e4m3 keys and [W, pages, B] f32 scales.
     index_k: tuple[jax.Array | Fp8IndexKeys, ...]
 
     @property
     def num_pages(self) -> int:
-        return self.latent[0].shape[1]
+        return latent_format.leading_shape(self.latent[0])[1]
 
     @property
     def page_size(self) -> int:
-        return self.latent[0].shape[2]
+        return latent_format.leading_shape(self.latent[0])[2]
 
     def layer(self, i: int):
-        """Per rank (inside shard_map, W = 1 local shard): layer i's (latent [pages, B, C+E], index_k [pages, B, J]
-        or its fp8 form)."""
-        return self.latent[i][0], jax.tree.map(lambda a: a[0], self.index_k[i])
+        """Per rank (inside shard_map, W = 1 local shard): layer i's (latent [pages, B, C+E], index_k [pages, B, J],
+        each or its fp8 form)."""
+        return jax.tree.map(lambda a: a[0], self.latent[i]), jax.tree.map(lambda a: a[0], self.index_k[i])
 
 
 def from_layers(layers) -> KVCache:
-    """Per rank: KVCache from per-layer (latent [pages, B, C+E], index_k [pages, B, J] or its fp8 form) pairs."""
-    return KVCache(latent=tuple(lat[None] for lat, _ in layers),
+    """Per rank: KVCache from per-layer (latent [pages, B, C+E], index_k [pages, B, J], each or its fp8 form)
+    pairs."""
+    return KVCache(latent=tuple(jax.tree.map(lambda a: a[None], lat) for lat, _ in layers),
                    index_k=tuple(jax.tree.map(lambda a: a[None], idx) for _, idx in layers))
 
 
@@ -50,11 +53,13 @@ KV_CACHE_SPECS = KVCache(latent=P(DCP), index_k=P(DCP))
 
 
 def allocate_kv_cache(cfg: ModelConfig, engine: EngineConfig, dcp: int, mesh: Mesh, dtype=jnp.float32) -> KVCache:
-    """Zero-filled pools (latents of `dtype`, index keys in `engine.index_cache`'s format), created directly in
-    their sharded placement."""
+    """Zero-filled pools (latents in `engine.latent_cache`'s format, index keys in `engine.index_cache`'s; 'exact'
+    ones of `dtype`), created directly in their sharded placement."""
+    latent_format.check_model(engine.latent_cache, cfg)
     pool = (dcp, engine.num_pages, engine.page_size)
     placed = sharding(mesh, P(DCP))
-    new_latent = jax.jit(lambda: jnp.zeros(pool + (cfg.latent_dim,), dtype), out_shardings=placed)
+    new_latent = jax.jit(lambda: latent_format.zeros(pool + (cfg.latent_dim,), engine.latent_cache, dtype,
+                                                     value_dim=cfg.kv_lora_rank), out_shardings=placed)
     new_index_k = jax.jit(lambda: index_format.zeros(pool + (cfg.index_head_dim,), engine.index_cache, dtype),
                           out_shardings=placed)
     layers = range(cfg.num_hidden_layers)

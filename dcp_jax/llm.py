@@ -45,14 +45,17 @@ class LLM:
     model: a preset name (`tiny`, `deepseek-v3.2`, `glm-5`; random weights) or a HF checkpoint directory.
     index_cache: the indexer key cache, "exact" (model dtype, HF's math) or "fp8" (e4m3 keys and an f32 scale per
     token, scored with fp8 queries).
+    latent_cache: the MLA latent cache, "exact" (model dtype) or "fp8" (656 B/token at DeepSeek's sizes: e4m3
+    latent with an f32 scale per 128 columns, bf16 rope; attention reads the dequantized values).
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
                  max_num_seqs: int = 8, max_model_len: int = 512, page_size: int = 16, num_pages: int | None = None,
-                 kernels: str = "auto", seed: int = 0, num_layers: int | None = None, index_cache: str = "exact"):
+                 kernels: str = "auto", seed: int = 0, num_layers: int | None = None, index_cache: str = "exact",
+                 latent_cache: str = "exact"):
         loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len, kernels=kernels, seed=seed,
-                            num_layers=num_layers, index_cache=index_cache)
+                            num_layers=num_layers, index_cache=index_cache, latent_cache=latent_cache)
         self.cfg, self.parallel, self.engine, self.seed = loaded.cfg, loaded.parallel, loaded.engine, seed
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
         self.runner.compile_decode()

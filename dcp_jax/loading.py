@@ -37,10 +37,11 @@ class LoadedModel:
 def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
                page_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8, max_model_len: int = 512,
                bucket_ladder: Sequence[int] = DEFAULT_BUCKETS, kernels: str = "auto", seed: int = 0,
-               num_layers: int | None = None, index_cache: str = "exact") -> LoadedModel:
+               num_layers: int | None = None, index_cache: str = "exact", latent_cache: str = "exact") -> LoadedModel:
     """Validate the arguments, then load weights (an HF directory) or draw random ones (a preset), placed on a
     (tp/dcp, dcp) mesh; on CPU `tp` simulated devices are used. The pool defaults to max_num_seqs full-length
-    requests, its index keys in format `index_cache` (`config.INDEX_CACHE_FORMATS`). `num_layers` keeps only the
+    requests, its index keys in format `index_cache` (`config.INDEX_CACHE_FORMATS`) and its latents in format
+    `latent_cache` (`config.LATENT_CACHE_FORMATS`). `num_layers` keeps only the
     first decoder layers (of a preset or of the checkpoint)."""
     parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave)
     check_layout(parallel.dcp, parallel.interleave, page_size)
@@ -57,10 +58,11 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     blocks = int(virtual_blocks(max_model_len, parallel.dcp, page_size))
     engine = EngineConfig(page_size=page_size, num_pages=num_pages or max_num_seqs * blocks,
                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, bucket_ladder=tuple(bucket_ladder),
-                          index_cache=index_cache)
+                          index_cache=index_cache, latent_cache=latent_cache)
     use_cpu_devices(parallel.tp)
     import jax
 
+    from dcp_jax.attention import latent_format
     from dcp_jax.attention.kernels import select_kernels
     from dcp_jax.mesh import make_mesh
     from dcp_jax.model import check_divisible, init_params
@@ -68,6 +70,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     from dcp_jax.weights import load_hf_params
 
     check_divisible(cfg, parallel.tp)
+    latent_format.check_model(latent_cache, cfg)
     kernel_set = select_kernels(kernels)
     mesh = make_mesh(parallel)
     params = load_hf_params(cfg, model, mesh) if is_dir else init_params(cfg, seed)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dcp_jax.attention import index_format, projections
+from dcp_jax.attention import index_format, latent_format, projections
 from dcp_jax.attention.decode import DcpLayout, sparse_dcp_attention, write_slots
 from dcp_jax.attention.kernels import Kernels
 from dcp_jax.attention.params import AttentionParams, init_attention_params, partition_specs
@@ -65,11 +65,12 @@ class Attention(nnx.Module):
 
     def prefill(self, x, cos_sin, kv_cache, index_cache, slots, *, query_chunk: int = PREFILL_QUERY_CHUNK):
         """Per rank: x [B, T, D] replicated (every prompt token), cos/sin [B, T, E/2], this rank's kv_cache
-        [pages, Bp, C+E] and index_cache [pages, Bp, J] (or its fp8 form, `index_format.py`), slots [B, T] (-1: not
-        owned or pad, no write).
+        [pages, Bp, C+E] and index_cache [pages, Bp, J] (or their fp8 forms, `latent_format.py`, `index_format.py`),
+        slots [B, T] (-1: not owned or pad, no write).
 
         HF's sparse rule per query s: keys t <= s, the top-min(K, s+1) by index score (with an fp8 index cache,
-        the scores of the fp8 queries and the fp8 keys it stores, as decode computes them). Queries run in chunks
+        the scores of the fp8 queries and the fp8 keys it stores, as decode computes them), attending over the
+        latents as the cache stores them (an fp8 cache's dequantized values). Queries run in chunks
         of `query_chunk` (one `lax.map` step each), so the index scores take O(B * chunk * T) memory and attention
         gathers each query's K selected latents, O(B * chunk * K); neither is O(T^2). Pad queries past a
         prompt's end compute garbage that nobody reads; a valid query never sees a later (pad) key.
@@ -86,12 +87,13 @@ class Attention(nnx.Module):
             index_q, weights = index_format.encode_queries(
                 projections.index_query(p, q_resid, cos, sin, cfg).reshape(b, t, cfg.index_n_heads, -1),
                 projections.index_weights(p, flat, cfg).reshape(b, t, -1), index_cache)
-            latent = projections.mla_latent(p, flat, cos, sin, cfg)
+            latent = latent_format.encode(projections.mla_latent(p, flat, cos, sin, cfg), kv_cache,
+                                          value_dim=cfg.kv_lora_rank)
             index_k = index_format.encode_keys(projections.index_key(p, flat, cos, sin, cfg), index_cache)
             kv_cache = write_slots(kv_cache, slots.reshape(-1), latent)
             index_cache = write_slots(index_cache, slots.reshape(-1), index_k)
             q = projections.absorb_query(p, q_nope, q_pe).reshape(b, t, -1, cfg.latent_dim)
-        latent = latent.reshape(b, t, cfg.latent_dim)
+        latent = latent_format.values(latent).reshape(b, t, cfg.latent_dim)  # as the cache stores them
         index_k = jax.tree.map(lambda a: a.reshape(b, t, *a.shape[1:]), index_k)
         chunk = min(query_chunk, t)
         num_chunks = -(-t // chunk)
@@ -132,8 +134,8 @@ class Attention(nnx.Module):
 
     def decode(self, x, cos_sin, kv_cache, index_cache, local_lens, slots, block_tables, *, layout: DcpLayout,
                kernels: Kernels):
-        """Per rank: the sparse DCP decode layer of `attention/decode.py` (x [R, D], kv_cache [pages, Bp, C+E],
-        index_cache [pages, Bp, J] or its fp8 form, local_lens / slots [R], block_tables [R, P]), also returning
+        """Per rank: the sparse DCP decode layer of `attention/decode.py` (x [R, D], kv_cache [pages, Bp, C+E]
+        and index_cache [pages, Bp, J] or their fp8 forms, local_lens / slots [R], block_tables [R, P]), also returning
         the global top-k ids. Returns (output [R, D] summed over TP ranks, kv_cache, index_cache, selected [R, K])."""
         return sparse_dcp_attention(self.params(), x, kv_cache, index_cache, cos_sin, local_lens, slots, block_tables,
                                     cfg=self.cfg, layout=layout, kernels=kernels)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from dcp_jax.attention import index_format
+from dcp_jax.attention import index_format, latent_format
 from dcp_jax.attention.decode import DcpLayout, sparse_dcp_attention
 from dcp_jax.attention.kernels import Kernels
 from dcp_jax.attention.params import AttentionParams, init_attention_params, partition_specs
@@ -24,6 +24,7 @@ from dcp_jax.kv_cache import KVCache, from_layers
 from dcp_jax.metadata import DecodeMetadata
 from dcp_jax.rope import cos_sin, rope_tables
 from dcp_jax.step import DecodeStep, shard_decode_body
+from pallas_kernels.quant import Fp8LatentCache
 
 
 @jax.tree_util.register_dataclass
@@ -96,18 +97,20 @@ def make_stack_step(
 @dataclasses.dataclass(frozen=True)
 class DenseHistory:
     """Unsharded per-row history of every layer: [layers, R, T, C+E] latents and [layers, R, T, J] keys (or
-    their fp8 form, `index_format.py`)."""
+    their fp8 forms, `latent_format.py`, `index_format.py`)."""
 
-    latents: jax.Array
+    latents: jax.Array | Fp8LatentCache
     index_keys: jax.Array | index_format.Fp8IndexKeys
 
 
-def empty_history(cfg: ModelConfig, rows: int, max_len: int, index_cache: str = "exact") -> DenseHistory:
-    """Zero f32 history, index keys in format `index_cache`."""
+def empty_history(cfg: ModelConfig, rows: int, max_len: int, index_cache: str = "exact",
+                  latent_cache: str = "exact") -> DenseHistory:
+    """Zero f32 history, index keys in format `index_cache`, latents in format `latent_cache`."""
+    latent_format.check_model(latent_cache, cfg)
+    history = (cfg.num_hidden_layers, rows, max_len)
     return DenseHistory(
-        latents=jnp.zeros((cfg.num_hidden_layers, rows, max_len, cfg.latent_dim)),
-        index_keys=index_format.zeros((cfg.num_hidden_layers, rows, max_len, cfg.index_head_dim), index_cache,
-                                      jnp.float32),
+        latents=latent_format.zeros(history + (cfg.latent_dim,), latent_cache, jnp.float32, value_dim=cfg.kv_lora_rank),
+        index_keys=index_format.zeros(history + (cfg.index_head_dim,), index_cache, jnp.float32),
     )
 
 
@@ -117,18 +120,27 @@ def decode_stack_unsharded(params, history: DenseHistory, hidden, positions, con
     Returns (hidden [R, D], history, selected positions [layers, R, K])."""
     rope = cos_sin(positions, *rope_tables(cfg))
     rows = jnp.arange(hidden.shape[0])
-    write = jnp.where(context_lens > 0, positions, history.latents.shape[2])  # out of range -> dropped
+    max_len = latent_format.leading_shape(history.latents)[2]
+    write = jnp.where(context_lens > 0, positions, max_len)  # out of range -> dropped
+
+    def write_row(history_leaf, new):
+        return history_leaf.at[rows, write].set(new.astype(history_leaf.dtype), mode="drop")
+
     latents, index_keys, selected = [], [], []
     for layer, lp in enumerate(params):
         x = rms_norm(hidden, lp.input_norm, cfg.rms_norm_eps)
-        lat = history.latents[layer].at[rows, write].set(mla_latent(lp.attention, x, *rope, cfg), mode="drop")
+        lat = jax.tree.map(lambda a: a[layer], history.latents)
+        new_lat = latent_format.encode(mla_latent(lp.attention, x, *rope, cfg), lat, value_dim=cfg.kv_lora_rank)
+        lat = jax.tree.map(write_row, lat, new_lat)
         keys = jax.tree.map(lambda a: a[layer], history.index_keys)
         new_keys = index_format.encode_keys(index_key(lp.attention, x, *rope, cfg), keys)
-        idx = jax.tree.map(lambda a, new: a.at[rows, write].set(new, mode="drop"), keys, new_keys)
-        attn, sel = sparse_attention_unsharded(lp.attention, x, lat, idx, rope, context_lens, cfg=cfg)
+        idx = jax.tree.map(write_row, keys, new_keys)
+        attn, sel = sparse_attention_unsharded(lp.attention, x, latent_format.values(lat), idx, rope, context_lens,
+                                               cfg=cfg)
         hidden = hidden + attn
         latents.append(lat)
         index_keys.append(idx)
         selected.append(sel)
-    history = DenseHistory(jnp.stack(latents), jax.tree.map(lambda *a: jnp.stack(a), *index_keys))
+    stack = functools.partial(jax.tree.map, lambda *a: jnp.stack(a))
+    history = DenseHistory(stack(*latents), stack(*index_keys))
     return hidden, history, jnp.stack(selected)

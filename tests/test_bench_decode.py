@@ -7,6 +7,7 @@ import io
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,6 +17,7 @@ from dcp_jax.kv_cache import allocate_kv_cache
 from dcp_jax.mesh import make_mesh
 from dcp_jax.metadata import build_decode_metadata
 from dcp_jax.model import abstract_model, init_params
+from pallas_kernels.quant import Fp8LatentCache
 
 STAGED = [f"through_{s}" for s in decode_bench_results.STAGES]
 # page 4, L = 64: 16 pages per row at DCP 1, 8 at DCP 2 (exactly half).
@@ -124,13 +126,33 @@ def test_fp8_index_cache_counts_index_head_dim_plus_4_bytes_a_token(smoke):
     assert rows[0]["grid"]["index_cache"] == "exact"
     assert {r["index_cache"] for r in rows if r["kind"] in ("program", "point")} == {"exact"}
     cfg = preset("tiny", num_layers=1)
-    used = {f: decode_bench.kv_bytes_used(cfg, batch=2, context=64, dcp=1, page_size=4, itemsize=2, index_cache=f)
-            for f in ("exact", "fp8")}
+    used = {f: decode_bench.kv_bytes_used(cfg, batch=2, context=64, dcp=1, page_size=4, itemsize=2, index_cache=f,
+                                          latent_cache="exact") for f in ("exact", "fp8")}
     assert used["fp8"] == (used["exact"][0], 2 * 64 * (cfg.index_head_dim + 4))
     capacity = {f: decode_bench.max_tokens(cfg, dcp=2, memory=2**30, weights=0, workspace=0, itemsize=2,
-                                           index_cache=f) for f in ("exact", "fp8")}
+                                           index_cache=f, latent_cache="exact") for f in ("exact", "fp8")}
     assert capacity["fp8"] == 2 * 2**30 // (cfg.latent_dim * 2 + cfg.index_head_dim + 4)
     assert capacity["exact"] == 2 * 2**30 // ((cfg.latent_dim + cfg.index_head_dim) * 2)
+
+
+def test_fp8_latent_cache_counts_its_bytes_and_fills_its_pool():
+    """Latent bytes of the fp8 format (C e4m3 + 4 per 128-column scale + 2 per rope value) in the usage and
+    capacity columns, and the random pool fill writes the format's own arrays."""
+    cfg = preset("tiny", num_layers=1)
+    latent_bytes = cfg.kv_lora_rank + 4 * (cfg.kv_lora_rank // 128) + 2 * cfg.qk_rope_head_dim
+    used = decode_bench.kv_bytes_used(cfg, batch=2, context=64, dcp=1, page_size=4, itemsize=2, index_cache="fp8",
+                                      latent_cache="fp8")
+    assert used == (2 * 64 * latent_bytes, 2 * 64 * (cfg.index_head_dim + 4))
+    capacity = decode_bench.max_tokens(cfg, dcp=2, memory=2**30, weights=0, workspace=0, itemsize=2,
+                                       index_cache="fp8", latent_cache="fp8")
+    assert capacity == 2 * 2**30 // (latent_bytes + cfg.index_head_dim + 4)
+    grid = decode_bench.Grid(preset="tiny", num_layers=1, contexts=(64,), batches=(2,), page_size=4,
+                             latent_cache="fp8", index_cache="fp8")
+    cache = allocate_kv_cache(cfg, grid.engine(1), 1, make_mesh(ParallelConfig(tp=1, dcp=1)))
+    filled = decode_bench.fill_random(cache, jax.random.key(0))
+    pool = filled.latent[0]
+    assert isinstance(pool, Fp8LatentCache) and pool.latent.dtype == jnp.float8_e4m3fn
+    assert np.all(np.asarray(pool.scales) > 0) and np.any(np.asarray(pool.rope) != 0)
 
 
 def test_failures_name_fallback_ops_recompiles_and_errors():
@@ -212,7 +234,7 @@ def test_report_refuses_mixed_index_cache_formats(smoke, tmp_path):
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         rc = cli.main(["bench", "decode", "--report", *map(str, paths), "--img-dir", "none"])
-    assert rc == 2 and "mix index-cache formats ['exact', 'fp8']" in stdout.getvalue()
+    assert rc == 2 and "mix (index, latent) cache formats [('exact', 'exact'), ('fp8', 'exact')]" in stdout.getvalue()
 
 
 def test_plots_are_written(smoke, tmp_path):

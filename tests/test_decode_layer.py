@@ -18,6 +18,7 @@ from dcp_jax.kv_cache import allocate_kv_cache
 from dcp_jax.mesh import make_mesh
 from dcp_jax.metadata import build_decode_metadata
 from dcp_jax.stack import decode_stack_unsharded, empty_history, init_stack_params, make_stack_step
+from pallas_kernels.quant import Fp8LatentCache
 
 ENGINE = EngineConfig(page_size=4, num_pages=48, max_num_seqs=4, max_model_len=40)
 # 3 active rows (one pad row) at steps 2-4 and after step 12; contexts reach 27 > index_topk = 16.
@@ -53,6 +54,46 @@ def test_dcp_step_with_fp8_index_cache_equals_unsharded_fp8(dcp, interleave, ker
                             kernels=kernels)
     assert report.max_context > TINY.index_topk
     assert report.max_abs_err < TOL
+
+
+@pytest.mark.parametrize("dcp, interleave, kernels", [(2, 2, "pallas"), (4, 1, "reference"), (8, 2, "reference")])
+def test_dcp_step_with_fp8_latent_cache_equals_unsharded_fp8(dcp, interleave, kernels):
+    """fp8 latent cache (and fp8 index cache) on both sides: the DCP step writes each rank's e4m3 latents, tile
+    scales and bf16 rope, and attends over them; the single-device twin attends over the same quantized
+    latents. The Pallas kernel rounds the queries and probabilities to bf16 and returns bf16: one layer, so
+    that this rounding cannot flip the next layer's top-k, and a bf16 tolerance."""
+    cfg, tol = (dataclasses.replace(TINY, num_hidden_layers=1), 2e-2) if kernels == "pallas" else (TINY, TOL)
+    engine = dataclasses.replace(ENGINE, index_cache="fp8", latent_cache="fp8")
+    report = run_comparison(cfg, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), engine, SCHEDULE,
+                            kernels=kernels)
+    assert report.max_context > cfg.index_topk
+    assert report.max_abs_err < tol
+
+
+def test_fp8_latent_cache_changes_the_output_only_by_its_quantization():
+    """The unsharded twin on exact and on fp8 latents: the outputs differ (the latents are quantized), by about
+    what e4m3's 3 mantissa bits allow, not more."""
+    params = init_stack_params(TINY, jax.random.key(0))
+    histories = {fmt: empty_history(TINY, 2, 24, latent_cache=fmt) for fmt in ("exact", "fp8")}
+    rng = np.random.default_rng(0)
+    for length in range(1, 21):
+        hidden = jnp.asarray(rng.standard_normal((2, TINY.hidden_size)), jnp.float32)
+        outs = {}
+        for fmt, history in histories.items():
+            outs[fmt], histories[fmt], _ = decode_stack_unsharded(
+                params, history, hidden, jnp.full((2,), length - 1), jnp.full((2,), length), cfg=TINY)
+        change = np.linalg.norm(outs["fp8"] - outs["exact"]) / np.linalg.norm(outs["exact"] - hidden)
+        assert 0 < change < 0.1, (length, change)
+    assert isinstance(histories["fp8"].latents, Fp8LatentCache)
+
+
+def test_fp8_latent_cache_refuses_a_latent_it_cannot_tile():
+    mesh = make_mesh(ParallelConfig(tp=1, dcp=1))
+    with pytest.raises(ValueError, match="kv_lora_rank a multiple of 128"):
+        allocate_kv_cache(dataclasses.replace(TINY, kv_lora_rank=64), dataclasses.replace(ENGINE, latent_cache="fp8"),
+                          1, mesh)
+    with pytest.raises(ValueError, match="latent_cache='bf16' must be one of"):
+        dataclasses.replace(ENGINE, latent_cache="bf16")
 
 
 @pytest.mark.parametrize("tp, dcp", [(4, 2), (8, 4), (8, 1)])
@@ -109,28 +150,29 @@ def test_a_rank_owning_none_of_the_top_k_with_context_above_k():
     assert report.max_abs_err < TOL
 
 
-def test_pad_rows_output_zero_and_write_no_kv():
+@pytest.mark.parametrize("latent_cache", ["exact", "fp8"])
+def test_pad_rows_output_zero_and_write_no_kv(latent_cache):
     parallel = ParallelConfig(tp=2, dcp=2, interleave=2)
     mesh = make_mesh(parallel)
-    step = make_stack_step(TINY, parallel, ENGINE, mesh, REFERENCE)
+    engine = dataclasses.replace(ENGINE, latent_cache=latent_cache)
+    step = make_stack_step(TINY, parallel, engine, mesh, REFERENCE)
     params = step.place_params(init_stack_params(TINY, jax.random.key(0)))
-    empty = allocate_kv_cache(TINY, ENGINE, parallel.dcp, mesh)
+    empty = allocate_kv_cache(TINY, engine, parallel.dcp, mesh)
     rng = np.random.default_rng(0)
-    before = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), empty)  # no zeros to hide in
+    before = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(a.dtype), empty)  # no zeros to hide in
     kv_cache = jax.tree.map(lambda a, like: jax.device_put(a, like.sharding), before, empty)
     step.compile(params, kv_cache, 4)
     lens, tables = [5, 9], [[3], [7, 1]]
-    md = build_decode_metadata(lens, tables, bucket=4, dcp=2, interleave=2, page_size=ENGINE.page_size,
-                               max_blocks=ENGINE.max_blocks_per_seq(2))
+    md = build_decode_metadata(lens, tables, bucket=4, dcp=2, interleave=2, page_size=engine.page_size,
+                               max_blocks=engine.max_blocks_per_seq(2))
     hidden = np.zeros((4, TINY.hidden_size), np.float32)
     hidden[:2] = rng.standard_normal((2, TINY.hidden_size))
     out, kv_cache = step(params, kv_cache, hidden, md)
     assert np.all(np.asarray(out)[2:] == 0)
     written = {(int(w), int(md.slot_mapping[w, r])) for r in range(2) for w in range(2) if md.slot_mapping[w, r] >= 0}
     assert len(written) == 2
-    for name in ("latent", "index_k"):
-        new = np.asarray(getattr(kv_cache, name))
-        for layer in range(TINY.num_hidden_layers):
-            changed = np.any(new[layer] != getattr(before, name)[layer], axis=-1)  # [W, pages, B]
-            ranks, pages, offsets = np.nonzero(changed)
-            assert {(int(w), int(p * ENGINE.page_size + o)) for w, p, o in zip(ranks, pages, offsets)} == written
+    for new_pool, old_pool in zip(jax.tree.leaves(kv_cache), jax.tree.leaves(before)):  # every array of every layer
+        new_pool, old_pool = np.asarray(new_pool), np.asarray(old_pool)
+        changed = np.any(new_pool != old_pool, axis=tuple(range(3, new_pool.ndim)))  # [W, pages, B]
+        ranks, pages, offsets = np.nonzero(changed)
+        assert {(int(w), int(p * engine.page_size + o)) for w, p, o in zip(ranks, pages, offsets)} == written

@@ -135,3 +135,24 @@ def test_generate_with_the_fp8_index_cache_on_the_tiny_preset(capsys):
     assert main(["generate", "--model", "tiny", "--dcp", "2", "--index-cache", "fp8", "--prompt", "hello",
                  "--max-tokens", "3", "--max-model-len", "32"]) == 0
     assert "fp8 index cache" in capsys.readouterr().out
+
+
+def test_generate_with_the_fp8_latent_cache_on_the_tiny_preset(capsys):
+    """The runner allocates, writes (prefill and decode) and attends over the fp8 latent cache; greedy generation
+    runs to the end, every page comes back, and the generate command takes the flag."""
+    from pallas_kernels.quant import Fp8LatentCache
+
+    llm = LLM("tiny", dcp=2, interleave=2, max_num_seqs=2, max_model_len=32, page_size=4, latent_cache="fp8")
+    assert llm.engine.latent_cache == "fp8"
+    outs = llm.generate(prompt_token_ids=[list(range(5, 25)), [7, 8, 9]],
+                        sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert [(len(out.token_ids), out.finish_reason) for out in outs] == [(8, "length"), (8, "length")]
+    assert llm.num_free_pages == llm.engine.num_pages
+    pool = llm.runner.kv_cache.latent[0]
+    assert isinstance(pool, Fp8LatentCache) and pool.latent.dtype == np.dtype("float8_e4m3fn")
+    # One power-of-two scale per token and 128-column tile, written by its owner rank only: each prompt, then
+    # the 7 tokens fed back.
+    assert np.count_nonzero(np.asarray(pool.scales)) == 20 + 3 + 2 * 7
+    assert main(["generate", "--model", "tiny", "--dcp", "2", "--latent-cache", "fp8", "--prompt", "hello",
+                 "--max-tokens", "3", "--max-model-len", "32"]) == 0
+    assert "fp8 latent cache" in capsys.readouterr().out

@@ -1,8 +1,9 @@
 """One sparse DCP decode attention layer, per rank (call inside shard_map over the mesh of `mesh.py`).
 
 Per rank (h = H/tp local heads, W = dcp size, pages/B = this rank's KV pool):
-  x [R, D] replicated; kv_cache [pages, B, C+E]; index_cache [pages, B, J] (exact) or `Fp8IndexKeys` of
-  [pages, B, J] e4m3 keys and [pages, B] f32 scales (fp8, see `index_format.py`);
+  x [R, D] replicated; kv_cache [pages, B, C+E] (exact) or its `Fp8LatentCache` (fp8, see `latent_format.py`);
+  index_cache [pages, B, J] (exact) or `Fp8IndexKeys` of [pages, B, J] e4m3 keys and [pages, B] f32 scales
+  (fp8, see `index_format.py`);
   positions, local_lens, slots [R]; block_tables [R, P].
 """
 
@@ -14,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dcp_jax.attention import exchange, index_format, projections
+from dcp_jax.attention import exchange, index_format, latent_format, projections
 from dcp_jax.attention.kernels import Kernels
 from dcp_jax.attention.params import AttentionParams
 from dcp_jax.config import ModelConfig
@@ -32,7 +33,7 @@ class DcpLayout:
 
 def write_slots(cache, slots, values):
     """cache [pages, B, ...] with values [R, ...] written at physical slots [R]; slot -1 writes nothing. A pytree
-    cache (`Fp8IndexKeys`) takes values of the same structure, written leaf by leaf."""
+    cache (`Fp8IndexKeys`, `Fp8LatentCache`) takes values of the same structure, written leaf by leaf."""
 
     def write(pool, new):
         pages, page_size = pool.shape[:2]
@@ -56,13 +57,14 @@ class Queries(NamedTuple):
 
 
 def project_and_write(p, x, kv_cache, index_cache, cos_sin, slots, *, cfg: ModelConfig):
-    """1. Projections for every row on every rank; the new token's latent and index key (in the index cache's
+    """1. Projections for every row on every rank; the new token's latent and index key (each in its cache's
     format) are written by its owner only (slot -1 elsewhere). Returns (Queries, kv_cache, index_cache)."""
     cos, sin = cos_sin
     q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
     queries = Queries(q_nope, q_pe, projections.index_query(p, q_resid, cos, sin, cfg),
                       projections.index_weights(p, x, cfg))
-    kv_cache = write_slots(kv_cache, slots, projections.mla_latent(p, x, cos, sin, cfg))
+    latents = latent_format.encode(projections.mla_latent(p, x, cos, sin, cfg), kv_cache, value_dim=cfg.kv_lora_rank)
+    kv_cache = write_slots(kv_cache, slots, latents)
     index_keys = index_format.encode_keys(projections.index_key(p, x, cos, sin, cfg), index_cache)
     index_cache = write_slots(index_cache, slots, index_keys)
     return queries, kv_cache, index_cache
@@ -103,8 +105,8 @@ def select_owned(values, local_ids, block_tables, *, cfg: ModelConfig, layout: D
 def attend(p, queries: Queries, kv_cache, owned_slots, counts, *, cfg: ModelConfig, kernels: Kernels):
     """6. Sparse MLA over the owned slots for the heads of the whole DCP group: (out [R, W*h, C], lse [R, W*h])."""
     q = jax.lax.all_gather(projections.absorb_query(p, queries.q_nope, queries.q_pe), DCP, axis=1, tiled=True)
-    return kernels.sparse_mla_decode(q.astype(kv_cache.dtype), kv_cache, owned_slots, counts, cfg.softmax_scale,
-                                     value_dim=cfg.kv_lora_rank)
+    return kernels.sparse_mla_decode(latent_format.cast_query(q, kv_cache), kv_cache, owned_slots, counts,
+                                     cfg.softmax_scale, value_dim=cfg.kv_lora_rank)
 
 
 def merge_heads(p, out, lse, dtype):
