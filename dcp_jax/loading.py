@@ -41,8 +41,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     """Validate the arguments, then load weights (an HF directory) or draw random ones (a preset), placed on a
     (tp/dcp, dcp) mesh; on CPU `tp` simulated devices are used. The pool defaults to max_num_seqs full-length
     requests, its index keys in format `index_cache` (`config.INDEX_CACHE_FORMATS`) and its latents in format
-    `latent_cache` (`config.LATENT_CACHE_FORMATS`). `num_layers` keeps only the
-    first decoder layers (of a preset or of the checkpoint)."""
+    `latent_cache` (`config.LATENT_CACHE_FORMATS`). `num_layers` keeps only the first decoder layers (of a preset
+    or of the checkpoint)."""
     parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave)
     check_layout(parallel.dcp, parallel.interleave, page_size)
     is_dir = os.path.isdir(model)
