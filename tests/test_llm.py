@@ -117,42 +117,22 @@ def test_runner_rejects_bad_pages_and_mismatched_rows(llm):
         runner.decode([1, 2], [3], [[0]])
 
 
-def test_generate_with_the_fp8_index_cache_on_the_tiny_preset(capsys):
-    """The runner allocates, writes (prefill and decode) and scores the fp8 index cache; greedy generation runs
-    to the end, every page comes back, and the generate command takes the flag."""
-    from dcp_jax.attention.index_format import Fp8IndexKeys
-
-    llm = LLM("tiny", dcp=2, interleave=2, max_num_seqs=2, max_model_len=32, page_size=4, index_cache="fp8")
-    assert llm.engine.index_cache == "fp8"
+@pytest.mark.parametrize("cache", ["index", "latent"])
+def test_generate_with_an_fp8_cache_on_the_tiny_preset(cache, capsys):
+    """The runner allocates, writes (prefill and decode) and reads the fp8 index (or latent) cache; greedy
+    generation runs to the end, every page comes back, and the generate command takes the flag."""
+    llm = LLM("tiny", dcp=2, interleave=2, max_num_seqs=2, max_model_len=32, page_size=4, **{f"{cache}_cache": "fp8"})
+    assert getattr(llm.engine, f"{cache}_cache") == "fp8"
     outs = llm.generate(prompt_token_ids=[list(range(5, 25)), [7, 8, 9]],
                         sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [(len(out.token_ids), out.finish_reason) for out in outs] == [(8, "length"), (8, "length")]
     assert llm.num_free_pages == llm.engine.num_pages
-    pool = llm.runner.kv_cache.index_k[0]
-    assert isinstance(pool, Fp8IndexKeys) and pool.keys.dtype == np.dtype("float8_e4m3fn")
-    # One power-of-two scale per token written, by its owner rank only: each prompt, then the 7 tokens fed back.
+    kv = llm.runner.kv_cache
+    pool, values = (kv.index_k[0], kv.index_k[0].keys) if cache == "index" else (kv.latent[0], kv.latent[0].latent)
+    assert values.dtype == np.dtype("float8_e4m3fn")
+    # One power-of-two scale per token (and 128-column latent tile) written, by its owner rank only: each prompt,
+    # then the 7 tokens fed back.
     assert np.count_nonzero(np.asarray(pool.scales)) == 20 + 3 + 2 * 7
-    assert main(["generate", "--model", "tiny", "--dcp", "2", "--index-cache", "fp8", "--prompt", "hello",
+    assert main(["generate", "--model", "tiny", "--dcp", "2", f"--{cache}-cache", "fp8", "--prompt", "hello",
                  "--max-tokens", "3", "--max-model-len", "32"]) == 0
-    assert "fp8 index cache" in capsys.readouterr().out
-
-
-def test_generate_with_the_fp8_latent_cache_on_the_tiny_preset(capsys):
-    """The runner allocates, writes (prefill and decode) and attends over the fp8 latent cache; greedy generation
-    runs to the end, every page comes back, and the generate command takes the flag."""
-    from pallas_kernels.quant import Fp8LatentCache
-
-    llm = LLM("tiny", dcp=2, interleave=2, max_num_seqs=2, max_model_len=32, page_size=4, latent_cache="fp8")
-    assert llm.engine.latent_cache == "fp8"
-    outs = llm.generate(prompt_token_ids=[list(range(5, 25)), [7, 8, 9]],
-                        sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert [(len(out.token_ids), out.finish_reason) for out in outs] == [(8, "length"), (8, "length")]
-    assert llm.num_free_pages == llm.engine.num_pages
-    pool = llm.runner.kv_cache.latent[0]
-    assert isinstance(pool, Fp8LatentCache) and pool.latent.dtype == np.dtype("float8_e4m3fn")
-    # One power-of-two scale per token and 128-column tile, written by its owner rank only: each prompt, then
-    # the 7 tokens fed back.
-    assert np.count_nonzero(np.asarray(pool.scales)) == 20 + 3 + 2 * 7
-    assert main(["generate", "--model", "tiny", "--dcp", "2", "--latent-cache", "fp8", "--prompt", "hello",
-                 "--max-tokens", "3", "--max-model-len", "32"]) == 0
-    assert "fp8 latent cache" in capsys.readouterr().out
+    assert f"fp8 {cache} cache" in capsys.readouterr().out
