@@ -263,15 +263,24 @@ def block_tables_for(batch: int, context: int, *, dcp: int, page_size: int, max_
     return [list(range(i * max_blocks, i * max_blocks + needed)) for i in range(batch)]
 
 
+def _bytes_per_token(cfg: ModelConfig, itemsize: int, index_cache: str, latent_cache: str) -> tuple[int, int]:
+    """(latent, index-K) bytes of one cached token in one layer, in the named formats."""
+    return (latent_format.bytes_per_token(latent_cache, cfg, itemsize),
+            index_format.bytes_per_token(index_cache, cfg.index_head_dim, itemsize))
+
+
 def kv_bytes_used(cfg: ModelConfig, *, batch: int, context: int, dcp: int, page_size: int, itemsize: int,
                   index_cache: str, latent_cache: str):
     """(latent, index-K) bytes of one rank's pages holding `batch` rows of `context` tokens (whole pages), the
     index keys in format `index_cache`, the latents in format `latent_cache`."""
     tokens = batch * int(virtual_blocks(context, dcp, page_size)) * page_size
-    layers = cfg.num_hidden_layers
-    index_bytes = index_format.bytes_per_token(index_cache, cfg.index_head_dim, itemsize)
-    latent_bytes = latent_format.bytes_per_token(latent_cache, cfg, itemsize)
-    return tokens * layers * latent_bytes, tokens * layers * index_bytes
+    latent_bytes, index_bytes = _bytes_per_token(cfg, itemsize, index_cache, latent_cache)
+    return tokens * cfg.num_hidden_layers * latent_bytes, tokens * cfg.num_hidden_layers * index_bytes
+
+
+def _is_consumed(kv_cache: KVCache) -> bool:
+    """Whether a call that took the pool as a donated argument deleted it."""
+    return any(a.is_deleted() for a in jax.tree.leaves(kv_cache))
 
 
 def device_memory(grid: Grid) -> tuple[int, str]:
@@ -289,9 +298,7 @@ def max_tokens(cfg: ModelConfig, *, dcp: int, memory: int, weights: int, workspa
     """Global KV tokens (summed over rows) that fit: each rank keeps 1/W of them, beside its weights and the
     step's workspace (the compiled program's temp bytes); index keys in format `index_cache`, latents in format
     `latent_cache`."""
-    index_bytes = index_format.bytes_per_token(index_cache, cfg.index_head_dim, itemsize)
-    latent_bytes = latent_format.bytes_per_token(latent_cache, cfg, itemsize)
-    per_token = cfg.num_hidden_layers * (latent_bytes + index_bytes)
+    per_token = cfg.num_hidden_layers * sum(_bytes_per_token(cfg, itemsize, index_cache, latent_cache))
     return max(0, (memory - weights - workspace) * dcp // per_token)
 
 
@@ -467,7 +474,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                 yield dict(key, kind="error", stage="compile", error=f"{type(result).__name__}: {result}"[:2000])
                 continue
             step, lower_s, compile_s = result
-            if jax.tree.leaves(kv_cache.latent[0])[0].is_deleted():  # a failed call consumed the donated pool
+            if _is_consumed(kv_cache):  # a failed call consumed the donated pool
                 kv_cache = fresh_pool()
             row = dict(key, kind="program", lower_s=lower_s, compile_s=compile_s, compile_workers=compile_workers,
                        weights_bytes_per_rank=weights_per_rank, pool_bytes_per_rank=pool,
@@ -495,7 +502,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                                                interleave=grid.interleave, page_size=grid.page_size,
                                                max_blocks=max_blocks)
                     tokens = rng.integers(0, cfg.vocab_size, batch).astype(np.int32)
-                    if jax.tree.leaves(kv_cache.latent[0])[0].is_deleted():
+                    if _is_consumed(kv_cache):
                         kv_cache = fresh_pool()
                     times, pipelined, device, compiles, kv_cache = time_steps(step, params, kv_cache, tokens, md,
                                                                       steps=grid.steps, warmup=grid.warmup)
@@ -615,11 +622,6 @@ def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     grid = grid_from_args(args)
     cfg = grid.cfg  # validates the preset and layer count
-    try:
-        latent_format.check_model(grid.latent_cache, cfg)
-    except ValueError as e:
-        echo(f"bench decode: {e}")
-        return 2
     for c in grid.contexts:
         if c > cfg.max_position_embeddings:
             echo(f"bench decode: context {c} exceeds {grid.preset}'s max_position_embeddings "

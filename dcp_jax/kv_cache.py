@@ -55,11 +55,10 @@ KV_CACHE_SPECS = KVCache(latent=P(DCP), index_k=P(DCP))
 def allocate_kv_cache(cfg: ModelConfig, engine: EngineConfig, dcp: int, mesh: Mesh, dtype=jnp.float32) -> KVCache:
     """Zero-filled pools (latents in `engine.latent_cache`'s format, index keys in `engine.index_cache`'s; 'exact'
     ones of `dtype`), created directly in their sharded placement."""
-    latent_format.check_model(engine.latent_cache, cfg)
     pool = (dcp, engine.num_pages, engine.page_size)
     placed = sharding(mesh, P(DCP))
-    new_latent = jax.jit(lambda: latent_format.zeros(pool + (cfg.latent_dim,), engine.latent_cache, dtype,
-                                                     value_dim=cfg.kv_lora_rank), out_shardings=placed)
+    latent_format.check_model(engine.latent_cache, cfg)  # before any pool is allocated
+    new_latent = jax.jit(lambda: latent_format.zeros(pool, cfg, engine.latent_cache, dtype), out_shardings=placed)
     new_index_k = jax.jit(lambda: index_format.zeros(pool + (cfg.index_head_dim,), engine.index_cache, dtype),
                           out_shardings=placed)
     layers = range(cfg.num_hidden_layers)

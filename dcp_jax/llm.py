@@ -45,8 +45,9 @@ class LLM:
     model: a preset name (`tiny`, `deepseek-v3.2`, `glm-5`; random weights) or a HF checkpoint directory.
     index_cache: the indexer key cache, "exact" (model dtype, HF's math) or "fp8" (e4m3 keys and an f32 scale per
     token, scored with fp8 queries).
-    latent_cache: the MLA latent cache, "exact" (model dtype) or "fp8" (656 B/token at DeepSeek's sizes: e4m3
-    latent with an f32 scale per 128 columns, bf16 rope; attention reads the dequantized values).
+    latent_cache: the MLA latent cache, "exact" (the pool's dtype) or "fp8" (656 B/token at DeepSeek's sizes: e4m3
+    latent with an f32 scale per 128 columns, bf16 rope; attention reads the dequantized values, and on a GPU its
+    kernel computes in bf16).
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,

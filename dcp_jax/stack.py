@@ -106,10 +106,9 @@ class DenseHistory:
 def empty_history(cfg: ModelConfig, rows: int, max_len: int, index_cache: str = "exact",
                   latent_cache: str = "exact") -> DenseHistory:
     """Zero f32 history, index keys in format `index_cache`, latents in format `latent_cache`."""
-    latent_format.check_model(latent_cache, cfg)
     history = (cfg.num_hidden_layers, rows, max_len)
     return DenseHistory(
-        latents=latent_format.zeros(history + (cfg.latent_dim,), latent_cache, jnp.float32, value_dim=cfg.kv_lora_rank),
+        latents=latent_format.zeros(history, cfg, latent_cache, jnp.float32),
         index_keys=index_format.zeros(history + (cfg.index_head_dim,), index_cache, jnp.float32),
     )
 

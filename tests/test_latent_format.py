@@ -50,8 +50,7 @@ def _prefill(latent_cache: str, seed: int = 3):
     x = jax.random.normal(jax.random.key(seed + 1), (BATCH, TOKENS, TINY.hidden_size), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(TOKENS, dtype=jnp.int32), (BATCH, TOKENS))
     rope = cos_sin(positions, *rope_tables(TINY))
-    kv_cache = latent_format.zeros((BATCH, TOKENS, TINY.latent_dim), latent_cache, jnp.float32,
-                                   value_dim=TINY.kv_lora_rank)
+    kv_cache = latent_format.zeros((BATCH, TOKENS), TINY, latent_cache, jnp.float32)
     index_cache = jnp.zeros((BATCH, TOKENS, TINY.index_head_dim))
     slots = jnp.arange(BATCH * TOKENS, dtype=jnp.int32).reshape(BATCH, TOKENS)
 

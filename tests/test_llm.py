@@ -117,6 +117,15 @@ def test_runner_rejects_bad_pages_and_mismatched_rows(llm):
         runner.decode([1, 2], [3], [[0]])
 
 
+def test_fp8_latent_cache_is_refused_for_a_checkpoint_it_cannot_tile(checkpoint, monkeypatch):
+    """The HF tiny checkpoint's latent is 64 wide: refused with the reason, before any weight is read."""
+    import dcp_jax.weights
+
+    monkeypatch.setattr(dcp_jax.weights, "load_hf_params", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(ValueError, match="needs kv_lora_rank a multiple of 128; this model's is 64"):
+        LLM(str(checkpoint), latent_cache="fp8", max_model_len=32)
+
+
 @pytest.mark.parametrize("cache", ["index", "latent"])
 def test_generate_with_an_fp8_cache_on_the_tiny_preset(cache, capsys):
     """The runner allocates, writes (prefill and decode) and reads the fp8 index (or latent) cache; greedy

@@ -5,7 +5,9 @@
   scale per `quant.LATENT_TILE` (128) columns, k_pe in bf16; C + 4 * C / 128 + 2 * E bytes a token, 656 B for
   DeepSeek's C = 512, E = 64. C must be a multiple of 128.
 A cache's format is its pytree type, fixed when the pool is allocated, so each program traces exactly one format.
-Attention reads an fp8 cache as its dequantized values (exact).
+Attention reads an fp8 cache as its dequantized values (exact). The reference kernel and prefill compute with them
+in f32; the GPU kernel for the format (`pallas_kernels.sparse_mla`) rounds the queries and the probabilities to
+bf16 and returns bf16.
 """
 
 from __future__ import annotations
@@ -29,15 +31,14 @@ def check_model(latent_cache: str, cfg: ModelConfig) -> None:
                          f"{cfg.kv_lora_rank}")
 
 
-def zeros(shape, latent_cache: str, dtype, *, value_dim: int):
-    """Zero latents of `shape` [..., C+E] (C = value_dim) in format `latent_cache` ('exact': of `dtype`)."""
-    check_latent_cache(latent_cache)
+def zeros(leading_shape, cfg: ModelConfig, latent_cache: str, dtype):
+    """Zero latents [*leading_shape, C+E] in format `latent_cache` ('exact': of `dtype`)."""
+    check_model(latent_cache, cfg)
     if latent_cache == "fp8":
-        lead, width = shape[:-1], shape[-1]
-        return Fp8LatentCache(jnp.zeros((*lead, value_dim), jnp.float8_e4m3fn),
-                              jnp.zeros((*lead, value_dim // quant.LATENT_TILE), jnp.float32),
-                              jnp.zeros((*lead, width - value_dim), jnp.bfloat16))
-    return jnp.zeros(shape, dtype)
+        return Fp8LatentCache(jnp.zeros((*leading_shape, cfg.kv_lora_rank), jnp.float8_e4m3fn),
+                              jnp.zeros((*leading_shape, cfg.kv_lora_rank // quant.LATENT_TILE), jnp.float32),
+                              jnp.zeros((*leading_shape, cfg.qk_rope_head_dim), jnp.bfloat16))
+    return jnp.zeros((*leading_shape, cfg.latent_dim), dtype)
 
 
 def bytes_per_token(latent_cache: str, cfg: ModelConfig, itemsize: int) -> int:
@@ -50,14 +51,16 @@ def bytes_per_token(latent_cache: str, cfg: ModelConfig, itemsize: int) -> int:
 
 
 def encode(latents, like, *, value_dim: int):
-    """Latents [..., C+E] (`projections.mla_latent`) in the format of `like` (a cache in that format)."""
+    """Latents [..., C+E] (`projections.mla_latent`) as a cache like `like` stores them: in its format, or in its
+    dtype."""
     if isinstance(like, Fp8LatentCache):
         return quant.quantize_latent_cache(latents, value_dim=value_dim)
-    return latents
+    return latents.astype(like.dtype)
 
 
 def values(cache):
-    """The latents [..., C+E] a cache holds, as attention reads them: f32 for an fp8 cache (exact)."""
+    """The latents [..., C+E] a cache holds, as attention reads them: dequantized to f32 for an fp8 cache
+    (exact)."""
     if isinstance(cache, Fp8LatentCache):
         return quant.dequantize_latent_cache(cache)
     return cache
