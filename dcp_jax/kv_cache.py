@@ -57,7 +57,6 @@ def allocate_kv_cache(cfg: ModelConfig, engine: EngineConfig, dcp: int, mesh: Me
     ones of `dtype`), created directly in their sharded placement."""
     pool = (dcp, engine.num_pages, engine.page_size)
     placed = sharding(mesh, P(DCP))
-    latent_format.check_model(engine.latent_cache, cfg)  # before any pool is allocated
     new_latent = jax.jit(lambda: latent_format.zeros(pool, cfg, engine.latent_cache, dtype), out_shardings=placed)
     new_index_k = jax.jit(lambda: index_format.zeros(pool + (cfg.index_head_dim,), engine.index_cache, dtype),
                           out_shardings=placed)

@@ -87,8 +87,7 @@ class Attention(nnx.Module):
             index_q, weights = index_format.encode_queries(
                 projections.index_query(p, q_resid, cos, sin, cfg).reshape(b, t, cfg.index_n_heads, -1),
                 projections.index_weights(p, flat, cfg).reshape(b, t, -1), index_cache)
-            latent = latent_format.encode(projections.mla_latent(p, flat, cos, sin, cfg), kv_cache,
-                                          value_dim=cfg.kv_lora_rank)
+            latent = latent_format.encode(projections.mla_latent(p, flat, cos, sin, cfg), kv_cache)
             index_k = index_format.encode_keys(projections.index_key(p, flat, cos, sin, cfg), index_cache)
             kv_cache = write_slots(kv_cache, slots.reshape(-1), latent)
             index_cache = write_slots(index_cache, slots.reshape(-1), index_k)

@@ -129,7 +129,7 @@ def decode_stack_unsharded(params, history: DenseHistory, hidden, positions, con
     for layer, lp in enumerate(params):
         x = rms_norm(hidden, lp.input_norm, cfg.rms_norm_eps)
         lat = jax.tree.map(lambda a: a[layer], history.latents)
-        new_lat = latent_format.encode(mla_latent(lp.attention, x, *rope, cfg), lat, value_dim=cfg.kv_lora_rank)
+        new_lat = latent_format.encode(mla_latent(lp.attention, x, *rope, cfg), lat)
         lat = jax.tree.map(write_row, lat, new_lat)
         keys = jax.tree.map(lambda a: a[layer], history.index_keys)
         new_keys = index_format.encode_keys(index_key(lp.attention, x, *rope, cfg), keys)

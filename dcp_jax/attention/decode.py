@@ -63,8 +63,7 @@ def project_and_write(p, x, kv_cache, index_cache, cos_sin, slots, *, cfg: Model
     q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
     queries = Queries(q_nope, q_pe, projections.index_query(p, q_resid, cos, sin, cfg),
                       projections.index_weights(p, x, cfg))
-    latents = latent_format.encode(projections.mla_latent(p, x, cos, sin, cfg), kv_cache, value_dim=cfg.kv_lora_rank)
-    kv_cache = write_slots(kv_cache, slots, latents)
+    kv_cache = write_slots(kv_cache, slots, latent_format.encode(projections.mla_latent(p, x, cos, sin, cfg), kv_cache))
     index_keys = index_format.encode_keys(projections.index_key(p, x, cos, sin, cfg), index_cache)
     index_cache = write_slots(index_cache, slots, index_keys)
     return queries, kv_cache, index_cache

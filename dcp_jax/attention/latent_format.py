@@ -1,6 +1,6 @@
 """The two formats of the MLA latent cache (`config.LATENT_CACHE_FORMATS`).
 
-- exact: each token's normed latent c then its roped k_pe, [..., C+E] in the model dtype.
+- exact: each token's normed latent c then its roped k_pe, [..., C+E] in the pool's dtype (the engine's: f32).
 - fp8: `quant.Fp8LatentCache`, FlashMLA's sparse-decode format: c in float8_e4m3fn with one power-of-two f32
   scale per `quant.LATENT_TILE` (128) columns, k_pe in bf16; C + 4 * C / 128 + 2 * E bytes a token, 656 B for
   DeepSeek's C = 512, E = 64. C must be a multiple of 128.
@@ -50,11 +50,11 @@ def bytes_per_token(latent_cache: str, cfg: ModelConfig, itemsize: int) -> int:
     return cfg.latent_dim * itemsize
 
 
-def encode(latents, like, *, value_dim: int):
+def encode(latents, like):
     """Latents [..., C+E] (`projections.mla_latent`) as a cache like `like` stores them: in its format, or in its
     dtype."""
     if isinstance(like, Fp8LatentCache):
-        return quant.quantize_latent_cache(latents, value_dim=value_dim)
+        return quant.quantize_latent_cache(latents, value_dim=like.latent.shape[-1])
     return latents.astype(like.dtype)
 
 
