@@ -8,20 +8,23 @@ rows with fewer than k valid columns are padded with (-inf, -1). Scores compare 
 
 Algorithm: three Pallas kernels (four with `separate_floor`); f32 scores map to int32 keys whose signed order is
 the f32 total order. Group g of a row holds its columns g, g + groups, g + 2 * groups, ... Both streaming passes
-split each row over several programs (by default about 256 programs in all), so small batches still fill the
-GPU's SMs:
+split each row over several programs (by default about 512 and 256 programs in all), so small batches still
+fill the GPU's SMs:
 1. (grid R x S) Group maxima: each program owns groups / S of the row's groups and walks the whole row, loading
    that slice of every `groups` columns. (Or the caller passes them: `group_maxima`, any grouping.)
 2. The k-th largest group maximum, rounded down to its top `coarse_bits` key bits, is a lower bound `floor` of
    the row's k-th largest key (k distinct columns reach it). Random scores leave about
    groups * ln(groups / (groups - k)) keys >= floor per row (~2.8K at the defaults for k=2048), wherever they
-   sit in the row. Every program of step 3 finds it (16 CTA-wide counts over the maxima), or one kernel per row.
+   sit in the row (a little more, from the rounding). Every program of step 3 finds it (`coarse_bits` CTA-wide
+   counts over the maxima), or one kernel per row.
 3. (grid R x S') Each program compacts the columns of its chunk with key >= floor (the candidates), in column
    order, into its own region of `capacity` entries (prefix-sum positions) and stores their count.
 4. (grid R) Gather the regions' candidate columns, in chunk order, into one `capacity` vector and load their
    scores again (at B=64 on an H200, cheaper than storing their keys in step 3); binary-search the exact
-   k-th largest key `threshold` over it in registers; when the row has more candidates than `capacity` (many
-   ties near the k-th place), over the whole row instead: exact, but 32 streamed passes. Emit every key >
+   k-th largest key `threshold` over it in registers, bit by bit from the top, until at most BUCKET_SLOTS
+   candidates lie between the bounds found so far; gather those and search the last bits in each warp, with no
+   barrier. When the row has more candidates than `capacity` (many ties near the k-th place), search the whole
+   row instead: exact, but 32 streamed passes. Emit every key >
    threshold and the lowest-column ties at threshold up to k, in column order; pad; unless `sorted=False`, sort
    the k emitted pairs (key descending, column ascending): a bitonic network in registers (`sort_in_kernel=True`)
    or one XLA sort of [R, k] afterwards.
@@ -47,6 +50,8 @@ from pallas_kernels._platform import default_interpret
 INVALID = -(2**31)
 # Sort id of a pad slot: after every real column.
 _PAD_ID = 2**31 - 1
+# Candidates that the select's last search steps gather and count warp by warp.
+BUCKET_SLOTS = 128
 
 # The jax-pallas-triton deprecation fires when a jitted caller lowers the kernel, not at the call: filter by text.
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
@@ -122,8 +127,8 @@ def _kth_largest_key(count_at_least, k, num_bits):
     """Largest key t, its low (32 - num_bits) bits zero, with count_at_least(t) >= k; INVALID if there is none.
 
     The search runs over unsigned keys (key ^ INVALID), setting one bit per step from the top. (Resolving 2 or
-    4 bits per step with one count of all digit values measured no faster, and 4 bits 4x slower, on an H200;
-    bisecting between the smallest and largest candidates, fewer steps, no faster either.)
+    4 bits per step with one count of all digit values, or about 1.6 with two trial keys counted in one packed
+    reduction, measured no faster on an H200: a step costs its instructions as well as its reduction.)
     """
     def step(bit, unsigned):
         trial = unsigned | lax.shift_left(jnp.int32(1), 31 - bit)
@@ -259,8 +264,9 @@ def _chunk_candidates_kernel(scores_ref, lens_ref, floor_ref,   # inputs
 
 
 def _select_kernel(scores_ref, lens_ref, cand_cols_ref, counts_ref,  # inputs
-                   values_ref, indices_ref,                           # outputs
-                   *, k: int, tile: int, splits: int, capacity: int, sort_in_kernel: bool, interpret: bool):
+                   values_ref, indices_ref, bucket_ref,               # outputs (bucket_ref: scratch)
+                   *, k: int, tile: int, splits: int, capacity: int, warps: int, sort_in_kernel: bool,
+                   interpret: bool):
     """Step 4 for one row: exact threshold, emission in column order, padding, and the final order."""
     row = pl.program_id(0)
     length = jnp.clip(lens_ref[row], 0, scores_ref.shape[1])
@@ -288,9 +294,55 @@ def _select_kernel(scores_ref, lens_ref, cand_cols_ref, counts_ref,  # inputs
 
         return lax.fori_loop(0, row_tiles, row_step, _count(cand_keys >= t))
 
-    threshold = _kth_largest_key(count_at_least, k, 32)
+    # Bisect the threshold's bits from the top over every candidate while more than BUCKET_SLOTS candidates can
+    # still hold it (the bucket: keys between the bounds found so far, by the counts at them); then its remaining
+    # bits over just those, gathered into a tile that each warp counts alone, without barriers. (When the
+    # candidates do not fit, the row is bisected to the last bit.)
+    def bisect_step(carry):
+        bit, unsigned, count_low, count_high = carry
+        trial = unsigned | lax.shift_left(jnp.int32(1), 31 - bit)
+        count = count_at_least(trial ^ INVALID)
+        is_raised = count >= k
+        return (bit + 1, jnp.where(is_raised, trial, unsigned), jnp.where(is_raised, count, count_low),
+                jnp.where(is_raised, count_high, count))
+
+    def is_wide(carry):
+        bit, _, count_low, count_high = carry
+        return (bit < 32) & (~fits | (count_low - count_high > BUCKET_SLOTS))
+
+    # count_low / count_high: keys >= the bucket's lowest key / above its highest.
+    bit, prefix, count_low, count_high = lax.while_loop(
+        is_wide, bisect_step, (jnp.int32(0), jnp.int32(0), jnp.int32(capacity), jnp.int32(0)))
+    num_in_bucket = count_low - count_high
+
+    def bucket_search():
+        low_bits = jnp.where(bit < 32, lax.shift_right_logical(jnp.int32(-1), jnp.minimum(bit, 31)), 0)
+        is_in_bucket = (cand_keys >= (prefix ^ INVALID)) & (cand_keys <= ((prefix | low_bits) ^ INVALID))
+        rank, _ = _ranks(is_in_bucket)
+        _scatter(bucket_ref, row, rank, cand_keys, is_in_bucket, interpret)
+        if not interpret:  # the interpreter runs a program's stores and loads in order
+            plgpu.debug_barrier()  # other threads of this program wrote the slots read next
+        # Every warp loads its own copy of the bucket, a row of [warps, BUCKET_SLOTS], and searches it with its
+        # own copy of the key, so no count crosses a warp.
+        slots = lax.broadcasted_iota(jnp.int32, (warps, BUCKET_SLOTS), 1)
+        bucket = plgpu.load(bucket_ref.at[row, slots], mask=slots < num_in_bucket, other=INVALID)
+
+        def count_per_warp(is_counted):
+            return jnp.sum(is_counted.astype(jnp.int32), axis=1)
+
+        def step(i, unsigned):
+            trial = unsigned | lax.shift_left(jnp.int32(1), 31 - i)
+            is_at_least = bucket >= (trial ^ INVALID)[:, None]
+            return jnp.where(count_high + count_per_warp(is_at_least) >= k, trial, unsigned)
+
+        thresholds = lax.fori_loop(bit, 32, step, jnp.full((warps,), prefix)) ^ INVALID
+        num_above = count_high + count_per_warp(bucket > thresholds[:, None])
+        return jnp.max(thresholds), jnp.max(num_above)  # equal copies
+
+    threshold, num_above = lax.cond(
+        fits & (num_in_bucket <= BUCKET_SLOTS), bucket_search, lambda: (prefix ^ INVALID, count_high))
     # A valid threshold has no INVALID keys above it; an INVALID one means every valid column is taken.
-    need = k - count_at_least(threshold + 1)
+    need = k - num_above
 
     # Emit in column order, then pad the rest of the row.
     taken, ties = _emit(values_ref, indices_ref, row, cand_keys, cand_cols, threshold, need, 0, 0, interpret)
@@ -360,14 +412,15 @@ def _check_knobs(**knobs):
         raise ValueError(f"coarse_bits must be in [1, 32]; got {knobs['coarse_bits']}")
 
 
-# Programs per streaming pass that `splits=None` / `candidate_splits=None` aim for (the H200 has 132 SMs, and
-# runs two 8-warp programs of either pass at once).
+# Programs that `candidate_splits=None` / `splits=None` aim for in the candidates / maxima pass (the H200 has
+# 132 SMs and runs two 8-warp candidates programs at once; the maxima pass measured faster with 512 than 256).
 TARGET_PROGRAMS = 256
+MAXIMA_TARGET_PROGRAMS = 512
 
 
-def _default_splits(rows: int, splits):
-    """splits, or (None) the largest power of two <= TARGET_PROGRAMS / rows."""
-    return next_pow2(max(1, TARGET_PROGRAMS // rows) + 1) // 2 if splits is None else splits
+def _default_splits(rows: int, splits, target: int = TARGET_PROGRAMS):
+    """splits, or (None) the largest power of two <= target / rows."""
+    return next_pow2(max(1, target // rows) + 1) // 2 if splits is None else splits
 
 
 def _chunking(rows: int, cols: int, splits, tile: int):
@@ -379,7 +432,7 @@ def _chunking(rows: int, cols: int, splits, tile: int):
 
 
 def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=4096, capacity=4096,
-         coarse_bits=16, splits=None, candidate_splits=None, sort_in_kernel=True, num_warps=8,
+         coarse_bits=14, splits=None, candidate_splits=None, sort_in_kernel=True, num_warps=8,
          floor_warps=None, candidate_warps=None, select_warps=None, num_stages=1, maxima_unroll=16,
          separate_floor=False, group_maxima=None):
     """Top-k per row: values f32 [R, k] descending (ties: lower column first), indices int32 [R, k].
@@ -389,7 +442,7 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
     sort; for callers that merge or sort again). See the module docstring for the algorithm and the knobs;
     `num_groups` and `capacity` are raised to k's next power of two when smaller, `num_groups` capped at N's.
     `splits`: programs per row of the maxima pass, each owning groups // splits groups (a power of two; None:
-    about TARGET_PROGRAMS / R, capped at groups / 4); `maxima_unroll` slices of a program's groups are loaded
+    about MAXIMA_TARGET_PROGRAMS / R, capped at groups / 4); `maxima_unroll` slices of a program's groups are loaded
     per step; `candidate_splits`: chunks per row of the candidates pass (a power of two; None: about
     TARGET_PROGRAMS / R), capped so that chunks span whole tiles; `separate_floor=True` finds each row's floor
     in a kernel of its own instead of in every candidates program. Warps: `num_warps` for the maxima pass; `floor_warps` and
@@ -413,7 +466,7 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
         groups = group_maxima.shape[1]
     capacity = max(width, capacity)
     tile = min(tile, next_pow2(cols))
-    splits = max(1, min(_default_splits(rows, splits), groups // RUN))
+    splits = max(1, min(_default_splits(rows, splits, MAXIMA_TARGET_PROGRAMS), groups // RUN))
     candidate_chunk, candidate_splits = _chunking(rows, cols, candidate_splits, tile)
     name = f"{k=}_{groups=}_{tile=}_{capacity=}_{splits=}_{candidate_splits=}"
 
@@ -443,15 +496,17 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
         grid=(rows, candidate_splits), compiler_params=params(candidate_warps or num_warps), interpret=interpret,
         name=f"topk_candidates_{name}",
     )(scores, lens, floor if separate_floor else maxima)
-    values, indices = pl.pallas_call(
+    select_warps = select_warps or (16 if sorted and sort_in_kernel else 8)
+    values, indices, _ = pl.pallas_call(
         functools.partial(_select_kernel, k=k, tile=tile, splits=candidate_splits, capacity=capacity,
-                          sort_in_kernel=sorted and sort_in_kernel, interpret=interpret),
+                          warps=select_warps, sort_in_kernel=sorted and sort_in_kernel, interpret=interpret),
         out_shape=(
             jax.ShapeDtypeStruct((rows, k), jnp.float32),
             jax.ShapeDtypeStruct((rows, k), jnp.int32),
+            jax.ShapeDtypeStruct((rows, BUCKET_SLOTS), jnp.int32),
         ),
         grid=(rows,), interpret=interpret, name=f"topk_select_{name}",
-        compiler_params=params(select_warps or (16 if sorted and sort_in_kernel else 8)),
+        compiler_params=params(select_warps),
     )(scores, lens, cand_cols, counts)
     if sorted and not sort_in_kernel:
         values, indices = sort_rows(values, indices)

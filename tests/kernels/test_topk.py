@@ -93,6 +93,22 @@ def test_candidates_in_one_chunk(splits, capacity):
                                                                                       coarse_bits=4)))
 
 
+@pytest.mark.parametrize("ties", [24, topk.BUCKET_SLOTS - 1, topk.BUCKET_SLOTS, topk.BUCKET_SLOTS + 1, 300])
+def test_threshold_bucket(ties):
+    """The select's last search steps run over at most BUCKET_SLOTS candidates: `ties` copies of the k-th value
+    (40 larger values before it) fill that bucket up to, at, and past the limit, where the search runs over all
+    candidates to the last bit. A row of values 1 ulp apart puts every candidate in a few buckets."""
+    rng = np.random.default_rng(11)
+    rows = []
+    for _ in range(2):
+        row = np.concatenate([rng.uniform(2, 3, 40), np.ones(ties), rng.uniform(-2, 0.5, 1024 - 40 - ties)])
+        rows.append(rng.permutation(row).astype(np.float32))
+    rows.append(np.float32(1) + np.arange(1024, dtype=np.float32) * np.finfo(np.float32).eps)
+    scores, lens = jnp.asarray(np.stack(rows)), jnp.array([1024, 1000, 1024], jnp.int32)
+    for sorted_ in (True, False):
+        _check(scores, lens, 64, sorted=sorted_, num_groups=256, tile=256, capacity=512)
+
+
 @pytest.mark.parametrize("fill", ["normal", "ties"])
 def test_xla_sort(fill):
     scores, lens = _scores(2, 5, 512, [512, 16, 0, 333, 17], fill)
