@@ -24,10 +24,10 @@ fill the GPU's SMs:
    k-th largest key `threshold` over it in registers, bit by bit from the top, until at most BUCKET_SLOTS
    candidates lie between the bounds found so far; gather those and search the last bits in each warp, with no
    barrier. When the row has more candidates than `capacity` (many ties near the k-th place), search the whole
-   row instead: exact, but 32 streamed passes. Emit every key >
-   threshold and the lowest-column ties at threshold up to k, in column order; pad; unless `sorted=False`, sort
-   the k emitted pairs (key descending, column ascending): a bitonic network in registers (`sort_in_kernel=True`)
-   or one XLA sort of [R, k] afterwards.
+   row instead: exact, but 32 streamed passes. Emit every key > threshold and the lowest-column ties at
+   threshold up to k, in column order; pad; unless `sorted=False`, sort the k emitted pairs (key descending,
+   column ascending): a bitonic network in registers (`sort_in_kernel=True`) or one XLA sort of [R, k]
+   afterwards.
 Tuning defaults were measured by `bench/bench_topk.py` on an H200 (docs/perf_topk.md). The bitonic network makes
 compiles slow (tens of seconds per (R, N) program): precompile the row buckets.
 Letters: R rows, N columns, K = k.
@@ -442,12 +442,13 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
     sort; for callers that merge or sort again). See the module docstring for the algorithm and the knobs;
     `num_groups` and `capacity` are raised to k's next power of two when smaller, `num_groups` capped at N's.
     `splits`: programs per row of the maxima pass, each owning groups // splits groups (a power of two; None:
-    about MAXIMA_TARGET_PROGRAMS / R, capped at groups / 4); `maxima_unroll` slices of a program's groups are loaded
-    per step; `candidate_splits`: chunks per row of the candidates pass (a power of two; None: about
+    about MAXIMA_TARGET_PROGRAMS / R, capped at groups / 4); `maxima_unroll` slices of a program's groups are
+    loaded per step; `candidate_splits`: chunks per row of the candidates pass (a power of two; None: about
     TARGET_PROGRAMS / R), capped so that chunks span whole tiles; `separate_floor=True` finds each row's floor
-    in a kernel of its own instead of in every candidates program. Warps: `num_warps` for the maxima pass; `floor_warps` and
-    `candidate_warps` (None: num_warps) for the floor and candidates kernels; `select_warps` for the per-row
-    select kernel (None: 16 with the in-kernel bitonic network, which gains from more threads, else 8).
+    in a kernel of its own instead of in every candidates program. Warps: `num_warps` for the maxima pass;
+    `floor_warps` and `candidate_warps` (None: num_warps) for the floor and candidates kernels; `select_warps`
+    for the per-row select kernel (None: 16 with the in-kernel bitonic network, which gains from more threads,
+    else 8).
     `group_maxima` int32 [R, G] (optional; G a power of two >= k): step 1's result computed elsewhere (by the
     Mosaic indexer), the keys (`_to_key`) of the largest valid score of each of G groups partitioning each row's
     valid columns, any grouping; an entry may be lower than its group's largest key (the result stays exact;
