@@ -97,7 +97,8 @@ def test_candidates_in_one_chunk(splits, capacity):
 def test_threshold_bucket(ties):
     """The select's last search steps run over at most BUCKET_SLOTS candidates: `ties` copies of the k-th value
     (40 larger values before it) fill that bucket up to, at, and past the limit, where the search runs over all
-    candidates to the last bit. A row of values 1 ulp apart puts every candidate in a few buckets."""
+    candidates to the last bit. A row of values 1 ulp apart shares its floor's top bits, so every column is a
+    candidate: they overflow `capacity` and the whole row is searched."""
     rng = np.random.default_rng(11)
     rows = []
     for _ in range(2):
