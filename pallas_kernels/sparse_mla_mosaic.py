@@ -5,8 +5,11 @@ one row, one split of its valid slots and 64 heads, with three warpgroups:
 - a producer gathers each block of 64 slots' cache rows into one of two SMEM stages ([9 slabs, 64, 64],
   (8, 64)-tiled, 128B-swizzled) with cp.async, zero-filling rows past the split's end (one TMA per 128-byte
   row piece made the kernel 10x slower: docs/perf_sparse_mla.md);
-- two compute warpgroups each compute the block's 64 x 64 scores (9 wgmmas of K=64) and the online softmax,
-  then multiply the probabilities by their half of the value slabs (256 output columns each).
+- the scorer warpgroup computes the block's 64 x 64 scores (9 wgmmas of K=64) and the online softmax, writes
+  the bf16 probabilities over the block's spent rope slab and the rescale factors to SMEM, and multiplies the
+  probabilities by the first LEFT_SLABS value slabs;
+- the second warpgroup multiplies the same probabilities, from SMEM, by the other value slabs.
+Each score is computed once: both warpgroups computing them was 1.5x the tensor work (docs/perf_sparse_mla.md).
 The output is rounded to bf16 in the kernel (as FlashMLA does); split-K partial results are merged by
 `sparse_mla.merge_splits`. Mosaic GPU has no interpreter for this kernel, so it runs on the GPU
 only; on CPU it can be lowered for CUDA (the tests do).
@@ -33,6 +36,7 @@ NUM_SLABS = WIDTH // SLAB  # 9: 8 value slabs, then the rope slab
 BLOCK_S = 64  # slots per block: the K of the value wgmmas
 STAGES = 2  # Q and two stages fill the 227 KB of SMEM
 BLOCK_H = 64  # heads per CTA: one wgmma M
+LEFT_SLABS = 3  # value slabs of the scorer; the second warpgroup takes the other 5 (4 + 4 was slower)
 ROW_BYTES = WIDTH * 2
 CHUNK = 16  # bytes per cp.async
 COUNT_COLUMNS = 16  # counts travel as [R, 16] int32: a TMA row must be 16-byte aligned and 64 bytes suit it
@@ -94,20 +98,23 @@ def _cp_async_gather(kv_ref, slots_ref, info_ref, kv_smem):
 
 def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits):
     (q_smem, kv_smem, meta_smem, row_stats,
-     q_barrier, count_barrier, slots_barriers, kv_barriers, consumed_barriers, done_barrier) = scratch
+     q_barrier, count_barrier, slots_barriers, kv_barriers, probs_barriers, consumed_barriers, done_barrier) = scratch
     # meta_smem rows 0 .. STAGES-1 hold each stage's slots; row STAGES holds the count (16 ints) and then each
-    # stage's gather limit. row_stats row 0 stages the lse.
+    # stage's gather limit. row_stats rows 0 .. STAGES-1 hold each stage's rescale factors, row STAGES the
+    # reciprocal row sums, row STAGES + 1 stages the lse.
     slots_smem = meta_smem.at[pl.ds(0, STAGES)]
-    lse_smem = row_stats.at[0]
     head_block, split, row = lax.axis_index("head_block"), lax.axis_index("split"), lax.axis_index("row")
     heads = pl.ds(head_block * BLOCK_H, BLOCK_H)
     wg = lax.axis_index("wg")
     max_slots = slots_ref.shape[1]
+    row_vector = plgpu.Layout.WGMMA.reduce(1)
 
     @pl.when(wg == 0)
-    def _load_count():  # a TMA destination must be 128-byte aligned: one copy, every warpgroup waits
+    def _load_count_and_q():  # a TMA destination must be 128-byte aligned: one count copy, every warpgroup waits
         plgpu.copy_gmem_to_smem(counts_ref.at[pl.ds(row, 1)], meta_smem.at[pl.ds(STAGES, 1), pl.ds(0, 16)],
                                 count_barrier.at[0])
+        for c in range(NUM_SLABS):
+            plgpu.copy_gmem_to_smem(q_ref.at[row, heads, pl.ds(c * SLAB, SLAB)], q_smem.at[c], q_barrier.at[0])
 
     plgpu.barrier_wait(count_barrier.at[0])
     count = jnp.clip(meta_smem[STAGES, 0], 0, max_slots)
@@ -117,20 +124,40 @@ def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, 
     length = jnp.maximum(jnp.minimum(start + chunk, count) - start, 0)
     num_blocks = lax.div(length + BLOCK_S - 1, BLOCK_S)
 
-    @pl.when(wg < 2)
-    def _compute():
+    def accumulate(accs, alpha, probs, stage, first_slab):
+        """accs * alpha + probs @ value slabs first_slab ..., with one wgmma wait; probs in registers, or None
+        for the stage's rope slab."""
+        def values_dot(acc_refs):
+            lhs = kv_smem.at[stage, NUM_SLABS - 1] if probs is None else probs
+            for j, acc_ref in enumerate(acc_refs):
+                plgpu.wgmma(acc_ref, lhs, kv_smem.at[stage, first_slab + j])
+
+        accs = tuple(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) for acc in accs)
+        return pl.run_state(values_dot)(tuple(plgpu.ACC.init(acc) for acc in accs))
+
+    def zeros(num_slabs):
+        return tuple(plgpu.layout_cast(jnp.zeros((BLOCK_H, SLAB), jnp.float32), plgpu.Layout.WGMMA)
+                     for _ in range(num_slabs))
+
+    def store_output(accs, inv_l, first_slab):
+        """Normalized bf16 output slabs, staged in Q's spent slabs (after done_barrier) and copied out."""
+        plgpu.barrier_arrive(done_barrier.at[0])
+        plgpu.barrier_wait(done_barrier.at[0])
+        if inv_l is None:
+            inv_l = plgpu.load(row_stats.at[STAGES], layout=row_vector)
+        for j, acc in enumerate(accs):
+            q_smem[first_slab + j] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        for j in range(len(accs)):
+            plgpu.copy_smem_to_gmem(q_smem.at[first_slab + j],
+                                    out_ref.at[row, split, heads, pl.ds((first_slab + j) * SLAB, SLAB)])
+
+    @pl.when(wg == 0)
+    def _score():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-
-        @pl.when(wg == 0)
-        def _load_q():
-            for c in range(NUM_SLABS):
-                plgpu.copy_gmem_to_smem(q_ref.at[row, heads, pl.ds(c * SLAB, SLAB)], q_smem.at[c],
-                                        q_barrier.at[0])
-
         plgpu.barrier_wait(q_barrier.at[0])
-        row_vector = plgpu.Layout.WGMMA.reduce(1)
 
-        def block_step(block, carry, *, masked):
+        def block_step(block, carry):
             accs, m_i, l_i = carry
             stage = lax.rem(block, STAGES)
             plgpu.barrier_wait(kv_barriers.at[stage])
@@ -142,54 +169,47 @@ def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, 
 
             # Scores in log2 units so the softmax uses exp2; every block holds a valid slot, so m_next is finite.
             scores = pl.run_scoped(scores_dot, plgpu.ACC((BLOCK_H, BLOCK_S), jnp.float32)) * scale
-            if masked:
-                slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_S), 1, layout=plgpu.Layout.WGMMA)
-                scores = jnp.where(block * BLOCK_S + slot_ids < length, scores, -jnp.inf)
+            slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_S), 1, layout=plgpu.Layout.WGMMA)
+            scores = jnp.where(block * BLOCK_S + slot_ids < length, scores, -jnp.inf)
             m_next = jnp.maximum(m_i, scores.max(axis=1))
             alpha = jnp.exp2(m_i - m_next)
             probs = jnp.exp2(scores - lax.broadcast_in_dim(m_next, scores.shape, [0]))
             l_next = l_i * alpha + probs.sum(axis=1)
             probs = probs.astype(jnp.bfloat16)
-            accs = tuple(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) for acc in accs)
-
-            def values_dot(acc_refs):  # this warpgroup's value slabs wg*4 .. wg*4 + 3, one wait for all four
-                for j, acc_ref in enumerate(acc_refs):
-                    plgpu.wgmma(acc_ref, probs, kv_smem.at[stage, wg * 4 + j])
-
-            accs = pl.run_state(values_dot)(tuple(plgpu.ACC.init(acc) for acc in accs))
+            kv_smem[stage, NUM_SLABS - 1] = probs  # the rope slab is spent once the scores are
+            row_stats[stage] = alpha
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(probs_barriers.at[stage])
+            accs = accumulate(accs, alpha, probs, stage, 0)
             plgpu.barrier_arrive(consumed_barriers.at[stage])
-            return tuple(accs), m_next, l_next
+            return accs, m_next, l_next
 
-        accs = tuple(plgpu.layout_cast(jnp.zeros((BLOCK_H, SLAB), jnp.float32), plgpu.Layout.WGMMA)
-                     for _ in range(4))
         m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_vector)
         l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), row_vector)
-        # Only the last block can hold slots past the split's end: the others skip the mask.
-        full_blocks = lax.div(length, BLOCK_S)
-        carry = lax.fori_loop(0, full_blocks, functools.partial(block_step, masked=False), (accs, m_i, l_i))
-        accs, m_i, l_i = lax.fori_loop(full_blocks, num_blocks, functools.partial(block_step, masked=True), carry)
-
-        # Both warpgroups are done with Q: its slabs stage the output. An empty split writes 0 and lse -inf.
-        plgpu.barrier_arrive(done_barrier.at[0])
-        plgpu.barrier_wait(done_barrier.at[0])
+        accs, m_i, l_i = lax.fori_loop(0, num_blocks, block_step, (zeros(LEFT_SLABS), m_i, l_i))
+        # An empty split writes 0 and lse -inf.
         has_mass = l_i > 0
         inv_l = jnp.where(has_mass, 1.0 / jnp.where(has_mass, l_i, 1.0), 0.0)
-        for j in range(4):
-            q_smem[wg * 4 + j] = (accs[j] * lax.broadcast_in_dim(inv_l, accs[j].shape, [0])).astype(jnp.bfloat16)
+        row_stats[STAGES] = inv_l
+        row_stats[STAGES + 1] = jnp.where(has_mass, (m_i + jnp.log2(jnp.where(has_mass, l_i, 1.0))) / LOG2E,
+                                          -jnp.inf)
+        store_output(accs, inv_l, 0)
+        plgpu.copy_smem_to_gmem(row_stats.at[STAGES + 1], lse_ref.at[row, split, heads])
+        plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 0)
-        def _lse():
-            lse_smem[...] = jnp.where(has_mass, (m_i + jnp.log2(jnp.where(has_mass, l_i, 1.0))) / LOG2E, -jnp.inf)
+    @pl.when(wg == 1)
+    def _second():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
-        plgpu.commit_smem()
-        for j in range(4):
-            plgpu.copy_smem_to_gmem(q_smem.at[wg * 4 + j],
-                                    out_ref.at[row, split, heads, pl.ds((wg * 4 + j) * SLAB, SLAB)])
+        def block_step(block, accs):  # the scorer waited for the stage before it published the probabilities
+            stage = lax.rem(block, STAGES)
+            plgpu.barrier_wait(probs_barriers.at[stage])
+            alpha = plgpu.load(row_stats.at[stage], layout=row_vector)
+            accs = accumulate(accs, alpha, None, stage, LEFT_SLABS)
+            plgpu.barrier_arrive(consumed_barriers.at[stage])
+            return accs
 
-        @pl.when(wg == 0)
-        def _store_lse():
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[row, split, heads])
-
+        store_output(lax.fori_loop(0, num_blocks, block_step, zeros(8 - LEFT_SLABS)), None, LEFT_SLABS)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -228,11 +248,12 @@ def sparse_mla_partials(q, kv_rows, slots, counts, *, sm_scale: float, num_split
             plgpu.SMEM((NUM_SLABS, BLOCK_H, SLAB), jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM((STAGES + 1, BLOCK_S), jnp.int32),
-            plgpu.SMEM((1, BLOCK_H), jnp.float32),
+            plgpu.SMEM((STAGES + 2, BLOCK_H), jnp.float32),
             plgpu.Barrier(num_arrivals=NUM_SLABS, num_barriers=1),  # one arrival per Q slab copy
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=STAGES),
             plgpu.Barrier(num_barriers=STAGES),  # the producer arrives once per gathered block
+            plgpu.Barrier(num_barriers=STAGES),  # the scorer arrives once a block's probabilities are in SMEM
             plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
             plgpu.Barrier(num_arrivals=2, num_barriers=1),
             collective_axes="wg",
