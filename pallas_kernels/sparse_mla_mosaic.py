@@ -209,7 +209,7 @@ def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, 
             plgpu.barrier_arrive(consumed_barriers.at[stage])
             return accs
 
-        store_output(lax.fori_loop(0, num_blocks, block_step, zeros(8 - LEFT_SLABS)), None, LEFT_SLABS)
+        store_output(lax.fori_loop(0, num_blocks, block_step, zeros(VALUE_DIM // SLAB - LEFT_SLABS)), None, LEFT_SLABS)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
