@@ -70,6 +70,8 @@ def tiny_configs() -> dict[str, dict]:
       `rope_scaling = {"type": "yarn", ...}`); HF v5 normalizes it into `rope_parameters`. `factor` 4 with
       `original_max_position_embeddings` 32 makes YaRN change most frequencies at our lengths; `mscale` =
       `mscale_all_dim` = 1.0 as in the real checkpoint (softmax scale * (0.1 ln 4 + 1)^2, cos/sin unscaled).
+    - `yarn_mscale`: `yarn` with `mscale` 1.0 != `mscale_all_dim` 0.707, so both YaRN factors differ from `yarn`:
+      cos/sin * (0.1 ln 4 + 1) / (0.0707 ln 4 + 1) and softmax scale * (0.0707 ln 4 + 1)^2.
     """
     default_rope = copy.deepcopy(_BASE_CONFIG)
     default_rope["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
@@ -86,7 +88,10 @@ def tiny_configs() -> dict[str, dict]:
         "mscale": 1.0,
         "mscale_all_dim": 1.0,
     }
-    return {"default_rope": default_rope, "yarn": yarn}
+
+    yarn_mscale = copy.deepcopy(yarn)
+    yarn_mscale["rope_scaling"]["mscale_all_dim"] = 0.707
+    return {"default_rope": default_rope, "yarn": yarn, "yarn_mscale": yarn_mscale}
 
 
 def _linear(out_dim: int, in_dim: int) -> tuple[tuple[int, int], str]:
