@@ -1,22 +1,634 @@
-"""Sharded decode-step benchmark (issue 7): DCP size x context x batch bucket, Pallas and plain-XLA kernels,
-host-supplied vs device-derived local lengths, stage breakdown, capacity. The same as `dcp-jax bench decode`.
+"""Sharded decode-step benchmark: DCP size x context x batch bucket, Pallas and plain-XLA kernels, host-supplied vs
+device-derived local lengths, stage breakdown, capacity. `dcp-jax bench decode` runs this file.
 
 Usage (repository root; --help lists every option):
   python bench/bench_decode.py --preset tiny --dcp 1,2 --contexts 256,1K --batches 1,8 --kernels reference \
       --steps 20 --out /tmp/decode.jsonl                      # CPU, 8 simulated devices
   PYTHONPATH=. python3 bench/bench_decode.py --dcp 2 --budget-s 300 --out $OUT/decode_w2.jsonl   # 2 GPUs
   python bench/bench_decode.py --report a.jsonl b.jsonl --img-dir docs/img     # merge runs: tables + plots
-Method and GPU commands: docs/perf_decode.md. The measurement lives in dcp_jax/decode_bench.py.
+Method and GPU commands: docs/perf_decode.md.
+
+For every DCP size W (TP = W, one DCP group) x kernels ('pallas' / 'reference') x batch bucket B x context L it
+builds the real decode step of `runtime.forward.decode_body` (random weights of a preset, KV pools filled with random
+latents and index keys in the grid's latent and index cache formats, host-built metadata), compiles each bucket
+once, and times it after warm-up inside `jax.no_tracing()` with a compile counter: step latency, pipelined steps and the
+program alone (`time_steps`). Beside it, same pool and same metadata:
+- `fallback`: the same step with the local lengths re-derived on device from the global ones
+  (`runtime.jaxpr_check.local_context_lens_on_device`) - the failure mode the design forbids;
+- stage-isolating variants `through_<stage>` (see `STAGES`): each layer runs the attention data flow of
+  `attention/decode.py` only up to that stage, and the per-stage time is the difference of consecutive variants.
+Tables, plots and target checks: `decode_results.py`; see docs/perf_decode.md for the method.
+Letters: W dcp size, B batch rows (= bucket), L context length, ps page size.
 """
 
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import json
 import os
+import statistics
 import sys
-import warnings
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", category=DeprecationWarning)
+if __name__ == "__main__":  # run as a script: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dcp_jax.cli import main  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from bench.common import CompileCounter, hlo_op_counts, run_info as common_run_info
+from bench.decode_results import STAGES, report
+from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP,
+                            EngineConfig, ModelConfig, ParallelConfig, check_index_cache, check_latent_cache, preset)
+from dcp_jax.host.layout import DcpLayout
+from dcp_jax.host.metadata import build_decode_metadata
+from dcp_jax.model.attention import cache_formats, decode
+from dcp_jax.model.attention.decode import kernel_backend
+from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, merge, param_specs
+from dcp_jax.model.kv_cache import KVCache, allocate_kv_cache, from_layers, kv_bytes_per_rank
+from dcp_jax.model.mesh import DCP, make_mesh
+from dcp_jax.model.rope import cos_sin, rope_tables
+from dcp_jax.runtime.forward import decode_body
+from dcp_jax.runtime.jaxpr_check import local_context_lens_on_device
+from dcp_jax.runtime.step import DecodeStep
+from dcp_jax.serving.loading import use_cpu_devices
+from pallas_kernels import Fp8IndexKeys, Fp8LatentCache, formats
+
+# A truncated layer adds this times the per-row mean of its dangling outputs to the residual stream, so XLA cannot
+# drop the work and the next layer depends on this one, as in the real step; small enough to keep values tame.
+SINK_SCALE = 1e-3
+
+
+def _row_mean(x):
+    """Per-row mean of the finite entries of x [R, ...] as f32 [R] (-inf logits and -1 ids are fine)."""
+    x = x.astype(jnp.float32)
+    return jnp.mean(jnp.where(jnp.isfinite(x), x, 0.0).reshape(x.shape[0], -1), axis=1)
+
+
+def attention_through(p, x, kv_cache, index_cache, rope, md, *, cfg: ModelConfig, layout: DcpLayout, backend: str,
+                      through: str):
+    """Stages 1..`through` of `attention.decode.sparse_dcp_attention` (its own stage functions), per rank.
+
+    Returns (residual update [R, D], kv_cache, index_cache): the attention output for through="merge", else
+    SINK_SCALE times the row means of every value computed and not yet consumed (so nothing is dead code).
+    """
+    if through not in STAGES[1:]:
+        raise ValueError(f"unknown stage {through!r}; choose from {STAGES[1:]}")
+    queries, kv_cache, index_cache = decode.project_and_write(p, x, kv_cache, index_cache, rope, md.slot_mapping,
+                                                              cfg=cfg)
+
+    def sunk(*values, has_dangling_query=True):
+        """q_nope and q_pe are consumed only in step 6; until then they dangle too."""
+        values = values + ((queries.q_nope, queries.q_pe) if has_dangling_query else ())
+        sink = sum(_row_mean(v) for v in values)
+        return jnp.broadcast_to((SINK_SCALE * sink)[:, None], x.shape).astype(x.dtype), kv_cache, index_cache
+
+    if through == "projections":
+        return sunk(queries.index_q, queries.index_weights)
+    if through == "indexer":
+        return sunk(decode.local_scores(queries, index_cache, md, backend=backend))
+    values, local_ids = decode.local_top_k(queries, index_cache, md, cfg=cfg, backend=backend)
+    if through == "topk":
+        return sunk(values, local_ids)
+    _, owned_slots, counts = decode.select_owned(values, local_ids, md, cfg=cfg, layout=layout)
+    if through == "exchange":
+        return sunk(owned_slots, counts)
+    out, lse = decode.attend(p, queries, kv_cache, owned_slots, counts, cfg=cfg, backend=backend)
+    if through == "sparse_mla":
+        return sunk(out, lse, has_dangling_query=False)
+    return decode.merge_heads(p, out, lse, x.dtype), kv_cache, index_cache
+
+
+def staged_decode_body(params, kv_cache: KVCache, tokens, md, *, graphdef, abstract, cfg: ModelConfig,
+                       layout: DcpLayout, backend: str, through: str):
+    """`runtime.forward.decode_body` with every layer cut after stage `through` (STAGES, or "mlp" for the whole layer:
+    then it computes exactly what decode_body does). Same inputs and output structure; selected ids are zeros."""
+    model = merge(graphdef, abstract, params)
+    rope = cos_sin(md.positions, *rope_tables(cfg))
+    hidden = model.embed_tokens(tokens)
+    caches = []
+    for i, layer in enumerate(model.layers):
+        lat, idx = kv_cache.layer(i)
+        if through != "base":
+            update, lat, idx = attention_through(
+                layer.attention.params(), layer.attention_input(hidden), lat, idx, rope, md, cfg=cfg, layout=layout,
+                backend=backend, through="merge" if through == "mlp" else through)
+            hidden = layer.feed_forward(hidden + update) if through == "mlp" else hidden + update
+        caches.append((lat, idx))
+    cache = from_layers(caches)
+    selected = jnp.zeros((cfg.num_hidden_layers, tokens.shape[0], cfg.index_topk), jnp.int32)
+    return (model.logits(hidden), selected), cache
+
+
+def fallback_decode_body(params, kv_cache: KVCache, tokens, md, *, layout: DcpLayout, **kwargs):
+    """The forbidden variant: local lengths re-derived on device from the global ones, then the real step."""
+    derived = local_context_lens_on_device(md.context_lens, jax.lax.axis_index(DCP), dcp=layout.dcp_size,
+                                           interleave=layout.interleave)
+    return decode_body(params, kv_cache, tokens, dataclasses.replace(md, local_context_lens=derived), layout=layout,
+                       **kwargs)
+
+
+def variant_body(variant: str) -> Callable:
+    """'host' (the real step), 'fallback', or 'through_<stage>'."""
+    if variant == "host":
+        return decode_body
+    if variant == "fallback":
+        return fallback_decode_body
+    if variant.startswith("through_") and variant[len("through_"):] in STAGES + ("mlp",):
+        return functools.partial(staged_decode_body, through=variant[len("through_"):])
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def variant_step(variant: str, cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh, kernels: str,
+                 *, graphdef, abstract) -> DecodeStep:
+    """The `DecodeStep` of one variant, wired as `runtime.runner.ModelRunner` wires the real one (tokens [R] in,
+    (logits, selected) out, KV donated, one program per bucket of `engine`)."""
+    layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
+    specs = param_specs(nnx.to_pure_dict(abstract))
+    body = functools.partial(variant_body(variant), graphdef=graphdef, abstract=abstract, cfg=cfg, layout=layout,
+                             backend=kernel_backend(kernels))
+    return DecodeStep(body, mesh, buckets=engine.buckets, layout=layout,
+                      max_blocks=engine.max_blocks_per_seq(parallel.dcp), param_specs=specs, input_specs=P(),
+                      output_specs=(P(), P()), input_shapes=lambda rows: jax.ShapeDtypeStruct((rows,), jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """One benchmark run. `batches` are the bucket ladder (each one compiled program); contexts are global
+    lengths L (every row of a point has length L); the KV pool holds max(batches) rows of max(contexts)."""
+
+    preset: str = "deepseek-v3.2"
+    num_layers: int | None = 2
+    dcp_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    contexts: tuple[int, ...] = (4096, 16384, 65536, 131072)
+    batches: tuple[int, ...] = (1, 8, 32, 64)
+    kernels: tuple[str, ...] = ("pallas", "reference")
+    breakdown_batches: tuple[int, ...] = (32,)
+    steps: int = 20
+    warmup: int = 3
+    page_size: int = 64
+    interleave: int = 1
+    dtype: str = "bfloat16"
+    index_cache: str = "exact"
+    latent_cache: str = "exact"
+    fallback: bool = True
+    device_memory_gb: float | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        check_index_cache(self.index_cache)
+        check_latent_cache(self.latent_cache)
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return preset(self.preset, num_layers=self.num_layers)
+
+    def engine(self, dcp: int) -> EngineConfig:
+        max_len = max(self.contexts)
+        blocks = -(-max_len // (self.page_size * dcp))
+        return EngineConfig(page_size=self.page_size, num_pages=max(self.batches) * blocks,
+                            max_num_seqs=max(self.batches), max_model_len=max_len,
+                            bucket_ladder=tuple(sorted(set(self.batches))), index_cache=self.index_cache,
+                            latent_cache=self.latent_cache)
+
+    def variants(self, batch: int) -> tuple[str, ...]:
+        out = ("host",) + (("fallback",) if self.fallback else ())
+        if batch in self.breakdown_batches:
+            out += tuple(f"through_{s}" for s in STAGES)
+        return out
+
+
+def _normal_like(pool, key):
+    """N(0, 1) entries of pool's shape; fp8 index keys and latents hold N(0, 1) values as the decode step writes
+    them."""
+    if isinstance(pool, Fp8IndexKeys):
+        return formats.quantize_index_keys(jax.random.normal(key, pool.keys.shape))
+    if isinstance(pool, Fp8LatentCache):
+        shape = (*pool.latent.shape[:-1], pool.latent.shape[-1] + pool.rope.shape[-1])
+        return formats.quantize_latent_cache(jax.random.normal(key, shape), value_dim=pool.latent.shape[-1])
+    return jax.random.normal(key, pool.shape, pool.dtype)
+
+
+def fill_random(cache: KVCache, key) -> KVCache:
+    """Replace every pool entry with N(0, 1) values (latents and index keys are normed, so about unit scale), in
+    place on each rank's shard; donates `cache`."""
+
+    def fill(pool, k):
+        return jax.jit(_normal_like, donate_argnums=0,
+                       out_shardings=jax.tree.map(lambda a: a.sharding, pool))(pool, k)
+
+    pools, treedef = jax.tree.flatten(cache, is_leaf=lambda x: isinstance(x, (Fp8IndexKeys, Fp8LatentCache)))
+    keys = jax.random.split(key, len(pools))
+    return jax.tree.unflatten(treedef, [fill(pool, k) for pool, k in zip(pools, keys)])
+
+
+def block_tables_for(batch: int, context: int, *, dcp: int, page_size: int, max_blocks: int) -> list[list[int]]:
+    """Row i owns pages [i * max_blocks, ...): disjoint, as the page allocator would hand them out."""
+    needed = -(-context // (page_size * dcp))
+    return [list(range(i * max_blocks, i * max_blocks + needed)) for i in range(batch)]
+
+
+def _bytes_per_token(cfg: ModelConfig, itemsize: int, index_cache: str, latent_cache: str) -> tuple[int, int]:
+    """(latent, index-K) bytes of one cached token in one layer, in the named formats."""
+    return (cache_formats.latent_bytes(latent_cache, cfg, itemsize),
+            cache_formats.index_key_bytes(index_cache, cfg.index_head_dim, itemsize))
+
+
+def kv_bytes_used(cfg: ModelConfig, *, batch: int, context: int, dcp: int, page_size: int, itemsize: int,
+                  index_cache: str, latent_cache: str):
+    """(latent, index-K) bytes of one rank's pages holding `batch` rows of `context` tokens (whole pages), the
+    index keys in format `index_cache`, the latents in format `latent_cache`."""
+    tokens = batch * -(-context // (page_size * dcp)) * page_size
+    latent_bytes, index_bytes = _bytes_per_token(cfg, itemsize, index_cache, latent_cache)
+    return tokens * cfg.num_hidden_layers * latent_bytes, tokens * cfg.num_hidden_layers * index_bytes
+
+
+def _is_consumed(kv_cache: KVCache) -> bool:
+    """Whether a call that took the pool as a donated argument deleted it."""
+    return any(a.is_deleted() for a in jax.tree.leaves(kv_cache))
+
+
+def device_memory(grid: Grid) -> tuple[int, str]:
+    """(bytes one device may hold, where the number comes from)."""
+    if grid.device_memory_gb is not None:
+        return int(grid.device_memory_gb * 2**30), "option"
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), "memory_stats"
+    return int(139 * 2**30), "assumed H200 (139 GiB)"
+
+
+def max_tokens(cfg: ModelConfig, *, dcp: int, memory: int, weights: int, workspace: int, itemsize: int,
+               index_cache: str, latent_cache: str) -> int:
+    """Global KV tokens (summed over rows) that fit: each rank keeps 1/W of them, beside its weights and the
+    step's workspace (the compiled program's temp bytes); index keys in format `index_cache`, latents in format
+    `latent_cache`."""
+    per_token = cfg.num_hidden_layers * sum(_bytes_per_token(cfg, itemsize, index_cache, latent_cache))
+    return max(0, (memory - weights - workspace) * dcp // per_token)
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    return float(np.percentile(sorted_values, q))
+
+
+def time_steps(step: DecodeStep, params, kv_cache, tokens, md, *, steps: int, warmup: int):
+    """Warm up, then three loops of `steps` calls, inside jax.no_tracing() and a compile counter:
+    1. latency: each call (host validation + one transfer + the compiled program) waited for with
+       block_until_ready - what one step costs a caller that waits for its result;
+    2. pipelined: the same calls back to back, one wait at the end - host work overlaps the device, so this is
+       max(host, device) per step;
+    3. device: the program alone, back to back on inputs placed once (`DecodeStep.place_inputs`) - the device's
+       step time plus a dispatch.
+    Returns (latency times_s, pipelined_s, device_s, compiles, kv_cache)."""
+    for _ in range(warmup):
+        out, kv_cache = step(params, kv_cache, tokens, md)
+        jax.block_until_ready((out, kv_cache))
+    times = []
+    counter = CompileCounter()
+    with jax.no_tracing(), counter.active():
+        for _ in range(steps):
+            begin = time.perf_counter()
+            out, kv_cache = step(params, kv_cache, tokens, md)
+            jax.block_until_ready((out, kv_cache))
+            times.append(time.perf_counter() - begin)
+        begin = time.perf_counter()
+        for _ in range(steps):
+            out, kv_cache = step(params, kv_cache, tokens, md)
+        jax.block_until_ready((out, kv_cache))
+        pipelined = (time.perf_counter() - begin) / steps
+        placed = step.place_inputs(kv_cache, tokens, md)
+        jax.block_until_ready(placed)
+        begin = time.perf_counter()
+        for _ in range(steps):
+            out, kv_cache = step.run_placed(params, kv_cache, *placed)
+        jax.block_until_ready((out, kv_cache))
+        device = (time.perf_counter() - begin) / steps
+    if not np.all(np.isfinite(np.asarray(out[0]))):
+        raise FloatingPointError("non-finite logits")
+    return times, pipelined, device, counter.count, kv_cache
+
+
+def run_info(grid: Grid) -> dict:
+    return dict(common_run_info(), kind="run", grid=dataclasses.asdict(grid))
+
+
+def plan(grid: Grid) -> tuple[list[int], list[str]]:
+    """DCP sizes that this machine and the model allow, and a note for each one left out."""
+    cfg, devices, notes, sizes = grid.cfg, len(jax.devices()), [], []
+    for w in grid.dcp_sizes:
+        if w > devices:
+            notes.append(f"dcp={w} skipped: {devices} device(s)")
+            continue
+        try:
+            check_divisible(cfg, w)
+        except ValueError as error:
+            notes.append(f"dcp={w} skipped: {error}")
+            continue
+        sizes.append(w)
+    return sizes, notes
+
+
+def num_points(grid: Grid, sizes: list[int]) -> int:
+    """Progress ticks: one per timed point, plus one per DCP size for its compile phase."""
+    points = len(grid.kernels) * sum(len(grid.variants(b)) for b in grid.batches) * len(grid.contexts)
+    return len(sizes) * (points + 1)
+
+
+def work_items(grid: Grid) -> list[tuple[int, str, str]]:
+    """(batch, kernels, variant) in the order they run for each DCP size: every host step first, then the
+    fallbacks, then the stage variants, so a --budget-s cut drops the least important ones."""
+    items = [(b, k, "host") for b in grid.batches for k in grid.kernels]
+    if grid.fallback:
+        items += [(b, k, "fallback") for b in grid.batches for k in grid.kernels]
+    items += [(b, k, v) for b in grid.batches for k in grid.kernels for v in grid.variants(b)[1 + grid.fallback:]]
+    return items
+
+
+def compile_programs(items, step_of: Callable[[str, str], DecodeStep], params, kv_cache, *, workers: int,
+                     on_point: Callable[[str], None] | None = None) -> dict:
+    """Lower every (batch, kernels, variant) program in this thread, then XLA-compile them on `workers` threads
+    (the Triton kernels of the Pallas programs take tens of seconds each to compile). Returns
+    {item: (step, lower_s, compile_s)} or {item: the exception}; compile_s is that program's wall time while up to
+    `workers` compiles ran at once."""
+    results, lowered = {}, []
+    for batch, kernels_name, variant in items:
+        try:
+            step = step_of(kernels_name, variant)
+            begin = time.perf_counter()
+            step.lower(params, kv_cache, batch)
+            lowered.append(((batch, kernels_name, variant), step, time.perf_counter() - begin))
+        except Exception as e:  # noqa: BLE001 - one failing program must not end the run
+            results[batch, kernels_name, variant] = e
+    if on_point:
+        on_point(f"compiling {len(lowered)} programs on {workers} threads")
+
+    def compile_one(step: DecodeStep, batch: int):
+        begin = time.perf_counter()
+        step.compile(params, kv_cache, batch)
+        return time.perf_counter() - begin
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {item: (step, lower_s, pool.submit(compile_one, step, item[0])) for item, step, lower_s in lowered}
+        for item, (step, lower_s, future) in futures.items():
+            try:
+                results[item] = (step, lower_s, future.result())
+            except Exception as e:  # noqa: BLE001
+                results[item] = e
+    return results
+
+
+def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[str], None] | None = None,
+             compile_workers: int = 1) -> Iterator[dict]:
+    """Yield one row (dict) per measurement as it completes: kind 'program' (per dcp x kernels x variant x
+    bucket: compile time, length derivations, HLO op counts, workspace, capacity), 'point' (a timed point),
+    'error' or 'skipped'. Each DCP size first compiles all its programs (`compile_programs`, `compile_workers`
+    threads), then times them in `work_items` order; `budget_s` bounds the seconds spent per DCP size, compiles
+    included (programs whose timing has not started in time are 'skipped'). `on_point(description)` is called
+    once per point and once for the compile phase (progress bars)."""
+    cfg, dtype = grid.cfg, jnp.dtype(grid.dtype)
+    sizes, _ = plan(grid)
+    graphdef, abstract = abstract_model(cfg, dtype)
+    host_params = init_params(cfg, grid.seed, dtype)
+    memory, memory_source = device_memory(grid)
+    rng = np.random.default_rng(grid.seed)
+    for w in sizes:
+        start = time.perf_counter()
+        parallel = ParallelConfig(tp=w, dcp=w, interleave=grid.interleave)
+        engine = grid.engine(w)
+        mesh = make_mesh(parallel)
+        max_blocks = engine.max_blocks_per_seq(w)
+        steps: dict[tuple[str, str], DecodeStep] = {}
+
+        def step_of(kernels_name: str, variant: str) -> DecodeStep:
+            if (kernels_name, variant) not in steps:
+                steps[kernels_name, variant] = variant_step(variant, cfg, parallel, engine, mesh, kernels_name,
+                                                            graphdef=graphdef, abstract=abstract)
+            return steps[kernels_name, variant]
+
+        params = step_of(grid.kernels[0], "host").place_params(host_params)
+        weights_per_rank = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(params))
+
+        def fresh_pool() -> KVCache:
+            return fill_random(allocate_kv_cache(cfg, engine, w, mesh, dtype), jax.random.key(grid.seed + w))
+
+        kv_cache = fresh_pool()
+        pool = kv_bytes_per_rank(kv_cache)
+        common = dict(preset=grid.preset, layers=cfg.num_hidden_layers, dtype=grid.dtype,
+                      index_cache=grid.index_cache, latent_cache=grid.latent_cache, dcp=w, page_size=grid.page_size,
+                      interleave=grid.interleave)
+        items = work_items(grid)
+        compiled = compile_programs(items, step_of, params, kv_cache, workers=compile_workers, on_point=on_point)
+        for batch, kernels_name, variant in items:
+            key = dict(common, kernels=kernels_name, variant=variant, batch=batch)
+            where = f"dcp={w} {kernels_name} B={batch} {variant}"
+            result = compiled[batch, kernels_name, variant]
+            if isinstance(result, Exception):
+                if on_point:
+                    for _ in grid.contexts:
+                        on_point(f"error {where}")
+                yield dict(key, kind="error", stage="compile", error=f"{type(result).__name__}: {result}"[:2000])
+                continue
+            step, lower_s, compile_s = result
+            if _is_consumed(kv_cache):  # a failed call consumed the donated pool
+                kv_cache = fresh_pool()
+            row = dict(key, kind="program", lower_s=lower_s, compile_s=compile_s, compile_workers=compile_workers,
+                       weights_bytes_per_rank=weights_per_rank, pool_bytes_per_rank=pool,
+                       device_memory_bytes=memory, memory_source=memory_source)
+            if variant in ("host", "fallback"):
+                row |= _program_analysis(step, params, kv_cache, batch, step.compile(params, kv_cache, batch))
+                total = max_tokens(cfg, dcp=w, memory=memory, weights=weights_per_rank,
+                                   workspace=row["temp_bytes"] or 0, itemsize=dtype.itemsize,
+                                   index_cache=grid.index_cache, latent_cache=grid.latent_cache)
+                row |= dict(max_total_tokens=total, max_context=total // batch)
+            yield row
+            if budget_s is not None and time.perf_counter() - start > budget_s:
+                for context in grid.contexts:
+                    if on_point:
+                        on_point(f"skipped {where}")
+                    yield dict(key, kind="skipped", context=context, reason=f"budget of {budget_s} s per DCP size")
+                continue
+            for context in grid.contexts:
+                if on_point:
+                    on_point(f"{where} L={context}")
+                point = dict(key, context=context)
+                try:
+                    tables = block_tables_for(batch, context, dcp=w, page_size=grid.page_size, max_blocks=max_blocks)
+                    md = build_decode_metadata([context] * batch, tables, bucket=batch, layout=step.layout,
+                                               max_blocks=max_blocks)
+                    tokens = rng.integers(0, cfg.vocab_size, batch).astype(np.int32)
+                    if _is_consumed(kv_cache):
+                        kv_cache = fresh_pool()
+                    times, pipelined, device, compiles, kv_cache = time_steps(step, params, kv_cache, tokens, md,
+                                                                      steps=grid.steps, warmup=grid.warmup)
+                except Exception as e:  # noqa: BLE001
+                    yield dict(point, kind="error", stage="run", error=f"{type(e).__name__}: {e}"[:2000])
+                    continue
+                ordered = sorted(times)
+                median = statistics.median(ordered)
+                latent_bytes, index_bytes = kv_bytes_used(cfg, batch=batch, context=context, dcp=w,
+                                                          page_size=grid.page_size, itemsize=dtype.itemsize,
+                                                          index_cache=grid.index_cache,
+                                                          latent_cache=grid.latent_cache)
+                yield dict(point, kind="point", steps=len(times), median_ms=1e3 * median,
+                           p10_ms=1e3 * _percentile(ordered, 10), p90_ms=1e3 * _percentile(ordered, 90),
+                           min_ms=1e3 * ordered[0], max_ms=1e3 * ordered[-1], pipelined_ms=1e3 * pipelined,
+                           device_ms=1e3 * device, tokens_per_s=batch / median,
+                           pipelined_tokens_per_s=batch / pipelined,
+                           recompiles=compiles, kv_latent_bytes_per_rank=latent_bytes,
+                           kv_index_bytes_per_rank=index_bytes)
+        steps.clear()  # free this DCP size's programs, weights and pool before the next one's
+        del params, kv_cache
+
+
+def _program_analysis(step: DecodeStep, params, kv_cache, rows: int, compiled) -> dict:
+    """Length-derived integer ops in the jaxpr, HLO op counts and workspace of one compiled bucket."""
+    found = step.length_derivations(params, kv_cache, rows)
+    counts = hlo_op_counts(compiled.as_text())
+    temp = None
+    with contextlib.suppress(Exception):
+        temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    return dict(length_derivations=len(found), length_derivation_ops=sorted(Counter(
+                    f.split(":")[0].split("/")[-1] for f in found).items()),
+                hlo_ops=sum(v for k, v in counts.items() if not k.startswith("int:")),
+                hlo_int_arith_ops=sum(v for k, v in counts.items() if k.startswith("int:")),
+                temp_bytes=temp)
+
+
+# ---- summaries -------------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part.lower().replace("k", "")) * (1024 if part.lower().endswith("k") else 1)
+                       for part in text.split(",") if part)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (4K = 4096), got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(part for part in text.split(",") if part)
+    if not names or any(n not in ("pallas", "reference") for n in names):
+        raise argparse.ArgumentTypeError(f"kernels: a comma-separated subset of pallas,reference; got {text!r}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `dcp-jax bench decode` (defaults: the GPU grid of docs/perf_decode.md)."""
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    d = Grid()
+    parser.add_argument("--preset", default=d.preset, help="model preset: tiny, deepseek-v3.2, glm-5")
+    parser.add_argument("--num-layers", type=int, default=d.num_layers, help="layer-count override (0: the preset's)")
+    parser.add_argument("--dcp", type=_ints, default=d.dcp_sizes,
+                        help="DCP sizes (TP = DCP), in run order; sizes past the device count are skipped")
+    parser.add_argument("--contexts", type=_ints, default=d.contexts, help="context lengths, e.g. 4K,16K,64K,128K")
+    parser.add_argument("--batches", type=_ints, default=d.batches, help="batch buckets, run in the order given")
+    parser.add_argument("--kernels", type=_names, default=d.kernels, help="pallas,reference (both in one run)")
+    parser.add_argument("--breakdown-batches", type=lambda t: () if t == "none" else _ints(t),
+                        default=d.breakdown_batches, help="batches that get the stage breakdown ('none': skip it)")
+    parser.add_argument("--no-fallback", dest="fallback", action="store_false", help="skip the fallback variant")
+    parser.add_argument("--steps", type=int, default=d.steps, help="timed steps per point")
+    parser.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per point first")
+    parser.add_argument("--page-size", type=int, default=d.page_size)
+    parser.add_argument("--interleave", type=int, default=d.interleave)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=d.dtype, help="weights and KV cache")
+    parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default=d.index_cache, help=INDEX_CACHE_HELP)
+    parser.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default=d.latent_cache,
+                        help=LATENT_CACHE_HELP)
+    parser.add_argument("--device-memory-gb", type=float, default=None,
+                        help="device memory for the capacity column (default: memory_stats, else 139 GiB)")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="per DCP size, compiles included: time no program after this many seconds (the rest: "
+                             "'skipped' rows)")
+    parser.add_argument("--out", default="results_decode.jsonl", help="JSON lines output")
+    parser.add_argument("--img-dir", default="docs/img", help="where plots go ('none': no plots)")
+    parser.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices (no effect on GPUs)")
+    parser.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
+                        help="threads that XLA-compile the programs of a DCP size at once")
+    parser.add_argument("--compile-cache", default=None, help="persistent compilation cache directory")
+    parser.add_argument("--report", nargs="+", default=None, metavar="JSONL",
+                        help="measure nothing: merge these result files into the tables and plots")
+
+
+def grid_from_args(args: argparse.Namespace) -> Grid:
+    return Grid(preset=args.preset, num_layers=args.num_layers or None, dcp_sizes=args.dcp, contexts=args.contexts,
+                batches=args.batches, kernels=args.kernels, breakdown_batches=args.breakdown_batches,
+                steps=args.steps, warmup=args.warmup, page_size=args.page_size, interleave=args.interleave,
+                dtype=args.dtype, index_cache=args.index_cache, latent_cache=args.latent_cache, fallback=args.fallback,
+                device_memory_gb=args.device_memory_gb, seed=args.seed)
+
+
+def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None) -> int:
+    """The whole benchmark: grid from `args`, rows to `args.out` as they come, then the markdown tables, plots
+    and the target checks through `echo`. `progress(total=...)` makes a tqdm-like bar. Returns the exit code."""
+    if args.report:
+        rows = []
+        for path in args.report:
+            with open(path) as f:
+                rows += [json.loads(line) for line in f if line.strip()]
+        return report(rows, img_dir=args.img_dir, echo=echo)
+    use_cpu_devices(args.cpu_devices)
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    grid = grid_from_args(args)
+    cfg = grid.cfg  # validates the preset and layer count
+    for c in grid.contexts:
+        if c > cfg.max_position_embeddings:
+            echo(f"bench decode: context {c} exceeds {grid.preset}'s max_position_embeddings "
+                 f"{cfg.max_position_embeddings}")
+            return 2
+    sizes, notes = plan(grid)
+    info = run_info(grid)
+    memory, memory_source = device_memory(grid)
+    echo(f"{info['num_devices']} x {info['device']} ({info['backend']}), commit {info['commit']}, {grid.preset} "
+         f"{cfg.num_hidden_layers} layers {grid.dtype}, {grid.index_cache} index cache, {grid.latent_cache} latent "
+         f"cache, dcp {sizes}, kernels "
+         f"{list(grid.kernels)}, device memory "
+         f"{memory / 2**30:.1f} GiB ({memory_source})")
+    for note in notes:
+        echo(note)
+    if not sizes:
+        return 2
+    rows = [info]
+    bar = progress(total=num_points(grid, sizes)) if progress else None
+    on_point = (lambda text: (bar.set_description(text[:60]), bar.update(1))) if bar else None
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(json.dumps(info) + "\n")
+        for row in run_grid(grid, budget_s=args.budget_s, on_point=on_point,
+                            compile_workers=max(1, args.compile_workers)):
+            rows.append(row)
+            f.write(json.dumps(row, default=str) + "\n")
+            f.flush()
+    if bar:
+        bar.close()
+    echo(f"wrote {len(rows)} rows to {args.out}")
+    return report(rows, img_dir=args.img_dir, echo=echo)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tqdm import tqdm
+
+    parser = argparse.ArgumentParser(prog="dcp-jax bench decode", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run(args, echo=lambda text: print(text, flush=True),
+               progress=lambda total: tqdm(total=total, unit="point", file=sys.stderr,
+                                           mininterval=1 if sys.stderr.isatty() else 30))
+
 
 if __name__ == "__main__":
-    sys.exit(main(["bench", "decode", *sys.argv[1:]]))
+    sys.exit(main())

@@ -8,25 +8,21 @@ Prints a markdown table of median milliseconds per call.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
-from dcp_jax.layout import virtual_blocks
-from dcp_jax.metadata import build_decode_metadata, check_decode_metadata
-from dcp_jax.page_allocator import BlockTable
+if __name__ == "__main__":  # run as a script: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-BATCHES = (1, 8, 32, 64)
-CONTEXTS = (4096, 16384, 65536, 131072)
+from bench.common import BATCHES, CONTEXT_LENGTHS, median_seconds
+from dcp_jax.host.layout import DcpLayout
+from dcp_jax.host.metadata import build_decode_metadata, check_decode_metadata
+from dcp_jax.host.page_allocator import BlockTable
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - begin)
-    return 1e3 * statistics.median(times)
+    """Median wall milliseconds of the host function fn() over `repeats` calls, after one untimed call."""
+    return 1e3 * median_seconds(fn, [()], repeats, sync=None)
 
 
 def main():
@@ -36,23 +32,23 @@ def main():
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    max_blocks = int(virtual_blocks(max(CONTEXTS), args.dcp, args.page_size))
-    layout = dict(dcp=args.dcp, interleave=args.interleave, page_size=args.page_size, max_blocks=max_blocks)
+    layout = DcpLayout(dcp_size=args.dcp, interleave=args.interleave, page_size=args.page_size)
+    max_blocks = int(layout.virtual_blocks(max(CONTEXT_LENGTHS)))
     print(f"dcp={args.dcp} interleave={args.interleave} page_size={args.page_size} max_blocks={max_blocks}")
     print("| B | L | build from lists ms | build from BlockTable ms | check ms |")
     print("|---|---|---|---|---|")
     for batch in BATCHES:
-        for context in CONTEXTS:
-            needed = int(virtual_blocks(context, args.dcp, args.page_size))
+        for context in CONTEXT_LENGTHS:
+            needed = int(layout.virtual_blocks(context))
             lists = [list(range(i * max_blocks, i * max_blocks + needed)) for i in range(batch)]
             tables = [BlockTable(pages) for pages in lists]
             lens = [context] * batch
 
             def build(block_tables):
-                return build_decode_metadata(lens, block_tables, bucket=batch, **layout)
+                return build_decode_metadata(lens, block_tables, bucket=batch, layout=layout, max_blocks=max_blocks)
 
             md = build(tables)
-            check = dict(buckets=(batch,), num_pages=batch * max_blocks, **layout)
+            check = dict(buckets=(batch,), layout=layout, max_blocks=max_blocks, num_pages=batch * max_blocks)
             print(f"| {batch} | {context} | {median_ms(lambda: build(lists), args.repeats):.3f} | "
                   f"{median_ms(lambda: build(tables), args.repeats):.3f} | "
                   f"{median_ms(lambda: check_decode_metadata(md, **check), args.repeats):.3f} |")

@@ -1,9 +1,12 @@
-"""Benchmark of pallas_kernels/indexer.py on one GPU: correctness vs the reference, then a timing table.
+"""Benchmark of `pallas_kernels.indexer_logits` (pallas_kernels/_indexer_mosaic.py, _indexer_triton.py) on one
+GPU: correctness vs the reference, then a timing table.
 
-Run from the repo root: `PYTHONPATH=. python3 bench/bench_indexer.py [--check] [--table] [--modes fp8,bf16]
+Run from the repo root: `python bench/bench_indexer.py [--check] [--table] [--modes fp8,bf16]
 [--knobs JSON] [--batches 1,8] [--lengths 65536]` (`--knobs '{"chunk_t": 64}'` times other tuning knobs than
-the defaults; a JSON list times each knob set per shape). `--check` compares fp8 on wgmma (the default) and
-exact (`fp8_imprecise_acc=None`).
+the defaults; a JSON list times each knob set per shape). A knob set may name its "backend" ("mosaic",
+"triton"; `[{}, {"backend": "triton"}]` compares the default with Triton); without one, tuning knobs run on the
+implementation they belong to (`common.knobs_with_backend`) and no knobs on the default "pallas" backend (Mosaic
+where it applies). `--check` compares fp8 on wgmma (the default) and exact (`fp8_imprecise_acc=None`, Triton).
 Shapes: DeepSeek-V3.2 indexer, Hi=64, Di=128, page 64; B in {1, 8, 32, 64} rows of L in {4K, 16K, 64K, 128K}
 tokens each; fp8 (132 B/token: e4m3 key + f32 scale) and bf16 (256 B/token) keys.
 Timing: each call runs after an L2 flush on one of ROTATE block tables (random pages of a key pool of 8M
@@ -15,7 +18,7 @@ Effective TB/s counts key and scale bytes of the valid tokens; the copy ceiling 
 write) is measured in the same run.
 `--modes fp8+topk` times the indexer followed by the top-k (k=2048, column order, as the decode layer runs it)
 in one program: the sum of its kernels, the logits read back from L2. With the default knobs that is
-`indexer_topk.indexer_top_k`, which fuses the top-k's maxima pass into the Mosaic indexer where it can (three
+`pallas_kernels.indexer_top_k`, which fuses the top-k's maxima pass into the Mosaic indexer where it can (three
 kernels, else four); with knobs, the indexer with those knobs, then the top-k.
 Full logs go to $OUT (or ./out) as bench_indexer.{log,json}. `--plot JSON PNG` draws a saved table (any machine).
 """
@@ -26,90 +29,64 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+
+if __name__ == "__main__":  # run as a script: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
+from bench.common import (BATCHES, CONTEXT_LENGTHS, INDEX_HEAD_DIM, INDEX_HEADS, PAGE_SIZE, TOP_K, Log, copy_tbps,
+                          default_out_dir, flush_l2, knobs_with_backend, median_seconds, pyplot, read_json,
+                          save_figure, set_x_ticks, warm_up_clocks, write_json)
 from bench.gpu_trace import trace_events
-from pallas_kernels import indexer, indexer_topk, quant, reference, topk
+from pallas_kernels import Fp8IndexKeys, _indexer_mosaic, formats, reference
 
-HEADS, DIM, PAGE = 64, 128, 64
-BATCHES, LENGTHS = (1, 8, 32, 64), (4096, 16384, 65536, 131072)
-POOL_PAGES = 64 * 131072 // PAGE  # the largest shape's tokens: 1.1 GB fp8, 2.1 GB bf16
+POOL_PAGES = 64 * 131072 // PAGE_SIZE  # the largest shape's tokens: 1.1 GB fp8, 2.1 GB bf16
 ROTATE, RUNS = 4, 10
 CHECK_LENS = (0, 1, 63, 64, 1000, 8191, 12345, 16384)  # one row each, 16K columns (4K for f32)
-KEY_BYTES = {"fp8": DIM + 4, "bf16": 2 * DIM}
-TOP_K, KERNELS_PER_TOPK = 2048, 3
+KEY_BYTES = {"fp8": INDEX_HEAD_DIM + 4, "bf16": 2 * INDEX_HEAD_DIM}
+KERNELS_PER_TOPK = 3
 PALLAS_KERNELS = ("indexer_logits", "topk_maxima", "topk_candidates", "topk_select")  # kernel name parts
 
-_START = time.perf_counter()
-_LOG: list[str] = []
-
-
-def log(line=""):
-    print(line, flush=True)
-    _LOG.append(line)
-
-
-def elapsed():
-    return time.perf_counter() - _START
+log = Log()
 
 
 def make_pool(mode, key):
-    """Key cache pool [POOL_PAGES, PAGE, DIM] and its per-token scale (None for bf16)."""
-    keys = jax.random.normal(key, (POOL_PAGES, PAGE, DIM), jnp.bfloat16)
+    """Index-key cache pool of [POOL_PAGES, PAGE_SIZE, Di]: an Fp8IndexKeys for fp8, plain bf16 keys for bf16."""
+    keys = jax.random.normal(key, (POOL_PAGES, PAGE_SIZE, INDEX_HEAD_DIM), jnp.bfloat16)
     if mode == "fp8":
-        return jax.jit(quant.quantize_index_keys)(keys)
-    return keys, None
+        return jax.jit(formats.quantize_index_keys)(keys)
+    return keys
 
 
 def make_queries(mode, rows, key):
     key_q, key_w = jax.random.split(key)
-    q = jax.random.normal(key_q, (rows, HEADS, DIM), jnp.float32)
-    weights = jax.random.normal(key_w, (rows, HEADS), jnp.float32) * HEADS**-0.5
+    q = jax.random.normal(key_q, (rows, INDEX_HEADS, INDEX_HEAD_DIM), jnp.float32)
+    weights = jax.random.normal(key_w, (rows, INDEX_HEADS), jnp.float32) * INDEX_HEADS**-0.5
     if mode == "fp8":
-        return quant.quantize_index_queries(q, weights * DIM**-0.5)
-    return q.astype(jnp.bfloat16), weights * DIM**-0.5
+        return formats.quantize_index_queries(q, weights * INDEX_HEAD_DIM**-0.5)
+    return q.astype(jnp.bfloat16), weights * INDEX_HEAD_DIM**-0.5
 
 
 def block_tables_for(rows, length, seed, lens=None):
-    """Distinct random pool pages for each row's first ceil(len/PAGE) blocks, -1 after."""
+    """Distinct random pool pages for each row's first ceil(len/PAGE_SIZE) blocks, -1 after."""
     rng = np.random.default_rng(seed)
-    blocks = length // PAGE
+    blocks = length // PAGE_SIZE
     tables = rng.permutation(POOL_PAGES)[: rows * blocks].reshape(rows, blocks).astype(np.int32)
     if lens is not None:
-        tables[np.arange(blocks)[None, :] >= -(-np.asarray(lens)[:, None] // PAGE)] = -1
+        tables[np.arange(blocks)[None, :] >= -(-np.asarray(lens)[:, None] // PAGE_SIZE)] = -1
     return jnp.asarray(tables)
-
-
-_flush_buffer = None
-
-
-def flush_l2():
-    global _flush_buffer
-    if _flush_buffer is None:
-        _flush_buffer = jnp.zeros((64 << 20,), jnp.int32)  # 256 MB > 60 MB L2
-    _flush_buffer = jax.block_until_ready(_flush(_flush_buffer))
-
-
-@jax.jit
-def _flush(x):
-    return x + 1
 
 
 def timed(fn, args):
     """Median wall seconds of fn(*args[i % len(args)]) over RUNS calls, each after an L2 flush."""
-    jax.block_until_ready(fn(*args[0]))
-    samples = []
-    for i in range(RUNS):
-        flush_l2()
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args[i % len(args)]))
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return median_seconds(fn, args, RUNS, before_each=flush_l2)
 
 
 _overhead = None
@@ -123,35 +100,37 @@ def overhead_seconds():
     return _overhead
 
 
-def copy_tbps():
-    # Bring the clocks up first (an idle H200 reads 345 MHz; one run measured 3.48 TB/s without this).
-    busy = jnp.ones((4096, 4096), jnp.float32)
-    deadline = time.perf_counter() + 1.0
-    while time.perf_counter() < deadline:
-        busy = jax.block_until_ready(busy @ busy * (1 / 4096))
-    big = jnp.zeros((1 << 30,), jnp.int32)  # 4 GB
-    seconds = timed(jax.jit(lambda x: x + 1), [(big,)]) - overhead_seconds()
-    return 2 * big.nbytes / seconds / 1e12
+def measure_copy_tbps():
+    """Same-run copy ceiling: x -> x + 1 on 4 GB (read + write), after bringing the clocks up."""
+    warm_up_clocks()
+    return copy_tbps(4 << 30, lambda fn, arg_sets: timed(fn, arg_sets) - overhead_seconds())
 
 
-def time_kernel(pool, mode, rows, length, seed=0, *, with_reference=False, with_topk=False, **knobs):
+def fuses_top_k(q, weights, index_cache, block_tables, lens) -> bool:
+    """Whether the default `indexer_top_k` fuses the top-k's maxima pass into the Mosaic indexer here."""
+    keys = index_cache.keys if isinstance(index_cache, Fp8IndexKeys) else index_cache
+    return (not pallas_kernels.unsupported("indexer_top_k", "mosaic", q, weights, index_cache, block_tables, lens)
+            and _indexer_mosaic.fuses_group_maxima(keys, block_tables, TOP_K))
+
+
+def time_kernel(index_cache, mode, rows, length, seed=0, *, with_reference=False, with_topk=False, **knobs):
     """Wall-clock timings of one shape; kernel_us is filled from the profiler trace by kernel_times().
 
     with_topk: time the indexer followed by the top-k (k=TOP_K, column order, as the decode layer runs it) in
     one program instead, the logits still in L2 when the top-k reads them.
     """
-    k_cache, k_scale = pool
     q, weights = make_queries(mode, rows, jax.random.key(seed))
     lens = jnp.full((rows,), length, jnp.int32)
-    args = [(q, weights, k_cache, block_tables_for(rows, length, seed * 100 + i), lens) for i in range(ROTATE)]
+    args = [(q, weights, index_cache, block_tables_for(rows, length, seed * 100 + i), lens) for i in range(ROTATE)]
 
-    fused = with_topk and not knobs and indexer_topk.fuses_group_maxima(q, k_cache, k_scale, args[0][3], TOP_K)
+    fused = with_topk and not knobs and fuses_top_k(*args[0])
+    run_knobs = knobs_with_backend("indexer_logits", knobs, *args[0])
 
     def run(*a):
         if fused:
-            return indexer_topk.indexer_top_k(*a, k=TOP_K, k_scale=k_scale, sorted=False)
-        logits = indexer.indexer_logits(*a, k_scale=k_scale, interpret=False, **knobs)
-        return topk.topk(logits, a[-1], TOP_K, sorted=False, interpret=False) if with_topk else logits
+            return pallas_kernels.indexer_top_k(*a, k=TOP_K, sorted=False)
+        logits = pallas_kernels.indexer_logits(*a, interpret=False, **run_knobs)
+        return pallas_kernels.topk(logits, a[-1], k=TOP_K, sorted=False, interpret=False) if with_topk else logits
 
     kernels_per_call = 1 + (KERNELS_PER_TOPK - fused if with_topk else 0)
     result = dict(mode=mode + "+topk" if with_topk else mode, B=rows, L=length, knobs=knobs, fused=fused,
@@ -159,7 +138,7 @@ def time_kernel(pool, mode, rows, length, seed=0, *, with_reference=False, with_
                   wall_us=(timed(jax.jit(run), args) - overhead_seconds()) * 1e6, xla_us=float("nan"))
     if with_reference:
         def ref(*a):
-            logits = reference.indexer_logits(*a, k_scale=k_scale)
+            logits = reference.indexer_logits(*a)
             return reference.topk(logits, a[-1], k=TOP_K, sorted=False) if with_topk else logits
 
         result["xla_us"] = (timed(jax.jit(ref), args) - overhead_seconds()) * 1e6
@@ -193,20 +172,21 @@ def check(pools):
         length, lens = (mixed[-1] // 4, mixed.clip(0, mixed[-1] // 4)) if mode == "f32" else (mixed[-1], mixed)
         key_mode = "bf16" if mode in ("bf16", "f32") else "fp8"
         knobs = dict(fp8_imprecise_acc=None) if mode == "fp8-exact" else {}
-        k_cache, k_scale = pools[key_mode]
+        index_cache = pools[key_mode]
         q, weights = make_queries(key_mode, len(lens), jax.random.key(7))
         tables = block_tables_for(len(lens), length, 7, lens)
         if mode == "f32":
-            q, k_cache = q.astype(jnp.float32), k_cache[: len(lens) * length // PAGE].astype(jnp.float32)
-            tables = jnp.where(tables >= 0, tables % k_cache.shape[0], -1)
+            q = q.astype(jnp.float32)
+            index_cache = index_cache[: len(lens) * length // PAGE_SIZE].astype(jnp.float32)
+            tables = jnp.where(tables >= 0, tables % index_cache.shape[0], -1)
         if mode == "bf16q-fp8k":
             q = q.astype(jnp.bfloat16)
         lens = jnp.asarray(lens)
-        args = (q, weights, k_cache, tables, lens)
-        out = np.asarray(jax.jit(lambda *a: indexer.indexer_logits(*a, k_scale=k_scale, interpret=False,
-                                                                    **knobs))(*args))
-        ref = np.asarray(jax.jit(lambda *a: reference.indexer_logits(*a, k_scale=k_scale))(*args))
-        cpu_ref = cpu_reference(args, k_scale)
+        args = (q, weights, index_cache, tables, lens)
+        run_knobs = knobs_with_backend("indexer_logits", knobs, *args)
+        out = np.asarray(jax.jit(lambda *a: pallas_kernels.indexer_logits(*a, interpret=False, **run_knobs))(*args))
+        ref = np.asarray(jax.jit(reference.indexer_logits)(*args))
+        cpu_ref = cpu_reference(args)
         is_valid = np.arange(ref.shape[1])[None, :] < np.asarray(lens)[:, None]
 
         def rel_err(x, y):
@@ -222,16 +202,16 @@ def check(pools):
     return results
 
 
-def cpu_reference(args, k_scale):
+def cpu_reference(args):
     """reference.indexer_logits on the CPU (exact f32 products) over just the rows' pages, copied off the GPU."""
-    q, weights, k_cache, tables, lens = args
+    q, weights, index_cache, tables, lens = args
     used = jnp.clip(tables, 0)  # pages past a row's length are never read; page 0 stands in
-    pages = k_cache[used].reshape(-1, *k_cache.shape[1:])
-    scale = None if k_scale is None else k_scale[used].reshape(-1, k_cache.shape[1])
+    # The rows' pages of every part of the cache (keys [pages, B, Di], and an fp8 cache's scales [pages, B]).
+    pages = jax.tree.map(lambda part: part[used].reshape(-1, *part.shape[1:]), index_cache)
     local_tables = jnp.arange(used.size, dtype=jnp.int32).reshape(used.shape)
     cpu = jax.devices("cpu")[0]
-    moved = jax.device_put((q, weights, pages, local_tables, lens, scale), cpu)
-    return np.asarray(jax.jit(lambda *a: reference.indexer_logits(*a[:5], k_scale=a[5]))(*moved))
+    moved = jax.device_put((q, weights, pages, local_tables, lens), cpu)
+    return np.asarray(jax.jit(reference.indexer_logits)(*moved))
 
 
 def table(pools, modes, knob_sets, batches, lengths, budget, reference_budget):
@@ -245,14 +225,14 @@ def table(pools, modes, knob_sets, batches, lengths, budget, reference_budget):
         for rows in batches:
             for length in lengths:
                 for i, knobs in enumerate(knob_sets):
-                    if elapsed() > budget:
+                    if log.elapsed() > budget:
                         log(f"budget reached before {mode} B={rows} L={length} {knobs}")
                         break
                     key_mode, with_topk = mode.removesuffix("+topk"), mode.endswith("+topk")
                     r = time_kernel(pools[key_mode], key_mode, rows, length, with_topk=with_topk,
-                                    with_reference=i == 0 and elapsed() < reference_budget, **knobs)
+                                    with_reference=i == 0 and log.elapsed() < reference_budget, **knobs)
                     log(f"{mode} B={rows} L={length} {knobs}{' fused' if r['fused'] else ''}: wall "
-                        f"{r['wall_us']:.1f} us, xla {r['xla_us']:.1f} us   [{elapsed():.0f} s]")
+                        f"{r['wall_us']:.1f} us, xla {r['xla_us']:.1f} us   [{log.elapsed():.0f} s]")
                     results.append(r)
     jax.profiler.stop_trace()
     # The first call of each shape compiles and warms up.
@@ -269,12 +249,7 @@ def table(pools, modes, knob_sets, batches, lengths, budget, reference_budget):
 
 def plot(report: dict, path: str) -> None:
     """Effective TB/s vs L, one line per key mode x B, against the same-run copy ceiling, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.2))
     rows = report["table"]
     for mode, style in (("bf16", "-"), ("fp8", "--")):
         for color, batch in enumerate(sorted({r["B"] for r in rows})):
@@ -284,14 +259,11 @@ def plot(report: dict, path: str) -> None:
     ax.axhline(report["copy_tbps"], color="gray", linestyle=":", label=f"copy {report['copy_tbps']:.2f} TB/s")
     lengths = sorted({int(r["L"]) for r in rows})
     ax.set(xscale="log", xlabel="context length L (tokens per row)", ylabel="effective TB/s (key + scale bytes)",
-           title=f"indexer logits, {report['device']}, Hi={HEADS} Di={DIM} page {PAGE}", ylim=(0, None))
-    ax.set_xticks(lengths, [f"{n // 1024}K" for n in lengths])
-    ax.minorticks_off()
-    ax.grid(alpha=0.3)
+           title=f"indexer logits, {report['device']}, Hi={INDEX_HEADS} Di={INDEX_HEAD_DIM} page {PAGE_SIZE}",
+           ylim=(0, None))
+    set_x_ticks(ax, lengths, [f"{n // 1024}K" for n in lengths])
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main():
@@ -300,9 +272,11 @@ def main():
     parser.add_argument("--modes", default="fp8,bf16",
                         help="key modes of the table, comma-separated; MODE+topk times the indexer then the top-k")
     parser.add_argument("--knobs", default="{}",
-                        help="JSON keyword knobs for indexer_logits, or a list of them (each timed per shape)")
+                        help="JSON keyword knobs for indexer_logits (may name a backend), or a list of them (each "
+                             "timed per shape)")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="table rows B, comma-separated")
-    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="table lengths L, comma-separated")
+    parser.add_argument("--lengths", default=",".join(map(str, CONTEXT_LENGTHS)),
+                        help="table lengths L, comma-separated")
     parser.add_argument("--table", action="store_true")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds; later steps are skipped past it")
     parser.add_argument("--reference-budget", type=float, default=150.0, help="seconds; XLA timings stop here")
@@ -310,16 +284,16 @@ def main():
                         help="measure nothing: plot the table of a bench_indexer.json")
     args = parser.parse_args()
     if args.plot:
-        with open(args.plot[0]) as f:
-            plot(json.load(f), args.plot[1])
+        plot(read_json(args.plot[0]), args.plot[1])
         return
-    out_dir = os.environ.get("OUT", "out")
+    out_dir = default_out_dir()
     os.makedirs(out_dir, exist_ok=True)
+    log.write_to(os.path.join(out_dir, "bench_indexer.log"))
     log(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
     pools = {mode: jax.block_until_ready(make_pool(mode, jax.random.key(1))) for mode in ("fp8", "bf16")}
-    copy = copy_tbps()
+    copy = measure_copy_tbps()
     log(f"copy bandwidth (read + write, 4 GB): {copy:.2f} TB/s; empty-program overhead "
-        f"{overhead_seconds() * 1e6:.0f} us   [{elapsed():.0f} s]")
+        f"{overhead_seconds() * 1e6:.0f} us   [{log.elapsed():.0f} s]")
     report = dict(device=jax.devices()[0].device_kind, copy_tbps=copy, overhead_us=overhead_seconds() * 1e6)
     if args.check:
         report["check"] = check(pools)
@@ -328,11 +302,10 @@ def main():
     if args.table:
         report["table"] = table(pools, args.modes.split(","), knob_sets, [int(b) for b in args.batches.split(",")],
                                 [int(n) for n in args.lengths.split(",")], args.budget, args.reference_budget)
-    with open(os.path.join(out_dir, "bench_indexer.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    write_json(os.path.join(out_dir, "bench_indexer.json"), report)
     if report.get("table"):
-        log(f"== indexer logits, {report['device']}, Hi={HEADS} Di={DIM} page={PAGE}, knobs {knobs or 'default'}; "
-            f"copy {copy:.2f} TB/s ==")
+        log(f"== indexer logits, {report['device']}, Hi={INDEX_HEADS} Di={INDEX_HEAD_DIM} page={PAGE_SIZE}, "
+            f"knobs {knobs or 'default'}; copy {copy:.2f} TB/s ==")
         log(f"{'mode':<9}{'B':>4}{'L':>8}{'kernel us':>11}{'XLA us':>10}{'speedup':>9}{'TB/s':>7}{'% copy':>8}"
             + ("  knobs" if len(knob_sets) > 1 else ""))
         for r in report["table"]:
@@ -341,10 +314,8 @@ def main():
                 f"{r['xla_us'] / r['us']:>9.1f}{r['tbps']:>7.2f}{100 * r['tbps'] / copy:>8.0f}"
                 + (f"  {json.dumps(r['knobs'])}" if len(knob_sets) > 1 else ""))
         if any(r["fused"] for r in report["table"]):
-            log("* the top-k's maxima pass fused into the indexer (indexer_topk.indexer_top_k)")
-    log(f"done in {elapsed():.0f} s")
-    with open(os.path.join(out_dir, "bench_indexer.log"), "w") as f:
-        f.write("\n".join(_LOG) + "\n")
+            log("* the top-k's maxima pass fused into the indexer (pallas_kernels.indexer_top_k)")
+    log(f"done in {log.elapsed():.0f} s")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+if __name__ == "__main__":  # run as a script: the repository root on the path
+    sys.path.insert(0, str(REPO))
 
 
 async def one(client, model, prompt, output_len):
@@ -88,9 +90,9 @@ def main(argv=None) -> int:
     server = None
     url = args.url
     if url is None:
-        from dcp_jax.engine import Engine
-        from dcp_jax.loading import use_cpu_devices
-        from dcp_jax.server import OpenAIServer
+        from dcp_jax.serving.engine import Engine
+        from dcp_jax.serving.loading import use_cpu_devices
+        from dcp_jax.serving.server import OpenAIServer
 
         use_cpu_devices(8)
         engine = Engine(args.model, dcp=args.dcp, interleave=1, page_size=8, max_num_seqs=args.max_num_seqs,

@@ -1,11 +1,13 @@
-"""Benchmark of pallas_kernels/sparse_mla.py on one GPU: correctness vs the reference, then timings.
+"""Benchmark of `pallas_kernels.sparse_mla_decode` (pallas_kernels/_sparse_mla_mosaic.py, _sparse_mla_triton.py) on
+one GPU: correctness vs the reference, then timings.
 
-Run from the repo root: `PYTHONPATH=. python3 bench/bench_sparse_mla.py [--sweep]`.
+Run from the repo root: `python bench/bench_sparse_mla.py [--sweep]`.
 Prints same-run ceilings (bf16 8192^3 matmul, device copy), a GPU compare against reference.sparse_mla_decode,
 a table over B in {1, 8, 64}, H in {16, 64, 128}, k=2048 and DCP W in {1, 2, 4, 8} (count = k/W slots per
-row) with the default backend (Mosaic on the H200 for bf16), other variants (`VARIANTS`: the Triton backend,
-the fp8 latent cache) on a few of those shapes, and with --sweep a Triton knob sweep. --quick times only the
-variant comparison.
+row) with the default backend ("pallas": Mosaic on the H200 for bf16), other variants (`VARIANTS`: the Triton
+backend, the fp8 latent cache) on a few of those shapes, and with --sweep a knob sweep (block knobs on Triton,
+`num_splits` on the backend "pallas" picks; `common.knobs_with_backend`). --quick times only the variant
+comparison.
 Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}; `--plot JSON PNG` draws a saved JSON (per-rank
 time vs DCP size; no GPU needed). `--breakdown 'B,H,W;...'` lists the GPU kernels of one call per shape with
 their durations (the Pallas kernel and the XLA ops around it).
@@ -16,24 +18,29 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import statistics
-import tempfile
+import sys
 import time
+
+if __name__ == "__main__":  # run as a script: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 
-from bench.gpu_trace import trace_events
-from pallas_kernels import quant, reference, sparse_mla
+import pallas_kernels
+from bench.common import (LATENT_DIM, PAGE_SIZE, ROPE_DIM, TOP_K, Log, copy_tbps, default_out_dir, kernel_durations_us,
+                          knobs_with_backend, matmul_tflops, pyplot, read_json, save_figure, set_x_ticks,
+                          throughput_seconds, traced_device_events, write_json)
+from pallas_kernels import Fp8LatentCache, formats, reference
 
-VALUE_DIM, ROPE_DIM, TOPK = 512, 64, 2048
+VALUE_DIM, TOPK = LATENT_DIM, TOP_K
 WIDTH = VALUE_DIM + ROPE_DIM
 SM_SCALE = 0.1352
 # 2**20 cache rows of 576 bf16 = 1.2 GB, so random slots miss the 60 MB L2.
-CACHE_PAGES, PAGE_SIZE = 16384, 64
+CACHE_PAGES = 16384
 # Input sets per jitted call: enough kernels per dispatch that small shapes time the device, not the host.
 SETS_PER_CALL_SMALL, SETS_PER_CALL_LARGE = 32, 4
 # Rotate at least this many bytes of distinct KV rows per timing loop (4x the L2).
@@ -44,50 +51,17 @@ MAX_GROUPS = 16
 VARIANTS = {"triton": dict(backend="triton"), "fp8_latent": dict(cache="fp8_latent")}
 COMPARED_SHAPES = ((64, 128, 1), (64, 128, 4), (8, 128, 1), (1, 128, 1))
 
-_START = time.perf_counter()
-OUT_DIR = os.environ.get("OUT", "out")
+OUT_DIR = default_out_dir()
 LOG_PATH = os.path.join(OUT_DIR, "bench_sparse_mla.log")
 
-
-def log(line: str = "") -> None:
-    print(line, flush=True)
-    with open(LOG_PATH, "a") as f:
-        f.write(line + "\n")
-
-
-def elapsed() -> float:
-    return time.perf_counter() - _START
-
-
-def throughput_seconds(fn, arg_groups, *, min_seconds=0.05, reps=5) -> float:
-    """Median over `reps` of (wall time / calls) for back-to-back calls rotating over `arg_groups`."""
-    for args in arg_groups:
-        jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*arg_groups[0]))
-    once = time.perf_counter() - start
-    calls = max(len(arg_groups), math.ceil(min_seconds / max(once, 1e-6)))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for i in range(calls):
-            result = fn(*arg_groups[i % len(arg_groups)])
-        jax.block_until_ready(result)
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
+log = Log()
 
 
 def ceilings() -> dict:
-    key_a, key_b = jax.random.split(jax.random.key(0))
-    n = 8192
-    a = jax.random.normal(key_a, (n, n), jnp.bfloat16)
-    b = jax.random.normal(key_b, (n, n), jnp.bfloat16)
-    matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.bfloat16))
-    matmul_s = throughput_seconds(matmul, [(a, b), (b, a)], min_seconds=0.2)
-    big = jax.random.normal(key_a, (2 << 30) // 4, jnp.float32)
-    copy = jax.jit(lambda x: x * 1.0001)
-    copy_s = throughput_seconds(copy, [(big,)], min_seconds=0.2)
-    return dict(matmul_tflops=2 * n**3 / matmul_s / 1e12, copy_tbps=2 * big.nbytes / copy_s / 1e12)
+    """Same-run ceilings: a bf16 8192^3 matmul (TFLOP/s), then a 2 GB copy (TB/s, read + write), each timed
+    back to back for at least 0.2 s."""
+    seconds = functools.partial(throughput_seconds, min_seconds=0.2)
+    return dict(matmul_tflops=matmul_tflops(seconds), copy_tbps=copy_tbps(2 << 30, seconds))
 
 
 def token_bytes(cache) -> int:
@@ -120,19 +94,21 @@ def check_correctness(cache_bf16) -> list[dict]:
     caches (the fp8 one with bf16 queries)."""
     results = []
     cache_f32 = cache_bf16[:2048].astype(jnp.float32)  # a smaller f32 cache keeps the f32 compare cheap
-    cache_fp8 = quant.quantize_latent_cache(cache_f32, value_dim=VALUE_DIM)
+    cache_fp8 = formats.quantize_latent_cache(cache_f32, value_dim=VALUE_DIM)
     counts = jnp.array([TOPK, 0, 1, 700, 1000, 333, 2047, 64], jnp.int32)
-    for dtype, cache, backend in ((jnp.bfloat16, cache_bf16, "auto"), (jnp.bfloat16, cache_bf16, "triton"),
-                                  (jnp.float32, cache_f32, "auto"), (jnp.bfloat16, cache_fp8, "auto")):
-        cache_name = "fp8" if isinstance(cache, quant.Fp8LatentCache) else jnp.dtype(dtype).name
+    for dtype, cache, backend in ((jnp.bfloat16, cache_bf16, "pallas"), (jnp.bfloat16, cache_bf16, "triton"),
+                                  (jnp.float32, cache_f32, "pallas"), (jnp.bfloat16, cache_fp8, "pallas")):
+        cache_name = "fp8" if isinstance(cache, Fp8LatentCache) else jnp.dtype(dtype).name
         pages = jax.tree.leaves(cache)[0].shape[0]
         for heads, num_splits in ((128, 1), (128, 4), (128, None), (64, None), (16, None)):
             key_q, key_s = jax.random.split(jax.random.key(heads + (num_splits or 0)))
             q = jax.random.normal(key_q, (len(counts), heads, WIDTH), jnp.float32).astype(dtype)
             slots = jax.random.randint(key_s, (len(counts), TOPK), 0, pages * PAGE_SIZE, jnp.int32)
             slots = jnp.where(jnp.arange(TOPK) < counts[:, None], slots, -1)
-            kernel = jax.jit(functools.partial(sparse_mla.sparse_mla_decode, sm_scale=SM_SCALE,
-                                               num_splits=num_splits, backend=backend))
+            # num_splits is a tuning knob: under "pallas" it runs on the implementation "pallas" picks here.
+            knobs = dict(num_splits=num_splits) if backend == "pallas" else dict(num_splits=num_splits, backend=backend)
+            knobs = knobs_with_backend("sparse_mla_decode", knobs, q, cache, slots, counts, SM_SCALE)
+            kernel = jax.jit(functools.partial(pallas_kernels.sparse_mla_decode, sm_scale=SM_SCALE, **knobs))
             poison_allocator(len(counts) * 16 * heads * VALUE_DIM * 4)
             try:
                 out, lse = kernel(q, cache, slots, counts)
@@ -162,18 +138,22 @@ def check_correctness(cache_bf16) -> list[dict]:
 @functools.partial(jax.jit, static_argnames="knobs")
 def _run_sets(q, slots, counts, kv_cache, knobs):
     """The kernel on each stacked input set; knobs is a sorted tuple of (name, value)."""
-    return [sparse_mla.sparse_mla_decode(q[i], kv_cache, slots[i], counts[i], SM_SCALE, **dict(knobs))
+    return [pallas_kernels.sparse_mla_decode(q[i], kv_cache, slots[i], counts[i], SM_SCALE, **dict(knobs))
             for i in range(q.shape[0])]
 
 
 def time_kernel(cache, rows, heads, dcp, **knobs) -> dict:
+    """Per-call time of one shape (k/W slots per row), rotating over >= ROTATE_BYTES of KV rows; tuning knobs
+    run on the backend they need (`common.knobs_with_backend`), which the result's knobs record."""
     count = TOPK // dcp
     set_bytes = rows * count * token_bytes(cache)
-    q_dtype = jnp.bfloat16 if isinstance(cache, quant.Fp8LatentCache) else cache.dtype
+    q_dtype = jnp.bfloat16 if isinstance(cache, Fp8LatentCache) else cache.dtype
     sets_per_call = SETS_PER_CALL_LARGE if set_bytes * SETS_PER_CALL_LARGE >= ROTATE_BYTES else SETS_PER_CALL_SMALL
     num_groups = max(1, min(MAX_GROUPS, math.ceil(ROTATE_BYTES / (set_bytes * sets_per_call))))
     groups = [(*make_sets(100 + g, sets_per_call, rows, heads, count, q_dtype), cache)
               for g in range(num_groups)]
+    q, slots, counts, _ = groups[0]
+    knobs = knobs_with_backend("sparse_mla_decode", knobs, q[0], cache, slots[0], counts[0], SM_SCALE)
     run = functools.partial(_run_sets, knobs=tuple(sorted(knobs.items())))
     compile_start = time.perf_counter()
     jax.block_until_ready(run(*groups[0]))
@@ -196,17 +176,10 @@ def kernel_breakdown(cache, rows, heads, dcp, calls=20) -> dict:
     """Per GPU kernel of one `sparse_mla_decode` call (the Pallas kernel and the XLA ops around it): median
     duration over `calls` calls, from a profiler trace."""
     q, slots, counts = make_sets(300, 1, rows, heads, TOPK // dcp, cache.dtype)
-    run = jax.jit(functools.partial(sparse_mla.sparse_mla_decode, sm_scale=SM_SCALE))
+    run = jax.jit(functools.partial(pallas_kernels.sparse_mla_decode, sm_scale=SM_SCALE))
     args = (q[0], cache, slots[0], counts[0])
     jax.block_until_ready(run(*args))
-    trace_dir = tempfile.mkdtemp()
-    with jax.profiler.trace(trace_dir):
-        for _ in range(calls):
-            jax.block_until_ready(run(*args))
-    durations = {}
-    for events in trace_events(trace_dir).values():
-        for event in events:
-            durations.setdefault(event.name, []).append(event.duration_ns / 1e3)
+    durations = kernel_durations_us(traced_device_events(run, args, calls))
     # Stream lines repeat some events under other line names: keep kernels seen once per call.
     kernels = {name: statistics.median(us) for name, us in durations.items() if len(us) == calls}
     return dict(rows=rows, heads=heads, dcp=dcp, kernels=kernels, total_us=sum(kernels.values()))
@@ -215,13 +188,8 @@ def kernel_breakdown(cache, rows, heads, dcp, calls=20) -> dict:
 def plot(report: dict, path: str) -> None:
     """Per-rank kernel time vs DCP size W (one panel per batch B): the default backend for each H, the ideal 1/W
     scaling of its H=128 line, and the compared variants' points, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     batches = sorted({r["rows"] for r in report["table"]}, reverse=True)
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), sharey=True, squeeze=False)
+    fig, axes = pyplot().subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), sharey=True, squeeze=False)
     for ax, rows in zip(axes[0], batches):
         for i, heads in enumerate(sorted({r["heads"] for r in report["table"]}, reverse=True)):
             line = sorted((r["dcp"], r["us"]) for r in report["table"] if (r["rows"], r["heads"]) == (rows, heads))
@@ -237,14 +205,10 @@ def plot(report: dict, path: str) -> None:
         widths = sorted({r["dcp"] for r in report["table"]})
         ax.set(xscale="log", yscale="log", xlabel="DCP size W (k/W owned slots per row)",
                title=f"B={rows}, k={TOPK}, bf16 latent")
-        ax.set_xticks(widths, [str(w) for w in widths])
-        ax.minorticks_off()
-        ax.grid(alpha=0.3)
+        set_x_ticks(ax, widths, [str(w) for w in widths])
     axes[0][0].set_ylabel("per-rank kernel time, us")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main():
@@ -262,13 +226,13 @@ def main():
                         help="only list the GPU kernels of one call at these B,H,W shapes, e.g. '8,128,1;1,128,1'")
     args = parser.parse_args()
     if args.plot:
-        with open(args.plot[0]) as f:
-            plot(json.load(f), args.plot[1])
+        plot(read_json(args.plot[0]), args.plot[1])
         return
     variants = [name for name in args.variants.split(",") if name]
     if unknown := sorted(set(variants) - set(VARIANTS)):
         parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
     os.makedirs(OUT_DIR, exist_ok=True)
+    log.write_to(LOG_PATH, append=True)  # several runs (e.g. --breakdown, then the table) share one log
     device = jax.devices()[0]
     log(f"device: {device.device_kind}, jax {jax.__version__}, date {time.strftime('%Y-%m-%d')}")
     report = dict(device=device.device_kind, jax=jax.__version__)
@@ -282,15 +246,14 @@ def main():
             log(f"B={r['rows']} H={r['heads']} W={r['dcp']}: {len(r['kernels'])} kernels, {r['total_us']:.1f} us busy")
             for name, us in sorted(r["kernels"].items(), key=lambda item: -item[1]):
                 log(f"  {us:8.1f} us  {name[:100]}")
-        with open(os.path.join(OUT_DIR, "bench_sparse_mla.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(os.path.join(OUT_DIR, "bench_sparse_mla.json"), report)
         return
     report["ceilings"] = ceil = ceilings()
     log(f"ceilings: bf16 matmul 8192^3 {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s "
-        f"(read+write)  [{elapsed():.0f}s]")
+        f"(read+write)  [{log.elapsed():.0f}s]")
     cache = make_cache(jnp.bfloat16)
     report["checks"] = [] if args.quick else check_correctness(cache)
-    log(f"correctness done [{elapsed():.0f}s]")
+    log(f"correctness done [{log.elapsed():.0f}s]")
 
     sweep = []
     if args.sweep:
@@ -300,7 +263,7 @@ def main():
             for rows, heads, dcp in ((64, 128, 1), (64, 128, 4), (8, 128, 1), (8, 128, 4)):
                 if "num_splits" in knobs and rows == 64:
                     continue
-                if elapsed() > args.sweep_budget:
+                if log.elapsed() > args.sweep_budget:
                     log(f"budget reached, skipping {knobs} B={rows}")
                     continue
                 try:
@@ -310,24 +273,24 @@ def main():
                     log(f"sweep {knobs} B={rows} H={heads} W={dcp}: FAILED {result['error'][:160]}")
                 else:
                     log(f"sweep {knobs} B={rows} H={heads} W={dcp}: {result['us']:.1f} us "
-                        f"{result['tflops']:.1f} TFLOP/s [{elapsed():.0f}s]")
+                        f"{result['tflops']:.1f} TFLOP/s [{log.elapsed():.0f}s]")
                 sweep.append(result)
     report["sweep"] = sweep
     table = [time_kernel(cache, rows, heads, dcp) for rows, heads, dcp in COMPARED_SHAPES] if args.quick else []
     for rows in () if args.quick else (64, 8, 1):
         for heads in (128, 64, 16):
             for dcp in (1, 2, 4, 8):
-                if elapsed() > args.budget:
+                if log.elapsed() > args.budget:
                     log(f"budget reached, skipping B={rows} H={heads} W={dcp}")
                     continue
                 result = time_kernel(cache, rows, heads, dcp)
                 table.append(result)
                 log(f"B={rows:2d} H={heads:3d} W={dcp} count={result['count']:4d} {result['us']:8.1f} us "
-                    f"{result['tflops']:6.1f} TFLOP/s compile {result['compile_s']:.1f}s [{elapsed():.0f}s]")
+                    f"{result['tflops']:6.1f} TFLOP/s compile {result['compile_s']:.1f}s [{log.elapsed():.0f}s]")
     report["table"] = table
     caches = dict(bf16=cache)
     if any(VARIANTS[name].get("cache") == "fp8_latent" for name in variants):
-        caches["fp8_latent"] = quant.quantize_latent_cache(cache, value_dim=VALUE_DIM)
+        caches["fp8_latent"] = formats.quantize_latent_cache(cache, value_dim=VALUE_DIM)
     compared = []
     for name in variants:
         for rows, heads, dcp in COMPARED_SHAPES:
@@ -341,8 +304,7 @@ def main():
         report["xla_reference"] = xla = time_xla_reference(cache, 64, 128)
         log(f"XLA reference B=64 H=128 k=2048: {xla['us']:.1f} us")
 
-    with open(os.path.join(OUT_DIR, "bench_sparse_mla.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(OUT_DIR, "bench_sparse_mla.json"), report)
     base = {(r["rows"], r["heads"]): r["us"] for r in table if r["dcp"] == 1}
     if args.sweep:
         log("sweep: " + "; ".join(f"{r['knobs']} B={r['rows']} W={r['dcp']}: "

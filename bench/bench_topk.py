@@ -1,6 +1,7 @@
-"""Benchmark and GPU check of pallas_kernels/topk.py (k=2048) against lax.top_k, with a same-run copy ceiling.
+"""Benchmark and GPU check of `pallas_kernels.topk` (its Triton kernel, pallas_kernels/_topk_triton.py; k=2048)
+against lax.top_k, with a same-run copy ceiling.
 
-Run on the GPU machine from the repo root: `PYTHONPATH=. python3 bench/bench_topk.py [--sweep] [--out DIR]`.
+Run on the GPU machine from the repo root: `python bench/bench_topk.py [--sweep] [--out DIR]`.
 1. Correctness: every timed variant on fresh random rows (lengths near N, one row shorter than k, garbage past
    the length), on rows of exact ties and on all-equal rows (the whole-row path), is compared bit for bit with
    reference.topk (lax.top_k on this GPU); any difference, and every ties/equal set, is settled by a numpy
@@ -23,21 +24,26 @@ import functools
 import json
 import os
 import sys
-import tempfile
 import time
+
+if __name__ == "__main__":  # run as a script: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.gpu_trace import trace_events
-from pallas_kernels import reference, topk
+import pallas_kernels
+from bench import common
+from bench.common import (L2_BYTES, TOP_K, Log, default_out_dir, kernel_durations_us, median_seconds, pyplot,
+                          read_json, save_figure, set_x_ticks, traced_device_events, warm_up_clocks, write_json)
+from pallas_kernels import reference
 
-K = 2048
-BATCHES = "1,8,32,64"
-COLUMNS = "4096,16384,65536,131072"
-L2_BYTES = 60 << 20
-# Knob variants timed by --sweep on [64, 64K]: name -> keyword arguments of topk.topk.
+K = TOP_K
+BATCHES = ",".join(map(str, common.BATCHES))
+COLUMNS = ",".join(map(str, common.CONTEXT_LENGTHS))
+# Knob variants timed by --sweep on [64, 64K]: name -> keyword arguments of `pallas_kernels.topk` on its Triton
+# kernel (`_topk_triton.topk`).
 SWEEP = {
     "xla_sort": dict(sort_in_kernel=False),
     "select_warps8": dict(select_warps=8),
@@ -51,8 +57,13 @@ SWEEP = {
 }
 
 
-def log(*args):
-    print(*args, flush=True)
+log = Log()
+
+
+def kernel_topk(scores, lens, *, k, **knobs):
+    """`pallas_kernels.topk` on its Triton kernel, the op's one Pallas implementation (what "pallas" runs), so
+    that tuning knobs may be passed."""
+    return pallas_kernels.topk(scores, lens, k=k, backend="triton", **knobs)
 
 
 def make_rows(rng, batch, cols, k, fill="normal"):
@@ -77,34 +88,23 @@ def batched(fn):
 
 def time_call(compiled, pairs, repeats=15):
     """(wall seconds per op: median over repeats, GPU kernel seconds per op from a profiler trace or NaN)."""
-    for _ in range(3):
-        jax.block_until_ready(compiled(pairs))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(pairs))
-        times.append((time.perf_counter() - start) / len(pairs))
-    return float(np.median(times)), kernel_time(compiled, pairs)
+    wall = median_seconds(compiled, [(pairs,)], repeats, warmup=3) / len(pairs)
+    return wall, kernel_time(compiled, pairs)
 
 
 def kernel_time(compiled, pairs, runs=5):
     """Sum of the GPU kernel durations on the stream lines of a trace, per op (launch gaps excluded)."""
     try:
-        with tempfile.TemporaryDirectory() as trace_dir:
-            with jax.profiler.trace(trace_dir):
-                for _ in range(runs):
-                    jax.block_until_ready(compiled(pairs))
-            per_kernel = {}
-            for line_name, events in trace_events(trace_dir, "/device:GPU:0").items():
-                if line_name.startswith("Stream"):
-                    for event in events:
-                        per_kernel[event.name[:60]] = per_kernel.get(event.name[:60], 0) + event.duration_ns
+        lines = traced_device_events(compiled, (pairs,), runs, "/device:GPU:0")
+        per_kernel = {name: sum(us) for name, us in
+                      kernel_durations_us(lines, line_prefix="Stream", name_chars=60).items()}
         if not per_kernel:
             log("profiler: no GPU stream events")
             return float("nan")
-        log("  kernels us/op: " + ", ".join(f"{name} {ns * 1e-3 / (runs * len(pairs)):.1f}"
-                                            for name, ns in sorted(per_kernel.items(), key=lambda x: -x[1])[:4]))
-        return sum(per_kernel.values()) * 1e-9 / (runs * len(pairs))
+        ops = runs * len(pairs)
+        log("  kernels us/op: " + ", ".join(f"{name} {us / ops:.1f}"
+                                            for name, us in sorted(per_kernel.items(), key=lambda x: -x[1])[:4]))
+        return sum(per_kernel.values()) * 1e-6 / ops
     except Exception as e:  # the profiler is a nice-to-have: keep the wall times
         log(f"profiler failed: {type(e).__name__}: {e}"[:300])
         return float("nan")
@@ -157,13 +157,8 @@ def bad_rows(got, want):
 
 def plot(rows: list[dict], path: str) -> None:
     """GPU kernel us vs rows B (one panel per N): the default (sorted), column order and lax.top_k, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     columns = sorted({r["cols"] for r in rows})
-    fig, axes = plt.subplots(1, len(columns), figsize=(4.2 * len(columns), 3.8), sharey=True, squeeze=False)
+    fig, axes = pyplot().subplots(1, len(columns), figsize=(4.2 * len(columns), 3.8), sharey=True, squeeze=False)
     for ax, cols in zip(axes[0], columns):
         shape_rows = [r for r in rows if r["cols"] == cols]
         for variant, label, style in (("default", "Pallas, sorted", "-o"), ("unsorted", "Pallas, column order", "-s")):
@@ -176,20 +171,16 @@ def plot(rows: list[dict], path: str) -> None:
             ax.axhline(40, color="C3", linestyle=":", label="target at [64, 64K]: 40 us")
         batches = sorted({r["batch"] for r in shape_rows})
         ax.set(xscale="log", yscale="log", xlabel="rows B", title=f"k={K}, N={cols // 1024}K columns")
-        ax.set_xticks(batches, [str(b) for b in batches])
-        ax.minorticks_off()
-        ax.grid(alpha=0.3)
+        set_x_ticks(ax, batches, [str(b) for b in batches])
     axes[0][0].set_ylabel("GPU kernel time, us")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    parser.add_argument("--out", default=default_out_dir())
     parser.add_argument("--k", type=int, default=K)
     parser.add_argument("--batches", default=BATCHES, help="comma-separated row counts")
     parser.add_argument("--columns", default=COLUMNS, help="comma-separated column counts")
@@ -200,8 +191,7 @@ def main():
                         help="measure nothing: plot the rows of a bench_topk.json")
     args = parser.parse_args()
     if args.plot:
-        with open(args.plot[0]) as f:
-            plot(json.load(f), args.plot[1])
+        plot(read_json(args.plot[0]), args.plot[1])
         return 0
     k = args.k
     batches = [int(b) for b in args.batches.split(",")]
@@ -214,7 +204,7 @@ def main():
     zeros = jnp.asarray(np.array([[-0.0, 0.0, -0.0, 0.0, 1.0, -1.0, 0.5, -0.5]], np.float32))
     zero_lens = jnp.array([8], jnp.int32)
     ref_zero = reference.topk(zeros, zero_lens, k=4)
-    got_zero = topk.topk(zeros, zero_lens, 4)
+    got_zero = pallas_kernels.topk(zeros, zero_lens, k=4)
     log(f"signed zeros: reference {np.asarray(ref_zero[1]).tolist()} kernel {np.asarray(got_zero[1]).tolist()}")
 
     variants = json.loads(args.variants) if args.variants else {"default": {}, "unsorted": dict(sorted=False)}
@@ -227,12 +217,12 @@ def main():
         jobs[("ref", batch, cols)] = (batched(functools.partial(reference.topk, k=k)), example)
         jobs[("copy", batch, cols)] = (batched(lambda s, l: s + 1.0), example)
         for name, knobs in variants.items():
-            jobs[(name, batch, cols)] = (batched(functools.partial(topk.topk, k=k, **knobs)), example)
+            jobs[(name, batch, cols)] = (batched(functools.partial(kernel_topk, k=k, **knobs)), example)
     if args.sweep:
         sweep_shape = (max(batches), 65536 if 65536 in columns else columns[-1])
         for name, knobs in SWEEP.items():
             if name not in variants:
-                fn = batched(functools.partial(topk.topk, k=k, **knobs))
+                fn = batched(functools.partial(kernel_topk, k=k, **knobs))
                 jobs[(name, *sweep_shape)] = (fn, (inputs[sweep_shape],))
     start = time.perf_counter()
     compiled = compile_all(jobs)
@@ -266,11 +256,7 @@ def main():
             failures.append((name, batch, cols))
         log(f"check {name} [{batch}, {cols}]: {'ok' if ok else 'MISMATCH'}")
 
-    # Bring the clocks up before timing (an idle H200 reads 345 MHz).
-    busy = jnp.ones((4096, 4096), jnp.float32)
-    deadline = time.perf_counter() + 1.0
-    while time.perf_counter() < deadline:
-        busy = jax.block_until_ready(busy @ busy * (1 / 4096))
+    warm_up_clocks()  # an idle H200 reads 345 MHz
     rows = []
     for key, fn in compiled.items():
         if isinstance(fn, Exception) or key[0] in ("ref", "copy"):
@@ -287,8 +273,7 @@ def main():
                    ok=(name, batch, cols) not in failures)
         rows.append(row)
         log(json.dumps(row))
-    with open(os.path.join(args.out, "bench_topk.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    write_json(os.path.join(args.out, "bench_topk.json"), rows)
 
     log("\nGPU kernel time per op (profiler), wall = host-timed per op incl. launch gaps")
     log("variant              B      N  kernel_us  top_k_us  speedup  read_TB/s  copy_TB/s  wall_us  tk_wall_us  ok")

@@ -2,13 +2,18 @@
 
 Runs the demo's continuous-batching schedule at every DCP size the devices allow, with the Pallas kernels
 and with the references, against the single-device unsharded computation; prints one row per run.
-Usage: PYTHONPATH=. python3 bench/gpu_check_decode.py [--model tiny-indexer --index-cache fp8 --latent-cache fp8]
+Usage: python bench/gpu_check_decode.py [--model tiny-indexer --index-cache fp8 --latent-cache fp8]
 """
 
 import argparse
 import dataclasses
+import os
+import sys
 import time
 import warnings
+
+if __name__ == "__main__":  # run as a script: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 
@@ -46,7 +51,8 @@ def main():
     devices = len(jax.devices())
     print(f"backend {jax.default_backend()}, {devices} x {jax.devices()[0].device_kind}, model {args.model}, "
           f"{args.index_cache} index cache, {args.latent_cache} latent cache")
-    print(f"{'kernels':>10} {'dcp':>4} {'interleave':>10} {'buckets':>8} {'max ctx':>8} {'step ms':>8} {'max |err|':>10} {'wall s':>7}")
+    print(f"{'kernels':>10} {'dcp':>4} {'interleave':>10} {'buckets':>8} {'max ctx':>8} {'step ms':>8} "
+          f"{'max |err|':>10} {'wall s':>7}")
     for dcp in [int(d) for d in args.dcp.split(",") if int(d) <= devices]:
         for interleave in [int(s) for s in args.interleave.split(",")]:
             for kernels in ("pallas", "reference"):

@@ -1,4 +1,5 @@
-"""How many CTA-wide reductions the two searches of `pallas_kernels/topk.py` need, in a numpy model (no GPU).
+"""How many CTA-wide reductions the two searches of the Triton top-k (`pallas_kernels/_topk_triton.py`) need, in
+a numpy model (no GPU; numpy only, so it starts at once).
 
 Run from the repo root: `python3 bench/model_topk_search.py [--rows 5]`. For rows of 64K columns (N(0, 1),
 rounded to quarters, relu'd and log-normal) and k=2048, it finds the floor (the k-th largest of 4096 group
@@ -19,6 +20,7 @@ import argparse
 
 import numpy as np
 
+# k = DeepSeek-V3.2's index_topk (bench.common.TOP_K, not imported: that would load jax).
 K, COLUMNS, GROUPS, COARSE_BITS = 2048, 65536, 4096, 16
 INTERPOLATED_STEPS = 8
 

@@ -1,12 +1,15 @@
 """dcp-jax: DeepSeek-V3.2 sparse-attention decode with decode context parallelism in JAX.
 
-`from dcp_jax import LLM, SamplingParams` works; the names load lazily so `import dcp_jax` stays free of jax.
+Packages: `host/` (numpy only: layout, metadata, pages, scheduler, sampling parameters), `model/` (mesh, KV cache,
+weights, attention, the DeepSeek-V3.2 modules), `runtime/` (the compiled steps and the runner), `serving/` (the
+core, `Engine`, `LLM`, the server). `from dcp_jax import LLM, SamplingParams` works; the names load lazily so
+`import dcp_jax` stays free of jax.
 """
 
 _LAZY = {
-    "LLM": "dcp_jax.llm",
-    "RequestOutput": "dcp_jax.llm",
-    "SamplingParams": "dcp_jax.sampling",
+    "LLM": "dcp_jax.serving.llm",
+    "RequestOutput": "dcp_jax.serving.llm",
+    "SamplingParams": "dcp_jax.host.sampling",
     "ModelConfig": "dcp_jax.config",
 }
 

@@ -1,14 +1,19 @@
-"""The `dcp-jax` command."""
+"""The `dcp-jax` command: demo, generate, serve, and the benchmarks of the source checkout (`bench`)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import pathlib
+import runpy
 import sys
 
-from dcp_jax.attention.kernels import KERNEL_CHOICES
-from dcp_jax.config import INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP
-from dcp_jax.loading import use_cpu_devices
+from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, KERNEL_CHOICES, LATENT_CACHE_FORMATS,
+                            LATENT_CACHE_HELP)
+from dcp_jax.serving.loading import use_cpu_devices
+
+# The benchmarks live beside the package in a source checkout: bench/bench_<name>.py, each with main(argv).
+BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "bench"
 
 
 def _parse_sizes(text: str) -> list[int]:
@@ -52,8 +57,8 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from dcp_jax.llm import LLM
-    from dcp_jax.sampling import SamplingParams
+    from dcp_jax.serving.llm import LLM
+    from dcp_jax.host.sampling import SamplingParams
 
     tp = args.tp or args.dcp
     use_cpu_devices(max(args.devices or tp, tp))
@@ -70,7 +75,7 @@ def generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"dcp-jax generate: {e}", file=sys.stderr)
         return 2
-    print(f"model {args.model}: {llm.cfg.num_hidden_layers} layers, tp={tp} dcp={args.dcp} "
+    print(f"model {args.model}: {llm.model_config.num_hidden_layers} layers, tp={tp} dcp={args.dcp} "
           f"interleave={args.interleave}, {args.index_cache} index cache, {args.latent_cache} latent cache, "
           f"backend {llm.backend}")
     for out in outputs:
@@ -89,7 +94,8 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     s.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    s.add_argument("--max-model-len", type=int, default=256)
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's max_position_embeddings, capped by the pool)")
     s.add_argument("--max-num-seqs", type=int, default=8, help="largest decode bucket")
     s.add_argument("--buckets", type=_parse_sizes, default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
                    help="decode bucket ladder, comma-separated")
@@ -110,8 +116,8 @@ def serve(args: argparse.Namespace) -> int:
     use_cpu_devices(max(args.devices or tp, tp))
     import jax
 
-    from dcp_jax.engine import Engine
-    from dcp_jax.server import OpenAIServer
+    from dcp_jax.serving.engine import Engine
+    from dcp_jax.serving.server import OpenAIServer
 
     jax.config.update("jax_default_matmul_precision", "highest")
     try:
@@ -126,9 +132,10 @@ def serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"dcp-jax serve: {e}", file=sys.stderr)
         return 2
-    print(f"dcp-jax serve: model {server.model_name} ({engine.cfg.num_hidden_layers} layers), tp={tp} dcp={args.dcp} "
-          f"interleave={args.interleave}, buckets {engine.config.buckets}, {engine.num_pages} KV pages "
-          f"({args.index_cache} index cache, {args.latent_cache} latent cache), backend {engine.backend}", flush=True)
+    print(f"dcp-jax serve: model {server.model_name} ({engine.model_config.num_hidden_layers} layers), tp={tp} "
+          f"dcp={args.dcp} interleave={args.interleave}, max_model_len {engine.engine_config.max_model_len}, buckets "
+          f"{engine.engine_config.buckets}, {engine.num_pages} KV pages ({args.index_cache} index cache, "
+          f"{args.latent_cache} latent cache), backend {engine.backend}", flush=True)
     print(f"dcp-jax serve: listening on {server.url}", flush=True)
     try:
         server.serve_forever()
@@ -137,14 +144,16 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_decode(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from dcp_jax import decode_bench
-
-    return decode_bench.run(args, echo=lambda text: print(text, flush=True),
-                            progress=lambda total: tqdm(total=total, unit="point", file=sys.stderr,
-                                                                 mininterval=1 if sys.stderr.isatty() else 30))
+def bench(args: argparse.Namespace) -> int:
+    """Run bench/bench_<name>.py of the source checkout with the remaining arguments."""
+    script = BENCH_DIR / f"bench_{args.name}.py"
+    if not script.is_file():
+        have = sorted(p.stem.removeprefix("bench_") for p in BENCH_DIR.glob("bench_*.py"))
+        where = f"it has {have}" if have else f"{BENCH_DIR} is not there (bench/ comes with the source checkout)"
+        print(f"dcp-jax bench: no benchmark {args.name!r}: {where}", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(BENCH_DIR.parent))
+    return runpy.run_path(str(script), run_name="dcp_jax_bench")["main"](args.args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--max-model-len", type=int, default=256)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's max_position_embeddings)")
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
     g.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
@@ -182,12 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     s = commands.add_parser("serve", help="OpenAI-compatible server (default: the embedded tiny model)")
     add_serve_arguments(s)
     s.set_defaults(run=serve)
-    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from dcp_jax import decode_bench
-
-    b = bench.add_parser("decode", help="time the sharded decode step over DCP sizes x contexts x batches")
-    decode_bench.add_arguments(b)
-    b.set_defaults(run=bench_decode)
+    b = commands.add_parser("bench", help="a benchmark of bench/ (source checkout): dcp-jax bench decode --help",
+                            add_help=False)
+    b.add_argument("name", help="decode: the sharded decode step over DCP sizes x contexts x batches")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    b.set_defaults(run=bench)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -11,8 +11,6 @@ import math
 import os
 from typing import Any
 
-from dcp_jax.layout import virtual_blocks
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -241,6 +239,9 @@ class ParallelConfig:
 
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Which kernels the attention layers run: auto (Pallas on a GPU, the pure-jnp references elsewhere), pallas (the
+# Pallas kernels; interpreted on CPU) or reference.
+KERNEL_CHOICES = ("auto", "pallas", "reference")
 # Formats of the indexer key cache. exact: keys in the model dtype, scored as HF does. fp8: Hadamard-rotated e4m3
 # keys with a power-of-two f32 scale per token (index_head_dim + 4 bytes a token), scored with fp8 queries.
 INDEX_CACHE_FORMATS = ("exact", "fp8")
@@ -302,4 +303,4 @@ class EngineConfig:
 
     def max_blocks_per_seq(self, dcp: int) -> int:
         """Virtual blocks (page_size * dcp tokens each) a request of max_model_len needs."""
-        return int(virtual_blocks(self.max_model_len, dcp, self.page_size))
+        return -(-self.max_model_len // (self.page_size * dcp))

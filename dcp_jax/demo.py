@@ -1,4 +1,4 @@
-"""The foundation demo: the sharded sparse-attention layer stack against its single-device twin.
+"""The foundation demo (`dcp-jax demo`): the sharded sparse-attention layer stack against its single-device twin.
 
 Requests join and leave a continuously batched decode loop; every step runs the DCP step (host-built
 metadata, bucketed, compiled once per bucket) and the unsharded computation on the same inputs, and the
@@ -8,20 +8,36 @@ outputs are compared.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
 
-from dcp_jax.attention.kernels import select_kernels
 from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
-from dcp_jax.kv_cache import allocate_kv_cache
-from dcp_jax.layout import virtual_blocks
-from dcp_jax.mesh import make_mesh
-from dcp_jax.metadata import build_decode_metadata
-from dcp_jax.page_allocator import PageAllocator
-from dcp_jax.stack import decode_stack_unsharded, empty_history, init_stack_params, make_stack_step
+from dcp_jax.host.layout import DcpLayout
+from dcp_jax.host.metadata import build_decode_metadata
+from dcp_jax.host.page_allocator import PageAllocator
+from dcp_jax.model.attention.decode import kernel_backend
+from dcp_jax.model.attention_stack import (decode_stack_body, decode_stack_unsharded, empty_history,
+                                           init_stack_params, stack_param_specs)
+from dcp_jax.model.kv_cache import allocate_kv_cache
+from dcp_jax.model.mesh import make_mesh
+from dcp_jax.runtime.step import DecodeStep
+
+
+def make_stack_step(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh, kernels: str,
+                    body=None) -> DecodeStep:
+    """The decode step of the attention stack, one program per bucket of `engine`; `kernels` an engine's choice
+    (`config.KERNEL_CHOICES`). `body` replaces `decode_stack_body` (tests wire in variants)."""
+    layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
+    body = functools.partial(body or decode_stack_body, cfg=cfg, layout=layout, backend=kernel_backend(kernels))
+    return DecodeStep(body, mesh, buckets=engine.buckets, layout=layout,
+                      max_blocks=engine.max_blocks_per_seq(parallel.dcp), param_specs=stack_param_specs(cfg),
+                      input_specs=P(), output_specs=P(),
+                      input_shapes=lambda rows: jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +90,8 @@ def run_comparison(
     `engine.latent_cache`'s and `engine.index_cache`'s formats); return the worst output difference."""
     mesh = make_mesh(parallel)
     params = init_stack_params(cfg, jax.random.key(seed)) if params is None else params
-    step = make_stack_step(cfg, parallel, engine, mesh, select_kernels(kernels))
+    step = make_stack_step(cfg, parallel, engine, mesh, kernels)
+    layout = step.layout
     unsharded_params, params = params, step.place_params(params)
     kv_cache = allocate_kv_cache(cfg, engine, parallel.dcp, mesh)
     for rows in engine.buckets:
@@ -95,18 +112,11 @@ def run_comparison(
                 tables[i] = []
         for i in active:
             lens[i] += 1
-            missing = virtual_blocks(lens[i], parallel.dcp, engine.page_size) - len(tables[i])
+            missing = layout.virtual_blocks(lens[i]) - len(tables[i])
             tables[i] += allocator.allocate(int(missing))
         hidden = rng.standard_normal((num_requests, cfg.hidden_size)).astype(np.float32)
-        md = build_decode_metadata(
-            [lens[i] for i in active],
-            [tables[i] for i in active],
-            bucket=engine.bucket_for(len(active)),
-            dcp=parallel.dcp,
-            interleave=parallel.interleave,
-            page_size=engine.page_size,
-            max_blocks=engine.max_blocks_per_seq(parallel.dcp),
-        )
+        md = build_decode_metadata([lens[i] for i in active], [tables[i] for i in active],
+                                   bucket=engine.bucket_for(len(active)), layout=layout, max_blocks=step.max_blocks)
         inputs = np.zeros((md.rows, cfg.hidden_size), np.float32)
         inputs[: len(active)] = hidden[active]
         begin = time.perf_counter()
@@ -117,9 +127,8 @@ def run_comparison(
         is_active = np.isin(np.arange(num_requests), active)
         context = np.where(is_active, lens, 0).astype(np.int32)
         expected, history, _ = decode_stack_unsharded(
-            unsharded_params, history, jnp.asarray(np.where(is_active[:, None], hidden, 0)), jnp.asarray(np.maximum(context - 1, 0)),
-            jnp.asarray(context), cfg=cfg,
-        )
+            unsharded_params, history, jnp.asarray(np.where(is_active[:, None], hidden, 0)),
+            jnp.asarray(np.maximum(context - 1, 0)), jnp.asarray(context), cfg=cfg)
         max_err = max(max_err, float(np.max(np.abs(out[: len(active)] - np.asarray(expected)[active]))))
     return Report(
         dcp=parallel.dcp,

@@ -1,9 +1,10 @@
-"""Pure-jnp references of the sparse DCP decode kernels: obviously right, fp32, `precision=HIGHEST`.
+"""Pure-jnp references of the public ops (`pallas_kernels.api`): obviously right, fp32, `precision=HIGHEST`.
 
-Each function has the signature of its kernel minus the tuning knobs; tests feed both one argument tuple.
-The cross-rank steps that are not kernels (candidate merge, owner filter, LSE merge) are plain jnp already and
-live, with their own tests, in `dcp_jax/attention/exchange.py`.
-Letters: R rows, H heads, D head/latent dim, T tokens (columns), K top-k, W dcp size, P blocks per row.
+Each function has the signature of its op minus `backend`, `interpret` and the tuning knobs; tests feed both one
+argument tuple. The cross-rank steps that are not kernels (candidate merge, owner filter, LSE merge) are plain jnp
+already and live, with their own tests, in `dcp_jax/model/attention/exchange.py`.
+Letters: R rows, H heads, Hi index heads, Di index head dim, Dq query width, T tokens (columns), K top-k,
+P blocks per row.
 """
 
 from __future__ import annotations
@@ -11,24 +12,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant import Fp8LatentCache, dequantize_latent_cache
+from pallas_kernels.formats import Fp8IndexKeys, Fp8LatentCache, dequantize_latent_cache
 
 HIGHEST = jax.lax.Precision.HIGHEST
 NEG_INF = float("-inf")
 
 
-def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None):
+def indexer_logits(q, weights, index_cache, block_tables, lens):
     """Lightning-indexer scores over a paged index-K cache.
 
-    q [R, H, D], weights [R, H] f32 (every scale folded in), k_cache [pages, B, D] (f32, bf16 or fp8 e4m3),
-    block_tables [R, P] int32 page ids (entries past a row's length are ignored, may be -1),
-    lens [R] int32 tokens per row, k_scale [pages, B] f32 per-token scale or None.
-    Returns f32 [R, P*B]: `sum_h weights[r,h] * relu(q[r,h] . k_t) * k_scale[t]` for t < lens[r], -inf elsewhere.
+    q [R, Hi, Di], weights [R, Hi] f32 (every scale folded in), index_cache [pages, B, Di] (f32, bf16 or fp8 e4m3)
+    or `Fp8IndexKeys` (keys [pages, B, Di] e4m3, scales [pages, B] f32 per token), block_tables [R, P] int32 page
+    ids (entries past a row's length are ignored, may be -1), lens [R] int32 tokens per row.
+    Returns f32 [R, P*B]: `sum_h weights[r,h] * relu(q[r,h] . k_t) * scale[t]` for t < lens[r], -inf elsewhere.
     """
+    k_cache, k_scale = ((index_cache.keys, index_cache.scales) if isinstance(index_cache, Fp8IndexKeys)
+                        else (index_cache, None))
     num_pages, page_size, _ = k_cache.shape
     rows, max_blocks = block_tables.shape
     pages = jnp.clip(block_tables, 0, num_pages - 1)
-    keys = k_cache[pages].astype(jnp.float32).reshape(rows, max_blocks * page_size, -1)  # [R, T, D]
+    keys = k_cache[pages].astype(jnp.float32).reshape(rows, max_blocks * page_size, -1)  # [R, T, Di]
     dots = jnp.einsum("rhd,rtd->rht", q.astype(jnp.float32), keys, precision=HIGHEST)
     scores = jnp.einsum("rh,rht->rt", weights.astype(jnp.float32), jax.nn.relu(dots), precision=HIGHEST)
     if k_scale is not None:
@@ -61,9 +64,9 @@ def topk(scores, lens, *, k, sorted=True):
     return values, indices
 
 
-def indexer_top_k(q, weights, k_cache, block_tables, lens, *, k, k_scale=None, sorted=True):
-    """topk of indexer_logits: the reference of the fused pair (pallas_kernels/indexer_topk.py)."""
-    return topk(indexer_logits(q, weights, k_cache, block_tables, lens, k_scale=k_scale), lens, k=k, sorted=sorted)
+def indexer_top_k(q, weights, index_cache, block_tables, lens, *, k, sorted=True):
+    """topk of indexer_logits."""
+    return topk(indexer_logits(q, weights, index_cache, block_tables, lens), lens, k=k, sorted=sorted)
 
 
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512):
@@ -71,7 +74,7 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512):
 
     q [R, H, Dq] (latent query then rope query), kv_cache [pages, B, Dq] (latent then roped key) or an
     Fp8LatentCache (dequantized first), slots [R, S] int32 physical slots, valid first, counts [R] int32.
-    value_dim = latent width (512 in DeepSeek). Returns out f32 [R, H, value_dim] (softmax-weighted latents)
+    value_dim = latent width C (512 in DeepSeek). Returns out f32 [R, H, value_dim] (softmax-weighted latents)
     and lse f32 [R, H] (natural log of the sum of exp(scaled scores)); a row with count 0 gives out 0 and
     lse -inf.
     """
@@ -88,14 +91,3 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512):
     probs = jnp.where(is_valid[:, None, :], jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
     out = jnp.einsum("rhs,rsd->rhd", probs, kv[..., :value_dim], precision=HIGHEST)
     return out, lse
-
-
-def local_context_lens_on_device(context_lens, rank, *, dcp, interleave):
-    """The device-side "fallback" derivation of a rank's local lengths from global ones.
-
-    Kept only as a reference for tests and for the fallback-vs-host benchmark: the decode step must never
-    contain this arithmetic (the host computes `dcp_jax.layout.local_context_lens` instead).
-    """
-    base = (context_lens // (interleave * dcp)) * interleave
-    rem = jnp.clip(context_lens - base * dcp - rank * interleave, 0, interleave)
-    return base + rem

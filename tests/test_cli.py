@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from dcp_jax import cli
@@ -27,3 +28,20 @@ def test_readme_serve_demo_answers_a_completion(tmp_path):
     reply = json.loads(done.stdout[done.stdout.index("{"):])
     assert reply["object"] == "text_completion"
     assert reply["usage"]["completion_tokens"] == 16
+
+
+def test_serve_help_imports_no_benchmark_and_no_jax():
+    """`dcp-jax serve --help` builds its parser from the library alone: no bench/ module, and not even jax."""
+    code = ("import sys\nfrom dcp_jax import cli\ntry:\n    cli.main(['serve', '--help'])\n"
+            "except SystemExit:\n    pass\n"
+            "bad = sorted(m for m in sys.modules if m == 'bench' or m.startswith(('bench.', 'jax')))\n"
+            "print(bad, file=sys.stderr)\nsys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "--max-model-len" in done.stdout
+
+
+def test_bench_names_what_it_has(capsys):
+    assert cli.main(["bench", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "no benchmark 'nope'" in err and "'decode'" in err

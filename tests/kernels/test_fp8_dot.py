@@ -1,4 +1,4 @@
-"""pallas_kernels/fp8_dot.py: exact off the GPU, and the Triton lowering carries the accumulation allowance."""
+"""pallas_kernels/_fp8_dot.py: exact off the GPU, and the Triton lowering carries the accumulation allowance."""
 
 import numpy as np
 import pytest
@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
-from pallas_kernels import indexer
-from pallas_kernels.fp8_dot import fp8_dot_nt
+import pallas_kernels
+from pallas_kernels._fp8_dot import fp8_dot_nt
 
 FP8 = jnp.float8_e4m3fn
 
@@ -48,7 +48,7 @@ def _triton_ir(monkeypatch, **knobs):
     shapes = (jax.ShapeDtypeStruct((2, 64, 128), FP8), jax.ShapeDtypeStruct((2, 64), jnp.float32),
               jax.ShapeDtypeStruct((64, 64, 128), FP8), jax.ShapeDtypeStruct((2, 16), jnp.int32),
               jax.ShapeDtypeStruct((2,), jnp.int32))
-    run = jax.jit(lambda *args: indexer.indexer_logits(*args, interpret=False, **knobs))
+    run = jax.jit(lambda *args: pallas_kernels.indexer_logits(*args, backend="triton", interpret=False, **knobs))
     run.trace(*shapes).lower(lowering_platforms=("cuda",))
     [module] = modules
     return module

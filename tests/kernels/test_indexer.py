@@ -1,4 +1,5 @@
-"""pallas_kernels/indexer.py against reference.indexer_logits: interpreted on CPU, compiled on GPU."""
+"""pallas_kernels.indexer_logits (the Triton and Mosaic kernels) against reference.indexer_logits: interpreted on
+CPU, compiled on GPU."""
 
 import numpy as np
 import pytest
@@ -6,7 +7,10 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import indexer, indexer_mosaic, quant, reference
+import pallas_kernels
+from pallas_kernels import _indexer_mosaic as indexer_mosaic
+from pallas_kernels import formats, reference
+from pallas_kernels.formats import Fp8IndexKeys
 
 FP8 = jnp.float8_e4m3fn
 
@@ -24,18 +28,18 @@ def _case(seed, *, rows, heads, dim, page_size, max_blocks, lens, dtype, with_sc
         used = -(-n // page_size)
         block_tables[r, :used] = pages[r * max_blocks:r * max_blocks + used]
     if dtype == FP8:
-        q8, weights = quant.quantize_index_queries(jnp.asarray(q), weights)
-        k8, k_scale = quant.quantize_index_keys(jnp.asarray(keys))
-        q, keys = q8, k8
+        q, weights = formats.quantize_index_queries(jnp.asarray(q), weights)
+        cache = formats.quantize_index_keys(jnp.asarray(keys))
     else:
-        q, keys = jnp.asarray(q, dtype), jnp.asarray(keys, dtype)
-        k_scale = jnp.asarray(rng.uniform(0.5, 2.0, (num_pages, page_size)), jnp.float32) if with_scale else None
-    return (q, weights, keys, jnp.asarray(block_tables), jnp.asarray(lens, jnp.int32)), dict(k_scale=k_scale)
+        q, cache = jnp.asarray(q, dtype), jnp.asarray(keys, dtype)
+        if with_scale:  # the kernels' scale path on keys of a wider dtype
+            cache = Fp8IndexKeys(cache, jnp.asarray(rng.uniform(0.5, 2.0, (num_pages, page_size)), jnp.float32))
+    return q, weights, cache, jnp.asarray(block_tables), jnp.asarray(lens, jnp.int32)
 
 
-def _check(args, kwargs, *, rtol, **knobs):
-    out = np.asarray(indexer.indexer_logits(*args, **kwargs, **knobs))
-    ref = np.asarray(reference.indexer_logits(*args, **kwargs))
+def _check(args, *, rtol, backend="triton", **knobs):
+    out = np.asarray(pallas_kernels.indexer_logits(*args, backend=backend, **knobs))
+    ref = np.asarray(reference.indexer_logits(*args))
     lens = np.asarray(args[4])
     is_valid = np.arange(ref.shape[1])[None, :] < lens[:, None]
     assert out.shape == ref.shape and out.dtype == np.float32
@@ -59,30 +63,30 @@ RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-5, FP8: 1e-5}
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_indexer_logits_matches_reference(case, dtype):
     rows, heads, dim, page_size, max_blocks, lens = case
-    args, kwargs = _case(0, rows=rows, heads=heads, dim=dim, page_size=page_size, max_blocks=max_blocks,
-                         lens=lens, dtype=dtype, with_scale=dtype == jnp.bfloat16)
-    _check(args, kwargs, rtol=RTOL[dtype])
+    args = _case(0, rows=rows, heads=heads, dim=dim, page_size=page_size, max_blocks=max_blocks, lens=lens,
+                 dtype=dtype, with_scale=dtype == jnp.bfloat16)
+    _check(args, rtol=RTOL[dtype])
+    _check(args, rtol=RTOL[dtype], backend="pallas")  # the default picks the Triton kernel here
 
 
 def test_indexer_logits_several_chunks_per_program():
     """block_t > chunk_t: one program walks valid chunks, then stores -inf for the rest."""
-    args, kwargs = _case(1, rows=3, heads=4, dim=16, page_size=4, max_blocks=16, lens=[64, 21, 0],
-                         dtype=jnp.float32, with_scale=True)
-    _check(args, kwargs, rtol=1e-5, block_t=64, chunk_t=16)
+    args = _case(1, rows=3, heads=4, dim=16, page_size=4, max_blocks=16, lens=[64, 21, 0], dtype=jnp.float32,
+                 with_scale=True)
+    _check(args, rtol=1e-5, block_t=64, chunk_t=16)
 
 
 @pytest.mark.parametrize("fp8_imprecise_acc", [None, 32])
 def test_indexer_logits_fp8_mma_modes(fp8_imprecise_acc):
     """Both fp8 paths (exact f16 products, fp8 wgmma with an accumulation allowance) match off the GPU."""
-    args, kwargs = _case(3, rows=3, heads=16, dim=64, page_size=16, max_blocks=8, lens=[128, 77, 0], dtype=FP8)
-    _check(args, kwargs, rtol=1e-5, fp8_imprecise_acc=fp8_imprecise_acc)
+    args = _case(3, rows=3, heads=16, dim=64, page_size=16, max_blocks=8, lens=[128, 77, 0], dtype=FP8)
+    _check(args, rtol=1e-5, fp8_imprecise_acc=fp8_imprecise_acc)
 
 
 def test_indexer_logits_bf16_queries_fp8_keys():
     """Mixed dtypes multiply in the wider one (fp8 keys upcast to bf16 in the kernel)."""
-    args, kwargs = _case(2, rows=2, heads=4, dim=32, page_size=8, max_blocks=4, lens=[30, 9], dtype=FP8)
-    q8, *rest = args
-    _check((q8.astype(jnp.bfloat16), *rest), kwargs, rtol=1e-5)
+    q8, *rest = _case(2, rows=2, heads=4, dim=32, page_size=8, max_blocks=4, lens=[30, 9], dtype=FP8)
+    _check((q8.astype(jnp.bfloat16), *rest), rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -90,35 +94,48 @@ def test_indexer_logits_bf16_queries_fp8_keys():
     [
         (dict(q=jnp.zeros((2, 4))), "q.shape"),
         (dict(weights=jnp.zeros((2, 8))), "weights.shape"),
-        (dict(k_cache=jnp.zeros((6, 4, 32))), "head dim"),
-        (dict(q=jnp.zeros((2, 4, 24)), k_cache=jnp.zeros((6, 4, 24))), "power of two"),
+        (dict(cache=jnp.zeros((6, 4, 32))), "head dim"),
+        (dict(q=jnp.zeros((2, 4, 24)), cache=jnp.zeros((6, 4, 24))), "power of two"),
         (dict(q=jnp.zeros((2, 4, 16), jnp.float16)), "dtype"),
         (dict(block_tables=jnp.zeros((2, 3), jnp.float32)), "int32"),
         (dict(lens=jnp.zeros((3,), jnp.int32)), "lens.shape"),
-        (dict(k_scale=jnp.zeros((6, 8), jnp.float32)), "k_scale"),
+        (dict(cache=Fp8IndexKeys(jnp.zeros((6, 4, 16)), jnp.zeros((6, 8), jnp.float32))), "scales"),
     ],
 )
 def test_indexer_logits_rejects_bad_inputs(change, match):
-    args = dict(q=jnp.zeros((2, 4, 16)), weights=jnp.zeros((2, 4)), k_cache=jnp.zeros((6, 4, 16)),
-                block_tables=jnp.zeros((2, 3), jnp.int32), lens=jnp.zeros((2,), jnp.int32), k_scale=None)
+    args = dict(q=jnp.zeros((2, 4, 16)), weights=jnp.zeros((2, 4)), cache=jnp.zeros((6, 4, 16)),
+                block_tables=jnp.zeros((2, 3), jnp.int32), lens=jnp.zeros((2,), jnp.int32))
     args.update(change)
-    k_scale = args.pop("k_scale")
     with pytest.raises(ValueError, match=match):
-        indexer.indexer_logits(*args.values(), k_scale=k_scale)
+        pallas_kernels.indexer_logits(*args.values())
 
 
 def test_indexer_logits_rejects_bad_knobs():
-    args, kwargs = _case(0, rows=1, heads=4, dim=16, page_size=4, max_blocks=2, lens=[5], dtype=jnp.float32)
+    args = _case(0, rows=1, heads=4, dim=16, page_size=4, max_blocks=2, lens=[5], dtype=jnp.float32)
     with pytest.raises(ValueError, match="chunk_t"):
-        indexer.indexer_logits(*args, **kwargs, chunk_t=24)
+        pallas_kernels.indexer_logits(*args, backend="triton", chunk_t=24)
     with pytest.raises(ValueError, match="block_t"):
-        indexer.indexer_logits(*args, **kwargs, block_t=32, chunk_t=64)
+        pallas_kernels.indexer_logits(*args, backend="triton", block_t=32, chunk_t=64)
     with pytest.raises(ValueError, match="fp8_imprecise_acc"):
-        indexer.indexer_logits(*args, **kwargs, fp8_imprecise_acc=16)
+        pallas_kernels.indexer_logits(*args, backend="triton", fp8_imprecise_acc=16)
     with pytest.raises(ValueError, match="backend must be"):
-        indexer.indexer_logits(*args, **kwargs, backend="cuda")
-    with pytest.raises(ValueError, match="backend=.mosaic.. needs"):  # f32 keys, and interpreted on CPU
-        indexer.indexer_logits(*args, **kwargs, backend="mosaic")
+        pallas_kernels.indexer_logits(*args, backend="cuda")
+    with pytest.raises(TypeError, match="explicit backend"):  # the default's knobs are not a caller's to turn
+        pallas_kernels.indexer_logits(*args, chunk_t=16)
+    with pytest.raises(ValueError, match="backend='mosaic' cannot run.*fp8.*interpreter"):  # f32 keys, on CPU
+        pallas_kernels.indexer_logits(*args, backend="mosaic")
+
+
+def test_backend_table_says_why_mosaic_does_not_apply():
+    """No silent fallback: every reason is named, and the default names the backend each one belongs to."""
+    args = _case(0, rows=1, heads=4, dim=16, page_size=4, max_blocks=2, lens=[5], dtype=jnp.float32)
+    reasons = pallas_kernels.unsupported("indexer_logits", "mosaic", *args)
+    assert any("fp8" in r for r in reasons) and any("pages of 64" in r for r in reasons)
+    assert pallas_kernels.unsupported("indexer_logits", "reference", *args) == []
+    assert pallas_kernels.choose("indexer_logits", "pallas", *args) == "triton"
+    bad = (jnp.zeros((1, 4, 24)), args[1], jnp.zeros((6, 4, 24)), *args[3:])
+    with pytest.raises(ValueError, match="mosaic: .*triton: Di must be a power of two"):
+        pallas_kernels.indexer_logits(*bad)
 
 
 @pytest.mark.parametrize("rows, heads, max_blocks, pages_per_cta, stages",
@@ -156,10 +173,10 @@ def test_mosaic_prepare_pads_to_the_kernel():
 def test_indexer_logits_compiled_real_shapes(dtype, fp8_imprecise_acc, backend):
     """DeepSeek-V3.2 indexer (Hi=64, Di=128, page 64) compiled with the default knobs; mixed lengths."""
     lens = [0, 1, 63, 64, 1000, 4095, 3000, 4096]
-    args, kwargs = _case(4, rows=8, heads=64, dim=128, page_size=64, max_blocks=64, lens=lens, dtype=dtype,
-                         with_scale=True)
-    _check(args, kwargs, rtol=2e-3 if dtype == FP8 else 1e-4, interpret=False, fp8_imprecise_acc=fp8_imprecise_acc,
-           backend=backend)
+    args = _case(4, rows=8, heads=64, dim=128, page_size=64, max_blocks=64, lens=lens, dtype=dtype,
+                 with_scale=True)
+    knobs = dict(fp8_imprecise_acc=fp8_imprecise_acc) if backend == "triton" else {}
+    _check(args, rtol=2e-3 if dtype == FP8 else 1e-4, interpret=False, backend=backend, **knobs)
 
 
 @pytest.mark.gpu
@@ -170,23 +187,21 @@ def test_mosaic_kernel_on_gpu(heads, max_blocks, pages_per_cta, stages):
     and scales behind every token past a row's length (never read, or masked)."""
     full = max_blocks * 64
     lens = [0, 1, 63, 64, 65, 1000 % full, full - 1, full, 3 * 64 + 5]
-    args, kwargs = _case(6, rows=len(lens), heads=heads, dim=128, page_size=64, max_blocks=max_blocks, lens=lens,
-                         dtype=FP8)
-    q, weights, keys, tables, lens_ = args
+    q, weights, cache, tables, lens_ = _case(6, rows=len(lens), heads=heads, dim=128, page_size=64,
+                                             max_blocks=max_blocks, lens=lens, dtype=FP8)
     valid = np.arange(64)[None, :] + 64 * np.arange(max_blocks)[:, None]  # [blocks, 64] token positions
-    nan_keys, nan_scales = np.array(keys.astype(jnp.float32)), np.array(kwargs["k_scale"])
+    nan_keys, nan_scales = np.array(cache.keys.astype(jnp.float32)), np.array(cache.scales)
     for r, n in enumerate(lens):
         for b, page in enumerate(np.asarray(tables)[r]):
             if page >= 0:
                 nan_keys[page][valid[b] >= n] = np.nan
                 nan_scales[page][valid[b] >= n] = np.nan
-    args = (q, weights, jnp.asarray(nan_keys, FP8), tables, lens_)
-    _check(args, dict(k_scale=jnp.asarray(nan_scales)), rtol=2e-3, interpret=False, backend="mosaic",
-           pages_per_cta=pages_per_cta, stages=stages)
+    args = (q, weights, Fp8IndexKeys(jnp.asarray(nan_keys, FP8), jnp.asarray(nan_scales)), tables, lens_)
+    _check(args, rtol=2e-3, interpret=False, backend="mosaic", pages_per_cta=pages_per_cta, stages=stages)
 
 
 @pytest.mark.gpu
 def test_indexer_logits_compiled_short_rows_fp8():
     """Rows of at most 16 tokens shrink the chunk below wgmma's 64-row tile: the fp8 dot must still compile."""
-    args, kwargs = _case(5, rows=4, heads=64, dim=128, page_size=8, max_blocks=2, lens=[0, 1, 9, 16], dtype=FP8)
-    _check(args, kwargs, rtol=2e-3, interpret=False)
+    args = _case(5, rows=4, heads=64, dim=128, page_size=8, max_blocks=2, lens=[0, 1, 9, 16], dtype=FP8)
+    _check(args, rtol=2e-3, interpret=False)

@@ -1,9 +1,9 @@
-"""pallas_kernels/lse.py: the log-sum-exp merge weights."""
+"""pallas_kernels/_lse.py: the log-sum-exp merge weights."""
 
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.lse import lse_merge_weights
+from pallas_kernels import lse_merge_weights
 
 
 def test_weights_are_the_softmax_share_of_each_part():

@@ -1,4 +1,4 @@
-"""Tests of pallas_kernels/topk.py against reference.topk (interpreted on CPU, compiled on GPU).
+"""pallas_kernels.topk (the Triton kernel) against reference.topk (interpreted on CPU, compiled on GPU).
 
 Columns at or past a row's length hold NaN, +-inf and huge values, so any read of them shows up; the interpreter
 fills unwritten outputs with NaN, so exact equality with the reference proves every slot was written.
@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pallas_kernels import reference, topk
+import pallas_kernels
+from pallas_kernels import _topk_triton as topk
+from pallas_kernels import reference
 
 KNOBS = ("sorted", "interpret", "num_groups", "tile", "capacity", "coarse_bits", "splits", "candidate_splits",
          "sort_in_kernel", "num_warps", "floor_warps", "candidate_warps", "select_warps", "num_stages",
          "maxima_unroll", "separate_floor")
-_topk = jax.jit(topk.topk, static_argnums=2, static_argnames=KNOBS)
+_topk = jax.jit(functools.partial(pallas_kernels.topk, backend="triton"), static_argnames=("k", *KNOBS))
 _reference = jax.jit(reference.topk, static_argnames=("k", "sorted"))
 
 # Small buffers: all-equal rows overflow the 64-slot candidate buffer and take the exact whole-row path.
@@ -42,7 +44,7 @@ def _scores(seed, rows, cols, lens, fill):
 
 
 def _check(scores, lens, k, interpret=True, **knobs):
-    values, indices = _topk(scores, lens, k, interpret=interpret, **knobs)
+    values, indices = _topk(scores, lens, k=k, interpret=interpret, **knobs)
     # The reference runs on the CPU: the GPU's lax.top_k put a higher column first among ties at some shapes.
     cpu = jax.devices("cpu")[0]
     want_values, want_indices = _reference(jax.device_put(scores, cpu), jax.device_put(lens, cpu), k=k,
@@ -145,7 +147,7 @@ def test_k_above_columns_pads():
 def test_lens_clipped_to_columns():
     scores, _ = _scores(5, 2, 40, [40, 40], "normal")
     lens = jnp.array([1000, -5], jnp.int32)
-    values, indices = _topk(scores, lens, 7, interpret=True)
+    values, indices = _topk(scores, lens, k=7, interpret=True)
     want_values, want_indices = _reference(scores, jnp.clip(lens, 0, 40), k=7)
     np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))
     np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
@@ -193,7 +195,7 @@ def test_group_maxima_validation():
     for bad in (jnp.zeros((2, 16), jnp.int32), jnp.zeros((2, 48), jnp.int32), jnp.zeros((2, 64)),
                 jnp.zeros((3, 64), jnp.int32)):
         with pytest.raises(ValueError, match="group_maxima"):
-            topk.topk(scores, lens, 20, group_maxima=bad)
+            pallas_kernels.topk(scores, lens, k=20, backend="triton", group_maxima=bad)
 
 
 @pytest.mark.parametrize(
@@ -221,7 +223,7 @@ def test_group_maxima_validation():
 )
 def test_input_validation(scores, lens, k, knobs, match):
     with pytest.raises(ValueError, match=match):
-        topk.topk(scores, lens, k, **knobs)
+        pallas_kernels.topk(scores, lens, k=k, backend="triton", **knobs)
 
 
 @pytest.mark.gpu

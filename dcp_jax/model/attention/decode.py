@@ -1,0 +1,128 @@
+"""One sparse DCP decode attention layer, per rank (call inside shard_map over the mesh of `mesh.py`).
+
+Per rank (h = H/tp local heads, W = dcp size, pages/B = this rank's KV pool):
+  x [R, D] replicated; kv_cache [pages, B, C+E] (exact) or its `Fp8LatentCache`; index_cache [pages, B, J]
+  (exact) or its `Fp8IndexKeys` (`cache_formats.py`); md the rank's view of the step's `DecodeMetadata`
+  (local_context_lens and slot_mapping [R], block_tables [R, P]); rope the (cos, sin) of md.positions.
+`backend` names the kernels' implementation (`pallas_kernels.BACKENDS`: "pallas" or "reference").
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from dcp_jax.config import KERNEL_CHOICES, ModelConfig
+from dcp_jax.host.layout import DcpLayout
+from dcp_jax.host.metadata import DecodeMetadata
+from dcp_jax.model.attention import cache_formats, exchange, projections
+from dcp_jax.model.attention.params import AttentionParams
+from dcp_jax.model.mesh import DCP, HEADS
+
+
+def kernel_backend(kernels: str) -> str:
+    """The kernels' backend (`pallas_kernels.BACKENDS`) for an engine's `kernels` choice: 'reference' (plain XLA,
+    any device), 'pallas' (the Pallas kernels; interpreted on CPU) or 'auto' (Pallas on a GPU, the references
+    elsewhere)."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"unknown kernels {kernels!r}; choose from {KERNEL_CHOICES}")
+    if kernels == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return kernels
+
+
+def write_slots(cache, slots, values):
+    """cache [pages, B, ...] with values [R, ...] written at physical slots [R]; slot -1 writes nothing. A pytree
+    cache (`Fp8IndexKeys`, `Fp8LatentCache`) takes values of the same structure, written leaf by leaf."""
+
+    def write(pool, new):
+        pages, page_size = pool.shape[:2]
+        flat = pool.reshape(pages * page_size, *pool.shape[2:])
+        target = jnp.where(slots >= 0, slots, pages * page_size)  # out of range -> dropped
+        return flat.at[target].set(new.astype(pool.dtype), mode="drop").reshape(pool.shape)
+
+    return jax.tree.map(write, cache, values)
+
+
+class Queries(NamedTuple):
+    """Per-row query-side projections of step 1 (local heads h, index heads I)."""
+
+    q_nope: jax.Array  # [R, h, N]
+    q_pe: jax.Array  # [R, h, E], roped
+    index_q: jax.Array  # [R, I, J]
+    index_weights: jax.Array  # [R, I] f32, scales folded in
+
+
+# The stages of one layer, in data-flow order; `sparse_dcp_attention` runs them all, benchmarks run prefixes.
+
+
+def project_and_write(p, x, kv_cache, index_cache, rope, slots, *, cfg: ModelConfig):
+    """1. Projections for every row on every rank; the new token's latent and index key (each in its cache's
+    format) are written by its owner only (slot -1 elsewhere). Returns (Queries, kv_cache, index_cache)."""
+    cos, sin = rope
+    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
+    queries = Queries(q_nope, q_pe, projections.index_query(p, q_resid, cos, sin, cfg),
+                      projections.index_weights(p, x, cfg))
+    latents = cache_formats.encode_latents(projections.mla_latent(p, x, cos, sin, cfg), kv_cache)
+    kv_cache = write_slots(kv_cache, slots, latents)
+    index_keys = cache_formats.encode_index_keys(projections.index_key(p, x, cos, sin, cfg), index_cache)
+    index_cache = write_slots(index_cache, slots, index_keys)
+    return queries, kv_cache, index_cache
+
+
+def local_scores(queries: Queries, index_cache, md: DecodeMetadata, *, backend: str):
+    """2. Indexer logits [R, P*B] over this rank's index-K shard, -inf past the host-provided local lengths."""
+    q, weights = cache_formats.encode_index_queries(queries.index_q, queries.index_weights, index_cache)
+    return pallas_kernels.indexer_logits(q, weights, index_cache, md.block_tables, md.local_context_lens,
+                                         backend=backend)
+
+
+def local_top_k(queries: Queries, index_cache, md: DecodeMetadata, *, cfg: ModelConfig, backend: str):
+    """2-3. This rank's top-k of its indexer logits (fused where the kernels allow): (scores [R, K], local token
+    ids [R, K], -1 padded), in column order: the exchange sorts the merged candidates anyway."""
+    q, weights = cache_formats.encode_index_queries(queries.index_q, queries.index_weights, index_cache)
+    return pallas_kernels.indexer_top_k(q, weights, index_cache, md.block_tables, md.local_context_lens,
+                                        k=cfg.index_topk, sorted=False, backend=backend)
+
+
+def select_owned(values, local_ids, md: DecodeMetadata, *, cfg: ModelConfig, layout: DcpLayout):
+    """4-5. Candidate exchange -> the global top-k positions [R, K] (identical on every rank), then this rank's
+    share of them as compacted slots [R, K] and counts [R]."""
+    rank = jax.lax.axis_index(DCP)
+    selected = exchange.exchange_top_k(values, local_ids, rank, k=cfg.index_topk, layout=layout)
+    owned_slots, counts = exchange.owner_filter(selected, md.block_tables, rank, layout=layout)
+    return selected, owned_slots, counts
+
+
+def attend(p, queries: Queries, kv_cache, owned_slots, counts, *, cfg: ModelConfig, backend: str):
+    """6. Sparse MLA over the owned slots for the heads of the whole DCP group: (out [R, W*h, C], lse [R, W*h])."""
+    q = jax.lax.all_gather(projections.absorb_query(p, queries.q_nope, queries.q_pe), DCP, axis=1, tiled=True)
+    return pallas_kernels.sparse_mla_decode(cache_formats.cast_query(q, kv_cache), kv_cache, owned_slots, counts,
+                                            cfg.softmax_scale, value_dim=cfg.kv_lora_rank, backend=backend)
+
+
+def merge_heads(p, out, lse, dtype):
+    """7. LSE merge back to this rank's h heads, W_UV, o_proj and the TP all-reduce: [R, D]."""
+    latent_out = exchange.merge_partial_attention(out, lse).astype(dtype)
+    return jax.lax.psum(projections.output_projection(p, latent_out), HEADS)
+
+
+def sparse_dcp_attention(p: AttentionParams, x, kv_cache, index_cache, rope, md: DecodeMetadata, *,
+                         cfg: ModelConfig, layout: DcpLayout, backend: str):
+    """Returns (attention output [R, D] summed over all TP ranks, kv_cache, index_cache, the global top-k
+    positions [R, K] selected for each row (-1 padded, identical on every rank))."""
+    with jax.named_scope("projections"):
+        queries, kv_cache, index_cache = project_and_write(p, x, kv_cache, index_cache, rope, md.slot_mapping,
+                                                           cfg=cfg)
+    with jax.named_scope("indexer_topk"):
+        values, local_ids = local_top_k(queries, index_cache, md, cfg=cfg, backend=backend)
+    with jax.named_scope("exchange"):
+        selected, owned_slots, counts = select_owned(values, local_ids, md, cfg=cfg, layout=layout)
+    with jax.named_scope("sparse_mla"):
+        out, lse = attend(p, queries, kv_cache, owned_slots, counts, cfg=cfg, backend=backend)
+    with jax.named_scope("merge"):
+        attn = merge_heads(p, out, lse, x.dtype)
+    return attn, kv_cache, index_cache, selected

@@ -1,0 +1,84 @@
+"""Per-token projections of one attention layer (HF DeepSeek-V3.2 math), shared by every code path.
+
+Letters as in `params.py`; R rows (query tokens). Any leading batch dims work where R is written.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dcp_jax.model.attention.params import AttentionParams
+from dcp_jax.config import ModelConfig
+from dcp_jax.model.rope import apply_rope
+
+HIGHEST = jax.lax.Precision.HIGHEST
+# HF's indexer LayerNorm epsilon.
+INDEX_NORM_EPS = 1e-6
+# HF's q_a_layernorm and kv_a_layernorm are built with eps 1e-6 whatever config.rms_norm_eps says.
+LATENT_NORM_EPS = 1e-6
+
+
+def rms_norm(x, weight, eps):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def layer_norm(x, weight, bias, eps):
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    normed = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def mla_query(p: AttentionParams, x, cos, sin, cfg: ModelConfig):
+    """x [R, D] -> (q_resid [R, Q], q_nope [R, H, N], roped q_pe [R, H, E]) for the heads in `p`."""
+    q_resid = rms_norm(jnp.einsum("rd,dq->rq", x, p.wq_a, precision=HIGHEST), p.q_a_norm, LATENT_NORM_EPS)
+    q = jnp.einsum("rq,qhk->rhk", q_resid, p.wq_b, precision=HIGHEST)
+    q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+    return q_resid, q_nope, apply_rope(q_pe, cos, sin, interleaved=True)
+
+
+def mla_latent(p: AttentionParams, x, cos, sin, cfg: ModelConfig):
+    """x [R, D] -> the cached MLA entry [R, C+E]: normed latent c, then the roped shared key k_pe."""
+    ckv = jnp.einsum("rd,dc->rc", x, p.wkv_a, precision=HIGHEST)
+    c = rms_norm(ckv[..., : cfg.kv_lora_rank], p.kv_a_norm, LATENT_NORM_EPS)
+    k_pe = apply_rope(ckv[..., None, cfg.kv_lora_rank :], cos, sin, interleaved=True)[..., 0, :]
+    return jnp.concatenate([c, k_pe], axis=-1)
+
+
+def absorb_query(p: AttentionParams, q_nope, q_pe):
+    """MQA form of the query: [q_nope @ W_UK | q_pe] -> [R, H, C+E], scored against cached [c | k_pe]."""
+    q_latent = jnp.einsum("rhn,hnc->rhc", q_nope, p.w_uk, precision=HIGHEST)
+    return jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)
+
+
+def output_projection(p: AttentionParams, latent_out):
+    """Attention output in latent space [R, H, C] -> partial hidden [R, D] of the heads in `p`."""
+    per_head = jnp.einsum("rhc,hvc->rhv", latent_out, p.w_uv, precision=HIGHEST)
+    return jnp.einsum("rhv,hvd->rd", per_head, p.wo, precision=HIGHEST)
+
+
+def index_query(p: AttentionParams, q_resid, cos, sin, cfg: ModelConfig):
+    """q_resid [R, Q] -> indexer queries [R, I, J]; layout [rope | nope], half-split RoPE."""
+    q = jnp.einsum("rq,qij->rij", q_resid, p.index_wq, precision=HIGHEST)
+    e = cfg.qk_rope_head_dim
+    return jnp.concatenate([apply_rope(q[..., :e], cos, sin, interleaved=False), q[..., e:]], axis=-1)
+
+
+def index_key(p: AttentionParams, x, cos, sin, cfg: ModelConfig):
+    """x [R, D] -> indexer key [R, J]: LayerNorm (with bias), [rope | nope], half-split RoPE."""
+    k = layer_norm(jnp.einsum("rd,dj->rj", x, p.index_wk, precision=HIGHEST), p.index_k_norm,
+                   p.index_k_norm_bias, INDEX_NORM_EPS)
+    e = cfg.qk_rope_head_dim
+    k_pe = apply_rope(k[..., None, :e], cos, sin, interleaved=False)[..., 0, :]
+    return jnp.concatenate([k_pe, k[..., e:]], axis=-1)
+
+
+def index_weights(p: AttentionParams, x, cfg: ModelConfig):
+    """Per-head weights [R, I] f32 with I^-0.5 and the J^-0.5 score scale folded in (relu commutes with it).
+    Computed in f32 whatever x's dtype (HF runs weights_proj in fp32 on fp32 weights)."""
+    w = jnp.einsum("rd,di->ri", x.astype(jnp.float32), p.index_weights.astype(jnp.float32), precision=HIGHEST)
+    return w * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)

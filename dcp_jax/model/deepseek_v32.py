@@ -1,0 +1,236 @@
+"""DeepSeek-V3.2 in flax nnx: embeddings, MLA + lightning indexer, dense MLP, DeepSeek MoE, final norm, lm_head.
+
+Layouts (HF stores linear weights `[out, in]`; `weights.py` converts): projections applied as `x @ W` are stored
+`[in, out...]` (wq_a [D, Q], wq_b [Q, H, N+E], wkv_a [D, C+E], wo [H, V, D], index_wq [Q, I, J], index_wk [D, J],
+index_weights [D, I], MLP gate/up [D, F] and down [F, D], experts [X, D, F] / [X, F, D], router [D, X], lm_head
+[D, A]); the two halves of HF's kv_b_proj keep HF's per-head `[out, in]` order: w_uk [H, N, C] and w_uv [H, V, C],
+with w_uv applied C -> V (`projections.output_projection`); embed is [A, D]. The router, its bias
+(e_score_correction_bias) and index_weights (the indexer's weights_proj) are always f32, as HF keeps them; every
+other weight has the model's dtype.
+The attention module holds exactly the fields of `AttentionParams`, so the shared projections, the sparse DCP
+decode and prefill layers and the kernels read it unchanged. Methods named `prefill` / `decode` run inside
+`shard_map` (`runtime/forward.py`): attention heads, the MLP width and the routed experts are split over every TP
+rank (partial sums meet in one psum per block); embeddings, norms, the router and lm_head are replicated.
+GLM-5 shares this architecture (a preset of `config.py`); a model of another structure gets a sibling file.
+
+Letters: R rows, T tokens of a row, D hidden, Q q_lora, H heads (local h), N nope, E rope, V v dim, C kv_lora
+(latent), I index heads, J index head dim, K index top-k, X experts, F expert / MLP width, A vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dcp_jax.config import ModelConfig
+from dcp_jax.host.layout import DcpLayout
+from dcp_jax.model.attention.decode import sparse_dcp_attention
+from dcp_jax.model.attention.params import AttentionParams, init_attention_params, partition_specs
+from dcp_jax.model.attention.prefill import sparse_prefill_attention
+from dcp_jax.model.attention.projections import rms_norm
+from dcp_jax.model.mesh import HEADS
+
+HIGHEST = jax.lax.Precision.HIGHEST
+NEG_INF = float("-inf")
+
+
+def _dense(rngs: nnx.Rngs, shape, fan_in: int, dtype):
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype))
+
+
+def _norm(rngs: nnx.Rngs, size: int, dtype):
+    return nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (size,), jnp.float32)).astype(dtype))
+
+
+class Attention(nnx.Module):
+    """MLA with q_lora and the lightning indexer; the fields are those of `AttentionParams`, initialized by
+    `init_attention_params` (index_weights f32 whatever `dtype`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        p = init_attention_params(cfg, rngs.params(), dtype)
+        for f in dataclasses.fields(AttentionParams):
+            setattr(self, f.name, nnx.Param(getattr(p, f.name)))
+
+    def params(self) -> AttentionParams:
+        return AttentionParams(**{f.name: getattr(self, f.name)[...] for f in dataclasses.fields(AttentionParams)})
+
+    def prefill(self, x, rope, kv_cache, index_cache, slots):
+        """Per rank: `attention/prefill.py`'s layer on these weights (x [R, T, D], slots [R, T]). Returns (output
+        [R, T, D] summed over TP ranks, kv_cache, index_cache, selected [R, T, K])."""
+        return sparse_prefill_attention(self.params(), x, kv_cache, index_cache, rope, slots, cfg=self.cfg)
+
+    def decode(self, x, rope, kv_cache, index_cache, md, *, layout: DcpLayout, backend: str):
+        """Per rank: the sparse DCP decode layer of `attention/decode.py` on these weights (x [R, D], md the rank's
+        view of the step's DecodeMetadata). Returns (output [R, D] summed over TP ranks, kv_cache, index_cache,
+        selected [R, K])."""
+        return sparse_dcp_attention(self.params(), x, kv_cache, index_cache, rope, md, cfg=self.cfg, layout=layout,
+                                    backend=backend)
+
+
+class MLP(nnx.Module):
+    """down(silu(gate x) * up x); also the shared experts (width moe_intermediate_size * n_shared_experts)."""
+
+    def __init__(self, hidden: int, width: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.gate = _dense(rngs, (hidden, width), hidden, dtype)
+        self.up = _dense(rngs, (hidden, width), hidden, dtype)
+        self.down = _dense(rngs, (width, hidden), width, dtype)
+
+    def partial(self, x):
+        """Per rank, width F split over TP ranks: x [..., D] -> this rank's share [..., D] of the output."""
+        gate = jnp.einsum("...d,df->...f", x, self.gate[...], precision=HIGHEST)
+        up = jnp.einsum("...d,df->...f", x, self.up[...], precision=HIGHEST)
+        return jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, self.down[...], precision=HIGHEST)
+
+    def __call__(self, x):
+        """Per rank: x [..., D] -> [..., D], summed over the TP ranks."""
+        return jax.lax.psum(self.partial(x), HEADS)
+
+
+class MoE(nnx.Module):
+    """DeepSeek MoE: sigmoid router with e_score_correction_bias, group-limited top-k, shared experts."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        d, x, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        self.cfg = cfg
+        self.router = _dense(rngs, (d, x), d, jnp.float32)
+        self.router_bias = nnx.Param(0.1 * jax.random.normal(rngs.params(), (x,), jnp.float32))
+        self.experts_gate = _dense(rngs, (x, d, f), d, dtype)
+        self.experts_up = _dense(rngs, (x, d, f), d, dtype)
+        self.experts_down = _dense(rngs, (x, f, d), f, dtype)
+        self.shared = MLP(d, f * cfg.n_shared_experts, rngs=rngs, dtype=dtype)
+
+    def route(self, x):
+        """x [R, D] -> dense combine weights [R, X] f32 (zero for experts a token does not use)."""
+        cfg = self.cfg
+        logits = jnp.einsum("rd,dx->rx", x.astype(jnp.float32), self.router[...], precision=HIGHEST)
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + self.router_bias[...]
+        rows = x.shape[0]
+        grouped = choice.reshape(rows, cfg.n_group, -1)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [R, groups]: sum of each group's top-2
+        _, kept_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+        is_kept = jnp.zeros((rows, cfg.n_group), bool).at[jnp.arange(rows)[:, None], kept_groups].set(True)
+        masked = jnp.where(jnp.repeat(is_kept, grouped.shape[-1], axis=1), choice, NEG_INF)
+        _, experts = jax.lax.top_k(masked, cfg.num_experts_per_tok)  # [R, k]
+        weights = jnp.take_along_axis(scores, experts, axis=1)  # unbiased scores
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        weights = weights * cfg.routed_scaling_factor
+        return jnp.zeros_like(scores).at[jnp.arange(rows)[:, None], experts].add(weights)
+
+    def __call__(self, x):
+        """Per rank, the X routed experts split over TP ranks: x [..., D] -> [..., D], summed over the ranks.
+        Each rank runs its experts densely on every token, weighted by the (replicated) router."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        local_experts = self.experts_gate.shape[0]
+        first = jax.lax.axis_index(HEADS) * local_experts
+        combine = jax.lax.dynamic_slice_in_dim(self.route(flat), first, local_experts, axis=1)  # [R, X/tp]
+        gate = jnp.einsum("rd,xdf->rxf", flat, self.experts_gate[...], precision=HIGHEST)
+        up = jnp.einsum("rd,xdf->rxf", flat, self.experts_up[...], precision=HIGHEST)
+        per_expert = jnp.einsum("rxf,xfd->rxd", jax.nn.silu(gate) * up, self.experts_down[...], precision=HIGHEST)
+        routed = jnp.einsum("rx,rxd->rd", combine.astype(per_expert.dtype), per_expert, precision=HIGHEST)
+        return jax.lax.psum(routed + self.shared.partial(flat), HEADS).reshape(shape)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        self.input_norm = _norm(rngs, cfg.hidden_size, dtype)
+        self.post_attention_norm = _norm(rngs, cfg.hidden_size, dtype)
+        self.attention = Attention(cfg, rngs=rngs, dtype=dtype)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, rngs=rngs, dtype=dtype)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
+
+    def attention_input(self, h):
+        return rms_norm(h, self.input_norm[...], self.cfg.rms_norm_eps)
+
+    def feed_forward(self, h):
+        """h + MLP/MoE(post-attention norm of h)."""
+        return h + self.mlp(rms_norm(h, self.post_attention_norm[...], self.cfg.rms_norm_eps))
+
+
+class DeepseekV32(nnx.Module):
+    """The whole model; `prefill_body` and `decode_body` of `runtime/forward.py` drive the layers."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        self.embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size)).astype(dtype))
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_hidden_layers)]
+        )
+        self.final_norm = _norm(rngs, cfg.hidden_size, dtype)
+        self.lm_head = _dense(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.hidden_size, dtype)
+
+    def embed_tokens(self, tokens):
+        return jnp.take(self.embed[...], tokens, axis=0)
+
+    def logits(self, h):
+        """h [..., D] -> f32 logits [..., A] (final RMSNorm, untied lm_head)."""
+        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
+        return jnp.einsum("...d,da->...a", h, self.lm_head[...], precision=HIGHEST).astype(jnp.float32)
+
+
+# Attention fields split over heads (every TP rank), from `attention/params.py`.
+_HEAD_SPECS = {f.name: getattr(partition_specs(), f.name) for f in dataclasses.fields(AttentionParams)}
+# MLP / shared-expert width and routed experts split over every TP rank.
+_FEED_FORWARD_SPECS = {
+    "gate": P(None, HEADS), "up": P(None, HEADS), "down": P(HEADS, None),
+    "experts_gate": P(HEADS, None, None), "experts_up": P(HEADS, None, None), "experts_down": P(HEADS, None, None),
+}
+
+
+def param_specs(params: dict) -> dict:
+    """PartitionSpecs for the pure-dict state of `DeepseekV32`: attention heads, MLP widths and routed experts
+    split over every TP rank; the rest replicated."""
+
+    def spec(path, _):
+        names = [getattr(k, "key", None) for k in path]
+        if "attention" in names:
+            return _HEAD_SPECS[names[-1]]
+        if "mlp" in names:
+            return _FEED_FORWARD_SPECS.get(names[-1], P())
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def check_divisible(cfg: ModelConfig, tp: int) -> None:
+    """Raise ValueError unless every dimension split over the `tp` ranks divides evenly."""
+    split = {
+        "num_attention_heads": cfg.num_attention_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "n_routed_experts": cfg.n_routed_experts,
+        "moe_intermediate_size * n_shared_experts": cfg.moe_intermediate_size * cfg.n_shared_experts,
+    }
+    bad = {name: size for name, size in split.items() if size % tp}
+    if bad:
+        raise ValueError(f"tp={tp} must divide {bad}")
+
+
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
+    """(graphdef, abstract pure-dict state of ShapeDtypeStructs) without allocating anything."""
+    model = nnx.eval_shape(lambda: DeepseekV32(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, state = nnx.split(model)
+    return graphdef, state
+
+
+def init_params(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> dict:
+    """Random weights (normal / sqrt(fan_in), norms 1 + 0.1 normal) as a pure dict of jax arrays: the full,
+    unsharded model on the default device (device 0), router / router_bias / index_weights in f32, the rest in
+    `dtype`. `jax.device_put` them with `param_specs` to shard."""
+    return nnx.to_pure_dict(nnx.state(DeepseekV32(cfg, rngs=nnx.Rngs(seed), dtype=dtype)))
+
+
+def merge(graphdef, abstract_state, params: dict) -> DeepseekV32:
+    """A model whose weights are the arrays of `params` (a pure dict; traced values inside jit work)."""
+    state = jax.tree.map(lambda x: x, abstract_state)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)

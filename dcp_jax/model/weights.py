@@ -1,0 +1,334 @@
+"""HF safetensors in and out for `DeepseekV32`: one layer converted at a time, strict, placed sharded.
+
+HF stores linear weights `[out, in]` under its on-disk names (experts one tensor each); the model holds them
+`[in, out...]` (w_uk / w_uv per head; see `model.py`), each in the dtype of the model's leaf (the load dtype, but
+f32 for the router, its bias and the indexer's weights_proj, which HF keeps in fp32). `hf_tensor_shapes(cfg)`
+lists every expected tensor; loading checks the files hold exactly those (a missing or unexpected tensor, or a
+shape mismatch, is a ValueError naming them), converts one layer at a time and places each parameter on the mesh
+with the step's sharding (heads split, the rest replicated).
+
+Block-fp8 checkpoints (DeepSeek's release format: `quantization_config` {"quant_method": "fp8", "fmt": "e4m3",
+"weight_block_size": [bm, bn]}, e4m3 `X.weight` beside an f32 `X.weight_scale_inv` of one scale per bm x bn block)
+are dequantized on load (weight = e4m3 value x its block's scale) into the load dtype. Layers the config does
+not use are not read: the multi-token-prediction layers (`num_nextn_predict_layers`, numbered after the decoder
+layers), and decoder layers past a `num_hidden_layers` lowered to load only the first ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+import numpy as np
+from jax.sharding import Mesh
+
+from dcp_jax.config import ModelConfig
+from dcp_jax.model.mesh import sharding
+from dcp_jax.model.deepseek_v32 import abstract_model, param_specs
+
+_ATTENTION = "self_attn."
+FP8 = "F8_E4M3"  # the safetensors dtype of DeepSeek's fp8 weights
+
+
+def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a HF DeepSeek-V3.2 checkpoint (without MTP layers or fp8 scales): name -> shape."""
+    d, q, h = cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads
+    n, e, v, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    i, j = cfg.index_n_heads, cfg.index_head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,),
+              "lm_head.weight": (cfg.vocab_size, d)}
+    for layer in range(cfg.num_hidden_layers):
+        layer_shapes = {
+            "input_layernorm.weight": (d,),
+            "post_attention_layernorm.weight": (d,),
+            "self_attn.q_a_proj.weight": (q, d),
+            "self_attn.q_a_layernorm.weight": (q,),
+            "self_attn.q_b_proj.weight": (h * (n + e), q),
+            "self_attn.kv_a_proj_with_mqa.weight": (c + e, d),
+            "self_attn.kv_a_layernorm.weight": (c,),
+            "self_attn.kv_b_proj.weight": (h * (n + v), c),
+            "self_attn.o_proj.weight": (d, h * v),
+            "self_attn.indexer.wq_b.weight": (i * j, q),
+            "self_attn.indexer.wk.weight": (j, d),
+            "self_attn.indexer.k_norm.weight": (j,),
+            "self_attn.indexer.k_norm.bias": (j,),
+            "self_attn.indexer.weights_proj.weight": (i, d),
+        }
+        if cfg.is_moe_layer(layer):
+            f, shared = cfg.moe_intermediate_size, cfg.moe_intermediate_size * cfg.n_shared_experts
+            layer_shapes["mlp.gate.weight"] = (cfg.n_routed_experts, d)
+            layer_shapes["mlp.gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+            for x in range(cfg.n_routed_experts):
+                expert = f"mlp.experts.{x}."
+                layer_shapes |= {expert + "gate_proj.weight": (f, d), expert + "up_proj.weight": (f, d),
+                                 expert + "down_proj.weight": (d, f)}
+            layer_shapes |= {"mlp.shared_experts.gate_proj.weight": (shared, d),
+                             "mlp.shared_experts.up_proj.weight": (shared, d),
+                             "mlp.shared_experts.down_proj.weight": (d, shared)}
+        else:
+            f = cfg.intermediate_size
+            layer_shapes |= {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
+                             "mlp.down_proj.weight": (d, f)}
+        shapes |= {f"model.layers.{layer}.{k}": s for k, s in layer_shapes.items()}
+    return shapes
+
+
+def _mlp_to_ours(t: dict, prefix: str) -> dict:
+    return {"gate": t[prefix + "gate_proj.weight"].T, "up": t[prefix + "up_proj.weight"].T,
+            "down": t[prefix + "down_proj.weight"].T}
+
+
+def _mlp_to_hf(p: dict, prefix: str) -> dict:
+    return {prefix + "gate_proj.weight": p["gate"].T, prefix + "up_proj.weight": p["up"].T,
+            prefix + "down_proj.weight": p["down"].T}
+
+
+def layer_to_ours(cfg: ModelConfig, layer: int, t: dict[str, np.ndarray]) -> dict:
+    """One decoder layer: HF tensors (names relative to `model.layers.{layer}.`) -> our pure-dict params."""
+    h, n = cfg.num_attention_heads, cfg.qk_nope_head_dim
+    q, i = cfg.q_lora_rank, cfg.index_n_heads
+    a = _ATTENTION
+    kv_b = t[a + "kv_b_proj.weight"].reshape(h, n + cfg.v_head_dim, cfg.kv_lora_rank)
+    attention = {
+        "wq_a": t[a + "q_a_proj.weight"].T,
+        "q_a_norm": t[a + "q_a_layernorm.weight"],
+        "wq_b": t[a + "q_b_proj.weight"].T.reshape(q, h, cfg.qk_head_dim),
+        "wkv_a": t[a + "kv_a_proj_with_mqa.weight"].T,
+        "kv_a_norm": t[a + "kv_a_layernorm.weight"],
+        "w_uk": kv_b[:, :n],
+        "w_uv": kv_b[:, n:],
+        "wo": t[a + "o_proj.weight"].T.reshape(h, cfg.v_head_dim, cfg.hidden_size),
+        "index_wq": t[a + "indexer.wq_b.weight"].T.reshape(q, i, cfg.index_head_dim),
+        "index_wk": t[a + "indexer.wk.weight"].T,
+        "index_k_norm": t[a + "indexer.k_norm.weight"],
+        "index_k_norm_bias": t[a + "indexer.k_norm.bias"],
+        "index_weights": t[a + "indexer.weights_proj.weight"].T,
+    }
+    if cfg.is_moe_layer(layer):
+        experts = range(cfg.n_routed_experts)
+        mlp = {
+            "router": t["mlp.gate.weight"].T,
+            "router_bias": t["mlp.gate.e_score_correction_bias"],
+            "experts_gate": np.stack([t[f"mlp.experts.{x}.gate_proj.weight"].T for x in experts]),
+            "experts_up": np.stack([t[f"mlp.experts.{x}.up_proj.weight"].T for x in experts]),
+            "experts_down": np.stack([t[f"mlp.experts.{x}.down_proj.weight"].T for x in experts]),
+            "shared": _mlp_to_ours(t, "mlp.shared_experts."),
+        }
+    else:
+        mlp = _mlp_to_ours(t, "mlp.")
+    return {"input_norm": t["input_layernorm.weight"], "post_attention_norm": t["post_attention_layernorm.weight"],
+            "attention": attention, "mlp": mlp}
+
+
+def layer_to_hf(cfg: ModelConfig, layer: int, p: dict) -> dict[str, np.ndarray]:
+    """Inverse of `layer_to_ours` (numpy arrays in, HF names relative to `model.layers.{layer}.` out)."""
+    a, att = _ATTENTION, p["attention"]
+    h, q = cfg.num_attention_heads, cfg.q_lora_rank
+    kv_b = np.concatenate([att["w_uk"], att["w_uv"]], axis=1).reshape(-1, cfg.kv_lora_rank)
+    out = {
+        "input_layernorm.weight": p["input_norm"],
+        "post_attention_layernorm.weight": p["post_attention_norm"],
+        a + "q_a_proj.weight": att["wq_a"].T,
+        a + "q_a_layernorm.weight": att["q_a_norm"],
+        a + "q_b_proj.weight": att["wq_b"].reshape(q, -1).T,
+        a + "kv_a_proj_with_mqa.weight": att["wkv_a"].T,
+        a + "kv_a_layernorm.weight": att["kv_a_norm"],
+        a + "kv_b_proj.weight": kv_b,
+        a + "o_proj.weight": att["wo"].reshape(h * cfg.v_head_dim, -1).T,
+        a + "indexer.wq_b.weight": att["index_wq"].reshape(q, -1).T,
+        a + "indexer.wk.weight": att["index_wk"].T,
+        a + "indexer.k_norm.weight": att["index_k_norm"],
+        a + "indexer.k_norm.bias": att["index_k_norm_bias"],
+        a + "indexer.weights_proj.weight": att["index_weights"].T,
+    }
+    mlp = p["mlp"]
+    if cfg.is_moe_layer(layer):
+        out["mlp.gate.weight"] = mlp["router"].T
+        out["mlp.gate.e_score_correction_bias"] = mlp["router_bias"]
+        for x in range(cfg.n_routed_experts):
+            out[f"mlp.experts.{x}.gate_proj.weight"] = mlp["experts_gate"][x].T
+            out[f"mlp.experts.{x}.up_proj.weight"] = mlp["experts_up"][x].T
+            out[f"mlp.experts.{x}.down_proj.weight"] = mlp["experts_down"][x].T
+        out |= _mlp_to_hf(mlp["shared"], "mlp.shared_experts.")
+    else:
+        out |= _mlp_to_hf(mlp, "mlp.")
+    return out
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    return files
+
+
+class _Reader:
+    """Lazy access to tensors spread over several safetensors files (one tensor read at a time)."""
+
+    def __init__(self, files: list[str]):
+        from safetensors import safe_open
+
+        self._handles = [safe_open(f, framework="numpy") for f in files]
+        self.location: dict[str, object] = {}
+        self._file: dict[str, str] = {}
+        for path, handle in zip(files, self._handles):
+            for name in handle.keys():
+                self.location[name] = handle
+                self._file[name] = path
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.location[name].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype string ("F32", "BF16", "F8_E4M3", ...)."""
+        return self.location[name].get_slice(name).get_dtype()
+
+    def get(self, name: str) -> np.ndarray:
+        if self.dtype(name) == FP8:
+            return self._get_fp8(name)
+        return self.location[name].get_tensor(name)
+
+    def _get_fp8(self, name: str) -> np.ndarray:
+        """numpy has no float8 type, so safetensors' numpy reader refuses e4m3: read the tensor's bytes from the
+        file (offsets from its header) and view them as ml_dtypes' float8_e4m3fn."""
+        import ml_dtypes
+
+        path = self._file[name]
+        with open(path, "rb") as f:
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            meta = json.loads(f.read(header_size))[name]
+            begin, end = meta["data_offsets"]
+            f.seek(8 + header_size + begin)
+            data = np.frombuffer(f.read(end - begin), np.uint8)
+        return data.view(ml_dtypes.float8_e4m3fn).reshape(meta["shape"])
+
+
+def fp8_block_size(path: str) -> tuple[int, int] | None:
+    """(bm, bn) of a block-fp8 checkpoint directory's `quantization_config`, None when it has none; ValueError for
+    any other quantization."""
+    with open(os.path.join(path, "config.json")) as f:
+        quantization = json.load(f).get("quantization_config")
+    if not quantization:
+        return None
+    block = quantization.get("weight_block_size")
+    if (quantization.get("quant_method") != "fp8" or quantization.get("fmt", "e4m3") != "e4m3"
+            or not isinstance(block, list) or len(block) != 2 or min(block) < 1):
+        raise ValueError(f"unsupported quantization_config {quantization}: only block fp8 (quant_method 'fp8', "
+                         "fmt 'e4m3', weight_block_size [bm, bn]) is read")
+    return int(block[0]), int(block[1])
+
+
+def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """f32 weight [out, in] from e4m3 values and one f32 scale per block of bm x bn (edge blocks partial)."""
+    scales = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), block[0], axis=0), block[1], axis=1)
+    return weight.astype(np.float32) * scales[: weight.shape[0], : weight.shape[1]]
+
+
+def _unused_layer_names(path: str, cfg: ModelConfig, names) -> set[str]:
+    """Tensors of the checkpoint's layers that `cfg` does not use: decoder layers past a truncated
+    `cfg.num_hidden_layers`, and the multi-token-prediction layers numbered after the decoder's."""
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    end = int(raw.get("num_hidden_layers", cfg.num_hidden_layers)) + int(raw.get("num_nextn_predict_layers") or 0)
+    prefixes = tuple(f"model.layers.{layer}." for layer in range(cfg.num_hidden_layers, end))
+    return {n for n in names if prefixes and n.startswith(prefixes)}
+
+
+def _place(tree, specs, abstract, mesh: Mesh | None):
+    """Each tensor cast to the dtype of its leaf in `abstract` (the model's: f32 router / router_bias /
+    index_weights whatever the load dtype) and placed with its spec."""
+
+    def put(x, spec, want):
+        x = np.asarray(x, dtype=want.dtype)
+        return jax.device_put(x, sharding(mesh, spec)) if mesh is not None else jnp.asarray(x)
+
+    return jax.tree.map(put, tree, specs, abstract)
+
+
+def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None = None, dtype=jnp.float32,
+                   progress: Callable | None = None) -> dict:
+    """Read a HF checkpoint directory into our pure-dict params, placed on `mesh` with `model.param_specs`
+    (default device when `mesh` is None). Raises ValueError listing missing / unexpected tensors or shape
+    mismatches before any conversion. `progress(iterable)` may wrap the per-layer loop (e.g. tqdm)."""
+    path = os.fspath(path)
+    reader = _Reader(_safetensors_files(path))
+    expected = hf_tensor_shapes(cfg)
+    block = fp8_block_size(path)
+    scales = {n: n + "_scale_inv" for n, shape in expected.items()
+              if block and len(shape) == 2 and n + "_scale_inv" in reader.location}
+    ignored = _unused_layer_names(path, cfg, reader.location)
+    missing = sorted(set(expected) - set(reader.location))
+    unexpected = sorted(set(reader.location) - set(expected) - set(scales.values()) - ignored)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the config: missing tensors {missing[:20]}"
+                         f"{' ...' if len(missing) > 20 else ''}, unexpected tensors {unexpected[:20]}"
+                         f"{' ...' if len(unexpected) > 20 else ''}")
+    wrong = [f"{n}: file {reader.shape(n)} != expected {s}" for n, s in expected.items() if reader.shape(n) != s]
+    for name, scale in scales.items():
+        rows, cols = expected[name]
+        want = (-(-rows // block[0]), -(-cols // block[1]))
+        if reader.shape(scale) != want:
+            wrong.append(f"{scale}: file {reader.shape(scale)} != expected {want} (blocks of {block})")
+    wrong += [f"{n}: {reader.dtype(n)} " + ("without a weight_scale_inv" if n not in scales else "with a scale")
+              for n in expected if (reader.dtype(n) == FP8) != (n in scales)]
+    if wrong:
+        raise ValueError(f"checkpoint {path} has tensors of the wrong shape or type: {wrong[:20]}")
+
+    def read(name: str) -> np.ndarray:
+        if name in scales:
+            return dequantize_fp8(reader.get(name), reader.get(scales[name]), block)
+        return reader.get(name)
+
+    _, abstract = abstract_model(cfg, dtype)
+    abstract = nnx.to_pure_dict(abstract)
+    specs = param_specs(abstract)
+    layers = range(cfg.num_hidden_layers)
+    params = {"layers": {}}
+    for layer in progress(layers) if progress else layers:
+        prefix = f"model.layers.{layer}."
+        tensors = {n[len(prefix):]: read(n) for n in expected if n.startswith(prefix)}
+        params["layers"][layer] = _place(layer_to_ours(cfg, layer, tensors), specs["layers"][layer],
+                                         abstract["layers"][layer], mesh)
+    top = {"embed": read("model.embed_tokens.weight"), "final_norm": read("model.norm.weight"),
+           "lm_head": read("lm_head.weight").T}
+    params |= {k: _place(v, specs[k], abstract[k], mesh) for k, v in top.items()}
+    _check_filled(abstract, params)
+    return params
+
+
+def _check_filled(abstract: dict, params: dict) -> None:
+    want = jax.tree_util.tree_flatten_with_path(abstract)
+    got = jax.tree_util.tree_flatten_with_path(params)
+    if jax.tree.structure(abstract) != jax.tree.structure(params):
+        raise ValueError(f"converted params do not fill the model: {jax.tree.structure(params)}")
+    for (path, a), (_, b) in zip(want[0], got[0]):
+        if tuple(a.shape) != tuple(b.shape):
+            raise ValueError(f"{jax.tree_util.keystr(path)}: converted shape {b.shape} != model shape {a.shape}")
+        if a.dtype != b.dtype:
+            raise ValueError(f"{jax.tree_util.keystr(path)}: converted dtype {b.dtype} != model dtype {a.dtype}")
+
+
+def save_hf(cfg: ModelConfig, params: dict, path: str | os.PathLike) -> None:
+    """Write `config.json` and `model.safetensors` (HF names, float32 here) that `load_hf_params` and HF read."""
+    from safetensors.numpy import save_file
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    host = jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32), params)
+    tensors = {"model.embed_tokens.weight": host["embed"], "model.norm.weight": host["final_norm"],
+               "lm_head.weight": host["lm_head"].T}
+    for layer in range(cfg.num_hidden_layers):
+        tensors |= {f"model.layers.{layer}.{k}": v for k, v in layer_to_hf(cfg, layer, host["layers"][layer]).items()}
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_dict(), f, indent=2, sort_keys=True)

@@ -1,0 +1,316 @@
+"""The serving engine: the shared `ServingCore` stepped by a background thread, with a stream per request.
+
+`Engine` owns the core (the model runner with the paged DCP KV pool and the compiled programs, and the
+`Scheduler`) and a thread that runs the loop. Every decode bucket and every prefill length is compiled at
+start-up (one tqdm bar), so serving never traces; `compiles_after_warmup` counts any compile that happens anyway.
+Requests come in from any thread through `add_request` (validated at once, ValueError before anything is queued)
+and `abort`; each request streams `StreamEvent`s (token and text deltas, logprobs, finish reason) into its own
+sink. A request that fails fails alone; the loop goes on. A stopped engine refuses new requests
+(`EngineStoppedError`) and ends every stream still open with an "abort" event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from dcp_jax.config import DEFAULT_BUCKETS
+from dcp_jax.host.sampling import SamplingParams
+from dcp_jax.host.scheduler import Request, RequestStatus, Scheduler
+from dcp_jax.serving.core import ServingCore
+from dcp_jax.serving.loading import load_model
+from dcp_jax.serving.metrics import ServingMetrics
+from dcp_jax.serving.streams import AsyncSink, Sink, Stream, StreamEvent
+
+log = logging.getLogger(__name__)
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles = [0]
+_listener_lock = threading.Lock()
+_listener_registered = [False]
+
+
+def _on_jax_event(event: str, duration_s: float, **kwargs) -> None:
+    if event == _BACKEND_COMPILE_EVENT:
+        _compiles[0] += 1
+
+
+def _count_compiles() -> None:
+    """Count every XLA compile of this process (one listener, registered once)."""
+    import jax
+
+    with _listener_lock:
+        if not _listener_registered[0]:
+            jax.monitoring.register_event_duration_secs_listener(_on_jax_event)
+            _listener_registered[0] = True
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine's loop is not running: nothing would ever serve the request."""
+
+
+class Engine:
+    """A continuous-batching server engine over one model on `tp` devices (KV split over `dcp` ranks).
+
+    model: a preset name (random weights; `tiny` is the embedded default) or a HF checkpoint directory.
+    max_model_len: None takes the model's max_position_embeddings, capped by what the KV pool holds.
+    prompt_logprobs: also compile the all-positions prefill, so requests may ask for prompt logprobs (echo).
+    index_cache: the indexer key cache, "exact" (model dtype, HF's math) or "fp8" (e4m3 keys and an f32 scale per
+    token, scored with fp8 queries).
+    latent_cache: the MLA latent cache, "exact" (the pool's dtype) or "fp8" (656 B/token at DeepSeek's sizes: e4m3
+    latent with an f32 scale per 128 columns, bf16 rope; attention reads the dequantized values, and on a GPU its
+    kernel computes in bf16).
+    """
+
+    def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
+                 page_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
+                 max_model_len: int | None = None, bucket_ladder: Sequence[int] = DEFAULT_BUCKETS,
+                 max_prefills_per_step: int = 4, kernels: str = "auto", seed: int = 0, num_layers: int | None = None,
+                 index_cache: str = "exact", latent_cache: str = "exact", prompt_logprobs: bool = True,
+                 compilation_cache_dir: str | None = None, progress: bool = True):
+        import jax
+
+        if compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", os.fspath(compilation_cache_dir))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        _count_compiles()
+        loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
+                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, bucket_ladder=bucket_ladder,
+                            kernels=kernels, seed=seed, num_layers=num_layers, index_cache=index_cache,
+                            latent_cache=latent_cache)
+        self.model_name = loaded.name
+        self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
+        self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
+        self.scheduler = Scheduler(self.engine_config, self.runner.layout, eos_token_id=self.model_config.eos_token_id,
+                                   detokenize=self.tokenizer.decode, max_prefills_per_step=max_prefills_per_step)
+        self.metrics = ServingMetrics(self._gauges)
+        self.core = ServingCore(self.runner, self.scheduler, vocab_size=self.model_config.vocab_size, seed=seed,
+                                has_prompt_logprobs=prompt_logprobs, metrics=self.metrics)
+        self._compiles_at_start = _compiles[0]
+        self.warmup(progress=progress)
+        self._compiles_after_warmup = _compiles[0]
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, Stream] = {}  # the engine thread's
+        # Guards `_accepting` and `_live_ids` (the ids of requests queued and not yet finished), both touched
+        # by callers' threads; holding it while queueing means no request slips in after the loop's last drain.
+        self._lock = threading.Lock()
+        self._accepting = False
+        self._live_ids: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._gauge_values = dict(running_requests=0, waiting_requests=0)
+
+    # ---- start-up ---------------------------------------------------------------------------------------
+    def warmup(self, *, progress: bool = True) -> None:
+        """Compile every decode bucket and every prefill length (and the all-logits prefill when prompt
+        logprobs are on) once, so no request ever waits for a compile."""
+        from tqdm import tqdm
+
+        work = self.runner.programs(prompt_logprobs=self.core.has_prompt_logprobs)
+        bar = tqdm(work, desc="compiling buckets", unit="program", disable=not progress)
+        for kind, bucket in bar:
+            bar.set_postfix_str(f"{kind} {bucket}")
+            self.runner.compile(kind, bucket)
+        bar.close()
+        self.num_programs = len(work)
+
+    @property
+    def compile_count(self) -> int:
+        """XLA compiles since this engine began its warm-up."""
+        return _compiles[0] - self._compiles_at_start
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return _compiles[0] - self._compiles_after_warmup
+
+    def _gauges(self) -> dict[str, float]:
+        alloc = self.scheduler.allocator
+        return dict(self._gauge_values, kv_pages_used=alloc.num_used, kv_pages_free=alloc.num_free,
+                    kv_pages_total=alloc.num_pages, compiles_total=self.compile_count,
+                    compiles_after_warmup_total=self.compiles_after_warmup, programs_compiled=self.num_programs)
+
+    # ---- the thread -------------------------------------------------------------------------------------
+    def start(self) -> Engine:
+        """Start the loop's thread (again after `stop`)."""
+        if self._thread is None:
+            self._stopping.clear()
+            with self._lock:
+                self._accepting = True
+            self._thread = threading.Thread(target=self._loop, name="dcp-jax-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_alive(self) -> bool:
+        """The loop runs and takes requests."""
+        return self._accepting and self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self._drain_inbox(block=not self.core.has_work)
+                    if self._stopping.is_set():
+                        break
+                    if self.core.has_work:
+                        self.step()
+                except Exception:  # a bug in the loop itself: log it, fail what is live, keep serving
+                    log.exception("engine step failed")
+                    for request in self.core.fail_live("internal engine error"):
+                        self._emit(request)
+        finally:
+            self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Refuse new requests, then end every open stream with an abort: the queued and running requests and
+        the ones still in the inbox."""
+        with self._lock:
+            self._accepting = False
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                request, stream = payload
+                request.status, request.error = RequestStatus.FINISHED_ABORTED, "the engine stopped"
+                self._streams[request.request_id] = stream
+                self._emit(request)
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.core.abort(request.request_id)
+            request.error = "the engine stopped"
+            self._emit(request)
+
+    def _drain_inbox(self, *, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "add":
+                request, stream = payload  # add_request refused a duplicate id: this one is new
+                self._streams[request.request_id] = stream
+                try:
+                    self.core.add(request)
+                except ValueError as e:
+                    request.status, request.error = RequestStatus.FINISHED_ERROR, str(e)
+                    self._emit(request)
+            elif kind == "abort":
+                request = self.core.abort(payload)
+                if request is not None:
+                    self._emit(request)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams, prompt_logprobs: int | None = None) -> None:
+        """ValueError for a request that can never run (before it is queued)."""
+        self.core.validate(prompt_ids, params, prompt_logprobs)
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, *, tag: Any = None,
+                    prompt_logprobs: int | None = None, request_id: str | None = None) -> str:
+        """Queue a request (from any thread); its events go to `sink.put`. Returns its id. ValueError for a
+        request that can never run or an id already live; EngineStoppedError when the loop is not running."""
+        request = self.core.make_request(prompt_ids, params, request_id=request_id, prompt_logprobs=prompt_logprobs)
+        request_id = request.request_id
+        with self._lock:
+            if not self._accepting:
+                raise EngineStoppedError("the engine is not running")
+            if request_id in self._live_ids:
+                raise ValueError(f"duplicate request_id {request_id!r}: a request of that id is still running")
+            self._live_ids.add(request_id)
+            self._inbox.put(("add", (request, Stream(sink, tag))))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (from any thread); its pages return to the pool on the next step."""
+        self._inbox.put(("abort", request_id))
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams, **kw) -> Iterator[StreamEvent]:
+        """Blocking stream of one request's events (the engine must be started)."""
+        sink: queue.Queue = queue.Queue()
+        request_id = self.add_request(prompt_ids, params, sink, **kw)
+        try:
+            while True:
+                event = sink.get()
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self.abort(request_id)  # a consumer that stops early frees the pages (no-op when finished)
+
+    async def generate_async(self, prompt_ids: Sequence[int], params: SamplingParams, **kw
+                             ) -> AsyncIterator[StreamEvent]:
+        """The same stream for an asyncio consumer."""
+        sink = AsyncSink(asyncio.get_running_loop())
+        request_id = self.add_request(prompt_ids, params, sink, **kw)
+        try:
+            while True:
+                event = await sink.queue.get()
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self.abort(request_id)
+
+    # ---- one step ---------------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One core step, then stream what it changed."""
+        touched = self.core.step()
+        self._gauge_values = dict(running_requests=self.scheduler.num_running,
+                                  waiting_requests=self.scheduler.num_waiting)
+        for request in touched:
+            self._emit(request)
+
+    def _emit(self, request: Request) -> None:
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            return
+        event = stream.delta(request)
+        if event is None:
+            return
+        finished = request.is_finished
+        if finished:
+            self._forget(request.request_id)
+            now = time.monotonic()
+            first = request.first_token_time
+            self.metrics.on_finish(request.finish_reason, e2e_s=now - request.arrival_time,
+                                   decode_s=0.0 if first is None else now - first,
+                                   output_tokens=0 if first is None else len(request.output_ids))
+        try:
+            stream.sink.put(event)
+        except Exception:  # nobody can hear this request any more: free its pages and forget it
+            log.exception("sink of %s failed", request.request_id)
+            if not finished:
+                self.core.abort(request.request_id)
+                self._forget(request.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        del self._streams[request_id]
+        with self._lock:
+            self._live_ids.discard(request_id)
+
+    # ---- introspection ----------------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return self.scheduler.allocator.num_free
+
+    @property
+    def num_pages(self) -> int:
+        return self.scheduler.allocator.num_pages

@@ -1,0 +1,129 @@
+"""The offline API, vLLM-style: `LLM(model=path_or_preset, dcp=N, ...)` and `LLM.generate(...)`.
+
+`LLM` steps the same `ServingCore` as the serving engine, without a thread or streams: the same validation,
+admission (first come first served while a batch slot and the pages of the prefill plus the first decode token
+are free), page growth and preemption, sampling and stop rules (EOS and stop token ids end the generation and stay
+out of the text, stop strings cut it). Each step prefills the admitted requests, then every running request
+decodes one token in the smallest bucket that holds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from dcp_jax.host.sampling import SamplingParams
+from dcp_jax.host.scheduler import Request, Scheduler
+from dcp_jax.serving.core import ServingCore
+from dcp_jax.serving.loading import load_model
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One finished request. `logprobs[j]` (when `SamplingParams.logprobs` asked for them, else None) holds the
+    j-th generated token's logprob (log-softmax of the raw logits) and those of the `SamplingParams.logprobs` most
+    likely tokens. finish_reason: "stop" or "length". `text` leaves out EOS and stop token ids and ends before a
+    stop string (as the server's does)."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """vLLM spells the completion `outputs[0]`; one completion per request here."""
+        return [self]
+
+
+class LLM:
+    """A DeepSeek-V3.2 model on `tp` devices (default `dcp`), KV split over DCP groups of `dcp` ranks.
+
+    model: a preset name (`tiny`, `deepseek-v3.2`, `glm-5`; random weights) or a HF checkpoint directory.
+    max_model_len: None takes the model's max_position_embeddings, capped by what the KV pool holds.
+    index_cache: the indexer key cache, "exact" (model dtype, HF's math) or "fp8" (e4m3 keys and an f32 scale per
+    token, scored with fp8 queries).
+    latent_cache: the MLA latent cache, "exact" (the pool's dtype) or "fp8" (656 B/token at DeepSeek's sizes: e4m3
+    latent with an f32 scale per 128 columns, bf16 rope; attention reads the dequantized values, and on a GPU its
+    kernel computes in bf16).
+    """
+
+    def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
+                 max_num_seqs: int = 8, max_model_len: int | None = None, page_size: int = 16,
+                 num_pages: int | None = None, kernels: str = "auto", seed: int = 0, num_layers: int | None = None,
+                 index_cache: str = "exact", latent_cache: str = "exact"):
+        loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
+                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, kernels=kernels, seed=seed,
+                            num_layers=num_layers, index_cache=index_cache, latent_cache=latent_cache)
+        self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
+        self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
+        self.runner.compile_decode()
+        scheduler = Scheduler(self.engine_config, self.runner.layout, eos_token_id=self.model_config.eos_token_id,
+                              detokenize=self.tokenizer.decode, max_prefills_per_step=self.engine_config.max_num_seqs)
+        # Prefill programs compile at their first use (an engine compiles them all at start-up).
+        self.core = ServingCore(self.runner, scheduler, vocab_size=self.model_config.vocab_size, seed=seed,
+                                has_prompt_logprobs=False)
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None, *, use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
+        """Generate for `prompts` (text, tokenized with BOS) or `prompt_token_ids` (used as given); one
+        SamplingParams for all or one per prompt. Returns one RequestOutput per prompt, in order."""
+        requests, texts = self._make_requests(prompts, prompt_token_ids, sampling_params)
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(requests), desc="Processed prompts", unit="req")
+        try:
+            for r in requests:
+                self.core.add(r)
+            while self.core.has_work:
+                self.core.step()
+                if progress is not None:
+                    progress.update(sum(r.is_finished for r in requests) - progress.n)
+        finally:
+            for r in requests:
+                self.core.abort(r.request_id)  # a no-op for the finished; frees the pages of the rest
+            if progress is not None:
+                progress.close()
+        failed = [r for r in requests if r.error]
+        if failed:
+            raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
+        return [RequestOutput(i, text, r.prompt_ids, r.output_ids, r.text,
+                              [lp.top for lp in r.logprobs] if r.params.logprobs is not None else None,
+                              r.finish_reason)
+                for i, (r, text) in enumerate(zip(requests, texts))]
+
+    def _make_requests(self, prompts, prompt_token_ids, sampling_params) -> tuple[list[Request], list[str | None]]:
+        """Validate every prompt (ValueError before anything runs) and build its request."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts and prompt_token_ids")
+        if prompts is not None:
+            prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+            if any(not isinstance(p, str) for p in prompts):
+                raise TypeError("prompts must be strings (use prompt_token_ids for token ids)")
+            ids = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            ids = [[int(t) for t in p] for p in prompt_token_ids]
+            prompts = [None] * len(ids)
+        if not ids:
+            raise ValueError("no prompts given")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(ids) or any(not isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"need one SamplingParams or one per prompt ({len(ids)}), got {sampling_params!r}")
+        for i, (prompt_ids, p) in enumerate(zip(ids, params)):
+            try:
+                self.core.validate(prompt_ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return [self.core.make_request(prompt_ids, p, id_prefix="llm") for prompt_ids, p in zip(ids, params)], prompts
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.core.scheduler.allocator.num_free

@@ -1,0 +1,268 @@
+"""Indexer logits for Hopper (sm_90) in Mosaic GPU: the fp8 fast path of `pallas_kernels.indexer_logits`, and of
+`pallas_kernels.indexer_top_k` with the top-k's first pass fused in.
+
+Same contract as the Triton kernel for fp8 (e4m3) queries and keys with per-token f32 key scales, pages of 64 tokens
+and Di = 128. Each CTA (one warpgroup) owns `pages_per_cta` consecutive block-table entries of one row:
+- it copies its block-table entries, the row's length, q and the weights to SMEM by TMA;
+- then it streams its valid pages (each one contiguous [64, 128] fp8 key tile and its 64 scales) through
+  `stages` TMA buffers; a page is one wgmma [64 tokens, 128] x [128, Hi] on fp8 tensor cores (f32 accumulator,
+  the tensor core's reduced-precision fp8 accumulation, as DeepGEMM's indexer and the Triton kernel's default);
+- relu, the weights, the head sum and the key scale stay in registers; the CTA's logits (-inf past the row's
+  length) leave by one TMA store.
+Optionally (`with_maxima`) it also stores the top-k keys of the maxima of each group of 16 tokens, which the top-k
+(`_topk_triton.topk(group_maxima=)`) takes in place of its own maxima pass: a read of the whole logits row, 6 us at
+B=64 L=64K on an H200 (`indexer_top_k`). That needs N / 16 groups (N = the row's token width) to be a power of two
+from k's next power of two (a floor from fewer groups would not bound the k-th score) up to MAX_GROUPS (the
+top-k loads them all into each candidates program).
+Pages past a row's length are never read. Mosaic GPU has no interpreter for TMA, so this kernel runs on the GPU
+only; on CPU it can be lowered for CUDA (the tests do).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, memref, vector
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _topk_triton
+from pallas_kernels._indexer_triton import MIN_DOT_DIM, pow2_at_least
+from pallas_kernels._platform import on_hopper_compiled
+
+PAGE = 64  # tokens per page: one wgmma M
+DIM = 128  # fp8 key bytes: one 128-byte swizzled row
+LENS_COLUMNS = 16  # lens travel as [R, 16] int32: a TMA copies at least 16 bytes
+MAX_HEADS = 256  # a wgmma N
+MAX_GROUPS = 8192  # group maxima the top-k loads into each of its candidates programs
+GROUP_TOKENS = 16  # tokens per group of the fused group maxima: one warp's rows of a page's wgmma tile
+_META_WIDTH = 32  # int32 per SMEM metadata row: 128 bytes keep the next row's TMA destination aligned
+
+
+def _tiled():
+    return plgpu.TilingTransform((8, DIM)), plgpu.SwizzleTransform(DIM)
+
+
+def _store_group_maxima(logits, maxima_ref):
+    """maxima_ref[w] = the top-k key (`_topk_triton._to_key`) of the largest of logits[16w : 16w + 16], for each warp w.
+
+    In the wgmma row layout warp w holds tokens 16w .. 16w + 15, two per thread (lane // 4 and lane // 4 + 8),
+    each replicated over a quad: a max of the two and three butterfly shuffles give the warp's maximum."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1), plgpu.RefType()))
+    def store(launch_ctx, logits, maxima):
+        del launch_ctx
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        values = [vector.extract(r, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+                  for r in logits.registers.flat]
+        largest = values[0]
+        for value in values[1:]:
+            largest = arith.maximumf(largest, value)
+        for distance in (4, 8, 16):
+            largest = arith.maximumf(largest, mgpu_utils.shfl_bfly(largest, distance))
+        bits = arith.bitcast(i32, largest)
+        is_negative = arith.cmpi(arith.CmpIPredicate.slt, bits, mgpu_utils.c(0, i32))
+        key = arith.select(is_negative, arith.xori(bits, mgpu_utils.c(0x7FFFFFFF, i32)), bits)
+        tid = mgpu_utils.thread_idx()
+        is_first_lane = arith.cmpi(arith.CmpIPredicate.eq, arith.andi(tid, mgpu_utils.c(31, i32)),
+                                   mgpu_utils.c(0, i32))
+        warp = arith.andi(arith.shrui(tid, mgpu_utils.c(5, i32)), mgpu_utils.c(3, i32))
+        with mgpu_utils.when(is_first_lane):
+            memref.store(key, maxima, [arith.index_cast(index, warp)])
+
+    store(logits, maxima_ref)
+
+
+def _kernel(q_ref, weights_ref, keys_ref, scales_ref, tables_ref, lens_ref, out_ref, maxima_ref, scratch, *,
+            pages_per_cta: int, stages: int, with_maxima: bool):
+    (q_smem, weights_smem, keys_smem, scales_smem, meta_smem, out_smem, maxima_smem,
+     meta_barrier, query_barrier, page_barriers) = scratch
+    split, row = lax.axis_index("split"), lax.axis_index("row")
+    first_page = split * pages_per_cta
+    plgpu.copy_gmem_to_smem(tables_ref.at[pl.ds(row, 1), pl.ds(first_page, pages_per_cta)],
+                            meta_smem.at[pl.ds(0, 1), pl.ds(0, pages_per_cta)], meta_barrier.at[0])
+    plgpu.copy_gmem_to_smem(lens_ref.at[pl.ds(row, 1)], meta_smem.at[pl.ds(1, 1), pl.ds(0, LENS_COLUMNS)],
+                            meta_barrier.at[0])
+    plgpu.copy_gmem_to_smem(q_ref.at[row], q_smem, query_barrier.at[0])
+    plgpu.copy_gmem_to_smem(weights_ref.at[pl.ds(row, 1)], weights_smem, query_barrier.at[0])
+    plgpu.barrier_wait(meta_barrier.at[0])
+    remaining = meta_smem[1, 0] - first_page * PAGE  # tokens of the row from this CTA's first one on
+    num_valid = jnp.clip(lax.div(remaining + PAGE - 1, PAGE), 0, pages_per_cta)
+
+    def fetch(i):  # page i of the CTA into stage i % stages
+        stage = lax.rem(i, stages)
+        page = meta_smem[0, i]
+        plgpu.copy_gmem_to_smem(keys_ref.at[page], keys_smem.at[stage], page_barriers.at[stage])
+        plgpu.copy_gmem_to_smem(scales_ref.at[pl.ds(page, 1)], scales_smem.at[pl.ds(stage, 1)],
+                                page_barriers.at[stage])
+
+    for i in range(stages):
+        pl.when(i < num_valid)(functools.partial(fetch, i))
+
+    plgpu.barrier_wait(query_barrier.at[0])
+    heads = q_smem.shape[0]
+    weights = plgpu.load(weights_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+    weights = lax.broadcast_in_dim(weights, (PAGE, heads), [1])
+    token_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    @pl.loop(0, num_valid)
+    def _score_page(i):
+        stage = lax.rem(i, stages)
+        plgpu.barrier_wait(page_barriers.at[stage])
+
+        def dot(acc_ref):
+            plgpu.wgmma(acc_ref, keys_smem.at[stage], q_smem.transpose((1, 0)))
+            return acc_ref[...]
+
+        dots = pl.run_scoped(dot, plgpu.ACC((PAGE, heads), jnp.float32))  # [tokens, heads]
+        scales = plgpu.load(scales_smem.at[stage], layout=token_layout)
+        logits = jnp.sum(jnp.maximum(dots, 0.0) * weights, axis=1) * scales
+        tokens = plgpu.broadcasted_iota(jnp.int32, (PAGE,), 0, layout=token_layout)
+        logits = jnp.where(i * PAGE + tokens < remaining, logits, -jnp.inf)
+        out_smem[i] = logits
+        if with_maxima:
+            _store_group_maxima(logits, maxima_smem.at[i])
+        # Every thread has read the stage (keys by the awaited wgmma, scales above): refill it.
+        plgpu.commit_smem()
+        pl.when(i + stages < num_valid)(lambda: fetch(i + stages))
+
+    @pl.loop(num_valid, pages_per_cta)
+    def _empty_page(i):
+        empty = plgpu.layout_cast(jnp.full((PAGE,), -jnp.inf, jnp.float32), token_layout)
+        out_smem[i] = empty
+        if with_maxima:
+            _store_group_maxima(empty, maxima_smem.at[i])
+
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[row, pl.ds(first_page, pages_per_cta)])
+    if with_maxima:
+        plgpu.copy_smem_to_gmem(maxima_smem, maxima_ref.at[row, pl.ds(first_page, pages_per_cta)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("pages_per_cta", "stages", "with_maxima"))
+def indexer_logits_pages(q, weights, keys, scales, tables, lens, *, pages_per_cta: int, stages: int,
+                         with_maxima: bool = False):
+    """The kernel on prepared inputs: q fp8 [R, Hi, 128], weights f32 [R, Hi], keys fp8 [pages, 64, 128],
+    scales f32 [pages, 64], tables int32 [R, P] (P a multiple of pages_per_cta), lens int32 [R, 16] (the
+    length in column 0, at most P * 64). Returns the logits f32 [R, P, 64]; with_maxima also the top-k keys
+    (`_topk_triton._to_key`) of the maxima of each row's groups of 16 consecutive tokens, int32 [R, P, 4] (the key
+    of -inf for groups past the length)."""
+    rows, heads, _ = q.shape
+    num_blocks = tables.shape[1]
+    logits_type = jax.ShapeDtypeStruct((rows, num_blocks, PAGE), jnp.float32)
+    groups_per_page = PAGE // GROUP_TOKENS
+    if with_maxima:
+        out_type = (logits_type, jax.ShapeDtypeStruct((rows, num_blocks, groups_per_page), jnp.int32))
+        maxima_scratch = plgpu.SMEM((pages_per_cta, groups_per_page), jnp.int32)
+    else:
+        out_type, maxima_scratch = logits_type, None
+
+    def indexer_logits_mosaic(*refs):  # the kernel's name in profiles
+        if not with_maxima:
+            refs = (*refs, None)
+        pl.run_scoped(
+            lambda *scratch: _kernel(*refs, scratch, pages_per_cta=pages_per_cta, stages=stages,
+                                     with_maxima=with_maxima),
+            plgpu.SMEM((heads, DIM), jnp.float8_e4m3fn, transforms=_tiled()),
+            plgpu.SMEM((1, heads), jnp.float32),
+            plgpu.SMEM((stages, PAGE, DIM), jnp.float8_e4m3fn, transforms=_tiled()),
+            plgpu.SMEM((stages, PAGE), jnp.float32),
+            plgpu.SMEM((2, max(_META_WIDTH, pages_per_cta)), jnp.int32),  # block-table entries; the length
+            plgpu.SMEM((pages_per_cta, PAGE), jnp.float32),
+            maxima_scratch,
+            plgpu.Barrier(num_arrivals=2, num_barriers=1),
+            plgpu.Barrier(num_arrivals=2, num_barriers=1),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # keys and scales of a page
+        )
+
+    return plgpu.kernel(
+        indexer_logits_mosaic,
+        out_type=out_type,
+        grid=(num_blocks // pages_per_cta, rows), grid_names=("split", "row"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, weights, keys, scales, tables, lens)
+
+
+def unsupported(q, k_cache, k_scale, interpret: bool | None) -> list[str]:
+    """Why this kernel does not take these inputs (empty: it does): fp8 q and keys with per-token scales, pages
+    of 64 tokens, Di = 128, at most 256 heads, compiled on an sm_90 GPU."""
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    reasons = []
+    if k_scale is None or q.dtype != fp8 or k_cache.dtype != fp8:
+        reasons.append(f"it needs fp8 queries and an fp8 index cache (Fp8IndexKeys), got q {q.dtype} and keys "
+                       f"{k_cache.dtype}{'' if k_scale is not None else ' without scales'}")
+    if k_cache.shape[1:] != (PAGE, DIM) or q.shape[1] > MAX_HEADS:
+        reasons.append(f"it needs pages of {PAGE} tokens of Di = {DIM} and at most {MAX_HEADS} heads, got "
+                       f"{k_cache.shape=} and {q.shape[1]} heads")
+    return reasons + on_hopper_compiled(interpret)
+
+
+def prepare(weights, block_tables, lens, pages_per_cta: int):
+    """Pads the contract's inputs to the kernel's: block tables to a multiple of pages_per_cta entries (never
+    read), lens to [R, 16] (clipped to [0, P * 64])."""
+    num_blocks = block_tables.shape[1]
+    lens = jnp.clip(lens, 0, num_blocks * PAGE)
+    tables = jnp.pad(block_tables, ((0, 0), (0, -num_blocks % pages_per_cta)))
+    lens = jnp.pad(lens[:, None], ((0, 0), (0, LENS_COLUMNS - 1)))
+    return weights.astype(jnp.float32), tables, lens
+
+
+# CTAs own up to 16 pages (1024 tokens), fewer while that gives under 1024 CTAs (several per SM).
+_MAX_PAGES_PER_CTA, _MIN_CTAS = 16, 1024
+
+
+def _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, with_maxima):
+    rows, heads, _ = q.shape
+    max_blocks = block_tables.shape[1]
+    if pages_per_cta is None:
+        pages_per_cta = _MAX_PAGES_PER_CTA
+        while pages_per_cta > 4 and rows * pl.cdiv(max_blocks, pages_per_cta) < _MIN_CTAS:
+            pages_per_cta //= 2
+    if pages_per_cta < 4 or pages_per_cta & (pages_per_cta - 1) or stages < 1:
+        raise ValueError(f"need pages_per_cta a power of two >= 4 and stages >= 1; got {pages_per_cta=} {stages=}")
+    padded_heads = max(pow2_at_least(heads), MIN_DOT_DIM)  # zero-weight heads add nothing
+    q = jnp.pad(q, ((0, 0), (0, padded_heads - heads), (0, 0)))
+    weights = jnp.pad(weights, ((0, 0), (0, padded_heads - heads)))
+    weights, tables, lens = prepare(weights, block_tables, lens, pages_per_cta)
+    outs = indexer_logits_pages(q, weights, k_cache, k_scale, tables, lens, pages_per_cta=pages_per_cta,
+                                stages=stages, with_maxima=with_maxima)
+    # Rows of whole pages (groups), minus the block-table padding.
+    return tuple(out.reshape(rows, -1)[:, :max_blocks * out.shape[2]] for out in (outs if with_maxima else (outs,)))
+
+
+def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale, pages_per_cta=None, stages=4):
+    """The contract of the Triton kernel on this one (`unsupported` lists what it needs). Knobs: pages_per_cta
+    (None: the largest power of two <= 16 that still gives 1024 CTAs), stages (TMA page buffers per CTA)."""
+    return _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, with_maxima=False)[0]
+
+
+def indexer_logits_and_group_maxima(q, weights, k_cache, block_tables, lens, *, k_scale, pages_per_cta=None,
+                                    stages=4):
+    """(indexer_logits(...), the top-k keys of the maxima of each row's groups of 16 consecutive tokens int32
+    [R, max_blocks * 4]): the top-k's `group_maxima`; groups past a row's length hold the key of -inf."""
+    return _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, with_maxima=True)
+
+
+def fuses_group_maxima(k_cache, block_tables, k: int) -> bool:
+    """Whether `indexer_top_k` hands the top-k this kernel's group maxima for these shapes."""
+    groups = block_tables.shape[1] * k_cache.shape[1] // GROUP_TOKENS
+    return _topk_triton.next_pow2(k) <= groups <= MAX_GROUPS and not groups & (groups - 1)
+
+
+def indexer_top_k(q, weights, k_cache, block_tables, lens, *, k: int, k_scale, sorted=True, pages_per_cta=None,
+                  stages=4):
+    """Top-k of this kernel's logits: the top-k's maxima pass fused in where `fuses_group_maxima`, else this
+    kernel's logits through the whole Triton top-k."""
+    if fuses_group_maxima(k_cache, block_tables, k):
+        logits, maxima = indexer_logits_and_group_maxima(q, weights, k_cache, block_tables, lens, k_scale=k_scale,
+                                                         pages_per_cta=pages_per_cta, stages=stages)
+        return _topk_triton.topk(logits, lens, k, sorted=sorted, interpret=False, group_maxima=maxima)
+    logits = indexer_logits(q, weights, k_cache, block_tables, lens, k_scale=k_scale, pages_per_cta=pages_per_cta,
+                            stages=stages)
+    return _topk_triton.topk(logits, lens, k, sorted=sorted, interpret=False)

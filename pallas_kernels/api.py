@@ -1,0 +1,264 @@
+"""The public ops and the one table that picks their implementation.
+
+Each op checks its contract (shapes, dtypes) once, then runs one implementation of `IMPLEMENTATIONS[op]`:
+- "reference": the pure-jnp function of `reference.py` (any device; obviously right, not fast);
+- "triton": the Pallas Triton kernel (compiled on a GPU, interpreted on CPU);
+- "mosaic": the Pallas Mosaic GPU kernel (compiled on an sm_90 GPU only), where the op has one;
+- "pallas" (the default): the first of mosaic, triton that supports the inputs.
+`unsupported(op, backend, ...)` says why an implementation does not take some inputs (empty: it does). Asking for
+one that does not is a ValueError giving those reasons; nothing falls back silently. Tuning knobs go to the named
+implementation only, so they need an explicit "triton" or "mosaic" backend (their defaults are what "pallas" runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax.numpy as jnp
+
+from pallas_kernels import (_indexer_mosaic, _indexer_triton, _sparse_mla_mosaic, _sparse_mla_triton, _topk_triton,
+                            reference)
+from pallas_kernels.formats import Fp8IndexKeys, Fp8LatentCache
+
+BACKENDS = ("pallas", "reference", "triton", "mosaic")
+_PALLAS_ORDER = ("mosaic", "triton")
+_INDEX_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    # The op's contract in this implementation's terms, plus its keyword-only knobs.
+    run: Callable
+    # The op's arguments (and interpret) -> why this implementation cannot take them; empty when it can.
+    unsupported: Callable[..., list[str]]
+
+
+def _keys_and_scales(index_cache):
+    if isinstance(index_cache, Fp8IndexKeys):
+        return index_cache.keys, index_cache.scales
+    return index_cache, None
+
+
+def _never(*args, interpret=None, **kwargs) -> list[str]:
+    return []
+
+
+# ---- indexer_logits / indexer_top_k ----------------------------------------------------------------------------
+
+
+def _check_indexer_inputs(q, weights, index_cache, block_tables, lens):
+    k_cache, k_scale = _keys_and_scales(index_cache)
+    if q.ndim != 3 or k_cache.ndim != 3 or block_tables.ndim != 2:
+        raise ValueError(f"need q [R, Hi, Di], index_cache [pages, page, Di], block_tables [R, P]; got "
+                         f"{q.shape=} {k_cache.shape=} {block_tables.shape=}")
+    rows, heads, dim = q.shape
+    if weights.shape != (rows, heads) or lens.shape != (rows,) or block_tables.shape[0] != rows:
+        raise ValueError(f"row/head mismatch: {q.shape=} {weights.shape=} {block_tables.shape=} {lens.shape=}")
+    if k_cache.shape[2] != dim:
+        raise ValueError(f"head dim mismatch: {q.shape=} {k_cache.shape=}")
+    if jnp.dtype(q.dtype) not in _INDEX_DTYPES or jnp.dtype(k_cache.dtype) not in _INDEX_DTYPES:
+        raise ValueError(f"q and the index keys must be f32, bf16 or float8_e4m3fn; got {q.dtype=} {k_cache.dtype=}")
+    if block_tables.dtype != jnp.int32 or lens.dtype != jnp.int32:
+        raise ValueError(f"block_tables and lens must be int32; got {block_tables.dtype=} {lens.dtype=}")
+    if k_scale is not None and (k_scale.shape != k_cache.shape[:2] or k_scale.dtype != jnp.float32):
+        raise ValueError(f"Fp8IndexKeys.scales must be f32 [pages, page]; got {k_scale.shape=} {k_scale.dtype=} "
+                         f"for keys {k_cache.shape}")
+
+
+def _indexer_triton_run(q, weights, index_cache, block_tables, lens, *, interpret=None, **knobs):
+    k_cache, k_scale = _keys_and_scales(index_cache)
+    return _indexer_triton.indexer_logits(q, weights, k_cache, block_tables, lens, k_scale=k_scale,
+                                          interpret=interpret, **knobs)
+
+
+def _indexer_mosaic_run(q, weights, index_cache, block_tables, lens, *, interpret=None, **knobs):
+    k_cache, k_scale = _keys_and_scales(index_cache)
+    return _indexer_mosaic.indexer_logits(q, weights, k_cache, block_tables, lens, k_scale=k_scale, **knobs)
+
+
+def _indexer_triton_unsupported(q, weights, index_cache, block_tables, lens, *, interpret=None, **_):
+    return _indexer_triton.unsupported(q)
+
+
+def _indexer_mosaic_unsupported(q, weights, index_cache, block_tables, lens, *, interpret=None, **_):
+    return _indexer_mosaic.unsupported(q, *_keys_and_scales(index_cache), interpret)
+
+
+def _indexer_top_k_triton_run(q, weights, index_cache, block_tables, lens, *, k, sorted=True, interpret=None,
+                              topk_knobs=None, **knobs):
+    logits = _indexer_triton_run(q, weights, index_cache, block_tables, lens, interpret=interpret, **knobs)
+    return _topk_triton.topk(logits, lens, k, sorted=sorted, interpret=interpret, **(topk_knobs or {}))
+
+
+def _indexer_top_k_mosaic_run(q, weights, index_cache, block_tables, lens, *, k, sorted=True, interpret=None,
+                              **knobs):
+    k_cache, k_scale = _keys_and_scales(index_cache)
+    return _indexer_mosaic.indexer_top_k(q, weights, k_cache, block_tables, lens, k=k, k_scale=k_scale,
+                                         sorted=sorted, **knobs)
+
+
+def _topk_triton_run(scores, lens, *, k, sorted=True, interpret=None, **knobs):
+    return _topk_triton.topk(scores, lens, k, sorted=sorted, interpret=interpret, **knobs)
+
+
+# ---- sparse_mla_decode -----------------------------------------------------------------------------------------
+
+
+def _check_sparse_mla_inputs(q, kv_cache, slots, counts, sm_scale, value_dim):
+    leading = kv_cache.latent.shape if isinstance(kv_cache, Fp8LatentCache) else kv_cache.shape
+    if q.ndim != 3 or len(leading) != 3 or slots.ndim != 2 or counts.ndim != 1:
+        raise ValueError(f"want q [R, H, Dq], kv_cache [pages, B, Dq], slots [R, S], counts [R]; got "
+                         f"{q.shape=}, {leading=}, {slots.shape=}, {counts.shape=}")
+    if slots.shape[0] != q.shape[0] or counts.shape[0] != q.shape[0]:
+        raise ValueError(f"mismatched rows: {q.shape=}, {slots.shape=}, {counts.shape=}")
+    if slots.dtype != jnp.int32 or counts.dtype != jnp.int32:
+        raise ValueError(f"slots and counts must be int32; got {slots.dtype=}, {counts.dtype=}")
+    if not 0 < value_dim < q.shape[-1]:
+        raise ValueError(f"value_dim must be in (0, Dq={q.shape[-1]}); got {value_dim=}")
+
+
+def _sparse_mla_triton_unsupported(q, kv_cache, slots, counts, sm_scale, value_dim=512, *, interpret=None, **_):
+    try:
+        logical = (_sparse_mla_triton.fp8_cache_rows(kv_cache, value_dim) if isinstance(kv_cache, Fp8LatentCache)
+                   else kv_cache)
+        _sparse_mla_triton.check_inputs(q, logical, slots, counts, value_dim)
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
+def _sparse_mla_mosaic_unsupported(q, kv_cache, slots, counts, sm_scale, value_dim=512, *, interpret=None, **_):
+    return _sparse_mla_mosaic.unsupported(q, kv_cache, value_dim, interpret)
+
+
+def _sparse_mla_mosaic_run(q, kv_cache, slots, counts, sm_scale, value_dim=512, *, interpret=None, **knobs):
+    return _sparse_mla_mosaic.sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, value_dim=value_dim, **knobs)
+
+
+def _reference_run(fn):
+    def run(*args, interpret=None, **kwargs):
+        return fn(*args, **kwargs)
+
+    return run
+
+
+IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
+    "indexer_logits": {
+        "reference": Implementation(_reference_run(reference.indexer_logits), _never),
+        "triton": Implementation(_indexer_triton_run, _indexer_triton_unsupported),
+        "mosaic": Implementation(_indexer_mosaic_run, _indexer_mosaic_unsupported),
+    },
+    "topk": {
+        "reference": Implementation(_reference_run(reference.topk), _never),
+        "triton": Implementation(_topk_triton_run, _never),
+    },
+    "indexer_top_k": {
+        "reference": Implementation(_reference_run(reference.indexer_top_k), _never),
+        "triton": Implementation(_indexer_top_k_triton_run, _indexer_triton_unsupported),
+        "mosaic": Implementation(_indexer_top_k_mosaic_run, _indexer_mosaic_unsupported),
+    },
+    "sparse_mla_decode": {
+        "reference": Implementation(_reference_run(reference.sparse_mla_decode), _never),
+        "triton": Implementation(_sparse_mla_triton.sparse_mla_decode, _sparse_mla_triton_unsupported),
+        "mosaic": Implementation(_sparse_mla_mosaic_run, _sparse_mla_mosaic_unsupported),
+    },
+}
+
+
+def unsupported(op: str, backend: str, *args, interpret: bool | None = None, **kwargs) -> list[str]:
+    """Why `backend` cannot run `op` on these arguments (empty: it can). "pallas" can when mosaic or triton can;
+    its reasons are theirs, each prefixed with the backend's name."""
+    table = _table(op)
+    if backend == "pallas":
+        reasons = []
+        for name in _PALLAS_ORDER:
+            if name not in table:
+                continue
+            found = table[name].unsupported(*args, interpret=interpret, **kwargs)
+            if not found:
+                return []
+            reasons += [f"{name}: {r}" for r in found]
+        return reasons
+    if backend not in table:
+        return [f"{op} has no {backend!r} implementation (it has {sorted(table)})"]
+    return table[backend].unsupported(*args, interpret=interpret, **kwargs)
+
+
+def choose(op: str, backend: str, *args, interpret: bool | None = None, **kwargs) -> str:
+    """The implementation `backend` names for these arguments ("pallas": mosaic where it applies, else triton);
+    ValueError with the reasons when it cannot run them."""
+    table = _table(op)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    names = [n for n in _PALLAS_ORDER if n in table] if backend == "pallas" else [backend]
+    for name in names:
+        if name in table and not table[name].unsupported(*args, interpret=interpret, **kwargs):
+            return name
+    reasons = unsupported(op, backend, *args, interpret=interpret, **kwargs)
+    raise ValueError(f"backend={backend!r} cannot run {op} here: " + "; ".join(reasons))
+
+
+def _table(op: str) -> dict[str, Implementation]:
+    if op not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown op {op!r}; the ops are {sorted(IMPLEMENTATIONS)}")
+    return IMPLEMENTATIONS[op]
+
+
+def _run(op: str, backend: str, args: tuple, kwargs: dict, interpret, knobs: dict):
+    if knobs and backend in ("pallas", "reference"):
+        raise TypeError(f"tuning knobs {sorted(knobs)} need an explicit backend ('triton' or 'mosaic'), not "
+                        f"{backend!r}")
+    name = choose(op, backend, *args, interpret=interpret, **kwargs)
+    return IMPLEMENTATIONS[op][name].run(*args, interpret=interpret, **kwargs, **knobs)
+
+
+def indexer_logits(q, weights, index_cache, block_tables, lens, *, backend="pallas", interpret=None, **knobs):
+    """Lightning-indexer logits over a paged index-K cache.
+
+    q [R, Hi, Di] (f32, bf16 or float8_e4m3fn), weights [R, Hi] f32 with every scale folded in, index_cache
+    [pages, page, Di] (f32, bf16 or float8_e4m3fn) or `Fp8IndexKeys` of [pages, page, Di] e4m3 keys and
+    [pages, page] f32 per-token scales, block_tables [R, P] int32 page ids (entries past a row's length are never
+    read, may be -1), lens [R] int32 local lengths (host-computed, 0 <= lens <= P * page). Returns f32 [R, P*page]:
+    `sum_h weights[r,h] * relu(q[r,h] . k_t) * scale[t]` (scale 1 for a plain cache) for t < lens[r], -inf
+    elsewhere. Knobs: `_indexer_triton.indexer_logits`, `_indexer_mosaic.indexer_logits`.
+    """
+    args = (q, weights, index_cache, block_tables, lens)
+    _check_indexer_inputs(*args)
+    return _run("indexer_logits", backend, args, {}, interpret, knobs)
+
+
+def topk(scores, lens, *, k, sorted=True, backend="pallas", interpret=None, **knobs):
+    """Exact per-row top-k over the first lens[r] columns: values f32 [R, k] by score descending, then column
+    ascending (column order alone with `sorted=False`), indices int32 [R, k]; short rows pad with (-inf, -1).
+    scores [R, N] f32 (columns past lens[r] ignored, may be NaN), lens [R] int32 clipped to [0, N], k a Python int
+    >= 1 (k > N allowed). Knobs: `_topk_triton.topk`."""
+    _topk_triton.check_inputs(scores, lens, k)
+    return _run("topk", backend, (scores, lens), dict(k=k, sorted=sorted), interpret, knobs)
+
+
+def indexer_top_k(q, weights, index_cache, block_tables, lens, *, k, sorted=True, backend="pallas", interpret=None,
+                  **knobs):
+    """`topk(indexer_logits(...), lens, k=k, sorted=sorted)`, with the top-k's first pass fused into the Mosaic
+    indexer where the shapes allow. Knobs: the indexer's (triton: plus `topk_knobs`, a dict for the top-k)."""
+    args = (q, weights, index_cache, block_tables, lens)
+    _check_indexer_inputs(*args)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k must be a Python int >= 1; got {k=}")
+    return _run("indexer_top_k", backend, args, dict(k=k, sorted=sorted), interpret, knobs)
+
+
+def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, backend="pallas", interpret=None,
+                      **knobs):
+    """Absorbed sparse MLA decode over compacted physical slots.
+
+    q [R, H, Dq] (latent query, value_dim wide, then the rope query), kv_cache [pages, B, Dq] bf16 or f32 (latent
+    then roped key) or an `Fp8LatentCache` (computed as the bf16 cache it holds exactly; out bf16), slots [R, S]
+    int32 physical slots `page*B + offset`, valid first, counts [R] int32 (above S act as S), sm_scale a Python
+    float. Returns out [R, H, value_dim] in the cache's dtype (bf16 from the Mosaic kernel) and lse f32 [R, H]
+    (natural log); a row with count <= 0 gives out 0 and lse -inf. Slots past a row's count are never read.
+    Knobs: `_sparse_mla_triton.sparse_mla_decode`, `_sparse_mla_mosaic.sparse_mla_decode`.
+    """
+    _check_sparse_mla_inputs(q, kv_cache, slots, counts, sm_scale, value_dim)
+    return _run("sparse_mla_decode", backend, (q, kv_cache, slots, counts, sm_scale), dict(value_dim=value_dim),
+                interpret, knobs)

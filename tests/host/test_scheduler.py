@@ -1,0 +1,247 @@
+"""The continuous-batching scheduler (dcp_jax/host/scheduler.py): admission, buckets, growth, preemption, aborts,
+stop rules, stream hold-back; pages always return to the pool. Pure Python: no model, no jax."""
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from dcp_jax.config import EngineConfig
+from dcp_jax.host.layout import DcpLayout
+from dcp_jax.host.sampling import SamplingParams
+from dcp_jax.host.scheduler import Request, RequestStatus, Scheduler
+
+EOS = 1
+
+
+def detok(ids):
+    return "".join(chr(ord("a") + (i - 2) % 26) for i in ids if i >= 2)
+
+
+def make(num_pages=16, max_num_seqs=4, page_size=2, dcp=2, max_model_len=64, **kw):
+    engine = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
+                          max_model_len=max_model_len, bucket_ladder=(1, 2, 4, 8))
+    return Scheduler(engine, DcpLayout(dcp, 1, page_size), eos_token_id=EOS, detokenize=detok, **kw)
+
+
+def req(rid, prompt_len=3, **params):
+    params.setdefault("max_tokens", 8)
+    return Request(str(rid), list(range(2, 2 + prompt_len)), SamplingParams(**params))
+
+
+def run_step(s, token_for=lambda r: 5):
+    """What the engine does with a plan: first tokens of new prefills, then one decode token per row."""
+    plan = s.schedule()
+    for r in plan.prefills:
+        if not r.is_resumed:
+            s.append_token(r, token_for(r))
+    rows = s.decode_rows(plan)
+    for r in rows:
+        assert len(r.pages) >= s.blocks_for(r.context_len), "decode row without a page for its token"
+        s.append_token(r, token_for(r))
+    s.check_invariants()
+    return plan, rows
+
+
+def test_scheduler_does_not_import_jax():
+    code = "import sys, dcp_jax.host.scheduler; sys.exit('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_admission_limited_by_batch_slots_and_prefills_per_step():
+    s = make(num_pages=64, max_num_seqs=3, max_prefills_per_step=2)
+    for i in range(5):
+        s.add(req(i))
+    plan = s.schedule()
+    assert [r.request_id for r in plan.prefills] == ["0", "1"]
+    plan = s.schedule()
+    assert [r.request_id for r in plan.prefills] == ["2"]  # third slot, then the batch is full
+    assert s.num_running == 3 and s.num_waiting == 2
+    assert [r.request_id for r in plan.decodes] == ["0", "1", "2"]
+
+
+def test_admission_limited_by_pages_first_come_first_served():
+    # page_size 2 * dcp 2 = 4 tokens per virtual block.
+    s = make(num_pages=3)
+    s.add(req("big", prompt_len=9, max_tokens=2))  # 9 + 1 tokens -> 3 blocks
+    s.add(req("small", prompt_len=1))
+    plan = s.schedule()
+    assert [r.request_id for r in plan.prefills] == ["big"]
+    assert s.get("big").pages == [0, 1, 2] and s.allocator.num_free == 0
+    plan = s.schedule()
+    assert not plan.prefills and s.num_waiting == 1
+
+
+def test_virtual_block_growth_one_page_per_page_size_times_dcp_tokens():
+    s = make(num_pages=8, page_size=2, dcp=2)
+    r = req(0, prompt_len=3, max_tokens=20)
+    s.add(r)
+    plan, _ = run_step(s)  # prefill 3 + first token; decode feeds it at position 3 -> context 4
+    assert len(r.pages) == 1 and r.context_len == 5
+    run_step(s)  # context 5 needs a second block
+    assert len(r.pages) == 2
+
+
+def test_bucket_is_smallest_ladder_width_holding_the_rows():
+    s = make(num_pages=64, max_num_seqs=8, max_prefills_per_step=8)
+    assert [s.bucket_for(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    with pytest.raises(ValueError):
+        s.bucket_for(9)
+
+
+def test_preemption_frees_youngest_and_resumes_by_recompute():
+    s = make(num_pages=4, max_num_seqs=4, page_size=2, dcp=1)  # 2 tokens per block
+    a, b = req("a", prompt_len=3, max_tokens=6), req("b", prompt_len=3, max_tokens=6)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both admitted with 2 pages each: pool empty
+    assert s.allocator.num_free == 0
+    plan, rows = run_step(s)  # a needs a third page -> b (youngest) preempted
+    assert [r.request_id for r in plan.preempted] == ["b"]
+    assert b.status is RequestStatus.WAITING and b.pages == [] and s.waiting[0] is b
+    assert [r.request_id for r in rows] == ["a"]
+    generated = list(b.output_ids)
+    assert b.prefill_ids == b.prompt_ids + generated[:-1]
+    for _ in range(50):
+        if not s.has_work:
+            break
+        run_step(s)
+    assert a.finish_reason == b.finish_reason == "length"
+    assert len(a.output_ids) == len(b.output_ids) == 6 and b.num_preemptions >= 1
+    assert s.allocator.num_free == 4
+
+
+def test_youngest_request_preempts_itself_when_it_cannot_grow():
+    s = make(num_pages=4, max_num_seqs=4, page_size=2, dcp=1)  # 2 tokens per block
+    a, b = req("a", prompt_len=3, max_tokens=6), req("b", prompt_len=1, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # a: 2 pages (context 4), b: 1 page (context 2); 1 free
+    plan, rows = run_step(s)  # a takes the free page for context 5; b needs one for context 3: none left
+    assert [r.request_id for r in plan.preempted] == ["b"] and [r.request_id for r in rows] == ["a"]
+    assert b.pages == [] and b.status is RequestStatus.WAITING
+    for _ in range(60):
+        if not s.has_work:
+            break
+        run_step(s)
+    assert a.is_finished and b.is_finished and len(a.output_ids) == 6 and len(b.output_ids) == 8 and s.allocator.num_free == 4
+
+
+def test_abort_waiting_and_running_frees_pages():
+    s = make(num_pages=8, max_num_seqs=1)
+    s.add(req("run"))
+    s.add(req("wait"))
+    run_step(s)
+    assert s.allocator.num_used > 0
+    assert s.abort("wait").finish_reason == "abort"
+    assert s.abort("run").finish_reason == "abort"
+    assert s.abort("run") is None and s.abort("nope") is None
+    assert s.allocator.num_free == 8 and not s.has_work
+    s.check_invariants()
+
+
+def test_stop_rules():
+    s = make(num_pages=64, max_num_seqs=8, max_prefills_per_step=8)
+    eos, length, stop_id, ignore = req("eos"), req("len", max_tokens=2), req("id", stop_token_ids=[7]), \
+        req("ign", ignore_eos=True, max_tokens=3)
+    text = req("text", stop=["cd"])
+    for r in (eos, length, stop_id, ignore, text):
+        s.add(r)
+    s.schedule()
+    s.append_token(eos, 4)
+    s.append_token(eos, EOS)
+    assert eos.finish_reason == "stop" and eos.output_ids == [4, EOS] and eos.text == "c"
+    s.append_token(length, 4)
+    s.append_token(length, 4)
+    assert length.finish_reason == "length"
+    s.append_token(stop_id, 7)
+    assert stop_id.finish_reason == "stop" and stop_id.text == ""
+    for _ in range(3):
+        s.append_token(ignore, EOS)
+    assert ignore.finish_reason == "length" and len(ignore.output_ids) == 3
+    for t in (2, 3, 4, 5):  # a b c d -> stop at "cd", text cut before it
+        if not text.is_finished:
+            s.append_token(text, t)
+    assert text.finish_reason == "stop" and text.text == "ab" and text.output_ids == [2, 3, 4, 5]
+    assert s.allocator.num_free == 64
+    with pytest.raises(ValueError):
+        s.append_token(text, 2)
+
+
+def test_max_model_len_is_enforced_before_queueing_so_max_tokens_ends_generation():
+    s = make(num_pages=64, max_model_len=6)
+    with pytest.raises(ValueError, match="max_model_len"):
+        s.add(req("over", prompt_len=3, max_tokens=4))
+    r = req("r", prompt_len=3, max_tokens=3)  # exactly max_model_len: runs to its max_tokens
+    s.add(r)
+    while s.has_work:
+        run_step(s)
+    assert r.finish_reason == "length" and len(r.output_ids) == 3
+
+
+def test_request_filling_the_pool_with_one_token_is_admitted_not_stuck():
+    """check_fits and admission size a request by the same bound (the context it can ever hold): a 16-token prompt
+    with max_tokens=1 in a 2-page pool of 8-token blocks is accepted, admitted (2 pages, not 3), finishes, and the
+    request queued behind it runs too."""
+    s = make(num_pages=2, page_size=4, dcp=2, max_model_len=64)
+    full = req("full", prompt_len=16, max_tokens=1)
+    after = req("after", prompt_len=5, max_tokens=4)
+    s.add(full)
+    s.add(after)
+    plan, _ = run_step(s)
+    assert [r.request_id for r in plan.prefills] == ["full"] and full.finish_reason == "length"
+    for _ in range(10):
+        if not s.has_work:
+            break
+        run_step(s)
+    assert after.finish_reason == "length" and len(after.output_ids) == 4
+    assert s.allocator.num_free == 2
+
+
+def test_check_fits_rejects_impossible_requests():
+    s = make(num_pages=2, page_size=2, dcp=2, max_model_len=64)  # 2 blocks = 8 tokens of context
+    with pytest.raises(ValueError, match="max_model_len"):
+        s.add(req("long", prompt_len=60, max_tokens=8))
+    with pytest.raises(ValueError, match="KV pages"):
+        s.add(req("pool", prompt_len=8, max_tokens=2))
+    with pytest.raises(ValueError, match="empty"):
+        s.add(req("empty", prompt_len=0))
+    s.add(req("ok", prompt_len=4, max_tokens=5))  # context peaks at 8
+    with pytest.raises(ValueError, match="duplicate"):
+        s.add(req("ok"))
+
+
+def test_stream_boundary_holds_back_stop_prefixes_and_partial_utf8():
+    s = make()
+    r = req("r", stop=["xyz"])
+    s.add(r)
+    r.text = "abcxy"
+    assert r.stream_boundary() == 3
+    r.text = "abc\ufffd"
+    assert r.stream_boundary() == 3
+    r.text = "abcd"
+    assert r.stream_boundary() == 4
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_traffic_never_leaks_pages(seed):
+    rnd = random.Random(seed)
+    s = make(num_pages=10, max_num_seqs=4, page_size=2, dcp=2, max_model_len=32, max_prefills_per_step=2)
+    added, n = [], 0
+    for step in range(400):
+        if n < 40 and rnd.random() < 0.5:
+            r = req(n, prompt_len=rnd.randint(1, 12), max_tokens=rnd.randint(1, 16))
+            s.add(r)
+            added.append(r)
+            n += 1
+        if added and rnd.random() < 0.05:
+            s.abort(rnd.choice(added).request_id)
+        run_step(s, token_for=lambda r: rnd.choice([EOS] + [5] * 30))
+        if n == 40 and not s.has_work:
+            break
+    assert not s.has_work and all(r.is_finished for r in added)
+    assert s.allocator.num_free == 10 and s.allocator.num_used == 0
+    for r in added:
+        if r.finish_reason == "length":
+            assert len(r.output_ids) == r.params.max_tokens

@@ -1,0 +1,209 @@
+"""The whole model equals HF transformers' DeepseekV32ForCausalLM (golden fixtures of `tests/oracle/`).
+
+The checkpoint HF read is rebuilt here from its seed (numpy only; the sha256 proves the bytes are the same),
+loaded through `model/weights.py`, and run through `runtime/runner.py` at several DCP sizes and interleaves: four
+prompts of different lengths (9, 16, 23, 40 with index_topk 16: shorter, equal and longer than K; the 9 crosses K
+while decoding), non-contiguous pages, 9 decode steps after the prefill. The configurations: default RoPE, YaRN
+as the real checkpoint has it (mscale = mscale_all_dim), YaRN with mscale != mscale_all_dim (both the cos/sin factor
+and the softmax scale change), and one configuration with the Pallas kernels (interpreted) instead of the
+references.
+"""
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
+from dcp_jax.host.sampling import log_softmax
+from dcp_jax.model.mesh import make_mesh
+from dcp_jax.model.weights import load_hf_params
+from dcp_jax.runtime.runner import ModelRunner
+
+from tests.oracle import hf_tiny
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "oracle"
+TOL = 2e-3  # logprob agreement required by the issue (fp32, highest matmul precision)
+# Rows whose K-th vs (K+1)-th index score gap is below this fraction of the row's score range are
+# tie-fragile; the fixture seeds were chosen so that none is (tests/oracle/README.md).
+MIN_REL_GAP = 3e-4
+ENGINE = EngineConfig(page_size=4, num_pages=64, max_num_seqs=4, max_model_len=64, bucket_ladder=(4,))
+
+NAMES = ("default_rope", "yarn", "yarn_mscale")
+# (config, dcp, interleave, kernels): every DCP size for default RoPE; interleave 2 and YaRN at several sizes; the
+# Pallas kernels (interpreted on CPU) at one sharded size.
+CASES = [
+    ("default_rope", 1, 1, "reference"),
+    ("default_rope", 2, 1, "reference"),
+    ("default_rope", 4, 1, "reference"),
+    ("default_rope", 8, 1, "reference"),
+    ("default_rope", 2, 2, "reference"),
+    ("default_rope", 4, 2, "reference"),
+    ("yarn", 1, 1, "reference"),
+    ("yarn", 2, 2, "reference"),
+    ("yarn", 4, 2, "reference"),
+    ("yarn", 8, 1, "reference"),
+    ("yarn_mscale", 1, 1, "reference"),
+    ("yarn_mscale", 4, 2, "reference"),
+    ("default_rope", 2, 2, "pallas"),
+]
+CASE_IDS = [f"{c}-dcp{w}-S{s}-{k}" for c, w, s, k in CASES]
+
+
+@functools.cache
+def fixture(name):
+    return dict(np.load(FIXTURES / f"{name}.npz"))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for name in NAMES:
+        fx = fixture(name)
+        path = tmp_path_factory.mktemp(name)
+        sha = hf_tiny.write_random_checkpoint(hf_tiny.tiny_configs()[name], int(fx["seed"]), path)
+        out[name] = (path, sha)
+    return out
+
+
+def block_tables(dcp, rows, seed):
+    """Each row gets its own pages, scattered over the pool."""
+    blocks = ENGINE.max_blocks_per_seq(dcp)
+    pages = np.random.default_rng(seed).permutation(ENGINE.num_pages)[: rows * blocks]
+    return pages.reshape(rows, blocks).tolist()
+
+
+def prompts_of(fx):
+    return [fx["prompt_ids"][i, :n].tolist() for i, n in enumerate(fx["prompt_lens"])]
+
+
+_RESULTS = {}
+
+
+def run_case(checkpoints, name, dcp, interleave, kernels="reference", cfg_change=None):
+    """Prefill (logits at every position) + 9 greedy decode steps fed HF's tokens; cached per case."""
+    key = (name, dcp, interleave, kernels, cfg_change)
+    if key in _RESULTS:
+        return _RESULTS[key]
+    fx = fixture(name)
+    path, _ = checkpoints[name]
+    cfg = ModelConfig.from_hf(path)
+    if cfg_change:
+        cfg = dataclasses.replace(cfg, **dict(cfg_change))
+    parallel = ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave)
+    mesh = make_mesh(parallel)
+    runner = ModelRunner(cfg, load_hf_params(cfg, path, mesh), parallel, ENGINE, mesh, kernels)
+    runner.compile_decode()
+    prompts = prompts_of(fx)
+    tables = block_tables(dcp, len(prompts), seed=dcp * 10 + interleave)
+    prefill_logits, prefill_selected = runner.prefill(prompts, tables, all_logits=True, return_selected=True)
+    decode_logits, decode_selected = [], []
+    context = np.array([len(p) for p in prompts])
+    if cfg_change is None:
+        for j in range(1, fx["gen_tokens"].shape[1]):
+            context = context + 1
+            logits, selected = runner.decode(fx["gen_tokens"][:, j - 1].tolist(), context.tolist(), tables,
+                                              return_selected=True)
+            decode_logits.append(logits)
+            decode_selected.append(selected)
+    result = dict(prefill_logits=prefill_logits, prefill_selected=prefill_selected,
+                  decode_logits=decode_logits, decode_selected=decode_selected)
+    _RESULTS[key] = result
+    return result
+
+
+def test_checkpoint_is_the_one_hf_read(checkpoints):
+    for name, (path, sha) in checkpoints.items():
+        assert sha == str(fixture(name)["checkpoint_sha256"])
+        assert json.loads((path / "config.json").read_text()) == json.loads(str(fixture(name)["config_json"]))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_config_matches_hf_constants(checkpoints, name):
+    """Both rope spellings (v5 rope_parameters, legacy rope_scaling type=yarn) give HF's rope and scales."""
+    from dcp_jax.model.rope import rope_tables
+
+    fx = fixture(name)
+    cfg = ModelConfig.from_hf(checkpoints[name][0])
+    inv_freq, attention_factor = rope_tables(cfg)
+    np.testing.assert_allclose(inv_freq, fx["hf_rope_inv_freq"], rtol=1e-6)
+    assert attention_factor == pytest.approx(float(fx["hf_rope_attention_scaling"]))
+    assert cfg.softmax_scale == pytest.approx(float(fx["hf_softmax_scale"]), rel=1e-12)
+
+
+@pytest.mark.parametrize("name, dcp, interleave, kernels", CASES, ids=CASE_IDS)
+def test_prefill_logits_equal_hf(checkpoints, name, dcp, interleave, kernels):
+    fx = fixture(name)
+    ours = run_case(checkpoints, name, dcp, interleave, kernels)["prefill_logits"]
+    for i, n in enumerate(fx["prompt_lens"]):
+        want = log_softmax(fx["prefill_logits"][i, :n])
+        got = log_softmax(ours[i, :n])
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=0, err_msg=f"prompt {i}")
+        np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("name, dcp, interleave, kernels", CASES, ids=CASE_IDS)
+def test_greedy_decode_equals_hf(checkpoints, name, dcp, interleave, kernels):
+    """The first token from the prefill, then 9 sharded decode steps: tokens equal, logprobs within 2e-3."""
+    fx = fixture(name)
+    result = run_case(checkpoints, name, dcp, interleave, kernels)
+    last = [result["prefill_logits"][i, n - 1] for i, n in enumerate(fx["prompt_lens"])]
+    steps = [np.stack(last)] + result["decode_logits"]
+    assert len(steps) == fx["gen_tokens"].shape[1] >= 9
+    for j, logits in enumerate(steps):
+        logprobs = log_softmax(logits)
+        np.testing.assert_array_equal(logprobs.argmax(-1), fx["gen_tokens"][:, j], err_msg=f"step {j}")
+        chosen = np.take_along_axis(logprobs, fx["gen_tokens"][:, j, None], axis=1)[:, 0]
+        np.testing.assert_allclose(chosen, fx["gen_logprobs"][:, j], atol=TOL, rtol=0, err_msg=f"step {j}")
+        np.testing.assert_allclose(logprobs, fx["gen_logsoftmax"][:, j], atol=TOL, rtol=0, err_msg=f"step {j}")
+
+
+def _compare_sets(ours, theirs, rel_gap):
+    """ours/theirs [..., K] ids (-1 padded), rel_gap [...]; returns (rows compared, mismatching rows)."""
+    compared, bad = 0, []
+    for idx in np.ndindex(rel_gap.shape):
+        if np.isnan(rel_gap[idx]) or rel_gap[idx] < MIN_REL_GAP:
+            continue
+        a, b = set(ours[idx][ours[idx] >= 0].tolist()), set(theirs[idx][theirs[idx] >= 0].tolist())
+        compared += 1
+        if a != b:
+            bad.append((idx, sorted(a ^ b)))
+    return compared, bad
+
+
+@pytest.mark.parametrize("name, dcp, interleave, kernels", CASES, ids=CASE_IDS)
+def test_selected_topk_sets_equal_hf(checkpoints, name, dcp, interleave, kernels):
+    """Per layer and query row, the indexer's selected set equals HF's (prefill rows and decode steps)."""
+    fx = fixture(name)
+    result = run_case(checkpoints, name, dcp, interleave, kernels)
+    lmax = fx["prefill_topk"].shape[2]
+    prefill = np.moveaxis(result["prefill_selected"][:, :, :lmax], 0, 1)  # [P, NL, Lmax, K]
+    compared, bad = _compare_sets(prefill, fx["prefill_topk"], fx["prefill_topk_rel_gap"])
+    assert compared == int(fx["prompt_lens"].sum()) * prefill.shape[1]
+    assert not bad, f"prefill sets differ: {bad[:5]}"
+    decode = np.stack(result["decode_selected"], axis=2)  # [NL, P, N-1, K]
+    compared, bad = _compare_sets(np.moveaxis(decode, 0, 1), fx["decode_topk"], fx["decode_topk_rel_gap"])
+    assert compared == fx["decode_topk"].shape[0] * fx["decode_topk"].shape[1] * fx["decode_topk"].shape[2]
+    assert not bad, f"decode sets differ: {bad[:5]}"
+    # min(K, context) ids per decode row (the first step of prompt 0 has context 10 < K).
+    contexts = fx["prompt_lens"][:, None] + np.arange(1, decode.shape[2] + 1)[None, :]
+    expected = np.broadcast_to(np.minimum(int(fx["index_topk"]), contexts), decode.shape[:3])
+    np.testing.assert_array_equal((decode >= 0).sum(-1), expected)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dense_equals_deepseek_v3(checkpoints, name):
+    """index_topk >= length: our V3.2 equals HF's DeepseekV3 (no indexer) on the longest prompt, and the sparse
+    run (K=16) really differs from it (sparsity is exercised)."""
+    fx = fixture(name)
+    p = int(fx["detail_prompt_index"])
+    n = int(fx["prompt_lens"][p])
+    dense = run_case(checkpoints, name, 2, 1, cfg_change=(("index_topk", 64),))["prefill_logits"][p, :n]
+    want = log_softmax(fx["dense_logits"][:n])
+    np.testing.assert_allclose(log_softmax(dense), want, atol=TOL, rtol=0)
+    np.testing.assert_array_equal(dense.argmax(-1), fx["dense_logits"][:n].argmax(-1))
+    sparse = run_case(checkpoints, name, 2, 2)["prefill_logits"][p, :n]
+    assert np.abs(log_softmax(sparse) - want).max() > 0.1

@@ -1,0 +1,192 @@
+"""HF safetensors in and out (`dcp_jax/weights.py`): strict loading, sharded placement, exact round trip."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dcp_jax.config import TINY, ModelConfig, ParallelConfig
+from dcp_jax.model.mesh import HEADS, make_mesh
+from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params
+from dcp_jax.model.weights import hf_tensor_shapes, layer_to_hf, layer_to_ours, load_hf_params, save_hf
+
+from tests.oracle import hf_tiny
+
+HF_CONFIG = hf_tiny.tiny_configs()["default_rope"]
+CFG = ModelConfig.from_dict(HF_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    return hf_tiny.random_tensors(HF_CONFIG, seed=5)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tensors):
+    path = tmp_path_factory.mktemp("ckpt")
+    hf_tiny.write_checkpoint(HF_CONFIG, tensors, path)
+    return path
+
+
+def test_expected_names_are_hf_names(tensors):
+    """Our list of expected tensors is exactly what the HF-layout writer produces, shapes included."""
+    assert hf_tensor_shapes(CFG) == {name: t.shape for name, t in tensors.items()}
+
+
+def test_layer_converters_are_inverse(tensors):
+    for layer in range(CFG.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
+        hf = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        back = layer_to_hf(CFG, layer, layer_to_ours(CFG, layer, hf))
+        assert back.keys() == hf.keys()
+        for name in hf:
+            np.testing.assert_array_equal(back[name], hf[name], err_msg=name)
+
+
+def test_load_places_heads_and_experts_split_and_save_round_trips(checkpoint, tensors, tmp_path):
+    mesh = make_mesh(ParallelConfig(tp=4, dcp=2))
+    params = load_hf_params(CFG, checkpoint, mesh)
+    attention = params["layers"][1]["attention"]
+    assert attention["wq_b"].sharding.spec == P(None, HEADS, None)
+    assert attention["wo"].sharding.spec == P(HEADS, None, None)
+    assert attention["wq_b"].addressable_shards[0].data.shape[1] == CFG.num_attention_heads // 4
+    mlp = params["layers"][1]["mlp"]
+    assert mlp["experts_gate"].sharding.spec == P(HEADS, None, None)
+    assert mlp["experts_gate"].addressable_shards[0].data.shape[0] == CFG.n_routed_experts // 4
+    assert mlp["shared"]["down"].sharding.spec == P(HEADS, None)
+    assert mlp["router"].sharding.spec == P()
+    # HF's kv_b_proj rows are [k_nope | v] per head: w_uk is the first qk_nope_head_dim rows of head 0.
+    kv_b = tensors["model.layers.0.self_attn.kv_b_proj.weight"]
+    np.testing.assert_array_equal(np.asarray(params["layers"][0]["attention"]["w_uk"])[0],
+                                  kv_b[: CFG.qk_nope_head_dim])
+    save_hf(CFG, params, tmp_path)
+    saved = hf_tiny.read_safetensors(tmp_path / "model.safetensors")
+    assert saved.keys() == tensors.keys()
+    for name in tensors:
+        np.testing.assert_array_equal(saved[name], tensors[name], err_msg=name)
+    assert ModelConfig.from_hf(tmp_path) == CFG
+
+
+@pytest.mark.parametrize("change, message", [
+    ("missing", "missing tensors .*model.layers.1.mlp.experts.3.up_proj.weight"),
+    ("unexpected", "unexpected tensors .*model.layers.3.input_layernorm.weight"),
+    ("shape", "model.layers.0.self_attn.indexer.k_norm.bias: file \\(31,\\)"),
+])
+def test_strict_loading_names_the_problem(tensors, tmp_path, change, message):
+    bad = dict(tensors)
+    if change == "missing":
+        del bad["model.layers.1.mlp.experts.3.up_proj.weight"]
+    elif change == "unexpected":
+        bad["model.layers.3.input_layernorm.weight"] = np.ones(CFG.hidden_size, np.float32)
+    else:
+        bad["model.layers.0.self_attn.indexer.k_norm.bias"] = np.ones(31, np.float32)
+    hf_tiny.write_checkpoint(HF_CONFIG, bad, tmp_path)
+    with pytest.raises(ValueError, match=message):
+        load_hf_params(CFG, tmp_path)
+
+
+def test_the_first_layers_of_a_checkpoint_load_alone(checkpoint):
+    """A config with fewer layers than the checkpoint loads its first layers and skips the rest (not an error:
+    the count is asked for), equal to the same layers of a full load."""
+    full = load_hf_params(CFG, checkpoint)
+    first = load_hf_params(dataclasses.replace(CFG, num_hidden_layers=2), checkpoint)
+    assert sorted(first["layers"]) == [0, 1]
+    want = {**full, "layers": {i: full["layers"][i] for i in (0, 1)}}
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_random_init_fills_every_parameter():
+    _, abstract = abstract_model(TINY)
+    params = init_params(TINY, seed=0)
+    want = jax.tree.map(lambda a: a.shape, jax.tree.leaves(abstract))
+    assert [p.shape for p in jax.tree.leaves(params)] == want
+    assert not np.allclose(params["layers"][0]["attention"]["q_a_norm"], 1.0)
+
+
+def test_tp_must_divide_every_split_dimension():
+    check_divisible(CFG, 4)
+    with pytest.raises(ValueError, match="tp=3 must divide"):
+        check_divisible(CFG, 3)
+
+
+BLOCK = (8, 12)  # not a divisor of every dimension: edge blocks are partial
+
+
+def _is_quantized(name: str, shape) -> bool:
+    """What DeepSeek's release stores in fp8: the 2-D projections of attention, indexer and MLP."""
+    return len(shape) == 2 and (".self_attn." in name or ".mlp." in name) and not name.endswith(
+        ("weights_proj.weight", "mlp.gate.weight"))
+
+
+def _block_fp8(tensors):
+    """(fp8 tensors with their *_scale_inv, the f32 weights they stand for)."""
+    import ml_dtypes
+
+    quantized, dequantized = {}, dict(tensors)
+    for name, w in tensors.items():
+        if not _is_quantized(name, w.shape):
+            continue
+        rows, cols = -(-w.shape[0] // BLOCK[0]), -(-w.shape[1] // BLOCK[1])
+        padded = np.zeros((rows * BLOCK[0], cols * BLOCK[1]), np.float32)
+        padded[: w.shape[0], : w.shape[1]] = np.abs(w)
+        scale = padded.reshape(rows, BLOCK[0], cols, BLOCK[1]).max(axis=(1, 3)) / 448 + 1e-12
+        full = np.repeat(np.repeat(scale, BLOCK[0], 0), BLOCK[1], 1)[: w.shape[0], : w.shape[1]]
+        q = (w / full).astype(ml_dtypes.float8_e4m3fn)
+        quantized[name], quantized[name + "_scale_inv"] = q, scale.astype(np.float32)
+        dequantized[name] = q.astype(np.float32) * full
+    return quantized, dequantized
+
+
+def _write_fp8(path, tensors, config_extra):
+    import json
+
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(HF_CONFIG | config_extra))
+
+
+FP8_CONFIG = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": list(BLOCK)}, "num_nextn_predict_layers": 1}
+
+
+def test_block_fp8_checkpoint_loads_dequantized(tensors, checkpoint, tmp_path):
+    """DeepSeek's release format: e4m3 weights with one f32 scale per 8 x 12 block and an MTP layer. Loading gives
+    exactly the params of an f32 checkpoint holding the dequantized weights, within fp8 error of the originals."""
+    quantized, dequantized = _block_fp8(tensors)
+    mtp = {f"model.layers.{CFG.num_hidden_layers}.enorm.weight": np.ones(CFG.hidden_size, np.float32)}
+    _write_fp8(tmp_path / "fp8", tensors | quantized | mtp, FP8_CONFIG)
+    hf_tiny.write_checkpoint(HF_CONFIG, dequantized, tmp_path / "f32")
+    got, want = load_hf_params(CFG, tmp_path / "fp8"), load_hf_params(CFG, tmp_path / "f32")
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    w, w0 = (np.asarray(p["layers"][1]["attention"]["wq_b"]) for p in (got, load_hf_params(CFG, checkpoint)))
+    assert 0 < np.linalg.norm(w - w0) / np.linalg.norm(w0) < 0.05
+
+
+@pytest.mark.parametrize("change, message", [
+    ("no_scale", "q_a_proj.weight: F8_E4M3 without a weight_scale_inv"),
+    ("scale_shape", "q_a_proj.weight_scale_inv: file .*blocks of \\(8, 12\\)"),
+    ("method", "unsupported quantization_config"),
+    ("no_mtp", "unexpected tensors .*model.layers.3.enorm.weight"),
+])
+def test_block_fp8_errors_name_the_problem(tensors, tmp_path, change, message):
+    quantized, _ = _block_fp8(tensors)
+    files = tensors | quantized | {"model.layers.3.enorm.weight": np.ones(CFG.hidden_size, np.float32)}
+    config = dict(FP8_CONFIG)
+    scale = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
+    if change == "no_scale":
+        del files[scale]
+    elif change == "scale_shape":
+        files[scale] = files[scale][:, :1].copy()
+    elif change == "method":
+        config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    else:
+        config["num_nextn_predict_layers"] = 0
+    _write_fp8(tmp_path, files, config)
+    with pytest.raises(ValueError, match=message):
+        load_hf_params(CFG, tmp_path)

@@ -1,0 +1,189 @@
+"""dcp_jax/runtime/step.py and the jaxpr check of runtime/jaxpr_check.py: one compile per bucket, no tracing
+afterwards, no device-side derivation of local lengths in any decode or prefill program (and the check catches one
+wired in), and metadata errors before anything is traced."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dcp_jax.config import TINY, EngineConfig, ParallelConfig
+from dcp_jax.demo import make_stack_step
+from dcp_jax.host.layout import DcpLayout
+from dcp_jax.host.metadata import build_decode_metadata
+from dcp_jax.model.attention_stack import decode_stack_body, init_stack_params
+from dcp_jax.model.kv_cache import allocate_kv_cache
+from dcp_jax.model.mesh import DCP, make_mesh
+from dcp_jax.runtime.jaxpr_check import local_context_lens_on_device
+from dcp_jax.serving.loading import load_model
+
+ENGINE = EngineConfig(page_size=4, num_pages=64, max_num_seqs=8, max_model_len=64)
+PARALLEL = ParallelConfig(tp=4, dcp=4, interleave=2)
+MAX_BLOCKS = ENGINE.max_blocks_per_seq(PARALLEL.dcp)
+LAYOUT = DcpLayout(PARALLEL.dcp, PARALLEL.interleave, ENGINE.page_size)
+
+
+class CountingBody:
+    """decode_stack_body that counts its traces."""
+
+    def __init__(self):
+        self.traces = 0
+
+    def __call__(self, *args, **kwargs):
+        self.traces += 1
+        return decode_stack_body(*args, **kwargs)
+
+
+def fallback_body(params, kv_cache, hidden, md, **kwargs):
+    """The failure mode guarded against: local lengths re-derived on device from the global ones."""
+    derived = local_context_lens_on_device(
+        md.context_lens, jax.lax.axis_index(DCP), dcp=kwargs["layout"].dcp_size, interleave=kwargs["layout"].interleave
+    )
+    return decode_stack_body(params, kv_cache, hidden, dataclasses.replace(md, local_context_lens=derived), **kwargs)
+
+
+def counting_mask_body(params, kv_cache, hidden, md, **kwargs):
+    """A disguised fallback: count this rank's tokens below each row's position with a comparison mask."""
+    layout = kwargs["layout"]
+    tokens = jnp.arange(ENGINE.max_model_len)
+    is_mine = (tokens // layout.interleave) % layout.dcp_size == jax.lax.axis_index(DCP)
+    derived = jnp.sum(is_mine[None, :] & (tokens[None, :] <= md.positions[:, None]), axis=1).astype(jnp.int32)
+    return decode_stack_body(params, kv_cache, hidden, dataclasses.replace(md, local_context_lens=derived), **kwargs)
+
+
+def float_round_trip_body(params, kv_cache, hidden, md, **kwargs):
+    """A disguised fallback (S = 1 formula, close enough to matter): floor division through a float cast."""
+    layout = kwargs["layout"]
+    lengths = (md.positions + 1).astype(jnp.float32)
+    derived = (lengths * (1.0 / layout.dcp_size)).astype(jnp.int32)
+    return decode_stack_body(params, kv_cache, hidden, dataclasses.replace(md, local_context_lens=derived), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    mesh = make_mesh(PARALLEL)
+    params = init_stack_params(TINY, jax.random.key(0))
+    return mesh, params
+
+
+def metadata(lens, bucket):
+    per_block = ENGINE.page_size * PARALLEL.dcp
+    tables = [list(range(i * MAX_BLOCKS, i * MAX_BLOCKS + -(-n // per_block))) for i, n in enumerate(lens)]
+    return build_decode_metadata(lens, tables, bucket=bucket, layout=LAYOUT, max_blocks=MAX_BLOCKS)
+
+
+def test_one_compile_per_bucket_and_no_tracing_afterwards(setup):
+    mesh, params = setup
+    body = CountingBody()
+    step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, "reference", body=body)
+    params = step.place_params(params)
+    kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
+    for rows in ENGINE.buckets:
+        step.compile(params, kv_cache, rows)
+        step.compile(params, kv_cache, rows)  # a second request is a no-op
+    assert body.traces == len(ENGINE.buckets) == step.num_compiled
+
+    rng = np.random.default_rng(0)
+    with jax.no_tracing():
+        for _ in range(60):
+            rows = int(rng.integers(1, ENGINE.max_num_seqs + 1))
+            bucket = ENGINE.bucket_for(rows)
+            md = metadata(rng.integers(1, ENGINE.max_model_len, rows).tolist(), bucket)
+            hidden = rng.standard_normal((bucket, TINY.hidden_size)).astype(np.float32)
+            old_cache = kv_cache
+            out, kv_cache = step(params, kv_cache, hidden, md)
+            assert all(pool.is_deleted() for pool in jax.tree.leaves(old_cache))  # the KV cache is donated
+    assert np.all(np.isfinite(np.asarray(out)))
+    assert body.traces == len(ENGINE.buckets)
+
+
+def test_no_bucket_derives_local_lengths_on_device(setup):
+    mesh, params = setup
+    step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, "reference")
+    kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
+    for rows in ENGINE.buckets:
+        assert step.length_derivations(params, kv_cache, rows) == []
+
+
+@pytest.mark.parametrize(
+    "body, expected_ops",
+    [(fallback_body, {"floor_divide", "div", "clamp"}), (counting_mask_body, {"le", "lt", "ge", "gt"}),
+     (float_round_trip_body, {"add", "convert_element_type"})],
+    ids=["spec_fallback", "comparison_mask", "float_round_trip"],
+)
+def test_the_check_catches_a_wired_in_fallback(setup, body, expected_ops):
+    mesh, params = setup
+    step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, "reference", body=body)
+    kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
+    rows = ENGINE.buckets[-1]
+    found = step.length_derivations(params, kv_cache, rows)
+    assert expected_ops & {f.split(":")[0].split("/")[-1] for f in found}, found
+
+
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+def test_no_program_of_the_model_derives_local_lengths(kernels):
+    """Every decode bucket and every prefill program (both logits variants), with either kernels."""
+    runner = load_model("tiny", dcp=4, interleave=2, max_num_seqs=4, max_model_len=64, kernels=kernels).runner
+    for rows in runner.decode_step.buckets:
+        assert runner.decode_step.length_derivations(runner.params, runner.kv_cache, rows) == []
+    for step in runner.prefill_steps.values():
+        for bucket in step.buckets:
+            assert step.length_derivations(runner.params, runner.kv_cache, bucket) == []
+
+
+def test_the_fallback_variant_computes_the_same_step(setup):
+    """The check's counter-example is a faithful fallback: same outputs as the host-length step."""
+    mesh, params = setup
+    rows, md = 4, metadata([1, 9, 30], 4)
+    hidden = jnp.asarray(np.random.default_rng(1).standard_normal((rows, TINY.hidden_size)), jnp.float32)
+    outs = []
+    for body in (decode_stack_body, fallback_body):
+        step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, "reference", body=body)
+        kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
+        step.compile(params, kv_cache, rows)
+        outs.append(np.asarray(step(params, kv_cache, hidden, md)[0]))
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-6)
+
+
+def test_bad_metadata_fails_before_tracing(setup):
+    mesh, params = setup
+    body = CountingBody()
+    step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, "reference", body=body)
+    kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
+    step.compile(params, kv_cache, 4)
+    hidden = jnp.zeros((4, TINY.hidden_size))
+    good = metadata([3, 5], 4)
+    bad = [
+        (dataclasses.replace(good, local_context_lens=good.local_context_lens[:2]), ValueError, "local_context_lens"),
+        (dataclasses.replace(good, block_tables=good.block_tables.astype(np.int64)), TypeError, "block_tables"),
+        (dataclasses.replace(good, slot_mapping=None), TypeError, "slot_mapping"),
+        (metadata([3, 5], 3), ValueError, "bucket"),
+        (metadata([3, 5], 2), ValueError, "not compiled"),
+    ]
+    with jax.no_tracing():
+        for md, error, message in bad:
+            with pytest.raises(error, match=message):
+                step(params, kv_cache, hidden, md)
+    assert body.traces == 1
+    assert not any(pool.is_deleted() for pool in jax.tree.leaves(kv_cache))  # a rejected call consumes nothing
+
+
+def test_placed_inputs_run_the_same_program(setup):
+    """`place_inputs` validates and transfers once; `run_placed` then runs the bucket's program on them (the
+    benchmark's device loop), giving what the validating call gives."""
+    mesh, params = setup
+    step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, "reference")
+    kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
+    step.compile(params, kv_cache, 4)
+    md = metadata([1, 9, 30], 4)
+    hidden = jnp.asarray(np.random.default_rng(2).standard_normal((4, TINY.hidden_size)), jnp.float32)
+    with pytest.raises(ValueError, match="block_tables has shape"):
+        step.place_inputs(kv_cache, hidden, dataclasses.replace(md, block_tables=md.block_tables[:, :1]))
+    with jax.no_tracing():
+        want, kv_cache = step(params, kv_cache, hidden, md)
+        placed_hidden, placed_md = step.place_inputs(kv_cache, hidden, md)
+        assert isinstance(placed_md.block_tables, jax.Array)
+        got, kv_cache = step.run_placed(params, kv_cache, placed_hidden, placed_md)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -1,0 +1,297 @@
+"""The serving engine (dcp_jax/serving/engine.py, over serving/core.py) driven directly: warm-up, greedy parity
+with the offline LLM, seeds, prompt logprobs (through a preemption too), async streaming, aborts, duplicate ids,
+per-request failure isolation, a fault that consumes the donated KV cache, and stopping with streams still open."""
+
+import asyncio
+import queue
+import threading
+
+import numpy as np
+import pytest
+
+from dcp_jax.serving.engine import EngineStoppedError
+from dcp_jax.host.sampling import SamplingParams
+from tests.serving.serving_utils import ENGINE_KW, make_engine
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    eng = make_engine(tmp_path_factory).start()
+    yield eng
+    eng.stop()
+
+
+def run(engine, prompt, **params):
+    events = list(engine.generate(prompt, SamplingParams(**params)))
+    return [t for e in events for t in e.token_ids], events[-1]
+
+
+def drain(sink, timeout=60):
+    """All events of one request from its sink."""
+    events = []
+    while not events or events[-1].finish_reason is None:
+        events.append(sink.get(timeout=timeout))
+    return events
+
+
+def test_every_bucket_and_prefill_length_compiled_at_start(engine):
+    lengths = engine.runner.prefill_lengths
+    assert engine.num_programs == len(engine.engine_config.buckets) + 2 * len(lengths)
+    assert engine.runner.decode_step.num_compiled == len(engine.engine_config.buckets) == 4
+    # The counter is live: the warm-up itself was counted (a compile or a persistent-cache load per program).
+    assert engine.compile_count >= engine.num_programs
+    assert engine.compiles_after_warmup == 0
+
+
+def test_greedy_matches_offline_llm(engine):
+    from dcp_jax.serving.llm import LLM
+
+    prompts = [[5, 6, 7], [100, 200, 300, 400, 500, 3, 4], list(range(10, 40))]
+    kw = {k: ENGINE_KW[k] for k in ("dcp", "interleave", "page_size", "num_pages", "max_num_seqs", "max_model_len")}
+    llm = LLM("tiny", seed=0, **kw)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    offline = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for prompt, out in zip(prompts, offline):
+        tokens, last = run(engine, prompt, max_tokens=10, temperature=0, ignore_eos=True)
+        assert tokens == out.token_ids and last.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_neighbours(engine):
+    kw = dict(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone, _ = run(engine, [9, 8, 7], **kw)
+    sinks = [queue.Queue() for _ in range(6)]
+    for i, sink in enumerate(sinks):
+        engine.add_request([9, 8, 7], SamplingParams(**(kw | {"seed": 1234 if i == 3 else i})), sink)
+    batched = []
+    for sink in sinks:
+        tokens = []
+        while True:
+            event = sink.get(timeout=60)
+            tokens += event.token_ids
+            if event.finish_reason:
+                break
+        batched.append(tokens)
+    assert batched[3] == alone
+    assert len({tuple(t) for t in batched}) > 1  # other seeds draw other tokens
+
+
+def test_prompt_logprobs_agree_with_next_token_logprob(engine):
+    prompt = [50, 60, 70, 80]
+    events = list(engine.generate(prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=0)))
+    first = events[-1].logprobs[0]
+    echoed = list(engine.generate(prompt + [first.token_id], SamplingParams(max_tokens=1, temperature=0),
+                                  prompt_logprobs=1))
+    prompt_lps = echoed[0].prompt_logprobs
+    assert prompt_lps[0] is None and len(prompt_lps) == len(prompt) + 1
+    assert prompt_lps[-1].token_id == first.token_id
+    assert prompt_lps[-1].logprob == pytest.approx(first.logprob, abs=1e-5)
+    assert max(prompt_lps[-1].top.values()) == pytest.approx(first.logprob, abs=1e-5)  # greedy = top-1
+
+
+def test_async_consumer_streams_deltas(engine):
+    async def consume():
+        got = []
+        async for event in engine.generate_async([11, 12, 13], SamplingParams(max_tokens=8, temperature=0,
+                                                                              ignore_eos=True)):
+            got.append(event)
+        return got
+
+    events = asyncio.run(consume())
+    assert sum(len(e.token_ids) for e in events) == 8 and events[-1].finish_reason == "length"
+    assert all(e.finish_reason is None for e in events[:-1])
+
+
+def test_abort_frees_pages(engine):
+    sink = queue.Queue()
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True), sink)
+    sink.get(timeout=60)
+    engine.abort(rid)
+    while (event := sink.get(timeout=60)).finish_reason is None:
+        pass
+    assert event.finish_reason == "abort"
+    deadline = 0
+    while engine.num_free_pages != engine.num_pages and deadline < 200:
+        deadline += 1
+        asyncio.run(asyncio.sleep(0.01))
+    assert engine.num_free_pages == engine.num_pages
+
+
+def test_a_failing_request_fails_only_itself(engine, monkeypatch):
+    import dcp_jax.serving.core as core_module
+
+    real = core_module.sample
+
+    def flaky(logits, params, rng):
+        if params.seed == 666:
+            raise RuntimeError("injected sampling fault")
+        return real(logits, params, rng)
+
+    monkeypatch.setattr(core_module, "sample", flaky)
+    sinks = {seed: queue.Queue() for seed in (1, 666, 2)}
+    for seed, sink in sinks.items():
+        engine.add_request([4, 5, 6], SamplingParams(max_tokens=6, temperature=0.5, seed=seed, ignore_eos=True), sink)
+    finals = {}
+    for seed, sink in sinks.items():
+        while (event := sink.get(timeout=60)).finish_reason is None:
+            pass
+        finals[seed] = event
+    assert finals[666].finish_reason == "error" and "injected" in finals[666].error
+    assert finals[1].finish_reason == finals[2].finish_reason == "length"
+    assert engine.is_alive and engine.scheduler.allocator.num_used == 0
+
+
+def test_validation_rejects_before_queueing(engine):
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request([3] * 60, SamplingParams(max_tokens=10), queue.Queue())
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([3, 99999], SamplingParams(max_tokens=1), queue.Queue())
+    assert engine.scheduler.num_waiting == 0
+    assert np.isfinite(engine.metrics.tokens_per_second())
+
+
+def test_duplicate_request_id_is_refused_before_touching_the_live_stream(engine):
+    sink = queue.Queue()
+    engine.add_request([7, 8, 9], SamplingParams(max_tokens=12, **GREEDY), sink, request_id="dup")
+    other = queue.Queue()
+    with pytest.raises(ValueError, match="duplicate request_id"):
+        engine.add_request([7, 8, 9], SamplingParams(max_tokens=2), other, request_id="dup")
+    events = drain(sink)
+    assert events[-1].finish_reason == "length" and sum(len(e.token_ids) for e in events) == 12
+    assert other.empty()
+    # Finished: the id is free again.
+    again = queue.Queue()
+    engine.add_request([7, 8, 9], SamplingParams(max_tokens=1, **GREEDY), again, request_id="dup")
+    assert drain(again)[-1].finish_reason == "length"
+
+
+def test_selected_ids_are_not_copied_to_the_host_unless_asked(engine, monkeypatch):
+    real, seen = engine.runner.decode, []
+
+    def spy(*args, **kwargs):
+        logits, selected = real(*args, **kwargs)
+        seen.append(selected)
+        return logits, selected
+
+    monkeypatch.setattr(engine.runner, "decode", spy)
+    run(engine, [3, 4, 5], max_tokens=3, **GREEDY)
+    assert seen and all(s is None for s in seen)
+
+
+def test_preempted_request_keeps_its_prompt_logprobs(engine, monkeypatch):
+    """8 requests of 21-token contexts fill the 24-page pool (3 pages each); growing to a 4th page preempts the
+    youngest, which asked for prompt logprobs: it gets them once, equal to a run alone, and its greedy tokens
+    do not change through the recompute."""
+    prompts = [[10 + i] * 20 for i in range(8)]
+    alone = drain_one(engine, prompts[-1], max_tokens=30, prompt_logprobs=2)
+    real, preempted = engine.scheduler.schedule, []
+
+    def spy():
+        plan = real()
+        preempted.extend(r.request_id for r in plan.preempted)
+        return plan
+
+    monkeypatch.setattr(engine.scheduler, "schedule", spy)
+    sinks = [queue.Queue() for _ in prompts]
+    rids = [engine.add_request(p, SamplingParams(max_tokens=30, **GREEDY), sink,
+                               prompt_logprobs=2 if i == len(prompts) - 1 else None)
+            for i, (p, sink) in enumerate(zip(prompts, sinks))]
+    events = [drain(sink) for sink in sinks]
+    assert rids[-1] in preempted
+    last = events[-1]
+    assert [e.prompt_logprobs is not None for e in last] == [True] + [False] * (len(last) - 1)
+    assert [t for e in last for t in e.token_ids] == [t for e in alone for t in e.token_ids]
+    for got, want in zip(last[0].prompt_logprobs[1:], alone[0].prompt_logprobs[1:]):
+        assert got.token_id == want.token_id and got.top.keys() == want.top.keys()
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+    assert all(e[-1].finish_reason == "length" for e in events)
+
+
+def drain_one(engine, prompt, **kw):
+    sink = queue.Queue()
+    prompt_logprobs = kw.pop("prompt_logprobs", None)
+    engine.add_request(prompt, SamplingParams(**kw, **GREEDY), sink, prompt_logprobs=prompt_logprobs)
+    return drain(sink)
+
+
+def test_a_failing_prefill_that_kept_the_kv_cache_fails_only_itself(engine, monkeypatch):
+    real = engine.runner.prefill
+
+    def flaky(prompts, *args, **kwargs):
+        if prompts[0][0] == 77:
+            raise RuntimeError("injected prefill fault")
+        return real(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "prefill", flaky)
+    resets = engine.metrics.kv_cache_resets
+    long = queue.Queue()
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, **GREEDY), long)
+    first = long.get(timeout=60)  # running
+    bad = drain_one(engine, [77, 1, 2], max_tokens=4)
+    assert bad[-1].finish_reason == "error" and "injected prefill fault" in bad[-1].error
+    rest = [first] + drain(long)
+    assert rest[-1].finish_reason == "length" and sum(len(e.token_ids) for e in rest) == 20
+    assert engine.metrics.kv_cache_resets == resets
+
+
+def test_a_fault_that_consumed_the_kv_cache_reallocates_it(engine, monkeypatch):
+    """The decode program raises after its donated cache was consumed: the engine allocates a fresh cache (no
+    recompile), fails the running requests (their context is gone), counts it, and serves on correctly."""
+    import jax
+
+    want, _ = run(engine, [21, 22, 23], max_tokens=6, **GREEDY)
+    real, faults = engine.runner.decode_step, []
+
+    def consumed(params, kv_cache, tokens, md):
+        if not faults:
+            faults.append(True)
+            for leaf in jax.tree.leaves(kv_cache):
+                leaf.delete()  # what a failure after donation leaves behind
+            raise RuntimeError("injected fault after donation")
+        return real(params, kv_cache, tokens, md)
+
+    monkeypatch.setattr(engine.runner, "decode_step", consumed)
+    resets, compiles = engine.metrics.kv_cache_resets, engine.compiles_after_warmup  # (the LLM test compiles too)
+    events = drain_one(engine, [21, 22, 23], max_tokens=6)
+    assert events[-1].finish_reason == "error" and "KV cache was lost" in events[-1].error
+    assert engine.metrics.kv_cache_resets == resets + 1
+    assert f"dcp_jax_kv_cache_resets_total {resets + 1}" in engine.metrics.render()
+    assert engine.is_alive and engine.runner.kv_cache_is_usable()
+    assert run(engine, [21, 22, 23], max_tokens=6, **GREEDY)[0] == want
+    assert engine.compiles_after_warmup == compiles
+    assert engine.scheduler.allocator.num_used == 0
+
+
+def test_stopping_ends_every_open_stream_and_refuses_new_requests(engine, monkeypatch):
+    """The loop is held inside a decode step while one request runs and another waits in the inbox; stop: both
+    streams end with an abort, new requests raise at once; start again: it serves."""
+    real, inside, release = engine.runner.decode, threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):
+        inside.set()
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "decode", held)
+    running, queued = queue.Queue(), queue.Queue()
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=40, **GREEDY), running)
+    assert inside.wait(30)
+    engine.add_request([4, 5, 6], SamplingParams(max_tokens=40, **GREEDY), queued)
+    stopper = threading.Thread(target=engine.stop)
+    stopper.start()
+    assert engine._stopping.wait(30)  # bounded: a stop that never begins fails here, not by hanging
+    release.set()
+    stopper.join(30)
+    try:
+        for sink in (running, queued):
+            last = drain(sink, timeout=10)[-1]
+            assert last.finish_reason == "abort" and last.error == "the engine stopped"
+        assert not engine.is_alive
+        with pytest.raises(EngineStoppedError):
+            engine.add_request([1, 2], SamplingParams(max_tokens=1), queue.Queue())
+        assert engine.scheduler.allocator.num_used == 0 and not engine.scheduler.has_work
+    finally:
+        monkeypatch.undo()
+        engine.start()
+    assert run(engine, [1, 2, 3], max_tokens=2, **GREEDY)[1].finish_reason == "length"

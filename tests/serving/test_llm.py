@@ -1,0 +1,145 @@
+"""The offline API (`dcp_jax/llm.py`) and the `generate` command, on the HF oracle checkpoint and the tiny preset."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dcp_jax import LLM, SamplingParams
+from dcp_jax.cli import main
+
+from tests.oracle import hf_tiny
+
+FIXTURE = dict(np.load(Path(__file__).resolve().parents[1] / "fixtures" / "oracle" / "yarn.npz"))
+PROMPTS = [FIXTURE["prompt_ids"][i, :n].tolist() for i, n in enumerate(FIXTURE["prompt_lens"])]
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("yarn")
+    hf_tiny.write_random_checkpoint(hf_tiny.tiny_configs()["yarn"], int(FIXTURE["seed"]), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(str(checkpoint), dcp=2, tp=4, interleave=2, max_num_seqs=4, max_model_len=64, page_size=4)
+
+
+def test_greedy_generation_equals_hf(llm):
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    for i, out in enumerate(outs):
+        assert out.token_ids == FIXTURE["gen_tokens"][i].tolist()
+        assert out.finish_reason == "length"
+        chosen = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
+        np.testing.assert_allclose(chosen, FIXTURE["gen_logprobs"][i], atol=2e-3, rtol=0)
+        assert all(len(lp) >= 2 for lp in out.logprobs)
+        assert out.outputs[0] is out
+    assert llm.num_free_pages == llm.engine_config.num_pages
+
+
+def test_continuous_batching_more_requests_than_slots(llm):
+    """8 requests through 4 slots with different max_tokens: late requests join while others decode, every
+    output equals the HF greedy prefix, and every page comes back."""
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (10, 3, 7, 1, 2, 10, 5, 4)]
+    outs = llm.generate(prompt_token_ids=PROMPTS + PROMPTS[::-1], sampling_params=params)
+    order = [0, 1, 2, 3, 3, 2, 1, 0]
+    for out, p, i in zip(outs, params, order):
+        assert out.token_ids == FIXTURE["gen_tokens"][i, : p.max_tokens].tolist()
+    assert llm.num_free_pages == llm.engine_config.num_pages
+
+
+def test_stop_token_ids_and_stop_strings(llm):
+    stop_at = int(FIXTURE["gen_tokens"][2, 3])
+    out = llm.generate(prompt_token_ids=[PROMPTS[2]],
+                       sampling_params=SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == FIXTURE["gen_tokens"][2, :4].tolist() and out.finish_reason == "stop"
+    # As the server's Scheduler does: the stop token id ends the generation and stays out of the text.
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1])
+    full = llm.generate(prompts=["hello"], sampling_params=SamplingParams(max_tokens=12, temperature=0,
+                                                                           ignore_eos=True))[0]
+    assert full.prompt_token_ids == llm.tokenizer.encode("hello")
+    assert full.text == llm.tokenizer.decode(full.token_ids)
+    # The stop string is a character the greedy run actually generated (the seeded model is deterministic).
+    visible = [c for c in full.text if c != "\ufffd"]
+    assert visible, f"the greedy text {full.text!r} has no character to stop on"
+    stop = visible[len(visible) // 2]
+    cut = llm.generate(prompts=["hello"], sampling_params=SamplingParams(max_tokens=12, temperature=0,
+                                                                          ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
+
+
+def test_seeded_sampling_is_per_request(llm):
+    params = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=3)
+    alone = llm.generate(prompt_token_ids=[PROMPTS[1]], sampling_params=params)[0].token_ids
+    batched = llm.generate(prompt_token_ids=[PROMPTS[0], PROMPTS[1]], sampling_params=[
+        SamplingParams(max_tokens=4, temperature=1.0, seed=9), params])[1].token_ids
+    assert alone == batched
+
+
+def test_bad_requests_fail_before_running(llm):
+    with pytest.raises(ValueError, match="exactly one"):
+        llm.generate(prompts=["a"], prompt_token_ids=[[2]])
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(prompt_token_ids=[PROMPTS[3]], sampling_params=SamplingParams(max_tokens=30))
+    with pytest.raises(ValueError, match="token ids outside"):
+        llm.generate(prompt_token_ids=[[5, 512]])
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(prompt_token_ids=[[]])
+    assert llm.num_free_pages == llm.engine_config.num_pages
+
+
+def test_generate_command_with_a_hf_directory_and_the_tiny_preset(checkpoint, capsys):
+    assert main(["generate", "--model", str(checkpoint), "--dcp", "2", "--prompt", "hi", "--max-tokens", "4",
+                 "--max-model-len", "32", "--page-size", "4"]) == 0
+    assert "(4 tokens, length)" in capsys.readouterr().out
+    assert main(["generate", "--model", "tiny", "--dcp", "4", "--prompt", "hello", "--max-tokens", "3",
+                 "--max-model-len", "32"]) == 0
+    assert "model tiny" in capsys.readouterr().out
+    assert main(["generate", "--model", "nope", "--prompt", "x"]) == 2
+    assert main(["generate", "--model", str(checkpoint), "--num-layers", "2", "--prompt", "hi", "--max-tokens", "2",
+                 "--max-model-len", "32", "--page-size", "4"]) == 0
+    assert "(2 tokens, length)" in capsys.readouterr().out
+    assert main(["generate", "--model", str(checkpoint), "--num-layers", "9", "--prompt", "x"]) == 2
+    assert "num_layers=9 must be in [1, 3]" in capsys.readouterr().err
+
+
+def test_runner_rejects_bad_pages_and_mismatched_rows(llm):
+    runner, pages = llm.runner, llm.runner.engine.num_pages
+    with pytest.raises(ValueError, match="page ids"):
+        runner.prefill([[1, 2, 3]], [[pages]])
+    with pytest.raises(ValueError, match="page ids"):
+        runner.prefill([[1, 2, 3]], [[]])
+    with pytest.raises(ValueError, match="must match"):
+        runner.decode([1, 2], [3], [[0]])
+
+
+def test_fp8_latent_cache_is_refused_for_a_checkpoint_it_cannot_tile(checkpoint, monkeypatch):
+    """The HF tiny checkpoint's latent is 64 wide: refused with the reason, before any weight is read."""
+    import dcp_jax.model.weights
+
+    monkeypatch.setattr(dcp_jax.model.weights, "load_hf_params", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(ValueError, match="needs kv_lora_rank a multiple of 128; this model's is 64"):
+        LLM(str(checkpoint), latent_cache="fp8", max_model_len=32)
+
+
+@pytest.mark.parametrize("cache", ["index", "latent"])
+def test_generate_with_an_fp8_cache_on_the_tiny_preset(cache, capsys):
+    """The runner allocates, writes (prefill and decode) and reads the fp8 index (or latent) cache; greedy
+    generation runs to the end, every page comes back, and the generate command takes the flag."""
+    llm = LLM("tiny", dcp=2, interleave=2, max_num_seqs=2, max_model_len=32, page_size=4, **{f"{cache}_cache": "fp8"})
+    assert getattr(llm.engine_config, f"{cache}_cache") == "fp8"
+    outs = llm.generate(prompt_token_ids=[list(range(5, 25)), [7, 8, 9]],
+                        sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert [(len(out.token_ids), out.finish_reason) for out in outs] == [(8, "length"), (8, "length")]
+    assert llm.num_free_pages == llm.engine_config.num_pages
+    kv = llm.runner.kv_cache
+    pool, values = (kv.index_k[0], kv.index_k[0].keys) if cache == "index" else (kv.latent[0], kv.latent[0].latent)
+    assert values.dtype == np.dtype("float8_e4m3fn")
+    # One power-of-two scale per token (and 128-column latent tile) written, by its owner rank only: each prompt,
+    # then the 7 tokens fed back.
+    assert np.count_nonzero(np.asarray(pool.scales)) == 20 + 3 + 2 * 7
+    assert main(["generate", "--model", "tiny", "--dcp", "2", f"--{cache}-cache", "fp8", "--prompt", "hello",
+                 "--max-tokens", "3", "--max-model-len", "32"]) == 0
+    assert f"fp8 {cache} cache" in capsys.readouterr().out

@@ -1,0 +1,56 @@
+"""lm-eval's `local-completions` client against the server on loopback, on two offline local tasks
+(tests/serving/lm_eval_tasks): one loglikelihood (multiple choice: token-id prompts, echo + logprobs, remote tokenizer
+endpoints), one generate_until (stop sequences)."""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.serving.serving_utils import start_server
+
+pytest.importorskip("lm_eval")
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory)
+    yield srv
+    srv.stop()
+
+
+def test_lm_eval_local_completions(server, tmp_path):
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               HF_HOME=str(tmp_path / "hf"), TOKENIZERS_PARALLELISM="false")
+    env.pop("XLA_FLAGS", None)
+    model_args = (f"model=tiny,base_url={server.url}/v1/completions,num_concurrent=4,max_retries=1,"
+                  f"tokenizer_backend=remote,tokenized_requests=True,max_length=60,timeout=60")
+    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args,
+           "--tasks", "dcp_tiny_loglikelihood,dcp_tiny_generate", "--include_path",
+           str(REPO / "tests/serving/lm_eval_tasks"),
+           "--output_path", str(tmp_path / "out"), "--log_samples"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results_file = next((tmp_path / "out").rglob("results_*.json"))
+    results = json.loads(results_file.read_text())["results"]
+    acc = results["dcp_tiny_loglikelihood"]["acc,none"]
+    assert 0.0 <= acc <= 1.0
+    assert "exact_match,remove_whitespace" in results["dcp_tiny_generate"] or \
+        any(k.startswith("exact_match") for k in results["dcp_tiny_generate"])
+    # Every multiple-choice sample got a finite loglikelihood for each choice from the server's echoed logprobs.
+    samples_file = next((tmp_path / "out").rglob("samples_dcp_tiny_loglikelihood_*.jsonl"))
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    assert len(samples) == 4
+    for sample in samples:
+        assert len(sample["resps"]) == len(sample["doc"]["choices"])
+        for (loglikelihood, _is_greedy), in sample["resps"]:  # one [loglikelihood, is_greedy] per choice
+            assert math.isfinite(float(loglikelihood)) and float(loglikelihood) < 0
+    gen_file = next((tmp_path / "out").rglob("samples_dcp_tiny_generate_*.jsonl"))
+    gens = [json.loads(line) for line in gen_file.read_text().splitlines()]
+    assert len(gens) == 3 and all("\n" not in str(g["filtered_resps"]) for g in gens)
+    assert server.engine.num_free_pages == server.engine.num_pages
