@@ -65,6 +65,55 @@ class PrefillMetadata:
         return tuple(self.positions.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """How each row of a step samples its next token: vLLM's `SamplingParams` as arrays (all replicated), so one
+    compiled program serves any mix of them."""
+
+    # [R] f32: 0 = greedy. Pad rows 0.
+    temperature: np.ndarray
+    # [R] int32: <= 0 = off.
+    top_k: np.ndarray
+    # [R] f32 in (0, 1]: 1 = off.
+    top_p: np.ndarray
+    # [R] f32 in [0, 1]: 0 = off.
+    min_p: np.ndarray
+    # [R] f32 each: 0, 0 and 1 = off.
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    repetition_penalty: np.ndarray
+    # [R, 2] uint32: the request's 64-bit seed, low word first; with `positions` it keys the row's draw.
+    seeds: np.ndarray
+    # [R] int32: position of the token the row samples (its draw's counter). Pad rows 0.
+    positions: np.ndarray
+    # [R] int32: the request's slot of the device's sampler state (token counts, last token); pad rows the scratch
+    # slot.
+    slots: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeInputs:
+    """The decode step's per-row data besides its metadata."""
+
+    # [R] int32: the token each row feeds; -1 = the slot's last sampled token (still on the device).
+    tokens: np.ndarray
+    sampling: SamplingMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillInputs:
+    """The prefill program's per-row data besides its metadata."""
+
+    # [R, T] int32: each row's tokens (prompt, then the generated tokens of a resumed request). Pad tokens 0.
+    tokens: np.ndarray
+    # [R, T] int32: what each token is: 0 pad, 1 prompt, 2 generated (a resumed request's history).
+    roles: np.ndarray
+    # [R] int32: -1 = sample the row's first token; else the last generated token of a resumed request (the next
+    # decode input, never written by a prefill).
+    resume_tokens: np.ndarray
+    sampling: SamplingMetadata
+
+
 def field_names(cls) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 
@@ -82,20 +131,33 @@ def _check_lengths(lens: np.ndarray, rows: int, what: str) -> None:
 
 def _padded_tables(lens: np.ndarray, block_tables, layout: DcpLayout, rows: int, max_blocks: int) -> np.ndarray:
     """[rows, max_blocks] int32 of the rows' page ids, -1 past each table and on pad rows, after checking that
-    each table covers its row's tokens. Arrays (and `page_allocator.BlockTable`) are copied as they are, lists
-    converted (slow when long)."""
-    if len(block_tables) != lens.shape[0]:
-        raise ValueError(f"{len(block_tables)} block tables for {lens.shape[0]} rows")
-    tables = np.full((rows, max_blocks), -1, np.int32)
+    each table covers its row's tokens. `block_tables` is a sequence of tables (arrays, `page_allocator.BlockTable`
+    or lists; lists convert slowly when long) or one [n, m] int array, -1 past each row's ids (one copy)."""
+    n = lens.shape[0]
+    if len(block_tables) != n:
+        raise ValueError(f"{len(block_tables)} block tables for {n} rows")
     needed = layout.virtual_blocks(lens)
-    for row, table in enumerate(block_tables):
-        if needed[row] > max_blocks:
-            raise ValueError(f"row {row}: a length of {lens[row]} needs {needed[row]} blocks > {max_blocks=}")
-        if len(table) < needed[row]:
-            raise ValueError(f"row {row}: a length of {lens[row]} needs {needed[row]} blocks, its block table has "
-                             f"{len(table)} page ids")
-        table = np.asarray(table, np.int32)[:max_blocks]
-        tables[row, : len(table)] = table
+    too_long = np.flatnonzero(needed > max_blocks)
+    if too_long.size:
+        row = int(too_long[0])
+        raise ValueError(f"row {row}: a length of {lens[row]} needs {needed[row]} blocks > {max_blocks=}")
+    tables = np.full((rows, max_blocks), -1, np.int32)
+    if isinstance(block_tables, np.ndarray):
+        if block_tables.ndim != 2:
+            raise ValueError(f"block tables as one array must be [rows, blocks], got shape {block_tables.shape}")
+        tables[:n, : block_tables.shape[1]] = block_tables[:, :max_blocks]
+        sizes = np.count_nonzero(tables[:n] >= 0, axis=1)
+    else:
+        sizes = np.zeros(n, np.int64)
+        for row, table in enumerate(block_tables):
+            table = np.asarray(table, np.int32)[:max_blocks]
+            tables[row, : len(table)] = table
+            sizes[row] = len(table)
+    short = np.flatnonzero(sizes < needed)
+    if short.size:
+        row = int(short[0])
+        raise ValueError(f"row {row}: a length of {lens[row]} needs {needed[row]} blocks, its block table has "
+                         f"{sizes[row]} page ids")
     return tables
 
 
@@ -141,6 +203,64 @@ def build_prefill_metadata(prompt_lens: Sequence[int], block_tables: Sequence[Se
         slot_mapping=layout.slot_mapping(np.where(is_token, index, -1), tables),
         logits_indices=np.maximum(padded_lens - 1, 0).astype(np.int32),
     )
+
+
+def _padded(values, rows: int, fill, dtype) -> np.ndarray:
+    out = np.full(rows, fill, dtype)
+    out[: len(values)] = values
+    return out
+
+
+def build_sampling_metadata(params: Sequence, seeds: Sequence[int], positions: Sequence[int], slots: Sequence[int], *,
+                            rows: int, scratch_slot: int) -> SamplingMetadata:
+    """`SamplingMetadata` of the scheduled rows (each with its `SamplingParams`, 64-bit seed, sampled position and
+    slot), padded to `rows` greedy rows on the scratch slot."""
+    n = len(params)
+    if not n == len(seeds) == len(positions) == len(slots) or n > rows:
+        raise ValueError(f"{len(params)} params, {len(seeds)} seeds, {len(positions)} positions and {len(slots)} slots "
+                         f"for a bucket of {rows} rows")
+    words = np.zeros((rows, 2), np.uint32)
+    words[:n, 0] = [s & 0xFFFFFFFF for s in seeds]
+    words[:n, 1] = [(s >> 32) & 0xFFFFFFFF for s in seeds]
+    return SamplingMetadata(
+        temperature=_padded([p.temperature for p in params], rows, 0.0, np.float32),
+        top_k=_padded([p.top_k for p in params], rows, 0, np.int32),
+        top_p=_padded([p.top_p for p in params], rows, 1.0, np.float32),
+        min_p=_padded([p.min_p for p in params], rows, 0.0, np.float32),
+        presence_penalty=_padded([p.presence_penalty for p in params], rows, 0.0, np.float32),
+        frequency_penalty=_padded([p.frequency_penalty for p in params], rows, 0.0, np.float32),
+        repetition_penalty=_padded([p.repetition_penalty for p in params], rows, 1.0, np.float32),
+        seeds=words, positions=_padded(positions, rows, 0, np.int32),
+        slots=_padded(slots, rows, scratch_slot, np.int32))
+
+
+class SamplingTable:
+    """Every sampler slot's sampling parameters and seed as arrays, set when a request takes its slot (at its
+    prefill), so a decode step gathers its rows' with one numpy index per field. Slots never set, and the scratch
+    slot of pad rows, sample greedily with seed 0."""
+
+    _PER_SLOT = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "seeds")
+
+    def __init__(self, num_slots: int, *, scratch_slot: int):
+        """`num_slots` slots, the scratch one among them."""
+        self.scratch_slot = scratch_slot
+        self._table = build_sampling_metadata([], [], [], [], rows=num_slots, scratch_slot=scratch_slot)
+
+    def set(self, slot: int, params, seed: int) -> None:
+        """Slot `slot` samples with `params` (a `SamplingParams`) and the 64-bit `seed` from now on."""
+        row = build_sampling_metadata([params], [seed], [0], [slot], rows=1, scratch_slot=self.scratch_slot)
+        for name in self._PER_SLOT:
+            getattr(self._table, name)[slot] = getattr(row, name)[0]
+
+    def gather(self, slots: Sequence[int], positions: Sequence[int], *, rows: int) -> SamplingMetadata:
+        """`SamplingMetadata` of rows on `slots` sampling the tokens at `positions`, padded to `rows` rows on the
+        scratch slot (as `build_sampling_metadata` pads)."""
+        if len(slots) != len(positions) or len(slots) > rows:
+            raise ValueError(f"{len(slots)} slots and {len(positions)} positions for a bucket of {rows} rows")
+        index = _padded(slots, rows, self.scratch_slot, np.int32)
+        return SamplingMetadata(**{name: getattr(self._table, name)[index] for name in self._PER_SLOT},
+                                positions=_padded(positions, rows, 0, np.int32), slots=index)
 
 
 def _check_structure(md, cls, expected: dict[str, tuple[int, ...]]) -> None:

@@ -1,8 +1,10 @@
-"""Sampling parameters, the host sampler and the logprobs it reports (numpy only, no jax).
+"""Sampling parameters and the logprobs the device reports (numpy only, no jax). The sampler itself runs on the
+device, inside the compiled programs (`runtime/sampler.py`).
 
-Logits come back from the step as f32 [R, A]; each row is sampled with its request's own generator, so a
-request's tokens depend only on its seed, never on its batch neighbours. Logprobs are the log-softmax of the raw
-logits (before temperature, top-k, top-p), as vLLM reports them.
+A request's tokens depend only on its seed and their positions, never on its batch neighbours: its draws come
+from a counter-based stream keyed by a 64-bit seed (`seed_words`), its own or one derived from the engine's seed
+and its arrival number. Logprobs are the log-softmax of the raw logits (before penalties, temperature, top-k,
+top-p), as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -11,17 +13,28 @@ import dataclasses
 
 import numpy as np
 
+# The most top logprobs a request may ask for (vLLM's max_logprobs default); the device computes this many.
+MAX_LOGPROBS = 20
+_SEED_MASK = (1 << 64) - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """vLLM-style. temperature 0 is greedy; top_k 0 or -1 and top_p 1 disable those filters; logprobs N asks
-    for the N most likely tokens of every step (the sampled one is always included); `stop` strings end the
-    text (excluded from it), `stop_token_ids` and eos (unless ignore_eos) end the generation (kept in token_ids)."""
+    """vLLM's names and meanings. temperature 0 is greedy (the lowest id among equal logits); top_k 0 or -1,
+    top_p 1 and min_p 0 disable those filters; presence_penalty and frequency_penalty (in [-2, 2], 0: off) apply to
+    the generated tokens, repetition_penalty (> 0, 1: off) to the prompt's and the generated ones; logprobs N (at
+    most MAX_LOGPROBS) asks for the N most likely tokens of every step (the sampled one is always included);
+    `stop` strings end the text (excluded from it), `stop_token_ids` and eos (unless ignore_eos) end the generation
+    (kept in token_ids)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     logprobs: int | None = None
     stop: str | list[str] | tuple[str, ...] | None = None
@@ -37,10 +50,17 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= -1 (0 or -1 disable it), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not np.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be a non-negative int or None, got {self.logprobs!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
@@ -55,65 +75,20 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 log-softmax over the last axis."""
-    x = np.asarray(logits, np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+def request_seed(params: SamplingParams, engine_seed: int, number: int) -> int:
+    """The 64-bit seed of a request's draws: its own, else one mixed from the engine's seed and its arrival number
+    (splitmix64's finalizer, so neighbouring numbers give unrelated streams)."""
+    if params.seed is not None:
+        return params.seed & _SEED_MASK
+    z = (engine_seed * 0x9E3779B97F4A7C15 + number + 1) & _SEED_MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _SEED_MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _SEED_MASK
+    return z ^ (z >> 31)
 
 
-def most_likely(scores: np.ndarray, n: int) -> np.ndarray:
-    """Ids of the `n` largest scores, largest first, the lower id first among ties (a stable descending sort
-    cut at n), in O(A) for n << A: a partition finds them, only they are sorted."""
-    n = min(n, len(scores))
-    if n <= 0:
-        return np.zeros(0, np.int64)
-    if 4 * n >= len(scores):
-        return np.argsort(-scores, kind="stable")[:n]
-    kth = scores[np.argpartition(-scores, n - 1)[n - 1]]  # the n-th largest value
-    above = np.flatnonzero(scores > kth)
-    ids = np.concatenate([above, np.flatnonzero(scores == kth)[: n - len(above)]])
-    return ids[np.lexsort((ids, -scores[ids]))]
-
-
-def kept_tokens(probs: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
-    """Token ids kept by top-k, then top-p (the smallest set of most likely tokens whose mass reaches top_p), most
-    likely first. Only a prefix of the order is sorted: it grows until its mass reaches top_p."""
-    limit = min(top_k, len(probs)) if top_k > 0 else len(probs)
-    size = min(limit, 256)
-    while True:
-        order = most_likely(probs, size)
-        kept = probs[order]
-        mass = np.cumsum(kept)
-        # Stop once the prefix's mass clears top_p by more than rounding: every later token is then cut.
-        if size >= limit or top_p < 1 and mass[-1] > top_p + 1e-9:
-            return order[mass - kept < top_p] if top_p < 1 else order  # mass of the more likely tokens < top_p
-        size = min(limit, 4 * size)
-
-
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token id from logits [A]: argmax when greedy (lowest id among ties), else temperature, then top-k and
-    top-p when set, then a draw from `rng`. O(A) per call (plus sorting the kept tokens)."""
-    logits = np.asarray(logits, np.float64)
-    if params.is_greedy:
-        return int(np.argmax(logits))
-    probs = np.exp((logits - logits.max()) / params.temperature)
-    probs /= probs.sum()
-    if params.top_k <= 0 and params.top_p >= 1:
-        return _draw(probs, rng)
-    order = kept_tokens(probs, params.top_k, params.top_p)
-    return int(order[_draw(probs[order], rng)])
-
-
-def _draw(weights: np.ndarray, rng: np.random.Generator) -> int:
-    """rng.choice(len(weights), p=weights / weights.sum()), the same draw, without its O(A) checks."""
-    cdf = np.cumsum(weights)
-    return int(np.searchsorted(cdf / cdf[-1], rng.random(), side="right"))
-
-
-def top_logprobs(logprobs: np.ndarray, token: int, n: int) -> dict[int, float]:
-    """{token id: logprob} of the `n` most likely tokens plus the sampled `token`."""
-    return {int(t): float(logprobs[t]) for t in [token, *most_likely(logprobs, n).tolist()]}
+def seed_words(seed: int) -> tuple[int, int]:
+    """A 64-bit seed as its (low, high) uint32 words, as the device's key takes it."""
+    return seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +103,10 @@ class TokenLogprob:
     text_offset: int = 0
 
     @classmethod
-    def of(cls, logprobs: np.ndarray, token: int, top_n: int, text_offset: int = 0) -> TokenLogprob:
-        """From a log-softmax row: the token's logprob and the `top_n` most likely tokens'."""
+    def of(cls, token: int, logprob: float, top_ids, top_logprobs, top_n: int, text_offset: int = 0) -> TokenLogprob:
+        """From the device's outputs for one position: the token, its logprob, and the most likely tokens and
+        their logprobs (largest first), of which the first `top_n` are kept (after the token itself)."""
         token = int(token)
-        return cls(token, float(logprobs[token]), top_logprobs(logprobs, token, top_n), text_offset)
+        top = {int(token): float(logprob)}
+        top.update((int(t), float(lp)) for t, lp in zip(top_ids[:top_n], top_logprobs[:top_n]) if int(t) != token)
+        return cls(int(token), float(logprob), top, text_offset)

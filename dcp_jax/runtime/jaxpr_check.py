@@ -6,6 +6,7 @@ follows every value computed from the global inputs through the jaxpr, into sub-
 control flow), whatever its dtype, and reports every other operation applied to one: the "fallback"
 arithmetic (floordiv, mul, sub, clamp, ...), a comparison mask, a float round trip, a reduction.
 `local_context_lens_on_device` is that arithmetic, the counterexample the tests wire in to show the check fails.
+`host_syncs` finds what would make a program's launch wait for the device: a data-dependent branch or loop.
 """
 
 from __future__ import annotations
@@ -75,6 +76,29 @@ def length_derivations(closed: core.ClosedJaxpr, global_input_indices: Iterable[
     jaxpr = closed.jaxpr
     found: list[str] = []
     _walk(jaxpr, {jaxpr.invars[i] for i in global_input_indices}, found, "")
+    return found
+
+
+# Control flow whose GPU runtime copies a device value (a branch index, a loop predicate) to the host and waits for
+# it, inside the launch: the host could not dispatch the next step ahead. (A scan's trip count is static: no wait.)
+_HOST_SYNCS = frozenset({"cond", "while"})
+
+
+def host_syncs(closed: core.ClosedJaxpr) -> list[str]:
+    """The `cond` and `while` operations of a traced program, in sub-jaxprs too (not inside a Pallas kernel,
+    whose control flow runs on the device); empty = its launch never waits for the device."""
+    found: list[str] = []
+
+    def walk(jaxpr: core.Jaxpr, where: str) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name in _HOST_SYNCS:
+                found.append(f"{where}{name}")
+            if name != "pallas_call":
+                for sub in _sub_jaxprs(eqn):
+                    walk(sub, f"{where}{name}/")
+
+    walk(closed.jaxpr, "")
     return found
 
 

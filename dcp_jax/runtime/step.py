@@ -1,11 +1,14 @@
 """The jitted, shard_mapped programs of one engine step: host-side checks, one transfer, one compiled program per
 bucket, the KV cache donated.
 
-`DecodeStep` and `PrefillStep` wrap a per-rank body `body(params, kv_cache, inputs, md) -> (outputs, kv_cache)`,
-where `md` is the rank's view of the step's metadata (`rank_view`: each per-rank field loses its W axis). Every
-bucket is compiled once up front; a call never traces, and metadata of an unknown bucket or the wrong shape is
-refused on the host before anything reaches the device. The metadata dataclasses of `host/metadata.py` (numpy
-only) are registered as pytrees here, with their shardings: per-rank fields over "dcp", the rest replicated.
+`DecodeStep` and `PrefillStep` wrap a per-rank body `body(params, state, inputs, md) -> (outputs, state)`, where
+`state` is the donated device state (the KV cache, and the sampler's for the model) and `md` the rank's view of the
+step's metadata (`rank_view`: each per-rank field loses its W axis). Every bucket is compiled once up front; a call
+never traces, and metadata of an unknown bucket or the wrong shape is refused on the host before anything reaches
+the device. The step dataclasses of `host/metadata.py` (numpy only) are registered as pytrees here; metadata fields
+marked per-rank are split over "dcp", everything else replicated.
+One transfer a step: the host packs every array of (inputs, md) (all 4-byte types) into one int32 buffer, and the
+program slices them back out by static offsets before the shard_map (a device_put per array cost ~0.25 ms each).
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import (DecodeMetadata, PrefillMetadata, check_decode_metadata, check_prefill_metadata,
-                                   field_names, is_per_rank)
-from dcp_jax.model.kv_cache import KV_CACHE_SPECS, KVCache
+from dcp_jax.host.metadata import (DecodeInputs, DecodeMetadata, PrefillInputs, PrefillMetadata, SamplingMetadata,
+                                   check_decode_metadata, check_prefill_metadata, field_names, is_per_rank)
+from dcp_jax.model.kv_cache import KV_CACHE_SPECS
 from dcp_jax.model.mesh import PER_DCP_RANK, REPLICATED, sharding
-from dcp_jax.runtime.jaxpr_check import flat_indices_of, length_derivations
+from dcp_jax.runtime.jaxpr_check import flat_indices_of, host_syncs, length_derivations
 
-for _cls in (DecodeMetadata, PrefillMetadata):
+for _cls in (DecodeMetadata, PrefillMetadata, SamplingMetadata, DecodeInputs, PrefillInputs):
     jax.tree_util.register_dataclass(_cls, data_fields=list(field_names(_cls)), meta_fields=[])
 
 
@@ -38,38 +41,94 @@ def rank_view(md):
     return dataclasses.replace(md, **{f.name: getattr(md, f.name)[0] for f in dataclasses.fields(md) if is_per_rank(f)})
 
 
-class BucketedStep:
-    """One compiled program per bucket of a per-rank body, shard_mapped over the mesh; the KV cache is donated.
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A step's inputs and metadata as one int32 buffer, for the program of `bucket`: on the devices, or a numpy
+    array that the compiled call transfers."""
 
-    Subclasses say what a bucket is: `bucket_of(md)`, `metadata_shapes(bucket)`, `check(md, kv_cache)` and
-    `GLOBAL_FIELDS`, the metadata fields that must reach nothing but RoPE (`length_derivations`)."""
+    bucket: Hashable
+    packed: jax.Array | np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class _Packing:
+    """Where each array of a pytree of 4-byte arrays lies in one int32 buffer (static: a jit argument)."""
+
+    treedef: object
+    fields: tuple[tuple[int, tuple[int, ...], str], ...]  # (offset, shape, dtype name) per leaf
+    size: int
+
+    @classmethod
+    def of(cls, shapes) -> _Packing:
+        leaves, treedef = jax.tree.flatten(shapes)
+        fields, offset = [], 0
+        for leaf in leaves:
+            if np.dtype(leaf.dtype).itemsize != 4:
+                raise TypeError(f"only 4-byte arrays pack into the step's buffer, got {leaf.dtype}")
+            fields.append((offset, tuple(leaf.shape), np.dtype(leaf.dtype).name))
+            offset += int(np.prod(leaf.shape, dtype=np.int64))
+        return cls(treedef, tuple(fields), offset)
+
+    def pack(self, tree) -> np.ndarray:
+        """Host: the buffer of `tree` (numpy arrays of the shapes and dtypes this packing was made of)."""
+        leaves = jax.tree.leaves(tree)
+        out = np.empty(self.size, np.int32)
+        for leaf, (offset, shape, dtype) in zip(leaves, self.fields, strict=True):
+            leaf = np.asarray(leaf, dtype)
+            if leaf.shape != shape:
+                raise ValueError(f"an array of shape {leaf.shape} where the bucket takes {shape}")
+            out[offset: offset + leaf.size] = leaf.reshape(-1).view(np.int32)
+        return out
+
+    def unpack(self, packed):
+        """Traced: the pytree back out of the buffer (static slices, bit casts)."""
+        leaves = []
+        for offset, shape, dtype in self.fields:
+            part = packed[offset: offset + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+            leaves.append(part if dtype == "int32" else jax.lax.bitcast_convert_type(part, np.dtype(dtype)))
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+class BucketedStep:
+    """One compiled program per bucket of a per-rank body, shard_mapped over the mesh; the device state is donated.
+
+    Subclasses say what a bucket is: `bucket_of(md)`, `metadata_dims(bucket)`, `check(md)` and `GLOBAL_FIELDS`, the
+    metadata fields that must reach nothing but RoPE (`length_derivations`)."""
 
     METADATA: type
     GLOBAL_FIELDS: tuple[str, ...]
 
-    def __init__(self, body: Callable, mesh: Mesh, *, buckets: Iterable[Hashable], param_specs, input_specs,
-                 output_specs, input_shapes: Callable[[Hashable], object]):
-        """`body(params, kv_cache, inputs, md)` per rank, with `md` the rank's view; `input_shapes(bucket)` gives
-        the inputs' ShapeDtypeStructs."""
+    def __init__(self, body: Callable, mesh: Mesh, *, buckets: Iterable[Hashable], num_pages: int, param_specs,
+                 input_specs, output_specs, input_shapes: Callable[[Hashable], object], state_specs=KV_CACHE_SPECS):
+        """`body(params, state, inputs, md)` per rank, with `md` the rank's view; `input_shapes(bucket)` gives the
+        inputs' ShapeDtypeStructs; `state_specs` the donated state's PartitionSpecs (default: a KV cache alone);
+        `num_pages` the KV pool's pages (the page check)."""
         self.mesh = mesh
+        self.num_pages = num_pages
         self.buckets = tuple(buckets)
         self._input_shapes = input_shapes
         self._param_shardings = jax.tree.map(lambda spec: sharding(mesh, spec), param_specs)
         specs = metadata_specs(self.METADATA)
         self._md_shardings = jax.tree.map(lambda spec: sharding(mesh, spec), specs)
 
-        def per_rank(params, kv_cache, inputs, md):
-            return body(params, kv_cache, inputs, rank_view(md))
+        def per_rank(params, state, inputs, md):
+            return body(params, state, inputs, rank_view(md))
 
-        sharded = jax.shard_map(
-            per_rank, mesh=mesh, in_specs=(param_specs, KV_CACHE_SPECS, input_specs, specs),
-            out_specs=(output_specs, KV_CACHE_SPECS),
+        self._sharded = jax.shard_map(
+            per_rank, mesh=mesh, in_specs=(param_specs, state_specs, input_specs, specs),
+            out_specs=(output_specs, state_specs),
             check_vma=False,  # Pallas kernels inside shard_map carry no vma annotations
         )
-        self._jitted = jax.jit(sharded, donate_argnums=(1,))
+
+        def packed_program(params, state, packed, layout: _Packing):
+            inputs, md = layout.unpack(packed)
+            return self._sharded(params, state, inputs, md)
+
+        self._jitted = jax.jit(packed_program, static_argnums=(3,), donate_argnums=(1,))
+        self._replicated = sharding(mesh, REPLICATED)
         self._lowered: dict[Hashable, object] = {}
         self._compiled: dict[Hashable, object] = {}
-        self._input_placements: dict[Hashable, tuple] = {}  # bucket -> placements of (inputs, md) in its program
+        self._packings: dict[Hashable, _Packing] = {}
 
     # ---- what a subclass defines ---------------------------------------------------------------------------
     def bucket_of(self, md) -> Hashable:
@@ -78,7 +137,7 @@ class BucketedStep:
     def metadata_dims(self, bucket) -> dict[str, tuple[int, ...]]:
         raise NotImplementedError
 
-    def check(self, md, kv_cache: KVCache) -> None:
+    def check(self, md) -> None:
         raise NotImplementedError
 
     # ---- shared machinery ----------------------------------------------------------------------------------
@@ -91,59 +150,75 @@ class BucketedStep:
         return self.METADATA(**{name: jax.ShapeDtypeStruct(shape, np.int32, sharding=getattr(self._md_shardings, name))
                                 for name, shape in self.metadata_dims(bucket).items()})
 
-    def _abstract_args(self, params, kv_cache, bucket):
-        return params, kv_cache, self._input_shapes(bucket), self.metadata_shapes(bucket)
+    def _abstract_args(self, params, state, bucket):
+        return params, state, self._input_shapes(bucket), self.metadata_shapes(bucket)
 
-    def lower(self, params, kv_cache: KVCache, bucket):
+    def _packing(self, bucket) -> _Packing:
+        if bucket not in self._packings:
+            self._packings[bucket] = _Packing.of((self._input_shapes(bucket), self.metadata_shapes(bucket)))
+        return self._packings[bucket]
+
+    def lower(self, params, state, bucket):
         """Trace and lower the program of `bucket` (once), without the XLA compile. Lowering traces, so call it
         from one thread; `compile` of lowered buckets may then run in parallel threads (one per bucket)."""
         if bucket not in self.buckets:
             raise ValueError(f"{bucket=} is not a bucket {list(self.buckets)}")
         if bucket not in self._lowered and bucket not in self._compiled:
-            self._lowered[bucket] = self._jitted.lower(*self._abstract_args(params, kv_cache, bucket))
+            packing = self._packing(bucket)
+            packed = jax.ShapeDtypeStruct((packing.size,), np.int32, sharding=self._replicated)
+            self._lowered[bucket] = self._jitted.lower(params, state, packed, packing)
         return self._lowered.get(bucket)
 
-    def compile(self, params, kv_cache: KVCache, bucket):
+    def compile(self, params, state, bucket):
         """Compile the program of `bucket` (once; lowering it first if needed); returns it."""
         if bucket not in self._compiled:
-            self.lower(params, kv_cache, bucket)
-            compiled = self._lowered.pop(bucket).compile()
-            self._input_placements[bucket] = tuple(compiled.input_shardings[0][2:4])
-            self._compiled[bucket] = compiled
+            self.lower(params, state, bucket)
+            self._compiled[bucket] = self._lowered.pop(bucket).compile()
         return self._compiled[bucket]
 
     @property
     def num_compiled(self) -> int:
         return len(self._compiled)
 
-    def jaxpr(self, params, kv_cache: KVCache, bucket):
-        """The traced program of `bucket` (for inspection)."""
-        return jax.make_jaxpr(self._jitted)(*self._abstract_args(params, kv_cache, bucket))
+    def jaxpr(self, params, state, bucket):
+        """The traced program of `bucket` (for inspection), on its inputs and metadata as separate arrays: the
+        packed program runs exactly this after slicing them out of its one buffer."""
+        return jax.make_jaxpr(self._sharded)(*self._abstract_args(params, state, bucket))
 
-    def length_derivations(self, params, kv_cache: KVCache, bucket) -> list[str]:
+    def length_derivations(self, params, state, bucket) -> list[str]:
         """Operations in `bucket`'s traced program that use the global positions or lengths (`GLOBAL_FIELDS`)
         other than as RoPE angles (`jaxpr_check.length_derivations`); empty when local lengths can only come from
         the host."""
-        args = self._abstract_args(params, kv_cache, bucket)
+        args = self._abstract_args(params, state, bucket)
         picked = flat_indices_of(args, lambda a: tuple(getattr(a[3], name) for name in self.GLOBAL_FIELDS))
-        return length_derivations(self.jaxpr(params, kv_cache, bucket), picked)
+        return length_derivations(self.jaxpr(params, state, bucket), picked)
 
-    def place_inputs(self, kv_cache: KVCache, inputs, md):
-        """Check host metadata `md` and transfer it with the inputs in one go; returns them on the devices, in the
-        placement of the bucket's program."""
-        self.check(md, kv_cache)
+    def host_syncs(self, params, state, bucket) -> list[str]:
+        """Control flow in `bucket`'s traced program that would make its launch wait for the device
+        (`jaxpr_check.host_syncs`); empty when the host can dispatch it ahead of the device."""
+        return host_syncs(self.jaxpr(params, state, bucket))
+
+    def pack_inputs(self, inputs, md) -> Placed:
+        """Check host metadata `md` and pack it with the inputs into one host buffer, with its bucket."""
+        self.check(md)
         bucket = self.bucket_of(md)
         if bucket not in self._compiled:
             raise ValueError(f"bucket {bucket} is not compiled; call compile() for every bucket at start-up")
-        return jax.device_put((inputs, md), self._input_placements[bucket])
+        return Placed(bucket, self._packing(bucket).pack((inputs, md)))
 
-    def run_placed(self, params, kv_cache: KVCache, inputs, md):
-        """Run the bucket's program on inputs and metadata from `place_inputs` (no check, no transfer)."""
-        return self._compiled[self.bucket_of(md)](params, kv_cache, inputs, md)
+    def place_inputs(self, inputs, md) -> Placed:
+        """`pack_inputs`, the buffer transferred to the devices (to run it many times: the benchmarks)."""
+        packed = self.pack_inputs(inputs, md)
+        return Placed(packed.bucket, jax.device_put(packed.packed, self._replicated))
 
-    def __call__(self, params, kv_cache: KVCache, inputs, md):
-        """Check `md` on the host, transfer it with the inputs in one go, run the bucket's program."""
-        return self.run_placed(params, kv_cache, *self.place_inputs(kv_cache, inputs, md))
+    def run_placed(self, params, state, placed: Placed):
+        """Run the bucket's program on a packed buffer (no check; a host buffer is transferred by the call)."""
+        return self._compiled[placed.bucket](params, state, placed.packed)
+
+    def __call__(self, params, state, inputs, md):
+        """Check `md` on the host, pack it with the inputs, run the bucket's program: the compiled call transfers
+        the one buffer (in its C++ dispatch, cheaper than a device_put before it)."""
+        return self.run_placed(params, state, self.pack_inputs(inputs, md))
 
 
 class DecodeStep(BucketedStep):
@@ -165,9 +240,9 @@ class DecodeStep(BucketedStep):
         return dict(positions=(rows,), context_lens=(rows,), local_context_lens=(w, rows), slot_mapping=(w, rows),
                     block_tables=(rows, self.max_blocks))
 
-    def check(self, md, kv_cache: KVCache) -> None:
+    def check(self, md) -> None:
         check_decode_metadata(md, buckets=self.buckets, layout=self.layout, max_blocks=self.max_blocks,
-                              num_pages=kv_cache.num_pages)
+                              num_pages=self.num_pages)
 
 
 class PrefillStep(BucketedStep):
@@ -189,5 +264,5 @@ class PrefillStep(BucketedStep):
         return dict(positions=(rows, tokens), slot_mapping=(self.layout.dcp_size, rows, tokens),
                     logits_indices=(rows,))
 
-    def check(self, md, kv_cache: KVCache) -> None:
-        check_prefill_metadata(md, buckets=self.buckets, layout=self.layout, num_pages=kv_cache.num_pages)
+    def check(self, md) -> None:
+        check_prefill_metadata(md, buckets=self.buckets, layout=self.layout, num_pages=self.num_pages)

@@ -9,8 +9,10 @@ from hypothesis import given, settings, strategies as st
 
 from dcp_jax.config import EngineConfig
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import (DecodeMetadata, PrefillMetadata, build_decode_metadata, build_prefill_metadata,
+from dcp_jax.host.metadata import (DecodeMetadata, PrefillMetadata, SamplingMetadata, SamplingTable,
+                                   build_decode_metadata, build_prefill_metadata, build_sampling_metadata,
                                    check_decode_metadata, check_prefill_metadata, field_names)
+from dcp_jax.host.sampling import SamplingParams
 
 BUCKETS = (1, 2, 4, 8)
 
@@ -59,6 +61,45 @@ def test_builder_rejects_bad_schedules():
         build([0], [[0]])
     with pytest.raises(ValueError, match="max_blocks"):
         build([100], [[0, 1, 2]])
+
+
+def test_block_tables_as_one_array_equal_the_tables():
+    """The scheduler hands its rows' tables as one [n, m] array, -1 past each row's pages: the same metadata as
+    the tables one by one, with the same errors."""
+    lens, tables = [5, 1, 17], [[3, 4], [0], [7, 2, 9, 10, 11]]
+    as_array = np.full((3, 6), -1, np.int32)
+    for row, table in enumerate(tables):
+        as_array[row, : len(table)] = table
+    for a, b in zip(dataclasses.astuple(build(lens, tables, bucket=4, max_blocks=5)),
+                    dataclasses.astuple(build(lens, as_array, bucket=4, max_blocks=5))):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="needs 2 blocks, its block table has 1"):
+        build([9], np.array([[0, -1, -1]], np.int32))
+    with pytest.raises(ValueError, match="max_blocks"):
+        build([100], np.array([[0, 1, 2]], np.int32))
+    with pytest.raises(ValueError, match="2 block tables for 1 rows"):
+        build([1], np.zeros((2, 3), np.int32))
+
+
+def test_sampling_table_gathers_what_the_builder_builds():
+    """A slot set at its prefill samples with its params and seed; unset slots and the scratch slot of pad rows
+    are greedy with seed 0, as `build_sampling_metadata` pads."""
+    table = SamplingTable(5, scratch_slot=4)
+    hot = SamplingParams(temperature=0.7, top_k=5, top_p=0.8, min_p=0.1, presence_penalty=0.5,
+                         frequency_penalty=-0.25, repetition_penalty=1.2)
+    cold = SamplingParams(temperature=0.0)
+    table.set(2, hot, 2**40 + 7)
+    table.set(0, cold, 3)
+    got = table.gather([2, 0, 1], [9, 4, 6], rows=4)
+    want = build_sampling_metadata([hot, cold, SamplingParams(temperature=0.0)], [2**40 + 7, 3, 0], [9, 4, 6],
+                                   [2, 0, 1], rows=4, scratch_slot=4)
+    for name in field_names(SamplingMetadata):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+        assert getattr(got, name).dtype == getattr(want, name).dtype, name
+    table.set(2, cold, 1)  # a slot taken by the next request samples with its params
+    assert table.gather([2], [1], rows=1).temperature[0] == 0.0
+    with pytest.raises(ValueError, match="bucket of 1 rows"):
+        table.gather([0, 1], [1, 1], rows=1)
 
 
 def check(md, dcp=2, interleave=1, **overrides):

@@ -16,7 +16,7 @@ from dcp_jax.host.metadata import build_decode_metadata
 from dcp_jax.model.attention_stack import decode_stack_body, init_stack_params
 from dcp_jax.model.kv_cache import allocate_kv_cache
 from dcp_jax.model.mesh import DCP, make_mesh
-from dcp_jax.runtime.jaxpr_check import local_context_lens_on_device
+from dcp_jax.runtime.jaxpr_check import host_syncs, local_context_lens_on_device
 from dcp_jax.serving.loading import load_model
 
 ENGINE = EngineConfig(page_size=4, num_pages=64, max_num_seqs=8, max_model_len=64)
@@ -124,13 +124,32 @@ def test_the_check_catches_a_wired_in_fallback(setup, body, expected_ops):
 
 @pytest.mark.parametrize("kernels", ["reference", "pallas"])
 def test_no_program_of_the_model_derives_local_lengths(kernels):
-    """Every decode bucket and every prefill program (both logits variants), with either kernels."""
+    """Every decode bucket and every prefill program (every variant), sampling included, with either kernels."""
     runner = load_model("tiny", dcp=4, interleave=2, max_num_seqs=4, max_model_len=64, kernels=kernels).runner
-    for rows in runner.decode_step.buckets:
-        assert runner.decode_step.length_derivations(runner.params, runner.kv_cache, rows) == []
-    for step in runner.prefill_steps.values():
+    for step in runner.decode_steps.values():  # serving and detailed
+        for rows in step.buckets:
+            assert step.length_derivations(runner.params, runner.state, rows) == []
+    for step in runner.prefill_steps.values():  # first token, prompt logprobs, detailed
         for bucket in step.buckets:
-            assert step.length_derivations(runner.params, runner.kv_cache, bucket) == []
+            assert step.length_derivations(runner.params, runner.state, bucket) == []
+
+
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+def test_no_serving_program_waits_for_the_device_at_its_launch(kernels):
+    """Asynchronous scheduling dispatches step t+1 while step t runs: no serving program may hold a traced branch
+    or loop (the GPU runtime would read its predicate on the host, so the launch would wait for the device)."""
+    runner = load_model("tiny", dcp=2, max_num_seqs=4, max_model_len=64, kernels=kernels).runner
+    for kind, bucket in runner.programs(prompt_logprobs=True):
+        assert runner._step(kind).host_syncs(runner.params, runner.state, bucket) == [], (kind, bucket)
+
+
+def test_the_host_sync_check_finds_a_traced_branch():
+    def branchy(x):
+        return jax.lax.cond(x.sum() > 0, lambda v: v + 1, lambda v: v - 1, x)
+
+    closed = jax.make_jaxpr(jax.jit(branchy))(jnp.ones(3))
+    assert host_syncs(closed) == ["jit/cond"]
+    assert host_syncs(jax.make_jaxpr(lambda x: jax.lax.fori_loop(0, 4, lambda i, v: v * 2, x))(jnp.ones(3))) == []
 
 
 def test_the_fallback_variant_computes_the_same_step(setup):
@@ -180,10 +199,10 @@ def test_placed_inputs_run_the_same_program(setup):
     md = metadata([1, 9, 30], 4)
     hidden = jnp.asarray(np.random.default_rng(2).standard_normal((4, TINY.hidden_size)), jnp.float32)
     with pytest.raises(ValueError, match="block_tables has shape"):
-        step.place_inputs(kv_cache, hidden, dataclasses.replace(md, block_tables=md.block_tables[:, :1]))
+        step.place_inputs(hidden, dataclasses.replace(md, block_tables=md.block_tables[:, :1]))
     with jax.no_tracing():
         want, kv_cache = step(params, kv_cache, hidden, md)
-        placed_hidden, placed_md = step.place_inputs(kv_cache, hidden, md)
-        assert isinstance(placed_md.block_tables, jax.Array)
-        got, kv_cache = step.run_placed(params, kv_cache, placed_hidden, placed_md)
+        placed = step.place_inputs(hidden, md)
+        assert isinstance(placed.packed, jax.Array) and placed.packed.ndim == 1  # one buffer: one transfer
+        got, kv_cache = step.run_placed(params, kv_cache, placed)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -1,0 +1,221 @@
+"""Sampling on the device: penalties, greedy, temperature, min-p, top-k, top-p and counter-based draws, and the
+logprobs a request asked for, for every row of a step at once.
+
+vLLM's `SamplingParams` semantics, in vLLM's order: presence / frequency penalties over the generated tokens and
+the repetition penalty over prompt and generated tokens, then greedy (argmax, the lowest id among ties) or:
+temperature, min-p (keep p >= min_p * max p), top-k, top-p (the smallest set of most likely tokens whose mass
+reaches top_p; ties at its edge all kept), and one draw. Every per-row parameter is a traced array, so one
+compiled program serves any mix of them. Filters are exact: their thresholds are found by a radix search over the
+32 bits of the order-preserving integer keys of the logits (8 passes over a row each, 16 candidates a pass, no
+sort).
+Draws are counter-based: row r draws Gumbel noise from a key made of its request's 64-bit seed and the position of
+the token it samples, so a request's tokens depend on nothing else (not its batch, bucket or preemptions).
+Logprobs are those of the raw logits (vLLM's default): the sampled token's and the TOP_LOGPROBS largest.
+Letters: R rows, A vocab, N = TOP_LOGPROBS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The most top logprobs a request may ask for (vLLM's default max_logprobs): every row gets this many.
+TOP_LOGPROBS = 20
+NEG_INF = float("-inf")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampledTokens:
+    """What one step sampled, per row: the only step outputs that cross to the host."""
+
+    # [R] int32: the sampled token.
+    tokens: jax.Array
+    # [R] f32: its logprob under the raw logits.
+    logprobs: jax.Array
+    # [R, N] int32 / f32: the N most likely tokens under the raw logits (largest first, lower id first among ties)
+    # and their logprobs.
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def pack(sampled: SampledTokens):
+    """SampledTokens as one int32 array [R, 2 + 2N] (tokens, logprob bits, top ids, top logprob bits): the host
+    reads a step's tokens with one transfer (`unpack`)."""
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    return jnp.concatenate([sampled.tokens[:, None], bits(sampled.logprobs)[:, None], sampled.top_ids,
+                            bits(sampled.top_logprobs)], axis=1)
+
+
+def unpack(packed) -> SampledTokens:
+    """Host: `pack`'s array (numpy) back as SampledTokens of numpy arrays."""
+    packed = np.asarray(packed)
+    n = (packed.shape[1] - 2) // 2
+    return SampledTokens(packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2:2 + n],
+                         packed[:, 2 + n:].view(np.float32))
+
+
+def _order_keys(x):
+    """uint32 keys whose unsigned order is the total order of the f32 values x (-0.0 below 0.0)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+# Bits of the threshold `_largest_threshold` settles per pass: 16 candidates at once, 8 passes for 32 bits. (Each
+# pass is a few kernels the host launches one by one: 32 one-bit passes cost ~1.5 ms of launch on the H200.)
+RADIX_BITS = 4
+
+
+def _largest_threshold(keys, is_enough):
+    """Per row, the largest uint32 t with is_enough(keys >= t) (a [R, C] bool of a [R, C, A] mask: C candidate
+    thresholds per row at once), found RADIX_BITS bits per pass from the top. is_enough must hold for t = 0 (every
+    key) and shrink as t grows."""
+    digits = jnp.arange(2**RADIX_BITS, dtype=jnp.uint32)
+
+    def step(i, t):
+        shift = (32 - RADIX_BITS * (i + 1)).astype(jnp.uint32)
+        candidates = t[:, None] | (digits[None, :] << shift)  # [R, C]; digit 0 is t itself, which always holds
+        ok = is_enough(keys[:, None, :] >= candidates[:, :, None])
+        best = jnp.max(jnp.where(ok, digits[None, :], 0), axis=-1)
+        return t | (best << shift)
+
+    return jax.lax.fori_loop(0, 32 // RADIX_BITS, step, jnp.zeros(keys.shape[0], jnp.uint32))
+
+
+def apply_penalties(logits, output_counts, prompt_mask, presence, frequency, repetition):
+    """logits [R, A] f32 with vLLM's penalties: repetition (HF's: a positive logit divided by it, a negative one
+    multiplied) on every token of the prompt or the output, then minus frequency * count and minus presence for
+    each generated token. output_counts [R, A] int32, prompt_mask [R, A] bool, the penalties [R] f32 (0, 0, 1:
+    off)."""
+    seen = prompt_mask | (output_counts > 0)
+    rep = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    counts = output_counts.astype(jnp.float32)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def filter_logits(logits, temperature, min_p, top_k, top_p):
+    """Scaled logits [R, A] f32 with -inf at the tokens min-p, top-k and top-p remove (vLLM's order, after the
+    temperature). temperature [R] > 0 (greedy rows take 1: their draw is unused), min_p [R] in [0, 1], top_k [R]
+    int32 (<= 0: off), top_p [R] in (0, 1]."""
+    scaled = logits / temperature[:, None]
+    probs = jax.nn.softmax(scaled, axis=-1)
+    scaled = jnp.where(probs >= min_p[:, None] * probs.max(axis=-1, keepdims=True), scaled, NEG_INF)
+    vocab = logits.shape[-1]
+    keys = _order_keys(scaled)
+    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    kth = _largest_threshold(keys, lambda kept: kept.sum(axis=-1) >= k[:, None])
+    scaled = jnp.where(keys >= kth[:, None], scaled, NEG_INF)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    keys = _order_keys(scaled)
+    # Mass in f32 can fall a rounding short of top_p = 1 for the whole set: cap the target at the total.
+    target = jnp.minimum(top_p, probs.sum(axis=-1))
+    edge = _largest_threshold(keys, lambda kept: jnp.where(kept, probs[:, None, :], 0.0).sum(axis=-1)
+                              >= target[:, None])
+    return jnp.where(keys >= edge[:, None], scaled, NEG_INF)
+
+
+def row_keys(seeds, positions):
+    """One PRNG key per row from its request's seed (seeds [R, 2] uint32: the low and high words) and the position
+    of the token it samples (positions [R] int32)."""
+
+    def key(seed, position):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), position)
+
+    return jax.vmap(key)(seeds, positions)
+
+
+def sample(logits, *, temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
+           seeds, positions, output_counts, prompt_mask, draws: bool) -> SampledTokens:
+    """One token per row of logits [R, A] f32 and its logprobs; every parameter a [R] array (seeds [R, 2] uint32,
+    positions [R] int32 the sampled token's position), output_counts [R, A] int32 and prompt_mask [R, A] bool the
+    rows' requests' token history. temperature 0 is greedy.
+    draws (static): False when every row is greedy (the host knows, and picks that program): no filter, no noise.
+    Never a traced branch on the parameters: the GPU runtime reads a `lax.cond`'s predicate on the host, so the
+    program's launch would wait for the device and no step could be dispatched ahead."""
+    raw_logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, min(TOP_LOGPROBS, logits.shape[-1]))
+    penalized = apply_penalties(logits.astype(jnp.float32), output_counts, prompt_mask, presence_penalty,
+                                frequency_penalty, repetition_penalty)
+    is_greedy = temperature <= 0
+    tokens = jnp.argmax(penalized, axis=-1).astype(jnp.int32)  # the first maximum: the lowest id among ties
+    if draws:
+        kept = filter_logits(penalized, jnp.where(is_greedy, 1.0, temperature), min_p, top_k, top_p)
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(
+            row_keys(seeds, positions))
+        tokens = jnp.where(is_greedy, tokens, jnp.argmax(kept + noise, axis=-1).astype(jnp.int32))
+    logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    return SampledTokens(tokens, logprobs, top_ids.astype(jnp.int32), top_logprobs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerState:
+    """Each request's token history on the device, one slot per request (the scheduler's `Request.slot`) plus a
+    scratch slot that pad rows read and write. Donated with the KV cache on every step."""
+
+    # [S+1] int32: the last token sampled for the slot's request: the next decode step's input.
+    last_tokens: jax.Array
+    # [S+1, A] int32: how often the slot's request generated each token (presence / frequency penalties).
+    output_counts: jax.Array
+    # [S+1, A] bool: the tokens of its prompt (the repetition penalty).
+    prompt_mask: jax.Array
+
+    @classmethod
+    def zeros(cls, slots: int, vocab: int) -> SamplerState:
+        """Empty state of `slots` request slots and the scratch slot."""
+        return cls(jnp.zeros((slots + 1,), jnp.int32), jnp.zeros((slots + 1, vocab), jnp.int32),
+                   jnp.zeros((slots + 1, vocab), jnp.bool_))
+
+
+def _sample_rows(logits, sampling, state: SamplerState, draws: bool) -> SampledTokens:
+    return sample(logits, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                  min_p=sampling.min_p, presence_penalty=sampling.presence_penalty,
+                  frequency_penalty=sampling.frequency_penalty, repetition_penalty=sampling.repetition_penalty,
+                  seeds=sampling.seeds, positions=sampling.positions,
+                  output_counts=state.output_counts[sampling.slots], prompt_mask=state.prompt_mask[sampling.slots],
+                  draws=draws)
+
+
+def _record(state: SamplerState, slots, tokens) -> SamplerState:
+    """The rows' new tokens as their slots' last tokens, counted."""
+    return dataclasses.replace(state, last_tokens=state.last_tokens.at[slots].set(tokens),
+                               output_counts=state.output_counts.at[slots, tokens].add(1))
+
+
+def decode_inputs(state: SamplerState, tokens, slots):
+    """The decode step's input tokens [R]: a host token where one is given (>= 0), else the slot's last sampled
+    token (what the previous step sampled, still on the device)."""
+    return jnp.where(tokens >= 0, tokens, state.last_tokens[slots])
+
+
+def sample_decode(logits, sampling, state: SamplerState, *, draws: bool) -> tuple[SampledTokens, SamplerState]:
+    """Sample each decode row's next token from logits [R, A] and record it in its slot (`sample`'s draws)."""
+    out = _sample_rows(logits, sampling, state, draws)
+    return out, _record(state, sampling.slots, out.tokens)
+
+
+def start_slots(state: SamplerState, tokens, roles, slots) -> SamplerState:
+    """Before a prefill samples: each row's slot holds its request's history from scratch. tokens / roles [R, T]
+    (roles: 0 pad, 1 prompt, 2 a generated token of a resumed request), slots [R]."""
+    vocab = state.prompt_mask.shape[-1]
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    is_prompt, is_output = roles == 1, (roles == 2).astype(jnp.int32)
+    prompt_mask = jnp.zeros((tokens.shape[0], vocab), jnp.bool_).at[rows, tokens].max(is_prompt)
+    counts = jnp.zeros((tokens.shape[0], vocab), jnp.int32).at[rows, tokens].add(is_output)
+    return dataclasses.replace(state, prompt_mask=state.prompt_mask.at[slots].set(prompt_mask),
+                               output_counts=state.output_counts.at[slots].set(counts))
+
+
+def sample_prefill(logits, sampling, resume_tokens, state: SamplerState, *, draws: bool
+                   ) -> tuple[SampledTokens, SamplerState]:
+    """Sample each prefilled row's first token from its last position's logits [R, A] (`sample`'s draws); a resumed
+    request (its resume token >= 0: its last generated token, not yet fed) keeps that token as its next input
+    instead, and counts it."""
+    out = _sample_rows(logits, sampling, state, draws)
+    is_resumed = resume_tokens >= 0
+    return out, _record(state, sampling.slots, jnp.where(is_resumed, resume_tokens, out.tokens))
