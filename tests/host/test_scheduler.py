@@ -245,3 +245,90 @@ def test_random_traffic_never_leaks_pages(seed):
     for r in added:
         if r.finish_reason == "length":
             assert len(r.output_ids) == r.params.max_tokens
+
+
+def test_each_running_request_holds_its_own_sampler_slot_until_it_ends():
+    s = make(num_pages=64, max_num_seqs=3)
+    for i in range(4):
+        s.add(req(i, max_tokens=3))
+    s.schedule()
+    slots = {r.request_id: r.slot for r in s.running}
+    assert sorted(slots.values()) == [0, 1, 2] and s.scratch_slot == 3
+    s.abort("1")
+    assert s.get("1") is None
+    s.schedule()  # the freed slot goes to the waiting request
+    assert s.get("3").slot == slots["1"]
+    s.check_invariants()
+
+
+def test_pending_tokens_count_in_the_context_and_stop_decode_rows_at_max_tokens():
+    """The engine dispatches before it reads: a pending token lengthens the context; a request whose sampled tokens
+    (pending included) reach max_tokens gets no decode row; its last token still arrives."""
+    s = make(num_pages=64)
+    s.add(req("a", prompt_len=3, max_tokens=2))
+    plan = s.schedule()
+    r = plan.prefills[0]
+    s.mark_dispatched(r)  # its prefill samples token 1
+    assert r.context_len == 4 and r.num_sampled == 1
+    assert s.decode_rows(plan) == [r]
+    s.mark_dispatched(r)  # the decode step samples token 2 = max_tokens
+    assert s.decode_rows(s.schedule()) == []  # nothing more to sample, two tokens on their way
+    s.append_token(r, 5)
+    assert r.output_ids == [5] and r.num_pending == 1 and not r.is_finished
+    s.append_token(r, 6)
+    assert r.finish_reason == "length" and r.num_pending == 0 and s.allocator.num_used == 0
+    s.check_invariants()
+
+
+def test_a_token_sampled_past_a_stop_is_dropped_and_one_after_a_preemption_kept():
+    s = make(num_pages=64)
+    s.add(req("eos", max_tokens=8))
+    r = s.schedule().prefills[0]
+    s.mark_dispatched(r)
+    s.mark_dispatched(r)  # a decode dispatched before the EOS below was read
+    s.append_token(r, EOS)
+    assert r.finish_reason == "stop"
+    s.append_token(r, 9)  # the late one: dropped, no error
+    assert r.output_ids == [EOS] and r.num_pending == 0
+    with pytest.raises(ValueError, match="not running"):
+        s.append_token(r, 9)  # nothing pending: a caller's mistake
+    s.add(req("pre", max_tokens=8))
+    p = s.schedule().prefills[0]
+    s.mark_dispatched(p)
+    s.running.remove(p)  # preempted with its first token still on the way, as `_grow_running` does
+    s._free(p)
+    p.status = RequestStatus.WAITING
+    s.waiting.appendleft(p)
+    assert not s.schedule().prefills  # not readmitted before its token arrives
+    s.append_token(p, 11)
+    assert p.output_ids == [11] and p.status is RequestStatus.WAITING
+    assert s.schedule().prefills == (p,) and p.prefill_ids == p.prompt_ids
+    s.check_invariants()
+
+
+def test_stop_strings_are_found_across_tokens_in_the_new_tail():
+    s = make(num_pages=64)
+    s.add(req("s", max_tokens=20, stop=["cde"]))
+    r = s.schedule().prefills[0]
+    for token in [2, 3, 4, 5, 6]:  # detok: a b c d e
+        if r.is_finished:
+            break
+        s.append_token(r, token)
+    assert r.finish_reason == "stop" and r.text == "ab" and r.output_ids == [2, 3, 4, 5, 6]
+
+
+def test_slot_rows_of_block_tables_mirror_the_pages_through_growth_preemption_and_finish():
+    """A decode step takes its rows' tables from `block_tables` (one numpy index): each running request's slot
+    row holds exactly its pages, and a freed slot's row is all -1 (check_invariants proves both each step)."""
+    s = make(num_pages=6, max_num_seqs=3, page_size=2, dcp=1, max_model_len=24)
+    for i in range(3):
+        s.add(req(i, prompt_len=3, max_tokens=10))
+    preempted = 0
+    while s.has_work:
+        plan, rows = run_step(s)
+        preempted += len(plan.preempted)
+        live = [r for r in rows if r.status is RequestStatus.RUNNING]
+        for row, r in zip(s.decode_block_tables(live), live):
+            assert row[: len(r.pages)].tolist() == list(r.pages) and (row[len(r.pages):] == -1).all()
+    assert preempted > 0, "the pool was meant to run out"
+    assert (s.block_tables == -1).all()
