@@ -8,9 +8,12 @@ import pathlib
 import runpy
 import sys
 
-from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, KERNEL_CHOICES, LATENT_CACHE_FORMATS,
-                            LATENT_CACHE_HELP)
+from dcp_jax.config import (DTYPE_CHOICES, INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, KERNEL_CHOICES,
+                            LATENT_CACHE_FORMATS, LATENT_CACHE_HELP)
 from dcp_jax.serving.loading import use_cpu_devices
+
+DTYPE_HELP = "weights, activations and exact caches: auto (the checkpoint's; bfloat16 for presets)"
+GPU_MEMORY_HELP = "share of each GPU's memory for weights, workspace and the KV pool (the pool takes the rest)"
 
 # The benchmarks live beside the package in a source checkout: bench/bench_<name>.py, each with main(argv).
 BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "bench"
@@ -67,15 +70,18 @@ def generate(args: argparse.Namespace) -> int:
     jax.config.update("jax_default_matmul_precision", "highest")
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, stop=args.stop)
+                                top_k=args.top_k, min_p=args.min_p, presence_penalty=args.presence_penalty,
+                                frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                                seed=args.seed, stop=args.stop)
         llm = LLM(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, max_model_len=args.max_model_len,
                   page_size=args.page_size, kernels=args.kernels, max_num_seqs=max(len(args.prompt), 1),
-                  num_layers=args.num_layers, index_cache=args.index_cache, latent_cache=args.latent_cache)
+                  num_layers=args.num_layers, index_cache=args.index_cache, latent_cache=args.latent_cache,
+                  dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization)
         outputs = llm.generate(args.prompt, params, use_tqdm=True)
     except ValueError as e:
         print(f"dcp-jax generate: {e}", file=sys.stderr)
         return 2
-    print(f"model {args.model}: {llm.model_config.num_hidden_layers} layers, tp={tp} dcp={args.dcp} "
+    print(f"model {args.model}: {llm.model_config.num_hidden_layers} layers {llm.dtype}, tp={tp} dcp={args.dcp} "
           f"interleave={args.interleave}, {args.index_cache} index cache, {args.latent_cache} latent cache, "
           f"backend {llm.backend}")
     for out in outputs:
@@ -100,7 +106,12 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--buckets", type=_parse_sizes, default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
                    help="decode bucket ladder, comma-separated")
     s.add_argument("--page-size", type=int, default=8)
-    s.add_argument("--num-pages", type=int, default=None, help="KV pages (default: max-num-seqs full requests)")
+    s.add_argument("--num-pages", type=int, default=None,
+                   help="KV pages (default: what --gpu-memory-utilization leaves; CPU: max-num-seqs full requests)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=GPU_MEMORY_HELP)
+    s.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="dispatch each step before reading the previous one's tokens")
     s.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                    help="auto: the Pallas kernels on a GPU, the references elsewhere")
     s.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
@@ -125,17 +136,19 @@ def serve(args: argparse.Namespace) -> int:
                         num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         bucket_ladder=tuple(args.buckets), kernels=args.kernels, seed=args.seed,
                         num_layers=args.num_layers, index_cache=args.index_cache, latent_cache=args.latent_cache,
-                        prompt_logprobs=not args.no_prompt_logprobs,
+                        dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+                        async_scheduling=args.async_scheduling, prompt_logprobs=not args.no_prompt_logprobs,
                         compilation_cache_dir=args.compilation_cache_dir)
         server = OpenAIServer(engine, host=args.host, port=args.port, api_key=args.api_key,
                               served_model_name=args.served_model_name)
     except (ValueError, OSError) as e:
         print(f"dcp-jax serve: {e}", file=sys.stderr)
         return 2
-    print(f"dcp-jax serve: model {server.model_name} ({engine.model_config.num_hidden_layers} layers), tp={tp} "
-          f"dcp={args.dcp} interleave={args.interleave}, max_model_len {engine.engine_config.max_model_len}, buckets "
-          f"{engine.engine_config.buckets}, {engine.num_pages} KV pages ({args.index_cache} index cache, "
-          f"{args.latent_cache} latent cache), backend {engine.backend}", flush=True)
+    config = engine.engine_config
+    print(f"dcp-jax serve: model {server.model_name} ({engine.model_config.num_hidden_layers} layers "
+          f"{engine.dtype}), tp={tp} dcp={args.dcp} interleave={args.interleave}, max_model_len "
+          f"{config.max_model_len}, buckets {config.buckets}, {engine.num_pages} KV pages ({args.index_cache} index "
+          f"cache, {args.latent_cache} latent cache), backend {engine.backend}", flush=True)
     print(f"dcp-jax serve: listening on {server.url}", flush=True)
     try:
         server.serve_forever()
@@ -180,11 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's max_position_embeddings)")
     g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=GPU_MEMORY_HELP)
     g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
     g.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
     g.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)

@@ -45,6 +45,8 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int = 0
     eos_token_id: int = 1
+    # The checkpoint's dtype (HF `torch_dtype`, or `dtype` in newer files); None for a preset.
+    torch_dtype: str | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -113,6 +115,8 @@ class ModelConfig:
                 kwargs["rope_scaling"] = tuple(sorted(rope.items()))
             elif rope_type != "default":
                 raise ValueError(f"unsupported rope_type {rope_type!r}; expected 'default' or 'yarn'")
+        if "torch_dtype" not in kwargs and isinstance(raw.get("dtype"), str):
+            kwargs["torch_dtype"] = raw["dtype"]
         if isinstance(kwargs.get("eos_token_id"), list):
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
         missing = sorted(n for n in names if n not in kwargs and _has_no_default(cls, n))
@@ -239,6 +243,20 @@ class ParallelConfig:
 
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# The model's dtype (weights, activations, the exact caches): auto is the checkpoint's torch_dtype (bfloat16 for
+# float16 and for presets), or bfloat16 / float32.
+DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig) -> str:
+    """The dtype name `dtype` means for `cfg` ('bfloat16' or 'float32')."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype={dtype!r} must be one of {DTYPE_CHOICES}")
+    if dtype != "auto":
+        return dtype
+    return "float32" if cfg.torch_dtype == "float32" else "bfloat16"
+
+
 # Which kernels the attention layers run: auto (Pallas on a GPU, the pure-jnp references elsewhere), pallas (the
 # Pallas kernels; interpreted on CPU) or reference.
 KERNEL_CHOICES = ("auto", "pallas", "reference")

@@ -34,7 +34,7 @@ def make_stack_step(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineCo
     (`config.KERNEL_CHOICES`). `body` replaces `decode_stack_body` (tests wire in variants)."""
     layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
     body = functools.partial(body or decode_stack_body, cfg=cfg, layout=layout, backend=kernel_backend(kernels))
-    return DecodeStep(body, mesh, buckets=engine.buckets, layout=layout,
+    return DecodeStep(body, mesh, buckets=engine.buckets, layout=layout, num_pages=engine.num_pages,
                       max_blocks=engine.max_blocks_per_seq(parallel.dcp), param_specs=stack_param_specs(cfg),
                       input_specs=P(), output_specs=P(),
                       input_shapes=lambda rows: jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.float32))

@@ -12,6 +12,7 @@ sink. A request that fails fails alone; the loop goes on. A stopped engine refus
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import queue
@@ -66,14 +67,21 @@ class Engine:
     latent_cache: the MLA latent cache, "exact" (the pool's dtype) or "fp8" (656 B/token at DeepSeek's sizes: e4m3
     latent with an f32 scale per 128 columns, bf16 rope; attention reads the dequantized values, and on a GPU its
     kernel computes in bf16).
+    dtype: "auto" (the checkpoint's; bfloat16 for presets), "bfloat16" or "float32".
+    num_pages None: what fits gpu_memory_utilization of the GPU's memory after the weights (CPU: max_num_seqs
+    requests of max_model_len).
+    async_scheduling: dispatch each step before reading the previous one's tokens (`core.py`).
+    prefill_lengths: the padded prompt lengths compiled (one prefill program each; default powers of two).
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
                  page_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
                  max_model_len: int | None = None, bucket_ladder: Sequence[int] = DEFAULT_BUCKETS,
                  max_prefills_per_step: int = 4, kernels: str = "auto", seed: int = 0, num_layers: int | None = None,
-                 index_cache: str = "exact", latent_cache: str = "exact", prompt_logprobs: bool = True,
-                 compilation_cache_dir: str | None = None, progress: bool = True):
+                 index_cache: str = "exact", latent_cache: str = "exact", dtype: str = "auto",
+                 gpu_memory_utilization: float = 0.9, async_scheduling: bool = True, prompt_logprobs: bool = True,
+                 prefill_lengths: Sequence[int] | None = None, compilation_cache_dir: str | None = None,
+                 progress: bool = True):
         import jax
 
         if compilation_cache_dir:
@@ -83,18 +91,23 @@ class Engine:
         loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len, bucket_ladder=bucket_ladder,
                             kernels=kernels, seed=seed, num_layers=num_layers, index_cache=index_cache,
-                            latent_cache=latent_cache)
-        self.model_name = loaded.name
+                            latent_cache=latent_cache, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                            prefill_lengths=prefill_lengths)
+        self.model_name, self.dtype = loaded.name, loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
         self.scheduler = Scheduler(self.engine_config, self.runner.layout, eos_token_id=self.model_config.eos_token_id,
                                    detokenize=self.tokenizer.decode, max_prefills_per_step=max_prefills_per_step)
         self.metrics = ServingMetrics(self._gauges)
         self.core = ServingCore(self.runner, self.scheduler, vocab_size=self.model_config.vocab_size, seed=seed,
-                                has_prompt_logprobs=prompt_logprobs, metrics=self.metrics)
+                                has_prompt_logprobs=prompt_logprobs, metrics=self.metrics,
+                                async_scheduling=async_scheduling)
         self._compiles_at_start = _compiles[0]
         self.warmup(progress=progress)
         self._compiles_after_warmup = _compiles[0]
+        # What start-up built (model, programs) lives as long as the engine: out of the collector's full passes,
+        # which otherwise rescan it while serving (vLLM freezes it too).
+        gc.freeze()
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, Stream] = {}  # the engine thread's
         # Guards `_accepting` and `_live_ids` (the ids of requests queued and not yet finished), both touched

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.host.scheduler import Request, Scheduler
+from dcp_jax.runtime.runner import decode_variants_for
 from dcp_jax.serving.core import ServingCore
 from dcp_jax.serving.loading import load_model
 
@@ -49,23 +50,29 @@ class LLM:
     latent_cache: the MLA latent cache, "exact" (the pool's dtype) or "fp8" (656 B/token at DeepSeek's sizes: e4m3
     latent with an f32 scale per 128 columns, bf16 rope; attention reads the dequantized values, and on a GPU its
     kernel computes in bf16).
+    dtype: "auto" (the checkpoint's; bfloat16 for presets), "bfloat16" or "float32".
+    num_pages None: what fits gpu_memory_utilization of the GPU's memory after the weights (CPU: max_num_seqs
+    requests of max_model_len).
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
                  max_num_seqs: int = 8, max_model_len: int | None = None, page_size: int = 16,
                  num_pages: int | None = None, kernels: str = "auto", seed: int = 0, num_layers: int | None = None,
-                 index_cache: str = "exact", latent_cache: str = "exact"):
+                 index_cache: str = "exact", latent_cache: str = "exact", dtype: str = "auto",
+                 gpu_memory_utilization: float = 0.9, async_scheduling: bool = True):
         loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len, kernels=kernels, seed=seed,
-                            num_layers=num_layers, index_cache=index_cache, latent_cache=latent_cache)
+                            num_layers=num_layers, index_cache=index_cache, latent_cache=latent_cache, dtype=dtype,
+                            gpu_memory_utilization=gpu_memory_utilization)
+        self.dtype = loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
-        self.runner.compile_decode()
         scheduler = Scheduler(self.engine_config, self.runner.layout, eos_token_id=self.model_config.eos_token_id,
                               detokenize=self.tokenizer.decode, max_prefills_per_step=self.engine_config.max_num_seqs)
-        # Prefill programs compile at their first use (an engine compiles them all at start-up).
+        # Programs compile when first needed: the decode ones a generate call's parameters take before it steps,
+        # the prefill ones at their first use (an engine compiles them all at start-up).
         self.core = ServingCore(self.runner, scheduler, vocab_size=self.model_config.vocab_size, seed=seed,
-                                has_prompt_logprobs=False)
+                                has_prompt_logprobs=False, async_scheduling=async_scheduling)
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -79,6 +86,7 @@ class LLM:
             from tqdm import tqdm
 
             progress = tqdm(total=len(requests), desc="Processed prompts", unit="req")
+        self.runner.compile_decode(decode_variants_for([r.params for r in requests]))
         try:
             for r in requests:
                 self.core.add(r)

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 
 from dcp_jax.config import (DEFAULT_BUCKETS, KERNEL_CHOICES, PRESETS, EngineConfig, ModelConfig, ParallelConfig,
-                            preset)
+                            preset, resolve_dtype)
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.serving.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -36,6 +36,7 @@ class LoadedModel:
     tokenizer: ByteTokenizer | HFTokenizer
     runner: object  # dcp_jax.runtime.runner.ModelRunner
     backend: str
+    dtype: str
 
 
 def resolve_max_model_len(cfg: ModelConfig, layout: DcpLayout, max_model_len: int | None,
@@ -61,21 +62,57 @@ def resolve_max_model_len(cfg: ModelConfig, layout: DcpLayout, max_model_len: in
     return max_model_len
 
 
+def pool_pages_from_memory(cfg: ModelConfig, layout: DcpLayout, *, dtype: str, index_cache: str, latent_cache: str,
+                           gpu_memory_utilization: float, max_num_seqs: int) -> int | None:
+    """KV pages that fit a device's memory after what is in use (the placed weights): gpu_memory_utilization of its
+    bytes_limit, less a reserve of a tenth for the compiled programs' workspace and the sampler state, and room for
+    one layer's pools besides (on the H200 the prefill program allocated a buffer of one layer's latent pool: seen
+    2026-12-01, cause open, docs/performance.md). None when the device reports no memory statistics (CPU)."""
+    import jax
+    import numpy as np
+
+    from dcp_jax.model.attention.cache_formats import index_key_bytes, latent_bytes
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    budget = stats["bytes_limit"] * gpu_memory_utilization - stats.get("bytes_in_use", 0)
+    sampler_bytes = (max_num_seqs + 1) * cfg.vocab_size * 5  # int32 counts + bool prompt mask per slot
+    free = 0.9 * budget - sampler_bytes
+    itemsize = np.dtype(dtype).itemsize
+    per_token = cfg.num_hidden_layers * (latent_bytes(latent_cache, cfg, itemsize)
+                                         + index_key_bytes(index_cache, cfg.index_head_dim, itemsize))
+    layers = cfg.num_hidden_layers
+    pages = int(free * layers / (layers + 1) // (per_token * layout.page_size))
+    if pages < 1:
+        raise ValueError(f"no KV page fits: {budget / 2**30:.1f} GiB left at gpu_memory_utilization="
+                         f"{gpu_memory_utilization} after the weights")
+    log.info("KV pool from memory: %d pages = %d tokens over dcp=%d (%.1f GiB per rank)", pages,
+             pages * layout.tokens_per_block, layout.dcp_size, pages * layout.page_size * per_token / 2**30)
+    return pages
+
+
 def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
                page_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
                max_model_len: int | None = None, bucket_ladder: Sequence[int] = DEFAULT_BUCKETS,
                kernels: str = "auto", seed: int = 0, num_layers: int | None = None, index_cache: str = "exact",
-               latent_cache: str = "exact") -> LoadedModel:
+               latent_cache: str = "exact", dtype: str = "auto", gpu_memory_utilization: float = 0.9,
+               prefill_lengths: Sequence[int] | None = None) -> LoadedModel:
     """Validate the arguments, then load weights (an HF directory) or draw random ones (a preset), placed on a
-    (tp/dcp, dcp) mesh; on CPU `tp` simulated devices are used. `max_model_len` None: the model's
-    max_position_embeddings, capped by the pool (`resolve_max_model_len`). The pool defaults to max_num_seqs
-    requests of max_model_len, its index keys in format `index_cache` (`config.INDEX_CACHE_FORMATS`) and its
-    latents in format `latent_cache` (`config.LATENT_CACHE_FORMATS`). `num_layers` keeps only the first decoder
-    layers (of a preset or of the checkpoint)."""
+    (tp/dcp, dcp) mesh; on CPU `tp` simulated devices are used. `dtype` (`config.DTYPE_CHOICES`): the weights',
+    activations' and exact caches' dtype; auto is the checkpoint's (bfloat16 for presets). `max_model_len` None:
+    the model's max_position_embeddings, capped by the pool (`resolve_max_model_len`). `num_pages` None: what fits
+    gpu_memory_utilization of a GPU's memory after the weights (`pool_pages_from_memory`), else (no memory
+    statistics: CPU) max_num_seqs requests of max_model_len. Index keys in format `index_cache`
+    (`config.INDEX_CACHE_FORMATS`), latents in format `latent_cache` (`config.LATENT_CACHE_FORMATS`). `num_layers`
+    keeps only the first decoder layers (of a preset or of the checkpoint); `prefill_lengths` the padded prompt
+    lengths, one prefill program each (default: powers of two up to max_model_len)."""
     parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave)
     layout = DcpLayout(parallel.dcp, parallel.interleave, page_size)
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernels {kernels!r}; choose from {KERNEL_CHOICES}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
     is_dir = os.path.isdir(model)
     if not is_dir and model not in PRESETS:
         raise ValueError(f"model {model!r} is neither a directory nor a preset {sorted(PRESETS)}")
@@ -84,31 +121,48 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
         if not 1 <= num_layers <= cfg.num_hidden_layers:
             raise ValueError(f"{num_layers=} must be in [1, {cfg.num_hidden_layers}] (the checkpoint's layers)")
         cfg = dataclasses.replace(cfg, num_hidden_layers=num_layers)
-    max_model_len = resolve_max_model_len(cfg, layout, max_model_len, num_pages)
-    blocks = int(layout.virtual_blocks(max_model_len))
-    engine = EngineConfig(page_size=page_size, num_pages=num_pages or max_num_seqs * blocks,
-                          max_num_seqs=max_num_seqs, max_model_len=max_model_len, bucket_ladder=tuple(bucket_ladder),
-                          index_cache=index_cache, latent_cache=latent_cache)
+    dtype = resolve_dtype(dtype, cfg)
+    if num_pages is not None:
+        resolve_max_model_len(cfg, layout, max_model_len, num_pages)  # refuse a bad length before any load
     use_cpu_devices(parallel.tp)
     import jax
+    import jax.numpy as jnp
+    from flax import nnx
 
     from dcp_jax.model.attention.cache_formats import check_latent_format
     from dcp_jax.model.attention.decode import kernel_backend
-    from dcp_jax.model.deepseek_v32 import check_divisible, init_params
-    from dcp_jax.model.mesh import make_mesh
+    from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, param_specs
+    from dcp_jax.model.mesh import make_mesh, sharding
     from dcp_jax.model.weights import load_hf_params
     from dcp_jax.runtime.runner import ModelRunner
 
     check_divisible(cfg, parallel.tp)
     check_latent_format(latent_cache, cfg)
     mesh = make_mesh(parallel)
-    params = load_hf_params(cfg, model, mesh) if is_dir else init_params(cfg, seed)
+    params = load_hf_params(cfg, model, mesh, dtype=jnp.dtype(dtype)) if is_dir else init_params(cfg, seed,
+                                                                                              jnp.dtype(dtype))
+    specs = param_specs(nnx.to_pure_dict(abstract_model(cfg, jnp.dtype(dtype))[1]))
+    params = jax.device_put(params, jax.tree.map(lambda spec: sharding(mesh, spec), specs))
+    if num_pages is None:
+        num_pages = pool_pages_from_memory(cfg, layout, dtype=dtype, index_cache=index_cache,
+                                           latent_cache=latent_cache, gpu_memory_utilization=gpu_memory_utilization,
+                                           max_num_seqs=max_num_seqs)
+    max_model_len = resolve_max_model_len(cfg, layout, max_model_len, num_pages)
+    if num_pages is None:
+        num_pages = max_num_seqs * int(layout.virtual_blocks(max_model_len))
+    engine = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
+                          max_model_len=max_model_len, bucket_ladder=tuple(bucket_ladder), index_cache=index_cache,
+                          latent_cache=latent_cache)
+    log.info("max_model_len %d, %d KV pages (%d tokens), dtype %s", max_model_len, num_pages,
+             num_pages * layout.tokens_per_block, dtype)
     return LoadedModel(
         name=os.path.basename(os.path.normpath(model)) if is_dir else model,
         cfg=cfg,
         parallel=parallel,
         engine=engine,
         tokenizer=load_tokenizer(model if is_dir else None, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id),
-        runner=ModelRunner(cfg, params, parallel, engine, mesh, kernel_backend(kernels)),
+        runner=ModelRunner(cfg, params, parallel, engine, mesh, kernel_backend(kernels), dtype=jnp.dtype(dtype),
+                           lengths=prefill_lengths),
         backend=jax.default_backend(),
+        dtype=dtype,
     )

@@ -2,7 +2,8 @@
 
 `parse_completion` / `parse_chat` turn a decoded JSON body into a frozen request dataclass or raise
 `ProtocolError` (an HTTP status and an OpenAI-shaped error body) naming the offending field, before anything is
-queued. Fields this server cannot honour (penalties, logit_bias, suffix, best_of > n) are refused, never ignored.
+queued. Fields this server cannot honour (logit_bias, suffix, tools, response_format, best_of != n) are refused,
+never ignored.
 """
 
 from __future__ import annotations
@@ -117,12 +118,23 @@ def _sampling(fields: _Fields, *, max_tokens: int, logprobs: int | None) -> Samp
         temperature=float(fields.get("temperature", "number", 1.0, low=0, high=2)),
         top_p=float(_top_p(fields)),
         top_k=top_k,
+        min_p=float(fields.get("min_p", "number", 0.0, low=0, high=1)),
+        presence_penalty=float(fields.get("presence_penalty", "number", 0.0, low=-2, high=2)),
+        frequency_penalty=float(fields.get("frequency_penalty", "number", 0.0, low=-2, high=2)),
+        repetition_penalty=float(_repetition_penalty(fields)),
         seed=fields.get("seed", "int", None, low=0, high=2**63 - 1),
         logprobs=logprobs,
         stop=_stop(fields),
         stop_token_ids=tuple(stop_ids or ()),
         ignore_eos=fields.get("ignore_eos", "bool", False),
     )
+
+
+def _repetition_penalty(fields: _Fields) -> float:
+    value = fields.get("repetition_penalty", "number", 1.0)
+    if not value > 0:
+        raise ProtocolError(f"'repetition_penalty' must be > 0, got {value!r}", "repetition_penalty")
+    return value
 
 
 def _top_p(fields: _Fields) -> float:
@@ -133,8 +145,7 @@ def _top_p(fields: _Fields) -> float:
 
 
 def _common(fields: _Fields, default_max_tokens: int, max_tokens_name: str = "max_tokens"):
-    fields.refuse_unsupported(presence_penalty=0, frequency_penalty=0, logit_bias={}, suffix=None,
-                              repetition_penalty=1, tools=[], response_format=None)
+    fields.refuse_unsupported(logit_bias={}, suffix=None, tools=[], response_format=None)
     model = fields.get("model", "str")
     max_tokens = fields.get(max_tokens_name, "int", default_max_tokens, low=1)
     n = fields.get("n", "int", 1, low=1, high=MAX_N)

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
-from dcp_jax.host.sampling import log_softmax
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.model.weights import load_hf_params
 from dcp_jax.runtime.runner import ModelRunner
@@ -53,6 +52,12 @@ CASES = [
 CASE_IDS = [f"{c}-dcp{w}-S{s}-{k}" for c, w, s, k in CASES]
 
 
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    shifted = x - x.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
 @functools.cache
 def fixture(name):
     return dict(np.load(FIXTURES / f"{name}.npz"))
@@ -84,7 +89,8 @@ _RESULTS = {}
 
 
 def run_case(checkpoints, name, dcp, interleave, kernels="reference", cfg_change=None):
-    """Prefill (logits at every position) + 9 greedy decode steps fed HF's tokens; cached per case."""
+    """Prefill (logits at every position) + 9 greedy decode steps fed HF's tokens, with the tokens the device
+    sampled; cached per case."""
     key = (name, dcp, interleave, kernels, cfg_change)
     if key in _RESULTS:
         return _RESULTS[key]
@@ -99,18 +105,20 @@ def run_case(checkpoints, name, dcp, interleave, kernels="reference", cfg_change
     runner.compile_decode()
     prompts = prompts_of(fx)
     tables = block_tables(dcp, len(prompts), seed=dcp * 10 + interleave)
-    prefill_logits, prefill_selected = runner.prefill(prompts, tables, all_logits=True, return_selected=True)
-    decode_logits, decode_selected = [], []
+    prefill_logits, prefill_selected, first_tokens = runner.prefill(prompts, tables, all_logits=True,
+                                                                    return_selected=True)
+    decode_logits, decode_selected, sampled = [], [], [first_tokens]
     context = np.array([len(p) for p in prompts])
     if cfg_change is None:
         for j in range(1, fx["gen_tokens"].shape[1]):
             context = context + 1
-            logits, selected = runner.decode(fx["gen_tokens"][:, j - 1].tolist(), context.tolist(), tables,
-                                              return_selected=True)
+            logits, selected, tokens = runner.decode(fx["gen_tokens"][:, j - 1].tolist(), context.tolist(), tables,
+                                                     return_selected=True)
             decode_logits.append(logits)
             decode_selected.append(selected)
+            sampled.append(tokens)
     result = dict(prefill_logits=prefill_logits, prefill_selected=prefill_selected,
-                  decode_logits=decode_logits, decode_selected=decode_selected)
+                  decode_logits=decode_logits, decode_selected=decode_selected, sampled=np.stack(sampled, axis=1))
     _RESULTS[key] = result
     return result
 
@@ -147,12 +155,14 @@ def test_prefill_logits_equal_hf(checkpoints, name, dcp, interleave, kernels):
 
 @pytest.mark.parametrize("name, dcp, interleave, kernels", CASES, ids=CASE_IDS)
 def test_greedy_decode_equals_hf(checkpoints, name, dcp, interleave, kernels):
-    """The first token from the prefill, then 9 sharded decode steps: tokens equal, logprobs within 2e-3."""
+    """The first token from the prefill, then 9 sharded decode steps: tokens equal (the argmax of our logits and
+    the device sampler's greedy token), logprobs within 2e-3."""
     fx = fixture(name)
     result = run_case(checkpoints, name, dcp, interleave, kernels)
     last = [result["prefill_logits"][i, n - 1] for i, n in enumerate(fx["prompt_lens"])]
     steps = [np.stack(last)] + result["decode_logits"]
     assert len(steps) == fx["gen_tokens"].shape[1] >= 9
+    np.testing.assert_array_equal(result["sampled"], fx["gen_tokens"])
     for j, logits in enumerate(steps):
         logprobs = log_softmax(logits)
         np.testing.assert_array_equal(logprobs.argmax(-1), fx["gen_tokens"][:, j], err_msg=f"step {j}")

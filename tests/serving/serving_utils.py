@@ -6,8 +6,8 @@ from __future__ import annotations
 import socket
 import time
 
-ENGINE_KW = dict(model="tiny", dcp=2, interleave=2, page_size=4, num_pages=24, max_num_seqs=8, max_model_len=64,
-                 bucket_ladder=(1, 2, 4, 8), seed=0)
+ENGINE_KW = dict(model="tiny", dtype="float32", dcp=2, interleave=2, page_size=4, num_pages=24, max_num_seqs=8,
+                 max_model_len=64, bucket_ladder=(1, 2, 4, 8), seed=0)
 
 
 def make_engine(tmp_path_factory, **overrides):

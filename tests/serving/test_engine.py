@@ -38,8 +38,10 @@ def drain(sink, timeout=60):
 
 def test_every_bucket_and_prefill_length_compiled_at_start(engine):
     lengths = engine.runner.prefill_lengths
-    assert engine.num_programs == len(engine.engine_config.buckets) + 2 * len(lengths)
-    assert engine.runner.decode_step.num_compiled == len(engine.engine_config.buckets) == 4
+    buckets = engine.engine_config.buckets
+    assert engine.num_programs == 2 * len(buckets) + 2 * len(lengths)
+    for variant in ("greedy", "sampled"):  # every bucket greedy and drawing
+        assert engine.runner.decode_steps[variant].num_compiled == len(buckets) == 4
     # The counter is live: the warm-up itself was counted (a compile or a persistent-cache load per program).
     assert engine.compile_count >= engine.num_programs
     assert engine.compiles_after_warmup == 0
@@ -119,16 +121,15 @@ def test_abort_frees_pages(engine):
 
 
 def test_a_failing_request_fails_only_itself(engine, monkeypatch):
-    import dcp_jax.serving.core as core_module
+    """A fault while one request's token is applied on the host (its detokenization, say) fails it alone."""
+    real = engine.scheduler.append_token
 
-    real = core_module.sample
+    def flaky(request, token):
+        if request.params.seed == 666:
+            raise RuntimeError("injected token fault")
+        return real(request, token)
 
-    def flaky(logits, params, rng):
-        if params.seed == 666:
-            raise RuntimeError("injected sampling fault")
-        return real(logits, params, rng)
-
-    monkeypatch.setattr(core_module, "sample", flaky)
+    monkeypatch.setattr(engine.scheduler, "append_token", flaky)
     sinks = {seed: queue.Queue() for seed in (1, 666, 2)}
     for seed, sink in sinks.items():
         engine.add_request([4, 5, 6], SamplingParams(max_tokens=6, temperature=0.5, seed=seed, ignore_eos=True), sink)
@@ -138,6 +139,7 @@ def test_a_failing_request_fails_only_itself(engine, monkeypatch):
             pass
         finals[seed] = event
     assert finals[666].finish_reason == "error" and "injected" in finals[666].error
+    monkeypatch.undo()
     assert finals[1].finish_reason == finals[2].finish_reason == "length"
     assert engine.is_alive and engine.scheduler.allocator.num_used == 0
 
@@ -166,17 +168,22 @@ def test_duplicate_request_id_is_refused_before_touching_the_live_stream(engine)
     assert drain(again)[-1].finish_reason == "length"
 
 
-def test_selected_ids_are_not_copied_to_the_host_unless_asked(engine, monkeypatch):
-    real, seen = engine.runner.decode, []
+def test_only_sampled_tokens_cross_to_the_host(engine, monkeypatch):
+    """Serving runs the programs that return sampled tokens and their logprobs, packed in one int32 array: no
+    logits, no selected ids."""
+    from dcp_jax.runtime import sampler
+
+    real, seen = engine.runner.dispatch_decode, []
 
     def spy(*args, **kwargs):
-        logits, selected = real(*args, **kwargs)
-        seen.append(selected)
-        return logits, selected
+        out = real(*args, **kwargs)
+        seen.append(out)
+        return out
 
-    monkeypatch.setattr(engine.runner, "decode", spy)
+    monkeypatch.setattr(engine.runner, "dispatch_decode", spy)
     run(engine, [3, 4, 5], max_tokens=3, **GREEDY)
-    assert seen and all(s is None for s in seen)
+    assert seen and all(out.dtype == np.int32 and out.shape[1] == 2 + 2 * sampler.TOP_LOGPROBS for out in seen)
+    assert all(sampler.unpack(out).top_ids.shape[1] == 20 for out in seen)
 
 
 def test_preempted_request_keeps_its_prompt_logprobs(engine, monkeypatch):
@@ -216,14 +223,14 @@ def drain_one(engine, prompt, **kw):
 
 
 def test_a_failing_prefill_that_kept_the_kv_cache_fails_only_itself(engine, monkeypatch):
-    real = engine.runner.prefill
+    real = engine.runner.dispatch_prefill
 
-    def flaky(prompts, *args, **kwargs):
-        if prompts[0][0] == 77:
+    def flaky(prompt, *args, **kwargs):
+        if prompt[0] == 77:
             raise RuntimeError("injected prefill fault")
-        return real(prompts, *args, **kwargs)
+        return real(prompt, *args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "prefill", flaky)
+    monkeypatch.setattr(engine.runner, "dispatch_prefill", flaky)
     resets = engine.metrics.kv_cache_resets
     long = queue.Queue()
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, **GREEDY), long)
@@ -241,17 +248,17 @@ def test_a_fault_that_consumed_the_kv_cache_reallocates_it(engine, monkeypatch):
     import jax
 
     want, _ = run(engine, [21, 22, 23], max_tokens=6, **GREEDY)
-    real, faults = engine.runner.decode_step, []
+    real, faults = engine.runner.decode_steps["greedy"], []
 
-    def consumed(params, kv_cache, tokens, md):
+    def consumed(params, state, inputs, md):
         if not faults:
             faults.append(True)
-            for leaf in jax.tree.leaves(kv_cache):
+            for leaf in jax.tree.leaves(state.kv_cache):
                 leaf.delete()  # what a failure after donation leaves behind
             raise RuntimeError("injected fault after donation")
-        return real(params, kv_cache, tokens, md)
+        return real(params, state, inputs, md)
 
-    monkeypatch.setattr(engine.runner, "decode_step", consumed)
+    monkeypatch.setitem(engine.runner.decode_steps, "greedy", consumed)  # the requests are greedy
     resets, compiles = engine.metrics.kv_cache_resets, engine.compiles_after_warmup  # (the LLM test compiles too)
     events = drain_one(engine, [21, 22, 23], max_tokens=6)
     assert events[-1].finish_reason == "error" and "KV cache was lost" in events[-1].error
@@ -266,14 +273,14 @@ def test_a_fault_that_consumed_the_kv_cache_reallocates_it(engine, monkeypatch):
 def test_stopping_ends_every_open_stream_and_refuses_new_requests(engine, monkeypatch):
     """The loop is held inside a decode step while one request runs and another waits in the inbox; stop: both
     streams end with an abort, new requests raise at once; start again: it serves."""
-    real, inside, release = engine.runner.decode, threading.Event(), threading.Event()
+    real, inside, release = engine.runner.dispatch_decode, threading.Event(), threading.Event()
 
     def held(*args, **kwargs):
         inside.set()
         release.wait(30)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "decode", held)
+    monkeypatch.setattr(engine.runner, "dispatch_decode", held)
     running, queued = queue.Queue(), queue.Queue()
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=40, **GREEDY), running)
     assert inside.wait(30)
@@ -295,3 +302,19 @@ def test_stopping_ends_every_open_stream_and_refuses_new_requests(engine, monkey
         monkeypatch.undo()
         engine.start()
     assert run(engine, [1, 2, 3], max_tokens=2, **GREEDY)[1].finish_reason == "length"
+
+
+def test_mixed_sampling_parameters_in_one_batch_compile_nothing(engine):
+    """Every parameter is a traced array: greedy, temperature, top-k / top-p / min-p and penalties side by side
+    run the warm-up's programs, and each seeded request draws what it draws alone."""
+    mixed = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=3), dict(temperature=1.3, top_k=7, seed=4),
+             dict(temperature=0.6, min_p=0.1, seed=5), dict(temperature=1.0, presence_penalty=1.5, seed=6),
+             dict(temperature=0.9, frequency_penalty=-0.5, repetition_penalty=1.4, seed=7)]
+    compiles = engine.compiles_after_warmup
+    sinks = [queue.Queue() for _ in mixed]
+    for kw, sink in zip(mixed, sinks):
+        engine.add_request([11, 12, 13, 14], SamplingParams(max_tokens=8, ignore_eos=True, **kw), sink)
+    together = [[t for e in drain(sink) for t in e.token_ids] for sink in sinks]
+    assert engine.compiles_after_warmup == compiles
+    for kw, tokens in list(zip(mixed, together))[1:]:
+        assert run(engine, [11, 12, 13, 14], max_tokens=8, ignore_eos=True, **kw)[0] == tokens

@@ -42,3 +42,55 @@ def test_a_checkpoint_with_a_short_context_loads_with_its_own_length(tmp_path):
     assert loaded.engine.max_model_len == json.loads((tmp_path / "config.json").read_text())[
         "max_position_embeddings"] == 128
     assert loaded.engine.num_pages == 2 * 128 // 8  # two full-length requests
+
+
+def test_presets_load_in_bfloat16_end_to_end_and_checkpoints_in_their_own_dtype(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    loaded = load_model("tiny", dcp=2, page_size=4, max_num_seqs=2, max_model_len=32, kernels="reference")
+    assert loaded.dtype == "bfloat16"
+    leaves = jax.tree_util.tree_leaves_with_path(loaded.runner.params)
+    f32_kept = {"router", "router_bias", "index_weights"}  # HF keeps these in fp32
+    for path, leaf in leaves:
+        names = {getattr(k, "key", None) for k in path}
+        assert leaf.dtype == (jnp.float32 if names & f32_kept else jnp.bfloat16), path
+    kv = loaded.runner.kv_cache
+    assert kv.latent[0].dtype == kv.index_k[0].dtype == jnp.bfloat16  # the exact caches take the model dtype
+    config = hf_tiny.tiny_configs()["default_rope"]  # torch_dtype float32
+    hf_tiny.write_random_checkpoint(config, 0, tmp_path)
+    assert load_model(str(tmp_path), page_size=4, max_num_seqs=1, max_model_len=32).dtype == "float32"
+    assert load_model(str(tmp_path), page_size=4, max_num_seqs=1, max_model_len=32, dtype="bfloat16").dtype == \
+        "bfloat16"
+    with pytest.raises(ValueError, match="dtype='float16' must be one of"):
+        load_model("tiny", dtype="float16")
+
+
+class _FakeDevice:
+    def __init__(self, limit, in_use):
+        self.stats = dict(bytes_limit=limit, bytes_in_use=in_use)
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_the_pool_takes_what_the_memory_leaves(monkeypatch):
+    """bytes_limit x utilization, less what is in use (the weights), a tenth for the workspace and the sampler
+    state and one layer's pools, in pages of this model's per-token bytes; none on a device without memory
+    statistics."""
+    import jax
+
+    from dcp_jax.serving.loading import pool_pages_from_memory
+
+    kw = dict(dtype="bfloat16", index_cache="exact", latent_cache="exact", max_num_seqs=4)
+    per_token = TINY.num_hidden_layers * (TINY.latent_dim + TINY.index_head_dim) * 2  # bf16
+    monkeypatch.setattr(jax, "devices", lambda *a: [_FakeDevice(limit=2**30, in_use=2**28)])
+    pages = pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.5, **kw)
+    budget = 0.5 * 2**30 - 2**28
+    free = 0.9 * budget - 5 * TINY.vocab_size * 5
+    layers = TINY.num_hidden_layers  # and one layer's pools besides the pool
+    assert pages == int(free * layers / (layers + 1) // (per_token * LAYOUT.page_size))
+    with pytest.raises(ValueError, match="no KV page fits"):
+        pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.2, **kw)
+    monkeypatch.setattr(jax, "devices", lambda *a: [type("Cpu", (), {"memory_stats": lambda self: None})()])
+    assert pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.9, **kw) is None

@@ -129,6 +129,14 @@ def test_chat_template_jinja_matches_python():
     assert rendered == protocol.apply_chat_template(messages)
 
 
+def test_penalties_and_min_p_are_served(client):
+    """vLLM's sampling extras reach the device sampler (400s above for values out of range)."""
+    out = client.completions.create(model="tiny", prompt="hi", max_tokens=6, temperature=0.9, seed=3,
+                                    presence_penalty=1.2, frequency_penalty=0.4,
+                                    extra_body=dict(repetition_penalty=1.3, min_p=0.05, ignore_eos=True))
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 6
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(max_tokens=-1), "max_tokens"),
     (dict(max_tokens=10**9), "max_model_len"),
@@ -139,7 +147,10 @@ def test_chat_template_jinja_matches_python():
     (dict(prompt=[[]]), "prompt"),
     (dict(prompt=[1, 2, 10**6]), r"\[0, 512\)"),
     (dict(stop=[""]), "stop"),
-    (dict(presence_penalty=0.5), "not supported"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(extra_body=dict(repetition_penalty=0)), "repetition_penalty"),
+    (dict(extra_body=dict(min_p=1.5)), "min_p"),
+    (dict(logit_bias={"5": 1.0}), "not supported"),
     (dict(logprobs=99), "logprobs"),
 ])
 def test_bad_requests_are_400_in_openai_shape(server, client, kw, match):
