@@ -43,21 +43,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bench.common import CompileCounter, hlo_op_counts, run_info as common_run_info
 from bench.decode_results import STAGES, report
 from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP,
                             EngineConfig, ModelConfig, ParallelConfig, check_index_cache, check_latent_cache, preset)
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import build_decode_metadata
+from dcp_jax.host.metadata import DecodeInputs, build_decode_metadata, build_sampling_metadata
 from dcp_jax.model.attention import cache_formats, decode
 from dcp_jax.model.attention.decode import kernel_backend
 from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, merge, param_specs
 from dcp_jax.model.kv_cache import KVCache, allocate_kv_cache, from_layers, kv_bytes_per_rank
 from dcp_jax.model.mesh import DCP, make_mesh
 from dcp_jax.model.rope import cos_sin, rope_tables
-from dcp_jax.runtime.forward import decode_body
+from dcp_jax.runtime import sampler
+from dcp_jax.runtime.forward import STATE_SPECS, DeviceState, decode_body
+from dcp_jax.runtime.runner import GREEDY, decode_input_shapes
+from dcp_jax.runtime.sampler import SamplerState
 from dcp_jax.runtime.jaxpr_check import local_context_lens_on_device
 from dcp_jax.runtime.step import DecodeStep
 from dcp_jax.serving.loading import use_cpu_devices
@@ -108,32 +111,34 @@ def attention_through(p, x, kv_cache, index_cache, rope, md, *, cfg: ModelConfig
     return decode.merge_heads(p, out, lse, x.dtype), kv_cache, index_cache
 
 
-def staged_decode_body(params, kv_cache: KVCache, tokens, md, *, graphdef, abstract, cfg: ModelConfig,
-                       layout: DcpLayout, backend: str, through: str):
+def staged_decode_body(params, state: DeviceState, inputs, md, *, graphdef, abstract, cfg: ModelConfig,
+                       layout: DcpLayout, backend: str, through: str, details: bool):
     """`runtime.forward.decode_body` with every layer cut after stage `through` (STAGES, or "mlp" for the whole layer:
-    then it computes exactly what decode_body does). Same inputs and output structure; selected ids are zeros."""
+    then it computes exactly what decode_body does) and no sampling: it returns the logits (with zeros for the
+    selected ids when `details`, the detailed variant's structure)."""
     model = merge(graphdef, abstract, params)
     rope = cos_sin(md.positions, *rope_tables(cfg))
+    tokens = sampler.decode_inputs(state.sampler, inputs.tokens, inputs.sampling.slots)
     hidden = model.embed_tokens(tokens)
     caches = []
     for i, layer in enumerate(model.layers):
-        lat, idx = kv_cache.layer(i)
+        lat, idx = state.kv_cache.layer(i)
         if through != "base":
             update, lat, idx = attention_through(
                 layer.attention.params(), layer.attention_input(hidden), lat, idx, rope, md, cfg=cfg, layout=layout,
                 backend=backend, through="merge" if through == "mlp" else through)
             hidden = layer.feed_forward(hidden + update) if through == "mlp" else hidden + update
         caches.append((lat, idx))
-    cache = from_layers(caches)
+    logits = model.logits(hidden)
     selected = jnp.zeros((cfg.num_hidden_layers, tokens.shape[0], cfg.index_topk), jnp.int32)
-    return (model.logits(hidden), selected), cache
+    return (logits, selected) if details else logits, DeviceState(from_layers(caches), state.sampler)
 
 
-def fallback_decode_body(params, kv_cache: KVCache, tokens, md, *, layout: DcpLayout, **kwargs):
+def fallback_decode_body(params, state: DeviceState, inputs, md, *, layout: DcpLayout, **kwargs):
     """The forbidden variant: local lengths re-derived on device from the global ones, then the real step."""
     derived = local_context_lens_on_device(md.context_lens, jax.lax.axis_index(DCP), dcp=layout.dcp_size,
                                            interleave=layout.interleave)
-    return decode_body(params, kv_cache, tokens, dataclasses.replace(md, local_context_lens=derived), layout=layout,
+    return decode_body(params, state, inputs, dataclasses.replace(md, local_context_lens=derived), layout=layout,
                        **kwargs)
 
 
@@ -149,16 +154,32 @@ def variant_body(variant: str) -> Callable:
 
 
 def variant_step(variant: str, cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh, kernels: str,
-                 *, graphdef, abstract) -> DecodeStep:
-    """The `DecodeStep` of one variant, wired as `runtime.runner.ModelRunner` wires the real one (tokens [R] in,
-    (logits, selected) out, KV donated, one program per bucket of `engine`)."""
+                 *, graphdef, abstract, details: bool = False) -> DecodeStep:
+    """The `DecodeStep` of one variant, wired as `runtime.runner.ModelRunner` wires the real one (`DecodeInputs` in,
+    the device state donated, one program per bucket of `engine`); `details`: the detailed variant (logits and
+    selected ids out) instead of the serving one."""
     layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
     specs = param_specs(nnx.to_pure_dict(abstract))
     body = functools.partial(variant_body(variant), graphdef=graphdef, abstract=abstract, cfg=cfg, layout=layout,
-                             backend=kernel_backend(kernels))
-    return DecodeStep(body, mesh, buckets=engine.buckets, layout=layout,
+                             backend=kernel_backend(kernels), details=details)
+    return DecodeStep(body, mesh, buckets=engine.buckets, layout=layout, num_pages=engine.num_pages,
                       max_blocks=engine.max_blocks_per_seq(parallel.dcp), param_specs=specs, input_specs=P(),
-                      output_specs=(P(), P()), input_shapes=lambda rows: jax.ShapeDtypeStruct((rows,), jnp.int32))
+                      output_specs=P(), state_specs=STATE_SPECS, input_shapes=decode_input_shapes)
+
+
+def new_state(cfg: ModelConfig, engine: EngineConfig, dcp: int, mesh, dtype) -> DeviceState:
+    """A zeroed device state: the KV pools and the sampler's (max_num_seqs slots)."""
+    replicated = NamedSharding(mesh, P())
+    return DeviceState(allocate_kv_cache(cfg, engine, dcp, mesh, dtype),
+                       jax.device_put(SamplerState.zeros(engine.max_num_seqs, cfg.vocab_size), replicated))
+
+
+def decode_inputs(tokens: np.ndarray, context_lens, slots, scratch_slot: int) -> DecodeInputs:
+    """Greedy inputs of a step feeding `tokens` (the bucket's rows)."""
+    rows = len(tokens)
+    sampling = build_sampling_metadata([GREEDY] * len(context_lens), [0] * len(context_lens), context_lens, slots,
+                                       rows=rows, scratch_slot=scratch_slot)
+    return DecodeInputs(tokens=np.asarray(tokens, np.int32), sampling=sampling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +301,7 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return float(np.percentile(sorted_values, q))
 
 
-def time_steps(step: DecodeStep, params, kv_cache, tokens, md, *, steps: int, warmup: int):
+def time_steps(step: DecodeStep, params, state, inputs, md, *, steps: int, warmup: int):
     """Warm up, then three loops of `steps` calls, inside jax.no_tracing() and a compile counter:
     1. latency: each call (host validation + one transfer + the compiled program) waited for with
        block_until_ready - what one step costs a caller that waits for its result;
@@ -288,33 +309,34 @@ def time_steps(step: DecodeStep, params, kv_cache, tokens, md, *, steps: int, wa
        max(host, device) per step;
     3. device: the program alone, back to back on inputs placed once (`DecodeStep.place_inputs`) - the device's
        step time plus a dispatch.
-    Returns (latency times_s, pipelined_s, device_s, compiles, kv_cache)."""
+    Returns (latency times_s, pipelined_s, device_s, compiles, the device state)."""
     for _ in range(warmup):
-        out, kv_cache = step(params, kv_cache, tokens, md)
-        jax.block_until_ready((out, kv_cache))
+        out, state = step(params, state, inputs, md)
+        jax.block_until_ready((out, state))
     times = []
     counter = CompileCounter()
     with jax.no_tracing(), counter.active():
         for _ in range(steps):
             begin = time.perf_counter()
-            out, kv_cache = step(params, kv_cache, tokens, md)
-            jax.block_until_ready((out, kv_cache))
+            out, state = step(params, state, inputs, md)
+            jax.block_until_ready((out, state))
             times.append(time.perf_counter() - begin)
         begin = time.perf_counter()
         for _ in range(steps):
-            out, kv_cache = step(params, kv_cache, tokens, md)
-        jax.block_until_ready((out, kv_cache))
+            out, state = step(params, state, inputs, md)
+        jax.block_until_ready((out, state))
         pipelined = (time.perf_counter() - begin) / steps
-        placed = step.place_inputs(kv_cache, tokens, md)
-        jax.block_until_ready(placed)
+        placed = step.place_inputs(inputs, md)
+        jax.block_until_ready(placed.packed)
         begin = time.perf_counter()
         for _ in range(steps):
-            out, kv_cache = step.run_placed(params, kv_cache, *placed)
-        jax.block_until_ready((out, kv_cache))
+            out, state = step.run_placed(params, state, placed)
+        jax.block_until_ready((out, state))
         device = (time.perf_counter() - begin) / steps
-    if not np.all(np.isfinite(np.asarray(out[0]))):
-        raise FloatingPointError("non-finite logits")
-    return times, pipelined, device, counter.count, kv_cache
+    out = np.asarray(out)  # the real step's packed tokens, or a staged variant's logits
+    if not np.all(np.isfinite(sampler.unpack(out).logprobs if out.dtype == np.int32 else out)):
+        raise FloatingPointError("non-finite logprobs or logits")
+    return times, pipelined, device, counter.count, state
 
 
 def run_info(grid: Grid) -> dict:
@@ -417,11 +439,12 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
         params = step_of(grid.kernels[0], "host").place_params(host_params)
         weights_per_rank = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(params))
 
-        def fresh_pool() -> KVCache:
-            return fill_random(allocate_kv_cache(cfg, engine, w, mesh, dtype), jax.random.key(grid.seed + w))
+        def fresh_pool() -> DeviceState:
+            state = new_state(cfg, engine, w, mesh, dtype)
+            return DeviceState(fill_random(state.kv_cache, jax.random.key(grid.seed + w)), state.sampler)
 
         kv_cache = fresh_pool()
-        pool = kv_bytes_per_rank(kv_cache)
+        pool = kv_bytes_per_rank(kv_cache.kv_cache)
         common = dict(preset=grid.preset, layers=cfg.num_hidden_layers, dtype=grid.dtype,
                       index_cache=grid.index_cache, latent_cache=grid.latent_cache, dcp=w, page_size=grid.page_size,
                       interleave=grid.interleave)
@@ -464,7 +487,8 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                     tables = block_tables_for(batch, context, dcp=w, page_size=grid.page_size, max_blocks=max_blocks)
                     md = build_decode_metadata([context] * batch, tables, bucket=batch, layout=step.layout,
                                                max_blocks=max_blocks)
-                    tokens = rng.integers(0, cfg.vocab_size, batch).astype(np.int32)
+                    tokens = decode_inputs(rng.integers(0, cfg.vocab_size, batch).astype(np.int32), [context] * batch,
+                                           list(range(batch)), engine.max_num_seqs)
                     if _is_consumed(kv_cache):
                         kv_cache = fresh_pool()
                     times, pipelined, device, compiles, kv_cache = time_steps(step, params, kv_cache, tokens, md,

@@ -4,6 +4,7 @@ matching the real step.
 No timing is asserted (benchmarks are scripts); the tests check what the script computes and reports."""
 
 import contextlib
+import dataclasses
 import io
 import json
 
@@ -112,14 +113,16 @@ def test_the_staged_variant_of_the_whole_layer_is_the_real_step(index_cache):
     logits = {}
     for variant in ("host", "through_mlp", "through_merge"):
         step = decode_bench.variant_step(variant, cfg, parallel, engine, mesh, "reference", graphdef=graphdef,
-                                         abstract=abstract)
+                                         abstract=abstract, details=True)
         placed = step.place_params(params)
-        kv_cache = decode_bench.fill_random(allocate_kv_cache(cfg, engine, 2, mesh), jax.random.key(1))
-        index_k = kv_cache.index_k[0]
+        state = decode_bench.new_state(cfg, engine, 2, mesh, jax.numpy.float32)
+        state = dataclasses.replace(state, kv_cache=decode_bench.fill_random(state.kv_cache, jax.random.key(1)))
+        index_k = state.kv_cache.index_k[0]
         assert index_k.scales.min() > 0 if index_cache == "fp8" else index_k.dtype == jax.numpy.float32
-        step.compile(placed, kv_cache, 4)
-        (out, _), _ = step(placed, kv_cache, tokens, md)
-        logits[variant] = np.asarray(out)
+        step.compile(placed, state, 4)
+        inputs = decode_bench.decode_inputs(tokens, lens, [0, 1, 2, 3], engine.max_num_seqs)
+        out, _ = step(placed, state, inputs, md)
+        logits[variant] = np.asarray(out[1].logits if variant == "host" else out[0])  # the real step: Details
     assert np.all(np.isfinite(logits["host"]))
     np.testing.assert_allclose(logits["through_mlp"], logits["host"], rtol=1e-5, atol=1e-5)
     assert not np.allclose(logits["through_merge"], logits["host"], atol=1e-3)  # the MLP is cut there

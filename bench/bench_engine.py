@@ -1,0 +1,254 @@
+"""The engine's decode rate against its own bare device step, same run: what `LLM` / `serve` users get.
+
+For each context L and batch B: B requests of L-token prompts go through `Engine.add_request` (real prefill,
+streams, detokenization, stop checks), and once every one has its first token the decode phase is timed until
+they finish: engine tok/s. Beside it, in the same process, the bucket's compiled serving decode program alone,
+back to back on inputs placed once (`DecodeStep.run_placed`): the bare device step. Both sample on the device with
+the same parameters (greedy, or temperature 0.8 + top_p 0.9 + top_k 50). Host ms per step is the engine loop's
+time per step (streams included) minus its wait for the device's tokens, with its phases' means (`StepClock`).
+`dcp-jax bench engine` runs this file.
+
+Usage (repository root):
+  python bench/bench_engine.py --preset tiny --batches 1,4 --contexts 64 --steps 8 --out /tmp/engine.jsonl  # CPU
+  python3 bench/bench_engine.py --out $OUT/engine.jsonl     # H200: DeepSeek-V3.2 shapes, 2 layers, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import statistics
+import sys
+import time
+
+if __name__ == "__main__":  # run as a script: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+
+from bench.common import run_info
+from dcp_jax.host.sampling import SamplingParams
+from dcp_jax.serving.loading import use_cpu_devices
+
+MODES = {
+    "greedy": dict(temperature=0.0),
+    "sampled": dict(temperature=0.8, top_p=0.9, top_k=50),
+}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(p.lower().replace("k", "")) * (1024 if p.lower().endswith("k") else 1)
+                 for p in text.split(",") if p)
+
+
+# The host phases of an engine step that `StepClock` times, in order.
+PHASES = ("schedule", "metadata", "launch", "wait", "apply", "emit")
+
+
+class StepClock:
+    """Wraps an engine's step: the wall time of every step and of its phases. schedule: the scheduler's plan;
+    metadata: building, checking and transferring the programs' inputs; launch: the compiled calls; wait: for the
+    device's tokens; apply: reading and recording them (detokenization, stop checks); emit: the streams' events.
+    Host time is everything but the wait."""
+
+    def decode_steps(self, since: int) -> list[dict[str, float]]:
+        """The steps from `since` on after the last one that launched a prefill: the decode phase of a point."""
+        steps = self.steps[since:]
+        last = max((i for i, st in enumerate(steps) if st["prefills"]), default=-1)
+        return steps[last + 1:]
+
+    def __init__(self, engine):
+        self.steps: list[dict[str, float]] = []  # per step: each phase's seconds, the total, the prefills launched
+        self._phases, self._prefills = dict.fromkeys(PHASES, 0.0), 0
+        core, runner = engine.core, engine.runner
+
+        def timed(obj, name, phase, exclusive_of=()):
+            real = getattr(obj, name)
+
+            def call(*args, **kwargs):
+                inner = sum(self._phases[p] for p in exclusive_of)
+                begin = time.perf_counter()
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    spent = time.perf_counter() - begin
+                    self._phases[phase] += spent - (sum(self._phases[p] for p in exclusive_of) - inner)
+
+            setattr(obj, name, call)
+
+        steps = [*runner.decode_steps.values(), *runner.prefill_steps.values()]
+        for step in steps:
+            timed(step, "run_placed", "launch")
+        timed(core.scheduler, "schedule", "schedule")
+        timed(runner, "dispatch_decode", "metadata", exclusive_of=("launch",))
+        timed(runner, "dispatch_prefill", "metadata", exclusive_of=("launch",))
+        real_prefill = runner.dispatch_prefill
+
+        def prefill(*args, **kwargs):
+            self._prefills += 1
+            return real_prefill(*args, **kwargs)
+
+        runner.dispatch_prefill = prefill
+        real_read = core._read
+
+        def read(dispatched):
+            begin = time.perf_counter()
+            for d in dispatched:
+                jax.block_until_ready(d.outputs)
+            self._phases["wait"] += time.perf_counter() - begin
+            begin = time.perf_counter()
+            out = real_read(dispatched)
+            self._phases["apply"] += time.perf_counter() - begin
+            return out
+
+        core._read = read
+        timed(engine, "_emit", "emit")
+        real_step = engine.step
+
+        def step():
+            self._phases, self._prefills = dict.fromkeys(PHASES, 0.0), 0
+            begin = time.perf_counter()
+            real_step()
+            self.steps.append(dict(self._phases, total=time.perf_counter() - begin, prefills=self._prefills))
+
+        engine.step = step
+
+
+def run_point(engine, clock: StepClock, batch: int, context: int, steps: int, mode: str, rng) -> dict:
+    """B requests of `context`-token prompts decoding `steps` tokens each through the engine: the decode time from
+    the last first token to the last token, and the index of the point's first engine step."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True, seed=None, **MODES[mode])
+    sinks = [queue.Queue() for _ in range(batch)]
+    before = len(clock.steps)
+    for sink in sinks:
+        engine.add_request(rng.integers(2, vocab, context - 1).tolist(), params, sink)
+    events = [sink.get(timeout=3600) for sink in sinks]  # every request's first token: its prefill is done
+    start, tokens = time.perf_counter(), 0
+    for sink, event in zip(sinks, events):
+        while event.finish_reason is None:
+            event = sink.get(timeout=3600)
+            tokens += len(event.token_ids)  # the tokens decoded after `start` (or queued just before it)
+        assert event.finish_reason == "length", event
+    return dict(tokens=tokens, decode_s=time.perf_counter() - start, before=before)
+
+
+def bare_step_seconds(runner, batch: int, context: int, mode: str, repeats: int) -> float:
+    """The serving decode program of bucket `batch` alone, back to back on placed inputs (B rows of `context`)."""
+    from dcp_jax.host.metadata import DecodeInputs, build_decode_metadata, build_sampling_metadata
+    from dcp_jax.runtime.runner import decode_variants_for
+
+    step = runner.decode_steps[decode_variants_for([SamplingParams(**MODES[mode])])[0]]
+    layout = runner.layout
+    blocks = int(layout.virtual_blocks(context + 1))
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
+    md = build_decode_metadata([context] * batch, tables, bucket=batch, layout=layout, max_blocks=runner.max_blocks)
+    params = [SamplingParams(**MODES[mode])] * batch
+    sampling = build_sampling_metadata(params, list(range(batch)), [context] * batch, list(range(batch)), rows=batch,
+                                       scratch_slot=runner.scratch_slot)
+    placed = step.place_inputs(DecodeInputs(tokens=np.full(batch, 7, np.int32), sampling=sampling), md)
+    state = runner.state
+    for _ in range(3):
+        out, state = step.run_placed(runner.params, state, placed)
+    jax.block_until_ready((out, state))
+    begin = time.perf_counter()
+    for _ in range(repeats):
+        out, state = step.run_placed(runner.params, state, placed)
+    jax.block_until_ready((out, state))
+    runner.state = state
+    return (time.perf_counter() - begin) / repeats
+
+
+def workspace(runner) -> str:
+    """Each compiled serving program's temp bytes beside the pool's (a temp near a pool layer's size is a copy)."""
+    pool = sum(a.nbytes for a in jax.tree.leaves(runner.state.kv_cache))
+    parts = []
+    for kind, bucket in runner.programs(prompt_logprobs=False):
+        compiled = runner._step(kind).compile(runner.params, runner.state, bucket)
+        parts.append(f"{kind} {bucket}: {compiled.memory_analysis().temp_size_in_bytes / 2**30:.2f} GiB")
+    return f"{'; '.join(parts)}; pool {pool / 2**30:.2f} GiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dcp-jax bench engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="deepseek-v3.2")
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--batches", type=_ints, default=(1, 8, 64, 256))
+    parser.add_argument("--contexts", type=_ints, default=(4096, 32768))
+    parser.add_argument("--modes", default="greedy,sampled")
+    parser.add_argument("--steps", type=int, default=64, help="decode tokens per request")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--num-pages", type=int, default=None,
+                        help="KV pages (default: the largest batch of full-length requests; 0: from GPU memory)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--dcp", type=int, default=1)
+    parser.add_argument("--no-async", dest="async_scheduling", action="store_false")
+    parser.add_argument("--compilation-cache-dir", default=None)
+    parser.add_argument("--cpu-devices", type=int, default=8)
+    parser.add_argument("--out", default="results_engine.jsonl")
+    args = parser.parse_args(argv)
+    use_cpu_devices(args.cpu_devices)
+    from dcp_jax.serving.engine import Engine
+
+    modes = [m for m in args.modes.split(",") if m]
+    info = dict(run_info(), kind="run", args=vars(args))
+    out = open(args.out, "w")  # a row per point as it is measured: a run cut short keeps what it measured
+
+    def record(row: dict) -> None:
+        out.write(json.dumps(row, default=str) + "\n")
+        out.flush()
+
+    record(info)
+    print(f"{info['device']} x{info['num_devices']}, commit {info['commit']}, {args.preset} "
+          f"{args.num_layers} layers {args.dtype}, dcp {args.dcp}", flush=True)
+    print(f"| L | B | mode | engine tok/s | bare step ms | bare tok/s | ratio | host ms/step | "
+          f"mean ms: {' / '.join(PHASES)} | steps |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    rng = np.random.default_rng(0)
+    for context in args.contexts:
+        max_len = context + args.steps + 1
+        num_pages = (max(args.batches) * -(-max_len // (args.page_size * args.dcp)) if args.num_pages is None
+                     else args.num_pages or None)
+        engine = Engine(args.preset, num_layers=args.num_layers, dcp=args.dcp, dtype=args.dtype, kernels=args.kernels,
+                        page_size=args.page_size, num_pages=num_pages,
+                        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(args.batches),
+                        bucket_ladder=args.batches,
+                        max_model_len=max_len, prefill_lengths=(max_len,), prompt_logprobs=False,
+                        async_scheduling=args.async_scheduling, max_prefills_per_step=max(args.batches),
+                        compilation_cache_dir=args.compilation_cache_dir, progress=False).start()
+        clock = StepClock(engine)
+        print(f"L={context}: {engine.num_pages} KV pages; programs' workspace (temp) / pool bytes: "
+              f"{workspace(engine.runner)}", flush=True)
+        try:
+            for batch in args.batches:
+                for mode in modes:
+                    point = run_point(engine, clock, batch, context, args.steps, mode, rng)
+                    steps = clock.decode_steps(point["before"])
+                    host = [st["total"] - st["wait"] for st in steps]
+                    phases = {p: 1e3 * statistics.mean(st[p] for st in steps) for p in PHASES}
+                    engine.stop()  # the bare step uses the runner's state: no engine step may run meanwhile
+                    bare = bare_step_seconds(engine.runner, batch, context, mode, repeats=20)
+                    engine.start()
+                    tok_s = point["tokens"] / point["decode_s"]
+                    row = dict(kind="point", context=context, batch=batch, mode=mode, engine_tokens_per_s=tok_s,
+                               bare_step_ms=1e3 * bare, bare_tokens_per_s=batch / bare,
+                               ratio=tok_s * bare / batch, host_ms_per_step=1e3 * statistics.median(host),
+                               phase_ms=phases, steps=len(steps), compiles_after_warmup=engine.compiles_after_warmup)
+                    record(row)
+                    print(f"| {context} | {batch} | {mode} | {tok_s:.0f} | {1e3 * bare:.3f} | {batch / bare:.0f} | "
+                          f"{row['ratio']:.2f} | {row['host_ms_per_step']:.3f} | "
+                          f"{' / '.join(f'{phases[p]:.2f}' for p in PHASES)} | {len(steps)} |", flush=True)
+            print(f"L={context}: compiles after warm-up: {engine.compiles_after_warmup}", flush=True)
+        finally:
+            engine.stop()
+    out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
