@@ -58,7 +58,7 @@ from dcp_jax.model.kv_cache import KVCache, allocate_kv_cache, from_layers, kv_b
 from dcp_jax.model.mesh import DCP, make_mesh
 from dcp_jax.model.rope import cos_sin, rope_tables
 from dcp_jax.runtime import sampler
-from dcp_jax.runtime.forward import STATE_SPECS, DeviceState, decode_body
+from dcp_jax.runtime.forward import DECODE_DETAILS, DECODE_GREEDY, STATE_SPECS, DeviceState, decode_body
 from dcp_jax.runtime.runner import GREEDY, decode_input_shapes
 from dcp_jax.runtime.sampler import SamplerState
 from dcp_jax.runtime.jaxpr_check import local_context_lens_on_device
@@ -112,10 +112,10 @@ def attention_through(p, x, kv_cache, index_cache, rope, md, *, cfg: ModelConfig
 
 
 def staged_decode_body(params, state: DeviceState, inputs, md, *, graphdef, abstract, cfg: ModelConfig,
-                       layout: DcpLayout, backend: str, through: str, details: bool):
+                       layout: DcpLayout, backend: str, through: str, variant: str):
     """`runtime.forward.decode_body` with every layer cut after stage `through` (STAGES, or "mlp" for the whole layer:
     then it computes exactly what decode_body does) and no sampling: it returns the logits (with zeros for the
-    selected ids when `details`, the detailed variant's structure)."""
+    selected ids for DECODE_DETAILS, the detailed variant's structure)."""
     model = merge(graphdef, abstract, params)
     rope = cos_sin(md.positions, *rope_tables(cfg))
     tokens = sampler.decode_inputs(state.sampler, inputs.tokens, inputs.sampling.slots)
@@ -131,7 +131,8 @@ def staged_decode_body(params, state: DeviceState, inputs, md, *, graphdef, abst
         caches.append((lat, idx))
     logits = model.logits(hidden)
     selected = jnp.zeros((cfg.num_hidden_layers, tokens.shape[0], cfg.index_topk), jnp.int32)
-    return (logits, selected) if details else logits, DeviceState(from_layers(caches), state.sampler)
+    outputs = (logits, selected) if variant == DECODE_DETAILS else logits
+    return outputs, DeviceState(from_layers(caches), state.sampler)
 
 
 def fallback_decode_body(params, state: DeviceState, inputs, md, *, layout: DcpLayout, **kwargs):
@@ -161,7 +162,7 @@ def variant_step(variant: str, cfg: ModelConfig, parallel: ParallelConfig, engin
     layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
     specs = param_specs(nnx.to_pure_dict(abstract))
     body = functools.partial(variant_body(variant), graphdef=graphdef, abstract=abstract, cfg=cfg, layout=layout,
-                             backend=kernel_backend(kernels), details=details)
+                             backend=kernel_backend(kernels), variant=DECODE_DETAILS if details else DECODE_GREEDY)
     return DecodeStep(body, mesh, buckets=engine.buckets, layout=layout, num_pages=engine.num_pages,
                       max_blocks=engine.max_blocks_per_seq(parallel.dcp), param_specs=specs, input_specs=P(),
                       output_specs=P(), state_specs=STATE_SPECS, input_shapes=decode_input_shapes)
