@@ -143,3 +143,14 @@ def test_generate_with_an_fp8_cache_on_the_tiny_preset(cache, capsys):
     assert main(["generate", "--model", "tiny", "--dcp", "2", f"--{cache}-cache", "fp8", "--prompt", "hello",
                  "--max-tokens", "3", "--max-model-len", "32"]) == 0
     assert f"fp8 {cache} cache" in capsys.readouterr().out
+
+
+def test_generate_compiles_the_decode_programs_its_parameters_can_take():
+    """All greedy: the greedy program only; all drawing: the drawing one; a mix: both (its greedy rows may end up
+    alone once the drawing ones finish)."""
+    from dcp_jax.runtime.runner import decode_variants_for
+
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)
+    assert decode_variants_for([greedy, greedy]) == ("greedy",)
+    assert decode_variants_for([hot]) == ("sampled",)
+    assert decode_variants_for([hot, greedy]) == ("greedy", "sampled")
