@@ -91,13 +91,21 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, path: str | os.PathLike) -> ModelConfig:
-        """Read a HF `config.json` (a file or a model directory)."""
+        """Read a HF `config.json` (a file or a model directory); ValueError naming the file when it is missing,
+        not JSON, or not a DeepSeek-V3.2 config."""
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        with open(path) as f:
-            raw = json.load(f)
-        return cls.from_dict(raw)
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+            if not isinstance(raw, dict):
+                raise ValueError("not a JSON object")
+            return cls.from_dict(raw)
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such file (a model directory needs a HF config.json)") from None
+        except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+            raise ValueError(f"{path}: {e}") from None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:

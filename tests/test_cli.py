@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dcp_jax import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,3 +47,15 @@ def test_bench_names_what_it_has(capsys):
     assert cli.main(["bench", "nope"]) == 2
     err = capsys.readouterr().err
     assert "no benchmark 'nope'" in err and "'decode'" in err
+
+
+@pytest.mark.parametrize("content, message", [(None, "no such file"), ("{not json", "Expecting property name"),
+                                              ("[1, 2]", "not a JSON object"), ('{"vocab_size": 10}', "lacks")])
+def test_generate_names_a_bad_model_directory_in_one_line(tmp_path, capsys, content, message):
+    """A directory without config.json, or with a broken one: one error line naming the file, exit 2."""
+    if content is not None:
+        (tmp_path / "config.json").write_text(content)
+    assert cli.main(["generate", "--model", str(tmp_path), "--prompt", "hello"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"dcp-jax generate: {tmp_path / 'config.json'}: ") and message in err, err
+    assert "Traceback" not in err
