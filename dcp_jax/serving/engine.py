@@ -126,12 +126,17 @@ class Engine:
         from tqdm import tqdm
 
         work = self.runner.programs(prompt_logprobs=self.core.has_prompt_logprobs)
-        bar = tqdm(work, desc="compiling buckets", unit="program", disable=not progress)
-        for kind, bucket in bar:
+        begin = time.monotonic()
+        # A bar on a terminal only (disable=None); a log line a program elsewhere.
+        bar = tqdm(work, desc="compiling buckets", unit="program", disable=None if progress else True)
+        for i, (kind, bucket) in enumerate(bar):
             bar.set_postfix_str(f"{kind} {bucket}")
+            if progress and bar.disable:
+                log.info("compiling program %d/%d: %s %s", i + 1, len(work), kind, bucket)
             self.runner.compile(kind, bucket)
         bar.close()
         self.num_programs = len(work)
+        log.info("compiled %d programs in %.1f s", len(work), time.monotonic() - begin)
 
     @property
     def compile_count(self) -> int:

@@ -85,7 +85,7 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
 
-            progress = tqdm(total=len(requests), desc="Processed prompts", unit="req")
+            progress = tqdm(total=len(requests), desc="Processed prompts", unit="req", disable=None)  # a terminal only
         self.runner.compile_decode(decode_variants_for([r.params for r in requests]))
         try:
             for r in requests:

@@ -318,3 +318,18 @@ def test_mixed_sampling_parameters_in_one_batch_compile_nothing(engine):
     assert engine.compiles_after_warmup == compiles
     for kw, tokens in list(zip(mixed, together))[1:]:
         assert run(engine, [11, 12, 13, 14], max_tokens=8, ignore_eos=True, **kw)[0] == tokens
+
+
+def test_warm_up_progress_is_log_lines_off_a_terminal(caplog, capsys):
+    """Off a terminal (a log, a pipe) the warm-up writes no progress-bar frames: one log line a program."""
+    import logging
+
+    from dcp_jax.serving.engine import Engine
+
+    with caplog.at_level(logging.INFO, logger="dcp_jax.serving.engine"):
+        eng = Engine("tiny", num_layers=1, max_num_seqs=1, bucket_ladder=(1,), max_model_len=16, page_size=4,
+                     prefill_lengths=(16,), prompt_logprobs=False, progress=True)
+    assert "\r" not in capsys.readouterr().err
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("compiling program" in line for line in lines) == eng.num_programs == 3
+    assert any(line.startswith(f"compiled {eng.num_programs} programs in") for line in lines)
