@@ -234,6 +234,7 @@ class Engine:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
+                self._publish_gauges()  # an abort may leave nothing to step: the gauges still see it
                 return
 
     # ---- requests ---------------------------------------------------------------------------------------
@@ -291,10 +292,14 @@ class Engine:
     def step(self) -> None:
         """One core step, then stream what it changed."""
         touched = self.core.step()
-        self._gauge_values = dict(running_requests=self.scheduler.num_running,
-                                  waiting_requests=self.scheduler.num_waiting)
+        self._publish_gauges()
         for request in touched:
             self._emit(request)
+
+    def _publish_gauges(self) -> None:
+        """The queue's sizes for the metrics (read from other threads), after every change the loop makes."""
+        self._gauge_values = dict(running_requests=self.scheduler.num_running,
+                                  waiting_requests=self.scheduler.num_waiting)
 
     def _emit(self, request: Request) -> None:
         stream = self._streams.get(request.request_id)

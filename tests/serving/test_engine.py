@@ -118,6 +118,9 @@ def test_abort_frees_pages(engine):
         deadline += 1
         asyncio.run(asyncio.sleep(0.01))
     assert engine.num_free_pages == engine.num_pages
+    # The gauges see the cancellation though the idle loop steps no more.
+    assert "dcp_jax_running_requests 0" in engine.metrics.render()
+    assert "dcp_jax_waiting_requests 0" in engine.metrics.render()
 
 
 def test_a_failing_request_fails_only_itself(engine, monkeypatch):
