@@ -281,8 +281,8 @@ class _Handler(BaseHTTPRequestHandler):
         sink, rids = app.submit(prompts, req.params, req.n, prompt_logprobs=prompt_logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            self._stream(sink, rids, lambda ev, c: self._completion_chunk(rid, req, prompts, ev, c), req.include_usage,
-                         rid, "text_completion")
+            self._stream(sink, rids, lambda ev, c: self._completion_chunk(rid, req, prompts, ev, c),
+                         sum(len(p) for p in prompts), req.include_usage, rid, "text_completion")
             return
         choices = self._collect(sink, rids)
         out = []
@@ -296,7 +296,7 @@ class _Handler(BaseHTTPRequestHandler):
                                                      choice.logprobs, base=len(echo), end=len(text))
             out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
-        prompt_tokens = sum(len(p) for p in prompts) * req.n
+        prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, whatever n (vLLM's usage)
         self._send_json(200, {"id": rid, "object": "text_completion", "created": int(time.time()),
                               "model": app.model_name, "choices": out,
                               "usage": _usage(prompt_tokens, completion_tokens)})
@@ -347,8 +347,8 @@ class _Handler(BaseHTTPRequestHandler):
         sink, rids = app.submit([prompt], req.params, req.n, prompt_logprobs=None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            self._stream(sink, rids, lambda ev, c: self._chat_chunk(rid, req, ev, c), req.include_usage, rid,
-                         "chat.completion.chunk")
+            self._stream(sink, rids, lambda ev, c: self._chat_chunk(rid, req, ev, c), len(prompt), req.include_usage,
+                         rid, "chat.completion.chunk")
             return
         choices = self._collect(sink, rids)
         out = [{"index": i, "message": {"role": "assistant", "content": c.text},
@@ -357,7 +357,7 @@ class _Handler(BaseHTTPRequestHandler):
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
         self._send_json(200, {"id": rid, "object": "chat.completion", "created": int(time.time()),
                               "model": app.model_name, "choices": out,
-                              "usage": _usage(len(prompt) * req.n, completion_tokens)})
+                              "usage": _usage(len(prompt), completion_tokens)})
 
     def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict:
         text = self.app.tokens.token_text
@@ -423,7 +423,9 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             return True
 
-    def _stream(self, sink: queue.Queue, rids: list[str], chunk, include_usage: bool, rid: str, obj: str) -> None:
+    def _stream(self, sink: queue.Queue, rids: list[str], chunk, prompt_tokens: int, include_usage: bool, rid: str,
+                obj: str) -> None:
+        """Stream the choices' chunks, then the usage (the prompts' tokens once, whatever n) when asked."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -431,13 +433,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         live, state = len(rids), {}
-        prompt_tokens = completion_tokens = 0
+        completion_tokens = 0
         # From here on the reply is an event stream: nothing may write a JSON error reply into it.
         try:
             while live:
                 event = sink.get(timeout=REQUEST_TIMEOUT_S)
-                if event.prompt_token_ids is not None:
-                    prompt_tokens += len(event.prompt_token_ids)
                 completion_tokens += len(event.token_ids)
                 if event.finish_reason is not None:
                     live -= 1

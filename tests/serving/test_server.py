@@ -91,6 +91,21 @@ def test_streaming_matches_non_streaming(client):
     assert chunks[-1].usage.completion_tokens == 12
 
 
+def test_usage_counts_each_prompt_once_whatever_n(client, server):
+    """vLLM's usage: the prompts' tokens once (not once per choice), streamed or not, completions and chat."""
+    prompts = ["a b", "cde"]
+    want = sum(len(server.tokens.encode(p)) for p in prompts)
+    kw = dict(model="tiny", prompt=prompts, n=3, max_tokens=2, temperature=1.0)
+    assert client.completions.create(**kw).usage.prompt_tokens == want
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.prompt_tokens == want
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=2, temperature=1.0)
+    single = client.chat.completions.create(**(chat | dict(n=1))).usage.prompt_tokens
+    assert client.chat.completions.create(**chat).usage.prompt_tokens == single
+    streamed = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **chat))
+    assert streamed[-1].usage.prompt_tokens == single
+
+
 def test_n_list_of_prompts_seed_and_stop(client):
     r = client.completions.create(model="tiny", prompt=["a", "b"], n=2, max_tokens=5, temperature=1.0, seed=7)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3] and r.usage.completion_tokens <= 20
