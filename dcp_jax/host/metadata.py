@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dcp_jax.host.layout import DcpLayout
+from dcp_jax.host.sampling import seed_words
 
 PER_RANK = dict(per_rank=True)
 
@@ -220,8 +221,8 @@ def build_sampling_metadata(params: Sequence, seeds: Sequence[int], positions: S
         raise ValueError(f"{len(params)} params, {len(seeds)} seeds, {len(positions)} positions and {len(slots)} slots "
                          f"for a bucket of {rows} rows")
     words = np.zeros((rows, 2), np.uint32)
-    words[:n, 0] = [s & 0xFFFFFFFF for s in seeds]
-    words[:n, 1] = [(s >> 32) & 0xFFFFFFFF for s in seeds]
+    if n:
+        words[:n] = [seed_words(s) for s in seeds]
     return SamplingMetadata(
         temperature=_padded([p.temperature for p in params], rows, 0.0, np.float32),
         top_k=_padded([p.top_k for p in params], rows, 0, np.int32),

@@ -46,7 +46,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def decode_variants_for(params: Sequence[SamplingParams]) -> tuple[str, ...]:
     """The serving decode programs that steps over requests of `params` (any subset of them) can take."""
-    draws = {p.temperature > 0 for p in params}
+    draws = {not p.is_greedy for p in params}
     return tuple(v for v, needed in ((DECODE_GREEDY, False in draws), (DECODE_SAMPLED, True in draws)) if needed)
 
 
