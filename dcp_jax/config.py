@@ -296,7 +296,7 @@ def check_latent_cache(latent_cache: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Paged KV pool (page size, page count, index and latent cache formats) and the decode bucket ladder (batch
-    widths, each one compiled program)."""
+    widths, each one compiled program per decode variant)."""
 
     page_size: int = 16
     num_pages: int = 64

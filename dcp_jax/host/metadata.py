@@ -240,8 +240,7 @@ class SamplingTable:
     prefill), so a decode step gathers its rows' with one numpy index per field. Slots never set, and the scratch
     slot of pad rows, sample greedily with seed 0."""
 
-    _PER_SLOT = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "seeds")
+    _PER_SLOT = tuple(n for n in field_names(SamplingMetadata) if n not in ("positions", "slots"))
 
     def __init__(self, num_slots: int, *, scratch_slot: int):
         """`num_slots` slots, the scratch one among them."""

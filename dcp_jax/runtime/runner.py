@@ -158,12 +158,11 @@ class ModelRunner:
         """Compile one program of `programs()`."""
         self._step(kind).compile(self.params, self.state, bucket)
 
-    def compile_decode(self, variants: Sequence[str] = SERVING_DECODE, progress=None) -> None:
-        """Compile the serving decode programs of `variants` (default greedy and drawing) for every bucket;
-        `progress` may wrap the loop (tqdm)."""
-        work = [(variant, rows) for variant in variants for rows in self.engine.buckets]
-        for variant, rows in progress(work) if progress else work:
-            self.decode_steps[variant].compile(self.params, self.state, rows)
+    def compile_decode(self, variants: Sequence[str] = SERVING_DECODE) -> None:
+        """Compile the serving decode programs of `variants` (default greedy and drawing) for every bucket."""
+        for variant in variants:
+            for rows in self.engine.buckets:
+                self.decode_steps[variant].compile(self.params, self.state, rows)
 
     # ---- serving: dispatch, read later ----------------------------------------------------------------------
     def dispatch_decode(self, context_lens: Sequence[int], block_tables, slots: Sequence[int],
@@ -228,12 +227,10 @@ class ModelRunner:
         sampling = self.sampling_table.gather(slots, context_lens, rows=md.rows)
         inputs = DecodeInputs(tokens=_padded_tokens(tokens, n, md.rows), sampling=sampling)
         if details:
-            variant = DECODE_DETAILS
-        else:  # pad rows are greedy: the program draws when a scheduled row does
-            variant = DECODE_SAMPLED if np.any(sampling.temperature > 0) else DECODE_GREEDY
-        step = self.decode_steps[variant]
-        if details:
+            step = self.decode_steps[DECODE_DETAILS]
             step.compile(self.params, self.state, md.rows)  # a no-op once compiled
+        else:  # pad rows are greedy: the program draws when a scheduled row does
+            step = self.decode_steps[DECODE_SAMPLED if np.any(sampling.temperature > 0) else DECODE_GREEDY]
         outputs, self.state = step(self.params, self.state, inputs, md)
         return outputs
 

@@ -5,9 +5,9 @@ vLLM's `SamplingParams` semantics, in vLLM's order: presence / frequency penalti
 the repetition penalty over prompt and generated tokens, then greedy (argmax, the lowest id among ties) or:
 temperature, min-p (keep p >= min_p * max p), top-k, top-p (the smallest set of most likely tokens whose mass
 reaches top_p; ties at its edge all kept), and one draw. Every per-row parameter is a traced array, so one
-compiled program serves any mix of them. Filters are exact: their thresholds are found by a radix search over the
-32 bits of the order-preserving integer keys of the logits (8 passes over a row each, 16 candidates a pass, no
-sort).
+compiled drawing program serves any mix of them (a step whose rows are all greedy takes the greedy one:
+`draws`). Filters are exact: their thresholds are found by a radix search over the 32 bits of the
+order-preserving integer keys of the logits (8 passes over a row each, 16 candidates a pass, no sort).
 Draws are counter-based: row r draws Gumbel noise from a key made of its request's 64-bit seed and the position of
 the token it samples, so a request's tokens depend on nothing else (not its batch, bucket or preemptions).
 Logprobs are those of the raw logits (vLLM's default): the sampled token's and the TOP_LOGPROBS largest.

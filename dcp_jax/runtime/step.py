@@ -1,5 +1,5 @@
 """The jitted, shard_mapped programs of one engine step: host-side checks, one transfer, one compiled program per
-bucket, the KV cache donated.
+bucket, the device state donated.
 
 `DecodeStep` and `PrefillStep` wrap a per-rank body `body(params, state, inputs, md) -> (outputs, state)`, where
 `state` is the donated device state (the KV cache, and the sampler's for the model) and `md` the rank's view of the
@@ -7,8 +7,9 @@ step's metadata (`rank_view`: each per-rank field loses its W axis). Every bucke
 never traces, and metadata of an unknown bucket or the wrong shape is refused on the host before anything reaches
 the device. The step dataclasses of `host/metadata.py` (numpy only) are registered as pytrees here; metadata fields
 marked per-rank are split over "dcp", everything else replicated.
-One transfer a step: the host packs every array of (inputs, md) (all 4-byte types) into one int32 buffer, and the
-program slices them back out by static offsets before the shard_map (a device_put per array cost ~0.25 ms each).
+One transfer a step: the host packs every array of (inputs, md) (all 4-byte types) into one int32 buffer, which the
+compiled call transfers, and the program slices them back out by static offsets before the shard_map (a device_put
+per array cost ~0.25 ms each).
 """
 
 from __future__ import annotations
