@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from dcp_jax.config import EngineConfig
-from dcp_jax.host.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from dcp_jax.host.detokenizer import REPLACEMENT_CHAR, Detokenizer
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.host.page_allocator import BlockTable, PageAllocator
 
@@ -49,9 +49,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"  # cancelled or disconnected
     FINISHED_ERROR = "error"  # the request failed (and only it)
 
-    @property
-    def is_finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+    def __init__(self, value: str):
+        # An attribute, not a property: read several times per generated token.
+        self.is_finished = value not in ("waiting", "running")
 
 
 def max_context_len(prompt_len: int, max_tokens: int) -> int:
@@ -83,7 +83,7 @@ class Request:
     slot: int | None = None
     # Tokens sampled on the device for it whose values the host has not read yet.
     num_pending: int = 0
-    detokenizer: IncrementalDetokenizer | None = None
+    detokenizer: Detokenizer | None = None
     num_preemptions: int = 0
     error: str | None = None
     # One `sampling.TokenLogprob` per generated token when params.logprobs is set; the prompt's (None at position
@@ -159,7 +159,8 @@ class Scheduler:
     """Request queue + running batch over one `PageAllocator`. Not thread-safe: the engine thread owns it."""
 
     def __init__(self, engine: EngineConfig, layout: DcpLayout, *, eos_token_id: int | None,
-                 detokenize: Callable[[Sequence[int]], str], max_prefills_per_step: int = 4):
+                 new_detokenizer: Callable[[], Detokenizer], max_prefills_per_step: int = 4):
+        """`new_detokenizer()`: an incremental decoder for one request's output (the tokenizer's)."""
         if max_prefills_per_step < 1:
             raise ValueError(f"{max_prefills_per_step=} must be >= 1")
         if layout.page_size != engine.page_size:
@@ -168,7 +169,7 @@ class Scheduler:
         self.layout = layout
         self._tokens_per_block = layout.tokens_per_block
         self.eos_token_id = eos_token_id
-        self.detokenize = detokenize
+        self.new_detokenizer = new_detokenizer
         self.max_prefills_per_step = max_prefills_per_step
         self.allocator = PageAllocator(engine.num_pages)
         self._free_slots = list(range(engine.max_num_seqs))  # a heap: the lowest free slot is handed out
@@ -349,7 +350,7 @@ class Scheduler:
         is_length = len(output) >= params.max_tokens  # check_fits: prompt + max_tokens <= max_model_len
         detokenizer = request.detokenizer
         if detokenizer is None:
-            detokenizer = request.detokenizer = IncrementalDetokenizer(self.detokenize)
+            detokenizer = request.detokenizer = self.new_detokenizer()
         before = len(request.text)
         if not is_stop_id:
             detokenizer.add_one(token)

@@ -97,7 +97,7 @@ class Engine:
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
         self.scheduler = Scheduler(self.engine_config, self.runner.layout, eos_token_id=self.model_config.eos_token_id,
-                                   detokenize=self.tokenizer.decode, max_prefills_per_step=max_prefills_per_step)
+                                   new_detokenizer=self.tokenizer.new_detokenizer, max_prefills_per_step=max_prefills_per_step)
         self.metrics = ServingMetrics(self._gauges)
         self.core = ServingCore(self.runner, self.scheduler, vocab_size=self.model_config.vocab_size, seed=seed,
                                 has_prompt_logprobs=prompt_logprobs, metrics=self.metrics,

@@ -68,7 +68,7 @@ class LLM:
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
         scheduler = Scheduler(self.engine_config, self.runner.layout, eos_token_id=self.model_config.eos_token_id,
-                              detokenize=self.tokenizer.decode, max_prefills_per_step=self.engine_config.max_num_seqs)
+                              new_detokenizer=self.tokenizer.new_detokenizer, max_prefills_per_step=self.engine_config.max_num_seqs)
         # Programs compile when first needed: the decode ones a generate call's parameters take before it steps,
         # the prefill ones at their first use (an engine compiles them all at start-up).
         self.core = ServingCore(self.runner, scheduler, vocab_size=self.model_config.vocab_size, seed=seed,

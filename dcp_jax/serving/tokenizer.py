@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from dcp_jax.host.detokenizer import StreamDetokenizer, Utf8ByteDetokenizer
+
 
 class ByteTokenizer:
     """UTF-8 bytes shifted past the special ids: byte b is id `offset + b` (offset = 1 + max(bos, eos))."""
@@ -25,6 +27,10 @@ class ByteTokenizer:
         data = bytes(i - self.offset for i in ids if self.offset <= i < self.offset + 256)
         return data.decode("utf-8", errors="replace")
 
+    def new_detokenizer(self) -> Utf8ByteDetokenizer:
+        """An incremental decoder of one growing sequence."""
+        return Utf8ByteDetokenizer(self.offset)
+
 
 class HFTokenizer:
     """A HF `tokenizer.json`; BOS is prepended here (never by the tokenizer's own post-processor)."""
@@ -43,6 +49,10 @@ class HFTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def new_detokenizer(self) -> StreamDetokenizer:
+        """An incremental decoder of one growing sequence."""
+        return StreamDetokenizer(self._tok, self.decode)
 
 
 def load_tokenizer(model_dir: str | None, vocab_size: int, bos_token_id: int, eos_token_id: int):

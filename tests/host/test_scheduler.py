@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from dcp_jax.config import EngineConfig
+from dcp_jax.host.detokenizer import IncrementalDetokenizer
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.host.scheduler import Request, RequestStatus, Scheduler
@@ -22,7 +23,8 @@ def detok(ids):
 def make(num_pages=16, max_num_seqs=4, page_size=2, dcp=2, max_model_len=64, **kw):
     engine = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                           max_model_len=max_model_len, bucket_ladder=(1, 2, 4, 8))
-    return Scheduler(engine, DcpLayout(dcp, 1, page_size), eos_token_id=EOS, detokenize=detok, **kw)
+    return Scheduler(engine, DcpLayout(dcp, 1, page_size), eos_token_id=EOS,
+                     new_detokenizer=lambda: IncrementalDetokenizer(detok), **kw)
 
 
 def req(rid, prompt_len=3, **params):
