@@ -21,6 +21,7 @@ import os
 import queue
 import statistics
 import sys
+import tempfile
 import time
 
 if __name__ == "__main__":  # run as a script: the repository root on the path
@@ -30,6 +31,7 @@ import jax
 import numpy as np
 
 from bench.common import run_info
+from bench.gpu_trace import busy_fraction, trace_events
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.serving.loading import use_cpu_devices
 
@@ -117,9 +119,11 @@ class StepClock:
         engine.step = step
 
 
-def run_point(engine, clock: StepClock, batch: int, context: int, steps: int, mode: str, rng) -> dict:
+def run_point(engine, clock: StepClock, batch: int, context: int, steps: int, mode: str, rng,
+              trace_dir: str | None = None) -> dict:
     """B requests of `context`-token prompts decoding `steps` tokens each through the engine: the decode time from
-    the last first token to the last token, and the index of the point's first engine step."""
+    the last first token to the last token, and the index of the point's first engine step. With `trace_dir`, a
+    profiler trace of that decode phase is written there."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True, seed=None, **MODES[mode])
     sinks = [queue.Queue() for _ in range(batch)]
@@ -127,13 +131,27 @@ def run_point(engine, clock: StepClock, batch: int, context: int, steps: int, mo
     for sink in sinks:
         engine.add_request(rng.integers(2, vocab, context - 1).tolist(), params, sink)
     events = [sink.get(timeout=3600) for sink in sinks]  # every request's first token: its prefill is done
+    if trace_dir:
+        jax.profiler.start_trace(trace_dir)
     start, tokens = time.perf_counter(), 0
     for sink, event in zip(sinks, events):
         while event.finish_reason is None:
             event = sink.get(timeout=3600)
             tokens += len(event.token_ids)  # the tokens decoded after `start` (or queued just before it)
         assert event.finish_reason == "length", event
-    return dict(tokens=tokens, decode_s=time.perf_counter() - start, before=before)
+    decode_s = time.perf_counter() - start
+    if trace_dir:
+        jax.profiler.stop_trace()
+    return dict(tokens=tokens, decode_s=decode_s, before=before)
+
+
+def device_busy(engine, clock: StepClock, batch: int, context: int, steps: int, mode: str, rng) -> dict:
+    """A second run of the point under the profiler: how busy the device was while the engine decoded (the union
+    of its kernels over the span; 1.0: never idle) and its longest idle gap."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        run_point(engine, clock, batch, context, steps, mode, rng, trace_dir=trace_dir)
+        busy, span_ms, gap_ms = busy_fraction(trace_events(trace_dir))
+    return dict(device_busy=busy, traced_span_ms=span_ms, longest_idle_ms=gap_ms)
 
 
 def bare_step_seconds(runner, batch: int, context: int, mode: str, repeats: int) -> float:
@@ -190,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-async", dest="async_scheduling", action="store_false")
     parser.add_argument("--compilation-cache-dir", default=None)
     parser.add_argument("--cpu-devices", type=int, default=8)
+    parser.add_argument("--trace-steps", type=int, default=0,
+                        help="also run each point for this many decode tokens under the profiler: device busy share")
     parser.add_argument("--out", default="results_engine.jsonl")
     args = parser.parse_args(argv)
     use_cpu_devices(args.cpu_devices)
@@ -207,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{info['device']} x{info['num_devices']}, commit {info['commit']}, {args.preset} "
           f"{args.num_layers} layers {args.dtype}, dcp {args.dcp}", flush=True)
     print(f"| L | B | mode | engine tok/s | bare step ms | bare tok/s | ratio | host ms/step | "
-          f"mean ms: {' / '.join(PHASES)} | steps |", flush=True)
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          f"mean ms: {' / '.join(PHASES)} | steps | device busy |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rng = np.random.default_rng(0)
     for context in args.contexts:
         max_len = context + args.steps + 1
@@ -231,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                     steps = clock.decode_steps(point["before"])
                     host = [st["total"] - st["wait"] for st in steps]
                     phases = {p: 1e3 * statistics.mean(st[p] for st in steps) for p in PHASES}
+                    traced = (device_busy(engine, clock, batch, context, args.trace_steps, mode, rng)
+                              if args.trace_steps else {})
                     engine.stop()  # the bare step uses the runner's state: no engine step may run meanwhile
                     bare = bare_step_seconds(engine.runner, batch, context, mode, repeats=20)
                     engine.start()
@@ -238,11 +260,14 @@ def main(argv: list[str] | None = None) -> int:
                     row = dict(kind="point", context=context, batch=batch, mode=mode, engine_tokens_per_s=tok_s,
                                bare_step_ms=1e3 * bare, bare_tokens_per_s=batch / bare,
                                ratio=tok_s * bare / batch, host_ms_per_step=1e3 * statistics.median(host),
-                               phase_ms=phases, steps=len(steps), compiles_after_warmup=engine.compiles_after_warmup)
+                               phase_ms=phases, steps=len(steps), host_ms_max=1e3 * max(host),
+                               wait_ms=[1e3 * st["wait"] for st in steps],
+                               compiles_after_warmup=engine.compiles_after_warmup, **traced)
                     record(row)
                     print(f"| {context} | {batch} | {mode} | {tok_s:.0f} | {1e3 * bare:.3f} | {batch / bare:.0f} | "
                           f"{row['ratio']:.2f} | {row['host_ms_per_step']:.3f} | "
-                          f"{' / '.join(f'{phases[p]:.2f}' for p in PHASES)} | {len(steps)} |", flush=True)
+                          f"{' / '.join(f'{phases[p]:.2f}' for p in PHASES)} | {len(steps)} | "
+                          f"{traced.get('device_busy', float('nan')):.2f} |", flush=True)
             print(f"L={context}: compiles after warm-up: {engine.compiles_after_warmup}", flush=True)
         finally:
             engine.stop()

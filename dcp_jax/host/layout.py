@@ -67,13 +67,13 @@ class DcpLayout:
         lens = np.asarray(context_lens, dtype=np.int64)
         if lens.ndim != 1:
             raise ValueError(f"context_lens must be 1-D, got shape {lens.shape}")
-        if np.any(lens < 0):
+        if (lens < 0).any():
             raise ValueError(f"context_lens must be >= 0, got {lens}")
         s, w = self.interleave, self.dcp_size
         base = (lens // (s * w)) * s
-        ranks = np.arange(w, dtype=np.int64)[:, None]
-        rem = np.clip(lens[None, :] - base[None, :] * w - ranks * s, 0, s)
-        return (base[None, :] + rem).astype(np.int32)
+        rem = (lens - base * w)[None, :] - np.arange(0, w * s, s, dtype=np.int64)[:, None]
+        # np.minimum / np.maximum: np.clip costs ~3x their time on small arrays (this runs every step).
+        return (base[None, :] + np.minimum(np.maximum(rem, 0), s)).astype(np.int32)
 
     def virtual_blocks(self, tokens):
         """Virtual blocks (one page id each, B * W global tokens) that hold `tokens` tokens (vectorized)."""
@@ -92,17 +92,17 @@ class DcpLayout:
             raise ValueError(f"need positions [R, ...] and block_tables [R, P]; got {positions.shape=}, "
                              f"{block_tables.shape=}")
         valid = positions >= 0
-        pos = np.where(valid, positions, 0)
-        li = self.local_index(pos).astype(np.int64)
-        block = li // self.page_size
+        # One divmod per step of owner(p) = (p // S) % W and local_index(p) = (p // (S*W)) * S + p % S.
+        turn, within = np.divmod(np.maximum(positions, 0), self.interleave)
+        rounds, owner = np.divmod(turn, self.dcp_size)
+        block, offset = np.divmod(rounds * self.interleave + within, self.page_size)
         max_blocks = block_tables.shape[1]
-        if np.any(valid & (block >= max_blocks)):
+        if (valid & (block >= max_blocks)).any():
             raise ValueError(f"a position needs virtual block past block_tables width {max_blocks}")
         rows = np.arange(positions.shape[0]).reshape((-1,) + (1,) * (positions.ndim - 1))
         pages = block_tables[rows, np.minimum(block, max_blocks - 1)].astype(np.int64)
-        if np.any(valid & (pages < 0)):
+        if (valid & (pages < 0)).any():
             raise ValueError("a position maps to an unallocated virtual block (page id -1)")
-        slot = pages * self.page_size + li % self.page_size
         ranks = np.arange(self.dcp_size).reshape((-1,) + (1,) * positions.ndim)
-        owned = valid[None] & (self.owner(pos)[None] == ranks)
-        return np.where(owned, slot[None], -1).astype(np.int32)
+        owned = valid[None] & (owner[None] == ranks)
+        return np.where(owned, (pages * self.page_size + offset)[None], -1).astype(np.int32)

@@ -147,18 +147,20 @@ def _padded_tables(lens: np.ndarray, block_tables, layout: DcpLayout, rows: int,
         if block_tables.ndim != 2:
             raise ValueError(f"block tables as one array must be [rows, blocks], got shape {block_tables.shape}")
         tables[:n, : block_tables.shape[1]] = block_tables[:, :max_blocks]
-        sizes = np.count_nonzero(tables[:n] >= 0, axis=1)
+        # -1 past each row's ids: a row holds its needed blocks when the last one is set.
+        is_short = tables[np.arange(n), np.maximum(needed - 1, 0)] < 0
     else:
         sizes = np.zeros(n, np.int64)
         for row, table in enumerate(block_tables):
             table = np.asarray(table, np.int32)[:max_blocks]
             tables[row, : len(table)] = table
             sizes[row] = len(table)
-    short = np.flatnonzero(sizes < needed)
+        is_short = sizes < needed
+    short = np.flatnonzero(is_short)
     if short.size:
         row = int(short[0])
         raise ValueError(f"row {row}: a length of {lens[row]} needs {needed[row]} blocks, its block table has "
-                         f"{sizes[row]} page ids")
+                         f"{np.count_nonzero(tables[row] >= 0)} page ids")
     return tables
 
 
@@ -236,22 +238,28 @@ def build_sampling_metadata(params: Sequence, seeds: Sequence[int], positions: S
 
 
 class SamplingTable:
-    """Every sampler slot's sampling parameters and seed as arrays, set when a request takes its slot (at its
-    prefill), so a decode step gathers its rows' with one numpy index per field. Slots never set, and the scratch
-    slot of pad rows, sample greedily with seed 0."""
+    """Every sampler slot's sampling parameters and seed, set when a request takes its slot (at its prefill), so a
+    decode step gathers its rows' with one numpy index. Slots never set, and the scratch slot of pad rows, sample
+    greedily with seed 0."""
 
     _PER_SLOT = tuple(n for n in field_names(SamplingMetadata) if n not in ("positions", "slots"))
 
     def __init__(self, num_slots: int, *, scratch_slot: int):
         """`num_slots` slots, the scratch one among them."""
         self.scratch_slot = scratch_slot
-        self._table = build_sampling_metadata([], [], [], [], rows=num_slots, scratch_slot=scratch_slot)
+        unset = build_sampling_metadata([], [], [], [], rows=num_slots, scratch_slot=scratch_slot)
+        # One int32 row per slot: every per-slot field's bits side by side, at `self._columns[name]`.
+        fields = [getattr(unset, name).reshape(num_slots, -1) for name in self._PER_SLOT]
+        self._rows = np.concatenate([f.view(np.int32) for f in fields], axis=1)
+        ends = np.cumsum([f.shape[1] for f in fields])
+        self._columns = {name: (int(end) - f.shape[1], int(end), f.dtype, getattr(unset, name).shape[1:])
+                         for name, f, end in zip(self._PER_SLOT, fields, ends)}
 
     def set(self, slot: int, params, seed: int) -> None:
         """Slot `slot` samples with `params` (a `SamplingParams`) and the 64-bit `seed` from now on."""
         row = build_sampling_metadata([params], [seed], [0], [slot], rows=1, scratch_slot=self.scratch_slot)
-        for name in self._PER_SLOT:
-            getattr(self._table, name)[slot] = getattr(row, name)[0]
+        for name, (begin, end, _, _) in self._columns.items():
+            self._rows[slot, begin:end] = getattr(row, name).reshape(-1).view(np.int32)
 
     def gather(self, slots: Sequence[int], positions: Sequence[int], *, rows: int) -> SamplingMetadata:
         """`SamplingMetadata` of rows on `slots` sampling the tokens at `positions`, padded to `rows` rows on the
@@ -259,7 +267,9 @@ class SamplingTable:
         if len(slots) != len(positions) or len(slots) > rows:
             raise ValueError(f"{len(slots)} slots and {len(positions)} positions for a bucket of {rows} rows")
         index = _padded(slots, rows, self.scratch_slot, np.int32)
-        return SamplingMetadata(**{name: getattr(self._table, name)[index] for name in self._PER_SLOT},
+        gathered = self._rows[index]
+        return SamplingMetadata(**{name: gathered[:, begin:end].view(dtype).reshape((rows, *shape))
+                                   for name, (begin, end, dtype, shape) in self._columns.items()},
                                 positions=_padded(positions, rows, 0, np.int32), slots=index)
 
 
@@ -299,12 +309,11 @@ def _check_pages(lens: np.ndarray, block_tables: np.ndarray, layout: DcpLayout, 
     block only."""
     needed = layout.virtual_blocks(lens)  # virtual blocks in use per row
     in_use = np.arange(block_tables.shape[1])[None, :] < needed[:, None]
-    bad = in_use & ((block_tables < 0) | (block_tables >= num_pages))
-    if np.any(bad):
-        row = int(np.argwhere(bad)[0, 0])
+    pages = block_tables[in_use]
+    if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
+        row = int(np.argwhere(in_use & ((block_tables < 0) | (block_tables >= num_pages)))[0, 0])
         raise ValueError(f"row {row}: block table {block_tables[row, : needed[row]].tolist()} needs page ids in "
                          f"[0, num_pages={num_pages}) for its {int(needed[row])} blocks")
-    pages = block_tables[in_use]
     is_used = np.zeros(num_pages, np.bool_)  # O(pages), no sort: this runs before every step
     is_used[pages] = True
     if np.count_nonzero(is_used) != len(pages):

@@ -170,17 +170,20 @@ class ModelRunner:
         """Enqueue one decode step: row i feeds the token at position context_lens[i] - 1 (its slot's last sampled
         token, or tokens[i] when given) and samples the next one with the parameters and seed its slot's prefill
         set. `block_tables`: one table per row, or one [rows, blocks] array (-1 past each row's pages). Returns the
-        step's sampled tokens for its bucket's rows, packed (`sampler.unpack` reads them), on the device."""
-        return self._decode(context_lens, block_tables, slots, tokens, details=False)
+        step's sampled tokens for its bucket's rows, packed (`sampler.unpack` reads them), on the device, their copy
+        to the host already queued behind the step."""
+        return _start_copy_to_host(self._decode(context_lens, block_tables, slots, tokens, details=False))
 
     def dispatch_prefill(self, prompt: Sequence[int], prompt_len: int, block_table: Sequence[int], params, seed: int,
                          slot: int, *, resume_token: int = -1, prompt_logprobs: bool = False):
         """Enqueue the prefill of one request: `prompt` holds its prompt (the first prompt_len tokens), then for a
         resumed request its generated tokens but the last, `resume_token` (-1 for a new request, whose first token
         is sampled); its slot samples with `params` and `seed` from now on. Returns its sampled token packed
-        (`sampler.unpack`), with the prompt's `PromptLogprobs` when asked, on the device."""
+        (`sampler.unpack`), with the prompt's `PromptLogprobs` when asked, on the device, their copy to the host
+        already queued behind the program."""
         outputs = PREFILL_PROMPT_LOGPROBS if prompt_logprobs else PREFILL_FIRST_TOKEN
-        return self._prefill(prompt, prompt_len, block_table, params, seed, slot, resume_token, outputs)
+        return _start_copy_to_host(self._prefill(prompt, prompt_len, block_table, params, seed, slot, resume_token,
+                                                 outputs))
 
     # ---- detailed and synchronous (tests) ------------------------------------------------------------------
     def prefill(self, prompts: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]], *,
@@ -253,6 +256,13 @@ class ModelRunner:
         step.compile(self.params, self.state, md.bucket)  # a no-op once compiled (an engine compiles all first)
         result, self.state = step(self.params, self.state, inputs, md)
         return result
+
+
+def _start_copy_to_host(outputs):
+    """Queue the device-to-host copy of `outputs` now, so reading them later waits for the program only."""
+    for leaf in jax.tree.leaves(outputs):
+        leaf.copy_to_host_async()
+    return outputs
 
 
 def _padded_tokens(tokens, n: int, rows: int) -> np.ndarray:

@@ -161,12 +161,12 @@ class ServingCore:
         """Wait for the tokens of `dispatched` and apply them in dispatch order; returns their requests."""
         applied = []
         for d in dispatched:
-            live = [r for r in d.requests if r is not None]
             try:
                 host = jax.device_get(d.outputs)
             except Exception as e:  # an asynchronous failure of the program surfaces here
                 log.exception("a dispatched program failed")
-                self._after_device_fault([r for r in live if not r.is_finished], f"step failed: {e}")
+                self._after_device_fault([r for r in d.requests if r is not None and not r.is_finished],
+                                         f"step failed: {e}")
                 continue
             packed, prompt_lps = host if d.with_prompt_logprobs else (host, None)
             sampled = sampler.unpack(packed)

@@ -12,7 +12,7 @@ from bench.bench_engine import PHASES
 from dcp_jax import cli
 
 SMOKE = ["bench", "engine", "--preset", "tiny", "--num-layers", "1", "--batches", "1,2", "--contexts", "24",
-         "--steps", "3", "--dtype", "float32", "--kernels", "reference", "--page-size", "4"]
+         "--steps", "3", "--dtype", "float32", "--kernels", "reference", "--page-size", "4", "--trace-steps", "2"]
 
 
 def test_engine_bench_reports_every_point_with_its_bare_step_and_host_phases(tmp_path):
@@ -32,5 +32,7 @@ def test_engine_bench_reports_every_point_with_its_bare_step_and_host_phases(tmp
         assert set(p["phase_ms"]) == set(PHASES) and all(v >= 0 for v in p["phase_ms"].values())
         assert p["phase_ms"]["launch"] > 0 and p["phase_ms"]["apply"] > 0 and p["steps"] >= 1
         assert p["compiles_after_warmup"] == 0
+        assert len(p["wait_ms"]) == p["steps"] and p["host_ms_max"] >= p["host_ms_per_step"]
+        assert p["device_busy"] == 0.0  # a CPU run's trace has no GPU stream to be busy
     table = [line for line in stdout.getvalue().splitlines() if line.startswith("| 24 |")]
     assert len(table) == len(points)
