@@ -9,7 +9,7 @@ Usage (repository root; --help lists every option):
 Method and GPU commands: docs/perf_decode.md.
 
 For every DCP size W (TP = W, one DCP group) x kernels ('pallas' / 'reference') x batch bucket B x context L it
-builds the real decode step of `runtime.forward.decode_body` (random weights of a preset, KV pools filled with random
+builds the real decode step of `runtime.forward.step_body` (random weights of a preset, KV pools filled with random
 latents and index keys in the grid's latent and index cache formats, host-built metadata), compiles each bucket
 once, and times it after warm-up inside `jax.no_tracing()` with a compile counter: step latency, pipelined steps and the
 program alone (`time_steps`). Beside it, same pool and same metadata:
@@ -50,7 +50,7 @@ from bench.decode_results import STAGES, report
 from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP,
                             EngineConfig, ModelConfig, ParallelConfig, check_index_cache, check_latent_cache, preset)
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import DecodeInputs, build_decode_metadata, build_sampling_metadata
+from dcp_jax.host.metadata import FED_BACK, SamplingTable, StepInputs, build_step_inputs, build_step_metadata
 from dcp_jax.model.attention import cache_formats, decode
 from dcp_jax.model.attention.decode import kernel_backend
 from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, merge, param_specs
@@ -58,11 +58,11 @@ from dcp_jax.model.kv_cache import KVCache, allocate_kv_cache, from_layers, kv_b
 from dcp_jax.model.mesh import DCP, make_mesh
 from dcp_jax.model.rope import cos_sin, rope_tables
 from dcp_jax.runtime import sampler
-from dcp_jax.runtime.forward import DECODE_DETAILS, DECODE_GREEDY, STATE_SPECS, DeviceState, decode_body
-from dcp_jax.runtime.runner import GREEDY, decode_input_shapes
+from dcp_jax.runtime.forward import DETAILS, GREEDY, STATE_SPECS, DeviceState, step_body
+from dcp_jax.runtime.runner import step_input_shapes
 from dcp_jax.runtime.sampler import SamplerState
 from dcp_jax.runtime.jaxpr_check import local_context_lens_on_device
-from dcp_jax.runtime.step import DecodeStep
+from dcp_jax.runtime.step import StepProgram
 from dcp_jax.serving.loading import use_cpu_devices
 from pallas_kernels import Fp8IndexKeys, Fp8LatentCache, formats
 
@@ -113,12 +113,12 @@ def attention_through(p, x, kv_cache, index_cache, rope, md, *, cfg: ModelConfig
 
 def staged_decode_body(params, state: DeviceState, inputs, md, *, graphdef, abstract, cfg: ModelConfig,
                        layout: DcpLayout, backend: str, through: str, variant: str):
-    """`runtime.forward.decode_body` with every layer cut after stage `through` (STAGES, or "mlp" for the whole layer:
-    then it computes exactly what decode_body does) and no sampling: it returns the logits (with zeros for the
-    selected ids for DECODE_DETAILS, the detailed variant's structure)."""
+    """`runtime.forward.step_body` with every layer cut after stage `through` (STAGES, or "mlp" for the whole layer:
+    then it computes exactly what step_body does) and no sampling: it returns the logits (with zeros for the
+    selected ids for DETAILS, the detailed variant's structure)."""
     model = merge(graphdef, abstract, params)
     rope = cos_sin(md.positions, *rope_tables(cfg))
-    tokens = sampler.decode_inputs(state.sampler, inputs.tokens, inputs.sampling.slots)
+    tokens = sampler.row_tokens(state.sampler, inputs.tokens, inputs.row_slots)
     hidden = model.embed_tokens(tokens)
     caches = []
     for i, layer in enumerate(model.layers):
@@ -131,7 +131,7 @@ def staged_decode_body(params, state: DeviceState, inputs, md, *, graphdef, abst
         caches.append((lat, idx))
     logits = model.logits(hidden)
     selected = jnp.zeros((cfg.num_hidden_layers, tokens.shape[0], cfg.index_topk), jnp.int32)
-    outputs = (logits, selected) if variant == DECODE_DETAILS else logits
+    outputs = (logits, selected) if variant == DETAILS else logits
     return outputs, DeviceState(from_layers(caches), state.sampler)
 
 
@@ -139,14 +139,14 @@ def fallback_decode_body(params, state: DeviceState, inputs, md, *, layout: DcpL
     """The forbidden variant: local lengths re-derived on device from the global ones, then the real step."""
     derived = local_context_lens_on_device(md.context_lens, jax.lax.axis_index(DCP), dcp=layout.dcp_size,
                                            interleave=layout.interleave)
-    return decode_body(params, state, inputs, dataclasses.replace(md, local_context_lens=derived), layout=layout,
-                       **kwargs)
+    return step_body(params, state, inputs, dataclasses.replace(md, local_context_lens=derived), layout=layout,
+                     **kwargs)
 
 
 def variant_body(variant: str) -> Callable:
     """'host' (the real step), 'fallback', or 'through_<stage>'."""
     if variant == "host":
-        return decode_body
+        return step_body
     if variant == "fallback":
         return fallback_decode_body
     if variant.startswith("through_") and variant[len("through_"):] in STAGES + ("mlp",):
@@ -155,17 +155,18 @@ def variant_body(variant: str) -> Callable:
 
 
 def variant_step(variant: str, cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh, kernels: str,
-                 *, graphdef, abstract, details: bool = False) -> DecodeStep:
-    """The `DecodeStep` of one variant, wired as `runtime.runner.ModelRunner` wires the real one (`DecodeInputs` in,
+                 *, graphdef, abstract, details: bool = False) -> StepProgram:
+    """The `StepProgram` of one variant, wired as `runtime.runner.ModelRunner` wires the real one (`StepInputs` in,
     the device state donated, one program per bucket of `engine`); `details`: the detailed variant (logits and
     selected ids out) instead of the serving one."""
     layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
     specs = param_specs(nnx.to_pure_dict(abstract))
     body = functools.partial(variant_body(variant), graphdef=graphdef, abstract=abstract, cfg=cfg, layout=layout,
-                             backend=kernel_backend(kernels), variant=DECODE_DETAILS if details else DECODE_GREEDY)
-    return DecodeStep(body, mesh, buckets=engine.buckets, layout=layout, num_pages=engine.num_pages,
-                      max_blocks=engine.max_blocks_per_seq(parallel.dcp), param_specs=specs, input_specs=P(),
-                      output_specs=P(), state_specs=STATE_SPECS, input_shapes=decode_input_shapes)
+                             backend=kernel_backend(kernels), variant=DETAILS if details else GREEDY)
+    return StepProgram(body, mesh, buckets=engine.buckets, seqs_for=engine.seqs_for, layout=layout,
+                       num_pages=engine.num_pages, max_blocks=engine.max_blocks_per_seq(parallel.dcp),
+                       param_specs=specs, input_specs=P(), output_specs=P(), state_specs=STATE_SPECS,
+                       input_shapes=step_input_shapes(engine))
 
 
 def new_state(cfg: ModelConfig, engine: EngineConfig, dcp: int, mesh, dtype) -> DeviceState:
@@ -175,12 +176,12 @@ def new_state(cfg: ModelConfig, engine: EngineConfig, dcp: int, mesh, dtype) -> 
                        jax.device_put(SamplerState.zeros(engine.max_num_seqs, cfg.vocab_size), replicated))
 
 
-def decode_inputs(tokens: np.ndarray, context_lens, slots, scratch_slot: int) -> DecodeInputs:
-    """Greedy inputs of a step feeding `tokens` (the bucket's rows)."""
-    rows = len(tokens)
-    sampling = build_sampling_metadata([GREEDY] * len(context_lens), [0] * len(context_lens), context_lens, slots,
-                                       rows=rows, scratch_slot=scratch_slot)
-    return DecodeInputs(tokens=np.asarray(tokens, np.int32), sampling=sampling)
+def decode_inputs(tokens: np.ndarray, context_lens, slots, scratch_slot: int) -> StepInputs:
+    """Greedy inputs of a decode step feeding `tokens` (the bucket's rows; the first len(context_lens) scheduled)."""
+    rows, n = len(tokens), len(context_lens)
+    return build_step_inputs(slots, [1] * n, np.asarray(tokens[:n], np.int32), [FED_BACK] * n, [-1] * n, [False] * n,
+                             [True] * n, context_lens=context_lens, rows=rows, seqs=rows,
+                             table=SamplingTable(scratch_slot + 1, scratch_slot=scratch_slot))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +220,8 @@ class Grid:
         blocks = -(-max_len // (self.page_size * dcp))
         return EngineConfig(page_size=self.page_size, num_pages=max(self.batches) * blocks,
                             max_num_seqs=max(self.batches), max_model_len=max_len,
-                            bucket_ladder=tuple(sorted(set(self.batches))), index_cache=self.index_cache,
-                            latent_cache=self.latent_cache)
+                            bucket_ladder=tuple(sorted(set(self.batches))), max_num_batched_tokens=max(self.batches),
+                            index_cache=self.index_cache, latent_cache=self.latent_cache)
 
     def variants(self, batch: int) -> tuple[str, ...]:
         out = ("host",) + (("fallback",) if self.fallback else ())
@@ -302,13 +303,13 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return float(np.percentile(sorted_values, q))
 
 
-def time_steps(step: DecodeStep, params, state, inputs, md, *, steps: int, warmup: int):
+def time_steps(step: StepProgram, params, state, inputs, md, *, steps: int, warmup: int):
     """Warm up, then three loops of `steps` calls, inside jax.no_tracing() and a compile counter:
     1. latency: each call (host validation + one transfer + the compiled program) waited for with
        block_until_ready - what one step costs a caller that waits for its result;
     2. pipelined: the same calls back to back, one wait at the end - host work overlaps the device, so this is
        max(host, device) per step;
-    3. device: the program alone, back to back on inputs placed once (`DecodeStep.place_inputs`) - the device's
+    3. device: the program alone, back to back on inputs placed once (`StepProgram.place_inputs`) - the device's
        step time plus a dispatch.
     Returns (latency times_s, pipelined_s, device_s, compiles, the device state)."""
     for _ in range(warmup):
@@ -376,7 +377,7 @@ def work_items(grid: Grid) -> list[tuple[int, str, str]]:
     return items
 
 
-def compile_programs(items, step_of: Callable[[str, str], DecodeStep], params, kv_cache, *, workers: int,
+def compile_programs(items, step_of: Callable[[str, str], StepProgram], params, kv_cache, *, workers: int,
                      on_point: Callable[[str], None] | None = None) -> dict:
     """Lower every (batch, kernels, variant) program in this thread, then XLA-compile them on `workers` threads
     (the Triton kernels of the Pallas programs take tens of seconds each to compile). Returns
@@ -394,7 +395,7 @@ def compile_programs(items, step_of: Callable[[str, str], DecodeStep], params, k
     if on_point:
         on_point(f"compiling {len(lowered)} programs on {workers} threads")
 
-    def compile_one(step: DecodeStep, batch: int):
+    def compile_one(step: StepProgram, batch: int):
         begin = time.perf_counter()
         step.compile(params, kv_cache, batch)
         return time.perf_counter() - begin
@@ -429,9 +430,9 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
         engine = grid.engine(w)
         mesh = make_mesh(parallel)
         max_blocks = engine.max_blocks_per_seq(w)
-        steps: dict[tuple[str, str], DecodeStep] = {}
+        steps: dict[tuple[str, str], StepProgram] = {}
 
-        def step_of(kernels_name: str, variant: str) -> DecodeStep:
+        def step_of(kernels_name: str, variant: str) -> StepProgram:
             if (kernels_name, variant) not in steps:
                 steps[kernels_name, variant] = variant_step(variant, cfg, parallel, engine, mesh, kernels_name,
                                                             graphdef=graphdef, abstract=abstract)
@@ -486,8 +487,8 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                 point = dict(key, context=context)
                 try:
                     tables = block_tables_for(batch, context, dcp=w, page_size=grid.page_size, max_blocks=max_blocks)
-                    md = build_decode_metadata([context] * batch, tables, bucket=batch, layout=step.layout,
-                                               max_blocks=max_blocks)
+                    md = build_step_metadata([context] * batch, [1] * batch, tables, rows=batch, seqs=batch,
+                                             layout=step.layout, max_blocks=max_blocks)
                     tokens = decode_inputs(rng.integers(0, cfg.vocab_size, batch).astype(np.int32), [context] * batch,
                                            list(range(batch)), engine.max_num_seqs)
                     if _is_consumed(kv_cache):
@@ -514,7 +515,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
         del params, kv_cache
 
 
-def _program_analysis(step: DecodeStep, params, kv_cache, rows: int, compiled) -> dict:
+def _program_analysis(step: StepProgram, params, kv_cache, rows: int, compiled) -> dict:
     """Length-derived integer ops in the jaxpr, HLO op counts and workspace of one compiled bucket."""
     found = step.length_derivations(params, kv_cache, rows)
     counts = hlo_op_counts(compiled.as_text())

@@ -1,9 +1,9 @@
 """The engine's decode rate against its own bare device step, same run: what `LLM` / `serve` users get.
 
-For each context L and batch B: B requests of L-token prompts go through `Engine.add_request` (real prefill,
-streams, detokenization, stop checks), and once every one has its first token the decode phase is timed until
-they finish: engine tok/s. Beside it, in the same process, the bucket's compiled serving decode program alone,
-back to back on inputs placed once (`DecodeStep.run_placed`): the bare device step. Both sample on the device with
+For each context L and batch B: B requests of L-token prompts go through `Engine.add_request` (real chunked
+prefill, streams, detokenization, stop checks), and once every one has its first token the decode phase is timed
+until every one decoded `--steps` more tokens: engine tok/s. Beside it, in the same process, the bucket's compiled serving decode program alone,
+back to back on inputs placed once (`StepProgram.run_placed`): the bare device step. Both sample on the device with
 the same parameters (greedy, or temperature 0.8 + top_p 0.9 + top_k 50). Host ms per step is the engine loop's
 time per step (streams included) minus its wait for the device's tokens, with its phases' means (`StepClock`).
 `dcp-jax bench engine` runs this file.
@@ -56,15 +56,9 @@ class StepClock:
     device's tokens; apply: reading and recording them (detokenization, stop checks); emit: the streams' events.
     Host time is everything but the wait."""
 
-    def decode_steps(self, since: int) -> list[dict[str, float]]:
-        """The steps from `since` on after the last one that launched a prefill: the decode phase of a point."""
-        steps = self.steps[since:]
-        last = max((i for i, st in enumerate(steps) if st["prefills"]), default=-1)
-        return steps[last + 1:]
-
     def __init__(self, engine):
-        self.steps: list[dict[str, float]] = []  # per step: each phase's seconds, the total, the prefills launched
-        self._phases, self._prefills = dict.fromkeys(PHASES, 0.0), 0
+        self.steps: list[dict[str, float]] = []  # per step: each phase's seconds and the total
+        self._phases = dict.fromkeys(PHASES, 0.0)
         core, runner = engine.core, engine.runner
 
         def timed(obj, name, phase, exclusive_of=()):
@@ -81,19 +75,10 @@ class StepClock:
 
             setattr(obj, name, call)
 
-        steps = [*runner.decode_steps.values(), *runner.prefill_steps.values()]
-        for step in steps:
+        for step in runner.steps.values():
             timed(step, "run_placed", "launch")
         timed(core.scheduler, "schedule", "schedule")
-        timed(runner, "dispatch_decode", "metadata", exclusive_of=("launch",))
-        timed(runner, "dispatch_prefill", "metadata", exclusive_of=("launch",))
-        real_prefill = runner.dispatch_prefill
-
-        def prefill(*args, **kwargs):
-            self._prefills += 1
-            return real_prefill(*args, **kwargs)
-
-        runner.dispatch_prefill = prefill
+        timed(runner, "dispatch", "metadata", exclusive_of=("launch",))
         real_read = core._read
 
         def read(dispatched):
@@ -111,38 +96,48 @@ class StepClock:
         real_step = engine.step
 
         def step():
-            self._phases, self._prefills = dict.fromkeys(PHASES, 0.0), 0
+            self._phases = dict.fromkeys(PHASES, 0.0)
             begin = time.perf_counter()
             real_step()
-            self.steps.append(dict(self._phases, total=time.perf_counter() - begin, prefills=self._prefills))
+            self.steps.append(dict(self._phases, total=time.perf_counter() - begin))
 
         engine.step = step
 
 
 def run_point(engine, clock: StepClock, batch: int, context: int, steps: int, mode: str, rng,
               trace_dir: str | None = None) -> dict:
-    """B requests of `context`-token prompts decoding `steps` tokens each through the engine: the decode time from
-    the last first token to the last token, and the index of the point's first engine step. With `trace_dir`, a
-    profiler trace of that decode phase is written there."""
+    """B requests of `context`-token prompts through the engine, decoding from when the last one had its first
+    token (its prefill done; the first ones decode while the last ones prefill) until every one decoded `steps`
+    more: the tokens of that window, its time, and the index of the point's first engine step. The requests are
+    aborted after the window (each could decode on). With `trace_dir`, a profiler trace of the window is written
+    there."""
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True, seed=None, **MODES[mode])
+    params = SamplingParams(max_tokens=engine.engine_config.max_model_len - context + 1, ignore_eos=True,
+                            seed=None, **MODES[mode])
     sinks = [queue.Queue() for _ in range(batch)]
-    before = len(clock.steps)
-    for sink in sinks:
-        engine.add_request(rng.integers(2, vocab, context - 1).tolist(), params, sink)
-    events = [sink.get(timeout=3600) for sink in sinks]  # every request's first token: its prefill is done
+    ids = [engine.add_request(rng.integers(2, vocab, context - 1).tolist(), params, sink) for sink in sinks]
+    for sink in sinks:  # every request's first token: its prefill is done
+        sink.get(timeout=3600)
+    for sink in sinks:  # tokens decoded before the window
+        while not sink.empty():
+            sink.get_nowait()
     if trace_dir:
         jax.profiler.start_trace(trace_dir)
-    start, tokens = time.perf_counter(), 0
-    for sink, event in zip(sinks, events):
-        while event.finish_reason is None:
+    first_step, start, counts = len(clock.steps), time.perf_counter(), [0] * batch
+    for i, sink in enumerate(sinks):
+        while counts[i] < steps:
             event = sink.get(timeout=3600)
-            tokens += len(event.token_ids)  # the tokens decoded after `start` (or queued just before it)
-        assert event.finish_reason == "length", event
-    decode_s = time.perf_counter() - start
+            assert event.finish_reason is None, event
+            counts[i] += len(event.token_ids)
+    decode_s, window = time.perf_counter() - start, (first_step, len(clock.steps))
     if trace_dir:
         jax.profiler.stop_trace()
-    return dict(tokens=tokens, decode_s=decode_s, before=before)
+    for request_id in ids:
+        engine.abort(request_id)
+    for sink in sinks:
+        while sink.get(timeout=3600).finish_reason is None:
+            pass
+    return dict(tokens=sum(counts), decode_s=decode_s, window=window)
 
 
 def device_busy(engine, clock: StepClock, batch: int, context: int, steps: int, mode: str, rng) -> dict:
@@ -155,19 +150,23 @@ def device_busy(engine, clock: StepClock, batch: int, context: int, steps: int, 
 
 
 def bare_step_seconds(runner, batch: int, context: int, mode: str, repeats: int) -> float:
-    """The serving decode program of bucket `batch` alone, back to back on placed inputs (B rows of `context`)."""
-    from dcp_jax.host.metadata import DecodeInputs, build_decode_metadata, build_sampling_metadata
-    from dcp_jax.runtime.runner import decode_variants_for
+    """The serving program of bucket `batch` alone, back to back on placed inputs (B decode rows of `context`)."""
+    from dcp_jax.host.metadata import SamplingTable, ScheduledRows, build_step
+    from dcp_jax.runtime.runner import serving_variants
 
-    step = runner.decode_steps[decode_variants_for([SamplingParams(**MODES[mode])])[0]]
+    params = SamplingParams(**MODES[mode])
+    step = runner.steps[serving_variants([params])[0]]
     layout = runner.layout
     blocks = int(layout.virtual_blocks(context + 1))
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
-    md = build_decode_metadata([context] * batch, tables, bucket=batch, layout=layout, max_blocks=runner.max_blocks)
-    params = [SamplingParams(**MODES[mode])] * batch
-    sampling = build_sampling_metadata(params, list(range(batch)), [context] * batch, list(range(batch)), rows=batch,
-                                       scratch_slot=runner.scratch_slot)
-    placed = step.place_inputs(DecodeInputs(tokens=np.full(batch, 7, np.int32), sampling=sampling), md)
+    table = SamplingTable(runner.scratch_slot + 1, scratch_slot=runner.scratch_slot)
+    for slot in range(batch):
+        table.set(slot, params, slot)
+    inputs, md = build_step(ScheduledRows.decode(list(range(batch)), [context] * batch, tables,
+                                                 tokens=np.full(batch, 7, np.int32)),
+                            bucket=batch, seqs=runner.engine.seqs_for(batch), layout=layout,
+                            max_blocks=runner.max_blocks, table=table)
+    placed = step.place_inputs(inputs, md)
     state = runner.state
     for _ in range(3):
         out, state = step.run_placed(runner.params, state, placed)
@@ -184,9 +183,9 @@ def workspace(runner) -> str:
     """Each compiled serving program's temp bytes beside the pool's (a temp near a pool layer's size is a copy)."""
     pool = sum(a.nbytes for a in jax.tree.leaves(runner.state.kv_cache))
     parts = []
-    for kind, bucket in runner.programs(prompt_logprobs=False):
-        compiled = runner._step(kind).compile(runner.params, runner.state, bucket)
-        parts.append(f"{kind} {bucket}: {compiled.memory_analysis().temp_size_in_bytes / 2**30:.2f} GiB")
+    for variant, rows in runner.programs():
+        compiled = runner.steps[variant].compile(runner.params, runner.state, rows)
+        parts.append(f"{variant} {rows}: {compiled.memory_analysis().temp_size_in_bytes / 2**30:.2f} GiB")
     return f"{'; '.join(parts)}; pool {pool / 2**30:.2f} GiB"
 
 
@@ -198,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=_ints, default=(4096, 32768))
     parser.add_argument("--modes", default="greedy,sampled")
     parser.add_argument("--steps", type=int, default=64, help="decode tokens per request")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="rows of one step at most (decode rows and prefill-chunk tokens)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kernels", default="auto")
     parser.add_argument("--page-size", type=int, default=64)
@@ -231,15 +232,17 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rng = np.random.default_rng(0)
     for context in args.contexts:
-        max_len = context + args.steps + 1
+        # The first requests decode while the last ones prefill: at most a token a step of that phase.
+        prefill_steps = -(-max(args.batches) * context // args.max_num_batched_tokens) + max(args.batches)
+        max_len = context + prefill_steps + 2 * args.steps
         num_pages = (max(args.batches) * -(-max_len // (args.page_size * args.dcp)) if args.num_pages is None
                      else args.num_pages or None)
         engine = Engine(args.preset, num_layers=args.num_layers, dcp=args.dcp, dtype=args.dtype, kernels=args.kernels,
                         page_size=args.page_size, num_pages=num_pages,
                         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(args.batches),
-                        bucket_ladder=args.batches,
-                        max_model_len=max_len, prefill_lengths=(max_len,), prompt_logprobs=False,
-                        async_scheduling=args.async_scheduling, max_prefills_per_step=max(args.batches),
+                        bucket_ladder=args.batches, max_model_len=max_len,
+                        max_num_batched_tokens=max(args.max_num_batched_tokens, max(args.batches)),
+                        prompt_logprobs=False, async_scheduling=args.async_scheduling,
                         compilation_cache_dir=args.compilation_cache_dir, progress=False).start()
         clock = StepClock(engine)
         print(f"L={context}: {engine.num_pages} KV pages; programs' workspace (temp) / pool bytes: "
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             for batch in args.batches:
                 for mode in modes:
                     point = run_point(engine, clock, batch, context, args.steps, mode, rng)
-                    steps = clock.decode_steps(point["before"])
+                    steps = clock.steps[slice(*point["window"])]
                     host = [st["total"] - st["wait"] for st in steps]
                     phases = {p: 1e3 * statistics.mean(st[p] for st in steps) for p in PHASES}
                     traced = (device_busy(engine, clock, batch, context, args.trace_steps, mode, rng)

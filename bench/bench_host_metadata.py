@@ -1,5 +1,5 @@
-"""Host cost of one decode step's metadata: `build_decode_metadata` (from Python lists or `BlockTable`s, the
-engine's) and `check_decode_metadata`, per batch x context, on this machine's CPU (no accelerator needed).
+"""Host cost of one decode step's metadata: `build_step_metadata` (from Python lists or `BlockTable`s) and
+`check_step_metadata`, per batch x context, on this machine's CPU (no accelerator needed).
 
 Run from the repo root: `python bench/bench_host_metadata.py [--dcp 1] [--page-size 64] [--repeats 20]`.
 Prints a markdown table of median milliseconds per call.
@@ -16,7 +16,7 @@ if __name__ == "__main__":  # run as a script: the repository root on the path
 
 from bench.common import BATCHES, CONTEXT_LENGTHS, median_seconds
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import build_decode_metadata, check_decode_metadata
+from dcp_jax.host.metadata import build_step_metadata, check_step_metadata
 from dcp_jax.host.page_allocator import BlockTable
 
 
@@ -45,13 +45,14 @@ def main():
             lens = [context] * batch
 
             def build(block_tables):
-                return build_decode_metadata(lens, block_tables, bucket=batch, layout=layout, max_blocks=max_blocks)
+                return build_step_metadata(lens, [1] * batch, block_tables, rows=batch, seqs=batch, layout=layout,
+                                           max_blocks=max_blocks)
 
             md = build(tables)
-            check = dict(buckets=(batch,), layout=layout, max_blocks=max_blocks, num_pages=batch * max_blocks)
+            check = dict(buckets={batch: batch}, layout=layout, max_blocks=max_blocks, num_pages=batch * max_blocks)
             print(f"| {batch} | {context} | {median_ms(lambda: build(lists), args.repeats):.3f} | "
                   f"{median_ms(lambda: build(tables), args.repeats):.3f} | "
-                  f"{median_ms(lambda: check_decode_metadata(md, **check), args.repeats):.3f} |")
+                  f"{median_ms(lambda: check_step_metadata(md, **check), args.repeats):.3f} |")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ def main():
     jax.config.update("jax_default_matmul_precision", "highest")
     cfg, page_size = MODELS[args.model]
     engine = EngineConfig(page_size=page_size, num_pages=64, max_num_seqs=args.max_seqs,
-                          max_model_len=args.steps + 16, index_cache=args.index_cache,
+                          max_model_len=args.steps + 16, max_num_batched_tokens=args.max_seqs,
+                          index_cache=args.index_cache,
                           latent_cache=args.latent_cache)
     schedule = staggered_schedule(args.max_seqs, args.steps, seed=0)
     devices = len(jax.devices())

@@ -41,7 +41,8 @@ def demo(args: argparse.Namespace) -> int:
     if max(args.dcp) > len(jax.devices()):
         print(f"dcp-jax demo: dcp={max(args.dcp)} needs that many devices, have {len(jax.devices())}", file=sys.stderr)
         return 2
-    engine = EngineConfig(page_size=4, num_pages=128, max_num_seqs=args.max_seqs, max_model_len=args.steps + 8)
+    engine = EngineConfig(page_size=4, num_pages=128, max_num_seqs=args.max_seqs, max_model_len=args.steps + 8,
+                          max_num_batched_tokens=args.max_seqs)  # decode rows only
     schedule = staggered_schedule(args.max_seqs, args.steps, args.seed)
     print(f"tiny model: {TINY.num_hidden_layers} sparse MLA layers, index_topk={TINY.index_topk}, "
           f"{args.steps} decode steps, buckets {engine.buckets}, backend {jax.default_backend()}")

@@ -250,7 +250,9 @@ class ParallelConfig:
         return self.tp // self.dcp
 
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Rows (decode rows plus prefill-chunk tokens) one step runs at most, by default (vLLM's chunked-prefill default).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # The model's dtype (weights, activations, the exact caches): auto is the checkpoint's torch_dtype (bfloat16 for
 # float16 and for presets), or bfloat16 / float32.
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
@@ -295,20 +297,29 @@ def check_latent_cache(latent_cache: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Paged KV pool (page size, page count, index and latent cache formats) and the decode bucket ladder (batch
-    widths, each one compiled program per decode variant)."""
+    """Paged KV pool (page size, page count, index and latent cache formats), the step programs' buckets and the
+    token budget of a step.
+
+    A step runs every running request's decode row and prefill chunks, at most `max_num_batched_tokens` rows in all
+    (vLLM's name and meaning). Its program is picked by its row count (`buckets`: the ladder's widths up to the budget,
+    the small ones for decode steps, the large ones for steps with prefill chunks); each bucket is one compiled
+    program per variant, holding at most `seqs_for(rows)` sequences."""
 
     page_size: int = 16
     num_pages: int = 64
     max_num_seqs: int = 8
     max_model_len: int = 512
     bucket_ladder: tuple[int, ...] = DEFAULT_BUCKETS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     index_cache: str = "exact"
     latent_cache: str = "exact"
 
     def __post_init__(self):
         if self.page_size < 1 or self.num_pages < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
             raise ValueError(f"page_size, num_pages, max_num_seqs, max_model_len must be >= 1: {self}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
+                             f"{self.max_num_seqs} (every running request may decode in one step)")
         check_index_cache(self.index_cache)
         check_latent_cache(self.latent_cache)
         ladder = self.bucket_ladder
@@ -317,15 +328,20 @@ class EngineConfig:
 
     @property
     def buckets(self) -> tuple[int, ...]:
-        """The ladder capped by max_num_seqs; the largest bucket always fits max_num_seqs rows."""
-        kept = [b for b in self.bucket_ladder if b < self.max_num_seqs]
-        return tuple(kept) + (self.max_num_seqs,)
+        """Row widths of the step programs: the ladder's widths below max_num_batched_tokens, with max_num_seqs (a
+        step of every running request's decode row) and max_num_batched_tokens (a full step)."""
+        kept = {b for b in self.bucket_ladder if b < self.max_num_batched_tokens}
+        return tuple(sorted(kept | {self.max_num_seqs, self.max_num_batched_tokens}))
 
     def bucket_for(self, rows: int) -> int:
         """Smallest bucket holding `rows` scheduled rows."""
-        if not 0 < rows <= self.max_num_seqs:
-            raise ValueError(f"{rows=} must be in [1, max_num_seqs={self.max_num_seqs}]")
+        if not 0 < rows <= self.max_num_batched_tokens:
+            raise ValueError(f"{rows=} must be in [1, max_num_batched_tokens={self.max_num_batched_tokens}]")
         return next(b for b in self.buckets if b >= rows)
+
+    def seqs_for(self, rows: int) -> int:
+        """Sequences a step of `rows` rows holds (and rows it samples): each has a row, and at most max_num_seqs run."""
+        return min(rows, self.max_num_seqs)
 
     def max_blocks_per_seq(self, dcp: int) -> int:
         """Virtual blocks (page_size * dcp tokens each) a request of max_model_len needs."""

@@ -18,26 +18,26 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import build_decode_metadata
+from dcp_jax.host.metadata import build_step_metadata
 from dcp_jax.host.page_allocator import PageAllocator
 from dcp_jax.model.attention.decode import kernel_backend
 from dcp_jax.model.attention_stack import (decode_stack_body, decode_stack_unsharded, empty_history,
                                            init_stack_params, stack_param_specs)
 from dcp_jax.model.kv_cache import allocate_kv_cache
 from dcp_jax.model.mesh import make_mesh
-from dcp_jax.runtime.step import DecodeStep
+from dcp_jax.runtime.step import StepProgram
 
 
 def make_stack_step(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh, kernels: str,
-                    body=None) -> DecodeStep:
+                    body=None) -> StepProgram:
     """The decode step of the attention stack, one program per bucket of `engine`; `kernels` an engine's choice
     (`config.KERNEL_CHOICES`). `body` replaces `decode_stack_body` (tests wire in variants)."""
     layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
     body = functools.partial(body or decode_stack_body, cfg=cfg, layout=layout, backend=kernel_backend(kernels))
-    return DecodeStep(body, mesh, buckets=engine.buckets, layout=layout, num_pages=engine.num_pages,
-                      max_blocks=engine.max_blocks_per_seq(parallel.dcp), param_specs=stack_param_specs(cfg),
-                      input_specs=P(), output_specs=P(),
-                      input_shapes=lambda rows: jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.float32))
+    return StepProgram(body, mesh, buckets=engine.buckets, seqs_for=engine.seqs_for, layout=layout,
+                       num_pages=engine.num_pages, max_blocks=engine.max_blocks_per_seq(parallel.dcp),
+                       param_specs=stack_param_specs(cfg), input_specs=P(), output_specs=P(),
+                       input_shapes=lambda rows: jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +115,9 @@ def run_comparison(
             missing = layout.virtual_blocks(lens[i]) - len(tables[i])
             tables[i] += allocator.allocate(int(missing))
         hidden = rng.standard_normal((num_requests, cfg.hidden_size)).astype(np.float32)
-        md = build_decode_metadata([lens[i] for i in active], [tables[i] for i in active],
-                                   bucket=engine.bucket_for(len(active)), layout=layout, max_blocks=step.max_blocks)
+        bucket = engine.bucket_for(len(active))
+        md = build_step_metadata([lens[i] for i in active], [1] * len(active), [tables[i] for i in active],
+                                 rows=bucket, seqs=engine.seqs_for(bucket), layout=layout, max_blocks=step.max_blocks)
         inputs = np.zeros((md.rows, cfg.hidden_size), np.float32)
         inputs[: len(active)] = hidden[active]
         begin = time.perf_counter()

@@ -79,18 +79,20 @@ class DcpLayout:
         """Virtual blocks (one page id each, B * W global tokens) that hold `tokens` tokens (vectorized)."""
         return -(-np.asarray(tokens, dtype=np.int64) // self.tokens_per_block)
 
-    def slot_mapping(self, positions, block_tables) -> np.ndarray:
+    def slot_mapping(self, positions, block_tables, table_rows=None) -> np.ndarray:
         """int32 [W, *positions.shape]: physical slot `page * B + offset` of each position's token on every rank.
 
-        `positions [rows, ...]` global positions (-1 for pads), `block_tables [rows, max_blocks]` virtual-block
-        page ids of each row. The owner gets `block_tables[r, li // B] * B + li % B` with li = local_index(p);
-        every other rank, and pads, get -1 (no write).
+        `positions [R, ...]` global positions (-1 for pads), `block_tables [S, max_blocks]` virtual-block page ids
+        of each sequence, `table_rows [R]` the sequence of each row of positions (default: row r reads table r).
+        The owner gets `block_tables[seq, li // B] * B + li % B` with li = local_index(p); every other rank, and
+        pads, get -1 (no write).
         """
         positions = np.asarray(positions, dtype=np.int64)
         block_tables = np.asarray(block_tables)
-        if positions.ndim < 1 or block_tables.ndim != 2 or block_tables.shape[0] != positions.shape[0]:
-            raise ValueError(f"need positions [R, ...] and block_tables [R, P]; got {positions.shape=}, "
-                             f"{block_tables.shape=}")
+        table_rows = np.arange(positions.shape[0]) if table_rows is None else np.asarray(table_rows)
+        if positions.ndim < 1 or block_tables.ndim != 2 or table_rows.shape != positions.shape[:1]:
+            raise ValueError(f"need positions [R, ...], block_tables [S, P] and table_rows [R]; got "
+                             f"{positions.shape=}, {block_tables.shape=}, {table_rows.shape=}")
         valid = positions >= 0
         # One divmod per step of owner(p) = (p // S) % W and local_index(p) = (p // (S*W)) * S + p % S.
         turn, within = np.divmod(np.maximum(positions, 0), self.interleave)
@@ -99,7 +101,7 @@ class DcpLayout:
         max_blocks = block_tables.shape[1]
         if (valid & (block >= max_blocks)).any():
             raise ValueError(f"a position needs virtual block past block_tables width {max_blocks}")
-        rows = np.arange(positions.shape[0]).reshape((-1,) + (1,) * (positions.ndim - 1))
+        rows = table_rows.reshape((-1,) + (1,) * (positions.ndim - 1))
         pages = block_tables[rows, np.minimum(block, max_blocks - 1)].astype(np.int64)
         if (valid & (pages < 0)).any():
             raise ValueError("a position maps to an unallocated virtual block (page id -1)")

@@ -1,11 +1,13 @@
-"""Per-step metadata of the decode and prefill programs: one declared dataclass each, one builder each, one
-structural check (host only: numpy, no jax; `runtime/step.py` registers the dataclasses as pytrees).
+"""Per-step metadata of the engine's step programs: one declared dataclass, one builder, one structural check (host
+only: numpy, no jax; `runtime/step.py` registers the dataclasses as pytrees).
 
-Every index a program needs (positions, lengths, per-rank local lengths, slots, block tables) is computed here
-with numpy, padded to the program's bucket, and handed to the jitted program as a required input. The builders
-are the only constructors and validate what they are given; `check_*` runs before every step and checks what a
-program relies on: the structure (fields, shapes, dtypes, a known bucket) and the pages (every page a row uses is
-in the pool and used by that row alone). That the values are the layout's is the builders' job, proven by tests.
+A step is R query rows over S sequences: a decode row computes a request's next token, a prefill chunk is a run of
+rows computing consecutive tokens of one request (MTP verify rows would be another such run). Every index a program
+needs (positions, causal lengths, per-rank local lengths, slots, block tables) is computed here per row with numpy,
+padded to the program's bucket, and handed to the jitted program as a required input. The builders are the only
+constructors and validate what they are given; `check_step_metadata` runs before every step and checks what a program
+relies on: the structure (fields, shapes, dtypes, a known bucket) and the pages (every page a sequence uses is in the
+pool and used by that sequence alone). That the values are the layout's is the builders' job, proven by tests.
 
 Each field is documented once, above it. A field marked `per_rank` is [W, ...], sharded over the "dcp" mesh
 axis: inside the program each rank sees its own [...] slice (`rank_view`); every other field is replicated.
@@ -14,7 +16,7 @@ axis: inside the program each rank sees its own [...] slice (`rank_view`); every
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -22,48 +24,39 @@ from dcp_jax.host.layout import DcpLayout
 from dcp_jax.host.sampling import seed_words
 
 PER_RANK = dict(per_rank=True)
+# What a row's token adds to its request's sampler history (`StepInputs.roles`): nothing (a pad row), the prompt's
+# mask (a prompt token), a generated token's count (one fed again: a resumed request's history), or nothing again
+# (the last sampled token fed back: counted when it was sampled).
+PAD, PROMPT, GENERATED, FED_BACK = 0, 1, 2, 3
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeMetadata:
-    """One decode step of R rows (the bucket): row r feeds one token at position context_lens[r] - 1."""
+class StepMetadata:
+    """One step of R query rows (the bucket) over S sequences (the bucket's sequence width): row r computes the token
+    at position positions[r] of sequence query_seqs[r], attending causally to that sequence's first
+    context_lens[r] tokens (the token itself included). A sequence's rows are consecutive, in position order.
+    S=2, W=1: context_lens [5, 9], 1 and 3 queries -> rows (seq 0, pos 4), (seq 1, pos 6), (seq 1, pos 7),
+    (seq 1, pos 8) with context_lens [5, 7, 8, 9]."""
 
-    # [R] int32: global position of the token each row decodes (context_len - 1). Pad rows 0.
+    # [R] int32: global position of each row's token. Pad rows 0.
     positions: np.ndarray
-    # [R] int32: global context length of each row, the decoded token included. Pad rows 0.
+    # [R] int32: global causal length of each row (position + 1). Pad rows 0.
     context_lens: np.ndarray
-    # [W, R] int32, per rank: tokens of row r held by rank w (sums to context_lens). Pad rows 0.
+    # [W, R] int32, per rank: tokens of row r's causal context held by rank w (sums to context_lens). Pad rows 0.
     local_context_lens: np.ndarray = dataclasses.field(metadata=PER_RANK)
-    # [W, R] int32, per rank: physical slot where rank w writes row r's new token; -1 = not the owner (no
-    # write). Pad rows -1 on every rank.
+    # [W, R] int32, per rank: physical slot where rank w writes row r's token; -1 = not the owner (no write). Pad
+    # rows -1 on every rank.
     slot_mapping: np.ndarray = dataclasses.field(metadata=PER_RANK)
-    # [R, P] int32: virtual-block page ids of each row (one id names the same page on every rank); -1 =
-    # unallocated. Pad rows all -1.
+    # [S, P] int32: virtual-block page ids of each sequence (one id names the same page on every rank); -1 =
+    # unallocated. Pad sequences all -1.
     block_tables: np.ndarray
+    # [R] int32: the sequence (row of block_tables) of each row. Pad rows 0 (they read nothing: length 0).
+    query_seqs: np.ndarray
 
     @property
     def rows(self) -> int:
         """Bucket width R; selects the compiled program."""
         return self.context_lens.shape[0]
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillMetadata:
-    """One prefill program of R prompts padded to T tokens (the bucket): row r writes tokens 0..prompt_len - 1 of
-    its prompt."""
-
-    # [R, T] int32: global position of each prompt token (its index in the prompt). Pad tokens 0.
-    positions: np.ndarray
-    # [W, R, T] int32, per rank: physical slot where rank w writes each token; -1 = not the owner, or a pad
-    # token (no write).
-    slot_mapping: np.ndarray = dataclasses.field(metadata=PER_RANK)
-    # [R] int32: index in the row of the token whose logits are sampled (the prompt's last). Pad rows 0.
-    logits_indices: np.ndarray
-
-    @property
-    def bucket(self) -> tuple[int, int]:
-        """(R, T); selects the compiled program."""
-        return tuple(self.positions.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,25 +86,25 @@ class SamplingMetadata:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeInputs:
-    """The decode step's per-row data besides its metadata."""
+class StepInputs:
+    """The step's per-row data besides its metadata: the rows' tokens and their requests' sampler slots, and the Q
+    rows (one per sequence at most, Q = S) whose next token is sampled."""
 
-    # [R] int32: the token each row feeds; -1 = the slot's last sampled token (still on the device).
+    # [R] int32: each row's token; -1 = its slot's last sampled token (a decode row whose input is still on the
+    # device). Pad rows 0.
     tokens: np.ndarray
-    sampling: SamplingMetadata
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillInputs:
-    """The prefill program's per-row data besides its metadata."""
-
-    # [R, T] int32: each row's tokens (prompt, then the generated tokens of a resumed request). Pad tokens 0.
-    tokens: np.ndarray
-    # [R, T] int32: what each token is: 0 pad, 1 prompt, 2 generated (a resumed request's history).
+    # [R] int32: what each row's token adds to its request's sampler history (PAD, PROMPT, GENERATED, FED_BACK).
     roles: np.ndarray
-    # [R] int32: -1 = sample the row's first token; else the last generated token of a resumed request (the next
-    # decode input, never written by a prefill).
-    resume_tokens: np.ndarray
+    # [R] int32: the sampler slot of each row's request; pad rows the scratch slot.
+    row_slots: np.ndarray
+    # [R] int32: the token after each row's in its request where known (a prompt's next token), else -1: the
+    # prompt-logprobs programs report its logprob.
+    next_tokens: np.ndarray
+    # [Q] int32: slots whose history starts over this step (the request's first rows); pad one past the scratch
+    # slot (no slot: nothing reset, no [A]-wide row written for a pad).
+    fresh_slots: np.ndarray
+    # [Q] int32: the rows whose next token is sampled; pad 0 (sampled on the scratch slot, never read).
+    sample_rows: np.ndarray
     sampling: SamplingMetadata
 
 
@@ -123,25 +116,26 @@ def is_per_rank(field: dataclasses.Field) -> bool:
     return bool(field.metadata.get("per_rank"))
 
 
-def _check_lengths(lens: np.ndarray, rows: int, what: str) -> None:
-    if lens.ndim != 1 or lens.shape[0] > rows:
-        raise ValueError(f"{lens.shape[0] if lens.ndim == 1 else lens.shape} scheduled rows do not fit bucket {rows}")
-    if np.any(lens < 1):
-        raise ValueError(f"{what} of scheduled rows must be >= 1, got {lens.tolist()}")
+def _check_lengths(lens: np.ndarray, seqs: int, what: str) -> None:
+    if lens.ndim != 1 or lens.shape[0] > seqs:
+        raise ValueError(f"{lens.shape[0] if lens.ndim == 1 else lens.shape} scheduled sequences do not fit a step of "
+                         f"{seqs} sequences")
+    if (lens < 1).any():
+        raise ValueError(f"{what} of scheduled sequences must be >= 1, got {lens.tolist()}")
 
 
 def _padded_tables(lens: np.ndarray, block_tables, layout: DcpLayout, rows: int, max_blocks: int) -> np.ndarray:
-    """[rows, max_blocks] int32 of the rows' page ids, -1 past each table and on pad rows, after checking that
-    each table covers its row's tokens. `block_tables` is a sequence of tables (arrays, `page_allocator.BlockTable`
+    """[rows, max_blocks] int32 of the sequences' page ids, -1 past each table and on pad rows, after checking that
+    each table covers its sequence's tokens. `block_tables` is a sequence of tables (arrays, `page_allocator.BlockTable`
     or lists; lists convert slowly when long) or one [n, m] int array, -1 past each row's ids (one copy)."""
     n = lens.shape[0]
     if len(block_tables) != n:
-        raise ValueError(f"{len(block_tables)} block tables for {n} rows")
+        raise ValueError(f"{len(block_tables)} block tables for {n} sequences")
     needed = layout.virtual_blocks(lens)
     too_long = np.flatnonzero(needed > max_blocks)
     if too_long.size:
         row = int(too_long[0])
-        raise ValueError(f"row {row}: a length of {lens[row]} needs {needed[row]} blocks > {max_blocks=}")
+        raise ValueError(f"sequence {row}: a length of {lens[row]} needs {needed[row]} blocks > {max_blocks=}")
     tables = np.full((rows, max_blocks), -1, np.int32)
     if isinstance(block_tables, np.ndarray):
         if block_tables.ndim != 2:
@@ -159,52 +153,48 @@ def _padded_tables(lens: np.ndarray, block_tables, layout: DcpLayout, rows: int,
     short = np.flatnonzero(is_short)
     if short.size:
         row = int(short[0])
-        raise ValueError(f"row {row}: a length of {lens[row]} needs {needed[row]} blocks, its block table has "
+        raise ValueError(f"sequence {row}: a length of {lens[row]} needs {needed[row]} blocks, its block table has "
                          f"{np.count_nonzero(tables[row] >= 0)} page ids")
     return tables
 
 
-def build_decode_metadata(context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], *, bucket: int,
-                          layout: DcpLayout, max_blocks: int) -> DecodeMetadata:
-    """`DecodeMetadata` (numpy) for the scheduled rows, padded to `bucket` inert rows.
+def build_step_metadata(context_lens: Sequence[int], num_queries: Sequence[int], block_tables, *, rows: int,
+                        seqs: int, layout: DcpLayout, max_blocks: int) -> StepMetadata:
+    """`StepMetadata` (numpy) of sequences that each compute their last `num_queries[i]` tokens (positions
+    context_lens[i] - num_queries[i] .. context_lens[i] - 1), one row each, sequence after sequence; padded to
+    `rows` inert rows and `seqs` empty sequences.
 
-    context_lens[i]: global length of request i after this step's token is appended (>= 1).
+    context_lens[i]: global length of sequence i once this step's rows are in (>= num_queries[i] >= 1).
     block_tables[i]: its virtual-block page ids (at least ceil(context_len / (page_size * dcp_size)) of them).
     """
     lens = np.asarray(context_lens, dtype=np.int64).reshape(-1)
-    _check_lengths(lens, bucket, "context_lens")
-    tables = _padded_tables(lens, block_tables, layout, bucket, max_blocks)
-    padded_lens = np.zeros(bucket, np.int32)
-    padded_lens[: lens.shape[0]] = lens
-    positions = np.where(padded_lens > 0, padded_lens - 1, 0).astype(np.int32)
-    return DecodeMetadata(
+    queries = np.asarray(num_queries, dtype=np.int64).reshape(-1)
+    _check_lengths(lens, seqs, "context_lens")
+    if queries.shape != lens.shape or (queries < 1).any() or (queries > lens).any():
+        raise ValueError(f"num_queries {queries.tolist()} must be in [1, context_len] for context_lens "
+                         f"{lens.tolist()}")
+    total = int(queries.sum())
+    if total > rows:
+        raise ValueError(f"{total} query rows do not fit bucket {rows}")
+    tables = _padded_tables(lens, block_tables, layout, seqs, max_blocks)
+    row_lens = np.zeros(rows, np.int32)
+    query_seqs = np.zeros(rows, np.int32)
+    n = lens.shape[0]
+    if total == n:  # one row a sequence (a decode step)
+        row_lens[:n] = lens
+        query_seqs[:n] = np.arange(n)
+    else:  # row j of the sequence whose rows end at `end` (exclusive) has length len - end + j + 1
+        ends = np.cumsum(queries)
+        row_lens[:total] = np.repeat(lens - ends, queries) + np.arange(1, total + 1)
+        query_seqs[:total] = np.repeat(np.arange(n), queries)
+    positions = np.maximum(row_lens - 1, 0)
+    return StepMetadata(
         positions=positions,
-        context_lens=padded_lens,
-        local_context_lens=layout.local_context_lens(padded_lens),
-        slot_mapping=layout.slot_mapping(np.where(padded_lens > 0, positions, -1), tables),
+        context_lens=row_lens,
+        local_context_lens=layout.local_context_lens(row_lens),
+        slot_mapping=layout.slot_mapping(np.where(row_lens > 0, positions, -1), tables, query_seqs),
         block_tables=tables,
-    )
-
-
-def build_prefill_metadata(prompt_lens: Sequence[int], block_tables: Sequence[Sequence[int]], *, rows: int,
-                           tokens: int, layout: DcpLayout, max_blocks: int, num_pages: int) -> PrefillMetadata:
-    """`PrefillMetadata` (numpy) for prompts of `prompt_lens` tokens (each >= 1, at most `tokens`), padded to the
-    bucket (rows, tokens); block_tables[i] holds at least the blocks of prompt i's tokens, pages of a pool of
-    `num_pages` used by that row alone (checked here: the metadata keeps only the slots)."""
-    lens = np.asarray(prompt_lens, dtype=np.int64).reshape(-1)
-    _check_lengths(lens, rows, "prompt_lens")
-    if lens.max() > tokens:
-        raise ValueError(f"a prompt of {int(lens.max())} tokens does not fit a prefill of {tokens}")
-    tables = _padded_tables(lens, block_tables, layout, rows, max_blocks)
-    padded_lens = np.zeros(rows, np.int64)
-    padded_lens[: lens.shape[0]] = lens
-    _check_pages(padded_lens, tables, layout, num_pages)
-    index = np.arange(tokens)[None, :]
-    is_token = index < padded_lens[:, None]  # [R, T]
-    return PrefillMetadata(
-        positions=np.where(is_token, index, 0).astype(np.int32),
-        slot_mapping=layout.slot_mapping(np.where(is_token, index, -1), tables),
-        logits_indices=np.maximum(padded_lens - 1, 0).astype(np.int32),
+        query_seqs=query_seqs,
     )
 
 
@@ -273,6 +263,84 @@ class SamplingTable:
                                 positions=_padded(positions, rows, 0, np.int32), slots=index)
 
 
+def build_step_inputs(slots: Sequence[int], num_queries: Sequence[int], tokens, roles, next_tokens, is_fresh,
+                      samples, *, context_lens: Sequence[int], rows: int, seqs: int,
+                      table: SamplingTable) -> StepInputs:
+    """`StepInputs` of the sequences of `build_step_metadata` (same order): sequence i on sampler slot `slots[i]`
+    has `num_queries[i]` rows, whose tokens, roles and next tokens are the next entries of the flat `tokens`,
+    `roles` and `next_tokens`; its history starts over when `is_fresh[i]`; its last row's next token (position
+    context_lens[i]) is sampled when `samples[i]`, with the parameters and seed of its slot in `table`. Padded to
+    `rows` rows and `seqs` sequences on the scratch slot."""
+    slots = np.asarray(slots, np.int32)
+    queries = np.asarray(num_queries, np.int64)
+    tokens, roles, next_tokens = (np.asarray(a, np.int32).reshape(-1) for a in (tokens, roles, next_tokens))
+    is_fresh, samples = np.asarray(is_fresh, bool), np.asarray(samples, bool)
+    total = int(queries.sum())
+    if not (len(slots) == len(queries) == len(is_fresh) == len(samples) == len(context_lens) <= seqs
+            and len(tokens) == len(roles) == len(next_tokens) == total <= rows):
+        raise ValueError(f"{len(slots)} sequences of {queries.tolist()} queries with {len(tokens)} tokens do not fit "
+                         f"a step of {rows} rows and {seqs} sequences")
+    scratch = table.scratch_slot
+    return StepInputs(
+        tokens=_padded(tokens, rows, 0, np.int32),
+        roles=_padded(roles, rows, PAD, np.int32),
+        row_slots=_padded(np.repeat(slots, queries), rows, scratch, np.int32),
+        next_tokens=_padded(next_tokens, rows, -1, np.int32),
+        fresh_slots=_padded(slots[is_fresh], seqs, scratch + 1, np.int32),
+        sample_rows=_padded((np.cumsum(queries) - 1)[samples], seqs, 0, np.int32),
+        sampling=table.gather(slots[samples], np.asarray(context_lens, np.int32)[samples], rows=seqs),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRows:
+    """What one step computes, before padding: n sequences in step order, sequence i on sampler slot slots[i] with
+    num_queries[i] rows ending at its context_lens[i] (`build_step_metadata`), and the rows' tokens, roles and next
+    tokens, flat in row order (`build_step_inputs`). Host numpy arrays; `decode` and `concat` build them."""
+
+    slots: np.ndarray  # [n] int32
+    context_lens: np.ndarray  # [n] int32
+    num_queries: np.ndarray  # [n] int32
+    block_tables: object  # [n, m] int32, -1 past each table, or a sequence of n tables
+    tokens: np.ndarray  # [rows] int32, -1: the slot's last sampled token
+    roles: np.ndarray  # [rows] int32
+    next_tokens: np.ndarray  # [rows] int32, -1: unknown
+    is_fresh: np.ndarray  # [n] bool
+    samples: np.ndarray  # [n] bool
+
+    @classmethod
+    def decode(cls, slots: Sequence[int], context_lens: Sequence[int], block_tables, tokens=None) -> ScheduledRows:
+        """One decode row per sequence, each sampling its next token; its input is the slot's last sampled token,
+        or tokens[i] when given."""
+        n = len(slots)
+        return cls(np.asarray(slots, np.int32), np.asarray(context_lens, np.int32), np.ones(n, np.int32),
+                   block_tables, np.full(n, -1, np.int32) if tokens is None else np.asarray(tokens, np.int32),
+                   np.full(n, FED_BACK, np.int32), np.full(n, -1, np.int32), np.zeros(n, bool), np.ones(n, bool))
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.num_queries.sum())
+
+    @staticmethod
+    def concat(parts: Sequence[ScheduledRows]) -> ScheduledRows:
+        """The sequences of `parts`, in order (their block tables arrays of one width)."""
+        if len(parts) == 1:
+            return parts[0]
+        return ScheduledRows(**{f.name: np.concatenate([getattr(p, f.name) for p in parts])
+                                for f in dataclasses.fields(ScheduledRows)})
+
+
+def build_step(rows: ScheduledRows, *, bucket: int, seqs: int, layout: DcpLayout, max_blocks: int,
+               table: SamplingTable) -> tuple[StepInputs, StepMetadata]:
+    """The step's `StepInputs` and `StepMetadata` for `rows`, padded to `bucket` rows and `seqs` sequences."""
+    md = build_step_metadata(rows.context_lens, rows.num_queries, rows.block_tables, rows=bucket, seqs=seqs,
+                             layout=layout, max_blocks=max_blocks)
+    inputs = build_step_inputs(rows.slots, rows.num_queries, rows.tokens, rows.roles, rows.next_tokens,
+                               rows.is_fresh, rows.samples, context_lens=rows.context_lens, rows=bucket, seqs=seqs,
+                               table=table)
+    return inputs, md
+
+
 def _check_structure(md, cls, expected: dict[str, tuple[int, ...]]) -> None:
     if not isinstance(md, cls):
         raise TypeError(f"expected {cls.__name__}, got {type(md).__name__}")
@@ -286,49 +354,59 @@ def _check_structure(md, cls, expected: dict[str, tuple[int, ...]]) -> None:
             raise TypeError(f"{cls.__name__}.{name} has dtype {value.dtype}, expected int32")
 
 
-def check_decode_metadata(md, *, buckets: Sequence[int], layout: DcpLayout, max_blocks: int,
-                          num_pages: int) -> None:
-    """TypeError/ValueError unless `md` is a complete, well-shaped DecodeMetadata of a known bucket whose rows
-    use pages of the pool, each page by one row only (either fault would make a row read or overwrite another
-    request's KV). Runs on the host before anything is traced; the page check needs host (numpy) arrays."""
-    rows = np.shape(md.context_lens)[0] if isinstance(md, DecodeMetadata) and np.ndim(md.context_lens) == 1 else None
-    if isinstance(md, DecodeMetadata) and rows not in buckets:
-        raise ValueError(f"context_lens shape {np.shape(md.context_lens)} is not [R] for a bucket R in {list(buckets)}")
-    w = layout.dcp_size
-    _check_structure(md, DecodeMetadata, dict(positions=(rows,), context_lens=(rows,), local_context_lens=(w, rows),
-                                              slot_mapping=(w, rows), block_tables=(rows, max_blocks)))
+def check_step_metadata(md, *, buckets: Mapping[int, int], layout: DcpLayout, max_blocks: int,
+                        num_pages: int) -> None:
+    """TypeError/ValueError unless `md` is a complete, well-shaped StepMetadata of a known bucket (`buckets` maps
+    its row width R to its sequence width S) whose sequences use pages of the pool, each page a row writes by that
+    row's sequence alone (either fault would make a row read or overwrite another request's KV), and whose rows
+    name sequences of the step. Runs on the host before anything is traced; the value checks need host (numpy)
+    arrays."""
+    is_step = isinstance(md, StepMetadata)
+    rows = np.shape(md.context_lens)[0] if is_step and np.ndim(md.context_lens) == 1 else None
+    if is_step and rows not in buckets:
+        raise ValueError(f"context_lens shape {np.shape(md.context_lens)} is not [R] for a bucket R in "
+                         f"{list(buckets)}")
+    w, seqs = layout.dcp_size, buckets.get(rows)
+    _check_structure(md, StepMetadata, dict(positions=(rows,), context_lens=(rows,), local_context_lens=(w, rows),
+                                            slot_mapping=(w, rows), block_tables=(seqs, max_blocks),
+                                            query_seqs=(rows,)))
     if not isinstance(md.block_tables, np.ndarray):
         return
-    if np.any(md.context_lens < 0):
+    if (md.context_lens < 0).any():
         raise ValueError(f"context_lens must be >= 0, got {md.context_lens.tolist()}")
-    _check_pages(md.context_lens, md.block_tables, layout, num_pages)
+    if md.query_seqs.min() < 0 or md.query_seqs.max() >= seqs:
+        raise ValueError(f"query_seqs must name sequences in [0, {seqs}), got {md.query_seqs.tolist()}")
+    blocks = layout.virtual_blocks(md.context_lens)
+    if rows == seqs and (md.query_seqs == np.arange(rows)).all():  # a row a sequence (a decode step)
+        needed = blocks
+    else:  # blocks each sequence uses: those of its longest row
+        needed = np.zeros(seqs, np.int64)
+        np.maximum.at(needed, md.query_seqs, blocks)
+    _check_pages(needed, md.block_tables, md.slot_mapping, layout.page_size, num_pages)
 
 
-def _check_pages(lens: np.ndarray, block_tables: np.ndarray, layout: DcpLayout, num_pages: int) -> None:
-    """ValueError unless the blocks that rows of `lens` tokens use name pages in [0, num_pages), each page in one
-    block only."""
-    needed = layout.virtual_blocks(lens)  # virtual blocks in use per row
-    in_use = np.arange(block_tables.shape[1])[None, :] < needed[:, None]
-    pages = block_tables[in_use]
-    if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
-        row = int(np.argwhere(in_use & ((block_tables < 0) | (block_tables >= num_pages)))[0, 0])
-        raise ValueError(f"row {row}: block table {block_tables[row, : needed[row]].tolist()} needs page ids in "
-                         f"[0, num_pages={num_pages}) for its {int(needed[row])} blocks")
-    is_used = np.zeros(num_pages, np.bool_)  # O(pages), no sort: this runs before every step
-    is_used[pages] = True
-    if np.count_nonzero(is_used) != len(pages):
-        uses = np.bincount(pages, minlength=num_pages)
-        raise ValueError(f"page ids used by two blocks (one row or two): {np.flatnonzero(uses > 1)[:16].tolist()}")
-
-
-def check_prefill_metadata(md, *, buckets: Sequence[tuple[int, int]], layout: DcpLayout, num_pages: int) -> None:
-    """TypeError/ValueError unless `md` is a complete, well-shaped PrefillMetadata of a known (R, T) bucket whose
-    slots lie in the pool (host arrays: checked by value)."""
-    bucket = tuple(np.shape(md.positions)) if isinstance(md, PrefillMetadata) else None
-    if isinstance(md, PrefillMetadata) and bucket not in buckets:
-        raise ValueError(f"positions shape {bucket} is not a prefill bucket (R, T) in {list(buckets)}")
-    rows, tokens = bucket if bucket is not None else (None, None)
-    _check_structure(md, PrefillMetadata, dict(positions=(rows, tokens), slot_mapping=(layout.dcp_size, rows, tokens),
-                                               logits_indices=(rows,)))
-    if isinstance(md.slot_mapping, np.ndarray) and np.any(md.slot_mapping >= num_pages * layout.page_size):
-        raise ValueError(f"slot_mapping names slots past the pool's {num_pages * layout.page_size}")
+def _check_pages(needed: np.ndarray, block_tables: np.ndarray, slot_mapping: np.ndarray, page_size: int,
+                 num_pages: int) -> None:
+    """ValueError unless every table names pages in [-1, num_pages), each sequence s holds a page for each of its
+    first needed[s] blocks (its tables -1 past its pages only: the scheduler's, `PageAllocator.BlockTable`), and
+    every page a row writes (`slot_mapping`) appears once in all the tables: sequences may share only the pages
+    they read (a cached prefix). Reductions and one gather over the tables: this runs before every step (at B = 256
+    and 32K contexts, 131K page ids)."""
+    if block_tables.size and block_tables.max() >= num_pages:
+        raise ValueError(f"block tables name pages past the pool's {num_pages}: {int(block_tables.max())}")
+    rows = np.flatnonzero(needed > 0)
+    short = rows[block_tables[rows, needed[rows] - 1] < 0]
+    if short.size:
+        row = int(short[0])
+        raise ValueError(f"sequence {row}: block table {block_tables[row, : needed[row]].tolist()} needs page ids "
+                         f"in [0, num_pages={num_pages}) for its {int(needed[row])} blocks")
+    written = np.unique(slot_mapping[slot_mapping >= 0] // page_size)
+    if written.size and written[-1] >= num_pages:
+        raise ValueError(f"slot_mapping names slots past the pool's {num_pages * page_size}")
+    is_written = np.zeros(num_pages + 1, np.bool_)  # the last entry is what -1 (no page) reads: never written
+    is_written[written] = True
+    pages, uses = np.unique(block_tables[is_written[block_tables]], return_counts=True)
+    if len(pages) != len(written) or (uses != 1).any():
+        shared = np.setdiff1d(written, pages[uses == 1])[:16].tolist()
+        raise ValueError(f"pages written this step are used by two blocks (one sequence or two), or by none: "
+                         f"{shared}")

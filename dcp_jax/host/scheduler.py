@@ -1,30 +1,36 @@
-"""Continuous-batching scheduler over the paged DCP KV pool (pure Python, no jax).
+"""Continuous-batching scheduler over the paged DCP KV pool, with chunked prefill under a token budget (pure
+Python, no jax).
 
 Owns the request states, the waiting queue and the running batch. Pages are handed out in virtual blocks of
 `page_size * dcp` tokens: one page id names the same page on every DCP rank, so one block costs one id from the
-`PageAllocator`. Each step the scheduler
+`PageAllocator`. A step runs at most `max_num_batched_tokens` rows (vLLM's chunked prefill). Each step the scheduler
 
-1. grows every running request's block table to hold its next decode token; when the pool is empty it preempts
-   the youngest running request (its pages go back to the pool, it returns to the front of the queue and is
-   recomputed by a prefill of prompt + generated tokens when readmitted), so a full pool never crashes a step;
-2. admits waiting requests first come first served while a batch slot and the pages of their prefill plus the
-   first decode token (never more than `max_context_len` can ever need) are free (nothing is admitted in a step
-   that preempted);
-3. hands the engine a `StepPlan`: the requests to prefill, then the decode rows (the new ones join the batch).
+1. gives every running request past its prefill one decode row (unless its sampled tokens, pending ones included,
+   reach max_tokens), growing its block table for it; when the pool is empty it preempts the youngest running
+   request (its pages go back to the pool, it returns to the front of the queue and is recomputed by a prefill of
+   prompt + generated tokens when readmitted), so a full pool never crashes a step;
+2. gives running requests still prefilling their next chunk within the budget left (oldest first; when pages run
+   out, the youngest is preempted for the oldest, which always fits: `check_fits`);
+3. admits waiting requests first come first served while a batch slot, budget and the pages of their first chunk
+   are free (nothing is admitted in a step that preempted);
+4. hands the engine a `StepPlan`: each scheduled request with its rows this step, decode rows first.
 
-Each running request also holds a slot (one of max_num_seqs) of the device's sampler state, and the row of that
-slot in `block_tables` mirrors its pages, so a decode step gathers its rows' tables in one numpy index. The engine may
-dispatch a step before it reads the previous one's tokens: `mark_dispatched` counts a token sampled on the device
-but not yet read (`num_pending`), which the context length already includes, and a request whose pending tokens
-reach max_tokens gets no decode row. The engine reports each token with `append_token`, which detokenizes it
-incrementally, applies the stop rules (EOS / stop token ids, stop strings searched in the new text's tail,
-max_tokens; `check_fits` already keeps prompt + max_tokens within max_model_len) and frees a finished request's
-pages and slot at once. `abort` frees a cancelled request's wherever it is. Every page and slot taken is returned
-exactly once: `check_invariants` proves it.
+A prefill computes a request's `prefill_ids` (its prompt, and for a resumed one every token it generated) in
+chunks; the row of the last one samples the next token, and the decode rows follow from the next step. Each
+running request also holds a slot (one of max_num_seqs) of the device's sampler state, and the row of that slot in
+`block_tables` mirrors its pages, so a step gathers its sequences' tables in one numpy index. The engine may
+dispatch a step before it reads the previous one's tokens: `mark_dispatched` records the rows dispatched (a chunk's
+tokens, and a token sampled on the device but not yet read: `num_pending`, which the context length already
+includes). The engine reports each token with `append_token`, which detokenizes it incrementally, applies the
+stop rules (EOS / stop token ids, stop strings searched in the new text's tail, max_tokens; `check_fits` already
+keeps prompt + max_tokens within max_model_len) and frees a finished request's pages and slot at once. `abort`
+frees a cancelled request's wherever it is. Every page and slot taken is returned exactly once:
+`check_invariants` proves it.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import heapq
@@ -38,7 +44,7 @@ import numpy as np
 from dcp_jax.config import EngineConfig
 from dcp_jax.host.detokenizer import REPLACEMENT_CHAR, Detokenizer
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.page_allocator import BlockTable, PageAllocator
+from dcp_jax.host.page_allocator import BlockTable, PageAllocator, block_hashes
 
 
 class RequestStatus(enum.Enum):
@@ -83,6 +89,14 @@ class Request:
     slot: int | None = None
     # Tokens sampled on the device for it whose values the host has not read yet.
     num_pending: int = 0
+    # Tokens its current prefill computes (`prefill_ids`, fixed at admission) and those dispatched so far; of
+    # those, the ones whose KV it found in the prefix cache instead.
+    prefill_len: int = 0
+    num_computed: int = 0
+    num_cached_tokens: int = 0
+    # The prefix cache's hash of each full virtual block of its tokens, and how many of its blocks it cached.
+    block_hashes: list = dataclasses.field(default_factory=list)
+    num_cached_blocks: int = 0
     detokenizer: Detokenizer | None = None
     num_preemptions: int = 0
     error: str | None = None
@@ -120,13 +134,14 @@ class Request:
 
     @property
     def prefill_ids(self) -> list[int]:
-        """Tokens a prefill writes: the prompt for a new request; prompt + generated minus the last (which the
-        next decode step feeds) for a preempted one, whose logits are then discarded."""
-        return self.prompt_ids if not self.output_ids else self.all_ids[:-1]
+        """Tokens its prefill computes: the prompt, then (a request resumed after a preemption) every token it
+        generated; the last chunk samples the token after them."""
+        return self.prompt_ids + self.output_ids[: self.prefill_len - len(self.prompt_ids)]
 
     @property
-    def is_resumed(self) -> bool:
-        return bool(self.output_ids)
+    def is_prefilling(self) -> bool:
+        """Running with prefill chunks still to dispatch."""
+        return self.num_computed < self.prefill_len
 
     def stream_boundary(self) -> int:
         """How much of `text` is final: all of it once finished; else held back while its tail could still
@@ -147,22 +162,24 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """One engine step: prefill `prefills` (each alone), then decode `decodes` (running requests, the new ones
-    included) in one program of width `bucket`; `preempted` lost their pages this step."""
+    """One engine step: `scheduled` requests, each with its rows this step (1: a decode row; else the next
+    `num_tokens` tokens of its prefill), decode rows first; `preempted` lost their pages this step."""
 
-    prefills: tuple[Request, ...]
-    decodes: tuple[Request, ...]
+    scheduled: tuple[tuple[Request, int], ...]
     preempted: tuple[Request, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(n for _, n in self.scheduled)
 
 
 class Scheduler:
     """Request queue + running batch over one `PageAllocator`. Not thread-safe: the engine thread owns it."""
 
     def __init__(self, engine: EngineConfig, layout: DcpLayout, *, eos_token_id: int | None,
-                 new_detokenizer: Callable[[], Detokenizer], max_prefills_per_step: int = 4):
-        """`new_detokenizer()`: an incremental decoder for one request's output (the tokenizer's)."""
-        if max_prefills_per_step < 1:
-            raise ValueError(f"{max_prefills_per_step=} must be >= 1")
+                 new_detokenizer: Callable[[], Detokenizer], enable_prefix_caching: bool = False):
+        """`new_detokenizer()`: an incremental decoder for one request's output (the tokenizer's);
+        `enable_prefix_caching`: reuse the cached pages of full virtual blocks of known tokens (`PageAllocator`)."""
         if layout.page_size != engine.page_size:
             raise ValueError(f"{layout=} does not match the engine's page_size={engine.page_size}")
         self.engine = engine
@@ -170,8 +187,7 @@ class Scheduler:
         self._tokens_per_block = layout.tokens_per_block
         self.eos_token_id = eos_token_id
         self.new_detokenizer = new_detokenizer
-        self.max_prefills_per_step = max_prefills_per_step
-        self.allocator = PageAllocator(engine.num_pages)
+        self.allocator = PageAllocator(engine.num_pages, enable_prefix_caching=enable_prefix_caching)
         self._free_slots = list(range(engine.max_num_seqs))  # a heap: the lowest free slot is handed out
         # [max_num_seqs, max_blocks] int32: row s holds the page ids of the request on slot s, -1 past them.
         self.block_tables = np.full((engine.max_num_seqs, engine.max_blocks_per_seq(layout.dcp_size)), -1, np.int32)
@@ -247,72 +263,147 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        """Grow the running requests' block tables (preempting the youngest when pages run out), admit waiting
-        requests, and return the step's plan."""
-        preempted = self._grow_running()
-        prefills = [] if preempted else self._admit()
-        return StepPlan(prefills=tuple(prefills), decodes=tuple(self.running), preempted=tuple(preempted))
+        """Rows for the running requests in admission order, then admissions (`Scheduler`'s steps 1-4): a decode
+        row each (their budget set aside first, so no prefill starves them), prefill chunks within the rest.
+        Preemption takes the youngest, never a request scheduled already (those come before it)."""
+        preempted: list[Request] = []
+        budget = self.engine.max_num_batched_tokens - sum(map(self._wants_decode_row, self.running))  # for chunks
+        scheduled = []
+        size = self._tokens_per_block
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING:
+                break  # preempted for an older request: so is every younger one
+            if request.is_prefilling:
+                if budget <= 0:
+                    continue
+                n = min(request.prefill_len - request.num_computed, budget)
+                tokens = request.num_computed + n
+                budget -= n
+            elif self._wants_decode_row(request):
+                n, tokens = 1, request.context_len
+            else:
+                continue
+            if -(-tokens // size) > len(request.pages) and not self._reserve(request, tokens, preempted):
+                break  # it was the youngest left: everything after it is preempted too
+            scheduled.append((request, n))
+        if not preempted:
+            scheduled += self._admit(budget)
+        return StepPlan(scheduled=tuple(scheduled), preempted=tuple(preempted))
+
+    @staticmethod
+    def _wants_decode_row(request: Request) -> bool:
+        return not request.is_prefilling and request.num_sampled < request.params.max_tokens
+
+    def _reserve(self, request: Request, tokens: int, preempted: list[Request]) -> bool:
+        """Grow a running request's block table to hold `tokens` tokens, preempting the youngest running requests
+        while pages run out; False when `request` itself was preempted (or already was)."""
+        while request.status is RequestStatus.RUNNING:
+            missing = self.blocks_for(tokens) - len(request.pages)
+            if missing <= self.allocator.num_free:
+                if missing > 0:
+                    self._add_pages(request, self.allocator.allocate(missing))
+                return True
+            preempted.append(self._preempt_youngest())
+        return False
+
+    def _preempt_youngest(self) -> Request:
+        victim = self.running.pop()
+        self._free(victim)
+        victim.status = RequestStatus.WAITING  # its pending token, if any, is still appended when read
+        victim.prefill_len = victim.num_computed = 0  # its prefill starts over when readmitted
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim
 
     @property
     def scratch_slot(self) -> int:
         """The sampler slot of pad rows: one past the requests'."""
         return self.engine.max_num_seqs
 
-    def decode_rows(self, plan: StepPlan) -> list[Request]:
-        """The plan's decode rows still running after the prefills (a prefill may have finished one), but not those
-        whose sampled tokens (pending ones included) already reach max_tokens."""
-        return [r for r in plan.decodes if r.status is RequestStatus.RUNNING and r.num_sampled < r.params.max_tokens]
-
-    def mark_dispatched(self, request: Request) -> None:
-        """A step that samples a token for `request` was dispatched; its value comes with `append_token`."""
+    def mark_dispatched(self, request: Request, num_tokens: int) -> None:
+        """A step with `num_tokens` rows of `request` (the plan's) was dispatched: a chunk's tokens are computed,
+        and a token it samples (a decode row's, a last chunk's) is pending until `append_token` brings it."""
+        if request.is_prefilling:
+            request.num_computed += num_tokens
+            if self.allocator.enable_prefix_caching:
+                self._extend_hashes(request)
+                self._cache_blocks(request, request.num_computed)
+            if request.is_prefilling:
+                return
         request.num_pending += 1
 
-    def decode_block_tables(self, rows: Sequence[Request]) -> np.ndarray:
-        """[len(rows), max_blocks] int32: the rows' page ids, -1 past them."""
-        return self.block_tables[[r.slot for r in rows]]
+    def samples(self, request: Request, num_tokens: int) -> bool:
+        """Whether `num_tokens` rows of `request` this step sample its next token (before `mark_dispatched`)."""
+        return request.num_computed + num_tokens >= request.prefill_len
+
+    def block_tables_of(self, requests: Sequence[Request]) -> np.ndarray:
+        """[len(requests), max_blocks] int32: their page ids, -1 past them."""
+        return self.block_tables[[r.slot for r in requests]]
 
     def bucket_for(self, rows: int) -> int:
         return self.engine.bucket_for(rows)
 
-    def _grow_running(self) -> list[Request]:
-        preempted = []
-        i = 0
-        while i < len(self.running):
-            request = self.running[i]
-            missing = self.blocks_for(request.context_len) - len(request.pages)
-            if missing <= 0:
-                i += 1
-            elif missing <= self.allocator.num_free:
-                self._add_pages(request, self.allocator.allocate(missing))
-                i += 1
-            else:
-                victim = self.running.pop()  # the youngest; may be `request` itself
-                self._free(victim)
-                victim.status = RequestStatus.WAITING  # its pending token, if any, is still appended when read
-                victim.num_preemptions += 1
-                self.waiting.appendleft(victim)
-                preempted.append(victim)
-        return preempted
-
-    def _admit(self) -> list[Request]:
+    def _admit(self, budget: int) -> list[tuple[Request, int]]:
         admitted = []
-        while (self.waiting and len(admitted) < self.max_prefills_per_step
-               and len(self.running) < self.engine.max_num_seqs):
+        while self.waiting and budget > 0 and len(self.running) < self.engine.max_num_seqs:
             request = self.waiting[0]
-            # The prefill's tokens plus the slot of the first decode token, capped by what the request can ever
-            # hold (the bound `check_fits` checked, so the head of the queue always fits an empty pool).
-            need = self.blocks_for(min(len(request.prefill_ids) + 1, request.max_context_len))
-            if need > self.allocator.num_free:
-                break  # first come first served: nobody overtakes the head of the queue
             if request.num_pending:
                 break  # its last token is still on its way (it was preempted a step ago): next step
+            prefill_len = len(request.prompt_ids) + len(request.output_ids)
+            cached = self._cached_prefix(request, prefill_len)
+            computed = len(cached) * self._tokens_per_block
+            n = min(prefill_len - computed, budget)
+            need = self.blocks_for(computed + n) - len(cached)
+            if need > self.allocator.num_free:
+                self.allocator.free(cached)
+                break  # first come first served: nobody overtakes the head of the queue
             request.slot = heapq.heappop(self._free_slots)
-            self._add_pages(request, self.allocator.allocate(need))
+            request.prefill_len, request.num_computed = prefill_len, computed
+            request.num_cached_tokens = computed
+            self._add_pages(request, cached + self.allocator.allocate(need))
             request.status = RequestStatus.RUNNING
             self.waiting.popleft()
             self.running.append(request)
-            admitted.append(request)
+            admitted.append((request, n))
+            budget -= n
         return admitted
+
+    def _cached_prefix(self, request: Request, prefill_len: int) -> list[int]:
+        """The cached pages of the longest cached prefix of full blocks of `request`'s prefill (now held by it),
+        short of its last token, which its prefill must compute to sample after it. None for a request that reads
+        the history of its prefill on the device (its penalties, its prompt logprobs): only computed rows add to
+        it."""
+        params = request.params
+        reads_history = (params.repetition_penalty != 1 or request.num_prompt_logprobs is not None
+                         or (request.output_ids and (params.presence_penalty or params.frequency_penalty)))
+        if reads_history or not self.allocator.enable_prefix_caching:
+            return []
+        self._extend_hashes(request)
+        cached = self.allocator.take_cached(request.block_hashes)
+        if len(cached) * self._tokens_per_block >= prefill_len:  # every block cached: compute the last one again
+            self.allocator.free(cached[-1:])
+            cached = cached[:-1]
+        return cached
+
+    def _extend_hashes(self, request: Request) -> None:
+        """Hash the full blocks of its known tokens (prompt and generated) not hashed yet."""
+        size, done = self._tokens_per_block, len(request.block_hashes) * self._tokens_per_block
+        if done + size <= len(request.prompt_ids) + len(request.output_ids):
+            parent = request.block_hashes[-1] if request.block_hashes else b""
+            request.block_hashes += block_hashes(request.all_ids[done:], size, parent=parent)
+
+    def _cache_generated_blocks(self, request: Request) -> None:
+        """Cache the blocks its generated tokens complete once their KV is written: all its tokens but the last,
+        which the next decode row feeds."""
+        self._extend_hashes(request)
+        self._cache_blocks(request, len(request.prompt_ids) + len(request.output_ids) - 1)
+
+    def _cache_blocks(self, request: Request, computed: int) -> None:
+        """Cache the full blocks of `request` whose every token's KV is written (the first `computed` tokens)."""
+        first, last = request.num_cached_blocks, min(computed // self._tokens_per_block, len(request.block_hashes))
+        for block in range(first, last):
+            self.allocator.cache(request.pages[block], request.block_hashes[block])
+        request.num_cached_blocks = max(first, last)
 
     def _add_pages(self, request: Request, pages: list[int]) -> None:
         """Append pages to a running request's table and to its slot's row of `block_tables`."""
@@ -321,6 +412,7 @@ class Scheduler:
         self.block_tables[request.slot, start: start + len(pages)] = pages
 
     def _free(self, request: Request) -> None:
+        request.num_cached_blocks = 0
         if request.pages:
             self.allocator.free(request.pages.clear())
         if request.slot is not None:
@@ -346,6 +438,8 @@ class Scheduler:
         token = int(token)
         output = request.output_ids
         output.append(token)
+        if self.allocator.enable_prefix_caching and status is RequestStatus.RUNNING:
+            self._cache_generated_blocks(request)
         is_stop_id = (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids
         is_length = len(output) >= params.max_tokens  # check_fits: prompt + max_tokens <= max_model_len
         detokenizer = request.detokenizer
@@ -378,8 +472,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Every used page belongs to exactly one live request; queue and batch hold what they should."""
-        held = [p for r in self.running for p in r.pages] + [p for r in self.waiting for p in r.pages]
-        assert len(held) == len(set(held)) == self.allocator.num_used, (len(held), self.allocator.num_used)
+        self.allocator.check_invariants(collections.Counter(p for r in self.running for p in r.pages))
         slots = [r.slot for r in self.running]
         assert None not in slots and len(slots) == len(set(slots))
         assert sorted(slots + self._free_slots) == list(range(self.engine.max_num_seqs))
@@ -390,6 +483,8 @@ class Scheduler:
         free_rows = self.block_tables[sorted(self._free_slots)]
         assert np.all(free_rows == -1)
         assert all(r.status is RequestStatus.RUNNING for r in self.running)
+        assert all(r.num_computed <= r.prefill_len and self.blocks_for(r.num_computed) <= len(r.pages)
+                   for r in self.running)
         assert all(r.status is RequestStatus.WAITING and not r.pages for r in self.waiting)
         assert len(self.running) <= self.engine.max_num_seqs
         assert set(self._requests) == {r.request_id for r in [*self.running, *self.waiting]}

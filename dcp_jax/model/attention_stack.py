@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from dcp_jax.config import ModelConfig
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import DecodeMetadata
+from dcp_jax.host.metadata import StepMetadata
 from dcp_jax.model.attention import cache_formats
 from dcp_jax.model.attention.decode import sparse_dcp_attention
 from dcp_jax.model.attention.params import AttentionParams, init_attention_params, partition_specs
@@ -48,7 +48,7 @@ def stack_param_specs(cfg: ModelConfig) -> list[StackLayerParams]:
     return [StackLayerParams(input_norm=P(), attention=partition_specs()) for _ in range(cfg.num_hidden_layers)]
 
 
-def decode_stack_body(params, kv_cache: KVCache, hidden, md: DecodeMetadata, *, cfg: ModelConfig,
+def decode_stack_body(params, kv_cache: KVCache, hidden, md: StepMetadata, *, cfg: ModelConfig,
                       layout: DcpLayout, backend: str):
     """Per rank: every layer reads the host-provided local lengths and slots of `md` unchanged."""
     rope = cos_sin(md.positions, *rope_tables(cfg))

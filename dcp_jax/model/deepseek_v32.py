@@ -8,8 +8,8 @@ with w_uv applied C -> V (`projections.output_projection`); embed is [A, D]. The
 (e_score_correction_bias) and index_weights (the indexer's weights_proj) are always f32, as HF keeps them; every
 other weight has the model's dtype.
 The attention module holds exactly the fields of `AttentionParams`, so the shared projections, the sparse DCP
-decode and prefill layers and the kernels read it unchanged. Methods named `prefill` / `decode` run inside
-`shard_map` (`runtime/forward.py`): attention heads, the MLP width and the routed experts are split over every TP
+attention layer and the kernels read it unchanged. The modules run inside `shard_map` (`runtime/forward.py`):
+attention heads, the MLP width and the routed experts are split over every TP
 rank (partial sums meet in one psum per block); embeddings, norms, the router and lm_head are replicated.
 GLM-5 shares this architecture (a preset of `config.py`); a model of another structure gets a sibling file.
 
@@ -30,7 +30,6 @@ from dcp_jax.config import ModelConfig
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.model.attention.decode import sparse_dcp_attention
 from dcp_jax.model.attention.params import AttentionParams, init_attention_params, partition_specs
-from dcp_jax.model.attention.prefill import sparse_prefill_attention
 from dcp_jax.model.attention.projections import rms_norm
 from dcp_jax.model.mesh import HEADS
 
@@ -59,15 +58,10 @@ class Attention(nnx.Module):
     def params(self) -> AttentionParams:
         return AttentionParams(**{f.name: getattr(self, f.name)[...] for f in dataclasses.fields(AttentionParams)})
 
-    def prefill(self, x, rope, kv_cache, index_cache, slots):
-        """Per rank: `attention/prefill.py`'s layer on these weights (x [R, T, D], slots [R, T]). Returns (output
-        [R, T, D] summed over TP ranks, kv_cache, index_cache, selected [R, T, K])."""
-        return sparse_prefill_attention(self.params(), x, kv_cache, index_cache, rope, slots, cfg=self.cfg)
-
-    def decode(self, x, rope, kv_cache, index_cache, md, *, layout: DcpLayout, backend: str):
-        """Per rank: the sparse DCP decode layer of `attention/decode.py` on these weights (x [R, D], md the rank's
-        view of the step's DecodeMetadata). Returns (output [R, D] summed over TP ranks, kv_cache, index_cache,
-        selected [R, K])."""
+    def __call__(self, x, rope, kv_cache, index_cache, md, *, layout: DcpLayout, backend: str):
+        """Per rank: the sparse DCP attention layer of `attention/decode.py` on these weights (x [R, D] the step's
+        rows, md the rank's view of its StepMetadata). Returns (output [R, D] summed over TP ranks, kv_cache,
+        index_cache, selected [R, K])."""
         return sparse_dcp_attention(self.params(), x, kv_cache, index_cache, rope, md, cfg=self.cfg, layout=layout,
                                     backend=backend)
 
@@ -158,7 +152,7 @@ class DecoderLayer(nnx.Module):
 
 
 class DeepseekV32(nnx.Module):
-    """The whole model; `prefill_body` and `decode_body` of `runtime/forward.py` drive the layers."""
+    """The whole model; `step_body` of `runtime/forward.py` drives the layers."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg

@@ -1,2 +1,2 @@
-"""The compiled programs: the model's decode and prefill bodies, `DecodeStep` / `PrefillStep` (buckets, one
+"""The compiled programs: the model's step body (decode rows and prefill chunks alike), `StepProgram` (buckets, one
 transfer, donation), the runner that holds weights and KV state, and the jaxpr check of the step's inputs."""

@@ -1,12 +1,13 @@
-"""`ModelRunner`: the placed weights, the device state (paged KV pool and sampler state) and the compiled decode
-and prefill programs of one model.
+"""`ModelRunner`: the placed weights, the device state (paged KV pool and sampler state) and the compiled step
+programs of one model.
 
-Serving dispatches (`dispatch_decode`, `dispatch_prefill`): the runner builds the step's metadata
+Serving dispatches (`dispatch`): the runner builds the step's metadata and inputs from the scheduled rows
 (`host/metadata.py`), enqueues the bucket's program and returns its outputs still on the device (JAX dispatch is
 asynchronous), so the caller can dispatch the next step before it reads them. Only sampled token ids and logprobs
-come out. `decode` / `prefill` are the detailed, synchronous forms the oracle tests use: host logits, and the
-selected top-k ids when asked, from the programs' `details` variants (compiled at first use). Page allocation and
-sampler slots are the caller's; a slot's sampling parameters and seed (`SamplingTable`) are set by its prefill.
+come out. `prefill` / `decode` are the detailed, synchronous forms the oracle tests use: host logits, and the
+selected top-k ids when asked, from the `details` variant (compiled at first use). Page allocation and sampler
+slots are the caller's; a slot's sampling parameters and seed (`SamplingTable`) are set with `set_sampling` before
+its first sampled row.
 """
 
 from __future__ import annotations
@@ -22,41 +23,33 @@ from jax.sharding import Mesh
 
 from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import (DecodeInputs, PrefillInputs, SamplingMetadata, SamplingTable,
-                                   build_decode_metadata, build_prefill_metadata)
+from dcp_jax.host.metadata import PROMPT, SamplingMetadata, SamplingTable, ScheduledRows, StepInputs, build_step
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.model.deepseek_v32 import abstract_model, param_specs
 from dcp_jax.model.kv_cache import allocate_kv_cache
 from dcp_jax.model.mesh import REPLICATED, sharding
-from dcp_jax.runtime.forward import (DECODE_DETAILS, DECODE_GREEDY, DECODE_SAMPLED, DECODE_VARIANTS, PREFILL_DETAILS,
-                                     PREFILL_FIRST_TOKEN, PREFILL_OUTPUTS, PREFILL_PROMPT_LOGPROBS, STATE_SPECS,
-                                     DeviceState, decode_body, prefill_body)
+from dcp_jax.runtime.forward import (DETAILS, GREEDY, PROMPT_LOGPROBS, SAMPLED, STATE_SPECS, VARIANTS, DeviceState,
+                                     step_body)
 from dcp_jax.runtime.sampler import SamplerState
-from dcp_jax.runtime.step import DecodeStep, PrefillStep
+from dcp_jax.runtime.step import StepProgram
 
-# The decode variants serving compiles for every bucket.
-SERVING_DECODE = (DECODE_GREEDY, DECODE_SAMPLED)
-# Prompts per prefill program: one (chunked prefill will pack several requests' tokens into one program).
-PREFILL_ROWS = 1
-# Token roles of a prefill row (`PrefillInputs.roles`).
-PAD, PROMPT, GENERATED = 0, 1, 2
 # How the detailed (test) calls sample: greedily, on the scratch slot.
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY_PARAMS = SamplingParams(temperature=0.0)
 
 
-def decode_variants_for(params: Sequence[SamplingParams]) -> tuple[str, ...]:
-    """The serving decode programs that steps over requests of `params` (any subset of them) can take."""
+def step_variant(params: Sequence[SamplingParams], *, prompt_logprobs: bool) -> str:
+    """The serving program of a step whose sampled rows have `params`: the prompt-logprobs one when a chunk wants
+    them, else drawing when a row draws, else greedy (`forward.VARIANTS`)."""
+    if prompt_logprobs:
+        return PROMPT_LOGPROBS
+    return SAMPLED if any(not p.is_greedy for p in params) else GREEDY
+
+
+def serving_variants(params: Sequence[SamplingParams]) -> tuple[str, ...]:
+    """The serving programs that steps over requests of `params` (any subset of them) can take, prompt logprobs
+    apart: greedy and / or drawing."""
     draws = {not p.is_greedy for p in params}
-    return tuple(v for v, needed in ((DECODE_GREEDY, False in draws), (DECODE_SAMPLED, True in draws)) if needed)
-
-
-def prefill_lengths(max_model_len: int, smallest: int = 16) -> tuple[int, ...]:
-    """Padded prompt lengths (each one prefill program): powers of two from `smallest`, capped by max_model_len."""
-    out, t = [], smallest
-    while t < max_model_len:
-        out.append(t)
-        t *= 2
-    return tuple(out) + (max_model_len,)
+    return tuple(v for v, needed in ((GREEDY, False in draws), (SAMPLED, True in draws)) if needed)
 
 
 def sampling_shapes(rows: int) -> SamplingMetadata:
@@ -66,14 +59,15 @@ def sampling_shapes(rows: int) -> SamplingMetadata:
                             seeds=jax.ShapeDtypeStruct((rows, 2), jnp.uint32), positions=i32, slots=i32)
 
 
-def decode_input_shapes(rows: int) -> DecodeInputs:
-    return DecodeInputs(tokens=jax.ShapeDtypeStruct((rows,), jnp.int32), sampling=sampling_shapes(rows))
+def step_input_shapes(engine: EngineConfig):
+    """rows -> the ShapeDtypeStructs of a bucket's `StepInputs`."""
 
+    def shapes(rows: int) -> StepInputs:
+        per_row, per_seq = (jax.ShapeDtypeStruct((n,), jnp.int32) for n in (rows, engine.seqs_for(rows)))
+        return StepInputs(tokens=per_row, roles=per_row, row_slots=per_row, next_tokens=per_row, fresh_slots=per_seq,
+                          sample_rows=per_seq, sampling=sampling_shapes(engine.seqs_for(rows)))
 
-def prefill_input_shapes(bucket: tuple[int, int]) -> PrefillInputs:
-    rows, _ = bucket
-    return PrefillInputs(tokens=jax.ShapeDtypeStruct(bucket, jnp.int32), roles=jax.ShapeDtypeStruct(bucket, jnp.int32),
-                         resume_tokens=jax.ShapeDtypeStruct((rows,), jnp.int32), sampling=sampling_shapes(rows))
+    return shapes
 
 
 class ModelRunner:
@@ -84,37 +78,25 @@ class ModelRunner:
     implementation (`pallas_kernels.BACKENDS`); `dtype` is the weights' and the exact caches' dtype."""
 
     def __init__(self, cfg: ModelConfig, params: dict, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh,
-                 backend: str, *, dtype=jnp.float32, lengths: Sequence[int] | None = None):
-        """`lengths`: the padded prompt lengths, one prefill program each (default `prefill_lengths`)."""
+                 backend: str, *, dtype=jnp.float32):
         self.cfg, self.parallel, self.engine, self.mesh = cfg, parallel, engine, mesh
         self.layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
         self.max_blocks = engine.max_blocks_per_seq(parallel.dcp)
-        self.prefill_lengths = tuple(lengths) if lengths else prefill_lengths(engine.max_model_len)
-        if max(self.prefill_lengths) < engine.max_model_len:
-            raise ValueError(f"prefill lengths {self.prefill_lengths} must reach max_model_len={engine.max_model_len}")
         self.scratch_slot = engine.max_num_seqs
         self.sampling_table = SamplingTable(engine.max_num_seqs + 1, scratch_slot=self.scratch_slot)
         graphdef, abstract = abstract_model(cfg, dtype)
-        specs = param_specs(nnx.to_pure_dict(abstract))
-        statics = dict(graphdef=graphdef, abstract=abstract, cfg=cfg)
-        common = dict(num_pages=engine.num_pages, param_specs=specs, input_specs=REPLICATED,
-                      state_specs=STATE_SPECS, layout=self.layout)
-        # Keyed by variant (`forward.DECODE_VARIANTS`): the serving programs, greedy or drawing (sampled tokens
-        # only), and the greedy one that also returns logits and the selected ids.
-        self.decode_steps = {
-            variant: DecodeStep(functools.partial(decode_body, layout=self.layout, backend=backend, variant=variant,
-                                                  **statics),
-                                mesh, buckets=engine.buckets, max_blocks=self.max_blocks, output_specs=REPLICATED,
-                                input_shapes=decode_input_shapes, **common)
-            for variant in DECODE_VARIANTS
+        # Keyed by variant (`forward.VARIANTS`), one program per bucket each.
+        self.steps = {
+            variant: StepProgram(
+                functools.partial(step_body, graphdef=graphdef, abstract=abstract, cfg=cfg, layout=self.layout,
+                                  backend=backend, variant=variant),
+                mesh, buckets=engine.buckets, seqs_for=engine.seqs_for, layout=self.layout,
+                max_blocks=self.max_blocks, num_pages=engine.num_pages,
+                param_specs=param_specs(nnx.to_pure_dict(abstract)), input_specs=REPLICATED,
+                output_specs=REPLICATED, state_specs=STATE_SPECS, input_shapes=step_input_shapes(engine))
+            for variant in VARIANTS
         }
-        self.prefill_steps = {
-            outputs: PrefillStep(functools.partial(prefill_body, outputs=outputs, **statics), mesh,
-                                 buckets=[(PREFILL_ROWS, t) for t in self.prefill_lengths], output_specs=REPLICATED,
-                                 input_shapes=prefill_input_shapes, **common)
-            for outputs in PREFILL_OUTPUTS
-        }
-        self.params = self.decode_steps[DECODE_GREEDY].place_params(params)
+        self.params = self.steps[GREEDY].place_params(params)
         # One compiled allocator, so `reset_state` never compiles while serving.
         self._new_state = jax.jit(
             lambda: DeviceState(allocate_kv_cache(cfg, engine, parallel.dcp, mesh, dtype),
@@ -142,134 +124,97 @@ class ModelRunner:
         self.state = self._new_state()
 
     # ---- programs ---------------------------------------------------------------------------------------
-    def programs(self, *, prompt_logprobs: bool) -> list[tuple[str, object]]:
-        """Every program serving needs, as (kind, bucket): each decode bucket greedy and drawing, each prefill
-        length, and with `prompt_logprobs` the prefills that return them too."""
-        work = [(f"decode {variant}", rows) for variant in SERVING_DECODE for rows in self.engine.buckets]
-        for outputs in (PREFILL_FIRST_TOKEN, PREFILL_PROMPT_LOGPROBS) if prompt_logprobs else (PREFILL_FIRST_TOKEN,):
-            work += [(f"prefill {outputs}", bucket) for bucket in self.prefill_steps[outputs].buckets]
-        return work
+    def programs(self, variants: Sequence[str] = (GREEDY, SAMPLED)) -> list[tuple[str, int]]:
+        """Every (variant, bucket) program of `variants`."""
+        return [(variant, rows) for variant in variants for rows in self.engine.buckets]
 
-    def _step(self, kind: str):
-        family, variant = kind.split(" ")
-        return (self.decode_steps if family == "decode" else self.prefill_steps)[variant]
+    def compile(self, variant: str, rows: int) -> None:
+        """Compile one program of `programs()` (once)."""
+        self.steps[variant].compile(self.params, self.state, rows)
 
-    def compile(self, kind: str, bucket) -> None:
-        """Compile one program of `programs()`."""
-        self._step(kind).compile(self.params, self.state, bucket)
-
-    def compile_decode(self, variants: Sequence[str] = SERVING_DECODE) -> None:
-        """Compile the serving decode programs of `variants` (default greedy and drawing) for every bucket."""
-        for variant in variants:
-            for rows in self.engine.buckets:
-                self.decode_steps[variant].compile(self.params, self.state, rows)
+    def compile_all(self, variants: Sequence[str]) -> None:
+        for variant, rows in self.programs(variants):
+            self.compile(variant, rows)
 
     # ---- serving: dispatch, read later ----------------------------------------------------------------------
-    def dispatch_decode(self, context_lens: Sequence[int], block_tables, slots: Sequence[int],
-                        tokens: Sequence[int] | None = None):
-        """Enqueue one decode step: row i feeds the token at position context_lens[i] - 1 (its slot's last sampled
-        token, or tokens[i] when given) and samples the next one with the parameters and seed its slot's prefill
-        set. `block_tables`: one table per row, or one [rows, blocks] array (-1 past each row's pages). Returns the
-        step's sampled tokens for its bucket's rows, packed (`sampler.unpack` reads them), on the device, their copy
-        to the host already queued behind the step."""
-        return _start_copy_to_host(self._decode(context_lens, block_tables, slots, tokens, details=False))
+    def set_sampling(self, slot: int, params: SamplingParams, seed: int) -> None:
+        """Slot `slot` samples with `params` and the 64-bit `seed` from now on (a request taking the slot)."""
+        self.sampling_table.set(slot, params, seed)
 
-    def dispatch_prefill(self, prompt: Sequence[int], prompt_len: int, block_table: Sequence[int], params, seed: int,
-                         slot: int, *, resume_token: int = -1, prompt_logprobs: bool = False):
-        """Enqueue the prefill of one request: `prompt` holds its prompt (the first prompt_len tokens), then for a
-        resumed request its generated tokens but the last, `resume_token` (-1 for a new request, whose first token
-        is sampled); its slot samples with `params` and `seed` from now on. Returns its sampled token packed
-        (`sampler.unpack`), with the prompt's `PromptLogprobs` when asked, on the device, their copy to the host
-        already queued behind the program."""
-        outputs = PREFILL_PROMPT_LOGPROBS if prompt_logprobs else PREFILL_FIRST_TOKEN
-        return _start_copy_to_host(self._prefill(prompt, prompt_len, block_table, params, seed, slot, resume_token,
-                                                 outputs))
+    def dispatch(self, rows: ScheduledRows, variant: str):
+        """Enqueue one step of `rows` in the `variant` program of the smallest bucket that holds them. Returns the
+        step's sampled tokens packed (`sampler.unpack` reads them; one per sequence that samples, in order), with
+        the rows' `PromptLogprobs` for that variant, on the device, their copy to the host already queued behind
+        the step."""
+        outputs = self._run(rows, variant)
+        for leaf in jax.tree.leaves(outputs):
+            leaf.copy_to_host_async()
+        return outputs
+
+    def _run(self, rows: ScheduledRows, variant: str):
+        bucket = self.engine.bucket_for(rows.num_rows)
+        inputs, md = build_step(rows, bucket=bucket, seqs=self.engine.seqs_for(bucket), layout=self.layout,
+                                max_blocks=self.max_blocks, table=self.sampling_table)
+        step = self.steps[variant]
+        step.compile(self.params, self.state, bucket)  # a no-op once compiled (an engine compiles every one first)
+        outputs, self.state = step(self.params, self.state, inputs, md)
+        return outputs
 
     # ---- detailed and synchronous (tests) ------------------------------------------------------------------
     def prefill(self, prompts: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]], *,
-                all_logits: bool = False, return_selected: bool = False):
-        """Prefill `prompts` (token ids, lengths >= 1), one program each, into the pages of `block_tables`; the
-        greedy first tokens go to the scratch slot. Returns host (logits [n, A] at each prompt's last token, or
-        [n, Tmax, A] at every position when all_logits; selected [layers, n, Tmax, K] global ids, -1 padded, when
-        return_selected, else None; the first tokens [n] the device sampled); Tmax is the longest prompt's padded
-        length."""
+                chunk_size: int | None = None, all_logits: bool = False, return_selected: bool = False):
+        """Prefill `prompts` (token ids, lengths >= 1) into the pages of `block_tables`, each in chunks of at most
+        `chunk_size` tokens (default: the largest bucket), one step a chunk; the greedy first tokens go to the
+        scratch slot. Returns host (logits [n, A] at each prompt's last token, or [n, Tmax, A] at every position
+        when all_logits (NaN past a prompt); selected [layers, n, Tmax, K] global ids, -1 padded, when
+        return_selected, else None; the first tokens [n] the device sampled)."""
         lens = [len(p) for p in prompts]
         if len(prompts) != len(block_tables) or not prompts or min(lens) < 1:
             raise ValueError(f"need one non-empty prompt per block table, got {lens=} and {len(block_tables)} tables")
-        results = [self._prefill(prompt, len(prompt), table, GREEDY, 0, self.scratch_slot, -1, PREFILL_DETAILS)
-                   for prompt, table in zip(prompts, block_tables)]
-        details = [d for _, d in results]
-        first_tokens = np.concatenate([np.asarray(sampled.tokens)[:1] for sampled, _ in results])
-        tokens = max(d.logits.shape[1] for d in details)
+        chunk_size = chunk_size or self.engine.buckets[-1]
+        if not 1 <= chunk_size <= self.engine.max_num_batched_tokens:
+            raise ValueError(f"{chunk_size=} must be in [1, max_num_batched_tokens="
+                             f"{self.engine.max_num_batched_tokens}]")
+        self.set_sampling(self.scratch_slot, GREEDY_PARAMS, 0)
+        logits, selected, first_tokens = [], [], []
+        for prompt, table in zip(prompts, block_tables):
+            prompt = np.asarray(prompt, np.int32)
+            rows_logits, rows_selected = [], []
+            for start in range(0, len(prompt), chunk_size):
+                end = min(start + chunk_size, len(prompt))
+                n = end - start
+                rows = ScheduledRows(
+                    slots=np.array([self.scratch_slot], np.int32), context_lens=np.array([end], np.int32),
+                    num_queries=np.array([n], np.int32), block_tables=[table], tokens=prompt[start:end],
+                    roles=np.full(n, PROMPT, np.int32), next_tokens=np.append(prompt[start + 1:end + 1], -1)[:n],
+                    is_fresh=np.array([start == 0]), samples=np.array([end == len(prompt)]))
+                sampled, details = self._run(rows, DETAILS)
+                rows_logits.append(np.asarray(details.logits)[:n])
+                rows_selected.append(np.asarray(details.selected)[:, :n])
+            first_tokens.append(int(np.asarray(sampled.tokens)[0]))
+            logits.append(np.concatenate(rows_logits))
+            selected.append(np.concatenate(rows_selected, axis=1))
+        tokens = max(lens)
         if all_logits:
-            logits = np.concatenate([_pad_axis(np.asarray(d.logits), 1, tokens, np.nan) for d in details])
+            out_logits = np.stack([_pad_axis(a, 0, tokens, np.nan) for a in logits])
         else:
-            logits = np.stack([np.asarray(d.logits)[0, n - 1] for d, n in zip(details, lens)])
-        selected = None
-        if return_selected:
-            selected = np.concatenate([_pad_axis(np.asarray(d.selected), 2, tokens, -1) for d in details], axis=1)
-        return logits, selected, first_tokens
+            out_logits = np.stack([a[-1] for a in logits])
+        out_selected = np.stack([_pad_axis(a, 1, tokens, -1) for a in selected], axis=1) if return_selected else None
+        return out_logits, out_selected, np.array(first_tokens, np.int32)
 
     def decode(self, tokens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], *,
                return_selected: bool = False):
         """One decode step feeding `tokens` (greedy, on the scratch slot). Returns host (logits [n, A] f32,
         selected [layers, n, K] global ids when return_selected, else None, the tokens [n] the device sampled)."""
         n = len(tokens)
-        sampled, details = self._decode(context_lens, block_tables, [self.scratch_slot] * n, tokens, details=True)
+        if not n == len(context_lens) == len(block_tables):
+            raise ValueError(f"{n} tokens, {len(context_lens)} context lengths and {len(block_tables)} block tables "
+                             f"must match")
+        self.set_sampling(self.scratch_slot, GREEDY_PARAMS, 0)
+        rows = ScheduledRows.decode([self.scratch_slot] * n, context_lens, block_tables, tokens=tokens)
+        sampled, details = self._run(rows, DETAILS)
         selected = np.asarray(details.selected)[:, :n] if return_selected else None
         return np.asarray(details.logits)[:n], selected, np.asarray(sampled.tokens)[:n]
-
-    # ---- building a step ----------------------------------------------------------------------------------
-    def _decode(self, context_lens, block_tables, slots, tokens, *, details: bool):
-        n = len(context_lens)
-        if not n == len(block_tables) == len(slots) or (tokens is not None and len(tokens) != n):
-            raise ValueError(f"{n} context lengths, {len(block_tables)} block tables, {len(slots)} slots and "
-                             f"{'no' if tokens is None else len(tokens)} tokens must match")
-        md = build_decode_metadata(context_lens, block_tables, bucket=self.engine.bucket_for(n), layout=self.layout,
-                                   max_blocks=self.max_blocks)
-        sampling = self.sampling_table.gather(slots, context_lens, rows=md.rows)
-        inputs = DecodeInputs(tokens=_padded_tokens(tokens, n, md.rows), sampling=sampling)
-        if details:
-            step = self.decode_steps[DECODE_DETAILS]
-            step.compile(self.params, self.state, md.rows)  # a no-op once compiled
-        else:  # pad rows are greedy: the program draws when a scheduled row does
-            step = self.decode_steps[DECODE_SAMPLED if np.any(sampling.temperature > 0) else DECODE_GREEDY]
-        outputs, self.state = step(self.params, self.state, inputs, md)
-        return outputs
-
-    def _prefill(self, prompt, prompt_len, table, params, seed, slot, resume_token, outputs: str):
-        if not 1 <= prompt_len <= len(prompt) <= self.engine.max_model_len:
-            raise ValueError(f"a prefill of {len(prompt)} tokens (prompt {prompt_len}) must be in [1, "
-                             f"max_model_len={self.engine.max_model_len}]")
-        tokens = next(t for t in self.prefill_lengths if t >= len(prompt))
-        md = build_prefill_metadata([len(prompt)], [table], rows=PREFILL_ROWS, tokens=tokens, layout=self.layout,
-                                    max_blocks=self.max_blocks, num_pages=self.engine.num_pages)
-        ids = np.zeros((PREFILL_ROWS, tokens), np.int32)
-        ids[0, : len(prompt)] = prompt
-        roles = np.full((PREFILL_ROWS, tokens), PAD, np.int32)
-        roles[0, :prompt_len] = PROMPT
-        roles[0, prompt_len: len(prompt)] = GENERATED
-        self.sampling_table.set(slot, params, seed)
-        inputs = PrefillInputs(tokens=ids, roles=roles, resume_tokens=np.array([resume_token], np.int32),
-                               sampling=self.sampling_table.gather([slot], [len(prompt)], rows=PREFILL_ROWS))
-        step = self.prefill_steps[outputs]
-        step.compile(self.params, self.state, md.bucket)  # a no-op once compiled (an engine compiles all first)
-        result, self.state = step(self.params, self.state, inputs, md)
-        return result
-
-
-def _start_copy_to_host(outputs):
-    """Queue the device-to-host copy of `outputs` now, so reading them later waits for the program only."""
-    for leaf in jax.tree.leaves(outputs):
-        leaf.copy_to_host_async()
-    return outputs
-
-
-def _padded_tokens(tokens, n: int, rows: int) -> np.ndarray:
-    out = np.full(rows, -1, np.int32)
-    if tokens is not None:
-        out[:n] = tokens
-    return out
 
 
 def _pad_axis(a: np.ndarray, axis: int, size: int, value) -> np.ndarray:

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dcp_jax.host.metadata import GENERATED, PROMPT
+
 # The most top logprobs a request may ask for (vLLM's default max_logprobs): every row gets this many.
 TOP_LOGPROBS = 20
 NEG_INF = float("-inf")
@@ -187,35 +189,24 @@ def _record(state: SamplerState, slots, tokens) -> SamplerState:
                                output_counts=state.output_counts.at[slots, tokens].add(1))
 
 
-def decode_inputs(state: SamplerState, tokens, slots):
-    """The decode step's input tokens [R]: a host token where one is given (>= 0), else the slot's last sampled
-    token (what the previous step sampled, still on the device)."""
+def row_tokens(state: SamplerState, tokens, slots):
+    """The step's input tokens [R]: a host token where one is given (>= 0), else the slot's last sampled token
+    (what an earlier step sampled, still on the device)."""
     return jnp.where(tokens >= 0, tokens, state.last_tokens[slots])
 
 
-def sample_decode(logits, sampling, state: SamplerState, *, draws: bool) -> tuple[SampledTokens, SamplerState]:
-    """Sample each decode row's next token from logits [R, A] and record it in its slot (`sample`'s draws)."""
+def add_history(state: SamplerState, tokens, roles, slots, fresh_slots) -> SamplerState:
+    """Before a step samples: the slots of `fresh_slots` [Q] start their requests' histories over (entries past the
+    last slot reset nothing), then each row's token [R] joins its slot's (slots [R]) as its role [R] says
+    (`metadata.PROMPT`: the prompt mask, `metadata.GENERATED`: the generated counts; other roles add nothing)."""
+    prompt_mask = state.prompt_mask.at[fresh_slots].set(False, mode="drop")
+    output_counts = state.output_counts.at[fresh_slots].set(0, mode="drop")
+    prompt_mask = prompt_mask.at[slots, tokens].max(roles == PROMPT)
+    output_counts = output_counts.at[slots, tokens].add((roles == GENERATED).astype(jnp.int32))
+    return dataclasses.replace(state, prompt_mask=prompt_mask, output_counts=output_counts)
+
+
+def sample_rows(logits, sampling, state: SamplerState, *, draws: bool) -> tuple[SampledTokens, SamplerState]:
+    """Sample each sampled row's next token from logits [Q, A] (`sample`'s draws) and record it in its slot."""
     out = _sample_rows(logits, sampling, state, draws)
     return out, _record(state, sampling.slots, out.tokens)
-
-
-def start_slots(state: SamplerState, tokens, roles, slots) -> SamplerState:
-    """Before a prefill samples: each row's slot holds its request's history from scratch. tokens / roles [R, T]
-    (roles: 0 pad, 1 prompt, 2 a generated token of a resumed request), slots [R]."""
-    vocab = state.prompt_mask.shape[-1]
-    rows = jnp.arange(tokens.shape[0])[:, None]
-    is_prompt, is_output = roles == 1, (roles == 2).astype(jnp.int32)
-    prompt_mask = jnp.zeros((tokens.shape[0], vocab), jnp.bool_).at[rows, tokens].max(is_prompt)
-    counts = jnp.zeros((tokens.shape[0], vocab), jnp.int32).at[rows, tokens].add(is_output)
-    return dataclasses.replace(state, prompt_mask=state.prompt_mask.at[slots].set(prompt_mask),
-                               output_counts=state.output_counts.at[slots].set(counts))
-
-
-def sample_prefill(logits, sampling, resume_tokens, state: SamplerState, *, draws: bool
-                   ) -> tuple[SampledTokens, SamplerState]:
-    """Sample each prefilled row's first token from its last position's logits [R, A] (`sample`'s draws); a resumed
-    request (its resume token >= 0: its last generated token, not yet fed) keeps that token as its next input
-    instead, and counts it."""
-    out = _sample_rows(logits, sampling, state, draws)
-    is_resumed = resume_tokens >= 0
-    return out, _record(state, sampling.slots, jnp.where(is_resumed, resume_tokens, out.tokens))

@@ -1,12 +1,13 @@
-"""The jitted, shard_mapped programs of one engine step: host-side checks, one transfer, one compiled program per
+"""The jitted, shard_mapped program of one engine step: host-side checks, one transfer, one compiled program per
 bucket, the device state donated.
 
-`DecodeStep` and `PrefillStep` wrap a per-rank body `body(params, state, inputs, md) -> (outputs, state)`, where
-`state` is the donated device state (the KV cache, and the sampler's for the model) and `md` the rank's view of the
-step's metadata (`rank_view`: each per-rank field loses its W axis). Every bucket is compiled once up front; a call
-never traces, and metadata of an unknown bucket or the wrong shape is refused on the host before anything reaches
-the device. The step dataclasses of `host/metadata.py` (numpy only) are registered as pytrees here; metadata fields
-marked per-rank are split over "dcp", everything else replicated.
+`StepProgram` wraps a per-rank body `body(params, state, inputs, md) -> (outputs, state)`, where `state` is the
+donated device state (the KV cache, and the sampler's for the model) and `md` the rank's view of the step's
+`StepMetadata` (`rank_view`: each per-rank field loses its W axis). A bucket is a row width R (decode rows and
+prefill-chunk tokens together); every bucket is compiled once up front; a call never traces, and metadata of an
+unknown bucket or the wrong shape is refused on the host before anything reaches the device. The step dataclasses
+of `host/metadata.py` (numpy only) are registered as pytrees here; metadata fields marked per-rank are split over
+"dcp", everything else replicated.
 One transfer a step: the host packs every array of (inputs, md) (all 4-byte types) into one int32 buffer, which the
 compiled call transfers, and the program slices them back out by static offsets before the shard_map (a device_put
 per array cost ~0.25 ms each).
@@ -15,20 +16,20 @@ per array cost ~0.25 ms each).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import (DecodeInputs, DecodeMetadata, PrefillInputs, PrefillMetadata, SamplingMetadata,
-                                   check_decode_metadata, check_prefill_metadata, field_names, is_per_rank)
+from dcp_jax.host.metadata import (SamplingMetadata, StepInputs, StepMetadata, check_step_metadata, field_names,
+                                   is_per_rank)
 from dcp_jax.model.kv_cache import KV_CACHE_SPECS
 from dcp_jax.model.mesh import PER_DCP_RANK, REPLICATED, sharding
 from dcp_jax.runtime.jaxpr_check import flat_indices_of, host_syncs, length_derivations
 
-for _cls in (DecodeMetadata, PrefillMetadata, SamplingMetadata, DecodeInputs, PrefillInputs):
+for _cls in (StepMetadata, SamplingMetadata, StepInputs):
     jax.tree_util.register_dataclass(_cls, data_fields=list(field_names(_cls)), meta_fields=[])
 
 
@@ -47,7 +48,7 @@ class Placed:
     """A step's inputs and metadata as one int32 buffer, for the program of `bucket`: on the devices, or a numpy
     array that the compiled call transfers."""
 
-    bucket: Hashable
+    bucket: int
     packed: jax.Array | np.ndarray
 
 
@@ -90,26 +91,26 @@ class _Packing:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-class BucketedStep:
-    """One compiled program per bucket of a per-rank body, shard_mapped over the mesh; the device state is donated.
+class StepProgram:
+    """One compiled program per bucket (row width R) of a per-rank body, shard_mapped over the mesh; the device
+    state is donated. The positions and global lengths of `StepMetadata` (`GLOBAL_FIELDS`) must reach nothing but
+    RoPE (`length_derivations`)."""
 
-    Subclasses say what a bucket is: `bucket_of(md)`, `metadata_dims(bucket)`, `check(md)` and `GLOBAL_FIELDS`, the
-    metadata fields that must reach nothing but RoPE (`length_derivations`)."""
+    GLOBAL_FIELDS = ("positions", "context_lens")
 
-    METADATA: type
-    GLOBAL_FIELDS: tuple[str, ...]
-
-    def __init__(self, body: Callable, mesh: Mesh, *, buckets: Iterable[Hashable], num_pages: int, param_specs,
-                 input_specs, output_specs, input_shapes: Callable[[Hashable], object], state_specs=KV_CACHE_SPECS):
-        """`body(params, state, inputs, md)` per rank, with `md` the rank's view; `input_shapes(bucket)` gives the
-        inputs' ShapeDtypeStructs; `state_specs` the donated state's PartitionSpecs (default: a KV cache alone);
-        `num_pages` the KV pool's pages (the page check)."""
+    def __init__(self, body: Callable, mesh: Mesh, *, buckets: Iterable[int], seqs_for: Callable[[int], int],
+                 layout: DcpLayout, max_blocks: int, num_pages: int, param_specs, input_specs, output_specs,
+                 input_shapes: Callable[[int], object], state_specs=KV_CACHE_SPECS):
+        """`body(params, state, inputs, md)` per rank, with `md` the rank's view; `seqs_for(rows)` the sequence
+        width of a bucket; `input_shapes(rows)` gives the inputs' ShapeDtypeStructs; `state_specs` the donated
+        state's PartitionSpecs (default: a KV cache alone); `num_pages` the KV pool's pages (the page check)."""
         self.mesh = mesh
-        self.num_pages = num_pages
+        self.layout, self.max_blocks, self.num_pages = layout, max_blocks, num_pages
         self.buckets = tuple(buckets)
+        self._seqs = {rows: seqs_for(rows) for rows in self.buckets}
         self._input_shapes = input_shapes
         self._param_shardings = jax.tree.map(lambda spec: sharding(mesh, spec), param_specs)
-        specs = metadata_specs(self.METADATA)
+        specs = metadata_specs(StepMetadata)
         self._md_shardings = jax.tree.map(lambda spec: sharding(mesh, spec), specs)
 
         def per_rank(params, state, inputs, md):
@@ -127,28 +128,26 @@ class BucketedStep:
 
         self._jitted = jax.jit(packed_program, static_argnums=(3,), donate_argnums=(1,))
         self._replicated = sharding(mesh, REPLICATED)
-        self._lowered: dict[Hashable, object] = {}
-        self._compiled: dict[Hashable, object] = {}
-        self._packings: dict[Hashable, _Packing] = {}
+        self._lowered: dict[int, object] = {}
+        self._compiled: dict[int, object] = {}
+        self._packings: dict[int, _Packing] = {}
 
-    # ---- what a subclass defines ---------------------------------------------------------------------------
-    def bucket_of(self, md) -> Hashable:
-        raise NotImplementedError
-
-    def metadata_dims(self, bucket) -> dict[str, tuple[int, ...]]:
-        raise NotImplementedError
+    def metadata_dims(self, rows: int) -> dict[str, tuple[int, ...]]:
+        w = self.layout.dcp_size
+        return dict(positions=(rows,), context_lens=(rows,), local_context_lens=(w, rows), slot_mapping=(w, rows),
+                    block_tables=(self._seqs[rows], self.max_blocks), query_seqs=(rows,))
 
     def check(self, md) -> None:
-        raise NotImplementedError
+        check_step_metadata(md, buckets=self._seqs, layout=self.layout, max_blocks=self.max_blocks,
+                            num_pages=self.num_pages)
 
-    # ---- shared machinery ----------------------------------------------------------------------------------
     def place_params(self, params):
         """Params in the step's sharding (heads split over TP ranks), so no call reshards them."""
         return jax.device_put(params, self._param_shardings)
 
     def metadata_shapes(self, bucket):
         """The metadata of `bucket` as ShapeDtypeStructs in the step's sharding."""
-        return self.METADATA(**{name: jax.ShapeDtypeStruct(shape, np.int32, sharding=getattr(self._md_shardings, name))
+        return StepMetadata(**{name: jax.ShapeDtypeStruct(shape, np.int32, sharding=getattr(self._md_shardings, name))
                                 for name, shape in self.metadata_dims(bucket).items()})
 
     def _abstract_args(self, params, state, bucket):
@@ -202,7 +201,7 @@ class BucketedStep:
     def pack_inputs(self, inputs, md) -> Placed:
         """Check host metadata `md` and pack it with the inputs into one host buffer, with its bucket."""
         self.check(md)
-        bucket = self.bucket_of(md)
+        bucket = md.rows
         if bucket not in self._compiled:
             raise ValueError(f"bucket {bucket} is not compiled; call compile() for every bucket at start-up")
         return Placed(bucket, self._packing(bucket).pack((inputs, md)))
@@ -220,50 +219,3 @@ class BucketedStep:
         """Check `md` on the host, pack it with the inputs, run the bucket's program: the compiled call transfers
         the one buffer (in its C++ dispatch, cheaper than a device_put before it)."""
         return self.run_placed(params, state, self.pack_inputs(inputs, md))
-
-
-class DecodeStep(BucketedStep):
-    """One compiled decode program per bucket width R (`DecodeMetadata`)."""
-
-    METADATA = DecodeMetadata
-    GLOBAL_FIELDS = ("positions", "context_lens")
-
-    def __init__(self, body: Callable, mesh: Mesh, *, buckets: Iterable[int], layout: DcpLayout, max_blocks: int,
-                 **kwargs):
-        self.layout, self.max_blocks = layout, max_blocks
-        super().__init__(body, mesh, buckets=buckets, **kwargs)
-
-    def bucket_of(self, md: DecodeMetadata) -> int:
-        return md.rows
-
-    def metadata_dims(self, rows: int) -> dict[str, tuple[int, ...]]:
-        w = self.layout.dcp_size
-        return dict(positions=(rows,), context_lens=(rows,), local_context_lens=(w, rows), slot_mapping=(w, rows),
-                    block_tables=(rows, self.max_blocks))
-
-    def check(self, md) -> None:
-        check_decode_metadata(md, buckets=self.buckets, layout=self.layout, max_blocks=self.max_blocks,
-                              num_pages=self.num_pages)
-
-
-class PrefillStep(BucketedStep):
-    """One compiled prefill program per bucket (R prompts, T tokens) (`PrefillMetadata`)."""
-
-    METADATA = PrefillMetadata
-    GLOBAL_FIELDS = ("positions",)
-
-    def __init__(self, body: Callable, mesh: Mesh, *, buckets: Iterable[tuple[int, int]], layout: DcpLayout,
-                 **kwargs):
-        self.layout = layout
-        super().__init__(body, mesh, buckets=buckets, **kwargs)
-
-    def bucket_of(self, md: PrefillMetadata) -> tuple[int, int]:
-        return md.bucket
-
-    def metadata_dims(self, bucket: tuple[int, int]) -> dict[str, tuple[int, ...]]:
-        rows, tokens = bucket
-        return dict(positions=(rows, tokens), slot_mapping=(self.layout.dcp_size, rows, tokens),
-                    logits_indices=(rows,))
-
-    def check(self, md) -> None:
-        check_prefill_metadata(md, buckets=self.buckets, layout=self.layout, num_pages=self.num_pages)

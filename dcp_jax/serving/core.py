@@ -1,17 +1,18 @@
-"""The serving core that `Engine` and `LLM` share: one step is schedule -> dispatch the prefills and the decode step
-(sampling runs on the device) -> read the tokens of the previous step -> scheduler update.
+"""The serving core that `Engine` and `LLM` share: one step is schedule -> dispatch the step's program (decode rows
+and prefill chunks together; sampling runs on the device) -> read the tokens of the previous step -> scheduler
+update.
 
 `ServingCore` owns the `Scheduler` and drives the `ModelRunner`. It validates requests (ValueError before anything
 is queued), gives each its seed, and records each token, its logprobs and the prompt logprobs on the request itself,
 so its callers only read requests: `Engine` streams their deltas from a thread, `LLM` returns them when all are
 done.
-Asynchronous scheduling (the default): a step dispatches its programs, then reads what the previous step sampled
-while the device runs them; the new decode rows feed the previous step's tokens on the device (each request's
-sampler slot keeps its last one), so nothing waits for the host. A stop found one step late (EOS, a stop string)
-drops the extra token the request sampled meanwhile; stops by length are known ahead and cost nothing. Outputs
-equal the synchronous core's (`async_scheduling=False`, which reads each step's tokens before returning): every
-draw depends only on its request's seed and position.
-A request that fails while its tokens are applied fails alone. The programs donate the device state: when one
+Asynchronous scheduling (the default): a step dispatches its program, then reads what the previous step sampled
+while the device runs it; decode rows feed the previous step's tokens on the device (each request's sampler slot
+keeps its last one), so nothing waits for the host. A stop found one step late (EOS, a stop string) drops the
+extra token the request sampled meanwhile; stops by length are known ahead and cost nothing. Outputs equal the
+synchronous core's (`async_scheduling=False`, which reads each step's tokens before returning): every draw depends
+only on its request's seed and position.
+A request that fails while its tokens are applied fails alone. The program donates the device state: when it
 raises after consuming it, the state is reallocated and every running request (whose context it held) fails; the
 waiting ones go on.
 """
@@ -25,10 +26,13 @@ import time
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
+from dcp_jax.host.metadata import GENERATED, PROMPT, ScheduledRows
 from dcp_jax.host.sampling import SamplingParams, TokenLogprob, request_seed
-from dcp_jax.runtime import sampler
 from dcp_jax.host.scheduler import Request, Scheduler
+from dcp_jax.runtime import sampler
+from dcp_jax.runtime.runner import step_variant
 from dcp_jax.serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
@@ -36,12 +40,13 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class _Dispatched:
-    """A dispatched program whose tokens the host has not read: its outputs on the device, and the request of each
-    row (None: a row whose token is not used, the prefill of a resumed request)."""
+    """A dispatched step whose tokens the host has not read: its outputs on the device, the request of each
+    sampled token in order, and the prefill chunks whose prompt logprobs it computed: (request, the chunk's first
+    position, its rows, its first row)."""
 
-    requests: list[Request | None]
-    outputs: object  # SampledTokens, or (SampledTokens, PromptLogprobs)
-    with_prompt_logprobs: bool = False
+    samplers: list[Request]
+    outputs: object  # SampledTokens packed, or (that, PromptLogprobs)
+    logprob_chunks: list[tuple[Request, int, int, int]]
 
 
 class ServingCore:
@@ -93,28 +98,22 @@ class ServingCore:
 
     # ---- one step ---------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Schedule; dispatch the admitted requests' prefills (one program each) and the batch's decode step; read
-        the tokens of the previous step (asynchronous) or of this one. Returns the requests this step touched
-        (admitted, decoded or given tokens), in order."""
-        sched = self.scheduler
-        plan = sched.schedule()
+        """Schedule; dispatch the step's decode rows and prefill chunks (one program); read the tokens of the
+        previous step (asynchronous) or of this one. Returns the requests this step touched (scheduled, or given
+        tokens), in order."""
+        plan = self.scheduler.schedule()
         if plan.preempted:
             self.metrics.on_preempt(len(plan.preempted))
         dispatched = []
-        for i, request in enumerate(plan.prefills):
+        if plan.scheduled:
             try:
-                dispatched.append(self._dispatch_prefill(request))
-            except Exception as e:  # this request only, unless the program consumed the device state
-                log.exception("prefill of %s failed", request.request_id)
-                self._after_device_fault([request], f"prefill failed: {e}", not_cached=plan.prefills[i + 1:])
-        rows = sched.decode_rows(plan)
-        if rows:
-            try:
-                dispatched.append(self._dispatch_decode(rows))
-            except Exception as e:
-                log.exception("decode step failed")
-                self._after_device_fault(rows, f"decode failed: {e}")
-        touched = [*plan.prefills, *plan.decodes]
+                step = self._dispatch(plan.scheduled)
+                if step is not None:
+                    dispatched.append(step)
+            except Exception as e:  # the step's requests, and every running one if the program consumed the state
+                log.exception("step failed")
+                self._after_device_fault([r for r, _ in plan.scheduled], f"step failed: {e}")
+        touched = [r for r, _ in plan.scheduled]
         if self.async_scheduling:
             previous, self._in_flight = self._in_flight, dispatched
             touched += self._read(previous)
@@ -131,31 +130,66 @@ class ServingCore:
         return live
 
     def _forget_in_flight(self) -> None:
-        """Drop the dispatched programs not read yet (their outputs are lost): their requests expect no token from
+        """Drop the dispatched steps not read yet (their outputs are lost): their requests expect no token from
         them (a preempted one resamples it, at the same position and so the same draw, when readmitted)."""
         for d in self._in_flight:
-            for request in d.requests:
-                if request is not None:
-                    request.num_pending = 0
+            for request in d.samplers:
+                request.num_pending = 0
         self._in_flight = []
 
-    def _dispatch_prefill(self, request: Request) -> _Dispatched:
-        resumed = request.is_resumed
-        want = request.num_prompt_logprobs is not None and not resumed
-        outputs = self.runner.dispatch_prefill(
-            request.prefill_ids, len(request.prompt_ids), request.pages, request.params, request.seed, request.slot,
-            resume_token=request.output_ids[-1] if resumed else -1, prompt_logprobs=want)
-        if resumed:  # recompute after preemption: its next token is already known
-            return _Dispatched([None], outputs)
-        self.scheduler.mark_dispatched(request)
-        return _Dispatched([request], outputs, with_prompt_logprobs=want)
+    def _dispatch(self, scheduled: Sequence[tuple[Request, int]]) -> _Dispatched | None:
+        """One step: decode rows (one numpy gather of their tables) then prefill chunks; marks them dispatched. A
+        request whose chunk fails to build fails alone and stays out of the step (None: nothing left to run)."""
+        sched, runner = self.scheduler, self.runner
+        decodes = [r for r, _ in scheduled if not r.is_prefilling]
+        parts = []
+        if decodes:
+            parts.append(ScheduledRows.decode([r.slot for r in decodes], [r.context_len for r in decodes],
+                                              sched.block_tables_of(decodes)))
+        samplers, logprob_chunks, row = list(decodes), [], len(decodes)
+        chunks = []
+        for request, n in scheduled:
+            if not request.is_prefilling:
+                continue
+            try:
+                parts.append(self._chunk_rows(request, n))
+            except Exception as e:
+                log.exception("building the prefill chunk of %s failed", request.request_id)
+                self.scheduler.fail(request, f"prefill failed: {e}")
+                continue
+            chunks.append((request, n))
+            if sched.samples(request, n):
+                samplers.append(request)
+            first = request.num_computed
+            if (request.num_prompt_logprobs is not None and not request.output_ids  # a resumed one has them
+                    and first < len(request.prompt_ids) - 1):
+                logprob_chunks.append((request, first, n, row))
+            row += n
+        if not parts:
+            return None
+        variant = step_variant([r.params for r in samplers], prompt_logprobs=bool(logprob_chunks))
+        outputs = runner.dispatch(ScheduledRows.concat(parts), variant)
+        for request, n in [*((r, 1) for r in decodes), *chunks]:
+            sched.mark_dispatched(request, n)
+        return _Dispatched(samplers, outputs, logprob_chunks)
 
-    def _dispatch_decode(self, rows: list[Request]) -> _Dispatched:
-        outputs = self.runner.dispatch_decode([r.context_len for r in rows], self.scheduler.decode_block_tables(rows),
-                                              [r.slot for r in rows])
-        for request in rows:
-            self.scheduler.mark_dispatched(request)
-        return _Dispatched(list(rows), outputs)
+    def _chunk_rows(self, request: Request, n: int) -> ScheduledRows:
+        """The rows of the next prefill chunk of `request`, [first, first + n): prompt tokens, then (resumed)
+        generated ones. Its first chunk sets its slot's sampling parameters."""
+        first = request.num_computed
+        if first == 0:
+            self.runner.set_sampling(request.slot, request.params, request.seed)
+        ids = request.prefill_ids
+        prompt_len = len(request.prompt_ids)
+        positions = np.arange(first, first + n)
+        end = first + n
+        return ScheduledRows(
+            slots=np.array([request.slot], np.int32), context_lens=np.array([end], np.int32),
+            num_queries=np.array([n], np.int32), block_tables=self.scheduler.block_tables_of([request]),
+            tokens=np.asarray(ids[first:end], np.int32),
+            roles=np.where(positions < prompt_len, PROMPT, GENERATED).astype(np.int32),
+            next_tokens=np.asarray(ids[first + 1:end + 1] + [-1] * (end == len(ids)), np.int32),
+            is_fresh=np.array([first == 0]), samples=np.array([end == request.prefill_len]))
 
     def _read(self, dispatched: list[_Dispatched]) -> list[Request]:
         """Wait for the tokens of `dispatched` and apply them in dispatch order; returns their requests."""
@@ -164,19 +198,18 @@ class ServingCore:
             try:
                 host = jax.device_get(d.outputs)
             except Exception as e:  # an asynchronous failure of the program surfaces here
-                log.exception("a dispatched program failed")
-                self._after_device_fault([r for r in d.requests if r is not None and not r.is_finished],
-                                         f"step failed: {e}")
+                log.exception("a dispatched step failed")
+                self._after_device_fault([r for r in d.samplers if not r.is_finished], f"step failed: {e}")
                 continue
-            packed, prompt_lps = host if d.with_prompt_logprobs else (host, None)
+            packed, prompt_lps = host if d.logprob_chunks else (host, None)
+            for request, first, n, row in d.logprob_chunks:
+                self._record_prompt_logprobs(request, prompt_lps, first, n, row)
             sampled = sampler.unpack(packed)
             tokens = sampled.tokens.tolist()
             counted = 0
-            for row, request in enumerate(d.requests):
-                if request is None:
-                    continue
+            for row, request in enumerate(d.samplers):
                 try:
-                    counted += self._apply(request, tokens[row], sampled, row, prompt_lps)
+                    counted += self._apply(request, tokens[row], sampled, row)
                 except Exception as e:
                     log.exception("applying the token of %s failed", request.request_id)
                     self.scheduler.fail(request, f"token handling failed: {e}")
@@ -185,9 +218,23 @@ class ServingCore:
                 self.metrics.on_tokens(counted)
         return applied
 
-    def _apply(self, request: Request, token: int, sampled, row: int, prompt_lps) -> bool:
-        """Record `token`, row `row`'s, for `request`: logprobs, prompt logprobs, the first token's time, then the
-        scheduler. False for a token sampled past the request's end (it stopped at the step before)."""
+    @staticmethod
+    def _record_prompt_logprobs(request: Request, lps, first: int, n: int, row: int) -> None:
+        """The prompt logprobs of chunk [first, first + n) of `request`, whose rows start at `row`: the row at
+        position p gives prompt token p + 1's (position 0's is None: nothing precedes it)."""
+        if request.is_finished:
+            return
+        if first == 0:
+            request.prompt_logprobs = [None]
+        prompt, top_n = request.prompt_ids, request.num_prompt_logprobs
+        for p in range(first, min(first + n, len(prompt) - 1)):
+            r = row + p - first
+            request.prompt_logprobs.append(TokenLogprob.of(prompt[p + 1], lps.logprobs[r], lps.top_ids[r],
+                                                           lps.top_logprobs[r], top_n))
+
+    def _apply(self, request: Request, token: int, sampled, row: int) -> bool:
+        """Record `token`, row `row`'s, for `request`: logprobs, the first token's time, then the scheduler. False
+        for a token sampled past the request's end (it stopped at the step before)."""
         if request.is_finished:
             self.scheduler.append_token(request, token)
             return False
@@ -195,22 +242,16 @@ class ServingCore:
             request.logprobs.append(TokenLogprob.of(token, sampled.logprobs[row], sampled.top_ids[row],
                                                     sampled.top_logprobs[row], request.params.logprobs,
                                                     text_offset=len(request.text)))
-        if prompt_lps is not None:
-            prompt, n = request.prompt_ids, request.num_prompt_logprobs
-            request.prompt_logprobs = [None] + [
-                TokenLogprob.of(prompt[p], prompt_lps.logprobs[row, p - 1], prompt_lps.top_ids[row, p - 1],
-                                prompt_lps.top_logprobs[row, p - 1], n) for p in range(1, len(prompt))]
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
             self.metrics.on_first_token(request.first_token_time - request.arrival_time)
         self.scheduler.append_token(request, token)
         return True
 
-    def _after_device_fault(self, failed: list[Request], error: str, not_cached: Sequence[Request] = ()) -> None:
+    def _after_device_fault(self, failed: list[Request], error: str) -> None:
         """A compiled call raised: fail `failed`. When the call consumed the donated device state, allocate a fresh
-        one and fail every running request whose context it held too (all but `not_cached`: admitted this step,
-        not prefilled yet), and forget what was in flight (its outputs died with the state); waiting requests hold
-        no KV and go on."""
+        one and fail every running request whose context it held too, and forget what was in flight (its outputs
+        died with the state); waiting requests hold no KV and go on."""
         lost = not self.runner.kv_cache_is_usable()
         if lost:
             log.error("the failed call consumed the device state: reallocating it, failing the running requests")
@@ -220,6 +261,6 @@ class ServingCore:
         for request in failed:
             self.scheduler.fail(request, error)
         if lost:
-            for request in [r for r in self.scheduler.running if r not in not_cached]:
+            for request in list(self.scheduler.running):
                 self.scheduler.fail(request, error)
             self._forget_in_flight()

@@ -1,8 +1,8 @@
 """The serving engine: the shared `ServingCore` stepped by a background thread, with a stream per request.
 
 `Engine` owns the core (the model runner with the paged DCP KV pool and the compiled programs, and the
-`Scheduler`) and a thread that runs the loop. Every decode bucket and every prefill length is compiled at
-start-up (one tqdm bar), so serving never traces; `compiles_after_warmup` counts any compile that happens anyway.
+`Scheduler`) and a thread that runs the loop. Every bucket of the step program is compiled at start-up (one tqdm
+bar), so serving never traces; `compiles_after_warmup` counts any compile that happens anyway.
 Requests come in from any thread through `add_request` (validated at once, ValueError before anything is queued)
 and `abort`; each request streams `StreamEvent`s (token and text deltas, logprobs, finish reason) into its own
 sink. A request that fails fails alone; the loop goes on. A stopped engine refuses new requests
@@ -21,9 +21,10 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from dcp_jax.config import DEFAULT_BUCKETS
+from dcp_jax.config import DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.host.scheduler import Request, RequestStatus, Scheduler
+from dcp_jax.runtime.forward import GREEDY, PROMPT_LOGPROBS, SAMPLED
 from dcp_jax.serving.core import ServingCore
 from dcp_jax.serving.loading import load_model
 from dcp_jax.serving.metrics import ServingMetrics
@@ -61,7 +62,8 @@ class Engine:
 
     model: a preset name (random weights; `tiny` is the embedded default) or a HF checkpoint directory.
     max_model_len: None takes the model's max_position_embeddings, capped by what the KV pool holds.
-    prompt_logprobs: also compile the all-positions prefill, so requests may ask for prompt logprobs (echo).
+    prompt_logprobs: also compile the programs that return every row's logprobs, so requests may ask for prompt
+    logprobs (echo).
     index_cache: the indexer key cache, "exact" (model dtype, HF's math) or "fp8" (e4m3 keys and an f32 scale per
     token, scored with fp8 queries).
     latent_cache: the MLA latent cache, "exact" (the pool's dtype) or "fp8" (656 B/token at DeepSeek's sizes: e4m3
@@ -71,17 +73,16 @@ class Engine:
     num_pages None: what fits gpu_memory_utilization of the GPU's memory after the weights (CPU: max_num_seqs
     requests of max_model_len).
     async_scheduling: dispatch each step before reading the previous one's tokens (`core.py`).
-    prefill_lengths: the padded prompt lengths compiled (one prefill program each; default powers of two).
+    max_num_batched_tokens: rows of one step at most: its decode rows and prefill-chunk tokens (vLLM's name).
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
                  page_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
                  max_model_len: int | None = None, bucket_ladder: Sequence[int] = DEFAULT_BUCKETS,
-                 max_prefills_per_step: int = 4, kernels: str = "auto", seed: int = 0, num_layers: int | None = None,
-                 index_cache: str = "exact", latent_cache: str = "exact", dtype: str = "auto",
-                 gpu_memory_utilization: float = 0.9, async_scheduling: bool = True, prompt_logprobs: bool = True,
-                 prefill_lengths: Sequence[int] | None = None, compilation_cache_dir: str | None = None,
-                 progress: bool = True):
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, kernels: str = "auto", seed: int = 0,
+                 num_layers: int | None = None, index_cache: str = "exact", latent_cache: str = "exact",
+                 dtype: str = "auto", gpu_memory_utilization: float = 0.9, async_scheduling: bool = True,
+                 prompt_logprobs: bool = True, compilation_cache_dir: str | None = None, progress: bool = True):
         import jax
 
         if compilation_cache_dir:
@@ -92,12 +93,12 @@ class Engine:
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len, bucket_ladder=bucket_ladder,
                             kernels=kernels, seed=seed, num_layers=num_layers, index_cache=index_cache,
                             latent_cache=latent_cache, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                            prefill_lengths=prefill_lengths)
+                            max_num_batched_tokens=max_num_batched_tokens)
         self.model_name, self.dtype = loaded.name, loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
         self.scheduler = Scheduler(self.engine_config, self.runner.layout, eos_token_id=self.model_config.eos_token_id,
-                                   new_detokenizer=self.tokenizer.new_detokenizer, max_prefills_per_step=max_prefills_per_step)
+                                   new_detokenizer=self.tokenizer.new_detokenizer)
         self.metrics = ServingMetrics(self._gauges)
         self.core = ServingCore(self.runner, self.scheduler, vocab_size=self.model_config.vocab_size, seed=seed,
                                 has_prompt_logprobs=prompt_logprobs, metrics=self.metrics,
@@ -121,11 +122,12 @@ class Engine:
 
     # ---- start-up ---------------------------------------------------------------------------------------
     def warmup(self, *, progress: bool = True) -> None:
-        """Compile every decode bucket and every prefill length (and the all-logits prefill when prompt
-        logprobs are on) once, so no request ever waits for a compile."""
+        """Compile every bucket's greedy and drawing programs (and the prompt-logprobs ones when they are on) once,
+        so no request ever waits for a compile."""
         from tqdm import tqdm
 
-        work = self.runner.programs(prompt_logprobs=self.core.has_prompt_logprobs)
+        work = self.runner.programs((GREEDY, SAMPLED, PROMPT_LOGPROBS) if self.core.has_prompt_logprobs
+                                    else (GREEDY, SAMPLED))
         begin = time.monotonic()
         # A bar on a terminal only (disable=None); a log line a program elsewhere.
         bar = tqdm(work, desc="compiling buckets", unit="program", disable=None if progress else True)

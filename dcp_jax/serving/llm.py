@@ -1,10 +1,11 @@
 """The offline API, vLLM-style: `LLM(model=path_or_preset, dcp=N, ...)` and `LLM.generate(...)`.
 
 `LLM` steps the same `ServingCore` as the serving engine, without a thread or streams: the same validation,
-admission (first come first served while a batch slot and the pages of the prefill plus the first decode token
-are free), page growth and preemption, sampling and stop rules (EOS and stop token ids end the generation and stay
-out of the text, stop strings cut it). Each step prefills the admitted requests, then every running request
-decodes one token in the smallest bucket that holds them.
+admission (first come first served while a batch slot, the token budget and the pages of the first prefill chunk
+are free), chunked prefill, page growth and preemption, sampling and stop rules (EOS and stop token ids end the
+generation and stay out of the text, stop strings cut it). Each step runs every running request's decode row and
+prefill chunks up to `max_num_batched_tokens` rows, in the smallest bucket that holds them; programs compile at
+their first use.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from dcp_jax.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.host.scheduler import Request, Scheduler
-from dcp_jax.runtime.runner import decode_variants_for
 from dcp_jax.serving.core import ServingCore
 from dcp_jax.serving.loading import load_model
 
@@ -53,24 +54,26 @@ class LLM:
     dtype: "auto" (the checkpoint's; bfloat16 for presets), "bfloat16" or "float32".
     num_pages None: what fits gpu_memory_utilization of the GPU's memory after the weights (CPU: max_num_seqs
     requests of max_model_len).
+    max_num_batched_tokens: rows of one step at most (decode rows and prefill-chunk tokens; vLLM's name).
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
                  max_num_seqs: int = 8, max_model_len: int | None = None, page_size: int = 16,
                  num_pages: int | None = None, kernels: str = "auto", seed: int = 0, num_layers: int | None = None,
                  index_cache: str = "exact", latent_cache: str = "exact", dtype: str = "auto",
-                 gpu_memory_utilization: float = 0.9, async_scheduling: bool = True):
+                 gpu_memory_utilization: float = 0.9, async_scheduling: bool = True,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
         loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len, kernels=kernels, seed=seed,
                             num_layers=num_layers, index_cache=index_cache, latent_cache=latent_cache, dtype=dtype,
-                            gpu_memory_utilization=gpu_memory_utilization)
+                            gpu_memory_utilization=gpu_memory_utilization,
+                            max_num_batched_tokens=max_num_batched_tokens)
         self.dtype = loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
         scheduler = Scheduler(self.engine_config, self.runner.layout, eos_token_id=self.model_config.eos_token_id,
-                              new_detokenizer=self.tokenizer.new_detokenizer, max_prefills_per_step=self.engine_config.max_num_seqs)
-        # Programs compile when first needed: the decode ones a generate call's parameters take before it steps,
-        # the prefill ones at their first use (an engine compiles them all at start-up).
+                              new_detokenizer=self.tokenizer.new_detokenizer)
+        # Programs compile at their first use (an engine compiles them all at start-up).
         self.core = ServingCore(self.runner, scheduler, vocab_size=self.model_config.vocab_size, seed=seed,
                                 has_prompt_logprobs=False, async_scheduling=async_scheduling)
 
@@ -86,7 +89,6 @@ class LLM:
             from tqdm import tqdm
 
             progress = tqdm(total=len(requests), desc="Processed prompts", unit="req", disable=None)  # a terminal only
-        self.runner.compile_decode(decode_variants_for([r.params for r in requests]))
         try:
             for r in requests:
                 self.core.add(r)

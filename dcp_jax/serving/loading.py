@@ -7,8 +7,8 @@ import logging
 import os
 from collections.abc import Sequence
 
-from dcp_jax.config import (DEFAULT_BUCKETS, KERNEL_CHOICES, PRESETS, EngineConfig, ModelConfig, ParallelConfig,
-                            preset, resolve_dtype)
+from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, KERNEL_CHOICES, PRESETS, EngineConfig,
+                            ModelConfig, ParallelConfig, preset, resolve_dtype)
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.serving.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -97,7 +97,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
                max_model_len: int | None = None, bucket_ladder: Sequence[int] = DEFAULT_BUCKETS,
                kernels: str = "auto", seed: int = 0, num_layers: int | None = None, index_cache: str = "exact",
                latent_cache: str = "exact", dtype: str = "auto", gpu_memory_utilization: float = 0.9,
-               prefill_lengths: Sequence[int] | None = None) -> LoadedModel:
+               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> LoadedModel:
     """Validate the arguments, then load weights (an HF directory) or draw random ones (a preset), placed on a
     (tp/dcp, dcp) mesh; on CPU `tp` simulated devices are used. `dtype` (`config.DTYPE_CHOICES`): the weights',
     activations' and exact caches' dtype; auto is the checkpoint's (bfloat16 for presets). `max_model_len` None:
@@ -105,14 +105,17 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     gpu_memory_utilization of a GPU's memory after the weights (`pool_pages_from_memory`), else (no memory
     statistics: CPU) max_num_seqs requests of max_model_len. Index keys in format `index_cache`
     (`config.INDEX_CACHE_FORMATS`), latents in format `latent_cache` (`config.LATENT_CACHE_FORMATS`). `num_layers`
-    keeps only the first decoder layers (of a preset or of the checkpoint); `prefill_lengths` the padded prompt
-    lengths, one prefill program each (default: powers of two up to max_model_len)."""
+    keeps only the first decoder layers (of a preset or of the checkpoint); `max_num_batched_tokens` the rows (decode
+    rows and prefill-chunk tokens) of a step at most (`EngineConfig`)."""
     parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave)
     layout = DcpLayout(parallel.dcp, parallel.interleave, page_size)
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernels {kernels!r}; choose from {KERNEL_CHOICES}")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+    if not max_num_seqs <= max_num_batched_tokens:
+        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs={max_num_seqs} "
+                         f"(every running request may decode in one step)")
     is_dir = os.path.isdir(model)
     if not is_dir and model not in PRESETS:
         raise ValueError(f"model {model!r} is neither a directory nor a preset {sorted(PRESETS)}")
@@ -151,7 +154,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     if num_pages is None:
         num_pages = max_num_seqs * int(layout.virtual_blocks(max_model_len))
     engine = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
-                          max_model_len=max_model_len, bucket_ladder=tuple(bucket_ladder), index_cache=index_cache,
+                          max_model_len=max_model_len, bucket_ladder=tuple(bucket_ladder),
+                          max_num_batched_tokens=max_num_batched_tokens, index_cache=index_cache,
                           latent_cache=latent_cache)
     log.info("max_model_len %d, %d KV pages (%d tokens), dtype %s", max_model_len, num_pages,
              num_pages * layout.tokens_per_block, dtype)
@@ -161,8 +165,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
         parallel=parallel,
         engine=engine,
         tokenizer=load_tokenizer(model if is_dir else None, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id),
-        runner=ModelRunner(cfg, params, parallel, engine, mesh, kernel_backend(kernels), dtype=jnp.dtype(dtype),
-                           lengths=prefill_lengths),
+        runner=ModelRunner(cfg, params, parallel, engine, mesh, kernel_backend(kernels), dtype=jnp.dtype(dtype)),
         backend=jax.default_backend(),
         dtype=dtype,
     )

@@ -20,7 +20,7 @@ from dcp_jax.config import ParallelConfig, preset
 from dcp_jax.model.kv_cache import allocate_kv_cache
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import build_decode_metadata
+from dcp_jax.host.metadata import build_step_metadata
 from dcp_jax.model.deepseek_v32 import abstract_model, init_params
 from pallas_kernels import Fp8LatentCache
 
@@ -95,7 +95,7 @@ def test_dcp_halves_per_rank_kv_and_doubles_capacity(smoke):
 
 @pytest.mark.parametrize("index_cache", ["exact", "fp8"])
 def test_the_staged_variant_of_the_whole_layer_is_the_real_step(index_cache):
-    """Guards the breakdown against drift: staged_decode_body(through="mlp") must compute decode_body exactly,
+    """Guards the breakdown against drift: staged_decode_body(through="mlp") must compute step_body exactly,
     so its truncations cut the real data flow (with either index cache, on a pool filled in its format)."""
     cfg = preset("tiny", num_layers=1)
     parallel = ParallelConfig(tp=2, dcp=2, interleave=2)
@@ -108,7 +108,7 @@ def test_the_staged_variant_of_the_whole_layer_is_the_real_step(index_cache):
     max_blocks = engine.max_blocks_per_seq(2)
     lens = [48, 5, 17, 30]
     tables = decode_bench.block_tables_for(4, 48, dcp=2, page_size=4, max_blocks=max_blocks)
-    md = build_decode_metadata(lens, tables, bucket=4, layout=DcpLayout(2, 2, 4), max_blocks=max_blocks)
+    md = build_step_metadata(lens, [1] * 4, tables, rows=4, seqs=4, layout=DcpLayout(2, 2, 4), max_blocks=max_blocks)
     tokens = np.array([3, 7, 11, 500], np.int32)
     logits = {}
     for variant in ("host", "through_mlp", "through_merge"):

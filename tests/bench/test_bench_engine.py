@@ -12,7 +12,8 @@ from bench.bench_engine import PHASES
 from dcp_jax import cli
 
 SMOKE = ["bench", "engine", "--preset", "tiny", "--num-layers", "1", "--batches", "1,2", "--contexts", "24",
-         "--steps", "3", "--dtype", "float32", "--kernels", "reference", "--page-size", "4", "--trace-steps", "2"]
+         "--steps", "3", "--dtype", "float32", "--kernels", "reference", "--page-size", "4", "--trace-steps", "2",
+         "--max-num-batched-tokens", "32"]
 
 
 def test_engine_bench_reports_every_point_with_its_bare_step_and_host_phases(tmp_path):

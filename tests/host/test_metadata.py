@@ -1,5 +1,6 @@
-"""dcp_jax/host/metadata.py: the builders' padding and per-rank fields (re-derived from the layout here, the one
-place that does it), and the structural check that runs before every step."""
+"""dcp_jax/host/metadata.py: the builders' padding and per-row fields (re-derived from the layout here, the one
+place that does it) for decode rows and prefill chunks, the step inputs, and the structural check that runs before
+every step."""
 
 import dataclasses
 
@@ -9,36 +10,41 @@ from hypothesis import given, settings, strategies as st
 
 from dcp_jax.config import EngineConfig
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import (DecodeMetadata, PrefillMetadata, SamplingMetadata, SamplingTable,
-                                   build_decode_metadata, build_prefill_metadata, build_sampling_metadata,
-                                   check_decode_metadata, check_prefill_metadata, field_names)
+from dcp_jax.host.metadata import (FED_BACK, GENERATED, PAD, PROMPT, SamplingMetadata, SamplingTable, ScheduledRows,
+                                   StepMetadata, build_sampling_metadata, build_step, build_step_inputs,
+                                   build_step_metadata, check_step_metadata, field_names)
 from dcp_jax.host.sampling import SamplingParams
 
-BUCKETS = (1, 2, 4, 8)
+BUCKETS = {1: 1, 2: 2, 4: 4, 8: 8}  # row width -> sequence width
 
 
-def build(lens, tables, bucket=4, dcp=2, interleave=1, page_size=4, max_blocks=3):
-    return build_decode_metadata(lens, tables, bucket=bucket, layout=DcpLayout(dcp, interleave, page_size),
-                                 max_blocks=max_blocks)
+def build(lens, tables, bucket=4, dcp=2, interleave=1, page_size=4, max_blocks=3, queries=None):
+    """Decode rows (one query a sequence) unless `queries` says how many each sequence computes."""
+    return build_step_metadata(lens, queries or [1] * len(lens), tables, rows=bucket, seqs=bucket,
+                               layout=DcpLayout(dcp, interleave, page_size), max_blocks=max_blocks)
 
 
-def assert_is_the_layouts(md: DecodeMetadata, layout: DcpLayout) -> None:
-    """Positions, local lengths and slots are exactly what the layout gives for md's context lengths and block
-    tables (what the builder must produce; no step re-derives it)."""
+def assert_is_the_layouts(md: StepMetadata, layout: DcpLayout) -> None:
+    """Positions, local lengths and slots are exactly what the layout gives for md's context lengths, sequences and
+    block tables (what the builder must produce; no step re-derives it)."""
     positions = np.where(md.context_lens > 0, md.context_lens - 1, 0)
     np.testing.assert_array_equal(md.positions, positions, err_msg="positions are not context_lens - 1")
     np.testing.assert_array_equal(md.local_context_lens, layout.local_context_lens(md.context_lens),
                                   err_msg="local_context_lens are not the layout's")
-    slots = layout.slot_mapping(np.where(md.context_lens > 0, positions, -1), md.block_tables)
-    np.testing.assert_array_equal(md.slot_mapping, slots, err_msg="slot_mapping is not the layout's")
+    for row in range(md.rows):  # one position at a time, through the row's own sequence's table
+        want = (layout.slot_mapping([positions[row] if md.context_lens[row] > 0 else -1],
+                                    md.block_tables[md.query_seqs[row]][None]) if md.context_lens[row] > 0
+                else np.full((layout.dcp_size, 1), -1))
+        np.testing.assert_array_equal(md.slot_mapping[:, row], want[:, 0], err_msg="slot_mapping is not the layout's")
 
 
 @pytest.mark.parametrize("dcp, interleave", [(1, 1), (2, 1), (2, 2), (4, 2), (8, 1)])
 def test_fields_and_inert_pad_rows(dcp, interleave):
     lens, tables = [5, 1, 17], [[3, 4], [0], [7, 2, 9, 10, 11]]
     md = build(lens, tables, bucket=8, dcp=dcp, interleave=interleave, page_size=4, max_blocks=5)
-    fields = field_names(DecodeMetadata)
-    assert set(fields) == {"positions", "context_lens", "local_context_lens", "slot_mapping", "block_tables"}
+    fields = field_names(StepMetadata)
+    assert set(fields) == {"positions", "context_lens", "local_context_lens", "slot_mapping", "block_tables",
+                           "query_seqs"}
     for name in fields:
         assert getattr(md, name).dtype == np.int32
     np.testing.assert_array_equal(md.context_lens, [5, 1, 17, 0, 0, 0, 0, 0])
@@ -47,13 +53,30 @@ def test_fields_and_inert_pad_rows(dcp, interleave):
     assert_is_the_layouts(md, DcpLayout(dcp, interleave, 4))
     assert md.local_context_lens.shape == (dcp, 8)
     assert np.all(md.slot_mapping[:, 3:] == -1) and np.all(md.block_tables[3:] == -1)
+    np.testing.assert_array_equal(md.query_seqs, [0, 1, 2, 0, 0, 0, 0, 0])
     # Each real row is written by exactly its owner.
     assert np.all((md.slot_mapping[:, :3] >= 0).sum(axis=0) == 1)
-    check(md, buckets=(8,), dcp=dcp, interleave=interleave, max_blocks=5, num_pages=12)
+    check(md, buckets={8: 8}, dcp=dcp, interleave=interleave, max_blocks=5, num_pages=12)
+
+
+@pytest.mark.parametrize("dcp, interleave", [(1, 1), (2, 1), (2, 2), (4, 2)])
+def test_prefill_chunks_are_runs_of_rows_each_at_its_own_position(dcp, interleave):
+    """A chunk of n tokens ending at context L is n consecutive rows of its sequence at positions L - n .. L - 1,
+    each with the causal length of its own position: the example of `StepMetadata`, padded, at every layout."""
+    layout = DcpLayout(dcp, interleave, 4)
+    md = build_step_metadata([5, 9, 3], [1, 3, 3], [[3, 4], [7, 2, 9], [1]], rows=8, seqs=4, layout=layout,
+                             max_blocks=3)
+    np.testing.assert_array_equal(md.context_lens, [5, 7, 8, 9, 1, 2, 3, 0])
+    np.testing.assert_array_equal(md.positions, [4, 6, 7, 8, 0, 1, 2, 0])
+    np.testing.assert_array_equal(md.query_seqs, [0, 1, 1, 1, 2, 2, 2, 0])
+    assert md.block_tables.shape == (4, 3) and np.all(md.block_tables[3] == -1)
+    assert_is_the_layouts(md, layout)
+    assert np.all((md.slot_mapping[:, :7] >= 0).sum(axis=0) == 1) and np.all(md.slot_mapping[:, 7] == -1)
+    check_step_metadata(md, buckets={8: 4}, layout=layout, max_blocks=3, num_pages=12)
 
 
 def test_builder_rejects_bad_schedules():
-    with pytest.raises(ValueError, match="do not fit bucket"):
+    with pytest.raises(ValueError, match="do not fit a step of 2 sequences"):
         build([1, 1, 1], [[0], [1], [2]], bucket=2)
     with pytest.raises(ValueError, match="needs 2 blocks"):
         build([9], [[0]])
@@ -61,6 +84,12 @@ def test_builder_rejects_bad_schedules():
         build([0], [[0]])
     with pytest.raises(ValueError, match="max_blocks"):
         build([100], [[0, 1, 2]])
+    with pytest.raises(ValueError, match="5 query rows do not fit bucket 4"):
+        build([5, 3], [[0, 1], [2]], queries=[3, 2])
+    with pytest.raises(ValueError, match="num_queries"):
+        build([5, 3], [[0, 1], [2]], queries=[6, 1])  # more queries than tokens
+    with pytest.raises(ValueError, match="num_queries"):
+        build([5, 3], [[0, 1], [2]], queries=[0, 1])
 
 
 def test_block_tables_as_one_array_equal_the_tables():
@@ -73,11 +102,11 @@ def test_block_tables_as_one_array_equal_the_tables():
     for a, b in zip(dataclasses.astuple(build(lens, tables, bucket=4, max_blocks=5)),
                     dataclasses.astuple(build(lens, as_array, bucket=4, max_blocks=5))):
         np.testing.assert_array_equal(a, b)
-    with pytest.raises(ValueError, match="needs 2 blocks, its block table has 1"):
+    with pytest.raises(ValueError, match="sequence 0: a length of 9 needs 2 blocks, its block table has 1"):
         build([9], np.array([[0, -1, -1]], np.int32))
     with pytest.raises(ValueError, match="max_blocks"):
         build([100], np.array([[0, 1, 2]], np.int32))
-    with pytest.raises(ValueError, match="2 block tables for 1 rows"):
+    with pytest.raises(ValueError, match="2 block tables for 1 sequences"):
         build([1], np.zeros((2, 3), np.int32))
 
 
@@ -103,20 +132,27 @@ def test_sampling_table_gathers_what_the_builder_builds():
 
 
 def check(md, dcp=2, interleave=1, **overrides):
-    check_decode_metadata(md, **(dict(buckets=BUCKETS, layout=DcpLayout(dcp, interleave, 4), max_blocks=3,
-                                      num_pages=8) | overrides))
+    check_step_metadata(md, **(dict(buckets=BUCKETS, layout=DcpLayout(dcp, interleave, 4), max_blocks=3,
+                                    num_pages=8) | overrides))
 
 
 @settings(max_examples=40, deadline=None)
-@given(lens=st.lists(st.integers(1, 60), min_size=1, max_size=8), dcp=st.sampled_from([1, 2, 3, 4, 8]),
-       interleave=st.sampled_from([1, 2, 4]))
-def test_the_builder_gives_the_layouts_values(lens, dcp, interleave):
+@given(sequences=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 8)), min_size=1, max_size=4),
+       dcp=st.sampled_from([1, 2, 3, 4, 8]), interleave=st.sampled_from([1, 2, 4]))
+def test_the_builder_gives_the_layouts_values(sequences, dcp, interleave):
+    """Random decode rows and chunks (a sequence of context L computing its last min(n, L) tokens)."""
     layout = DcpLayout(dcp, interleave, page_size=4)
     max_blocks = int(layout.virtual_blocks(60))
+    lens = [length for length, _ in sequences]
+    queries = [min(n, length) for length, n in sequences]
     tables = [list(range(i * max_blocks, (i + 1) * max_blocks)) for i in range(len(lens))]
-    md = build_decode_metadata(lens, tables, bucket=8, layout=layout, max_blocks=max_blocks)
+    md = build_step_metadata(lens, queries, tables, rows=32, seqs=4, layout=layout, max_blocks=max_blocks)
     assert_is_the_layouts(md, layout)
-    check_decode_metadata(md, buckets=(8,), layout=layout, max_blocks=max_blocks, num_pages=8 * max_blocks)
+    want_seqs = np.repeat(np.arange(len(lens)), queries)
+    np.testing.assert_array_equal(md.query_seqs[: len(want_seqs)], want_seqs)
+    ends = np.cumsum(queries) - 1  # each sequence's last row reaches its whole context
+    np.testing.assert_array_equal(md.context_lens[ends], lens)
+    check_step_metadata(md, buckets={32: 4}, layout=layout, max_blocks=max_blocks, num_pages=4 * max_blocks)
 
 
 def test_the_layout_oracle_catches_wrong_values():
@@ -149,60 +185,108 @@ def test_validator_names_the_bad_field():
         check(dataclasses.replace(good, positions=None))
     shared = good.block_tables.copy()
     shared[1, 0] = shared[0, 0]
-    with pytest.raises(ValueError, match="used by two blocks"):
+    with pytest.raises(ValueError, match="written this step are used by two blocks"):
         check(dataclasses.replace(good, block_tables=shared))
-    for row, page in [(0, -1), (1, 8)]:  # both rows need their first virtual block only (8 tokens a block)
-        tables = good.block_tables.copy()
-        tables[row, 0] = page
-        with pytest.raises(ValueError, match=f"row {row}.*num_pages=8"):
-            check(dataclasses.replace(good, block_tables=tables))
     tables = good.block_tables.copy()
-    tables[1, 2] = 99  # past the blocks row 1 uses: never read, so allowed
+    tables[0, 0] = -1  # both sequences need their first virtual block only (8 tokens a block)
+    with pytest.raises(ValueError, match="sequence 0.*num_pages=8"):
+        check(dataclasses.replace(good, block_tables=tables))
+    tables = good.block_tables.copy()
+    tables[1, 2] = 8
+    with pytest.raises(ValueError, match="pages past the pool's 8"):  # a page id no table may name, read or not
+        check(dataclasses.replace(good, block_tables=tables))
+    tables[1, 2] = 7  # past the blocks sequence 1 uses: never read, so allowed
     check(dataclasses.replace(good, block_tables=tables))
-    with pytest.raises(TypeError, match="DecodeMetadata"):
+    tables[1, 2] = good.block_tables[0, 0]  # but a page written this step may appear nowhere else
+    with pytest.raises(ValueError, match="written this step are used by two blocks"):
+        check(dataclasses.replace(good, block_tables=tables))
+    with pytest.raises(ValueError, match="query_seqs"):
+        check(dataclasses.replace(good, query_seqs=good.query_seqs + 4))
+    with pytest.raises(TypeError, match="StepMetadata"):
         check({"context_lens": good.context_lens})
+
+
+def test_the_page_check_covers_each_sequence_up_to_its_longest_row():
+    """A chunk's rows share their sequence's pages: the check needs the blocks of its last row, and catches a page
+    of that sequence that another one holds too."""
+    md = build([9, 3], [[0, 1, 2], [3]], queries=[3, 1], max_blocks=3)  # rows at 7, 8, 9 tokens: 2 and 2 blocks (+1)
+    check(md)
+    tables = md.block_tables.copy()
+    tables[0, 2] = 5  # past the 2 blocks sequence 0 uses: never read
+    check(dataclasses.replace(md, block_tables=tables))
+    tables[0, 1] = 3  # sequence 1's page in sequence 0's second block
+    with pytest.raises(ValueError, match="written this step are used by two blocks"):
+        check(dataclasses.replace(md, block_tables=tables))
+
+
+def test_sequences_may_share_the_pages_they_only_read():
+    """A cached prefix: two sequences read the same first page and each writes into its own; a row writing into a
+    page another sequence reads is refused."""
+    check(build([12, 10], [[0, 1], [0, 2]]))  # 8 tokens a block: rows at positions 11 and 9 write block 1
+    with pytest.raises(ValueError, match="written this step are used by two blocks"):
+        check(build([12, 3], [[0, 1], [0]]))  # the second sequence writes position 2: into the shared page 0
 
 
 def test_every_field_is_required():
     with pytest.raises(TypeError):
-        DecodeMetadata(positions=np.zeros(1, np.int32), context_lens=np.zeros(1, np.int32))
-    with pytest.raises(TypeError):
-        PrefillMetadata(positions=np.zeros((1, 4), np.int32), logits_indices=np.zeros(1, np.int32))
+        StepMetadata(positions=np.zeros(1, np.int32), context_lens=np.zeros(1, np.int32))
 
 
-@pytest.mark.parametrize("dcp, interleave", [(1, 1), (2, 1), (2, 2), (4, 2)])
-def test_prefill_metadata_writes_each_prompt_token_at_its_owner(dcp, interleave):
-    layout = DcpLayout(dcp, interleave, page_size=4)
-    lens, tables = [5, 13], [[3, 4], [7, 2, 9, 1]]
-    md = build_prefill_metadata(lens, tables, rows=4, tokens=16, layout=layout, max_blocks=4, num_pages=10)
-    assert md.bucket == (4, 16)
-    np.testing.assert_array_equal(md.logits_indices, [4, 12, 0, 0])
-    np.testing.assert_array_equal(md.positions[1], np.where(np.arange(16) < 13, np.arange(16), 0))
-    assert np.all(md.slot_mapping[:, 2:] == -1) and np.all(md.slot_mapping[:, 0, 5:] == -1)
-    for row, n in enumerate(lens):  # token t of row r: exactly its owner writes it, at the decode step's slot
-        for t in range(n):
-            decode_slots = layout.slot_mapping([t], [tables[row]])[:, 0]
-            np.testing.assert_array_equal(md.slot_mapping[:, row, t], decode_slots)
-    check_prefill_metadata(md, buckets=[(4, 16)], layout=layout, num_pages=10)
-    with pytest.raises(ValueError, match="prefill bucket"):
-        check_prefill_metadata(md, buckets=[(1, 16)], layout=layout, num_pages=10)
-    with pytest.raises(ValueError, match="past the pool"):
-        check_prefill_metadata(md, buckets=[(4, 16)], layout=layout, num_pages=5)
-    with pytest.raises(ValueError, match="page ids in \\[0, num_pages=7\\)"):  # row 1's first page is 7
-        build_prefill_metadata(lens, tables, rows=4, tokens=16, layout=layout, max_blocks=4, num_pages=7)
-    with pytest.raises(ValueError, match="used by two blocks"):
-        build_prefill_metadata(lens, [[3, 4], [3, 2, 9, 1]], rows=4, tokens=16, layout=layout, max_blocks=4,
-                               num_pages=10)
-    with pytest.raises(ValueError, match="does not fit a prefill of 8"):
-        build_prefill_metadata(lens, tables, rows=4, tokens=8, layout=layout, max_blocks=4, num_pages=10)
+def test_step_inputs_place_each_sequences_rows_and_its_sample():
+    """Rows carry their tokens, roles, slots and next tokens in order; the sampled rows are each sequence's last
+    (for those that sample), with the slot's parameters at the position after it; pads are inert."""
+    table = SamplingTable(5, scratch_slot=4)
+    hot = SamplingParams(temperature=0.7, seed=3)
+    table.set(1, hot, 3)
+    inputs = build_step_inputs([2, 1, 0], [1, 3, 2], [-1, 5, 6, 7, 8, 9], [FED_BACK, PROMPT, PROMPT, GENERATED,
+                                                                          PROMPT, PROMPT],
+                               [-1, 6, 7, -1, 9, 10], [False, True, False], [True, True, False],
+                               context_lens=[12, 3, 5], rows=8, seqs=4, table=table)
+    np.testing.assert_array_equal(inputs.tokens, [-1, 5, 6, 7, 8, 9, 0, 0])
+    np.testing.assert_array_equal(inputs.roles, [FED_BACK, PROMPT, PROMPT, GENERATED, PROMPT, PROMPT, PAD, PAD])
+    np.testing.assert_array_equal(inputs.row_slots, [2, 1, 1, 1, 0, 0, 4, 4])
+    np.testing.assert_array_equal(inputs.next_tokens, [-1, 6, 7, -1, 9, 10, -1, -1])
+    np.testing.assert_array_equal(inputs.fresh_slots, [1, 5, 5, 5])  # pads name no slot
+    np.testing.assert_array_equal(inputs.sample_rows, [0, 3, 0, 0])
+    np.testing.assert_array_equal(inputs.sampling.slots, [2, 1, 4, 4])
+    np.testing.assert_array_equal(inputs.sampling.positions, [12, 3, 0, 0])
+    np.testing.assert_array_equal(inputs.sampling.temperature, np.float32([0.0, 0.7, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="do not fit"):
+        build_step_inputs([0], [3], [1, 2], [PROMPT] * 2, [-1] * 2, [True], [True], context_lens=[3], rows=4,
+                          seqs=1, table=table)
 
 
-def test_bucket_ladder_is_capped_by_max_num_seqs():
-    assert EngineConfig(max_num_seqs=8).buckets == (1, 2, 4, 8)
-    assert EngineConfig(max_num_seqs=6).buckets == (1, 2, 4, 6)
-    assert EngineConfig(max_num_seqs=300).buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256, 300)
-    assert EngineConfig(max_num_seqs=6).bucket_for(3) == 4
+def test_scheduled_rows_concat_and_build_step():
+    """Decode rows and a chunk built part by part equal the one step built from all of them."""
+    table = SamplingTable(4, scratch_slot=3)
+    layout = DcpLayout(2, 1, 4)
+    decode = ScheduledRows.decode([0, 1], [6, 9], np.array([[0, -1, -1], [1, 2, -1]], np.int32))
+    chunk = ScheduledRows(np.array([2], np.int32), np.array([4], np.int32), np.array([4], np.int32),
+                          np.array([[5, -1, -1]], np.int32), np.array([1, 2, 3, 4], np.int32),
+                          np.full(4, PROMPT, np.int32), np.array([2, 3, 4, -1], np.int32), np.array([True]),
+                          np.array([True]))
+    both = ScheduledRows.concat([decode, chunk])
+    assert both.num_rows == 6
+    inputs, md = build_step(both, bucket=8, seqs=4, layout=layout, max_blocks=3, table=table)
+    np.testing.assert_array_equal(md.context_lens, [6, 9, 1, 2, 3, 4, 0, 0])
+    np.testing.assert_array_equal(md.query_seqs, [0, 1, 2, 2, 2, 2, 0, 0])
+    np.testing.assert_array_equal(inputs.sample_rows, [0, 1, 5, 0])
+    np.testing.assert_array_equal(inputs.tokens[:6], [-1, -1, 1, 2, 3, 4])
+    check_step_metadata(md, buckets={8: 4}, layout=layout, max_blocks=3, num_pages=8)
+
+
+def test_buckets_are_the_capped_ladder_then_chunk_widths_up_to_the_budget():
+    assert EngineConfig(max_num_seqs=8, max_num_batched_tokens=8).buckets == (1, 2, 4, 8)
+    assert EngineConfig(max_num_seqs=6, max_num_batched_tokens=6).buckets == (1, 2, 4, 6)
+    assert EngineConfig(max_num_seqs=6, max_num_batched_tokens=40).buckets == (1, 2, 4, 6, 8, 16, 32, 40)
+    assert EngineConfig(max_num_seqs=300, max_num_batched_tokens=512).buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256,
+                                                                                  300, 512)
+    engine = EngineConfig(max_num_seqs=6, max_num_batched_tokens=40)
+    assert engine.bucket_for(3) == 4 and engine.bucket_for(7) == 8 and engine.bucket_for(33) == 40
+    assert engine.seqs_for(4) == 4 and engine.seqs_for(32) == 6
     with pytest.raises(ValueError):
-        EngineConfig(max_num_seqs=6).bucket_for(7)
+        engine.bucket_for(41)
     with pytest.raises(ValueError, match="bucket_ladder"):
         EngineConfig(bucket_ladder=(4, 2))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_seqs=8, max_num_batched_tokens=4)

@@ -3,10 +3,11 @@
 The checkpoint HF read is rebuilt here from its seed (numpy only; the sha256 proves the bytes are the same),
 loaded through `model/weights.py`, and run through `runtime/runner.py` at several DCP sizes and interleaves: four
 prompts of different lengths (9, 16, 23, 40 with index_topk 16: shorter, equal and longer than K; the 9 crosses K
-while decoding), non-contiguous pages, 9 decode steps after the prefill. The configurations: default RoPE, YaRN
-as the real checkpoint has it (mscale = mscale_all_dim), YaRN with mscale != mscale_all_dim (both the cos/sin factor
-and the softmax scale change), and one configuration with the Pallas kernels (interpreted) instead of the
-references.
+while decoding), non-contiguous pages, 9 decode steps after the prefill. Each prompt is prefilled in one step or in
+chunks of 5, 6 or 7 tokens (below index_topk, splitting virtual blocks of 4 x dcp tokens), every chunk attending to
+the cached prefix: at every DCP size and interleave both ways. The configurations: default RoPE, YaRN as the real
+checkpoint has it (mscale = mscale_all_dim), YaRN with mscale != mscale_all_dim (both the cos/sin factor and the
+softmax scale change), and one configuration with the Pallas kernels (interpreted) instead of the references.
 """
 
 import dataclasses
@@ -29,27 +30,30 @@ TOL = 2e-3  # logprob agreement required by the issue (fp32, highest matmul prec
 # Rows whose K-th vs (K+1)-th index score gap is below this fraction of the row's score range are
 # tie-fragile; the fixture seeds were chosen so that none is (tests/oracle/README.md).
 MIN_REL_GAP = 3e-4
-ENGINE = EngineConfig(page_size=4, num_pages=64, max_num_seqs=4, max_model_len=64, bucket_ladder=(4,))
+ENGINE = EngineConfig(page_size=4, num_pages=64, max_num_seqs=4, max_model_len=64, bucket_ladder=(4,),
+                      max_num_batched_tokens=64)
+ONE_SHOT = 64  # the longest prompt in one step
 
 NAMES = ("default_rope", "yarn", "yarn_mscale")
-# (config, dcp, interleave, kernels): every DCP size for default RoPE; interleave 2 and YaRN at several sizes; the
-# Pallas kernels (interpreted on CPU) at one sharded size.
+# (config, dcp, interleave, kernels, prefill chunk): every DCP size for default RoPE; interleave 2 and YaRN at several
+# sizes; the Pallas kernels (interpreted on CPU) at one sharded size; one-shot and chunked prefills at each size.
 CASES = [
-    ("default_rope", 1, 1, "reference"),
-    ("default_rope", 2, 1, "reference"),
-    ("default_rope", 4, 1, "reference"),
-    ("default_rope", 8, 1, "reference"),
-    ("default_rope", 2, 2, "reference"),
-    ("default_rope", 4, 2, "reference"),
-    ("yarn", 1, 1, "reference"),
-    ("yarn", 2, 2, "reference"),
-    ("yarn", 4, 2, "reference"),
-    ("yarn", 8, 1, "reference"),
-    ("yarn_mscale", 1, 1, "reference"),
-    ("yarn_mscale", 4, 2, "reference"),
-    ("default_rope", 2, 2, "pallas"),
+    ("default_rope", 1, 1, "reference", ONE_SHOT),
+    ("default_rope", 1, 1, "reference", 5),
+    ("default_rope", 2, 1, "reference", 7),
+    ("default_rope", 4, 1, "reference", ONE_SHOT),
+    ("default_rope", 8, 1, "reference", 5),
+    ("default_rope", 2, 2, "reference", ONE_SHOT),
+    ("default_rope", 4, 2, "reference", 6),
+    ("yarn", 1, 1, "reference", 7),
+    ("yarn", 2, 2, "reference", 5),
+    ("yarn", 4, 2, "reference", ONE_SHOT),
+    ("yarn", 8, 1, "reference", ONE_SHOT),
+    ("yarn_mscale", 1, 1, "reference", ONE_SHOT),
+    ("yarn_mscale", 4, 2, "reference", 5),
+    ("default_rope", 2, 2, "pallas", 6),
 ]
-CASE_IDS = [f"{c}-dcp{w}-S{s}-{k}" for c, w, s, k in CASES]
+CASE_IDS = [f"{c}-dcp{w}-S{s}-{k}-chunk{n}" for c, w, s, k, n in CASES]
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -88,10 +92,10 @@ def prompts_of(fx):
 _RESULTS = {}
 
 
-def run_case(checkpoints, name, dcp, interleave, kernels="reference", cfg_change=None):
-    """Prefill (logits at every position) + 9 greedy decode steps fed HF's tokens, with the tokens the device
-    sampled; cached per case."""
-    key = (name, dcp, interleave, kernels, cfg_change)
+def run_case(checkpoints, name, dcp, interleave, kernels="reference", chunk=ONE_SHOT, cfg_change=None):
+    """Prefill in chunks of `chunk` tokens (logits at every position) + 9 greedy decode steps fed HF's tokens, with
+    the tokens the device sampled; cached per case."""
+    key = (name, dcp, interleave, kernels, chunk, cfg_change)
     if key in _RESULTS:
         return _RESULTS[key]
     fx = fixture(name)
@@ -102,11 +106,10 @@ def run_case(checkpoints, name, dcp, interleave, kernels="reference", cfg_change
     parallel = ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave)
     mesh = make_mesh(parallel)
     runner = ModelRunner(cfg, load_hf_params(cfg, path, mesh), parallel, ENGINE, mesh, kernels)
-    runner.compile_decode()
     prompts = prompts_of(fx)
     tables = block_tables(dcp, len(prompts), seed=dcp * 10 + interleave)
-    prefill_logits, prefill_selected, first_tokens = runner.prefill(prompts, tables, all_logits=True,
-                                                                    return_selected=True)
+    prefill_logits, prefill_selected, first_tokens = runner.prefill(prompts, tables, chunk_size=chunk,
+                                                                    all_logits=True, return_selected=True)
     decode_logits, decode_selected, sampled = [], [], [first_tokens]
     context = np.array([len(p) for p in prompts])
     if cfg_change is None:
@@ -142,10 +145,10 @@ def test_config_matches_hf_constants(checkpoints, name):
     assert cfg.softmax_scale == pytest.approx(float(fx["hf_softmax_scale"]), rel=1e-12)
 
 
-@pytest.mark.parametrize("name, dcp, interleave, kernels", CASES, ids=CASE_IDS)
-def test_prefill_logits_equal_hf(checkpoints, name, dcp, interleave, kernels):
+@pytest.mark.parametrize("name, dcp, interleave, kernels, chunk", CASES, ids=CASE_IDS)
+def test_prefill_logits_equal_hf(checkpoints, name, dcp, interleave, kernels, chunk):
     fx = fixture(name)
-    ours = run_case(checkpoints, name, dcp, interleave, kernels)["prefill_logits"]
+    ours = run_case(checkpoints, name, dcp, interleave, kernels, chunk)["prefill_logits"]
     for i, n in enumerate(fx["prompt_lens"]):
         want = log_softmax(fx["prefill_logits"][i, :n])
         got = log_softmax(ours[i, :n])
@@ -153,12 +156,12 @@ def test_prefill_logits_equal_hf(checkpoints, name, dcp, interleave, kernels):
         np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
 
 
-@pytest.mark.parametrize("name, dcp, interleave, kernels", CASES, ids=CASE_IDS)
-def test_greedy_decode_equals_hf(checkpoints, name, dcp, interleave, kernels):
+@pytest.mark.parametrize("name, dcp, interleave, kernels, chunk", CASES, ids=CASE_IDS)
+def test_greedy_decode_equals_hf(checkpoints, name, dcp, interleave, kernels, chunk):
     """The first token from the prefill, then 9 sharded decode steps: tokens equal (the argmax of our logits and
     the device sampler's greedy token), logprobs within 2e-3."""
     fx = fixture(name)
-    result = run_case(checkpoints, name, dcp, interleave, kernels)
+    result = run_case(checkpoints, name, dcp, interleave, kernels, chunk)
     last = [result["prefill_logits"][i, n - 1] for i, n in enumerate(fx["prompt_lens"])]
     steps = [np.stack(last)] + result["decode_logits"]
     assert len(steps) == fx["gen_tokens"].shape[1] >= 9
@@ -184,11 +187,11 @@ def _compare_sets(ours, theirs, rel_gap):
     return compared, bad
 
 
-@pytest.mark.parametrize("name, dcp, interleave, kernels", CASES, ids=CASE_IDS)
-def test_selected_topk_sets_equal_hf(checkpoints, name, dcp, interleave, kernels):
+@pytest.mark.parametrize("name, dcp, interleave, kernels, chunk", CASES, ids=CASE_IDS)
+def test_selected_topk_sets_equal_hf(checkpoints, name, dcp, interleave, kernels, chunk):
     """Per layer and query row, the indexer's selected set equals HF's (prefill rows and decode steps)."""
     fx = fixture(name)
-    result = run_case(checkpoints, name, dcp, interleave, kernels)
+    result = run_case(checkpoints, name, dcp, interleave, kernels, chunk)
     lmax = fx["prefill_topk"].shape[2]
     prefill = np.moveaxis(result["prefill_selected"][:, :, :lmax], 0, 1)  # [P, NL, Lmax, K]
     compared, bad = _compare_sets(prefill, fx["prefill_topk"], fx["prefill_topk_rel_gap"])
@@ -217,3 +220,14 @@ def test_dense_equals_deepseek_v3(checkpoints, name):
     np.testing.assert_array_equal(dense.argmax(-1), fx["dense_logits"][:n].argmax(-1))
     sparse = run_case(checkpoints, name, 2, 2)["prefill_logits"][p, :n]
     assert np.abs(log_softmax(sparse) - want).max() > 0.1
+
+
+@pytest.mark.parametrize("dcp, interleave", [(2, 1), (4, 2)])
+def test_chunked_prefill_equals_one_shot(checkpoints, dcp, interleave):
+    """Chunks of 3 tokens, each attending to the prefix earlier chunks cached, give the one-shot prefill's logits
+    and selected sets at every position, and the same decode after it."""
+    one_shot = run_case(checkpoints, "default_rope", dcp, interleave, chunk=ONE_SHOT)
+    chunked = run_case(checkpoints, "default_rope", dcp, interleave, chunk=3)
+    np.testing.assert_allclose(chunked["prefill_logits"], one_shot["prefill_logits"], atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(np.sort(chunked["prefill_selected"], -1), np.sort(one_shot["prefill_selected"], -1))
+    np.testing.assert_array_equal(chunked["sampled"], one_shot["sampled"])

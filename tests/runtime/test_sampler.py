@@ -3,6 +3,7 @@ on a small vocabulary, against a numpy sort-based oracle, and the same draws rej
 one), greedy takes the lowest id among ties, a row's draw depends only on its seed and position, and the logprobs
 are the raw logits' log-softmax."""
 
+import dataclasses
 import functools
 
 import jax
@@ -148,3 +149,23 @@ def test_logprobs_are_the_raw_log_softmax():
     n = min(sampler.TOP_LOGPROBS, VOCAB)
     np.testing.assert_array_equal(out.top_ids, np.argsort(-want, axis=-1, kind="stable")[:, :n])
     np.testing.assert_allclose(out.top_logprobs, -np.sort(-want, axis=-1)[:, :n], rtol=1e-5, atol=1e-6)
+
+
+def test_add_history_restarts_fresh_slots_then_adds_the_rows_tokens():
+    """A fresh slot forgets its previous request (a stale prompt token and count), then takes its rows' prompt
+    tokens into the mask and generated ones into the counts; fed-back and pad rows add nothing; a fresh-slot pad
+    (past the last slot) resets nothing."""
+    from dcp_jax.host.metadata import FED_BACK, GENERATED, PAD, PROMPT
+
+    state = sampler.SamplerState.zeros(2, VOCAB)  # slots 0, 1 and the scratch slot 2
+    state = dataclasses.replace(state, prompt_mask=state.prompt_mask.at[:, 9].set(True),
+                                output_counts=state.output_counts.at[:, 8].set(3))
+    tokens = jnp.array([4, 5, 5, 7, 6, 1], jnp.int32)
+    roles = jnp.array([PROMPT, PROMPT, GENERATED, GENERATED, FED_BACK, PAD], jnp.int32)
+    slots = jnp.array([0, 0, 0, 0, 1, 2], jnp.int32)
+    new = sampler.add_history(state, tokens, roles, slots, jnp.array([0, 3], jnp.int32))
+    mask, counts = np.asarray(new.prompt_mask), np.asarray(new.output_counts)
+    assert np.flatnonzero(mask[0]).tolist() == [4, 5]
+    assert counts[0].tolist() == np.bincount([5, 7], minlength=VOCAB).tolist()
+    assert mask[1, 9] and counts[1, 8] == 3 and counts[1].sum() == 3  # not fresh: kept; its fed-back token adds nothing
+    assert mask[2].tolist() == np.asarray(state.prompt_mask[2]).tolist()  # the pad row adds nothing

@@ -1,6 +1,6 @@
 """dcp_jax/runtime/step.py and the jaxpr check of runtime/jaxpr_check.py: one compile per bucket, no tracing
-afterwards, no device-side derivation of local lengths in any decode or prefill program (and the check catches one
-wired in), and metadata errors before anything is traced."""
+afterwards, no device-side derivation of local lengths in any step program (decode rows and prefill chunks run the
+same programs; and the check catches one wired in), and metadata errors before anything is traced."""
 
 import dataclasses
 
@@ -12,14 +12,15 @@ import pytest
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
 from dcp_jax.demo import make_stack_step
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import build_decode_metadata
+from dcp_jax.host.metadata import build_step_metadata
 from dcp_jax.model.attention_stack import decode_stack_body, init_stack_params
 from dcp_jax.model.kv_cache import allocate_kv_cache
 from dcp_jax.model.mesh import DCP, make_mesh
+from dcp_jax.runtime.forward import GREEDY, PROMPT_LOGPROBS, SAMPLED
 from dcp_jax.runtime.jaxpr_check import host_syncs, local_context_lens_on_device
 from dcp_jax.serving.loading import load_model
 
-ENGINE = EngineConfig(page_size=4, num_pages=64, max_num_seqs=8, max_model_len=64)
+ENGINE = EngineConfig(page_size=4, num_pages=64, max_num_seqs=8, max_model_len=64, max_num_batched_tokens=8)
 PARALLEL = ParallelConfig(tp=4, dcp=4, interleave=2)
 MAX_BLOCKS = ENGINE.max_blocks_per_seq(PARALLEL.dcp)
 LAYOUT = DcpLayout(PARALLEL.dcp, PARALLEL.interleave, ENGINE.page_size)
@@ -71,7 +72,8 @@ def setup():
 def metadata(lens, bucket):
     per_block = ENGINE.page_size * PARALLEL.dcp
     tables = [list(range(i * MAX_BLOCKS, i * MAX_BLOCKS + -(-n // per_block))) for i, n in enumerate(lens)]
-    return build_decode_metadata(lens, tables, bucket=bucket, layout=LAYOUT, max_blocks=MAX_BLOCKS)
+    return build_step_metadata(lens, [1] * len(lens), tables, rows=bucket, seqs=bucket, layout=LAYOUT,
+                               max_blocks=MAX_BLOCKS)
 
 
 def test_one_compile_per_bucket_and_no_tracing_afterwards(setup):
@@ -124,23 +126,24 @@ def test_the_check_catches_a_wired_in_fallback(setup, body, expected_ops):
 
 @pytest.mark.parametrize("kernels", ["reference", "pallas"])
 def test_no_program_of_the_model_derives_local_lengths(kernels):
-    """Every decode bucket and every prefill program (every variant), sampling included, with either kernels."""
-    runner = load_model("tiny", dcp=4, interleave=2, max_num_seqs=4, max_model_len=64, kernels=kernels).runner
-    for step in runner.decode_steps.values():  # serving and detailed
+    """Every bucket of every variant (decode rows and prefill chunks alike, sampling included), with either
+    kernels."""
+    runner = load_model("tiny", dcp=4, interleave=2, max_num_seqs=4, max_model_len=64, kernels=kernels,
+                        max_num_batched_tokens=16).runner
+    assert runner.engine.buckets == (1, 2, 4, 8, 16)
+    for step in runner.steps.values():  # greedy, drawing, prompt logprobs, detailed
         for rows in step.buckets:
             assert step.length_derivations(runner.params, runner.state, rows) == []
-    for step in runner.prefill_steps.values():  # first token, prompt logprobs, detailed
-        for bucket in step.buckets:
-            assert step.length_derivations(runner.params, runner.state, bucket) == []
 
 
 @pytest.mark.parametrize("kernels", ["reference", "pallas"])
 def test_no_serving_program_waits_for_the_device_at_its_launch(kernels):
     """Asynchronous scheduling dispatches step t+1 while step t runs: no serving program may hold a traced branch
     or loop (the GPU runtime would read its predicate on the host, so the launch would wait for the device)."""
-    runner = load_model("tiny", dcp=2, max_num_seqs=4, max_model_len=64, kernels=kernels).runner
-    for kind, bucket in runner.programs(prompt_logprobs=True):
-        assert runner._step(kind).host_syncs(runner.params, runner.state, bucket) == [], (kind, bucket)
+    runner = load_model("tiny", dcp=2, max_num_seqs=4, max_model_len=64, kernels=kernels,
+                        max_num_batched_tokens=8).runner
+    for variant, rows in runner.programs((GREEDY, SAMPLED, PROMPT_LOGPROBS)):
+        assert runner.steps[variant].host_syncs(runner.params, runner.state, rows) == [], (variant, rows)
 
 
 def test_the_host_sync_check_finds_a_traced_branch():
@@ -180,6 +183,7 @@ def test_bad_metadata_fails_before_tracing(setup):
         (dataclasses.replace(good, slot_mapping=None), TypeError, "slot_mapping"),
         (metadata([3, 5], 3), ValueError, "bucket"),
         (metadata([3, 5], 2), ValueError, "not compiled"),
+        (dataclasses.replace(good, query_seqs=good.query_seqs + 4), ValueError, "query_seqs"),
     ]
     with jax.no_tracing():
         for md, error, message in bad:

@@ -7,7 +7,7 @@ import socket
 import time
 
 ENGINE_KW = dict(model="tiny", dtype="float32", dcp=2, interleave=2, page_size=4, num_pages=24, max_num_seqs=8,
-                 max_model_len=64, bucket_ladder=(1, 2, 4, 8), seed=0)
+                 max_model_len=64, bucket_ladder=(1, 2, 4, 8), max_num_batched_tokens=32, seed=0)
 
 
 def make_engine(tmp_path_factory, **overrides):

@@ -1,11 +1,13 @@
 """dcp_jax/serving/core.py through `LLM`: asynchronous scheduling gives the synchronous core's outputs; a seeded
-request's tokens do not depend on its batch, its bucket or a preemption; penalties change what is sampled."""
+request's tokens do not depend on its batch, its bucket, how its prompt was chunked or a preemption; the device keeps
+each request's history for its penalties. A budget of 16 rows a step chunks the longer prompts."""
 
 import pytest
 
 from dcp_jax import LLM, SamplingParams
 
-KW = dict(dcp=2, interleave=2, page_size=4, max_num_seqs=8, max_model_len=64, dtype="float32", seed=0)
+KW = dict(dcp=2, interleave=2, page_size=4, max_num_seqs=8, max_model_len=64, dtype="float32", seed=0,
+          max_num_batched_tokens=16)
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 500, 3, 4], list(range(10, 40)), [9] * 12, [7, 7, 7, 8], [300, 2]]
 
 
@@ -41,6 +43,8 @@ def test_a_seeded_request_draws_the_same_alone_in_a_batch_in_another_bucket_and_
     params = SamplingParams(max_tokens=14, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
     others = SamplingParams(max_tokens=14, temperature=1.0, ignore_eos=True)
     alone = llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=params)[0].token_ids  # bucket 1
+    one_chunk = LLM("tiny", **(KW | dict(max_num_batched_tokens=32)))  # its 30-token prompt in one step, not two
+    assert one_chunk.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=params)[0].token_ids == alone
     batch = llm.generate(prompt_token_ids=PROMPTS, sampling_params=[others, others, params, others, others, others])
     assert batch[2].token_ids == alone  # bucket 8, other neighbours
     assert len({tuple(o.token_ids) for o in batch}) == len(PROMPTS)  # unseeded rows draw their own streams

@@ -36,12 +36,12 @@ def drain(sink, timeout=60):
     return events
 
 
-def test_every_bucket_and_prefill_length_compiled_at_start(engine):
-    lengths = engine.runner.prefill_lengths
+def test_every_bucket_compiled_at_start(engine):
     buckets = engine.engine_config.buckets
-    assert engine.num_programs == 2 * len(buckets) + 2 * len(lengths)
-    for variant in ("greedy", "sampled"):  # every bucket greedy and drawing
-        assert engine.runner.decode_steps[variant].num_compiled == len(buckets) == 4
+    assert buckets == (1, 2, 4, 8, 32)  # the ladder's decode widths, then the token budget (prefill chunks)
+    assert engine.num_programs == 3 * len(buckets)
+    for variant in ("greedy", "sampled", "prompt_logprobs"):  # every bucket greedy, drawing and with prompt logprobs
+        assert engine.runner.steps[variant].num_compiled == len(buckets)
     # The counter is live: the warm-up itself was counted (a compile or a persistent-cache load per program).
     assert engine.compile_count >= engine.num_programs
     assert engine.compiles_after_warmup == 0
@@ -51,7 +51,8 @@ def test_greedy_matches_offline_llm(engine):
     from dcp_jax.serving.llm import LLM
 
     prompts = [[5, 6, 7], [100, 200, 300, 400, 500, 3, 4], list(range(10, 40))]
-    kw = {k: ENGINE_KW[k] for k in ("dcp", "interleave", "page_size", "num_pages", "max_num_seqs", "max_model_len")}
+    kw = {k: ENGINE_KW[k] for k in ("dcp", "interleave", "page_size", "num_pages", "max_num_seqs", "max_model_len",
+                                     "max_num_batched_tokens")}
     llm = LLM("tiny", seed=0, **kw)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     offline = llm.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -176,14 +177,14 @@ def test_only_sampled_tokens_cross_to_the_host(engine, monkeypatch):
     logits, no selected ids."""
     from dcp_jax.runtime import sampler
 
-    real, seen = engine.runner.dispatch_decode, []
+    real, seen = engine.runner.dispatch, []
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         seen.append(out)
         return out
 
-    monkeypatch.setattr(engine.runner, "dispatch_decode", spy)
+    monkeypatch.setattr(engine.runner, "dispatch", spy)
     run(engine, [3, 4, 5], max_tokens=3, **GREEDY)
     assert seen and all(out.dtype == np.int32 and out.shape[1] == 2 + 2 * sampler.TOP_LOGPROBS for out in seen)
     assert all(sampler.unpack(out).top_ids.shape[1] == 20 for out in seen)
@@ -226,14 +227,15 @@ def drain_one(engine, prompt, **kw):
 
 
 def test_a_failing_prefill_that_kept_the_kv_cache_fails_only_itself(engine, monkeypatch):
-    real = engine.runner.dispatch_prefill
+    """A fault while one request's prefill chunk is built fails it alone; the step runs the others' rows."""
+    real = engine.core._chunk_rows
 
-    def flaky(prompt, *args, **kwargs):
-        if prompt[0] == 77:
+    def flaky(request, n):
+        if request.prompt_ids[0] == 77:
             raise RuntimeError("injected prefill fault")
-        return real(prompt, *args, **kwargs)
+        return real(request, n)
 
-    monkeypatch.setattr(engine.runner, "dispatch_prefill", flaky)
+    monkeypatch.setattr(engine.core, "_chunk_rows", flaky)
     resets = engine.metrics.kv_cache_resets
     long = queue.Queue()
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, **GREEDY), long)
@@ -246,22 +248,23 @@ def test_a_failing_prefill_that_kept_the_kv_cache_fails_only_itself(engine, monk
 
 
 def test_a_fault_that_consumed_the_kv_cache_reallocates_it(engine, monkeypatch):
-    """The decode program raises after its donated cache was consumed: the engine allocates a fresh cache (no
+    """The step program raises after its donated cache was consumed: the engine allocates a fresh cache (no
     recompile), fails the running requests (their context is gone), counts it, and serves on correctly."""
     import jax
 
     want, _ = run(engine, [21, 22, 23], max_tokens=6, **GREEDY)
-    real, faults = engine.runner.decode_steps["greedy"], []
+    step = engine.runner.steps["greedy"]  # the requests are greedy
+    real, faults = step.run_placed, []
 
-    def consumed(params, state, inputs, md):
+    def consumed(params, state, placed):
         if not faults:
             faults.append(True)
             for leaf in jax.tree.leaves(state.kv_cache):
                 leaf.delete()  # what a failure after donation leaves behind
             raise RuntimeError("injected fault after donation")
-        return real(params, state, inputs, md)
+        return real(params, state, placed)
 
-    monkeypatch.setitem(engine.runner.decode_steps, "greedy", consumed)  # the requests are greedy
+    monkeypatch.setattr(step, "run_placed", consumed)
     resets, compiles = engine.metrics.kv_cache_resets, engine.compiles_after_warmup  # (the LLM test compiles too)
     events = drain_one(engine, [21, 22, 23], max_tokens=6)
     assert events[-1].finish_reason == "error" and "KV cache was lost" in events[-1].error
@@ -274,16 +277,16 @@ def test_a_fault_that_consumed_the_kv_cache_reallocates_it(engine, monkeypatch):
 
 
 def test_stopping_ends_every_open_stream_and_refuses_new_requests(engine, monkeypatch):
-    """The loop is held inside a decode step while one request runs and another waits in the inbox; stop: both
-    streams end with an abort, new requests raise at once; start again: it serves."""
-    real, inside, release = engine.runner.dispatch_decode, threading.Event(), threading.Event()
+    """The loop is held inside a step while one request runs and another waits in the inbox; stop: both streams
+    end with an abort, new requests raise at once; start again: it serves."""
+    real, inside, release = engine.runner.dispatch, threading.Event(), threading.Event()
 
     def held(*args, **kwargs):
         inside.set()
         release.wait(30)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "dispatch_decode", held)
+    monkeypatch.setattr(engine.runner, "dispatch", held)
     running, queued = queue.Queue(), queue.Queue()
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=40, **GREEDY), running)
     assert inside.wait(30)
@@ -331,8 +334,8 @@ def test_warm_up_progress_is_log_lines_off_a_terminal(caplog, capsys):
 
     with caplog.at_level(logging.INFO, logger="dcp_jax.serving.engine"):
         eng = Engine("tiny", num_layers=1, max_num_seqs=1, bucket_ladder=(1,), max_model_len=16, page_size=4,
-                     prefill_lengths=(16,), prompt_logprobs=False, progress=True)
+                     max_num_batched_tokens=2, prompt_logprobs=False, progress=True)
     assert "\r" not in capsys.readouterr().err
     lines = [r.getMessage() for r in caplog.records]
-    assert sum("compiling program" in line for line in lines) == eng.num_programs == 3
+    assert sum("compiling program" in line for line in lines) == eng.num_programs == 4
     assert any(line.startswith(f"compiled {eng.num_programs} programs in") for line in lines)

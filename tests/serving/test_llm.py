@@ -145,12 +145,16 @@ def test_generate_with_an_fp8_cache_on_the_tiny_preset(cache, capsys):
     assert f"fp8 {cache} cache" in capsys.readouterr().out
 
 
-def test_generate_compiles_the_decode_programs_its_parameters_can_take():
-    """All greedy: the greedy program only; all drawing: the drawing one; a mix: both (its greedy rows may end up
-    alone once the drawing ones finish)."""
-    from dcp_jax.runtime.runner import decode_variants_for
+def test_a_step_runs_the_program_its_rows_need():
+    """All greedy: the greedy program; any drawing row: the drawing one; a chunk that wants prompt logprobs: the
+    one that returns them (it draws too). Serving compiles greedy and drawing for parameters of either kind."""
+    from dcp_jax.runtime.runner import serving_variants, step_variant
 
     greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)
-    assert decode_variants_for([greedy, greedy]) == ("greedy",)
-    assert decode_variants_for([hot]) == ("sampled",)
-    assert decode_variants_for([hot, greedy]) == ("greedy", "sampled")
+    assert step_variant([greedy, greedy], prompt_logprobs=False) == "greedy"
+    assert step_variant([], prompt_logprobs=False) == "greedy"  # intermediate chunks sample nothing
+    assert step_variant([hot, greedy], prompt_logprobs=False) == "sampled"
+    assert step_variant([greedy], prompt_logprobs=True) == "prompt_logprobs"
+    assert serving_variants([greedy, greedy]) == ("greedy",)
+    assert serving_variants([hot]) == ("sampled",)
+    assert serving_variants([hot, greedy]) == ("greedy", "sampled")

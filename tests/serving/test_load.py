@@ -73,7 +73,7 @@ def test_concurrent_streams_pages_recompiles_and_batch_invariance(server):
 def slow_decode_and_record_aborts(engine, monkeypatch, delay_s=0.02):
     """Slow each decode step (so a request of 60 tokens outlives its client) and record, per aborted request,
     how many tokens it had generated."""
-    real_decode, real_abort, aborted = engine.runner.dispatch_decode, engine.scheduler.abort, {}
+    real_decode, real_abort, aborted = engine.runner.dispatch, engine.scheduler.abort, {}
 
     def slow(*args, **kwargs):
         time.sleep(delay_s)
@@ -85,7 +85,7 @@ def slow_decode_and_record_aborts(engine, monkeypatch, delay_s=0.02):
             aborted[request_id] = len(request.output_ids)
         return request
 
-    monkeypatch.setattr(engine.runner, "dispatch_decode", slow)
+    monkeypatch.setattr(engine.runner, "dispatch", slow)
     monkeypatch.setattr(engine.scheduler, "abort", abort)
     return aborted
 

@@ -1,9 +1,13 @@
-"""One sparse DCP decode attention layer, per rank (call inside shard_map over the mesh of `mesh.py`).
+"""One sparse DCP attention layer over the query rows of a step, per rank (call inside shard_map over the mesh of
+`mesh.py`). A row is a decode row or one token of a prefill chunk: both run the same data flow, each row with its
+own host-given local causal length; a chunk's tokens are all written before any row scores, so each row sees the
+tokens before it.
 
 Per rank (h = H/tp local heads, W = dcp size, pages/B = this rank's KV pool):
   x [R, D] replicated; kv_cache [pages, B, C+E] (exact) or its `Fp8LatentCache`; index_cache [pages, B, J]
-  (exact) or its `Fp8IndexKeys` (`cache_formats.py`); md the rank's view of the step's `DecodeMetadata`
-  (local_context_lens and slot_mapping [R], block_tables [R, P]); rope the (cos, sin) of md.positions.
+  (exact) or its `Fp8IndexKeys` (`cache_formats.py`); md the rank's view of the step's `StepMetadata`
+  (local_context_lens and slot_mapping [R], block_tables [S, P], query_seqs [R]); rope the (cos, sin) of
+  md.positions.
 `backend` names the kernels' implementation (`pallas_kernels.BACKENDS`: "pallas" or "reference").
 """
 
@@ -17,7 +21,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from dcp_jax.config import KERNEL_CHOICES, ModelConfig
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import DecodeMetadata
+from dcp_jax.host.metadata import StepMetadata
 from dcp_jax.model.attention import cache_formats, exchange, projections
 from dcp_jax.model.attention.params import AttentionParams
 from dcp_jax.model.mesh import DCP, HEADS
@@ -73,27 +77,32 @@ def project_and_write(p, x, kv_cache, index_cache, rope, slots, *, cfg: ModelCon
     return queries, kv_cache, index_cache
 
 
-def local_scores(queries: Queries, index_cache, md: DecodeMetadata, *, backend: str):
+def row_block_tables(md: StepMetadata):
+    """[R, P]: the page ids of each row's sequence (the step's [S, P] tables gathered by query_seqs)."""
+    return md.block_tables[md.query_seqs]
+
+
+def local_scores(queries: Queries, index_cache, md: StepMetadata, *, backend: str):
     """2. Indexer logits [R, P*B] over this rank's index-K shard, -inf past the host-provided local lengths."""
     q, weights = cache_formats.encode_index_queries(queries.index_q, queries.index_weights, index_cache)
-    return pallas_kernels.indexer_logits(q, weights, index_cache, md.block_tables, md.local_context_lens,
+    return pallas_kernels.indexer_logits(q, weights, index_cache, row_block_tables(md), md.local_context_lens,
                                          backend=backend)
 
 
-def local_top_k(queries: Queries, index_cache, md: DecodeMetadata, *, cfg: ModelConfig, backend: str):
+def local_top_k(queries: Queries, index_cache, md: StepMetadata, *, cfg: ModelConfig, backend: str):
     """2-3. This rank's top-k of its indexer logits (fused where the kernels allow): (scores [R, K], local token
     ids [R, K], -1 padded), in column order: the exchange sorts the merged candidates anyway."""
     q, weights = cache_formats.encode_index_queries(queries.index_q, queries.index_weights, index_cache)
-    return pallas_kernels.indexer_top_k(q, weights, index_cache, md.block_tables, md.local_context_lens,
+    return pallas_kernels.indexer_top_k(q, weights, index_cache, row_block_tables(md), md.local_context_lens,
                                         k=cfg.index_topk, sorted=False, backend=backend)
 
 
-def select_owned(values, local_ids, md: DecodeMetadata, *, cfg: ModelConfig, layout: DcpLayout):
+def select_owned(values, local_ids, md: StepMetadata, *, cfg: ModelConfig, layout: DcpLayout):
     """4-5. Candidate exchange -> the global top-k positions [R, K] (identical on every rank), then this rank's
     share of them as compacted slots [R, K] and counts [R]."""
     rank = jax.lax.axis_index(DCP)
     selected = exchange.exchange_top_k(values, local_ids, rank, k=cfg.index_topk, layout=layout)
-    owned_slots, counts = exchange.owner_filter(selected, md.block_tables, rank, layout=layout)
+    owned_slots, counts = exchange.owner_filter(selected, row_block_tables(md), rank, layout=layout)
     return selected, owned_slots, counts
 
 
@@ -110,7 +119,7 @@ def merge_heads(p, out, lse, dtype):
     return jax.lax.psum(projections.output_projection(p, latent_out), HEADS)
 
 
-def sparse_dcp_attention(p: AttentionParams, x, kv_cache, index_cache, rope, md: DecodeMetadata, *,
+def sparse_dcp_attention(p: AttentionParams, x, kv_cache, index_cache, rope, md: StepMetadata, *,
                          cfg: ModelConfig, layout: DcpLayout, backend: str):
     """Returns (attention output [R, D] summed over all TP ranks, kv_cache, index_cache, the global top-k
     positions [R, K] selected for each row (-1 padded, identical on every rank))."""

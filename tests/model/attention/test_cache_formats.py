@@ -1,6 +1,7 @@
-"""The cache formats (dcp_jax/model/attention/cache_formats.py). Index keys: the fp8 pool's arrays and bytes,
-prefill and decode scoring an fp8 cache alike, fp8 selections close to the exact ones. Latents: the fp8 pool's
-arrays and bytes, prefill writing and attending over the quantized latents. Bad formats refused up front."""
+"""The cache formats (dcp_jax/model/attention/cache_formats.py). Index keys: the fp8 pool's arrays and bytes, a
+prefill chunk's rows scoring an fp8 cache as decode's indexer does, fp8 selections close to the exact ones. Latents:
+the fp8 pool's arrays and bytes, prefill writing and attending over the quantized latents. Bad formats refused up
+front."""
 
 import dataclasses
 
@@ -13,16 +14,41 @@ from jax.sharding import PartitionSpec as P
 
 from dcp_jax import cli
 from dcp_jax.config import DEEPSEEK_V32, TINY, EngineConfig, ParallelConfig
+from dcp_jax.host.layout import DcpLayout
+from dcp_jax.host.metadata import build_step_metadata
 from dcp_jax.model.attention import cache_formats, projections
 from dcp_jax.model.deepseek_v32 import Attention
 from dcp_jax.model.kv_cache import allocate_kv_cache, kv_bytes_per_rank
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.model.rope import cos_sin, rope_tables
+from dcp_jax.runtime.step import rank_view
 from dcp_jax.serving.loading import load_model
 from pallas_kernels import Fp8IndexKeys, Fp8LatentCache, formats, reference
 
 # 96 queries over contexts 1..96, most of them past index_topk = 16.
 INDEX_BATCH, INDEX_TOKENS = 2, 96
+
+
+def _layer_over_prompts(attention, x, kv_cache, index_cache):
+    """The attention layer over B prompts of T tokens (x [B, T, D]) as one step of B*T rows on one device, prompt
+    b in page b of a pool of T-token pages. Returns (out [B, T, D], kv_cache, index_cache, selected [B, T, K],
+    rope (cos, sin) [B*T, E/2])."""
+    batch, tokens = x.shape[:2]
+    layout = DcpLayout(1, 1, tokens)
+    md = rank_view(build_step_metadata([tokens] * batch, [tokens] * batch, [[b] for b in range(batch)],
+                                       rows=batch * tokens, seqs=batch, layout=layout, max_blocks=1))
+    rope = cos_sin(jnp.asarray(md.positions), *rope_tables(TINY))
+
+    def run(x, kv_cache, index_cache):
+        return attention(x.reshape(batch * tokens, -1), rope, kv_cache, index_cache, jax.tree.map(jnp.asarray, md),
+                         layout=layout, backend="reference")
+
+    mesh = make_mesh(ParallelConfig(tp=1, dcp=1))
+    out, kv_cache, index_cache, selected = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(), out_specs=P(),
+                                                                 check_vma=False))(
+        x, kv_cache, index_cache)
+    return (np.asarray(out).reshape(batch, tokens, -1), kv_cache, index_cache,
+            np.asarray(selected).reshape(batch, tokens, -1), rope)
 
 
 def test_fp8_pool_is_e4m3_keys_and_f32_scales_at_index_head_dim_plus_4_bytes_a_token():
@@ -44,25 +70,15 @@ def test_fp8_pool_is_e4m3_keys_and_f32_scales_at_index_head_dim_plus_4_bytes_a_t
 
 
 def _prefill_index(index_cache: str, seed: int = 3):
-    """Layer `Attention.prefill` of a random tiny layer on one device: INDEX_BATCH prompts of INDEX_TOKENS tokens,
-    prompt b in page b. Returns (attention, x, rope, selected [B, T, K], the written index cache)."""
+    """A random tiny attention layer over INDEX_BATCH prompts of INDEX_TOKENS tokens (`_layer_over_prompts`).
+    Returns (attention, x, rope, selected [B, T, K], the written index cache)."""
     batch, tokens = INDEX_BATCH, INDEX_TOKENS
     attention = Attention(TINY, rngs=nnx.Rngs(seed))
     x = jax.random.normal(jax.random.key(seed + 1), (batch, tokens, TINY.hidden_size), jnp.float32)
-    positions = jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (batch, tokens))
-    rope = cos_sin(positions, *rope_tables(TINY))
     kv_cache = jnp.zeros((batch, tokens, TINY.latent_dim))
     index_cache = cache_formats.zero_index_keys((batch, tokens, TINY.index_head_dim), index_cache, jnp.float32)
-    slots = jnp.arange(batch * tokens, dtype=jnp.int32).reshape(batch, tokens)
-
-    def run(x, rope, kv_cache, index_cache):
-        _, _, index_cache, selected = attention.prefill(x, rope, kv_cache, index_cache, slots)
-        return selected, index_cache
-
-    mesh = make_mesh(ParallelConfig(tp=1, dcp=1))
-    selected, index_cache = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(), out_specs=P()))(
-        x, rope, kv_cache, index_cache)
-    return attention, x, rope, np.asarray(selected), index_cache
+    _, _, index_cache, selected, rope = _layer_over_prompts(attention, x, kv_cache, index_cache)
+    return attention, x, rope, selected, index_cache
 
 
 def test_fp8_prefill_selects_what_the_decode_indexer_selects_over_the_written_cache():
@@ -136,29 +152,16 @@ def test_fp8_pool_is_e4m3_latent_f32_tile_scales_and_bf16_rope():
 
 
 def _prefill_latent(latent_cache: str, seed: int = 3):
-    """Layer `Attention.prefill` of a random tiny layer on one device: LATENT_BATCH prompts of LATENT_TOKENS tokens,
-    prompt b in page b. Returns (attention output, selected [B, T, K], the written latent cache, the
-    layer's latents of the prompts)."""
+    """A random tiny attention layer over LATENT_BATCH prompts of LATENT_TOKENS tokens (`_layer_over_prompts`).
+    Returns (attention output, selected [B, T, K], the written latent cache, the layer's latents of the prompts)."""
     batch, tokens = LATENT_BATCH, LATENT_TOKENS
     attention = Attention(TINY, rngs=nnx.Rngs(seed))
     x = jax.random.normal(jax.random.key(seed + 1), (batch, tokens, TINY.hidden_size), jnp.float32)
-    positions = jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (batch, tokens))
-    rope = cos_sin(positions, *rope_tables(TINY))
     kv_cache = cache_formats.zero_latents((batch, tokens), TINY, latent_cache, jnp.float32)
     index_cache = jnp.zeros((batch, tokens, TINY.index_head_dim))
-    slots = jnp.arange(batch * tokens, dtype=jnp.int32).reshape(batch, tokens)
-
-    def run(x, rope, kv_cache, index_cache):
-        out, kv_cache, _, selected = attention.prefill(x, rope, kv_cache, index_cache, slots)
-        return out, selected, kv_cache
-
-    mesh = make_mesh(ParallelConfig(tp=1, dcp=1))
-    out, selected, kv_cache = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(), out_specs=P()))(
-        x, rope, kv_cache, index_cache)
-    rows = batch * tokens
-    cos, sin = (a.reshape(rows, -1) for a in rope)
-    latents = projections.mla_latent(attention.params(), x.reshape(rows, -1), cos, sin, TINY)
-    return np.asarray(out), np.asarray(selected), kv_cache, latents.reshape(batch, tokens, -1)
+    out, kv_cache, _, selected, (cos, sin) = _layer_over_prompts(attention, x, kv_cache, index_cache)
+    latents = projections.mla_latent(attention.params(), x.reshape(batch * tokens, -1), cos, sin, TINY)
+    return out, selected, kv_cache, latents.reshape(batch, tokens, -1)
 
 
 def test_fp8_prefill_writes_the_quantized_latents_and_attends_over_them():

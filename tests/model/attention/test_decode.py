@@ -13,13 +13,13 @@ import pytest
 
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
 from dcp_jax.demo import Schedule, make_stack_step, run_comparison
-from dcp_jax.host.metadata import build_decode_metadata
+from dcp_jax.host.metadata import build_step_metadata
 from dcp_jax.model.attention_stack import decode_stack_unsharded, empty_history, init_stack_params
 from dcp_jax.model.kv_cache import allocate_kv_cache
 from dcp_jax.model.mesh import make_mesh
 from pallas_kernels import Fp8LatentCache
 
-ENGINE = EngineConfig(page_size=4, num_pages=48, max_num_seqs=4, max_model_len=40)
+ENGINE = EngineConfig(page_size=4, num_pages=48, max_num_seqs=4, max_model_len=40, max_num_batched_tokens=4)
 # 3 active rows (one pad row) at steps 2-4 and after step 12; contexts reach 27 > index_topk = 16.
 SCHEDULE = Schedule(start=(0, 0, 2, 5), stop=(27, 12, 27, 27))
 TOL = 2e-5
@@ -148,7 +148,7 @@ def test_exact_ties_at_the_topk_boundary(dcp, interleave):
 def test_a_rank_owning_none_of_the_top_k_with_context_above_k():
     """All index scores tie, so the top-k is positions 0..K-1; with interleave = K = 16 they all live on rank 0,
     and rank 1 owns none of them once contexts exceed K (its sparse MLA part is empty: out 0, lse -inf)."""
-    engine = EngineConfig(page_size=16, num_pages=16, max_num_seqs=4, max_model_len=40)
+    engine = EngineConfig(page_size=16, num_pages=16, max_num_seqs=4, max_model_len=40, max_num_batched_tokens=4)
     parallel = ParallelConfig(tp=2, dcp=2, interleave=TINY.index_topk)
     report = run_comparison(TINY, parallel, engine, SCHEDULE, params=tied_index_params(3))
     assert report.max_context > TINY.index_topk
@@ -168,7 +168,7 @@ def test_pad_rows_output_zero_and_write_no_kv(latent_cache):
     kv_cache = jax.tree.map(lambda a, like: jax.device_put(a, like.sharding), before, empty)
     step.compile(params, kv_cache, 4)
     lens, tables = [5, 9], [[3], [7, 1]]
-    md = build_decode_metadata(lens, tables, bucket=4, layout=step.layout, max_blocks=step.max_blocks)
+    md = build_step_metadata(lens, [1, 1], tables, rows=4, seqs=4, layout=step.layout, max_blocks=step.max_blocks)
     hidden = np.zeros((4, TINY.hidden_size), np.float32)
     hidden[:2] = rng.standard_normal((2, TINY.hidden_size))
     out, kv_cache = step(params, kv_cache, hidden, md)
