@@ -16,7 +16,7 @@ program alone (`time_steps`). Beside it, same pool and same metadata:
 - `fallback`: the same step with the local lengths re-derived on device from the global ones
   (`runtime.jaxpr_check.local_context_lens_on_device`) - the failure mode the design forbids;
 - stage-isolating variants `through_<stage>` (see `STAGES`): each layer runs the attention data flow of
-  `attention/decode.py` only up to that stage, and the per-stage time is the difference of consecutive variants.
+  `attention/sparse_dcp.py` only up to that stage, and the per-stage time is the difference of consecutive variants.
 Tables, plots and target checks: `decode_results.py`; see docs/perf_decode.md for the method.
 Letters: W dcp size, B batch rows (= bucket), L context length, ps page size.
 """
@@ -51,8 +51,8 @@ from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_
                             EngineConfig, ModelConfig, ParallelConfig, check_index_cache, check_latent_cache, preset)
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.host.metadata import FED_BACK, SamplingTable, StepInputs, build_step_inputs, build_step_metadata
-from dcp_jax.model.attention import cache_formats, decode
-from dcp_jax.model.attention.decode import kernel_backend
+from dcp_jax.model.attention import cache_formats, sparse_dcp
+from dcp_jax.model.attention.sparse_dcp import kernel_backend
 from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, merge, param_specs
 from dcp_jax.model.kv_cache import KVCache, allocate_kv_cache, from_layers, kv_bytes_per_rank
 from dcp_jax.model.mesh import DCP, make_mesh
@@ -79,14 +79,14 @@ def _row_mean(x):
 
 def attention_through(p, x, kv_cache, index_cache, rope, md, *, cfg: ModelConfig, layout: DcpLayout, backend: str,
                       through: str):
-    """Stages 1..`through` of `attention.decode.sparse_dcp_attention` (its own stage functions), per rank.
+    """Stages 1..`through` of `attention.sparse_dcp.sparse_dcp_attention` (its own stage functions), per rank.
 
     Returns (residual update [R, D], kv_cache, index_cache): the attention output for through="merge", else
     SINK_SCALE times the row means of every value computed and not yet consumed (so nothing is dead code).
     """
     if through not in STAGES[1:]:
         raise ValueError(f"unknown stage {through!r}; choose from {STAGES[1:]}")
-    queries, kv_cache, index_cache = decode.project_and_write(p, x, kv_cache, index_cache, rope, md.slot_mapping,
+    queries, kv_cache, index_cache = sparse_dcp.project_and_write(p, x, kv_cache, index_cache, rope, md.slot_mapping,
                                                               cfg=cfg)
 
     def sunk(*values, has_dangling_query=True):
@@ -98,17 +98,17 @@ def attention_through(p, x, kv_cache, index_cache, rope, md, *, cfg: ModelConfig
     if through == "projections":
         return sunk(queries.index_q, queries.index_weights)
     if through == "indexer":
-        return sunk(decode.local_scores(queries, index_cache, md, backend=backend))
-    values, local_ids = decode.local_top_k(queries, index_cache, md, cfg=cfg, backend=backend)
+        return sunk(sparse_dcp.local_scores(queries, index_cache, md, backend=backend))
+    values, local_ids = sparse_dcp.local_top_k(queries, index_cache, md, cfg=cfg, backend=backend)
     if through == "topk":
         return sunk(values, local_ids)
-    _, owned_slots, counts = decode.select_owned(values, local_ids, md, cfg=cfg, layout=layout)
+    _, owned_slots, counts = sparse_dcp.select_owned(values, local_ids, md, cfg=cfg, layout=layout)
     if through == "exchange":
         return sunk(owned_slots, counts)
-    out, lse = decode.attend(p, queries, kv_cache, owned_slots, counts, cfg=cfg, backend=backend)
+    out, lse = sparse_dcp.attend(p, queries, kv_cache, owned_slots, counts, cfg=cfg, backend=backend)
     if through == "sparse_mla":
         return sunk(out, lse, has_dangling_query=False)
-    return decode.merge_heads(p, out, lse, x.dtype), kv_cache, index_cache
+    return sparse_dcp.merge_heads(p, out, lse, x.dtype), kv_cache, index_cache
 
 
 def staged_decode_body(params, state: DeviceState, inputs, md, *, graphdef, abstract, cfg: ModelConfig,

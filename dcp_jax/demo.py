@@ -20,7 +20,7 @@ from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.host.metadata import build_step_metadata
 from dcp_jax.host.page_allocator import PageAllocator
-from dcp_jax.model.attention.decode import kernel_backend
+from dcp_jax.model.attention.sparse_dcp import kernel_backend
 from dcp_jax.model.attention_stack import (decode_stack_body, decode_stack_unsharded, empty_history,
                                            init_stack_params, stack_param_specs)
 from dcp_jax.model.kv_cache import allocate_kv_cache

@@ -17,7 +17,7 @@ from dcp_jax.config import ModelConfig
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.host.metadata import StepMetadata
 from dcp_jax.model.attention import cache_formats
-from dcp_jax.model.attention.decode import sparse_dcp_attention
+from dcp_jax.model.attention.sparse_dcp import sparse_dcp_attention
 from dcp_jax.model.attention.params import AttentionParams, init_attention_params, partition_specs
 from dcp_jax.model.attention.projections import index_key, mla_latent, rms_norm
 from dcp_jax.model.attention.unsharded import sparse_attention_unsharded

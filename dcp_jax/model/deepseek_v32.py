@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from dcp_jax.config import ModelConfig
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.model.attention.decode import sparse_dcp_attention
+from dcp_jax.model.attention.sparse_dcp import sparse_dcp_attention
 from dcp_jax.model.attention.params import AttentionParams, init_attention_params, partition_specs
 from dcp_jax.model.attention.projections import rms_norm
 from dcp_jax.model.mesh import HEADS
@@ -59,7 +59,7 @@ class Attention(nnx.Module):
         return AttentionParams(**{f.name: getattr(self, f.name)[...] for f in dataclasses.fields(AttentionParams)})
 
     def __call__(self, x, rope, kv_cache, index_cache, md, *, layout: DcpLayout, backend: str):
-        """Per rank: the sparse DCP attention layer of `attention/decode.py` on these weights (x [R, D] the step's
+        """Per rank: the sparse DCP attention layer of `attention/sparse_dcp.py` on these weights (x [R, D] the step's
         rows, md the rank's view of its StepMetadata). Returns (output [R, D] summed over TP ranks, kv_cache,
         index_cache, selected [R, K])."""
         return sparse_dcp_attention(self.params(), x, kv_cache, index_cache, rope, md, cfg=self.cfg, layout=layout,

@@ -133,7 +133,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     from flax import nnx
 
     from dcp_jax.model.attention.cache_formats import check_latent_format
-    from dcp_jax.model.attention.decode import kernel_backend
+    from dcp_jax.model.attention.sparse_dcp import kernel_backend
     from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, param_specs
     from dcp_jax.model.mesh import make_mesh, sharding
     from dcp_jax.model.weights import load_hf_params

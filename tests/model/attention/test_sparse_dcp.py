@@ -1,4 +1,5 @@
-"""The sharded sparse DCP decode step equals the single-device unsharded computation.
+"""The sharded sparse DCP attention step (dcp_jax/model/attention/sparse_dcp.py) equals the single-device unsharded
+computation.
 
 Schedules mix batch sizes (pad rows in every bucket), contexts below and above index_topk, contexts that
 are not multiples of dcp, and early steps where most ranks own none of a row's tokens.
