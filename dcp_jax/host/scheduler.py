@@ -17,10 +17,10 @@ slot in `block_tables` mirrors its pages, so a decode step gathers its rows' tab
 dispatch a step before it reads the previous one's tokens: `mark_dispatched` counts a token sampled on the device
 but not yet read (`num_pending`), which the context length already includes, and a request whose pending tokens
 reach max_tokens gets no decode row. The engine reports each token with `append_token`, which detokenizes it
-incrementally, applies the stop rules (EOS / stop token ids, stop strings searched in the new text's tail,
-max_tokens; `check_fits` already keeps prompt + max_tokens within max_model_len) and frees a finished request's
-pages and slot at once. `abort` frees a cancelled request's wherever it is. Every page and slot taken is returned
-exactly once: `check_invariants` proves it.
+incrementally, applies the stop rules (EOS / stop token ids, stop strings searched in the new text's tail, none
+of them before min_tokens; max_tokens; `check_fits` already keeps prompt + max_tokens within max_model_len) and
+frees a finished request's pages and slot at once. `abort` frees a cancelled request's wherever it is. Every
+page and slot taken is returned exactly once: `check_invariants` proves it.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def max_context_len(prompt_len: int, max_tokens: int) -> int:
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One sequence. `params` needs max_tokens, stop (tuple of str), stop_token_ids and ignore_eos
+    """One sequence. `params` needs max_tokens, min_tokens, stop (tuple of str), stop_token_ids and ignore_eos
     (a `sampling.SamplingParams`); `seed` keys its draws on the device (`sampling.request_seed`)."""
 
     request_id: str
@@ -345,7 +345,10 @@ class Scheduler:
         token = int(token)
         output = request.output_ids
         output.append(token)
-        is_stop_id = (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids
+        # vLLM's min_tokens: no stop (EOS, stop token ids, stop strings) before the output is longer than it.
+        may_stop = len(output) > params.min_tokens
+        is_stop_id = may_stop and ((token == self.eos_token_id and not params.ignore_eos)
+                                   or token in params.stop_token_ids)
         is_length = len(output) >= params.max_tokens  # check_fits: prompt + max_tokens <= max_model_len
         detokenizer = request.detokenizer
         if detokenizer is None:
@@ -356,7 +359,7 @@ class Scheduler:
         if is_stop_id or is_length:
             detokenizer.flush()
         request.text = detokenizer.text
-        if params.stop and self._cut_at_stop_string(request, before):
+        if params.stop and may_stop and self._cut_at_stop_string(request, before):
             self.finish(request, RequestStatus.FINISHED_STOPPED)
         elif is_stop_id:
             self.finish(request, RequestStatus.FINISHED_STOPPED)
