@@ -4,9 +4,11 @@
 `Scheduler`) and a thread that runs the loop. Every decode bucket and every prefill length is compiled at
 start-up (one tqdm bar), so serving never traces; `compiles_after_warmup` counts any compile that happens anyway.
 Requests come in from any thread through `add_request` (validated at once, ValueError before anything is queued)
-and `abort`; each request streams `StreamEvent`s (token and text deltas, logprobs, finish reason) into its own
-sink. A request that fails fails alone; the loop goes on. A stopped engine refuses new requests
-(`EngineStoppedError`) and ends every stream still open with an "abort" event.
+and `abort`; each request streams `StreamEvent`s (token and text deltas, logprobs, finish reason) into its sink.
+A sink with a `flush()` is flushed once after each turn of the loop that gave it events, so one sink shared by many
+requests (`streams.LoopSink`) hands a whole step's events to an asyncio loop at once. A request that fails fails
+alone; the loop goes on. A stopped engine refuses new requests (`EngineStoppedError`) and ends every stream still
+open with an "abort" event.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -27,7 +30,7 @@ from dcp_jax.host.scheduler import Request, RequestStatus, Scheduler
 from dcp_jax.serving.core import ServingCore
 from dcp_jax.serving.loading import load_model
 from dcp_jax.serving.metrics import ServingMetrics
-from dcp_jax.serving.streams import AsyncSink, Sink, Stream, StreamEvent
+from dcp_jax.serving.streams import LoopSink, Sink, Stream, StreamEvent
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +101,7 @@ class Engine:
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
         self.scheduler = Scheduler(self.engine_config, self.runner.layout, eos_token_id=self.model_config.eos_token_id,
                                    detokenize=self.tokenizer.decode, max_prefills_per_step=max_prefills_per_step)
-        self.metrics = ServingMetrics(self._gauges)
+        self.metrics = ServingMetrics(self._live_metrics)
         self.core = ServingCore(self.runner, self.scheduler, vocab_size=self.model_config.vocab_size, seed=seed,
                                 has_prompt_logprobs=prompt_logprobs, metrics=self.metrics,
                                 async_scheduling=async_scheduling)
@@ -110,6 +113,7 @@ class Engine:
         gc.freeze()
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, Stream] = {}  # the engine thread's
+        self._unflushed: dict[int, Sink] = {}  # sinks given events since the last flush (the engine thread's)
         # Guards `_accepting` and `_live_ids` (the ids of requests queued and not yet finished), both touched
         # by callers' threads; holding it while queueing means no request slips in after the loop's last drain.
         self._lock = threading.Lock()
@@ -117,7 +121,6 @@ class Engine:
         self._live_ids: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._gauge_values = dict(running_requests=0, waiting_requests=0)
 
     # ---- start-up ---------------------------------------------------------------------------------------
     def warmup(self, *, progress: bool = True) -> None:
@@ -147,11 +150,11 @@ class Engine:
     def compiles_after_warmup(self) -> int:
         return _compiles[0] - self._compiles_after_warmup
 
-    def _gauges(self) -> dict[str, float]:
+    def _live_metrics(self) -> dict[str, float]:
         alloc = self.scheduler.allocator
-        return dict(self._gauge_values, kv_pages_used=alloc.num_used, kv_pages_free=alloc.num_free,
-                    kv_pages_total=alloc.num_pages, compiles_total=self.compile_count,
-                    compiles_after_warmup_total=self.compiles_after_warmup, programs_compiled=self.num_programs)
+        return dict(kv_pages_used=alloc.num_used, kv_pages_free=alloc.num_free, kv_pages_total=alloc.num_pages,
+                    compiles=self.compile_count, compiles_after_warmup=self.compiles_after_warmup,
+                    programs_compiled=self.num_programs)
 
     # ---- the thread -------------------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -176,6 +179,12 @@ class Engine:
         """The loop runs and takes requests."""
         return self._accepting and self._thread is not None and self._thread.is_alive()
 
+    @property
+    def num_live_requests(self) -> int:
+        """Requests queued and not finished (from any thread)."""
+        with self._lock:
+            return len(self._live_ids)
+
     def _loop(self) -> None:
         try:
             while not self._stopping.is_set():
@@ -189,8 +198,10 @@ class Engine:
                     log.exception("engine step failed")
                     for request in self.core.fail_live("internal engine error"):
                         self._emit(request)
+                self._flush_sinks()
         finally:
             self._shut_down()
+            self._flush_sinks()
 
     def _shut_down(self) -> None:
         """Refuse new requests, then end every open stream with an abort: the queued and running requests and
@@ -277,29 +288,32 @@ class Engine:
     async def generate_async(self, prompt_ids: Sequence[int], params: SamplingParams, **kw
                              ) -> AsyncIterator[StreamEvent]:
         """The same stream for an asyncio consumer."""
-        sink = AsyncSink(asyncio.get_running_loop())
-        request_id = self.add_request(prompt_ids, params, sink, **kw)
+        sink = LoopSink(asyncio.get_running_loop())
+        events: asyncio.Queue = asyncio.Queue()
+        request_id = kw.pop("request_id", None) or f"async-{uuid.uuid4().hex}"
+        sink.route(request_id, events)
+        request_id = self.add_request(prompt_ids, params, sink, request_id=request_id, **kw)
         try:
             while True:
-                event = await sink.queue.get()
+                event = await events.get()
                 yield event
                 if event.finish_reason is not None:
                     return
         finally:
             self.abort(request_id)
+            sink.unroute(request_id)
 
     # ---- one step ---------------------------------------------------------------------------------------
     def step(self) -> None:
-        """One core step, then stream what it changed."""
+        """One core step, then stream what it changed (the loop flushes the sinks after it)."""
         touched = self.core.step()
         self._publish_gauges()
         for request in touched:
             self._emit(request)
 
     def _publish_gauges(self) -> None:
-        """The queue's sizes for the metrics (read from other threads), after every change the loop makes."""
-        self._gauge_values = dict(running_requests=self.scheduler.num_running,
-                                  waiting_requests=self.scheduler.num_waiting)
+        """The queue's sizes for the metrics, after every change the loop makes."""
+        self.metrics.set_queue(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting)
 
     def _emit(self, request: Request) -> None:
         stream = self._streams.get(request.request_id)
@@ -323,6 +337,20 @@ class Engine:
             if not finished:
                 self.core.abort(request.request_id)
                 self._forget(request.request_id)
+            return
+        self._unflushed[id(stream.sink)] = stream.sink
+
+    def _flush_sinks(self) -> None:
+        """Hand over what the sinks collected since the last flush (sinks without `flush` took each event)."""
+        sinks, self._unflushed = self._unflushed, {}
+        for sink in sinks.values():
+            flush = getattr(sink, "flush", None)
+            if flush is None:
+                continue
+            try:
+                flush()
+            except Exception:  # a consumer gone (its loop closed): its requests' events are lost, not the loop
+                log.exception("flushing a sink failed")
 
     def _forget(self, request_id: str) -> None:
         del self._streams[request_id]
