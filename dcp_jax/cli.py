@@ -85,7 +85,8 @@ def generate(args: argparse.Namespace) -> int:
           f"interleave={args.interleave}, {args.index_cache} index cache, {args.latent_cache} latent cache, "
           f"backend {llm.backend}")
     for out in outputs:
-        print(f"--- prompt: {out.prompt!r}\n{out.text!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
+        done = out.outputs[0]
+        print(f"--- prompt: {out.prompt!r}\n{done.text!r} ({len(done.token_ids)} tokens, {done.finish_reason})")
     return 0
 
 

@@ -17,27 +17,34 @@ from dcp_jax.host.scheduler import Request, Scheduler
 from dcp_jax.runtime.runner import decode_variants_for
 from dcp_jax.serving.core import ServingCore
 from dcp_jax.serving.loading import load_model
+from dcp_jax.serving.streams import output_text, stop_reason
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One completion of a prompt (vLLM's). `logprobs[j]` (when `SamplingParams.logprobs` asked for them, else
+    None) holds the j-th generated token's logprob (log-softmax of the raw logits) and those of the
+    `SamplingParams.logprobs` most likely tokens. finish_reason: "stop" or "length"; stop_reason: the stop string
+    or stop token id that ended it (None for EOS). `text` leaves out EOS and stop token ids and ends before a stop
+    string unless `include_stop_str_in_output` (as the server's does)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str
+    stop_reason: str | int | None = None
 
 
 @dataclasses.dataclass
 class RequestOutput:
-    """One finished request. `logprobs[j]` (when `SamplingParams.logprobs` asked for them, else None) holds the
-    j-th generated token's logprob (log-softmax of the raw logits) and those of the `SamplingParams.logprobs` most
-    likely tokens. finish_reason: "stop" or "length". `text` leaves out EOS and stop token ids and ends before a
-    stop string (as the server's does)."""
+    """One prompt's result (vLLM's): its `SamplingParams.n` completions in `outputs`."""
 
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str
-
-    @property
-    def outputs(self) -> list[RequestOutput]:
-        """vLLM spells the completion `outputs[0]`; one completion per request here."""
-        return [self]
+    outputs: list[CompletionOutput]
+    finished: bool = True
 
 
 class LLM:
@@ -79,8 +86,10 @@ class LLM:
                  prompt_token_ids: Sequence[Sequence[int]] | None = None, *, use_tqdm: bool = False
                  ) -> list[RequestOutput]:
         """Generate for `prompts` (text, tokenized with BOS) or `prompt_token_ids` (used as given); one
-        SamplingParams for all or one per prompt. Returns one RequestOutput per prompt, in order."""
-        requests, texts = self._make_requests(prompts, prompt_token_ids, sampling_params)
+        SamplingParams for all or one per prompt. Returns one RequestOutput per prompt, in order, with the n
+        completions its SamplingParams ask for (completion j draws from seed + j when seeded, as vLLM's)."""
+        grouped, texts = self._make_requests(prompts, prompt_token_ids, sampling_params)
+        requests = [r for choices in grouped for r in choices]
         progress = None
         if use_tqdm:
             from tqdm import tqdm
@@ -102,13 +111,15 @@ class LLM:
         failed = [r for r in requests if r.error]
         if failed:
             raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
-        return [RequestOutput(i, text, r.prompt_ids, r.output_ids, r.text,
-                              [lp.top for lp in r.logprobs] if r.params.logprobs is not None else None,
-                              r.finish_reason)
-                for i, (r, text) in enumerate(zip(requests, texts))]
+        return [RequestOutput(i, text, choices[0].prompt_ids, [
+            CompletionOutput(j, output_text(r), r.output_ids,
+                             [lp.top for lp in r.logprobs] if r.params.logprobs is not None else None,
+                             r.finish_reason, stop_reason(r)) for j, r in enumerate(choices)])
+            for i, (choices, text) in enumerate(zip(grouped, texts))]
 
-    def _make_requests(self, prompts, prompt_token_ids, sampling_params) -> tuple[list[Request], list[str | None]]:
-        """Validate every prompt (ValueError before anything runs) and build its request."""
+    def _make_requests(self, prompts, prompt_token_ids, sampling_params
+                       ) -> tuple[list[list[Request]], list[str | None]]:
+        """Validate every prompt (ValueError before anything runs) and build its n requests, prompt by prompt."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts and prompt_token_ids")
         if prompts is not None:
@@ -130,7 +141,8 @@ class LLM:
                 self.core.validate(prompt_ids, p)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        return [self.core.make_request(prompt_ids, p, id_prefix="llm") for prompt_ids, p in zip(ids, params)], prompts
+        return [[self.core.make_request(prompt_ids, p.for_choice(j), id_prefix="llm") for j in range(p.n)]
+                for prompt_ids, p in zip(ids, params)], prompts
 
     @property
     def num_free_pages(self) -> int:

@@ -17,8 +17,9 @@ def llm():
 def _outputs(llm, prompts, params, *, async_scheduling):
     llm.core.async_scheduling = async_scheduling
     try:
-        return [(o.token_ids, o.text, o.finish_reason) for o in llm.generate(prompt_token_ids=prompts,
-                                                                              sampling_params=params)]
+        return [(c.token_ids, c.text, c.finish_reason) for o in llm.generate(prompt_token_ids=prompts,
+                                                                              sampling_params=params)
+                for c in o.outputs]
     finally:
         llm.core.async_scheduling = True
 
@@ -40,14 +41,14 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm):
 def test_a_seeded_request_draws_the_same_alone_in_a_batch_in_another_bucket_and_after_preemption(llm):
     params = SamplingParams(max_tokens=14, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
     others = SamplingParams(max_tokens=14, temperature=1.0, ignore_eos=True)
-    alone = llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=params)[0].token_ids  # bucket 1
+    alone = llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=params)[0].outputs[0].token_ids  # bucket 1
     batch = llm.generate(prompt_token_ids=PROMPTS, sampling_params=[others, others, params, others, others, others])
-    assert batch[2].token_ids == alone  # bucket 8, other neighbours
-    assert len({tuple(o.token_ids) for o in batch}) == len(PROMPTS)  # unseeded rows draw their own streams
+    assert batch[2].outputs[0].token_ids == alone  # bucket 8, other neighbours
+    assert len({tuple(o.outputs[0].token_ids) for o in batch}) == len(PROMPTS)  # unseeded rows draw their own streams
     tight = LLM("tiny", **(KW | dict(num_pages=12)))  # 12 pages of 8 tokens: six 30-token contexts must preempt
     preempted = tight.generate(prompt_token_ids=[PROMPTS[2]] * 6, sampling_params=params)
     assert tight.core.metrics.preemptions > 0
-    assert all(o.token_ids == alone for o in preempted)
+    assert all(o.outputs[0].token_ids == alone for o in preempted)
 
 
 def test_the_device_keeps_each_requests_history_for_its_penalties(llm):
@@ -58,7 +59,7 @@ def test_the_device_keeps_each_requests_history_for_its_penalties(llm):
     prompt = [9] * 5 + [17, 23]
     out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
         max_tokens=10, temperature=1.0, presence_penalty=1.0, frequency_penalty=1.0, repetition_penalty=1.5,
-        seed=5, ignore_eos=True))[0]
+        seed=5, ignore_eos=True))[0].outputs[0]
     state = llm.runner.state.sampler  # it ran alone, in the lowest slot: 0
     vocab = llm.model_config.vocab_size
     np.testing.assert_array_equal(np.asarray(state.output_counts[0]), np.bincount(out.token_ids, minlength=vocab))

@@ -57,7 +57,7 @@ def test_greedy_matches_offline_llm(engine):
     offline = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     for prompt, out in zip(prompts, offline):
         tokens, last = run(engine, prompt, max_tokens=10, temperature=0, ignore_eos=True)
-        assert tokens == out.token_ids and last.finish_reason == "length"
+        assert tokens == out.outputs[0].token_ids and last.finish_reason == "length"
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_neighbours(engine):
