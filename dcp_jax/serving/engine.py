@@ -55,6 +55,14 @@ def _count_compiles() -> None:
             _listener_registered[0] = True
 
 
+def _program_label(kind: str, bucket) -> str:
+    """'decode greedy, 8 rows'; 'prefill first_token, 1 x 128 tokens' (a prefill bucket is (rows, tokens))."""
+    if isinstance(bucket, tuple):
+        rows, tokens = bucket
+        return f"{kind}, {rows} x {tokens} tokens"
+    return f"{kind}, {bucket} rows"
+
+
 class EngineStoppedError(RuntimeError):
     """The engine's loop is not running: nothing would ever serve the request."""
 
@@ -133,9 +141,10 @@ class Engine:
         # A bar on a terminal only (disable=None); a log line a program elsewhere.
         bar = tqdm(work, desc="compiling buckets", unit="program", disable=None if progress else True)
         for i, (kind, bucket) in enumerate(bar):
-            bar.set_postfix_str(f"{kind} {bucket}")
+            label = _program_label(kind, bucket)
+            bar.set_postfix_str(label)
             if progress and bar.disable:
-                log.info("compiling program %d/%d: %s %s", i + 1, len(work), kind, bucket)
+                log.info("compiling program %d/%d: %s", i + 1, len(work), label)
             self.runner.compile(kind, bucket)
         bar.close()
         self.num_programs = len(work)
@@ -152,7 +161,7 @@ class Engine:
 
     def _live_metrics(self) -> dict[str, float]:
         alloc = self.scheduler.allocator
-        return dict(kv_pages_used=alloc.num_used, kv_pages_free=alloc.num_free, kv_pages_total=alloc.num_pages,
+        return dict(kv_pages_used=alloc.num_used, kv_pages_free=alloc.num_free, kv_pages_capacity=alloc.num_pages,
                     compiles=self.compile_count, compiles_after_warmup=self.compiles_after_warmup,
                     programs_compiled=self.num_programs)
 
