@@ -27,7 +27,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LIVE_COUNTERS = {"compiles": "XLA compiles since the engine's warm-up began.",
                   "compiles_after_warmup": "XLA compiles while serving (0: every program was compiled at start)."}
 _LIVE_GAUGES = {"kv_pages_used": "KV pages held by requests.", "kv_pages_free": "KV pages free.",
-                "kv_pages_total": "KV pages in the pool.", "programs_compiled": "Programs compiled at start-up."}
+                "kv_pages_capacity": "KV pages in the pool.", "programs_compiled": "Programs compiled at start-up."}
 
 
 class _LiveCollector:
