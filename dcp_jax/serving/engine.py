@@ -188,12 +188,6 @@ class Engine:
         """The loop runs and takes requests."""
         return self._accepting and self._thread is not None and self._thread.is_alive()
 
-    @property
-    def num_live_requests(self) -> int:
-        """Requests queued and not finished (from any thread)."""
-        with self._lock:
-            return len(self._live_ids)
-
     def _loop(self) -> None:
         try:
             while not self._stopping.is_set():

@@ -146,7 +146,7 @@ class OpenAIServer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._loader: threading.Thread | None = None
-        self.load_error: BaseException | None = None
+        self._load_error: BaseException | None = None
 
     @property
     def host(self) -> str:
@@ -181,8 +181,8 @@ class OpenAIServer:
         the engine while the socket already answers (/health 503); `on_ready` runs once it serves. Raises what
         `load` raised (after the server stopped)."""
         asyncio.run(self._serve(load, on_ready, stop_engine=True))
-        if self.load_error is not None:
-            raise self.load_error
+        if self._load_error is not None:
+            raise self._load_error
 
     def start(self, timeout: float = 60.0) -> OpenAIServer:
         """Serve the engine given at construction from a background thread; returns once it answers."""
@@ -231,7 +231,7 @@ class OpenAIServer:
         try:
             engine = load()
         except BaseException as e:  # reported by serve_forever once uvicorn has stopped
-            self.load_error = e
+            self._load_error = e
             self._uvicorn.should_exit = True
             return
         try:
