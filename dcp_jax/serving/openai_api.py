@@ -268,8 +268,8 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
     async def create_completion(request: Request):
         body = await _read_body(request, serving.body_timeout_s)
         req = protocol.parse(protocol.CompletionRequest, body)
+        engine = serving.ready_engine()  # (before the model name: unknown while the engine loads)
         serving.check_model(req.model)
-        engine = serving.ready_engine()
         prompts = [serving.tokens.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str)
                    else list(p) for p in req.prompts]
         params = req.to_sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
@@ -286,8 +286,8 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
     async def create_chat_completion(request: Request):
         body = await _read_body(request, serving.body_timeout_s)
         req = protocol.parse(protocol.ChatCompletionRequest, body)
+        engine = serving.ready_engine()  # (before the model name: unknown while the engine loads)
         serving.check_model(req.model)
-        engine = serving.ready_engine()
         prompt = _chat_prompt(serving.tokens, req.messages, add_generation_prompt=req.add_generation_prompt,
                               continue_final_message=req.continue_final_message)
         max_model_len = engine.engine_config.max_model_len

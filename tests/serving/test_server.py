@@ -468,7 +468,7 @@ def test_health_is_503_while_the_engine_loads_then_200(server):
     try:
         status, _, body = http(loading, "GET", "/health")
         assert status == 503 and json.loads(body) == {"status": "starting"}
-        assert_openai_error(*http(loading, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        assert_openai_error(*http(loading, "POST", "/v1/completions", {"model": "tiny", "prompt": "hi"}),
                             status_range=(503, 504))
         release.set()
         assert wait_until(lambda: http(loading, "GET", "/health")[0] == 200)
