@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         engine = Engine(args.model, dcp=args.dcp, interleave=1, page_size=8, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.input_len + args.output_len + 8, bucket_ladder=(1, 2, 4, 8, 16, 32, 64),
                         prompt_logprobs=False)
-        server = OpenAIServer(engine, port=0).start()
+        server = OpenAIServer(engine, port=0, access_log=False).start()
         url = server.url
     rnd = random.Random(0)
     prompts = [[rnd.randrange(3, 500) for _ in range(args.input_len)] for _ in range(args.num_prompts)]

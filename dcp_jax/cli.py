@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import pathlib
 import runpy
 import sys
 
-from dcp_jax.config import (DTYPE_CHOICES, INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, KERNEL_CHOICES,
-                            LATENT_CACHE_FORMATS, LATENT_CACHE_HELP)
+from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPE_CHOICES, INDEX_CACHE_FORMATS,
+                            INDEX_CACHE_HELP, KERNEL_CHOICES, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP)
 from dcp_jax.serving.loading import use_cpu_devices
 
 DTYPE_HELP = "weights, activations and exact caches: auto (the checkpoint's; bfloat16 for presets)"
+BATCHED_TOKENS_HELP = "rows of one step at most: its decode rows and prefill-chunk tokens (long prompts run in chunks)"
+PREFIX_CACHING_HELP = "reuse the KV pages of full virtual blocks a prompt shares with earlier requests"
 GPU_MEMORY_HELP = "share of each GPU's memory for weights, workspace and the KV pool (the pool takes the rest)"
 
 # The benchmarks live beside the package in a source checkout: bench/bench_<name>.py, each with main(argv).
@@ -77,7 +81,9 @@ def generate(args: argparse.Namespace) -> int:
         llm = LLM(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, max_model_len=args.max_model_len,
                   page_size=args.page_size, kernels=args.kernels, max_num_seqs=max(len(args.prompt), 1),
                   num_layers=args.num_layers, index_cache=args.index_cache, latent_cache=args.latent_cache,
-                  dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization)
+                  dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=args.enable_prefix_caching)
         outputs = llm.generate(args.prompt, params, use_tqdm=True)
     except ValueError as e:
         print(f"dcp-jax generate: {e}", file=sys.stderr)
@@ -86,7 +92,8 @@ def generate(args: argparse.Namespace) -> int:
           f"interleave={args.interleave}, {args.index_cache} index cache, {args.latent_cache} latent cache, "
           f"backend {llm.backend}")
     for out in outputs:
-        print(f"--- prompt: {out.prompt!r}\n{out.text!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
+        done = out.outputs[0]
+        print(f"--- prompt: {out.prompt!r}\n{done.text!r} ({len(done.token_ids)} tokens, {done.finish_reason})")
     return 0
 
 
@@ -101,11 +108,29 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     s.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--root-path", default="", help="FastAPI root_path behind a path-based proxy")
+    s.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list")
+    s.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
+    s.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
+    s.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle connection (or one sending a request head) is kept open")
+    s.add_argument("--limit-concurrency", type=int, default=None,
+                   help="most connections and requests at once; past it a 503 (uvicorn's)")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM/SIGINT, seconds the requests in flight may finish in before they are aborted "
+                        "(0: abort at once)")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's max_position_embeddings, capped by the pool)")
-    s.add_argument("--max-num-seqs", type=int, default=8, help="largest decode bucket")
-    s.add_argument("--buckets", type=_parse_sizes, default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-                   help="decode bucket ladder, comma-separated")
+    s.add_argument("--max-num-seqs", type=int, default=8, help="requests decoding at once (the widest decode step)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   help=BATCHED_TOKENS_HELP)
+    s.add_argument("--buckets", type=_parse_sizes, default=list(DEFAULT_BUCKETS),
+                   help="step widths compiled (rows), comma-separated; with max-num-seqs and the token budget")
+    s.add_argument("--enable-prefix-caching", action="store_true", help=PREFIX_CACHING_HELP)
     s.add_argument("--page-size", type=int, default=8)
     s.add_argument("--num-pages", type=int, default=None,
                    help="KV pages (default: what --gpu-memory-utilization leaves; CPU: max-num-seqs full requests)")
@@ -122,39 +147,71 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--no-prompt-logprobs", action="store_true", help="skip the all-logits prefill programs")
 
 
-def serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tp = args.tp or args.dcp
-    use_cpu_devices(max(args.devices or tp, tp))
-    import jax
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
-    from dcp_jax.serving.engine import Engine
+
+def serve(args: argparse.Namespace) -> int:
+    """Bind first (a bad address is one line and exit 2 before any loading), load and compile while /health
+    answers 503, serve; SIGTERM or SIGINT drain and exit 0."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # jax logs every platform it probes and lacks ("Unable to initialize backend 'tpu'") at INFO.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    from dcp_jax.serving.openai_api import CorsOptions
     from dcp_jax.serving.server import OpenAIServer
 
-    jax.config.update("jax_default_matmul_precision", "highest")
+    tp = args.tp or args.dcp
     try:
-        engine = Engine(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, page_size=args.page_size,
-                        num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        bucket_ladder=tuple(args.buckets), kernels=args.kernels, seed=args.seed,
-                        num_layers=args.num_layers, index_cache=args.index_cache, latent_cache=args.latent_cache,
-                        dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-                        async_scheduling=args.async_scheduling, prompt_logprobs=not args.no_prompt_logprobs,
-                        compilation_cache_dir=args.compilation_cache_dir)
-        server = OpenAIServer(engine, host=args.host, port=args.port, api_key=args.api_key,
-                              served_model_name=args.served_model_name)
-    except (ValueError, OSError) as e:
+        server = OpenAIServer(host=args.host, port=args.port, api_key=args.api_key,
+                              served_model_name=args.served_model_name, root_path=args.root_path,
+                              cors=CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                                               args.allow_credentials),
+                              timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
+                              shutdown_timeout=args.shutdown_timeout, uvicorn_log_level=args.uvicorn_log_level,
+                              access_log=not args.disable_uvicorn_access_log)
+    except ValueError as e:
         print(f"dcp-jax serve: {e}", file=sys.stderr)
         return 2
-    config = engine.engine_config
-    print(f"dcp-jax serve: model {server.model_name} ({engine.model_config.num_hidden_layers} layers "
-          f"{engine.dtype}), tp={tp} dcp={args.dcp} interleave={args.interleave}, max_model_len "
-          f"{config.max_model_len}, buckets {config.buckets}, {engine.num_pages} KV pages ({args.index_cache} index "
-          f"cache, {args.latent_cache} latent cache), backend {engine.backend}", flush=True)
-    print(f"dcp-jax serve: listening on {server.url}", flush=True)
+    print(f"dcp-jax serve: listening on {server.url} (loading {args.model}: /health answers 503 until ready)",
+          flush=True)
+
+    def load():
+        use_cpu_devices(max(args.devices or tp, tp))
+        import jax
+
+        from dcp_jax.serving.engine import Engine
+
+        jax.config.update("jax_default_matmul_precision", "highest")
+        return Engine(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, page_size=args.page_size,
+                      num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                      bucket_ladder=tuple(args.buckets), max_num_batched_tokens=args.max_num_batched_tokens,
+                      enable_prefix_caching=args.enable_prefix_caching, kernels=args.kernels, seed=args.seed,
+                      num_layers=args.num_layers, index_cache=args.index_cache, latent_cache=args.latent_cache,
+                      dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+                      async_scheduling=args.async_scheduling, prompt_logprobs=not args.no_prompt_logprobs,
+                      compilation_cache_dir=args.compilation_cache_dir)
+
+    def ready(engine):
+        config = engine.engine_config
+        print(f"dcp-jax serve: ready: model {server.serving.model_name} ({engine.model_config.num_hidden_layers} "
+              f"layers {engine.dtype}), tp={tp} dcp={args.dcp} interleave={args.interleave}, max_model_len "
+              f"{config.max_model_len}, buckets {config.buckets}, {engine.num_pages} KV pages ({args.index_cache} "
+              f"index cache, {args.latent_cache} latent cache), backend {engine.backend}", flush=True)
+
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        server.serve_forever(load, ready)
+    except ValueError as e:
+        print(f"dcp-jax serve: {e}", file=sys.stderr)
+        return 2
+    if server.is_loading:  # stopped while compiling: nothing to drain, and the worker cannot be interrupted
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 
@@ -203,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's max_position_embeddings)")
     g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   help=BATCHED_TOKENS_HELP)
+    g.add_argument("--enable-prefix-caching", action="store_true", help=PREFIX_CACHING_HELP)
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=GPU_MEMORY_HELP)
     g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")

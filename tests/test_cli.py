@@ -1,9 +1,15 @@
-"""The `dcp-jax` commands the README runs: `demo`, and `scripts/serve_demo.sh` (serve + one request)."""
+"""The `dcp-jax` commands the README runs: `demo`, `scripts/serve_demo.sh` (serve + one request), and `serve`'s
+lifecycle as a process: a bad address fails before any loading, SIGTERM drains the streams in flight."""
 
 import json
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +17,14 @@ import pytest
 from dcp_jax import cli
 
 ROOT = Path(__file__).resolve().parents[1]
+SERVE_DEMO_ARGS = ["--dcp", "2", "--interleave", "2", "--max-model-len", "128", "--page-size", "4",
+                   "--buckets", "1,2,4,8", "--max-num-batched-tokens", "32"]  # scripts/serve_demo.sh's, so the
+# compilation cache serves both
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("xla")
 
 
 def test_demo_compares_the_sharded_stack_with_the_single_device_one(capsys):
@@ -21,8 +35,8 @@ def test_demo_compares_the_sharded_stack_with_the_single_device_one(capsys):
     assert [row[0] for row in rows] == ["1", "2"]
 
 
-def test_readme_serve_demo_answers_a_completion(tmp_path):
-    env = dict(os.environ, DCP_JAX_CACHE=str(tmp_path / "xla"))
+def test_readme_serve_demo_answers_a_completion(xla_cache):
+    env = dict(os.environ, DCP_JAX_CACHE=str(xla_cache))
     env.pop("XLA_FLAGS", None)  # the server picks its own simulated devices
     done = subprocess.run(["bash", str(ROOT / "scripts" / "serve_demo.sh")], env=env, capture_output=True,
                           text=True, timeout=300)
@@ -30,6 +44,102 @@ def test_readme_serve_demo_answers_a_completion(tmp_path):
     reply = json.loads(done.stdout[done.stdout.index("{"):])
     assert reply["object"] == "text_completion"
     assert reply["usage"]["completion_tokens"] == 16
+
+
+def serve_process(*args, env=None):
+    env = dict(os.environ, **(env or {}))
+    env.pop("XLA_FLAGS", None)  # the server picks its own simulated devices
+    return subprocess.Popen([sys.executable, "-m", "dcp_jax.cli", "serve", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.parametrize("port, message", [(70000, "the port must be in [0, 65535]"),
+                                           ("busy", "Address already in use")])
+def test_serve_fails_on_a_bad_address_in_one_line_before_loading(port, message):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1] if port == "busy" else port
+        proc = serve_process("--port", str(port), "--model", "/no/such/model")  # a load would fail otherwise
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dcp-jax serve: cannot listen on 127.0.0.1:{port}: "), out
+    assert message in lines[0]
+
+
+def test_a_bad_model_is_one_line_and_exit_2_after_binding():
+    proc = serve_process("--port", "0", "--model", "/no/such/model")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in out, out
+    assert out.splitlines()[0].startswith("dcp-jax serve: listening on http://127.0.0.1:")
+    assert out.strip().splitlines()[-1] == ("dcp-jax serve: model '/no/such/model' is neither a directory nor a "
+                                            "preset ['deepseek-v3.2', 'glm-5', 'tiny']")
+
+
+def read_until(proc, pattern: str, lines: list[str], timeout: float = 300.0) -> re.Match:
+    """Read the process's output lines (into `lines`) until one matches `pattern`; a hang guard, not a timer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if match := re.search(pattern, line):
+            return match
+    pytest.fail(f"no line matching {pattern!r}:\n" + "".join(lines[-40:]))
+
+
+def stream_completion(port: int, prompt: list[int], max_tokens: int, started: threading.Event, out: dict) -> None:
+    """One streamed completion over a raw socket; `out["data"]` is everything the server sent."""
+    body = json.dumps({"model": "tiny", "prompt": [prompt], "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+            if b"data: {" in data:
+                started.set()
+        out["data"] = data.decode()
+
+
+def test_sigterm_drains_the_streams_in_flight_and_exits_0(xla_cache):
+    """SIGTERM with 4 streams in flight: no new connections, the short streams finish, the long ones are aborted
+    after --shutdown-timeout; every one ends with a final chunk and [DONE]; every page free; exit 0, logged."""
+    proc = serve_process("--port", "0", "--compilation-cache-dir", str(xla_cache), "--shutdown-timeout", "1",
+                         *SERVE_DEMO_ARGS)
+    lines = []
+    try:
+        port = int(read_until(proc, r"listening on http://127\.0\.0\.1:(\d+)", lines).group(1))
+        read_until(proc, r"^dcp-jax serve: ready:", lines)
+        results = [{} for _ in range(4)]
+        started = [threading.Event() for _ in results]
+        threads = [threading.Thread(target=stream_completion, args=(port, [5 + i, 6, 7], 8 if i < 2 else 120,
+                                                                    started[i], results[i])) for i in range(4)]
+        for t in threads:
+            t.start()
+        assert all(event.wait(120) for event in started)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        out, _ = proc.communicate(timeout=120)
+        lines.append(out)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, "".join(lines[-40:])
+    for i, result in enumerate(results):
+        events = [line[6:] for line in result["data"].splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", (i, result["data"][-500:])
+        final = json.loads(events[-2])["choices"][0]
+        assert final["finish_reason"] in (("length",) if i < 2 else ("length", "abort")), (i, final)
+    log = "".join(lines)
+    assert "SIGTERM: draining" in log
+    pages = re.search(r"stopped: (\d+) of (\d+) KV pages free", log)
+    assert pages and pages.group(1) == pages.group(2), log[-3000:]
+    with pytest.raises(OSError):  # nothing listens any more
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
 def test_serve_help_imports_no_benchmark_and_no_jax():

@@ -20,14 +20,19 @@ _SEED_MASK = (1 << 64) - 1
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """vLLM's names and meanings. temperature 0 is greedy (the lowest id among equal logits); top_k 0 or -1,
+    """vLLM's names and meanings. n completions of the prompt (each a request of its own: `for_choice`);
+    temperature in [0, 2], 0 greedy (the lowest id among equal logits; then n must be 1, as in vLLM); top_k 0 or -1,
     top_p 1 and min_p 0 disable those filters; presence_penalty and frequency_penalty (in [-2, 2], 0: off) apply to
     the generated tokens, repetition_penalty (> 0, 1: off) to the prompt's and the generated ones; logprobs N (at
-    most MAX_LOGPROBS) asks for the N most likely tokens of every step (the sampled one is always included);
-    `stop` strings end the text (excluded from it), `stop_token_ids` and eos (unless ignore_eos) end the generation
-    (kept in token_ids)."""
+    most MAX_LOGPROBS, vLLM's max_logprobs) asks for the N most likely tokens of every step (the sampled one is
+    always included); `stop` strings end the text (excluded from it unless include_stop_str_in_output),
+    `stop_token_ids` and eos (unless ignore_eos) end the generation (kept in token_ids); none of these stops
+    applies before min_tokens tokens (vLLM's min_tokens: a stop token or string among the first min_tokens is
+    an ordinary token)."""
 
+    n: int = 1
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -39,13 +44,21 @@ class SamplingParams:
     logprobs: int | None = None
     stop: str | list[str] | tuple[str, ...] | None = None
     stop_token_ids: list[int] | tuple[int, ...] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got "
+                             f"{self.min_tokens!r}")
+        if not np.isfinite(self.temperature) or not 0 <= self.temperature <= 2:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature!r}")
+        if self.temperature == 0 and self.n > 1:
+            raise ValueError(f"n must be 1 when using greedy sampling (temperature 0), got {self.n}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -59,8 +72,11 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be a non-negative int or None, got {self.logprobs!r}")
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"Requested sample logprobs of {self.logprobs}, which is greater than max allowed: "
+                             f"{MAX_LOGPROBS}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
@@ -73,6 +89,15 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of the n: one completion, drawing from seed + index when seeded (vLLM's
+        child requests), so seeded choices differ and each is reproducible alone."""
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def request_seed(params: SamplingParams, engine_seed: int, number: int) -> int:

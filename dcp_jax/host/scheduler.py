@@ -22,9 +22,9 @@ running request also holds a slot (one of max_num_seqs) of the device's sampler 
 dispatch a step before it reads the previous one's tokens: `mark_dispatched` records the rows dispatched (a chunk's
 tokens, and a token sampled on the device but not yet read: `num_pending`, which the context length already
 includes). The engine reports each token with `append_token`, which detokenizes it incrementally, applies the
-stop rules (EOS / stop token ids, stop strings searched in the new text's tail, max_tokens; `check_fits` already
-keeps prompt + max_tokens within max_model_len) and frees a finished request's pages and slot at once. `abort`
-frees a cancelled request's wherever it is. Every page and slot taken is returned exactly once:
+stop rules (EOS / stop token ids, stop strings searched in the new text's tail, none of them before min_tokens;
+max_tokens; `check_fits` already keeps prompt + max_tokens within max_model_len) and frees a finished request's
+pages and slot at once. `abort` frees a cancelled request's wherever it is. Every page and slot taken is returned exactly once:
 `check_invariants` proves it.
 """
 
@@ -68,7 +68,7 @@ def max_context_len(prompt_len: int, max_tokens: int) -> int:
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One sequence. `params` needs max_tokens, stop (tuple of str), stop_token_ids and ignore_eos
+    """One sequence. `params` needs max_tokens, min_tokens, stop (tuple of str), stop_token_ids and ignore_eos
     (a `sampling.SamplingParams`); `seed` keys its draws on the device (`sampling.request_seed`)."""
 
     request_id: str
@@ -440,7 +440,10 @@ class Scheduler:
         output.append(token)
         if self.allocator.enable_prefix_caching and status is RequestStatus.RUNNING:
             self._cache_generated_blocks(request)
-        is_stop_id = (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids
+        # vLLM's min_tokens: no stop (EOS, stop token ids, stop strings) before the output is longer than it.
+        may_stop = len(output) > params.min_tokens
+        is_stop_id = may_stop and ((token == self.eos_token_id and not params.ignore_eos)
+                                   or token in params.stop_token_ids)
         is_length = len(output) >= params.max_tokens  # check_fits: prompt + max_tokens <= max_model_len
         detokenizer = request.detokenizer
         if detokenizer is None:
@@ -451,7 +454,7 @@ class Scheduler:
         if is_stop_id or is_length:
             detokenizer.flush()
         request.text = detokenizer.text
-        if params.stop and self._cut_at_stop_string(request, before):
+        if params.stop and may_stop and self._cut_at_stop_string(request, before):
             self.finish(request, RequestStatus.FINISHED_STOPPED)
         elif is_stop_id:
             self.finish(request, RequestStatus.FINISHED_STOPPED)

@@ -175,10 +175,11 @@ class ServingCore:
 
     def _chunk_rows(self, request: Request, n: int) -> ScheduledRows:
         """The rows of the next prefill chunk of `request`, [first, first + n): prompt tokens, then (resumed)
-        generated ones. Its first chunk sets its slot's sampling parameters."""
+        generated ones. Its first chunk sets its slot's sampling parameters and counts the prefix cache's part."""
         first = request.num_computed
-        if first == 0:
+        if first == request.num_cached_tokens:  # its first rows: the tokens before them came from the prefix cache
             self.runner.set_sampling(request.slot, request.params, request.seed)
+            self.metrics.on_prefill(request.prefill_len, request.num_cached_tokens)
         ids = request.prefill_ids
         prompt_len = len(request.prompt_ids)
         positions = np.arange(first, first + n)
@@ -189,7 +190,7 @@ class ServingCore:
             tokens=np.asarray(ids[first:end], np.int32),
             roles=np.where(positions < prompt_len, PROMPT, GENERATED).astype(np.int32),
             next_tokens=np.asarray(ids[first + 1:end + 1] + [-1] * (end == len(ids)), np.int32),
-            is_fresh=np.array([first == 0]), samples=np.array([end == request.prefill_len]))
+            is_fresh=np.array([first == request.num_cached_tokens]), samples=np.array([end == request.prefill_len]))
 
     def _read(self, dispatched: list[_Dispatched]) -> list[Request]:
         """Wait for the tokens of `dispatched` and apply them in dispatch order; returns their requests."""

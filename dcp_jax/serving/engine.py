@@ -4,9 +4,11 @@
 `Scheduler`) and a thread that runs the loop. Every bucket of the step program is compiled at start-up (one tqdm
 bar), so serving never traces; `compiles_after_warmup` counts any compile that happens anyway.
 Requests come in from any thread through `add_request` (validated at once, ValueError before anything is queued)
-and `abort`; each request streams `StreamEvent`s (token and text deltas, logprobs, finish reason) into its own
-sink. A request that fails fails alone; the loop goes on. A stopped engine refuses new requests
-(`EngineStoppedError`) and ends every stream still open with an "abort" event.
+and `abort`; each request streams `StreamEvent`s (token and text deltas, logprobs, finish reason) into its sink.
+A sink with a `flush()` is flushed once after each turn of the loop that gave it events, so one sink shared by many
+requests (`streams.LoopSink`) hands a whole step's events to an asyncio loop at once. A request that fails fails
+alone; the loop goes on. A stopped engine refuses new requests (`EngineStoppedError`) and ends every stream still
+open with an "abort" event.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -28,7 +31,7 @@ from dcp_jax.runtime.forward import GREEDY, PROMPT_LOGPROBS, SAMPLED
 from dcp_jax.serving.core import ServingCore
 from dcp_jax.serving.loading import load_model
 from dcp_jax.serving.metrics import ServingMetrics
-from dcp_jax.serving.streams import AsyncSink, Sink, Stream, StreamEvent
+from dcp_jax.serving.streams import LoopSink, Sink, Stream, StreamEvent
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,11 @@ def _count_compiles() -> None:
             _listener_registered[0] = True
 
 
+def _program_label(variant: str, rows: int) -> str:
+    """'greedy, 8 rows'."""
+    return f"{variant}, {rows} rows"
+
+
 class EngineStoppedError(RuntimeError):
     """The engine's loop is not running: nothing would ever serve the request."""
 
@@ -74,6 +82,8 @@ class Engine:
     requests of max_model_len).
     async_scheduling: dispatch each step before reading the previous one's tokens (`core.py`).
     max_num_batched_tokens: rows of one step at most: its decode rows and prefill-chunk tokens (vLLM's name).
+    enable_prefix_caching: reuse the KV pages of full virtual blocks a prompt shares with earlier requests
+    (`host/page_allocator.py`; vLLM's name).
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
@@ -82,7 +92,8 @@ class Engine:
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, kernels: str = "auto", seed: int = 0,
                  num_layers: int | None = None, index_cache: str = "exact", latent_cache: str = "exact",
                  dtype: str = "auto", gpu_memory_utilization: float = 0.9, async_scheduling: bool = True,
-                 prompt_logprobs: bool = True, compilation_cache_dir: str | None = None, progress: bool = True):
+                 enable_prefix_caching: bool = False, prompt_logprobs: bool = True,
+                 compilation_cache_dir: str | None = None, progress: bool = True):
         import jax
 
         if compilation_cache_dir:
@@ -98,8 +109,9 @@ class Engine:
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
         self.scheduler = Scheduler(self.engine_config, self.runner.layout, eos_token_id=self.model_config.eos_token_id,
-                                   new_detokenizer=self.tokenizer.new_detokenizer)
-        self.metrics = ServingMetrics(self._gauges)
+                                   new_detokenizer=self.tokenizer.new_detokenizer,
+                                   enable_prefix_caching=enable_prefix_caching)
+        self.metrics = ServingMetrics(self._live_metrics)
         self.core = ServingCore(self.runner, self.scheduler, vocab_size=self.model_config.vocab_size, seed=seed,
                                 has_prompt_logprobs=prompt_logprobs, metrics=self.metrics,
                                 async_scheduling=async_scheduling)
@@ -111,6 +123,7 @@ class Engine:
         gc.freeze()
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, Stream] = {}  # the engine thread's
+        self._unflushed: dict[int, Sink] = {}  # sinks given events since the last flush (the engine thread's)
         # Guards `_accepting` and `_live_ids` (the ids of requests queued and not yet finished), both touched
         # by callers' threads; holding it while queueing means no request slips in after the loop's last drain.
         self._lock = threading.Lock()
@@ -118,7 +131,6 @@ class Engine:
         self._live_ids: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._gauge_values = dict(running_requests=0, waiting_requests=0)
 
     # ---- start-up ---------------------------------------------------------------------------------------
     def warmup(self, *, progress: bool = True) -> None:
@@ -131,11 +143,12 @@ class Engine:
         begin = time.monotonic()
         # A bar on a terminal only (disable=None); a log line a program elsewhere.
         bar = tqdm(work, desc="compiling buckets", unit="program", disable=None if progress else True)
-        for i, (kind, bucket) in enumerate(bar):
-            bar.set_postfix_str(f"{kind} {bucket}")
+        for i, (variant, rows) in enumerate(bar):
+            label = _program_label(variant, rows)
+            bar.set_postfix_str(label)
             if progress and bar.disable:
-                log.info("compiling program %d/%d: %s %s", i + 1, len(work), kind, bucket)
-            self.runner.compile(kind, bucket)
+                log.info("compiling program %d/%d: %s", i + 1, len(work), label)
+            self.runner.compile(variant, rows)
         bar.close()
         self.num_programs = len(work)
         log.info("compiled %d programs in %.1f s", len(work), time.monotonic() - begin)
@@ -149,11 +162,11 @@ class Engine:
     def compiles_after_warmup(self) -> int:
         return _compiles[0] - self._compiles_after_warmup
 
-    def _gauges(self) -> dict[str, float]:
+    def _live_metrics(self) -> dict[str, float]:
         alloc = self.scheduler.allocator
-        return dict(self._gauge_values, kv_pages_used=alloc.num_used, kv_pages_free=alloc.num_free,
-                    kv_pages_total=alloc.num_pages, compiles_total=self.compile_count,
-                    compiles_after_warmup_total=self.compiles_after_warmup, programs_compiled=self.num_programs)
+        return dict(kv_pages_used=alloc.num_used, kv_pages_free=alloc.num_free, kv_pages_capacity=alloc.num_pages,
+                    compiles=self.compile_count, compiles_after_warmup=self.compiles_after_warmup,
+                    programs_compiled=self.num_programs)
 
     # ---- the thread -------------------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -191,8 +204,10 @@ class Engine:
                     log.exception("engine step failed")
                     for request in self.core.fail_live("internal engine error"):
                         self._emit(request)
+                self._flush_sinks()
         finally:
             self._shut_down()
+            self._flush_sinks()
 
     def _shut_down(self) -> None:
         """Refuse new requests, then end every open stream with an abort: the queued and running requests and
@@ -279,29 +294,32 @@ class Engine:
     async def generate_async(self, prompt_ids: Sequence[int], params: SamplingParams, **kw
                              ) -> AsyncIterator[StreamEvent]:
         """The same stream for an asyncio consumer."""
-        sink = AsyncSink(asyncio.get_running_loop())
-        request_id = self.add_request(prompt_ids, params, sink, **kw)
+        sink = LoopSink(asyncio.get_running_loop())
+        events: asyncio.Queue = asyncio.Queue()
+        request_id = kw.pop("request_id", None) or f"async-{uuid.uuid4().hex}"
+        sink.route(request_id, events)
+        request_id = self.add_request(prompt_ids, params, sink, request_id=request_id, **kw)
         try:
             while True:
-                event = await sink.queue.get()
+                event = await events.get()
                 yield event
                 if event.finish_reason is not None:
                     return
         finally:
             self.abort(request_id)
+            sink.unroute(request_id)
 
     # ---- one step ---------------------------------------------------------------------------------------
     def step(self) -> None:
-        """One core step, then stream what it changed."""
+        """One core step, then stream what it changed (the loop flushes the sinks after it)."""
         touched = self.core.step()
         self._publish_gauges()
         for request in touched:
             self._emit(request)
 
     def _publish_gauges(self) -> None:
-        """The queue's sizes for the metrics (read from other threads), after every change the loop makes."""
-        self._gauge_values = dict(running_requests=self.scheduler.num_running,
-                                  waiting_requests=self.scheduler.num_waiting)
+        """The queue's sizes for the metrics, after every change the loop makes."""
+        self.metrics.set_queue(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting)
 
     def _emit(self, request: Request) -> None:
         stream = self._streams.get(request.request_id)
@@ -325,6 +343,20 @@ class Engine:
             if not finished:
                 self.core.abort(request.request_id)
                 self._forget(request.request_id)
+            return
+        self._unflushed[id(stream.sink)] = stream.sink
+
+    def _flush_sinks(self) -> None:
+        """Hand over what the sinks collected since the last flush (sinks without `flush` took each event)."""
+        sinks, self._unflushed = self._unflushed, {}
+        for sink in sinks.values():
+            flush = getattr(sink, "flush", None)
+            if flush is None:
+                continue
+            try:
+                flush()
+            except Exception:  # a consumer gone (its loop closed): its requests' events are lost, not the loop
+                log.exception("flushing a sink failed")
 
     def _forget(self, request_id: str) -> None:
         del self._streams[request_id]

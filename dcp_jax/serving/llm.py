@@ -18,27 +18,34 @@ from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.host.scheduler import Request, Scheduler
 from dcp_jax.serving.core import ServingCore
 from dcp_jax.serving.loading import load_model
+from dcp_jax.serving.streams import output_text, stop_reason
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One completion of a prompt (vLLM's). `logprobs[j]` (when `SamplingParams.logprobs` asked for them, else
+    None) holds the j-th generated token's logprob (log-softmax of the raw logits) and those of the
+    `SamplingParams.logprobs` most likely tokens. finish_reason: "stop" or "length"; stop_reason: the stop string
+    or stop token id that ended it (None for EOS). `text` leaves out EOS and stop token ids and ends before a stop
+    string unless `include_stop_str_in_output` (as the server's does)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str
+    stop_reason: str | int | None = None
 
 
 @dataclasses.dataclass
 class RequestOutput:
-    """One finished request. `logprobs[j]` (when `SamplingParams.logprobs` asked for them, else None) holds the
-    j-th generated token's logprob (log-softmax of the raw logits) and those of the `SamplingParams.logprobs` most
-    likely tokens. finish_reason: "stop" or "length". `text` leaves out EOS and stop token ids and ends before a
-    stop string (as the server's does)."""
+    """One prompt's result (vLLM's): its `SamplingParams.n` completions in `outputs`."""
 
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str
-
-    @property
-    def outputs(self) -> list[RequestOutput]:
-        """vLLM spells the completion `outputs[0]`; one completion per request here."""
-        return [self]
+    outputs: list[CompletionOutput]
+    finished: bool = True
 
 
 class LLM:
@@ -55,6 +62,7 @@ class LLM:
     num_pages None: what fits gpu_memory_utilization of the GPU's memory after the weights (CPU: max_num_seqs
     requests of max_model_len).
     max_num_batched_tokens: rows of one step at most (decode rows and prefill-chunk tokens; vLLM's name).
+    enable_prefix_caching: reuse the KV pages of full virtual blocks a prompt shares with earlier requests.
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
@@ -62,7 +70,7 @@ class LLM:
                  num_pages: int | None = None, kernels: str = "auto", seed: int = 0, num_layers: int | None = None,
                  index_cache: str = "exact", latent_cache: str = "exact", dtype: str = "auto",
                  gpu_memory_utilization: float = 0.9, async_scheduling: bool = True,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, enable_prefix_caching: bool = False):
         loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len, kernels=kernels, seed=seed,
                             num_layers=num_layers, index_cache=index_cache, latent_cache=latent_cache, dtype=dtype,
@@ -72,7 +80,8 @@ class LLM:
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
         scheduler = Scheduler(self.engine_config, self.runner.layout, eos_token_id=self.model_config.eos_token_id,
-                              new_detokenizer=self.tokenizer.new_detokenizer)
+                              new_detokenizer=self.tokenizer.new_detokenizer,
+                              enable_prefix_caching=enable_prefix_caching)
         # Programs compile at their first use (an engine compiles them all at start-up).
         self.core = ServingCore(self.runner, scheduler, vocab_size=self.model_config.vocab_size, seed=seed,
                                 has_prompt_logprobs=False, async_scheduling=async_scheduling)
@@ -82,8 +91,10 @@ class LLM:
                  prompt_token_ids: Sequence[Sequence[int]] | None = None, *, use_tqdm: bool = False
                  ) -> list[RequestOutput]:
         """Generate for `prompts` (text, tokenized with BOS) or `prompt_token_ids` (used as given); one
-        SamplingParams for all or one per prompt. Returns one RequestOutput per prompt, in order."""
-        requests, texts = self._make_requests(prompts, prompt_token_ids, sampling_params)
+        SamplingParams for all or one per prompt. Returns one RequestOutput per prompt, in order, with the n
+        completions its SamplingParams ask for (completion j draws from seed + j when seeded, as vLLM's)."""
+        grouped, texts = self._make_requests(prompts, prompt_token_ids, sampling_params)
+        requests = [r for choices in grouped for r in choices]
         progress = None
         if use_tqdm:
             from tqdm import tqdm
@@ -104,13 +115,15 @@ class LLM:
         failed = [r for r in requests if r.error]
         if failed:
             raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
-        return [RequestOutput(i, text, r.prompt_ids, r.output_ids, r.text,
-                              [lp.top for lp in r.logprobs] if r.params.logprobs is not None else None,
-                              r.finish_reason)
-                for i, (r, text) in enumerate(zip(requests, texts))]
+        return [RequestOutput(i, text, choices[0].prompt_ids, [
+            CompletionOutput(j, output_text(r), r.output_ids,
+                             [lp.top for lp in r.logprobs] if r.params.logprobs is not None else None,
+                             r.finish_reason, stop_reason(r)) for j, r in enumerate(choices)])
+            for i, (choices, text) in enumerate(zip(grouped, texts))]
 
-    def _make_requests(self, prompts, prompt_token_ids, sampling_params) -> tuple[list[Request], list[str | None]]:
-        """Validate every prompt (ValueError before anything runs) and build its request."""
+    def _make_requests(self, prompts, prompt_token_ids, sampling_params
+                       ) -> tuple[list[list[Request]], list[str | None]]:
+        """Validate every prompt (ValueError before anything runs) and build its n requests, prompt by prompt."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts and prompt_token_ids")
         if prompts is not None:
@@ -132,7 +145,8 @@ class LLM:
                 self.core.validate(prompt_ids, p)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        return [self.core.make_request(prompt_ids, p, id_prefix="llm") for prompt_ids, p in zip(ids, params)], prompts
+        return [[self.core.make_request(prompt_ids, p.for_choice(j), id_prefix="llm") for j in range(p.n)]
+                for prompt_ids, p in zip(ids, params)], prompts
 
     @property
     def num_free_pages(self) -> int:

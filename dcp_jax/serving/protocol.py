@@ -1,28 +1,31 @@
-"""OpenAI-compatible request parsing and validation, the chat template, and token strings (no jax).
+"""OpenAI-compatible request and response models (pydantic, no jax), with vLLM's field names and defaults.
 
-`parse_completion` / `parse_chat` turn a decoded JSON body into a frozen request dataclass or raise
-`ProtocolError` (an HTTP status and an OpenAI-shaped error body) naming the offending field, before anything is
-queued. Fields this server cannot honour (logit_bias, suffix, tools, response_format, best_of != n) are refused,
-never ignored.
+`parse(Model, body)` reads a raw request body: bad JSON (a lone UTF-16 surrogate such as "\\ud800", nesting past
+the parser's depth limit), wrong types, out-of-range values, unknown fields and fields this server cannot honour
+all raise `ProtocolError` (an HTTP status and an OpenAI-shaped error body naming the field) before anything is
+queued. Every request model forbids unknown fields; a vLLM field the engine cannot honour is declared and refused
+unless it holds its neutral value (tools, structured output, logit_bias, beam search, ...), never ignored.
+`to_sampling_params` turns a request into `SamplingParams` (a ValueError there is a 400 too).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Any
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError, from_json
 
 from dcp_jax.host.sampling import SamplingParams
-from dcp_jax.host.scheduler import REPLACEMENT_CHAR
 
-MAX_N = 16
-MAX_LOGPROBS = 20
-MAX_STOP = 16
+# The most choices one request may ask for (n times the prompts): each is a request of the engine's.
+MAX_CHOICES = 64
+_INT64 = dict(ge=-(2**63), le=2**63 - 1)
+_INT32 = 2**31 - 1
 
-# One turn per message, then the assistant's header; the Jinja source below renders the same text.
-CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-CHAT_ROLES = ("system", "user", "assistant")
+TOOLS_REFUSED = "tool calling is not supported yet (it needs grammar-masked decoding, a later issue)"
+STRUCTURED_REFUSED = ("structured output (guided decoding, response_format json_object / json_schema) is not "
+                      "supported yet (it needs grammar-masked decoding, a later issue)")
 
 
 class ProtocolError(Exception):
@@ -34,268 +37,427 @@ class ProtocolError(Exception):
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code)).model_dump()
 
 
-@dataclasses.dataclass(frozen=True)
-class CompletionRequest:
-    model: str | None
-    # Each prompt is text (tokenized with BOS) or token ids (used as given, no BOS added).
-    prompts: tuple[str | tuple[int, ...], ...]
-    params: SamplingParams
-    n: int
-    stream: bool
-    include_usage: bool
-    echo: bool
-    logprobs: int | None
+def parse(model: type[BaseModel], body: bytes) -> Any:
+    """`model` validated from a JSON body; ProtocolError (400) naming what is wrong."""
+    return validate(model, parse_json(body))
 
 
-@dataclasses.dataclass(frozen=True)
-class ChatRequest:
-    model: str | None
-    messages: tuple[dict[str, str], ...]
-    params: SamplingParams
-    n: int
-    stream: bool
-    include_usage: bool
-    logprobs: bool
-    top_logprobs: int | None
+def parse_json(body: bytes) -> Any:
+    try:
+        return from_json(body)
+    except ValueError as e:  # not JSON, not UTF-8, a lone surrogate, too deep
+        raise ProtocolError(f"the body is not valid JSON: {e}") from None
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def validate(model: type[BaseModel], data: Any) -> Any:
+    """`model` validated from parsed JSON; ProtocolError (400) naming what is wrong."""
+    if not isinstance(data, dict):
+        raise ProtocolError(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _protocol_error(e) from None
 
 
-def _is_number(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+def _protocol_error(e: ValidationError) -> ProtocolError:
+    """The first few errors in one line; `param` is the first error's top-level field."""
+    errors = e.errors(include_url=False, include_input=False)
+    parts = []
+    for err in errors[:3]:
+        where = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown field '{where}' (this server does not implement it)")
+        else:
+            parts.append(f"'{where}': {err['msg']}" if where else err["msg"])
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    param = next((str(err["loc"][0]) for err in errors if err["loc"]), None)
+    return ProtocolError("; ".join(parts) + more, param)
 
 
-class _Fields:
-    """Typed reads of a JSON object, each failing with a ProtocolError that names the field."""
+def _refused(reason: str, *neutral: Any):
+    """A declared field that must hold None or one of `neutral`: anything else is refused with `reason`."""
 
-    def __init__(self, body: Any):
-        if not isinstance(body, dict):
-            raise ProtocolError(f"the request body must be a JSON object, got {type(body).__name__}")
-        self.body = body
-
-    def get(self, name: str, kind: str, default=None, *, low=None, high=None):
-        value = self.body.get(name)
-        if value is None:
-            return default
-        ok = {"int": _is_int, "number": _is_number, "bool": lambda v: isinstance(v, bool),
-              "str": lambda v: isinstance(v, str), "dict": lambda v: isinstance(v, dict)}[kind](value)
-        if not ok:
-            raise ProtocolError(f"'{name}' must be {'an' if kind == 'int' else 'a'} {kind}, got {value!r}", name)
-        if low is not None and value < low or high is not None and value > high:
-            bounds = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
-            raise ProtocolError(f"'{name}' must be {bounds}, got {value!r}", name)
+    def check(value):
+        if value is not None and not any(value == n for n in neutral):
+            raise PydanticCustomError("unsupported", "not supported by this server: {reason}", {"reason": reason})
         return value
 
-    def refuse_unsupported(self, **neutral) -> None:
-        for name, neutral_value in neutral.items():
-            value = self.body.get(name)
-            if value is not None and value != neutral_value and not (isinstance(value, (dict, list)) and not value):
-                raise ProtocolError(f"'{name}' is not supported by this server (got {value!r})", name)
+    return AfterValidator(check)
 
 
-def _stop(fields: _Fields) -> tuple[str, ...]:
-    stop = fields.body.get("stop")
-    if stop is None:
-        return ()
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
-        raise ProtocolError(f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them", "stop")
-    return tuple(stop)
-
-
-def _sampling(fields: _Fields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    stop_ids = fields.body.get("stop_token_ids")
-    if stop_ids is not None and (not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids)):
-        raise ProtocolError("'stop_token_ids' must be a list of non-negative ints", "stop_token_ids")
-    top_k = fields.get("top_k", "int", 0, low=-1)
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=float(fields.get("temperature", "number", 1.0, low=0, high=2)),
-        top_p=float(_top_p(fields)),
-        top_k=top_k,
-        min_p=float(fields.get("min_p", "number", 0.0, low=0, high=1)),
-        presence_penalty=float(fields.get("presence_penalty", "number", 0.0, low=-2, high=2)),
-        frequency_penalty=float(fields.get("frequency_penalty", "number", 0.0, low=-2, high=2)),
-        repetition_penalty=float(_repetition_penalty(fields)),
-        seed=fields.get("seed", "int", None, low=0, high=2**63 - 1),
-        logprobs=logprobs,
-        stop=_stop(fields),
-        stop_token_ids=tuple(stop_ids or ()),
-        ignore_eos=fields.get("ignore_eos", "bool", False),
-    )
-
-
-def _repetition_penalty(fields: _Fields) -> float:
-    value = fields.get("repetition_penalty", "number", 1.0)
-    if not value > 0:
-        raise ProtocolError(f"'repetition_penalty' must be > 0, got {value!r}", "repetition_penalty")
+def _text_format_only(value: dict | None) -> dict | None:
+    if value is not None and value != {"type": "text"}:
+        if value.get("type") == "text":
+            raise PydanticCustomError("unsupported", "only {'type': 'text'} (no other keys) is supported")
+        raise PydanticCustomError("unsupported", "not supported by this server: {reason}",
+                                  {"reason": STRUCTURED_REFUSED})
     return value
 
 
-def _top_p(fields: _Fields) -> float:
-    top_p = fields.get("top_p", "number", 1.0)
-    if not 0 < top_p <= 1:
-        raise ProtocolError(f"'top_p' must be in (0, 1], got {top_p!r}", "top_p")
-    return top_p
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are refused (vLLM logs and ignores them); JSON types are taken as they are (no "3" -> 3).
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-def _common(fields: _Fields, default_max_tokens: int, max_tokens_name: str = "max_tokens"):
-    fields.refuse_unsupported(logit_bias={}, suffix=None, tools=[], response_format=None)
-    model = fields.get("model", "str")
-    max_tokens = fields.get(max_tokens_name, "int", default_max_tokens, low=1)
-    n = fields.get("n", "int", 1, low=1, high=MAX_N)
-    stream = fields.get("stream", "bool", False)
-    options = fields.get("stream_options", "dict", {})
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise ProtocolError("'stream_options.include_usage' must be a bool", "stream_options")
-    return model, max_tokens, n, stream, include_usage
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = True
+    # Every chunk carries the usage so far (its choice's completion tokens).
+    continuous_usage_stats: bool | None = False
 
 
-def parse_completion(body: Any, *, default_max_tokens: int = 16) -> CompletionRequest:
-    fields = _Fields(body)
-    model, max_tokens, n, stream, include_usage = _common(fields, default_max_tokens)
-    best_of = fields.get("best_of", "int", n, low=1)
-    if best_of != n:
-        raise ProtocolError(f"'best_of' other than n is not supported (best_of={best_of}, n={n})", "best_of")
-    echo = fields.get("echo", "bool", False)
-    logprobs = fields.get("logprobs", "int", None, low=0, high=MAX_LOGPROBS)
-    if "prompt" not in fields.body:
-        raise ProtocolError("'prompt' is required", "prompt")
-    return CompletionRequest(model=model, prompts=_prompts(fields.body["prompt"]),
-                             params=_sampling(fields, max_tokens=max_tokens, logprobs=logprobs), n=n, stream=stream,
-                             include_usage=include_usage, echo=echo, logprobs=logprobs)
+class _SamplingRequest(OpenAIBaseModel):
+    """The fields completions and chat share (vLLM's order and defaults)."""
+
+    model: str | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
+    logit_bias: Annotated[dict[str, float] | None, _refused("logit_bias", {})] = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
+    seed: Annotated[int, Field(**_INT64)] | None = None
+    stop: str | list[str] | None = []
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    user: str | None = None  # the end user's id: accepted, as OpenAI's, with no effect on generation
+    # vLLM's sampling extras
+    best_of: int | None = None
+    use_beam_search: Annotated[bool, _refused("beam search", False)] = False
+    top_k: Annotated[int, Field(ge=-1, le=_INT32)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    length_penalty: Annotated[float, _refused("length_penalty (beam search)", 1.0)] = 1.0
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=_INT32)]] | None = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    skip_special_tokens: Annotated[bool, _refused("special tokens never have text here", True)] = True
+    spaces_between_special_tokens: Annotated[bool, _refused("special tokens never have text here", True)] = True
+    truncate_prompt_tokens: Annotated[int | None, _refused("truncate_prompt_tokens")] = None
+    allowed_token_ids: Annotated[list[int] | None, _refused("allowed_token_ids")] = None
+    prompt_logprobs: Annotated[int | None, _refused("prompt_logprobs (completions: echo with logprobs)")] = None
+    response_format: Annotated[dict[str, Any] | None, AfterValidator(_text_format_only)] = None
+    guided_json: Annotated[Any, _refused(STRUCTURED_REFUSED)] = None
+    guided_regex: Annotated[Any, _refused(STRUCTURED_REFUSED)] = None
+    guided_choice: Annotated[Any, _refused(STRUCTURED_REFUSED)] = None
+    guided_grammar: Annotated[Any, _refused(STRUCTURED_REFUSED)] = None
+    structural_tag: Annotated[Any, _refused(STRUCTURED_REFUSED)] = None
+    guided_decoding_backend: Annotated[Any, _refused(STRUCTURED_REFUSED)] = None
+    guided_whitespace_pattern: Annotated[Any, _refused(STRUCTURED_REFUSED)] = None
+    priority: Annotated[int, _refused("priority scheduling", 0)] = 0
+    # The response's id is `cmpl-{request_id}` (chat: `chatcmpl-`); it must not be live already.
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    logits_processors: Annotated[Any, _refused("logits_processors")] = None
+    return_tokens_as_token_ids: Annotated[bool | None, _refused("return_tokens_as_token_ids", False)] = None
+    cache_salt: Annotated[Any, _refused("prefix caching")] = None
+    kv_transfer_params: Annotated[Any, _refused("disaggregated serving")] = None
+    vllm_xargs: Annotated[Any, _refused("vllm_xargs")] = None
+
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ProtocolError("stream_options can only be defined when stream is true", "stream_options")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ProtocolError(f"best_of other than n is not supported (best_of={self.best_of}, n={self.n})",
+                                "best_of")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    def to_sampling_params(self, *, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+        """vLLM's defaults for what the request leaves unset; ProtocolError for values the engine refuses."""
+        bad = [t for t in self.stop_token_ids or [] if t >= vocab_size]
+        if bad:
+            raise ProtocolError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})",
+                                "stop_token_ids")
+        try:
+            return SamplingParams(
+                n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                # vLLM takes any 64-bit seed; the engine keys its draws by the seed's 64 bits.
+                seed=None if self.seed is None else self.seed % 2**64,
+                logprobs=logprobs, stop=self.stops, stop_token_ids=self.stop_token_ids or [],
+                include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos)
+        except ValueError as e:  # SamplingParams names the field first: "min_tokens must be ...", "... logprobs ..."
+            words = str(e).replace(",", " ").split()
+            raise ProtocolError(str(e), next((w for w in words if w in type(self).model_fields), None)) from None
 
 
-def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
-    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
-    error = ProtocolError("'prompt' must be a string, a list of strings, a list of token ids or a list of "
-                          "token-id lists, none empty", "prompt")
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        prompts = [tuple(prompt)]
-    elif isinstance(prompt, list) and prompt:
-        prompts = []
-        for p in prompt:
-            if isinstance(p, str):
-                prompts.append(p)
-            elif isinstance(p, list) and p and all(_is_int(t) for t in p):
-                prompts.append(tuple(p))
-            else:
-                raise error
-    else:
-        raise error
-    if any(not p for p in prompts):
-        raise error
-    return tuple(prompts)
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
-def parse_chat(body: Any, *, default_max_tokens: int = 16) -> ChatRequest:
-    fields = _Fields(body)
-    name = "max_completion_tokens" if fields.body.get("max_completion_tokens") is not None else "max_tokens"
-    model, max_tokens, n, stream, include_usage = _common(fields, default_max_tokens, name)
-    want_logprobs = fields.get("logprobs", "bool", False)
-    top = fields.get("top_logprobs", "int", None, low=0, high=MAX_LOGPROBS)
-    if top is not None and not want_logprobs:
-        raise ProtocolError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    messages = fields.body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ProtocolError("'messages' must be a non-empty list", "messages")
-    parsed = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-            raise ProtocolError(f"messages[{i}] must be an object with a role in {CHAT_ROLES}", "messages")
-        parsed.append({"role": message["role"], "content": _content(message.get("content"), i)})
-    params = _sampling(fields, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None)
-    return ChatRequest(model=model, messages=tuple(parsed), params=params, n=n, stream=stream,
-                       include_usage=include_usage, logprobs=want_logprobs, top_logprobs=top)
+class CompletionRequest(_SamplingRequest):
+    # A string, a list of strings, token ids or a list of token-id lists (vLLM's types; ids are checked against
+    # the vocabulary by the engine).
+    prompt: Any
+    prompt_embeds: Annotated[Any, _refused("prompt_embeds")] = None
+    echo: bool | None = False
+    logprobs: Annotated[int, Field(ge=0)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    suffix: Annotated[str | None, _refused("suffix")] = None
+    # A string prompt gets BOS; token-id prompts are used as given.
+    add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        if isinstance(value, str) or _is_ids(value):
+            return value
+        if isinstance(value, list) and value and (all(isinstance(p, str) for p in value)
+                                                  or all(_is_ids(p) for p in value)):
+            return value
+        raise PydanticCustomError("prompt", "must be a string, a list of strings, a list of token ids or a list of "
+                                            "token-id lists, none of the lists empty")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: text or token ids."""
+        return [self.prompt] if isinstance(self.prompt, str) or _is_ids(self.prompt) else list(self.prompt)
 
 
-def _content(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise ProtocolError(f"messages[{i}].content must be a string or a list of text parts", "messages")
+class TextPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
 
 
-def apply_chat_template(messages, add_generation_prompt: bool = True) -> str:
-    """The Python twin of CHAT_TEMPLATE (tests check they agree)."""
-    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-    return text + ("<|assistant|>\n" if add_generation_prompt else "")
+class ChatMessage(OpenAIBaseModel):
+    """One message; everything given is passed to the chat template (`tokenizer.apply_chat_template`)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None: an assistant turn without text (the template renders it empty).
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: Annotated[list[Any] | None, _refused(TOOLS_REFUSED, [])] = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
 
 
-class TokenizerView:
-    """The server's view of a tokenizer: special tokens by name in text, token strings for logprobs."""
+class ChatCompletionRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0)] | None = 0
+    # None: the rest of the context (max_model_len - prompt), as vLLM.
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: Annotated[list[Any] | None, _refused(TOOLS_REFUSED, [])] = None
+    tool_choice: Annotated[Any, _refused(TOOLS_REFUSED, "none")] = "none"
+    parallel_tool_calls: Annotated[bool | None, _refused(TOOLS_REFUSED, False)] = None
+    functions: Annotated[Any, _refused(TOOLS_REFUSED, [])] = None
+    function_call: Annotated[Any, _refused(TOOLS_REFUSED, "none")] = None
+    # The reply's content starts with the last message's when that one is the assistant's.
+    echo: bool = False
+    add_generation_prompt: bool = True
+    # The last message stays open: the model continues it (no end of turn, no generation prompt).
+    continue_final_message: bool = False
+    # True would add a second BOS to the one the chat template starts with.
+    add_special_tokens: Annotated[bool, _refused("the chat template already starts with BOS", False)] = False
+    chat_template: Annotated[Any, _refused("a chat template of the request's own")] = None
+    chat_template_kwargs: Annotated[Any, _refused("chat_template_kwargs")] = None
+    documents: Annotated[Any, _refused("documents")] = None
+    mm_processor_kwargs: Annotated[Any, _refused("multimodal inputs")] = None
 
-    def __init__(self, tokenizer, *, bos_token_id: int | None, eos_token_id: int | None):
-        self.tokenizer = tokenizer
-        self.is_bytes = hasattr(tokenizer, "offset")  # the ByteTokenizer: specials have no text of their own
-        self.specials = {}
-        if self.is_bytes:
-            self.specials = {name: i for name, i in (("<s>", bos_token_id), ("</s>", eos_token_id)) if i is not None}
-        self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ProtocolError("when using top_logprobs, logprobs must be set to true", "top_logprobs")
+        _check_generation_prompt(self)
+        return self
 
-    def special_name(self, token_id: int | None) -> str | None:
-        return next((name for name, i in self.specials.items() if i == token_id), None)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = []
-        if add_special_tokens and self.bos_token_id is not None:
-            ids.append(self.bos_token_id)
-        pieces = [text]
-        for name in self.specials:
-            pieces = [part for piece in pieces for part in _split_keep(piece, name)]
-        for piece in pieces:
-            if piece in self.specials:
-                ids.append(self.specials[piece])
-            elif piece:
-                ids += self.tokenizer.encode(piece, add_special_tokens=False)
-        return ids
-
-    def decode(self, ids) -> str:
-        """Text of `ids`; special tokens have none."""
-        return self.tokenizer.decode(list(ids))
-
-    def text_offsets(self, ids) -> list[int]:
-        """offsets[i] = len(decode(ids[:i])): where token i's text starts in decode(ids) (a special token's text is
-        empty). Incremental: the text is committed at every clean boundary (no unfinished UTF-8 at its end), and
-        each decode spans the uncommitted tokens plus one token of context (a tokenizer may spell a token
-        differently at the start of a text)."""
-        offsets, done, start, head = [], 0, 0, 0  # done = len(decode(ids[:start])); head = that of the context
-        for i in range(len(ids)):
-            context = max(start - 1, 0)
-            piece = self.decode(ids[context:i])
-            offsets.append(done + len(piece) - head)
-            if not piece.endswith(REPLACEMENT_CHAR):
-                done += len(piece) - head
-                start = i
-                head = len(self.decode(ids[max(i - 1, 0):i]))
-        return offsets
-
-    def token_text(self, token_id: int) -> str:
-        """One token as text for logprobs; a byte that is not UTF-8 on its own is spelled `bytes:\\xNN`."""
-        name = self.special_name(token_id)
-        if name is not None:
-            return name
-        if self.is_bytes:
-            b = token_id - self.tokenizer.offset
-            if not 0 <= b < 256:
-                return f"<id:{token_id}>"
-            return chr(b) if b < 0x80 else f"bytes:\\x{b:02x}"
-        return self.tokenizer.decode([token_id])
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def _split_keep(text: str, sep: str) -> list[str]:
-    parts = text.split(sep)
-    out = [parts[0]]
-    for part in parts[1:]:
-        out += [sep, part]
-    return out
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: Annotated[bool, _refused("the chat template already starts with BOS", False)] = False
+    return_token_strs: bool | None = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        _check_generation_prompt(self)
+        return self
+
+
+def _check_generation_prompt(request) -> None:
+    if request.continue_final_message and request.add_generation_prompt:
+        raise ProtocolError("cannot set both continue_final_message and add_generation_prompt to true "
+                            "(add_generation_prompt defaults to true)", "continue_final_message")
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=_INT32)]]
+
+
+# ---- responses ------------------------------------------------------------------------------------------------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "dcp-jax"
+    root: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatCompletionLogProb(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = []
+
+
+class ChatCompletionLogProbs(BaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,476 +1,248 @@
-"""OpenAI-compatible HTTP server over an `Engine` (stdlib `http.server`, one thread per connection).
+"""The OpenAI-compatible server's lifecycle: the socket, uvicorn, the engine's start and the drain.
 
-Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with SSE `stream`),
-POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /health, GET /metrics (Prometheus text).
-Every request body is parsed and validated (`protocol.py`, `Engine.validate`) before anything is queued; a bad
-one gets a 400 with an OpenAI-shaped `{"error": {...}}`; a stopped engine gets a 503. A client that goes away
-aborts its requests, so their KV pages return to the pool: a streaming one at the next write, a waiting
-non-streaming one within DISCONNECT_POLL_S. Binds loopback unless told otherwise; `api_key` guards /v1/*.
-The `dcp-jax serve` command that builds and runs one lives in `cli.py`.
+`OpenAIServer(...)` binds its socket at once (ValueError for a bad host or port, before any weight is loaded or
+program compiled), then serves the FastAPI app of `openai_api.py` with uvicorn: `serve_forever(load)` in the main
+thread loads the engine in a worker thread meanwhile (/health answers 503 until it is ready), and on SIGTERM or
+SIGINT drains: it stops accepting, lets the requests in flight finish for up to `shutdown_timeout` seconds, then
+aborts the rest (each stream still ends with a final chunk and `data: [DONE]`), waits for their replies, stops the
+engine and logs that every KV page is free; a second signal aborts at once. `start()` serves from a background
+thread instead (tests, benchmarks), `stop()` ends it the same way. Connections are bounded by uvicorn's
+`limit_concurrency` (a 503 past it) and `timeout_keep_alive`, which here also bounds the wait for a request's
+head; a request body gets `body_timeout_s`.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import contextlib
 import logging
-import queue
-import select
+import signal
 import socket
 import threading
-import time
-import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 
-from dcp_jax.serving import protocol
-from dcp_jax.host.sampling import TokenLogprob
-from dcp_jax.serving.engine import Engine, EngineStoppedError
-from dcp_jax.serving.streams import StreamEvent
-from dcp_jax.serving.protocol import ProtocolError, TokenizerView
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from dcp_jax.serving.engine import Engine
+from dcp_jax.serving.openai_api import CorsOptions, OpenAIServing, build_app
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 << 20
-# How long a non-streaming request may wait for its tokens before the server gives up on it.
-REQUEST_TIMEOUT_S = 600.0
-# How often a non-streaming request checks whether its client is still connected.
-DISCONNECT_POLL_S = 0.25
+# How long past the shutdown timeout uvicorn waits for the aborted requests' replies before it cancels them (a
+# client that stopped reading its stream).
+ABORT_GRACE_S = 10
 
 
-class _Choice:
-    """The events of one choice gathered for a non-streaming reply."""
+def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free one); ValueError naming what is wrong."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"cannot listen on {host}:{port}: the port must be in [0, 65535]")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(backlog)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
-    def __init__(self):
-        self.token_ids, self.text, self.logprobs = [], "", []
-        self.prompt_ids, self.prompt_logprobs, self.finish_reason, self.error = None, None, None, None
 
-    def add(self, event: StreamEvent) -> None:
-        if event.prompt_token_ids is not None:
-            self.prompt_ids, self.prompt_logprobs = event.prompt_token_ids, event.prompt_logprobs
-        self.token_ids += event.token_ids
-        self.text += event.text
-        self.logprobs += event.logprobs or []
-        self.finish_reason, self.error = event.finish_reason, event.error
+class _H11Protocol(H11Protocol):
+    """uvicorn's h11 protocol whose keep-alive timeout also bounds the wait for a request's head: a connection that
+    sends nothing, or only part of a request line and headers, is closed when it runs out (uvicorn alone waits for
+    ever)."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._idle_since = self.loop.time()
+        self._arm_head_timeout()
+
+    def on_response_complete(self) -> None:
+        self._idle_since = self.loop.time()
+        super().on_response_complete()  # arms the keep-alive timer
+
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        super().data_received(data)  # disarms it
+        if self.cycle is cycle and (cycle is None or cycle.response_complete):  # still no whole request head
+            self._arm_head_timeout()
+
+    def _arm_head_timeout(self) -> None:
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_at(self._idle_since + self.timeout_keep_alive,
+                                                         self.timeout_keep_alive_handler)
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    # The stdlib's listen backlog of 5 resets bursts of concurrent clients; allow a burst of hundreds.
-    request_queue_size = 512
+class _Uvicorn(uvicorn.Server):
+    """uvicorn with the drain: SIGTERM and SIGINT start it (and exit 0 after it, not by re-raising the signal)."""
+
+    def __init__(self, config: uvicorn.Config, owner: OpenAIServer):
+        super().__init__(config)
+        self.owner = owner
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        name = signal.Signals(sig).name
+        if self.should_exit:
+            log.warning("%s again: aborting the requests in flight now", name)
+            self.owner.loop.call_soon_threadsafe(self.owner.abort_in_flight)
+            return
+        log.info("%s: draining (no new connections; up to %g s for the %d requests in flight, then they are "
+                 "aborted)", name, self.owner.shutdown_timeout, len(self.owner.serving.in_flight))
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        self.owner.serving.is_draining = True
+        timer = asyncio.get_running_loop().call_later(self.owner.shutdown_timeout, self.owner.abort_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 class OpenAIServer:
-    """Owns the HTTP server and the engine's thread; `serve_forever` or `start` (background) then `stop`."""
+    """One engine behind the OpenAI-compatible API on host:port (loopback unless told otherwise). The option names
+    are vLLM's (`api_key`, `served_model_name`, `root_path`, CORS) and uvicorn's (`timeout_keep_alive`,
+    `limit_concurrency`, `uvicorn_log_level`, `access_log`); `shutdown_timeout` is vLLM's (0: abort at once)."""
 
-    def __init__(self, engine: Engine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                 served_model_name: str | None = None):
-        self.engine = engine
-        self.api_key = api_key
-        self.model_name = served_model_name or engine.model_name
-        self.tokens = TokenizerView(engine.tokenizer, bos_token_id=engine.model_config.bos_token_id,
-                                    eos_token_id=engine.model_config.eos_token_id)
-        self.created = int(time.time())
-        handler = type("Handler", (_Handler,), {"app": self})
-        self.httpd = _HTTPServer((host, port), handler)
+    def __init__(self, engine: Engine | None = None, *, host: str = "127.0.0.1", port: int = 8000,
+                 api_key: str | None = None, served_model_name: str | None = None, cors: CorsOptions = CorsOptions(),
+                 root_path: str = "", timeout_keep_alive: float = 5.0, limit_concurrency: int | None = None,
+                 shutdown_timeout: float = 10.0, body_timeout_s: float = 30.0, uvicorn_log_level: str = "info",
+                 access_log: bool = True):
+        if shutdown_timeout < 0:
+            raise ValueError(f"{shutdown_timeout=} must be >= 0")
+        self.sock = bind_socket(host, port)
+        self.shutdown_timeout = shutdown_timeout
+        self.serving = OpenAIServing(served_model_name=served_model_name, api_key=api_key,
+                                     body_timeout_s=body_timeout_s)
+        self.app = build_app(self.serving, cors=cors, root_path=root_path)
+        config = uvicorn.Config(self.app, http=_H11Protocol, lifespan="off", timeout_keep_alive=timeout_keep_alive,
+                                limit_concurrency=limit_concurrency, log_level=uvicorn_log_level,
+                                access_log=access_log,
+                                timeout_graceful_shutdown=int(shutdown_timeout + ABORT_GRACE_S))
+        self._uvicorn = _Uvicorn(config, self)
+        self._engine = engine
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._loader: threading.Thread | None = None
+        self._load_error: BaseException | None = None
+
+    @property
+    def host(self) -> str:
+        return self.sock.getsockname()[0]
 
     @property
     def port(self) -> int:
-        return self.httpd.server_address[1]
+        return self.sock.getsockname()[1]
 
     @property
     def url(self) -> str:
-        return f"http://{self.httpd.server_address[0]}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
-    def start(self) -> OpenAIServer:
-        self.engine.start()
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="dcp-jax-http", daemon=True)
+    @property
+    def engine(self) -> Engine | None:
+        return self.serving.engine or self._engine
+
+    @property
+    def tokens(self):
+        return self.serving.tokens
+
+    @property
+    def is_loading(self) -> bool:
+        """The engine is still being built (the server stopped before it was ready)."""
+        return self._loader is not None and self._loader.is_alive()
+
+    # ---- running --------------------------------------------------------------------------------------------
+    def serve_forever(self, load: Callable[[], Engine] | None = None,
+                      on_ready: Callable[[Engine], None] | None = None) -> None:
+        """Serve in this thread until SIGTERM or SIGINT (or `stop`), then drain and stop the engine. `load` builds
+        the engine while the socket already answers (/health 503); `on_ready` runs once it serves. Raises what
+        `load` raised (after the server stopped)."""
+        asyncio.run(self._serve(load, on_ready, stop_engine=True))
+        if self._load_error is not None:
+            raise self._load_error
+
+    def start(self, timeout: float = 60.0) -> OpenAIServer:
+        """Serve the engine given at construction from a background thread; returns once it answers."""
+        ready = threading.Event()
+        self._thread = threading.Thread(target=asyncio.run, name="dcp-jax-http", daemon=True,
+                                        args=(self._serve(None, lambda engine: ready.set(), stop_engine=False),))
         self._thread.start()
+        if not ready.wait(timeout):  # (the socket listens already: connections wait in its backlog)
+            raise RuntimeError(f"the server did not start within {timeout} s")
         return self
 
-    def serve_forever(self) -> None:
-        self.engine.start()
-        try:
-            self.httpd.serve_forever()
-        finally:
-            self.stop()
-
     def stop(self, *, stop_engine: bool = True) -> None:
+        """End `start`'s serving (the same drain as a signal's), then stop the engine unless told not to."""
+        self._uvicorn.should_exit = True
         if self._thread is not None:
-            self.httpd.shutdown()
             self._thread.join()
             self._thread = None
-        self.httpd.server_close()
-        if stop_engine:
+        if stop_engine and self.engine is not None:
             self.engine.stop()
 
-    # ---- request -> engine --------------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ProtocolError(f"the model '{model}' does not exist; this server serves '{self.model_name}'",
-                                "model", status=404, type="NotFoundError", code="model_not_found")
+    def abort_in_flight(self) -> None:
+        count = self.serving.abort_all()
+        if count:
+            log.warning("aborting %d requests in flight: each stream ends with a final chunk and [DONE]", count)
 
-    def submit(self, prompts: list[list[int]], params, n: int, *, prompt_logprobs: int | None):
-        """Validate every choice, then queue them all: (sink, request ids), choice index = prompt * n + j."""
-        for i, ids in enumerate(prompts):
-            try:
-                self.engine.validate(ids, params, prompt_logprobs)
-            except ValueError as e:
-                raise ProtocolError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e), "prompt") from None
-        sink: queue.Queue = queue.Queue()
-        ids_out = []
-        try:
-            for i, ids in enumerate(prompts):
-                for j in range(n):
-                    p = params if params.seed is None or j == 0 else _with_seed(params, params.seed + j)
-                    ids_out.append(self.engine.add_request(ids, p, sink, tag=i * n + j,
-                                                           prompt_logprobs=prompt_logprobs))
-        except EngineStoppedError as e:
-            self.abort(ids_out)
-            raise ProtocolError(f"{e}: the server cannot take requests", status=503,
-                                type="service_unavailable") from None
-        return sink, ids_out
-
-    def abort(self, request_ids) -> None:
-        for rid in request_ids:
-            self.engine.abort(rid)
-
-
-def _with_seed(params, seed):
-    import dataclasses
-
-    return dataclasses.replace(params, seed=seed % 2**63)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    app: OpenAIServer
-    protocol_version = "HTTP/1.1"
-    server_version = "dcp-jax"
-
-    def log_message(self, format, *args):  # quiet: the access log goes to the debug logger
-        log.debug("%s - %s", self.address_string(), format % args)
-
-    # ---- plumbing -----------------------------------------------------------------------------------------
-    def _send_json(self, status: int, body) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _send_text(self, status: int, text: str, content_type: str) -> None:
-        data = text.encode()
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _read_body(self) -> None:
-        """Read the whole body before routing, so an early error reply leaves the connection clean."""
-        self._body = b""
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            self.close_connection = True
-            raise ProtocolError("bad Content-Length") from None
-        if length > MAX_BODY_BYTES:
-            self.close_connection = True
-            raise ProtocolError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
-        self._body = self.rfile.read(length) if length > 0 else b""
-
-    def _read_json(self):
-        try:
-            return json.loads(self._body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ProtocolError(f"the body is not valid JSON: {e}") from None
-
-    def _authorized(self) -> bool:
-        if self.app.api_key is None or not self.path.startswith("/v1"):
-            return True
-        return self.headers.get("Authorization", "") == f"Bearer {self.app.api_key}"
-
-    def _dispatch(self, routes: dict) -> None:
-        path = self.path.split("?", 1)[0]
-        try:
-            if self.command == "POST":
-                self._read_body()
-            if not self._authorized():
-                raise ProtocolError("invalid API key", status=401, type="authentication_error",
-                                    code="invalid_api_key")
-            route = routes.get(path)
-            if route is None:
-                other = _POST if routes is _GET else _GET
-                if path in other:
-                    raise ProtocolError(f"method {self.command} not allowed on {path}", status=405)
-                raise ProtocolError(f"no route {path}", status=404, type="NotFoundError")
-            route(self)
-        except ProtocolError as e:
-            self._send_json(e.status, e.body())
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
-        except Exception as e:  # a bug answering this request fails this request only
-            log.exception("%s %s failed", self.command, path)
-            try:
-                self._send_json(500, ProtocolError(f"internal error: {e}", status=500, type="server_error").body())
-            except OSError:
-                self.close_connection = True
-
-    def do_GET(self):
-        self._dispatch(_GET)
-
-    def do_POST(self):
-        self._dispatch(_POST)
-
-    # ---- simple endpoints ---------------------------------------------------------------------------------
-    def health(self):
-        ok = self.app.engine.is_alive
-        self._send_json(200 if ok else 503, {"status": "ok" if ok else "engine stopped"})
-
-    def metrics(self):
-        self._send_text(200, self.app.engine.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
-
-    def models(self):
-        app = self.app
-        self._send_json(200, {"object": "list", "data": [{
-            "id": app.model_name, "object": "model", "created": app.created, "owned_by": "dcp-jax",
-            "max_model_len": app.engine.engine_config.max_model_len}]})
-
-    def tokenizer_info(self):
-        tokens, engine = self.app.tokens, self.app.engine
-        self._send_json(200, {
-            "tokenizer_class": type(engine.tokenizer).__name__,
-            "bos_token": tokens.special_name(tokens.bos_token_id),
-            "eos_token": tokens.special_name(tokens.eos_token_id), "pad_token": None,
-            "chat_template": protocol.CHAT_TEMPLATE,
-            "model_max_length": engine.engine_config.max_model_len, "vocab_size": engine.model_config.vocab_size})
-
-    def tokenize(self):
-        body = self._read_json()
-        if not isinstance(body, dict):
-            raise ProtocolError("the body must be a JSON object")
-        add_special = body.get("add_special_tokens", True)
-        if not isinstance(add_special, bool):
-            raise ProtocolError("'add_special_tokens' must be a bool", "add_special_tokens")
-        if "messages" in body:
-            chat = protocol.parse_chat({"messages": body["messages"]})
-            text = protocol.apply_chat_template(chat.messages, bool(body.get("add_generation_prompt", True)))
+    async def _serve(self, load, on_ready, *, stop_engine: bool) -> None:
+        self.loop = asyncio.get_running_loop()
+        if self._engine is not None:
+            self._attach(self._engine, on_ready)
         else:
-            text = body.get("prompt")
-            if not isinstance(text, str):
-                raise ProtocolError("'prompt' must be a string", "prompt")
-        ids = self.app.tokens.encode(text, add_special_tokens=add_special)
-        self._send_json(200, {"tokens": ids, "count": len(ids),
-                              "max_model_len": self.app.engine.engine_config.max_model_len})
-
-    def detokenize(self):
-        body = self._read_json()
-        ids = body.get("tokens") if isinstance(body, dict) else None
-        vocab = self.app.engine.model_config.vocab_size
-        if not isinstance(ids, list) or not all(protocol._is_int(t) and 0 <= t < vocab for t in ids):
-            raise ProtocolError(f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
-        self._send_json(200, {"prompt": self.app.tokens.decode(ids)})
-
-    # ---- completions --------------------------------------------------------------------------------------
-    def completions(self):
-        app = self.app
-        req = protocol.parse_completion(self._read_json())
-        app.check_model(req.model)
-        prompts = [list(p) if isinstance(p, tuple) else app.tokens.encode(p) for p in req.prompts]
-        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-        sink, rids = app.submit(prompts, req.params, req.n, prompt_logprobs=prompt_logprobs)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        if req.stream:
-            self._stream(sink, rids, lambda ev, c: self._completion_chunk(rid, req, prompts, ev, c),
-                         sum(len(p) for p in prompts), req.include_usage, rid, "text_completion")
+            self._loader = threading.Thread(target=self._load, args=(load, on_ready), name="dcp-jax-load",
+                                            daemon=True)
+            self._loader.start()
+        await self._uvicorn.serve(sockets=[self.sock])
+        engine = self.serving.engine
+        if engine is None:
+            if self.is_loading:
+                log.info("stopped before the model was ready")
             return
-        choices = self._collect(sink, rids)
-        out = []
-        for index, choice in sorted(choices.items()):
-            prompt = prompts[index // req.n]
-            echo = app.tokens.decode(prompt) if req.echo else ""
-            text = echo + choice.text
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = self._completion_logprobs(prompt if req.echo else [], choice.prompt_logprobs,
-                                                     choice.logprobs, base=len(echo), end=len(text))
-            out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
-        completion_tokens = sum(len(c.token_ids) for c in choices.values())
-        prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, whatever n (vLLM's usage)
-        self._send_json(200, {"id": rid, "object": "text_completion", "created": int(time.time()),
-                              "model": app.model_name, "choices": out,
-                              "usage": _usage(prompt_tokens, completion_tokens)})
+        if stop_engine:
+            await asyncio.to_thread(engine.stop)
+            free, total = engine.num_free_pages, engine.num_pages
+            (log.info if free == total else log.error)("stopped: %d of %d KV pages free", free, total)
 
-    def _completion_logprobs(self, echoed: list[int], prompt_lps, lps: list[TokenLogprob], *, base: int,
-                             end: int | None) -> dict:
-        """OpenAI `logprobs` of the echoed prompt tokens, then the generated ones. `text_offset` indexes the
-        choice's returned text: echoed token i starts at len(decode(echoed[:i])) (BOS has no text), a generated
-        token at `base` (the echoed text's length) + where it starts in the generated text, clamped to `end` (the
-        text's length once known: a stop string may have cut the text before the last tokens)."""
-        tokens = self.app.tokens
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offsets = tokens.text_offsets(echoed) + [base + lp.text_offset for lp in lps]
-        entries = list(zip(echoed, prompt_lps or [None] * len(echoed))) + [(lp.token_id, lp) for lp in lps]
-        for (token_id, lp), offset in zip(entries, offsets):
-            out["tokens"].append(tokens.token_text(token_id))
-            out["token_logprobs"].append(None if lp is None else lp.logprob)
-            out["top_logprobs"].append(None if lp is None else {tokens.token_text(t): v for t, v in lp.top.items()})
-            out["text_offset"].append(offset if end is None else min(offset, end))
-        return out
-
-    def _completion_chunk(self, rid, req, prompts, event: StreamEvent, state: dict) -> dict:
-        """One choice's delta; `state[index]` carries the choice's text length so far (the echo included), so
-        text_offset stays an index into the whole streamed text."""
-        index = event.tag
-        text = event.text
-        lps = event.logprobs or []
-        echoed = []
-        if req.echo and event.prompt_token_ids is not None:
-            echoed = prompts[index // req.n]
-            text = self.app.tokens.decode(echoed) + text
-        choice = state.setdefault(index, {"base": len(text) - len(event.text), "sent": 0})
-        choice["sent"] += len(text)
-        logprobs = None
-        if req.logprobs is not None:
-            end = choice["sent"] if event.finish_reason is not None else None
-            logprobs = self._completion_logprobs(echoed, event.prompt_logprobs, lps, base=choice["base"], end=end)
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.app.model_name,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                             "finish_reason": event.finish_reason}]}
-
-    # ---- chat ---------------------------------------------------------------------------------------------
-    def chat_completions(self):
-        app = self.app
-        req = protocol.parse_chat(self._read_json())
-        app.check_model(req.model)
-        prompt = app.tokens.encode(protocol.apply_chat_template(req.messages), add_special_tokens=True)
-        sink, rids = app.submit([prompt], req.params, req.n, prompt_logprobs=None)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        if req.stream:
-            self._stream(sink, rids, lambda ev, c: self._chat_chunk(rid, req, ev, c), len(prompt), req.include_usage,
-                         rid, "chat.completion.chunk")
+    def _load(self, load: Callable[[], Engine], on_ready) -> None:
+        try:
+            engine = load()
+        except BaseException as e:  # reported by serve_forever once uvicorn has stopped
+            self._load_error = e
+            self._uvicorn.should_exit = True
             return
-        choices = self._collect(sink, rids)
-        out = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._chat_logprobs(c.logprobs) if req.logprobs else None,
-                "finish_reason": c.finish_reason} for i, c in sorted(choices.items())]
-        completion_tokens = sum(len(c.token_ids) for c in choices.values())
-        self._send_json(200, {"id": rid, "object": "chat.completion", "created": int(time.time()),
-                              "model": app.model_name, "choices": out,
-                              "usage": _usage(len(prompt), completion_tokens)})
-
-    def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict:
-        text = self.app.tokens.token_text
-        return {"content": [{"token": text(lp.token_id), "logprob": lp.logprob, "bytes": None,
-                             "top_logprobs": [{"token": text(t), "logprob": v, "bytes": None}
-                                              for t, v in sorted(lp.top.items(), key=lambda kv: -kv[1])]}
-                            for lp in lps]}
-
-    def _chat_chunk(self, rid, req, event: StreamEvent, state: dict) -> dict:
-        delta = {"content": event.text}
-        if event.tag not in state:
-            state[event.tag] = True
-            delta["role"] = "assistant"
-        return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.app.model_name,
-                "choices": [{"index": event.tag, "delta": delta,
-                             "logprobs": self._chat_logprobs(event.logprobs or []) if req.logprobs else None,
-                             "finish_reason": event.finish_reason}]}
-
-    # ---- shared: collect or stream ------------------------------------------------------------------------
-    def _collect(self, sink: queue.Queue, rids: list[str]) -> dict[int, _Choice]:
-        """Every choice's events; aborts them when the client disconnects (checked every DISCONNECT_POLL_S) or
-        REQUEST_TIMEOUT_S passes."""
-        choices = {}
-        live = len(rids)
-        deadline = time.monotonic() + REQUEST_TIMEOUT_S
-        next_check = time.monotonic() + DISCONNECT_POLL_S
-        while live:
-            try:
-                event = sink.get(timeout=DISCONNECT_POLL_S)
-            except queue.Empty:
-                event = None
-            now = time.monotonic()
-            if now >= next_check:  # events may keep coming: check by the clock, not only when none came
-                next_check = now + DISCONNECT_POLL_S
-                if self._client_gone():
-                    self.app.abort(rids)
-                    self.close_connection = True
-                    raise ConnectionResetError("the client disconnected")
-            if event is None:
-                if now > deadline:
-                    self.app.abort(rids)
-                    raise ProtocolError("the request timed out", status=504, type="timeout")
-                continue
-            choice = choices.setdefault(event.tag, _Choice())
-            choice.add(event)
-            if event.finish_reason is not None:
-                live -= 1
-        errors = [c.error for c in choices.values() if c.finish_reason == "error"]
-        if errors:
-            self.app.abort(rids)
-            raise ProtocolError(f"generation failed: {errors[0]}", status=500, type="server_error")
-        if any(c.finish_reason == "abort" for c in choices.values()):  # only the engine stopping aborts these
-            raise ProtocolError("the engine stopped before the request finished", status=503,
-                                type="service_unavailable")
-        return choices
-
-    def _client_gone(self) -> bool:
-        """The client closed its end (readable with nothing to read) or the socket failed."""
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
+            self.loop.call_soon_threadsafe(self._attach, engine, on_ready)
+        except RuntimeError:  # the server stopped while the engine was loading
+            engine.stop()
 
-    def _stream(self, sink: queue.Queue, rids: list[str], chunk, prompt_tokens: int, include_usage: bool, rid: str,
-                obj: str) -> None:
-        """Stream the choices' chunks, then the usage (the prompts' tokens once, whatever n) when asked."""
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
-        live, state = len(rids), {}
-        completion_tokens = 0
-        # From here on the reply is an event stream: nothing may write a JSON error reply into it.
-        try:
-            while live:
-                event = sink.get(timeout=REQUEST_TIMEOUT_S)
-                completion_tokens += len(event.token_ids)
-                if event.finish_reason is not None:
-                    live -= 1
-                if event.finish_reason == "error":
-                    self._sse({"error": {"message": f"generation failed: {event.error}", "type": "server_error",
-                                         "param": None, "code": None}})
-                    self.app.abort(rids)
-                    return
-                self._sse(chunk(event, state))
-            if include_usage:
-                self._sse({"id": rid, "object": obj, "created": int(time.time()), "model": self.app.model_name,
-                           "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError, queue.Empty, OSError):
-            # The client went away (or nothing came for too long): free the requests' pages now.
-            self.app.abort(rids)
-        except Exception:  # a bug while streaming: end this stream (no [DONE]) and free its requests' pages
-            log.exception("streaming %s failed", rid)
-            self.app.abort(rids)
-
-    def _sse(self, body: dict) -> None:
-        self.wfile.write(b"data: " + json.dumps(body).encode() + b"\n\n")
-        self.wfile.flush()
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-_GET = {"/health": _Handler.health, "/metrics": _Handler.metrics, "/v1/models": _Handler.models,
-        "/tokenizer_info": _Handler.tokenizer_info}
-_POST = {"/v1/completions": _Handler.completions, "/v1/chat/completions": _Handler.chat_completions,
-         "/tokenize": _Handler.tokenize, "/detokenize": _Handler.detokenize}
-
+    def _attach(self, engine: Engine, on_ready) -> None:
+        if self._uvicorn.should_exit:
+            return
+        engine.start()
+        self.serving.attach(engine, self.loop)
+        if on_ready is not None:
+            on_ready(engine)

@@ -1,9 +1,31 @@
 """Tokenizers (no jax): a model directory's HF `tokenizer.json` (through `tokenizers`), else UTF-8 bytes (the tiny
-random model)."""
+random model); the server's view of one (`TokenizerView`: special tokens by name, token strings, text offsets); the
+chat template.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+
+from dcp_jax.host.detokenizer import REPLACEMENT_CHAR
+
+# One turn per message (content None renders empty; an open last message with continue_final_message), then the
+# assistant's header; tokenized with BOS. `apply_chat_template` renders the same text in Python.
+CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] or '' }}"
+                 "{% if not (loop.last and continue_final_message) %}\n{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def apply_chat_template(messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False) -> str:
+    """The Python twin of CHAT_TEMPLATE (a test checks they agree). Messages are dicts with `role` and `content`
+    (text or None); other keys (name, tool_call_id) reach a template, and this one does not print them."""
+    parts = []
+    for i, message in enumerate(messages):
+        end = "" if continue_final_message and i == len(messages) - 1 else "\n"
+        parts.append(f"<|{message['role']}|>\n{message.get('content') or ''}{end}")
+    return "".join(parts) + ("<|assistant|>\n" if add_generation_prompt else "")
 
 from dcp_jax.host.detokenizer import StreamDetokenizer, Utf8ByteDetokenizer
 
@@ -61,3 +83,72 @@ def load_tokenizer(model_dir: str | None, vocab_size: int, bos_token_id: int, eo
     if path and os.path.exists(path):
         return HFTokenizer(path, bos_token_id, eos_token_id)
     return ByteTokenizer(vocab_size, bos_token_id, eos_token_id)
+
+
+class TokenizerView:
+    """The server's view of a tokenizer: special tokens by name in text, token strings for logprobs."""
+
+    def __init__(self, tokenizer, *, bos_token_id: int | None, eos_token_id: int | None):
+        self.tokenizer = tokenizer
+        self.is_bytes = hasattr(tokenizer, "offset")  # the ByteTokenizer: specials have no text of their own
+        self.specials = {}
+        if self.is_bytes:
+            self.specials = {name: i for name, i in (("<s>", bos_token_id), ("</s>", eos_token_id)) if i is not None}
+        self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
+
+    def special_name(self, token_id: int | None) -> str | None:
+        return next((name for name, i in self.specials.items() if i == token_id), None)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = []
+        if add_special_tokens and self.bos_token_id is not None:
+            ids.append(self.bos_token_id)
+        pieces = [text]
+        for name in self.specials:
+            pieces = [part for piece in pieces for part in _split_keep(piece, name)]
+        for piece in pieces:
+            if piece in self.specials:
+                ids.append(self.specials[piece])
+            elif piece:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False)
+        return ids
+
+    def decode(self, ids) -> str:
+        """Text of `ids`; special tokens have none."""
+        return self.tokenizer.decode(list(ids))
+
+    def text_offsets(self, ids) -> list[int]:
+        """offsets[i] = len(decode(ids[:i])): where token i's text starts in decode(ids) (a special token's text is
+        empty). Incremental: the text is committed at every clean boundary (no unfinished UTF-8 at its end), and
+        each decode spans the uncommitted tokens plus one token of context (a tokenizer may spell a token
+        differently at the start of a text)."""
+        offsets, done, start, head = [], 0, 0, 0  # done = len(decode(ids[:start])); head = that of the context
+        for i in range(len(ids)):
+            context = max(start - 1, 0)
+            piece = self.decode(ids[context:i])
+            offsets.append(done + len(piece) - head)
+            if not piece.endswith(REPLACEMENT_CHAR):
+                done += len(piece) - head
+                start = i
+                head = len(self.decode(ids[max(i - 1, 0):i]))
+        return offsets
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text for logprobs; a byte that is not UTF-8 on its own is spelled `bytes:\\xNN`."""
+        name = self.special_name(token_id)
+        if name is not None:
+            return name
+        if self.is_bytes:
+            b = token_id - self.tokenizer.offset
+            if not 0 <= b < 256:
+                return f"<id:{token_id}>"
+            return chr(b) if b < 0x80 else f"bytes:\\x{b:02x}"
+        return self.tokenizer.decode([token_id])
+
+
+def _split_keep(text: str, sep: str) -> list[str]:
+    parts = text.split(sep)
+    out = [parts[0]]
+    for part in parts[1:]:
+        out += [sep, part]
+    return out

@@ -21,10 +21,22 @@ from dcp_jax.host.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob, re
     (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-3]), "stop_token_ids"),
+    (dict(temperature=2.5), "temperature"),
+    (dict(n=0), "n must"),
+    (dict(n=2, temperature=0), "greedy"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=17, max_tokens=16), "min_tokens"),
 ])
 def test_bad_params_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_each_of_n_choices_draws_from_seed_plus_its_index():
+    params = SamplingParams(n=3, temperature=1.0, seed=7)
+    assert [params.for_choice(i).seed for i in range(3)] == [7, 8, 9]
+    assert {params.for_choice(i).n for i in range(3)} == {1}
+    assert SamplingParams(n=2).for_choice(1).seed is None
 
 
 def test_stop_is_normalized():

@@ -249,6 +249,27 @@ def test_stop_rules():
         s.append_token(text, 2)
 
 
+def test_min_tokens_holds_every_stop_rule_until_the_output_is_longer():
+    """vLLM's min_tokens: EOS, a stop token id and a stop string among the first min_tokens tokens are ordinary
+    tokens (EOS has no text); the first one after them stops."""
+    s = make(num_pages=64, max_num_seqs=8)
+    eos, stop_id, text = (req("eos", min_tokens=2), req("id", min_tokens=2, stop_token_ids=[7]),
+                          req("text", min_tokens=2, stop=["b"]))
+    for r in (eos, stop_id, text):
+        s.add(r)
+    s.schedule()
+    for token in (EOS, EOS, EOS):
+        s.append_token(eos, token)
+    assert eos.finish_reason == "stop" and eos.output_ids == [EOS] * 3 and eos.text == ""
+    for token in (7, 7, 7):
+        s.append_token(stop_id, token)
+    assert stop_id.finish_reason == "stop" and stop_id.output_ids == [7] * 3 and stop_id.text == "ff"
+    for token in (3, 3, 3):  # b b b: the third "b" stops; the text is cut before it
+        s.append_token(text, token)
+    assert text.finish_reason == "stop" and text.output_ids == [3] * 3 and text.text == "bb"
+    assert s.allocator.num_free == 64
+
+
 def test_max_model_len_is_enforced_before_queueing_so_max_tokens_ends_generation():
     s = make(num_pages=64, max_model_len=6)
     with pytest.raises(ValueError, match="max_model_len"):

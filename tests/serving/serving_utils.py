@@ -17,11 +17,38 @@ def make_engine(tmp_path_factory, **overrides):
     return Engine(**(ENGINE_KW | overrides), compilation_cache_dir=str(cache), progress=False)
 
 
-def start_server(tmp_path_factory, **kw):
+def start_server(tmp_path_factory, engine=None, **kw):
+    """An OpenAIServer on loopback (a free port) serving `engine` (default: a new one) from a thread."""
     from dcp_jax.serving.server import OpenAIServer
 
-    server = OpenAIServer(make_engine(tmp_path_factory), host="127.0.0.1", port=0, **kw)
+    kw = dict(uvicorn_log_level="warning", access_log=False) | kw
+    server = OpenAIServer(engine or make_engine(tmp_path_factory), host="127.0.0.1", port=0, **kw)
     return server.start()
+
+
+def http(server, method: str, path: str, body=None, headers=None, timeout: float = 60.0):
+    """One request on its own connection: (status, headers, body bytes)."""
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=timeout)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    try:
+        conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        conn.close()
+
+
+def raw_exchange(server, request: bytes, timeout: float = 30.0) -> bytes:
+    """Send raw bytes on a fresh socket, read until the server closes it (or `timeout`: a hang guard)."""
+    with socket.create_connection((server.host, server.port), timeout=timeout) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        return data
 
 
 def wait_until(condition, timeout: float = 30.0) -> bool:

@@ -58,7 +58,7 @@ def test_greedy_matches_offline_llm(engine):
     offline = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     for prompt, out in zip(prompts, offline):
         tokens, last = run(engine, prompt, max_tokens=10, temperature=0, ignore_eos=True)
-        assert tokens == out.token_ids and last.finish_reason == "length"
+        assert tokens == out.outputs[0].token_ids and last.finish_reason == "length"
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_neighbours(engine):
@@ -104,6 +104,35 @@ def test_async_consumer_streams_deltas(engine):
     events = asyncio.run(consume())
     assert sum(len(e.token_ids) for e in events) == 8 and events[-1].finish_reason == "length"
     assert all(e.finish_reason is None for e in events[:-1])
+
+
+def test_a_loop_sink_hands_a_whole_step_to_the_asyncio_loop_in_one_call(engine):
+    """4 requests decoding together through one LoopSink: each turn of the engine loop wakes the asyncio loop once
+    with every request's event, and the events reach their own queues in order."""
+    from dcp_jax.serving.streams import LoopSink
+
+    async def consume():
+        sink = LoopSink(asyncio.get_running_loop())
+        batches, deliver = [], sink._deliver
+        sink._deliver = lambda batch: (batches.append(len(batch)), deliver(batch))
+        queues = {}
+        for i in range(4):
+            queues[f"batched-{i}"] = asyncio.Queue()
+            sink.route(f"batched-{i}", queues[f"batched-{i}"])
+            engine.add_request([30 + i, 31, 32], SamplingParams(max_tokens=8, **GREEDY), sink,
+                               request_id=f"batched-{i}")
+        tokens = {}
+        for rid, q in queues.items():
+            events = []
+            while not events or events[-1].finish_reason is None:
+                events.append(await asyncio.wait_for(q.get(), 60))
+            tokens[rid] = [t for e in events for t in e.token_ids]
+        return batches, tokens
+
+    batches, tokens = asyncio.run(consume())
+    assert all(len(t) == 8 for t in tokens.values())
+    assert sum(batches) >= 4 * 2 and max(batches) == 4  # a decode step's 4 events in one call
+    assert len(batches) < sum(batches)
 
 
 def test_abort_frees_pages(engine):

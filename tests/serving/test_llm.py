@@ -29,13 +29,13 @@ def llm(checkpoint):
 
 def test_greedy_generation_equals_hf(llm):
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
-    for i, out in enumerate(outs):
+    for i, out in enumerate(o.outputs[0] for o in outs):
         assert out.token_ids == FIXTURE["gen_tokens"][i].tolist()
         assert out.finish_reason == "length"
         chosen = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
         np.testing.assert_allclose(chosen, FIXTURE["gen_logprobs"][i], atol=2e-3, rtol=0)
         assert all(len(lp) >= 2 for lp in out.logprobs)
-        assert out.outputs[0] is out
+        assert len(outs[i].outputs) == 1 and outs[i].prompt_token_ids == PROMPTS[i]
     assert llm.num_free_pages == llm.engine_config.num_pages
 
 
@@ -46,36 +46,56 @@ def test_continuous_batching_more_requests_than_slots(llm):
     outs = llm.generate(prompt_token_ids=PROMPTS + PROMPTS[::-1], sampling_params=params)
     order = [0, 1, 2, 3, 3, 2, 1, 0]
     for out, p, i in zip(outs, params, order):
-        assert out.token_ids == FIXTURE["gen_tokens"][i, : p.max_tokens].tolist()
+        assert out.outputs[0].token_ids == FIXTURE["gen_tokens"][i, : p.max_tokens].tolist()
     assert llm.num_free_pages == llm.engine_config.num_pages
 
 
 def test_stop_token_ids_and_stop_strings(llm):
     stop_at = int(FIXTURE["gen_tokens"][2, 3])
-    out = llm.generate(prompt_token_ids=[PROMPTS[2]],
-                       sampling_params=SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]))[0]
+    params = SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at])
+    out = llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=params)[0].outputs[0]
+    assert out.stop_reason == stop_at
     assert out.token_ids == FIXTURE["gen_tokens"][2, :4].tolist() and out.finish_reason == "stop"
     # As the server's Scheduler does: the stop token id ends the generation and stays out of the text.
     assert out.text == llm.tokenizer.decode(out.token_ids[:-1])
-    full = llm.generate(prompts=["hello"], sampling_params=SamplingParams(max_tokens=12, temperature=0,
-                                                                           ignore_eos=True))[0]
-    assert full.prompt_token_ids == llm.tokenizer.encode("hello")
+    whole = llm.generate(prompts=["hello"], sampling_params=SamplingParams(max_tokens=12, temperature=0,
+                                                                            ignore_eos=True))[0]
+    assert whole.prompt_token_ids == llm.tokenizer.encode("hello")
+    full = whole.outputs[0]
     assert full.text == llm.tokenizer.decode(full.token_ids)
     # The stop string is a character the greedy run actually generated (the seeded model is deterministic).
     visible = [c for c in full.text if c != "\ufffd"]
     assert visible, f"the greedy text {full.text!r} has no character to stop on"
     stop = visible[len(visible) // 2]
     cut = llm.generate(prompts=["hello"], sampling_params=SamplingParams(max_tokens=12, temperature=0,
-                                                                          ignore_eos=True, stop=[stop]))[0]
+                                                                          ignore_eos=True, stop=[stop]))[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
+    assert cut.stop_reason == stop
+    kept = llm.generate(prompts=["hello"], sampling_params=SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == cut.text + stop and kept.token_ids == cut.token_ids
 
 
 def test_seeded_sampling_is_per_request(llm):
     params = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=3)
-    alone = llm.generate(prompt_token_ids=[PROMPTS[1]], sampling_params=params)[0].token_ids
+    alone = llm.generate(prompt_token_ids=[PROMPTS[1]], sampling_params=params)[0].outputs[0].token_ids
     batched = llm.generate(prompt_token_ids=[PROMPTS[0], PROMPTS[1]], sampling_params=[
-        SamplingParams(max_tokens=4, temperature=1.0, seed=9), params])[1].token_ids
+        SamplingParams(max_tokens=4, temperature=1.0, seed=9), params])[1].outputs[0].token_ids
     assert alone == batched
+
+
+def test_n_completions_per_prompt_draw_from_seed_plus_their_index(llm):
+    """vLLM's n: RequestOutput.outputs holds n completions; seeded, completion j draws what a request of seed
+    seed + j draws alone, so they differ."""
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=40, ignore_eos=True)
+    out = llm.generate(prompt_token_ids=[PROMPTS[0], PROMPTS[1]], sampling_params=params)
+    assert [len(o.outputs) for o in out] == [3, 3] and [c.index for c in out[1].outputs] == [0, 1, 2]
+    choices = [c.token_ids for c in out[0].outputs]
+    assert len({tuple(c) for c in choices}) == 3
+    for j, tokens in enumerate(choices):
+        alone = SamplingParams(max_tokens=6, temperature=1.0, seed=40 + j, ignore_eos=True)
+        assert llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=alone)[0].outputs[0].token_ids == tokens
+    assert llm.num_free_pages == llm.engine_config.num_pages
 
 
 def test_bad_requests_fail_before_running(llm):
@@ -132,7 +152,7 @@ def test_generate_with_an_fp8_cache_on_the_tiny_preset(cache, capsys):
     assert getattr(llm.engine_config, f"{cache}_cache") == "fp8"
     outs = llm.generate(prompt_token_ids=[list(range(5, 25)), [7, 8, 9]],
                         sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert [(len(out.token_ids), out.finish_reason) for out in outs] == [(8, "length"), (8, "length")]
+    assert [(len(out.outputs[0].token_ids), out.outputs[0].finish_reason) for out in outs] == [(8, "length")] * 2
     assert llm.num_free_pages == llm.engine_config.num_pages
     kv = llm.runner.kv_cache
     pool, values = (kv.index_k[0], kv.index_k[0].keys) if cache == "index" else (kv.latent[0], kv.latent[0].latent)

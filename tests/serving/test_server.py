@@ -1,21 +1,26 @@
-"""The OpenAI-compatible server (dcp_jax/server.py, protocol.py) through the real `openai` client, on loopback."""
+"""The OpenAI-compatible server (dcp_jax/serving/server.py, openai_api.py, protocol.py) on loopback: the real
+`openai` client, raw HTTP and raw sockets. vLLM's fields, refusals and validation; the bad-input battery (each a
+4xx with an OpenAI-shaped JSON body); HEAD, OPTIONS (CORS), chunked and truncated bodies; idle connections; the
+concurrency limit; API key; Prometheus metrics."""
 
-import http.client
 import json
 import math
-import urllib.error
-import urllib.request
+import socket
+import threading
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from dcp_jax.serving import protocol
-from tests.serving.serving_utils import start_server, wait_until
+from dcp_jax.serving.tokenizer import CHAT_TEMPLATE, apply_chat_template
+from tests.serving.serving_utils import http, raw_exchange, start_server, wait_until
+
+MAX_MODEL_LEN = 64  # serving_utils.ENGINE_KW
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory)
+    srv = start_server(tmp_path_factory, body_timeout_s=1.0)
     yield srv
     srv.stop()
 
@@ -25,80 +30,100 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0, timeout=60)
 
 
-def raw(server, path, body=None, *, method=None, headers=None):
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(server.url + path, data=data, method=method or ("POST" if data else "GET"),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+def post(server, path, body, **kw):
+    status, headers, data = http(server, "POST", path, body, **kw)
+    return status, json.loads(data)
 
 
-def test_models_health_and_metrics(server, client):
-    assert [m.id for m in client.models.list()] == ["tiny"]
-    assert raw(server, "/health") == (200, json.dumps({"status": "ok"}))
-    status, text = raw(server, "/metrics")
-    assert status == 200
-    for name in ("time_to_first_token_seconds_bucket", "time_per_output_token_seconds_count",
-                 "generation_tokens_per_second", "running_requests", "waiting_requests", "kv_pages_used",
-                 "kv_pages_free", "compiles_total", "compiles_after_warmup_total"):
-        assert f"dcp_jax_{name}" in text, name
+def assert_openai_error(status, headers, data, *, status_range=(400, 500)):
+    """A 4xx (or the given range) whose body is `{"error": {"message", "type", "param", "code"}}` JSON."""
+    assert status_range[0] <= status < status_range[1], (status, data[:300])
+    assert headers.get("content-type", "").startswith("application/json"), headers
+    error = json.loads(data)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def completion_tokens(client, **kw):
+    kw = dict(model="tiny", temperature=0) | kw
+    return client.completions.create(**kw)
+
+
+# ---- the basics through the openai client ---------------------------------------------------------------------
+def test_models_health_and_prometheus_metrics(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"] and models[0].max_model_len == MAX_MODEL_LEN
+    assert http(server, "GET", "/health")[0] == 200
+    completion_tokens(client, prompt="metrics", max_tokens=3)
+    status, headers, data = http(server, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(data.decode())}
+    kinds = {"dcp_jax_time_to_first_token_seconds": "histogram", "dcp_jax_time_per_output_token_seconds": "histogram",
+             "dcp_jax_e2e_request_latency_seconds": "histogram", "dcp_jax_prompt_tokens": "counter",
+             "dcp_jax_generation_tokens": "counter", "dcp_jax_requests_finished": "counter",
+             "dcp_jax_preemptions": "counter", "dcp_jax_compiles": "counter",
+             "dcp_jax_compiles_after_warmup": "counter", "dcp_jax_running_requests": "gauge",
+             "dcp_jax_waiting_requests": "gauge", "dcp_jax_kv_pages_used": "gauge", "dcp_jax_kv_pages_free": "gauge",
+             "dcp_jax_generation_tokens_per_second": "gauge"}
+    for name, kind in kinds.items():
+        assert families[name].type == kind, name
+    samples = {s.name: s.value for f in families.values() for s in f.samples if not s.labels.get("le")}
+    assert samples["dcp_jax_compiles_after_warmup_total"] == 0 and samples["dcp_jax_generation_tokens_total"] >= 3
+    assert samples["dcp_jax_e2e_request_latency_seconds_count"] >= 1
+    # Only counters end in _total.
+    assert all(f.type == "counter" for f in families.values() if f.name.endswith("_total") or
+               any(s.name.endswith("_total") for s in f.samples))
 
 
 def test_string_prompt_gets_bos_token_id_prompt_does_not(server, client):
-    text = "Hello"
-    ids = server.tokens.encode(text)
+    ids = server.tokens.encode("Hello")
     assert ids[0] == server.engine.model_config.bos_token_id
-    r = client.completions.create(model="tiny", prompt=text, max_tokens=4, temperature=0)
+    r = completion_tokens(client, prompt="Hello", max_tokens=4)
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 4
-    r2 = client.completions.create(model="tiny", prompt=ids[1:], max_tokens=4, temperature=0)
-    assert r2.usage.prompt_tokens == len(ids) - 1  # used as given: no BOS prepended
-    r3 = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0)
-    assert r3.choices[0].text == r.choices[0].text  # the same ids as the string prompt, the same greedy text
+    assert completion_tokens(client, prompt=ids[1:], max_tokens=4).usage.prompt_tokens == len(ids) - 1
+    assert completion_tokens(client, prompt=ids, max_tokens=4).choices[0].text == r.choices[0].text
+    no_bos = completion_tokens(client, prompt="Hello", max_tokens=4, extra_body={"add_special_tokens": False})
+    assert no_bos.usage.prompt_tokens == len(ids) - 1
 
 
 def test_echo_logprobs_cover_the_whole_prompt(server, client):
     ids = [300, 301, 302, 303, 304, 305]
-    r = client.completions.create(model="tiny", prompt=[ids], max_tokens=1, temperature=0, echo=True, logprobs=1)
+    r = completion_tokens(client, prompt=[ids], max_tokens=1, echo=True, logprobs=1)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(x < 0 and math.isfinite(x) for x in lp.token_logprobs[1:])
     assert lp.tokens[: len(ids)] == [server.tokens.token_text(t) for t in ids]
-    for value, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
-        assert value in top.values() and max(top.values()) >= value  # the token plus the best one
-    # The generated token's logprob equals the echoed logprob of the same token one request later:
-    # the all-positions prefill agrees with the last-position prefill.
-    nxt = client.completions.create(model="tiny", prompt=[ids], max_tokens=1, temperature=0, logprobs=0)
-    token = nxt.choices[0].logprobs.tokens[0]
-    assert lp.tokens[-1] == token
+    nxt = completion_tokens(client, prompt=[ids], max_tokens=1, logprobs=0)
+    assert lp.tokens[-1] == nxt.choices[0].logprobs.tokens[0]
     assert lp.token_logprobs[-1] == pytest.approx(nxt.choices[0].logprobs.token_logprobs[0], abs=1e-5)
-    # The greedy token is the top-1 of the last position.
     assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()), abs=1e-9)
     assert r.choices[0].text.startswith(server.tokens.decode(ids))
 
 
-def test_streaming_matches_non_streaming(client):
-    kw = dict(model="tiny", prompt="Stream me", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
-    full = client.completions.create(**kw)
-    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
-    text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert text == full.choices[0].text
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert finals == ["length"]
-    assert chunks[-1].usage.completion_tokens == 12
+def test_streaming_matches_non_streaming_with_continuous_usage(client):
+    kw = dict(prompt="Stream me", max_tokens=12, extra_body={"ignore_eos": True})
+    full = completion_tokens(client, **kw)
+    chunks = list(completion_tokens(client, stream=True, **kw,
+                                    stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks if c.choices[0].finish_reason] == ["length"]
+    running = [c.usage.completion_tokens for c in text_chunks]
+    assert running == sorted(running) and running[-1] == 12  # every chunk: the usage so far
+    assert all(c.usage.prompt_tokens == full.usage.prompt_tokens for c in text_chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    plain = list(completion_tokens(client, stream=True, **kw))
+    assert all(c.usage is None for c in plain)
 
 
 def test_usage_counts_each_prompt_once_whatever_n(client, server):
-    """vLLM's usage: the prompts' tokens once (not once per choice), streamed or not, completions and chat."""
     prompts = ["a b", "cde"]
     want = sum(len(server.tokens.encode(p)) for p in prompts)
-    kw = dict(model="tiny", prompt=prompts, n=3, max_tokens=2, temperature=1.0)
-    assert client.completions.create(**kw).usage.prompt_tokens == want
-    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
-    assert chunks[-1].usage.prompt_tokens == want
+    kw = dict(prompt=prompts, n=3, max_tokens=2, temperature=1.0)
+    assert completion_tokens(client, **kw).usage.prompt_tokens == want
+    assert list(completion_tokens(client, stream=True, stream_options={"include_usage": True},
+                                  **kw))[-1].usage.prompt_tokens == want
     chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=2, temperature=1.0)
     single = client.chat.completions.create(**(chat | dict(n=1))).usage.prompt_tokens
     assert client.chat.completions.create(**chat).usage.prompt_tokens == single
@@ -106,32 +131,76 @@ def test_usage_counts_each_prompt_once_whatever_n(client, server):
     assert streamed[-1].usage.prompt_tokens == single
 
 
-def test_n_list_of_prompts_seed_and_stop(client):
-    r = client.completions.create(model="tiny", prompt=["a", "b"], n=2, max_tokens=5, temperature=1.0, seed=7)
-    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3] and r.usage.completion_tokens <= 20
-    again = client.completions.create(model="tiny", prompt=["a", "b"], n=2, max_tokens=5, temperature=1.0, seed=7)
-    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == \
-        [c.text for c in sorted(again.choices, key=lambda c: c.index)]
-    greedy = client.completions.create(model="tiny", prompt="abc", max_tokens=10, temperature=0,
-                                       extra_body={"ignore_eos": True}).choices[0].text
-    # The stop string is a character the greedy run actually generated (the seeded model is deterministic).
-    visible = [ch for ch in greedy if ch != "\ufffd"]
-    assert visible, f"the greedy text {greedy!r} has no character to stop on"
+def test_n_with_a_seed_gives_distinct_reproducible_choices(client):
+    """vLLM's n: choice j draws from seed + j, so the choices differ, and each equals a request of that seed."""
+    kw = dict(prompt=["a", "b"], n=3, max_tokens=6, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    r = completion_tokens(client, **kw)
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert len(texts) == 6 and len(set(texts[:3])) == 3
+    assert [c.text for c in sorted(completion_tokens(client, **kw).choices, key=lambda c: c.index)] == texts
+    for j in range(3):
+        alone = completion_tokens(client, prompt="a", max_tokens=6, temperature=1.0, seed=7 + j,
+                                  extra_body={"ignore_eos": True})
+        assert alone.choices[0].text == texts[j]
+
+
+def greedy_text(client, prompt="abc", max_tokens=10):
+    return completion_tokens(client, prompt=prompt, max_tokens=max_tokens, extra_body={"ignore_eos": True}).choices[0]
+
+
+def test_stop_strings_stop_reason_and_include_stop_str_in_output(client):
+    full = greedy_text(client).text
+    visible = [ch for ch in full if ch != "\ufffd"]
+    assert visible, f"the greedy text {full!r} has no character to stop on"
     stop = visible[len(visible) // 2]
-    cut = client.completions.create(model="tiny", prompt="abc", max_tokens=10, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True}).choices[0]
-    assert cut.finish_reason == "stop" and cut.text == greedy[: greedy.index(stop)]
+    cut = completion_tokens(client, prompt="abc", max_tokens=10, stop=[stop], extra_body={"ignore_eos": True})
+    choice = cut.choices[0]
+    assert choice.finish_reason == "stop" and choice.text == full[: full.index(stop)]
+    assert choice.model_extra["stop_reason"] == stop
+    kept = completion_tokens(client, prompt="abc", max_tokens=10, stop=[stop],
+                             extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == choice.text + stop
+    streamed = list(completion_tokens(client, prompt="abc", max_tokens=10, stop=[stop], stream=True,
+                                      extra_body={"ignore_eos": True, "include_stop_str_in_output": True}))
+    assert "".join(c.choices[0].text for c in streamed) == choice.text + stop
 
 
-def test_chat_completion_and_stream(server, client):
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                       extra_body={"ignore_eos": True})
-    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 6
-    prompt = server.tokens.encode(protocol.apply_chat_template(messages))
+def test_min_tokens_holds_every_stop_until_past_it(client):
+    """Every token a stop token id: without min_tokens the first one stops; with min_tokens 4 the fifth does."""
+    every_id = dict(stop_token_ids=list(range(512)))
+    plain = completion_tokens(client, prompt="abc", max_tokens=12, extra_body=every_id)
+    assert plain.usage.completion_tokens == 1 and plain.choices[0].finish_reason == "stop"
+    assert plain.choices[0].model_extra["stop_reason"] in every_id["stop_token_ids"]
+    held = completion_tokens(client, prompt="abc", max_tokens=12, extra_body=every_id | {"min_tokens": 4})
+    assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        completion_tokens(client, prompt="abc", max_tokens=3, extra_body={"min_tokens": 4})
+
+
+def test_chat_defaults_to_the_rest_of_the_context_and_takes_every_role(server, client):
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]},
+                {"role": "assistant", "content": None}, {"role": "tool", "content": "4", "tool_call_id": "call-1"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                       response_format={"type": "text"}, extra_body={"ignore_eos": True})
+    prompt = server.tokens.encode(apply_chat_template([
+        {"role": "developer", "content": "hi"}, {"role": "assistant", "content": None},
+        {"role": "tool", "content": "4"}]))
     assert r.usage.prompt_tokens == len(prompt)
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert r.usage.completion_tokens == MAX_MODEL_LEN - len(prompt)  # vLLM: max_model_len - prompt
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+
+
+def test_chat_stream_echo_and_continue_final_message(server, client):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well"}]
+    kw = dict(model="tiny", messages=messages, max_tokens=5, temperature=0,
+              extra_body={"ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False})
+    r = client.chat.completions.create(**kw)
+    prompt = server.tokens.encode(apply_chat_template(messages, add_generation_prompt=False,
+                                                      continue_final_message=True))
+    assert r.usage.prompt_tokens == len(prompt)
+    echoed = client.chat.completions.create(**(kw | {"extra_body": kw["extra_body"] | {"echo": True}}))
+    assert echoed.choices[0].message.content == "Well" + r.choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -139,73 +208,142 @@ def test_chat_completion_and_stream(server, client):
 
 def test_chat_template_jinja_matches_python():
     jinja2 = pytest.importorskip("jinja2")
-    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-    rendered = jinja2.Template(protocol.CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
-    assert rendered == protocol.apply_chat_template(messages)
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None},
+                {"role": "tool", "content": "y"}]
+    for kw in (dict(add_generation_prompt=True), dict(add_generation_prompt=False, continue_final_message=True)):
+        assert jinja2.Template(CHAT_TEMPLATE).render(messages=messages, **kw) == apply_chat_template(messages, **kw)
 
 
-def test_penalties_and_min_p_are_served(client):
-    """vLLM's sampling extras reach the device sampler (400s above for values out of range)."""
-    out = client.completions.create(model="tiny", prompt="hi", max_tokens=6, temperature=0.9, seed=3,
-                                    presence_penalty=1.2, frequency_penalty=0.4,
-                                    extra_body=dict(repetition_penalty=1.3, min_p=0.05, ignore_eos=True))
+def test_sampling_extras_are_served(client):
+    out = completion_tokens(client, prompt="hi", max_tokens=6, temperature=0.9, seed=3, presence_penalty=1.2,
+                            frequency_penalty=0.4, extra_body=dict(repetition_penalty=1.3, min_p=0.05, top_k=20,
+                                                                   ignore_eos=True))
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 6
 
 
+# ---- refusals: what the server cannot honour is a 400 naming it ---------------------------------------------
 @pytest.mark.parametrize("kw, match", [
     (dict(max_tokens=-1), "max_tokens"),
     (dict(max_tokens=10**9), "max_model_len"),
     (dict(prompt="x" * 200), "max_model_len"),
     (dict(temperature="hot"), "temperature"),
+    (dict(temperature=2.5), "temperature"),
     (dict(top_p=0), "top_p"),
     (dict(n=0), "'n'"),
+    (dict(n=2, temperature=0), "greedy"),
     (dict(prompt=[[]]), "prompt"),
     (dict(prompt=[1, 2, 10**6]), r"\[0, 512\)"),
     (dict(stop=[""]), "stop"),
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(extra_body=dict(repetition_penalty=0)), "repetition_penalty"),
     (dict(extra_body=dict(min_p=1.5)), "min_p"),
-    (dict(logit_bias={"5": 1.0}), "not supported"),
-    (dict(logprobs=99), "logprobs"),
+    (dict(extra_body=dict(stop_token_ids=[512])), "vocabulary"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(logprobs=21), "max allowed: 20"),
+    (dict(extra_body=dict(guided_json={"type": "object"})), "structured output"),
+    (dict(extra_body=dict(response_format={"type": "json_schema", "json_schema": {}})), "structured output"),
+    (dict(extra_body=dict(use_beam_search=True)), "beam search"),
+    (dict(extra_body=dict(frobnicate=1)), "unknown field 'frobnicate'"),
+    (dict(stream_options={"include_usage": True}), "stream_options"),
 ])
-def test_bad_requests_are_400_in_openai_shape(server, client, kw, match):
-    args = dict(model="tiny", prompt="hi", max_tokens=4) | kw
+def test_bad_completions_are_400_in_openai_shape(server, client, kw, match):
     with pytest.raises(openai.BadRequestError, match=match) as info:
-        client.completions.create(**args)
+        client.completions.create(**(dict(model="tiny", prompt="hi", max_tokens=4) | kw))
     assert info.value.status_code == 400 and info.value.body["type"] == "invalid_request_error"
     assert server.engine.scheduler.num_waiting == 0
 
 
-@pytest.mark.parametrize("field, value", [
-    ("stream_options", 5),
-    ("stream_options", {"include_usage": "yes"}),
-    ("stop_token_ids", "7"),
-    ("stop_token_ids", [1.5]),
-    ("stop_token_ids", [-1]),
-    ("stop_token_ids", [True]),
+@pytest.mark.parametrize("kw, match", [
+    (dict(top_logprobs=2), "logprobs must be set to true"),
+    (dict(logprobs=True, top_logprobs=21), "max allowed: 20"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tool calling"),
+    (dict(tool_choice="auto"), "tool calling"),
+    (dict(extra_body=dict(functions=[{"name": "f"}])), "tool calling"),
+    (dict(response_format={"type": "json_object"}), "structured output"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "messages"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages"),
+    (dict(messages=[{"role": "user", "content": "x" * 80}]), "max_model_len"),
 ])
-def test_wrong_types_in_stream_options_and_stop_token_ids_are_400(server, field, value):
-    status, body = raw(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": True,
-                                                   field: value})
-    error = json.loads(body)["error"]
-    assert status == 400 and error["param"] == field and error["type"] == "invalid_request_error"
+def test_bad_chat_requests_are_400(client, kw, match):
+    args = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2) | kw
+    with pytest.raises(openai.BadRequestError, match=match):
+        client.chat.completions.create(**args)
+
+
+# ---- the bad-input battery: raw bodies ------------------------------------------------------------------------
+DEEP = b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 2}'),
+    ("/tokenize", b'{"prompt": "\\ud800"}'),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": "\\ud800"}]}'),
+    ("/v1/completions", DEEP),
+    ("/v1/completions", b'{"prompt": {"a": [1, {"b": [[[["x"]]]]}]}, "max_tokens": 2}'),
+    ("/v1/completions", b"{not json"),
+    ("/v1/completions", b"[1, 2]"),
+    ("/v1/completions", b'"just a string"'),
+    ("/v1/completions", b"\xff\xfe\x00"),
+    ("/v1/completions", b""),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1e999}'),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}'),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": "4"}'),
+    ("/v1/completions", b'{"prompt": "hi", "n": true}'),
+    ("/v1/completions", b'{"prompt": "hi", "seed": 99999999999999999999999}'),
+    ("/v1/completions", b'{"prompt": "hi", "top_k": 99999999999999999999}'),
+    ("/v1/completions", b'{"prompt": [1, -5], "max_tokens": 2}'),
+    ("/v1/completions", b'{"prompt": "hi", "stop_token_ids": [1.5]}'),
+    ("/v1/completions", b'{"prompt": "hi", "stream": true, "stream_options": 5}'),
+    ("/v1/chat/completions", b'{"messages": []}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "max_tokens": 0}'),
+    ("/detokenize", b'{"tokens": [-1]}'),
+    ("/detokenize", b'{"tokens": [99999]}'),
+    ("/tokenize", b'{"prompt": 5}'),
+])
+def test_bad_input_is_a_4xx_with_an_openai_body(server, path, body):
+    status, headers, data = http(server, "POST", path, body)
+    assert_openai_error(status, headers, data)
+    assert server.engine.is_alive and server.engine.scheduler.num_waiting == 0
+
+
+def test_chunked_bodies_are_read_and_truncated_ones_time_out(server):
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0}).encode()
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:10], body[10:])) + b"0\r\n\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    reply = raw_exchange(server, head + b"Transfer-Encoding: chunked\r\n\r\n" + chunked)
+    assert reply.startswith(b"HTTP/1.1 200") and b'"completion_tokens":2' in reply
+    bad = b"{not json"
+    reply = raw_exchange(server, head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(bad), bad))
+    assert reply.startswith(b"HTTP/1.1 400") and b'"error"' in reply
+    # Fewer bytes than Content-Length: a 408 once the body timeout (1 s here) passes, and the connection closes.
+    reply = raw_exchange(server, head + b"Content-Length: %d\r\n\r\n" % len(body) + body[:-5])
+    assert reply.startswith(b"HTTP/1.1 408") and b'"error"' in reply
+
+
+def test_head_options_and_routes_are_json(server):
+    status, headers, data = http(server, "HEAD", "/health")
+    assert status == 200 and data == b""
+    status, headers, _ = http(server, "OPTIONS", "/v1/completions",
+                              headers={"Origin": "http://example.com", "Access-Control-Request-Method": "POST"})
+    assert status == 200 and headers["access-control-allow-origin"] == "*"
+    assert_openai_error(*http(server, "OPTIONS", "/v1/completions"))  # no preflight: a 405 in JSON
+    error = assert_openai_error(*http(server, "GET", "/nope"))
+    assert error["type"] == "NotFoundError"
+    assert http(server, "GET", "/v1/completions")[0] == 405
+    assert http(server, "GET", "/health")[0] == 200
 
 
 def test_text_offsets_index_the_returned_text_streamed_or_not(server, client):
-    """Echoed string prompt: BOS has no text (offset 0, as "H"); every offset indexes the returned text, and a
-    stream carries them on across chunks (the same values as the whole reply)."""
-    kw = dict(model="tiny", prompt="Hi there", max_tokens=8, temperature=0, echo=True, logprobs=0,
-              extra_body={"ignore_eos": True})
-    r = client.completions.create(**kw).choices[0]
+    kw = dict(prompt="Hi there", max_tokens=8, echo=True, logprobs=0, extra_body={"ignore_eos": True})
+    r = completion_tokens(client, **kw).choices[0]
     text, lp = r.text, r.logprobs
     ids = server.tokens.encode("Hi there")
     assert text.startswith("Hi there") and lp.tokens[0] == "<s>"
-    assert lp.text_offset[: len(ids) + 1] == [0, 0, 1, 2, 3, 4, 5, 6, 7, 8]  # BOS, "Hi there", the first token
+    assert lp.text_offset[: len(ids) + 1] == [0, 0, 1, 2, 3, 4, 5, 6, 7, 8]
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
-    for token, offset in zip(lp.tokens, lp.text_offset):
-        if len(token) == 1:  # one character of text: it is right there
-            assert text[offset] == token
-    chunks = list(client.completions.create(stream=True, **kw))
+    chunks = list(completion_tokens(client, stream=True, **kw))
     assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
     assert "".join(c.choices[0].text for c in chunks) == text
 
@@ -213,91 +351,138 @@ def test_text_offsets_index_the_returned_text_streamed_or_not(server, client):
 def test_a_bug_while_streaming_ends_the_stream_and_aborts(server, monkeypatch):
     """After the 200 header an exception must not write a JSON error into the event stream: the stream ends
     (no [DONE]) and the request is aborted."""
-    from dcp_jax.serving import server as server_module
+    from dcp_jax.serving import openai_api
 
-    real, calls = server_module._Handler._completion_chunk, []
+    real, calls = openai_api._Completions._chunk, []
 
-    def buggy(self, *args):
+    def buggy(self, event):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("injected chunk bug")
-        return real(self, *args)
+        return real(self, event)
 
-    monkeypatch.setattr(server_module._Handler, "_completion_chunk", buggy)
-    engine = server.engine
-    aborted = engine.metrics.finished["abort"]
-    host, port = server.httpd.server_address[:2]
-    conn = http.client.HTTPConnection(host, port, timeout=30)
-    body = {"model": "tiny", "prompt": [[5, 6, 7]], "max_tokens": 50, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    lines = [line for line in resp.read().decode().splitlines() if line]
-    conn.close()
-    assert len(lines) == 1 and lines[0].startswith("data: ") and "choices" in lines[0]
-    assert not any("error" in line or "[DONE]" in line for line in lines)
-    assert wait_until(lambda: engine.metrics.finished["abort"] == aborted + 1)
+    monkeypatch.setattr(openai_api._Completions, "_chunk", buggy)
+    metrics = server.engine.metrics
+    aborted = metrics.requests_finished("abort")
+    status, _, data = http(server, "POST", "/v1/completions", {
+        "model": "tiny", "prompt": [[5, 6, 7]], "max_tokens": 50, "temperature": 0, "stream": True,
+        "ignore_eos": True})
+    lines = [line for line in data.decode().splitlines() if line]
+    assert status == 200 and len(lines) == 1 and lines[0].startswith("data: ") and "choices" in lines[0]
+    assert wait_until(lambda: metrics.requests_finished("abort") == aborted + 1)
 
 
 def test_a_stopped_engine_is_a_503_not_a_hang(server, client):
     engine = server.engine
     engine.stop()
     try:
-        assert raw(server, "/health")[0] == 503
-        status, body = raw(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
-        assert status == 503 and "not running" in json.loads(body)["error"]["message"]
+        assert http(server, "GET", "/health")[0] == 503
+        error = assert_openai_error(*http(server, "POST", "/v1/completions",
+                                          {"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+                                    status_range=(503, 504))
+        assert "not running" in error["message"]
         with pytest.raises(openai.InternalServerError):
             list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                                 max_tokens=2, stream=True))
     finally:
         engine.start()
-    assert raw(server, "/health")[0] == 200
+    assert http(server, "GET", "/health")[0] == 200
 
 
-def test_bad_json_unknown_model_and_routes(server, client):
-    status, body = raw(server, "/v1/completions", b"{not json")
-    assert status == 400 and "JSON" in json.loads(body)["error"]["message"]
-    status, body = raw(server, "/v1/completions", b"[1, 2]")
-    assert status == 400
+def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-9", prompt="hi", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="messages"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
-    assert raw(server, "/nope")[0] == 404
-    assert raw(server, "/v1/completions", method="GET")[0] == 405
 
 
 def test_tokenizer_endpoints(server):
-    status, body = raw(server, "/tokenizer_info")
-    info = json.loads(body)
+    status, _, data = http(server, "GET", "/tokenizer_info")
+    info = json.loads(data)
     assert status == 200 and info["eos_token"] == "</s>" and info["bos_token"] == "<s>" and info["chat_template"]
-    status, body = raw(server, "/tokenize", {"prompt": "hi</s>", "add_special_tokens": False})
-    tokens = json.loads(body)["tokens"]
-    assert tokens[-1] == server.engine.model_config.eos_token_id and len(tokens) == 3
-    with_bos = json.loads(raw(server, "/tokenize", {"prompt": "hi"})[1])["tokens"]
-    assert with_bos[0] == server.engine.model_config.bos_token_id
-    status, body = raw(server, "/detokenize", {"tokens": tokens[:2]})
-    assert json.loads(body)["prompt"] == "hi"
-    assert raw(server, "/detokenize", {"tokens": [-1]})[0] == 400
+    status, body = post(server, "/tokenize", {"prompt": "hi</s>", "add_special_tokens": False,
+                                              "return_token_strs": True})
+    assert body["tokens"][-1] == server.engine.model_config.eos_token_id and len(body["tokens"]) == 3
+    assert body["token_strs"] == ["h", "i", "</s>"] and body["max_model_len"] == MAX_MODEL_LEN
+    assert post(server, "/tokenize", {"prompt": "hi"})[1]["tokens"][0] == server.engine.model_config.bos_token_id
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})[1]["tokens"]
+    assert chat == server.tokens.encode(apply_chat_template([{"role": "user", "content": "hi"}]))
+    assert post(server, "/detokenize", {"tokens": body["tokens"][:2]})[1]["prompt"] == "hi"
 
 
-def test_api_key_guards_v1(server, tmp_path_factory):
+# ---- connections ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tight(server, tmp_path_factory):
+    """A second server on the same engine: a 3 s keep-alive, at most 4 connections, an API key."""
+    srv = start_server(tmp_path_factory, engine=server.engine, timeout_keep_alive=3.0, limit_concurrency=4,
+                       api_key="sekret")
+    yield srv
+    srv.stop(stop_engine=False)
+
+
+def test_idle_connections_are_closed_after_the_keep_alive_timeout(tight):
+    with socket.create_connection((tight.host, tight.port), timeout=30) as silent, \
+            socket.create_connection((tight.host, tight.port), timeout=30) as partial:
+        partial.sendall(b"GET /health HTTP/1.1\r\n")  # a request head that never ends
+        assert silent.recv(1) == b"" and partial.recv(1) == b""  # closed, long before the 30 s guard
+    with socket.create_connection((tight.host, tight.port), timeout=30) as kept:
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.endswith(b"}"):
+            reply += kept.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 200")
+        assert kept.recv(1) == b""  # kept alive, then closed when idle
+
+
+def test_connections_past_the_limit_get_a_503_and_the_server_goes_on(tight):
+    held = [socket.create_connection((tight.host, tight.port), timeout=30) for _ in range(4)]
+    try:
+        assert wait_until(lambda: http(tight, "GET", "/health")[0] == 503)
+    finally:
+        for sock in held:
+            sock.close()
+    assert wait_until(lambda: http(tight, "GET", "/health")[0] == 200)
+
+
+def test_api_key_guards_v1(tight):
+    with openai.OpenAI(base_url=f"{tight.url}/v1", api_key="wrong", max_retries=0) as bad, \
+            pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    with openai.OpenAI(base_url=f"{tight.url}/v1", api_key="sekret", max_retries=0) as good:
+        assert [m.id for m in good.models.list()] == ["tiny"]
+    assert http(tight, "GET", "/health")[0] == 200  # outside /v1: no key
+
+
+def test_health_is_503_while_the_engine_loads_then_200(server):
+    """The socket answers before the engine exists: /health and the routes are 503 until `load` returns; then
+    the server serves it. (serve_forever stops the engine at its end: it is started again for the tests after.)"""
     from dcp_jax.serving.server import OpenAIServer
 
-    guarded = OpenAIServer(server.engine, port=0, api_key="sekret").start()
+    release = threading.Event()
+
+    def load():
+        assert release.wait(60)
+        return server.engine
+
+    loading = OpenAIServer(port=0, uvicorn_log_level="warning", access_log=False)
+    thread = threading.Thread(target=loading.serve_forever, args=(load,))
+    thread.start()
     try:
-        bad = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="wrong", max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            bad.models.list()
-        good = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="sekret", max_retries=0)
-        assert [m.id for m in good.models.list()] == ["tiny"]
-        assert raw(guarded, "/health")[0] == 200
+        status, _, body = http(loading, "GET", "/health")
+        assert status == 503 and json.loads(body) == {"status": "starting"}
+        assert_openai_error(*http(loading, "POST", "/v1/completions", {"model": "tiny", "prompt": "hi"}),
+                            status_range=(503, 504))
+        release.set()
+        assert wait_until(lambda: http(loading, "GET", "/health")[0] == 200)
+        status, body = post(loading, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
     finally:
-        guarded.stop(stop_engine=False)
+        release.set()
+        loading.stop(stop_engine=False)
+        thread.join(60)
+        server.engine.start()
+    assert not thread.is_alive() and http(server, "GET", "/health")[0] == 200
 
 
 def test_no_recompiles_and_no_leaked_pages(server):
     engine = server.engine
     assert engine.compiles_after_warmup == 0
-    assert engine.num_free_pages == engine.num_pages
+    assert wait_until(lambda: engine.num_free_pages == engine.num_pages)
