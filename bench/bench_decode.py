@@ -181,7 +181,7 @@ def decode_inputs(tokens: np.ndarray, context_lens, slots, scratch_slot: int) ->
     rows, n = len(tokens), len(context_lens)
     return build_step_inputs(slots, [1] * n, np.asarray(tokens[:n], np.int32), [FED_BACK] * n, [-1] * n, [False] * n,
                              [True] * n, context_lens=context_lens, rows=rows, seqs=rows,
-                             table=SamplingTable(scratch_slot + 1, scratch_slot=scratch_slot))
+                             table=SamplingTable(scratch_slot + 1, scratch_slot=scratch_slot, eos_token_id=None))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -159,9 +159,10 @@ def bare_step_seconds(runner, batch: int, context: int, mode: str, repeats: int)
     layout = runner.layout
     blocks = int(layout.virtual_blocks(context + 1))
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
-    table = SamplingTable(runner.scratch_slot + 1, scratch_slot=runner.scratch_slot)
+    table = SamplingTable(runner.scratch_slot + 1, scratch_slot=runner.scratch_slot,
+                          eos_token_id=runner.cfg.eos_token_id)
     for slot in range(batch):
-        table.set(slot, params, slot)
+        table.set(slot, params, slot, context)
     inputs, md = build_step(ScheduledRows.decode(list(range(batch)), [context] * batch, tables,
                                                  tokens=np.full(batch, 7, np.int32)),
                             bucket=batch, seqs=runner.engine.seqs_for(batch), layout=layout,

@@ -7,8 +7,9 @@ median of `--repeats` after a warm-up request. The roofline beside it is the pre
 matmul rate (`bench.common.matmul_tflops`): the dense projections and MLP of every token, the indexer's scores of
 every causal (query, key) pair, sparse MLA over min(K, position + 1) keys per query (`prefill_flops`).
 Mixed load: `--decodes` requests decode (short prompts, long max_tokens); their inter-token latency (the wall time
-between consecutive steps that gave each of them a token) is measured alone, then while one `--mixed-context`
-prompt prefills, each under the token budget `--mixed-budget` (the chunk a step takes next to the decode rows).
+between consecutive steps that gave each of them a token) is measured alone (`--itl-tokens` tokens each), then
+while one `--mixed-context` prompt prefills, each under the token budget `--mixed-budget` (the chunk a step takes
+next to the decode rows).
 `dcp-jax bench prefill` runs this file.
 
 Usage (repository root):
@@ -82,12 +83,11 @@ def time_to_first_token(engine, prompt: list[int]) -> float:
     return elapsed
 
 
-def inter_token_latencies(engine, sinks: list[queue.Queue], seconds: float, *, until=None) -> list[float]:
-    """Seconds between consecutive events of the decoding requests of `sinks`, over `seconds` of wall time (or
-    until `until()` holds)."""
-    last, gaps = [None] * len(sinks), []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline and not (until and until()):
+def inter_token_latencies(engine, sinks: list[queue.Queue], *, tokens: int | None = None, until=None) -> list[float]:
+    """Seconds between consecutive events of the decoding requests of `sinks`, until each gave `tokens` more tokens
+    (or until `until()` holds)."""
+    last, gaps, counts = [None] * len(sinks), [], [0] * len(sinks)
+    while not (until and until()) and not (tokens is not None and min(counts) >= tokens):
         for i, sink in enumerate(sinks):
             while True:
                 try:
@@ -98,14 +98,16 @@ def inter_token_latencies(engine, sinks: list[queue.Queue], seconds: float, *, u
                 if last[i] is not None and event.token_ids:
                     gaps.append(now - last[i])
                 last[i] = now
+                counts[i] += len(event.token_ids)
         time.sleep(0.0002)
     return gaps
 
 
 def summary_ms(gaps: list[float]) -> dict[str, float]:
+    """Count, median, p90 and max of `gaps` in ms (NaN when there are none)."""
     gaps = sorted(gaps)
     if not gaps:
-        return dict(n=0)
+        return dict(n=0, median_ms=float("nan"), p90_ms=float("nan"), max_ms=float("nan"))
     return dict(n=len(gaps), median_ms=1e3 * statistics.median(gaps), p90_ms=1e3 * gaps[int(0.9 * (len(gaps) - 1))],
                 max_ms=1e3 * gaps[-1])
 
@@ -123,12 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed-context", type=_ints, default=(131072,), help="the prompt prefilled meanwhile")
     parser.add_argument("--mixed-budget", type=int, default=None,
                         help="token budget of the mixed load's steps (default --max-num-batched-tokens)")
-    parser.add_argument("--itl-seconds", type=float, default=3.0, help="decode-only window of the mixed load")
+    parser.add_argument("--itl-tokens", type=int, default=500,
+                        help="decode-only window of the mixed load: tokens each decoding request gives")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kernels", default="auto")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--dcp", type=int, default=1)
+    parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n x n x n bf16 matmul ceiling")
     parser.add_argument("--cpu-devices", type=int, default=8)
     parser.add_argument("--out", default="results_prefill.jsonl")
     args = parser.parse_args(argv)
@@ -147,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     info = dict(run_info(), kind="run", args=vars(args))
     record(info)
     cfg = preset(args.preset, num_layers=args.num_layers)
-    tflops = matmul_tflops(lambda fn, sets: median_seconds(fn, sets, 10, sync=jax.block_until_ready))
+    tflops = matmul_tflops(lambda fn, sets: median_seconds(fn, sets, 10, sync=jax.block_until_ready),
+                           n=args.matmul_size)
     record(dict(kind="ceiling", matmul_tflops=tflops))
     print(f"{info['device']} x{info['num_devices']}, commit {info['commit']}, {args.preset} {args.num_layers} layers "
           f"{args.dtype}, dcp {args.dcp}; same-run bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
@@ -156,11 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     mixed_budget = args.mixed_budget or budget
     longest = max(args.contexts + (args.mixed_context if args.decodes else ()))
     max_num_seqs = max(args.decodes + 1, 2)
+    # The decoding requests run through the window and every step of the mixed prefills (a token each).
+    mixed_steps = sum(-(-c // max(mixed_budget - args.decodes, 1)) for c in args.mixed_context)
+    max_model_len = max(longest, 16 + args.itl_tokens + mixed_steps) + 64
 
     def engine_of(max_num_batched_tokens: int):
         return Engine(args.preset, num_layers=args.num_layers, dcp=args.dcp, dtype=args.dtype, kernels=args.kernels,
                       page_size=args.page_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                      max_num_seqs=max_num_seqs, max_model_len=longest + 64,
+                      max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       bucket_ladder=tuple(b for b in args.buckets if b <= max_num_batched_tokens),
                       max_num_batched_tokens=max_num_batched_tokens, prompt_logprobs=False, progress=False)
 
@@ -204,7 +212,7 @@ def mixed(engine, args, cfg, rng, record) -> None:
         engine.add_request(rng.integers(2, cfg.vocab_size, prompt_len).tolist(), longest, sink)
     for sink in sinks:  # every decode running
         sink.get(timeout=3600)
-    alone = summary_ms(inter_token_latencies(engine, sinks, args.itl_seconds))
+    alone = summary_ms(inter_token_latencies(engine, sinks, tokens=args.itl_tokens))
     print("| decodes | budget | prompt | ITL alone median / p90 / max ms | ITL during its prefill median / p90 / "
           "max ms | prefill s |", flush=True)
     print("|---|---|---|---|---|---|", flush=True)
@@ -213,7 +221,7 @@ def mixed(engine, args, cfg, rng, record) -> None:
         begin = time.perf_counter()
         engine.add_request(rng.integers(2, cfg.vocab_size, context).tolist(), SamplingParams(max_tokens=1, **GREEDY),
                            long)
-        during = summary_ms(inter_token_latencies(engine, sinks, 3600, until=lambda: not long.empty()))
+        during = summary_ms(inter_token_latencies(engine, sinks, until=lambda: not long.empty()))
         prefill_s = time.perf_counter() - begin
         record(dict(kind="mixed", decodes=args.decodes, budget=engine.engine_config.max_num_batched_tokens,
                     context=context, itl_alone=alone, itl_during_prefill=during, prefill_s=prefill_s,

@@ -28,6 +28,8 @@ PER_RANK = dict(per_rank=True)
 # mask (a prompt token), a generated token's count (one fed again: a resumed request's history), or nothing again
 # (the last sampled token fed back: counted when it was sampled).
 PAD, PROMPT, GENERATED, FED_BACK = 0, 1, 2, 3
+# The stop tokens (EOS and stop_token_ids) a request's min_tokens can hold back on the device.
+MIN_TOKENS_STOP_IDS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,11 @@ class SamplingMetadata:
     repetition_penalty: np.ndarray
     # [R, 2] uint32: the request's 64-bit seed, low word first; with `positions` it keys the row's draw.
     seeds: np.ndarray
+    # [R, MIN_TOKENS_STOP_IDS] int32: the tokens that would end the request (EOS unless ignore_eos, its stop token
+    # ids), which it may not sample before position `stops_from` (vLLM's min_tokens); -1 pads.
+    stop_ids: np.ndarray
+    # [R] int32: the first position at which stop_ids may be sampled (prompt + min_tokens); 0 = any.
+    stops_from: np.ndarray
     # [R] int32: position of the token the row samples (its draw's counter). Pad rows 0.
     positions: np.ndarray
     # [R] int32: the request's slot of the device's sampler state (token counts, last token); pad rows the scratch
@@ -204,17 +211,28 @@ def _padded(values, rows: int, fill, dtype) -> np.ndarray:
     return out
 
 
-def build_sampling_metadata(params: Sequence, seeds: Sequence[int], positions: Sequence[int], slots: Sequence[int], *,
-                            rows: int, scratch_slot: int) -> SamplingMetadata:
-    """`SamplingMetadata` of the scheduled rows (each with its `SamplingParams`, 64-bit seed, sampled position and
-    slot), padded to `rows` greedy rows on the scratch slot."""
+def build_sampling_metadata(params: Sequence, seeds: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                            prompt_lens: Sequence[int], *, rows: int, scratch_slot: int,
+                            eos_token_id: int | None) -> SamplingMetadata:
+    """`SamplingMetadata` of the scheduled rows (each with its `SamplingParams`, 64-bit seed, sampled position, slot
+    and its request's prompt length), padded to `rows` greedy rows on the scratch slot. ValueError for a request
+    whose min_tokens would have to hold back more than MIN_TOKENS_STOP_IDS stop tokens."""
     n = len(params)
-    if not n == len(seeds) == len(positions) == len(slots) or n > rows:
-        raise ValueError(f"{len(params)} params, {len(seeds)} seeds, {len(positions)} positions and {len(slots)} slots "
-                         f"for a bucket of {rows} rows")
+    if not n == len(seeds) == len(positions) == len(slots) == len(prompt_lens) or n > rows:
+        raise ValueError(f"{len(params)} params, {len(seeds)} seeds, {len(positions)} positions, {len(slots)} slots "
+                         f"and {len(prompt_lens)} prompt lengths for a bucket of {rows} rows")
     words = np.zeros((rows, 2), np.uint32)
-    if n:
-        words[:n] = [seed_words(s) for s in seeds]
+    stop_ids = np.full((rows, MIN_TOKENS_STOP_IDS), -1, np.int32)
+    stops_from = np.zeros(rows, np.int32)
+    for row, (p, prompt_len) in enumerate(zip(params, prompt_lens)):
+        words[row] = seed_words(seeds[row])
+        if p.min_tokens:
+            ids = ([] if p.ignore_eos or eos_token_id is None else [eos_token_id]) + list(p.stop_token_ids)
+            if len(ids) > MIN_TOKENS_STOP_IDS:
+                raise ValueError(f"min_tokens holds back at most {MIN_TOKENS_STOP_IDS} stop tokens (EOS included), "
+                                 f"got {len(ids)}")
+            stop_ids[row, : len(ids)] = ids
+            stops_from[row] = prompt_len + p.min_tokens
     return SamplingMetadata(
         temperature=_padded([p.temperature for p in params], rows, 0.0, np.float32),
         top_k=_padded([p.top_k for p in params], rows, 0, np.int32),
@@ -223,7 +241,7 @@ def build_sampling_metadata(params: Sequence, seeds: Sequence[int], positions: S
         presence_penalty=_padded([p.presence_penalty for p in params], rows, 0.0, np.float32),
         frequency_penalty=_padded([p.frequency_penalty for p in params], rows, 0.0, np.float32),
         repetition_penalty=_padded([p.repetition_penalty for p in params], rows, 1.0, np.float32),
-        seeds=words, positions=_padded(positions, rows, 0, np.int32),
+        seeds=words, stop_ids=stop_ids, stops_from=stops_from, positions=_padded(positions, rows, 0, np.int32),
         slots=_padded(slots, rows, scratch_slot, np.int32))
 
 
@@ -234,10 +252,11 @@ class SamplingTable:
 
     _PER_SLOT = tuple(n for n in field_names(SamplingMetadata) if n not in ("positions", "slots"))
 
-    def __init__(self, num_slots: int, *, scratch_slot: int):
-        """`num_slots` slots, the scratch one among them."""
-        self.scratch_slot = scratch_slot
-        unset = build_sampling_metadata([], [], [], [], rows=num_slots, scratch_slot=scratch_slot)
+    def __init__(self, num_slots: int, *, scratch_slot: int, eos_token_id: int | None):
+        """`num_slots` slots, the scratch one among them; `eos_token_id` the model's (min_tokens holds it back)."""
+        self.scratch_slot, self.eos_token_id = scratch_slot, eos_token_id
+        unset = build_sampling_metadata([], [], [], [], [], rows=num_slots, scratch_slot=scratch_slot,
+                                        eos_token_id=eos_token_id)
         # One int32 row per slot: every per-slot field's bits side by side, at `self._columns[name]`.
         fields = [getattr(unset, name).reshape(num_slots, -1) for name in self._PER_SLOT]
         self._rows = np.concatenate([f.view(np.int32) for f in fields], axis=1)
@@ -245,9 +264,11 @@ class SamplingTable:
         self._columns = {name: (int(end) - f.shape[1], int(end), f.dtype, getattr(unset, name).shape[1:])
                          for name, f, end in zip(self._PER_SLOT, fields, ends)}
 
-    def set(self, slot: int, params, seed: int) -> None:
-        """Slot `slot` samples with `params` (a `SamplingParams`) and the 64-bit `seed` from now on."""
-        row = build_sampling_metadata([params], [seed], [0], [slot], rows=1, scratch_slot=self.scratch_slot)
+    def set(self, slot: int, params, seed: int, prompt_len: int) -> None:
+        """Slot `slot` samples with `params` (a `SamplingParams`) and the 64-bit `seed` for a request of a prompt of
+        `prompt_len` tokens from now on."""
+        row = build_sampling_metadata([params], [seed], [0], [slot], [prompt_len], rows=1,
+                                      scratch_slot=self.scratch_slot, eos_token_id=self.eos_token_id)
         for name, (begin, end, _, _) in self._columns.items():
             self._rows[slot, begin:end] = getattr(row, name).reshape(-1).view(np.int32)
 

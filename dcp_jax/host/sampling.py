@@ -26,9 +26,9 @@ class SamplingParams:
     the generated tokens, repetition_penalty (> 0, 1: off) to the prompt's and the generated ones; logprobs N (at
     most MAX_LOGPROBS, vLLM's max_logprobs) asks for the N most likely tokens of every step (the sampled one is
     always included); `stop` strings end the text (excluded from it unless include_stop_str_in_output),
-    `stop_token_ids` and eos (unless ignore_eos) end the generation (kept in token_ids); none of these stops
-    applies before min_tokens tokens (vLLM's min_tokens: a stop token or string among the first min_tokens is
-    an ordinary token)."""
+    `stop_token_ids` and eos (unless ignore_eos) end the generation (kept in token_ids); vLLM's min_tokens: the
+    first min_tokens tokens are never eos or a stop token id (the device does not sample them) and no stop string
+    ends the text among them."""
 
     n: int = 1
     max_tokens: int = 16

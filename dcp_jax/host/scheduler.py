@@ -440,7 +440,8 @@ class Scheduler:
         output.append(token)
         if self.allocator.enable_prefix_caching and status is RequestStatus.RUNNING:
             self._cache_generated_blocks(request)
-        # vLLM's min_tokens: no stop (EOS, stop token ids, stop strings) before the output is longer than it.
+        # vLLM's min_tokens: no stop before the output is longer than it (the device holds EOS and the stop token ids
+        # back meanwhile; a stop string may still appear in the text).
         may_stop = len(output) > params.min_tokens
         is_stop_id = may_stop and ((token == self.eos_token_id and not params.ignore_eos)
                                    or token in params.stop_token_ids)

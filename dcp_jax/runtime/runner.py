@@ -23,7 +23,8 @@ from jax.sharding import Mesh
 
 from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import PROMPT, SamplingMetadata, SamplingTable, ScheduledRows, StepInputs, build_step
+from dcp_jax.host.metadata import (MIN_TOKENS_STOP_IDS, PROMPT, SamplingMetadata, SamplingTable, ScheduledRows,
+                                   StepInputs, build_step)
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.model.deepseek_v32 import abstract_model, param_specs
 from dcp_jax.model.kv_cache import allocate_kv_cache
@@ -56,7 +57,9 @@ def sampling_shapes(rows: int) -> SamplingMetadata:
     f32, i32 = (jax.ShapeDtypeStruct((rows,), d) for d in (jnp.float32, jnp.int32))
     return SamplingMetadata(temperature=f32, top_k=i32, top_p=f32, min_p=f32, presence_penalty=f32,
                             frequency_penalty=f32, repetition_penalty=f32,
-                            seeds=jax.ShapeDtypeStruct((rows, 2), jnp.uint32), positions=i32, slots=i32)
+                            seeds=jax.ShapeDtypeStruct((rows, 2), jnp.uint32),
+                            stop_ids=jax.ShapeDtypeStruct((rows, MIN_TOKENS_STOP_IDS), jnp.int32), stops_from=i32,
+                            positions=i32, slots=i32)
 
 
 def step_input_shapes(engine: EngineConfig):
@@ -83,7 +86,8 @@ class ModelRunner:
         self.layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
         self.max_blocks = engine.max_blocks_per_seq(parallel.dcp)
         self.scratch_slot = engine.max_num_seqs
-        self.sampling_table = SamplingTable(engine.max_num_seqs + 1, scratch_slot=self.scratch_slot)
+        self.sampling_table = SamplingTable(engine.max_num_seqs + 1, scratch_slot=self.scratch_slot,
+                                            eos_token_id=cfg.eos_token_id)
         graphdef, abstract = abstract_model(cfg, dtype)
         # Keyed by variant (`forward.VARIANTS`), one program per bucket each.
         self.steps = {
@@ -137,9 +141,10 @@ class ModelRunner:
             self.compile(variant, rows)
 
     # ---- serving: dispatch, read later ----------------------------------------------------------------------
-    def set_sampling(self, slot: int, params: SamplingParams, seed: int) -> None:
-        """Slot `slot` samples with `params` and the 64-bit `seed` from now on (a request taking the slot)."""
-        self.sampling_table.set(slot, params, seed)
+    def set_sampling(self, slot: int, params: SamplingParams, seed: int, prompt_len: int) -> None:
+        """Slot `slot` samples with `params` and the 64-bit `seed` from now on (a request of a `prompt_len`-token
+        prompt taking the slot)."""
+        self.sampling_table.set(slot, params, seed, prompt_len)
 
     def dispatch(self, rows: ScheduledRows, variant: str):
         """Enqueue one step of `rows` in the `variant` program of the smallest bucket that holds them. Returns the
@@ -175,7 +180,7 @@ class ModelRunner:
         if not 1 <= chunk_size <= self.engine.max_num_batched_tokens:
             raise ValueError(f"{chunk_size=} must be in [1, max_num_batched_tokens="
                              f"{self.engine.max_num_batched_tokens}]")
-        self.set_sampling(self.scratch_slot, GREEDY_PARAMS, 0)
+        self.set_sampling(self.scratch_slot, GREEDY_PARAMS, 0, 0)
         logits, selected, first_tokens = [], [], []
         for prompt, table in zip(prompts, block_tables):
             prompt = np.asarray(prompt, np.int32)
@@ -210,7 +215,7 @@ class ModelRunner:
         if not n == len(context_lens) == len(block_tables):
             raise ValueError(f"{n} tokens, {len(context_lens)} context lengths and {len(block_tables)} block tables "
                              f"must match")
-        self.set_sampling(self.scratch_slot, GREEDY_PARAMS, 0)
+        self.set_sampling(self.scratch_slot, GREEDY_PARAMS, 0, 0)
         rows = ScheduledRows.decode([self.scratch_slot] * n, context_lens, block_tables, tokens=tokens)
         sampled, details = self._run(rows, DETAILS)
         selected = np.asarray(details.selected)[:, :n] if return_selected else None

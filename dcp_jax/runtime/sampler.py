@@ -131,18 +131,27 @@ def row_keys(seeds, positions):
     return jax.vmap(key)(seeds, positions)
 
 
+def hold_back_stops(logits, stop_ids, stops_from, positions):
+    """logits [R, A] with -inf at each row's stop_ids [R, S] (-1 pads) while the token it samples comes before
+    position stops_from [R] (vLLM's min_tokens: EOS and stop token ids cannot be sampled yet)."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    is_held = (stop_ids >= 0) & (positions < stops_from)[:, None]
+    return logits.at[rows, jnp.where(is_held, stop_ids, logits.shape[-1])].set(NEG_INF, mode="drop")
+
+
 def sample(logits, *, temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
-           seeds, positions, output_counts, prompt_mask, draws: bool) -> SampledTokens:
+           seeds, positions, stop_ids, stops_from, output_counts, prompt_mask, draws: bool) -> SampledTokens:
     """One token per row of logits [R, A] f32 and its logprobs; every parameter a [R] array (seeds [R, 2] uint32,
-    positions [R] int32 the sampled token's position), output_counts [R, A] int32 and prompt_mask [R, A] bool the
-    rows' requests' token history. temperature 0 is greedy.
+    positions [R] int32 the sampled token's position, stop_ids [R, S] with stops_from [R] what min_tokens holds
+    back: `hold_back_stops`), output_counts [R, A] int32 and prompt_mask [R, A] bool the rows' requests' token
+    history. temperature 0 is greedy. The logprobs are the raw logits' (vLLM's), held-back stops included.
     draws (static): False when every row is greedy (the host knows, and picks that program): no filter, no noise.
     Never a traced branch on the parameters: the GPU runtime reads a `lax.cond`'s predicate on the host, so the
     program's launch would wait for the device and no step could be dispatched ahead."""
     raw_logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, min(TOP_LOGPROBS, logits.shape[-1]))
-    penalized = apply_penalties(logits.astype(jnp.float32), output_counts, prompt_mask, presence_penalty,
-                                frequency_penalty, repetition_penalty)
+    penalized = apply_penalties(hold_back_stops(logits.astype(jnp.float32), stop_ids, stops_from, positions),
+                                output_counts, prompt_mask, presence_penalty, frequency_penalty, repetition_penalty)
     is_greedy = temperature <= 0
     tokens = jnp.argmax(penalized, axis=-1).astype(jnp.int32)  # the first maximum: the lowest id among ties
     if draws:
@@ -178,9 +187,9 @@ def _sample_rows(logits, sampling, state: SamplerState, draws: bool) -> SampledT
     return sample(logits, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                   min_p=sampling.min_p, presence_penalty=sampling.presence_penalty,
                   frequency_penalty=sampling.frequency_penalty, repetition_penalty=sampling.repetition_penalty,
-                  seeds=sampling.seeds, positions=sampling.positions,
-                  output_counts=state.output_counts[sampling.slots], prompt_mask=state.prompt_mask[sampling.slots],
-                  draws=draws)
+                  seeds=sampling.seeds, positions=sampling.positions, stop_ids=sampling.stop_ids,
+                  stops_from=sampling.stops_from, output_counts=state.output_counts[sampling.slots],
+                  prompt_mask=state.prompt_mask[sampling.slots], draws=draws)
 
 
 def _record(state: SamplerState, slots, tokens) -> SamplerState:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from dcp_jax.host.metadata import GENERATED, PROMPT, ScheduledRows
+from dcp_jax.host.metadata import GENERATED, MIN_TOKENS_STOP_IDS, PROMPT, ScheduledRows
 from dcp_jax.host.sampling import SamplingParams, TokenLogprob, request_seed
 from dcp_jax.host.scheduler import Request, Scheduler
 from dcp_jax.runtime import sampler
@@ -72,6 +72,10 @@ class ServingCore:
             raise ValueError(f"the prompt has token ids outside [0, {self.vocab_size})")
         if prompt_logprobs is not None and not self.has_prompt_logprobs:
             raise ValueError("this engine was started without prompt logprobs")
+        held = len(params.stop_token_ids) + (not params.ignore_eos)
+        if params.min_tokens and held > MIN_TOKENS_STOP_IDS:
+            raise ValueError(f"min_tokens holds back at most {MIN_TOKENS_STOP_IDS} stop tokens (EOS included), got "
+                             f"{held}")
         self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
 
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
@@ -178,7 +182,7 @@ class ServingCore:
         generated ones. Its first chunk sets its slot's sampling parameters and counts the prefix cache's part."""
         first = request.num_computed
         if first == request.num_cached_tokens:  # its first rows: the tokens before them came from the prefix cache
-            self.runner.set_sampling(request.slot, request.params, request.seed)
+            self.runner.set_sampling(request.slot, request.params, request.seed, len(request.prompt_ids))
             self.metrics.on_prefill(request.prefill_len, request.num_cached_tokens)
         ids = request.prefill_ids
         prompt_len = len(request.prompt_ids)

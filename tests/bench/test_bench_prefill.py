@@ -19,8 +19,8 @@ def test_prefill_bench_reports_ttft_against_its_roofline_and_the_mixed_load(tmp_
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
         rc = cli.main(["bench", "prefill", "--preset", "tiny", "--num-layers", "1", "--contexts", "40,70",
                        "--repeats", "1", "--max-num-batched-tokens", "32", "--buckets", "1,4", "--decodes", "2",
-                       "--mixed-context", "50", "--itl-seconds", "0.5", "--dtype", "float32", "--kernels",
-                       "reference", "--page-size", "4", "--out", str(out)])
+                       "--mixed-context", "150", "--itl-tokens", "5", "--dtype", "float32", "--kernels",
+                       "reference", "--page-size", "4", "--matmul-size", "256", "--out", str(out)])
     assert rc == 0, stdout.getvalue()
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["kind"] for r in rows] == ["run", "ceiling", "ttft", "ttft", "mixed"]
@@ -29,7 +29,7 @@ def test_prefill_bench_reports_ttft_against_its_roofline_and_the_mixed_load(tmp_
         assert row["flops"] == prefill_flops(preset("tiny", num_layers=1), context)
         assert row["compiles_after_warmup"] == 0
     mixed = rows[4]
-    assert mixed["context"] == 50 and mixed["budget"] == 32 and mixed["prefill_s"] > 0
+    assert mixed["context"] == 150 and mixed["budget"] == 32 and mixed["prefill_s"] > 0  # 5 steps or more
     assert mixed["itl_alone"]["n"] > 0 and mixed["itl_during_prefill"]["n"] > 0
     assert mixed["compiles_after_warmup"] == 0
 

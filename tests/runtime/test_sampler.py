@@ -26,6 +26,7 @@ def _params(rows, **overrides):
     base.update(overrides)
     out = {name: jnp.full((rows,), value, jnp.int32 if name == "top_k" else jnp.float32)
            for name, value in base.items()}
+    out.update(stop_ids=jnp.full((rows, 2), -1, jnp.int32), stops_from=jnp.zeros((rows,), jnp.int32))  # none held
     return out
 
 
@@ -169,3 +170,21 @@ def test_add_history_restarts_fresh_slots_then_adds_the_rows_tokens():
     assert counts[0].tolist() == np.bincount([5, 7], minlength=VOCAB).tolist()
     assert mask[1, 9] and counts[1, 8] == 3 and counts[1].sum() == 3  # not fresh: kept; its fed-back token adds nothing
     assert mask[2].tolist() == np.asarray(state.prompt_mask[2]).tolist()  # the pad row adds nothing
+
+
+def test_min_tokens_holds_the_stop_tokens_back_until_their_position():
+    """Greedy rows whose best token is a stop token: it is not sampled while the row samples a position before
+    stops_from (the second best is), and is from there on; its logprob stays the raw one; -1 pads hold nothing."""
+    rows = 4
+    params = _params(rows, temperature=0.0)
+    params["stop_ids"] = jnp.array([[0, -1], [0, 1], [0, -1], [-1, -1]], jnp.int32)  # token 0 is the argmax
+    params["stops_from"] = jnp.array([5, 5, 5, 5], jnp.int32)
+    positions = jnp.array([4, 4, 5, 4], jnp.int32)
+    out = sampler.sample(jnp.broadcast_to(jnp.asarray(LOGITS), (rows, VOCAB)), **params,
+                         seeds=jnp.zeros((rows, 2), jnp.uint32), positions=positions,
+                         output_counts=jnp.zeros((rows, VOCAB), jnp.int32),
+                         prompt_mask=jnp.zeros((rows, VOCAB), bool), draws=True)
+    assert np.asarray(out.tokens).tolist() == [1, 2, 0, 0]  # held; both held; from stops_from on; nothing held
+    raw = LOGITS - np.log(np.exp(LOGITS).sum())
+    np.testing.assert_allclose(np.asarray(out.logprobs), raw[[1, 2, 0, 0]], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.top_ids)[:, 0], [0] * rows)  # the raw top token still reported

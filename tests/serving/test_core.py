@@ -93,3 +93,18 @@ def test_prefix_cache_hits_give_the_misses_outputs_and_compute_less(llm):
     queries = sum(len(p) for p in prompts)
     assert hits >= 3 * 8 * 2 + 2 * 8 and hits < queries  # the stem's blocks twice, stem[:16] once; never everything
     assert cached.num_free_pages == cached.engine_config.num_pages and cached.core.scheduler.allocator.num_cached > 0
+
+
+def test_min_tokens_holds_stop_tokens_back_on_the_device(llm):
+    """vLLM's min_tokens: a greedy request whose third choice would be its stop token samples the next best token
+    instead until min_tokens tokens are out (EOS is held back the same way: `metadata.build_sampling_metadata`)."""
+    prompt = PROMPTS[0]
+    plain = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    stop = plain[2]  # the token greedy decoding reaches at its third step: make it the stop token
+    held = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop], min_tokens=4))[0].outputs[0]
+    assert held.token_ids[:2] == plain[:2] and stop not in held.token_ids[:4]
+    with pytest.raises(ValueError, match="holds back at most"):
+        llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+            max_tokens=4, min_tokens=1, stop_token_ids=list(range(100, 120))))

@@ -127,9 +127,9 @@ def test_generate_command_with_a_hf_directory_and_the_tiny_preset(checkpoint, ca
 
 def test_runner_rejects_bad_pages_and_mismatched_rows(llm):
     runner, pages = llm.runner, llm.runner.engine.num_pages
-    with pytest.raises(ValueError, match="page ids"):
+    with pytest.raises(ValueError, match=f"pages past the pool's {pages}"):
         runner.prefill([[1, 2, 3]], [[pages]])
-    with pytest.raises(ValueError, match="page ids"):
+    with pytest.raises(ValueError, match="its block table has 0 page ids"):
         runner.prefill([[1, 2, 3]], [[]])
     with pytest.raises(ValueError, match="must match"):
         runner.decode([1, 2], [3], [[0]])
