@@ -165,16 +165,26 @@ def test_stop_strings_stop_reason_and_include_stop_str_in_output(client):
     assert "".join(c.choices[0].text for c in streamed) == choice.text + stop
 
 
-def test_min_tokens_holds_every_stop_until_past_it(client):
-    """Every token a stop token id: without min_tokens the first one stops; with min_tokens 4 the fifth does."""
-    every_id = dict(stop_token_ids=list(range(512)))
-    plain = completion_tokens(client, prompt="abc", max_tokens=12, extra_body=every_id)
-    assert plain.usage.completion_tokens == 1 and plain.choices[0].finish_reason == "stop"
-    assert plain.choices[0].model_extra["stop_reason"] in every_id["stop_token_ids"]
-    held = completion_tokens(client, prompt="abc", max_tokens=12, extra_body=every_id | {"min_tokens": 4})
-    assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"
+def test_min_tokens_holds_stop_tokens_back_until_past_it(server, client):
+    """vLLM's min_tokens: the token greedy decoding gives third, made a stop token id, ends a plain request there,
+    and is not sampled among the first 4 tokens of one with min_tokens 4 (the device holds it back)."""
+    tokens = server.tokens.encode("abc", add_special_tokens=False)
+    plain = completion_tokens(client, prompt=tokens, max_tokens=8, logprobs=0, extra_body={"ignore_eos": True})
+    third = plain.choices[0].logprobs.tokens[2]
+    stop_id = server.tokens.encode(third, add_special_tokens=False)[0] if not third.startswith("bytes:") else \
+        int(third[len("bytes:\\x"):], 16) + server.engine.tokenizer.offset
+    stopped = completion_tokens(client, prompt=tokens, max_tokens=8,
+                                extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    assert stopped.usage.completion_tokens == 3 and stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].model_extra["stop_reason"] == stop_id
+    held = completion_tokens(client, prompt=tokens, max_tokens=8, logprobs=0,
+                             extra_body={"ignore_eos": True, "stop_token_ids": [stop_id], "min_tokens": 4})
+    assert held.usage.completion_tokens > 4 and third not in held.choices[0].logprobs.tokens[:4]
     with pytest.raises(openai.BadRequestError, match="min_tokens"):
         completion_tokens(client, prompt="abc", max_tokens=3, extra_body={"min_tokens": 4})
+    with pytest.raises(openai.BadRequestError, match="holds back at most"):
+        completion_tokens(client, prompt="abc", max_tokens=8, extra_body={"min_tokens": 1,
+                                                                        "stop_token_ids": list(range(100, 120))})
 
 
 def test_chat_defaults_to_the_rest_of_the_context_and_takes_every_role(server, client):
