@@ -1,4 +1,5 @@
-"""The `dcp-jax` command: demo, generate, serve, and the benchmarks of the source checkout (`bench`)."""
+"""The `dcp-jax` command: demo, generate, serve, plan (the memory plan) and the benchmarks of the source checkout
+(`bench`)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import runpy
 import sys
 
 from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPE_CHOICES, INDEX_CACHE_FORMATS,
-                            INDEX_CACHE_HELP, KERNEL_CHOICES, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP)
+                            INDEX_CACHE_HELP, KERNEL_CHOICES, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP,
+                            WEIGHT_FORMATS)
 from dcp_jax.serving.loading import use_cpu_devices
 
 DTYPE_HELP = "weights, activations and exact caches: auto (the checkpoint's; bfloat16 for presets)"
 BATCHED_TOKENS_HELP = "rows of one step at most: its decode rows and prefill-chunk tokens (long prompts run in chunks)"
 PREFIX_CACHING_HELP = "reuse the KV pages of full virtual blocks a prompt shares with earlier requests"
 GPU_MEMORY_HELP = "share of each GPU's memory for weights, workspace and the KV pool (the pool takes the rest)"
+
+H200_MEMORY_GIB = 143771 / 1024  # 143,771 MiB
 
 # The benchmarks live beside the package in a source checkout: bench/bench_<name>.py, each with main(argv).
 BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "bench"
@@ -227,6 +231,34 @@ def bench(args: argparse.Namespace) -> int:
     return runpy.run_path(str(script), run_name="dcp_jax_bench")["main"](args.args)
 
 
+def plan(args: argparse.Namespace) -> int:
+    """Print the memory plan (`model/memory_plan.py`) of a preset or a checkpoint's config on a mesh."""
+    from dcp_jax.config import PRESETS, ModelConfig, ParallelConfig, preset, resolve_dtype
+    from dcp_jax.model.memory_plan import format_plan, make_plan
+    from dcp_jax.model.weights import fp8_block_size
+
+    is_dir = os.path.isdir(args.model)
+    if not is_dir and args.model not in PRESETS:
+        print(f"dcp-jax plan: model {args.model!r} is neither a directory nor a preset {sorted(PRESETS)}",
+              file=sys.stderr)
+        return 2
+    try:
+        cfg = ModelConfig.from_hf(args.model) if is_dir else preset(args.model)
+        weight_format = args.weight_format
+        if weight_format == "auto":
+            weight_format = "fp8" if is_dir and fp8_block_size(args.model) else "model_dtype"
+        parallel = ParallelConfig(tp=args.dcp if args.tp is None else args.tp, dcp=args.dcp)
+        result = make_plan(cfg, parallel, dtype=resolve_dtype(args.dtype, cfg), weight_format=weight_format,
+                           device_bytes=int(args.device_memory_gib * 2**30),
+                           gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size,
+                           max_num_seqs=args.max_num_seqs)
+    except ValueError as e:
+        print(f"dcp-jax plan: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(result, os.path.basename(os.path.normpath(args.model))))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-jax", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -272,6 +304,19 @@ def main(argv: list[str] | None = None) -> int:
     s = commands.add_parser("serve", help="OpenAI-compatible server (default: the embedded tiny model)")
     add_serve_arguments(s)
     s.set_defaults(run=serve)
+    m = commands.add_parser("plan", help="memory plan: weight bytes per rank, KV bytes per token, tokens that fit")
+    m.add_argument("--model", default="deepseek-v3.2", help="preset name or HF directory (its config.json)")
+    m.add_argument("--dcp", type=int, default=1, help="DCP size W")
+    m.add_argument("--tp", type=int, default=None, help="TP ranks (default: dcp)")
+    m.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    m.add_argument("--weight-format", choices=("auto",) + WEIGHT_FORMATS, default="auto",
+                   help="auto: the checkpoint's (fp8 for a block-fp8 checkpoint; the model dtype for presets)")
+    m.add_argument("--device-memory-gib", type=float, default=H200_MEMORY_GIB,
+                   help="memory of one device (default: an H200's, as nvidia-smi reports it)")
+    m.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=GPU_MEMORY_HELP)
+    m.add_argument("--page-size", type=int, default=64)
+    m.add_argument("--max-num-seqs", type=int, default=256)
+    m.set_defaults(run=plan)
     b = commands.add_parser("bench", help="a benchmark of bench/ (source checkout): dcp-jax bench decode --help",
                             add_help=False)
     b.add_argument("name", help="decode: the sharded decode step over DCP sizes x contexts x batches")

@@ -267,6 +267,10 @@ def resolve_dtype(dtype: str, cfg: ModelConfig) -> str:
     return "float32" if cfg.torch_dtype == "float32" else "bfloat16"
 
 
+# Formats of the weights: the model dtype, or DeepSeek's block fp8 (the linear layers' weights in e4m3 with one f32
+# scale per 128 x 128 block; embeddings, norms, the router and lm_head in the model dtype).
+WEIGHT_FORMATS = ("model_dtype", "fp8")
+
 # Which kernels the attention layers run: auto (Pallas on a GPU, the pure-jnp references elsewhere), pallas (the
 # Pallas kernels; interpreted on CPU) or reference.
 KERNEL_CHOICES = ("auto", "pallas", "reference")

@@ -13,6 +13,8 @@ from dcp_jax.host.layout import DcpLayout
 from dcp_jax.serving.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
+# JAX's GPU allocator takes this share of each GPU's memory (its default when unset).
+MEM_FRACTION, DEFAULT_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75
 
 
 def use_cpu_devices(count: int) -> None:
@@ -62,31 +64,36 @@ def resolve_max_model_len(cfg: ModelConfig, layout: DcpLayout, max_model_len: in
     return max_model_len
 
 
+def device_budget(stats: dict, gpu_memory_utilization: float) -> float:
+    """Bytes of a GPU that gpu_memory_utilization (of its whole memory, vLLM's meaning) leaves after what is in use.
+    JAX's allocator limit (`bytes_limit`) is XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of the memory;
+    `load_model` sets that fraction to gpu_memory_utilization when the user has not."""
+    fraction = float(os.environ.get(MEM_FRACTION, DEFAULT_MEM_FRACTION))
+    total = stats["bytes_limit"] / fraction
+    return min(stats["bytes_limit"], gpu_memory_utilization * total) - stats.get("bytes_in_use", 0)
+
+
 def pool_pages_from_memory(cfg: ModelConfig, layout: DcpLayout, *, dtype: str, index_cache: str, latent_cache: str,
                            gpu_memory_utilization: float, max_num_seqs: int) -> int | None:
-    """KV pages that fit a device's memory after what is in use (the placed weights): gpu_memory_utilization of its
-    bytes_limit, less a reserve of a tenth for the compiled programs' workspace and the sampler state, and room for
-    one layer's pools besides (on the H200 the prefill program allocated a buffer of one layer's latent pool: seen
-    2026-12-01, cause open, docs/performance.md). None when the device reports no memory statistics (CPU)."""
+    """KV pages that fit a device's memory after what is in use (the placed weights), by the memory plan's
+    arithmetic (`memory_plan.pool_pages`). None when the device reports no memory statistics (CPU)."""
     import jax
     import numpy as np
 
-    from dcp_jax.model.attention.cache_formats import index_key_bytes, latent_bytes
+    from dcp_jax.model.memory_plan import kv_bytes_per_token, pool_pages
 
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return None
-    budget = stats["bytes_limit"] * gpu_memory_utilization - stats.get("bytes_in_use", 0)
-    sampler_bytes = (max_num_seqs + 1) * cfg.vocab_size * 5  # int32 counts + bool prompt mask per slot
-    free = 0.9 * budget - sampler_bytes
+    budget = device_budget(stats, gpu_memory_utilization)
     itemsize = np.dtype(dtype).itemsize
-    per_token = cfg.num_hidden_layers * (latent_bytes(latent_cache, cfg, itemsize)
-                                         + index_key_bytes(index_cache, cfg.index_head_dim, itemsize))
-    layers = cfg.num_hidden_layers
-    pages = int(free * layers / (layers + 1) // (per_token * layout.page_size))
+    pages = pool_pages(budget, cfg, page_size=layout.page_size, latent_cache=latent_cache, index_cache=index_cache,
+                       itemsize=itemsize, max_num_seqs=max_num_seqs)
     if pages < 1:
         raise ValueError(f"no KV page fits: {budget / 2**30:.1f} GiB left at gpu_memory_utilization="
                          f"{gpu_memory_utilization} after the weights")
+    per_token = sum(kv_bytes_per_token(cfg, latent_cache=latent_cache, index_cache=index_cache,
+                                       itemsize=itemsize).values())
     log.info("KV pool from memory: %d pages = %d tokens over dcp=%d (%.1f GiB per rank)", pages,
              pages * layout.tokens_per_block, layout.dcp_size, pages * layout.page_size * per_token / 2**30)
     return pages
@@ -129,6 +136,10 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
         resolve_max_model_len(cfg, layout, max_model_len, num_pages)  # refuse a bad length before any load
     use_cpu_devices(parallel.tp)
     import jax
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():  # the allocator reads its share when the backend starts
+        os.environ.setdefault(MEM_FRACTION, str(gpu_memory_utilization))
     import jax.numpy as jnp
     from flax import nnx
 

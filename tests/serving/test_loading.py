@@ -75,22 +75,27 @@ class _FakeDevice:
 
 
 def test_the_pool_takes_what_the_memory_leaves(monkeypatch):
-    """bytes_limit x utilization, less what is in use (the weights), a tenth for the workspace and the sampler
-    state and one layer's pools, in pages of this model's per-token bytes; none on a device without memory
-    statistics."""
+    """gpu_memory_utilization of the whole memory (bytes_limit over JAX's allocator share), at most bytes_limit,
+    less what is in use (the weights), a tenth for the workspace and the sampler state and one layer's pools, in
+    pages of this model's per-token bytes; none on a device without memory statistics."""
     import jax
 
-    from dcp_jax.serving.loading import pool_pages_from_memory
+    from dcp_jax.serving.loading import MEM_FRACTION, pool_pages_from_memory
 
     kw = dict(dtype="bfloat16", index_cache="exact", latent_cache="exact", max_num_seqs=4)
     per_token = TINY.num_hidden_layers * (TINY.latent_dim + TINY.index_head_dim) * 2  # bf16
     monkeypatch.setattr(jax, "devices", lambda *a: [_FakeDevice(limit=2**30, in_use=2**28)])
-    pages = pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.5, **kw)
-    budget = 0.5 * 2**30 - 2**28
-    free = 0.9 * budget - 5 * TINY.vocab_size * 5
+    monkeypatch.setenv(MEM_FRACTION, "0.75")  # the allocator holds 3/4 of a memory of 4/3 GiB
     layers = TINY.num_hidden_layers  # and one layer's pools besides the pool
-    assert pages == int(free * layers / (layers + 1) // (per_token * LAYOUT.page_size))
+
+    def expected_pages(budget):
+        free = 0.9 * budget - 5 * TINY.vocab_size * 5
+        return int(free * layers / (layers + 1) // (per_token * LAYOUT.page_size))
+
+    pages = pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.5, **kw)
+    assert pages == expected_pages(0.5 * 2**30 / 0.75 - 2**28)
+    assert pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.9, **kw) == expected_pages(2**30 - 2**28)
     with pytest.raises(ValueError, match="no KV page fits"):
-        pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.2, **kw)
+        pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.15, **kw)
     monkeypatch.setattr(jax, "devices", lambda *a: [type("Cpu", (), {"memory_stats": lambda self: None})()])
     assert pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.9, **kw) is None

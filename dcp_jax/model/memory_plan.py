@@ -1,0 +1,145 @@
+"""The memory plan of a model on a mesh: weight bytes per rank (in the weights' format), KV and index-key bytes per
+cached token in each cache format, and the KV pool that fits what is left of a device's memory. `dcp-jax plan`
+prints it; the engine sizes its pool at start-up with the same `pool_pages` (`serving/loading.py`).
+
+Arithmetic only, on the abstract model (nothing is allocated): runs on any machine, for any size of model.
+A DCP group of W ranks holds one copy of the KV, each rank 1/W of every request's tokens; the tp/W groups hold
+copies of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+from dcp_jax.config import WEIGHT_FORMATS, ModelConfig, ParallelConfig
+from dcp_jax.model.attention.cache_formats import index_key_bytes, latent_bytes
+
+FP8_BLOCK = 128
+# The leaves that DeepSeek's fp8 release stores in e4m3 (their HF tensors carry a weight_scale_inv).
+BLOCK_FP8_LEAVES = frozenset({
+    "wq_a", "wq_b", "wkv_a", "w_uk", "w_uv", "wo", "index_wq", "index_wk",  # attention and the indexer
+    "gate", "up", "down", "experts_gate", "experts_up", "experts_down",  # dense MLP, shared and routed experts
+})
+# What start-up keeps back from the pool: a tenth of the budget for the compiled programs' workspace, and one
+# layer's pools (on the H200 the prefill program allocated a buffer of one layer's latent pool: seen 2026-12-01,
+# cause open, docs/performance.md).
+WORKSPACE_FRACTION = 0.1
+
+
+def shards(spec, parallel: ParallelConfig) -> int:
+    """Ranks one copy of a leaf placed with PartitionSpec `spec` is split over on a (tp/dcp, dcp) mesh."""
+    from dcp_jax.model.mesh import DCP, DCP_GROUP
+
+    sizes = {DCP_GROUP: parallel.dcp_groups, DCP: parallel.dcp}
+    names = [n for entry in spec if entry is not None for n in (entry if isinstance(entry, tuple) else (entry,))]
+    return math.prod(sizes[n] for n in names)
+
+
+def leaf_bytes(name: str, shape: tuple[int, ...], itemsize: int, weight_format: str) -> float:
+    """Bytes of one weight leaf in `weight_format`: e4m3 plus an f32 scale per FP8_BLOCK^2 elements for the block
+    fp8 leaves (exact when the dims are multiples of the block, as DeepSeek-V3.2's nearly all are), else
+    `itemsize` per element."""
+    numel = math.prod(shape)
+    if weight_format == "fp8" and name in BLOCK_FP8_LEAVES:
+        return numel * (1 + 4 / FP8_BLOCK**2)
+    return numel * itemsize
+
+
+def weight_bytes_per_rank(abstract_params: dict, specs: dict, parallel: ParallelConfig, weight_format: str) -> int:
+    """Bytes of the weights one rank holds: each leaf of the abstract model (ShapeDtypeStructs) in `weight_format`
+    over the ranks its spec splits it across."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format={weight_format!r} must be one of {WEIGHT_FORMATS}")
+
+    def per_rank(path, leaf, spec):
+        name = getattr(path[-1], "key", "")
+        return leaf_bytes(name, leaf.shape, np.dtype(leaf.dtype).itemsize, weight_format) / shards(spec, parallel)
+
+    return int(sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(per_rank, abstract_params, specs))))
+
+
+def kv_bytes_per_token(cfg: ModelConfig, *, latent_cache: str, index_cache: str, itemsize: int) -> dict[str, int]:
+    """Bytes one cached token takes on the rank that holds it, all layers: its latent and its index key."""
+    layers = cfg.num_hidden_layers
+    return {"latent": layers * latent_bytes(latent_cache, cfg, itemsize),
+            "index_k": layers * index_key_bytes(index_cache, cfg.index_head_dim, itemsize)}
+
+
+def pool_pages(free_bytes: float, cfg: ModelConfig, *, page_size: int, latent_cache: str, index_cache: str,
+               itemsize: int, max_num_seqs: int) -> int:
+    """Pages (of `page_size` tokens per rank) of the KV pool that fit `free_bytes` of one rank's memory (what
+    gpu_memory_utilization leaves after the weights): less WORKSPACE_FRACTION, the sampler state and one layer's
+    pools besides. May be <= 0 (nothing fits)."""
+    sampler_bytes = (max_num_seqs + 1) * cfg.vocab_size * 5  # int32 counts + bool prompt mask per slot
+    free = (1 - WORKSPACE_FRACTION) * free_bytes - sampler_bytes
+    per_token = sum(kv_bytes_per_token(cfg, latent_cache=latent_cache, index_cache=index_cache,
+                                       itemsize=itemsize).values())
+    layers = cfg.num_hidden_layers
+    return int(free * layers / (layers + 1) // (per_token * page_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """One configuration's plan on devices of `device_bytes` each (bytes per rank unless named otherwise)."""
+
+    parallel: ParallelConfig
+    weight_format: str
+    weight_bytes: int
+    # (latent format, index format) -> bytes per cached token on its rank, all layers, latent and index key.
+    kv_bytes_per_token: dict[tuple[str, str], dict[str, int]]
+    device_bytes: int
+    gpu_memory_utilization: float
+    # (latent format, index format) -> tokens of context the pool holds (over a DCP group: W times one rank's).
+    pool_tokens: dict[tuple[str, str], int]
+
+
+CACHE_FORMAT_PAIRS = (("exact", "exact"), ("exact", "fp8"), ("fp8", "fp8"))
+
+
+def make_plan(cfg: ModelConfig, parallel: ParallelConfig, *, dtype: str, weight_format: str, device_bytes: int,
+              gpu_memory_utilization: float, page_size: int = 64, max_num_seqs: int = 256) -> MemoryPlan:
+    """The plan of `cfg` on `parallel` in model dtype `dtype` ('bfloat16' / 'float32') with weights in
+    `weight_format`, for devices of `device_bytes`; the pool at gpu_memory_utilization as the engine sizes it."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, param_specs
+
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+    check_divisible(cfg, parallel.tp)
+    abstract = nnx.to_pure_dict(abstract_model(cfg, jnp.dtype(dtype))[1])
+    weights = weight_bytes_per_rank(abstract, param_specs(abstract), parallel, weight_format)
+    itemsize = np.dtype(dtype).itemsize
+    per_token, tokens = {}, {}
+    for latent, index in CACHE_FORMAT_PAIRS:
+        if latent == "fp8" and cfg.kv_lora_rank % FP8_BLOCK:
+            continue
+        per_token[latent, index] = kv_bytes_per_token(cfg, latent_cache=latent, index_cache=index, itemsize=itemsize)
+        pages = pool_pages(device_bytes * gpu_memory_utilization - weights, cfg, page_size=page_size,
+                           latent_cache=latent, index_cache=index, itemsize=itemsize, max_num_seqs=max_num_seqs)
+        tokens[latent, index] = max(pages, 0) * page_size * parallel.dcp
+    return MemoryPlan(parallel, weight_format, weights, per_token, device_bytes, gpu_memory_utilization, tokens)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def format_plan(plan: MemoryPlan, name: str) -> str:
+    """The plan as the CLI prints it."""
+    p = plan.parallel
+    lines = [f"{name} on tp={p.tp} dcp={p.dcp}, weights in {plan.weight_format}",
+             f"  weights per rank: {_size(plan.weight_bytes)}",
+             f"  device memory: {_size(plan.device_bytes)} x gpu_memory_utilization {plan.gpu_memory_utilization}",
+             f"  {'latent/index cache':<20}{'B/token on its rank':>22}{'(latent + index)':>22}"
+             f"{'B/context token/rank':>22}{'context tokens fit':>20}"]
+    for (latent, index), sizes in plan.kv_bytes_per_token.items():
+        total = sum(sizes.values())
+        lines.append(f"  {latent + '/' + index:<20}{total:>22,}{f'({sizes['latent']:,} + {sizes['index_k']:,})':>22}"
+                     f"{total / p.dcp:>22,.0f}{plan.pool_tokens[latent, index]:>20,}")
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""The memory plan (`dcp_jax/model/memory_plan.py`, `dcp-jax plan`): its weight bytes per rank are what placing the
+weights puts on a device, its cache bytes what the pools hold, and the CLI prints it or refuses bad input."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dcp_jax import cli
+from dcp_jax.config import DEEPSEEK_V32, TINY, EngineConfig, ParallelConfig
+from dcp_jax.model.deepseek_v32 import abstract_model, init_params, param_specs
+from dcp_jax.model.kv_cache import allocate_kv_cache, kv_bytes_per_rank
+from dcp_jax.model.memory_plan import (BLOCK_FP8_LEAVES, kv_bytes_per_token, make_plan, pool_pages,
+                                       weight_bytes_per_rank)
+from dcp_jax.model.mesh import make_mesh, sharding
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2), (4, 2), (8, 4)])
+def test_weight_bytes_per_rank_are_those_placed_on_a_device(tp, dcp):
+    parallel = ParallelConfig(tp=tp, dcp=dcp)
+    mesh = make_mesh(parallel)
+    abstract = nnx.to_pure_dict(abstract_model(TINY, jnp.bfloat16)[1])
+    specs = param_specs(abstract)
+    placed = jax.device_put(init_params(TINY, 0, jnp.bfloat16), jax.tree.map(lambda s: sharding(mesh, s), specs))
+    on_device_0 = sum(shard.data.nbytes for leaf in jax.tree.leaves(placed) for shard in leaf.addressable_shards
+                      if shard.device == mesh.devices.flat[0])
+    assert weight_bytes_per_rank(abstract, specs, parallel, "model_dtype") == on_device_0
+
+
+def test_fp8_weights_take_a_byte_and_a_scale_per_block_for_the_linear_layers_only():
+    abstract = nnx.to_pure_dict(abstract_model(TINY, jnp.bfloat16)[1])
+    specs = param_specs(abstract)
+    one = ParallelConfig()
+    fp8 = weight_bytes_per_rank(abstract, specs, one, "fp8")
+    leaves = jax.tree_util.tree_leaves_with_path(abstract)
+    linear = sum(np.prod(leaf.shape) for path, leaf in leaves if path[-1].key in BLOCK_FP8_LEAVES)
+    rest = sum(leaf.size * leaf.dtype.itemsize for path, leaf in leaves if path[-1].key not in BLOCK_FP8_LEAVES)
+    assert fp8 == int(linear * (1 + 4 / 128**2) + rest)
+    assert {"lm_head", "embed", "router", "index_weights"}.isdisjoint(BLOCK_FP8_LEAVES)
+    with pytest.raises(ValueError, match="weight_format"):
+        weight_bytes_per_rank(abstract, specs, one, "int4")
+
+
+@pytest.mark.parametrize("latent,index", [("exact", "exact"), ("fp8", "fp8")])
+def test_bytes_per_token_are_the_pools_bytes(latent, index):
+    parallel = ParallelConfig(tp=2, dcp=2)
+    engine = EngineConfig(page_size=4, num_pages=8, latent_cache=latent, index_cache=index)
+    pools = kv_bytes_per_rank(allocate_kv_cache(TINY, engine, 2, make_mesh(parallel), jnp.bfloat16))
+    per_token = kv_bytes_per_token(TINY, latent_cache=latent, index_cache=index, itemsize=2)
+    tokens_per_rank = engine.num_pages * engine.page_size
+    assert {"latent": pools["latent"] // tokens_per_rank, "index_k": pools["index_k"] // tokens_per_rank} == per_token
+
+
+def test_pool_pages_leave_the_workspace_the_sampler_and_a_layer_free():
+    cfg = dataclasses.replace(TINY, num_hidden_layers=4)
+    per_token = sum(kv_bytes_per_token(cfg, latent_cache="exact", index_cache="exact", itemsize=2).values())
+    free = 10 * 2**20
+    pages = pool_pages(free, cfg, page_size=16, latent_cache="exact", index_cache="exact", itemsize=2,
+                       max_num_seqs=8)
+    sampler = 9 * cfg.vocab_size * 5
+    assert pages == int((0.9 * free - sampler) * 4 / 5 // (per_token * 16))
+    assert pool_pages(1000, cfg, page_size=16, latent_cache="exact", index_cache="exact", itemsize=2,
+                      max_num_seqs=8) <= 0
+
+
+def test_deepseek_v32_in_fp8_on_eight_h200s_at_dcp_8():
+    """The plan docs/performance.md records: fp8 weights fit with millions of tokens of context left."""
+    plan = make_plan(DEEPSEEK_V32, ParallelConfig(tp=8, dcp=8), dtype="bfloat16", weight_format="fp8",
+                     device_bytes=143771 * 2**20, gpu_memory_utilization=0.9)
+    assert 80 * 2**30 < plan.weight_bytes < 86 * 2**30  # 671B parameters in e4m3 over 8, embeddings in bf16
+    assert plan.kv_bytes_per_token["fp8", "fp8"] == {"latent": 61 * 656, "index_k": 61 * 132}
+    assert plan.pool_tokens["fp8", "fp8"] > 6_000_000
+    bf16 = make_plan(DEEPSEEK_V32, ParallelConfig(tp=8, dcp=8), dtype="bfloat16", weight_format="model_dtype",
+                     device_bytes=143771 * 2**20, gpu_memory_utilization=0.9)
+    assert bf16.weight_bytes > 150 * 2**30 and set(bf16.pool_tokens.values()) == {0}  # bf16 does not fit
+
+
+def test_plan_command_prints_the_plan_and_refuses_bad_input(capsys):
+    assert cli.main(["plan", "--model", "deepseek-v3.2", "--tp", "8", "--dcp", "8", "--weight-format", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "weights per rank: 83." in out and "fp8/fp8" in out
+    assert cli.main(["plan", "--model", "nope"]) == 2
+    assert "neither a directory nor a preset" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "tiny", "--tp", "3", "--dcp", "3"]) == 2
+    assert "tp=3 must divide" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "tiny", "--gpu-memory-utilization", "1.5"]) == 2
