@@ -10,8 +10,9 @@ with w_uv applied C -> V (`projections.output_projection`); embed is [A, D]. The
 other weight has the model's dtype.
 The attention module holds exactly the fields of `AttentionParams`, so the shared projections, the sparse DCP
 attention layer and the kernels read it unchanged. The modules run inside `shard_map` (`runtime/forward.py`):
-attention heads, the MLP width and the routed experts are split over every TP
-rank (partial sums meet in one psum per block); embeddings, norms, the router and lm_head are replicated.
+attention heads, the MLP widths and the routed experts (along F, or along X with expert parallelism: `moe.py`)
+are split over every TP rank (partial sums meet in one psum per block); embeddings, norms, the router and lm_head
+are replicated.
 GLM-5 shares this architecture (a preset of `config.py`); a model of another structure gets a sibling file.
 
 Letters: R rows, T tokens of a row, D hidden, Q q_lora, H heads (local h), N nope, E rope, V v dim, C kv_lora
@@ -34,7 +35,7 @@ from dcp_jax.model.attention.params import AttentionParams, init_attention_param
 from dcp_jax.model.attention.projections import rms_norm
 from dcp_jax.model.mesh import HEADS
 from dcp_jax.model.mlp import MLP, dense_param
-from dcp_jax.model.moe import MoE
+from dcp_jax.model.moe import MoE, expert_specs
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -106,39 +107,42 @@ class DeepseekV32(nnx.Module):
 
 # Attention fields split over heads (every TP rank), from `attention/params.py`.
 _HEAD_SPECS = {f.name: getattr(partition_specs(), f.name) for f in dataclasses.fields(AttentionParams)}
-# MLP / shared-expert width and routed experts split over every TP rank.
-_FEED_FORWARD_SPECS = {
-    "gate": P(None, HEADS), "up": P(None, HEADS), "down": P(HEADS, None),
-    "experts_gate": P(HEADS, None, None), "experts_up": P(HEADS, None, None), "experts_down": P(HEADS, None, None),
-}
+# MLP and shared-expert widths split over every TP rank.
+_MLP_SPECS = {"gate": P(None, HEADS), "up": P(None, HEADS), "down": P(HEADS, None)}
 
 
-def param_specs(params: dict) -> dict:
+def param_specs(params: dict, *, expert_parallel: bool) -> dict:
     """PartitionSpecs for the pure-dict state of `DeepseekV32`: attention heads, MLP widths and routed experts
-    split over every TP rank; the rest replicated."""
+    (along X when `expert_parallel`, else along F: `moe.expert_specs`) split over every TP rank; the rest
+    replicated."""
+    feed_forward = _MLP_SPECS | expert_specs(expert_parallel)
 
     def spec(path, _):
         names = [getattr(k, "key", None) for k in path]
         if "attention" in names:
             return _HEAD_SPECS[names[-1]]
         if "mlp" in names:
-            return _FEED_FORWARD_SPECS.get(names[-1], P())
+            return feed_forward.get(names[-1], P())
         return P()
 
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def check_divisible(cfg: ModelConfig, tp: int) -> None:
-    """Raise ValueError unless every dimension split over the `tp` ranks divides evenly."""
+def check_divisible(cfg: ModelConfig, tp: int, *, expert_parallel: bool) -> None:
+    """Raise ValueError unless every dimension split over the `tp` ranks divides evenly: the routed experts'
+    count X with `expert_parallel`, else their width F."""
+    routed = ({"n_routed_experts": cfg.n_routed_experts} if expert_parallel
+              else {"moe_intermediate_size": cfg.moe_intermediate_size})
     split = {
         "num_attention_heads": cfg.num_attention_heads,
         "intermediate_size": cfg.intermediate_size,
-        "n_routed_experts": cfg.n_routed_experts,
+        **(routed if cfg.n_routed_experts else {}),
         "moe_intermediate_size * n_shared_experts": cfg.moe_intermediate_size * cfg.n_shared_experts,
     }
     bad = {name: size for name, size in split.items() if size % tp}
     if bad:
-        raise ValueError(f"tp={tp} must divide {bad}")
+        mode = "with" if expert_parallel else "without"
+        raise ValueError(f"tp={tp} must divide {bad} ({mode} expert parallelism)")
 
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.float32):

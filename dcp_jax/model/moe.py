@@ -12,9 +12,14 @@ group sizes are traced counts. `dense_experts` is the reference: every expert on
 
 Parallelism, inside shard_map over the TP ranks (`mesh.HEADS`). The hidden state is replicated on every rank (the
 attention block ends in a psum), so each rank routes every row itself: the dispatch is a local selection, and the
-combine is the one psum over HEADS that also sums the shared experts' partial outputs (no all-to-all). Each rank
-holds X/tp whole experts (rank r the ids from r * X/tp) and runs only the assignments routed to them; the others
-sort past its last expert, outside every group, and contribute nothing. The shared experts are an MLP split over F.
+combine is the one psum over HEADS that also sums the shared experts' partial outputs (no all-to-all). The
+routed experts are split as vLLM splits them:
+- tensor parallel (the default): each rank holds every expert's slice of the width F (experts_gate / experts_up
+  [X, D, F/tp], experts_down [X, F/tp, D]) and runs every assignment on it;
+- expert parallel (`ParallelConfig.enable_expert_parallel`): each rank holds X/tp whole experts (rank r the ids
+  from r * X/tp) and runs only the assignments routed to them; the others sort past its last expert, outside every
+  group, and contribute nothing.
+A rank reads which from its shard (`MoE.first_expert`). The shared experts are an MLP split over F either way.
 On CPU XLA expands a ragged_dot into a masked dense product: the tests check values; `bench/bench_moe.py` times it.
 
 Letters: R rows, D hidden, X experts (x a rank's), F expert width, k experts per row, A = R * k assignments.
@@ -25,6 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from dcp_jax.config import ModelConfig
 from dcp_jax.model.mesh import HEADS
@@ -32,6 +38,15 @@ from dcp_jax.model.mlp import MLP, dense_param
 
 HIGHEST = jax.lax.Precision.HIGHEST
 NEG_INF = float("-inf")
+
+
+def expert_specs(expert_parallel: bool) -> dict[str, P]:
+    """The routed experts' PartitionSpecs: split over every TP rank along X (expert parallel), else along F."""
+    if expert_parallel:
+        return {"experts_gate": P(HEADS, None, None), "experts_up": P(HEADS, None, None),
+                "experts_down": P(HEADS, None, None)}
+    return {"experts_gate": P(None, None, HEADS), "experts_up": P(None, None, HEADS),
+            "experts_down": P(None, HEADS, None)}
 
 
 def route(x, router, router_bias, cfg: ModelConfig):
@@ -92,8 +107,8 @@ def dense_experts(x, experts, weights, gate, up, down, *, first_expert):
 
 
 class MoE(nnx.Module):
-    """DeepSeek MoE: the router (f32, replicated), the routed experts (split along X), the shared experts (an MLP
-    of width moe_intermediate_size * n_shared_experts, split over F)."""
+    """DeepSeek MoE: the router (f32, replicated), the routed experts (split by `expert_specs`), the shared
+    experts (an MLP of width moe_intermediate_size * n_shared_experts, split over F)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         d, x, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -110,7 +125,8 @@ class MoE(nnx.Module):
         return route(x, self.router[...], self.router_bias[...], self.cfg)
 
     def first_expert(self):
-        """The id of this rank's first expert: rank * x when its shard holds x < X experts, else 0."""
+        """The id of this rank's first expert: rank * x when its shard holds x < X whole experts (expert
+        parallel), else 0 (every expert, a slice of F)."""
         local_experts = self.experts_gate.shape[0]
         if local_experts == self.cfg.n_routed_experts:
             return 0

@@ -1,6 +1,7 @@
 """The MoE (`dcp_jax/model/moe.py`): the grouped experts equal the dense reference (f32 and bf16, balanced and
 unbalanced routing, experts given no row, 1 and odd row counts); the rank shares of both splits (whole experts,
-slices of the width) sum to the whole."""
+slices of the width) sum to the whole; the whole model with expert parallelism equals it without, and the
+single-device model, at tp 2, 4, 8 and dcp 1, 2."""
 
 import functools
 
@@ -10,8 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dcp_jax.config import TINY
+from dcp_jax.config import TINY, EngineConfig, ParallelConfig
 from dcp_jax.model import moe
+from dcp_jax.model.deepseek_v32 import init_params
+from dcp_jax.model.mesh import make_mesh
+from dcp_jax.runtime.runner import ModelRunner
 
 X = TINY.n_routed_experts  # 8 experts, 2 per row, in 2 groups of 4 (one kept per row)
 
@@ -94,3 +98,32 @@ def test_grouped_experts_multiply_through_ragged_dots_only():
     jaxpr = str(jax.make_jaxpr(functools.partial(moe.grouped_experts, first_expert=0))(*inputs(4, jnp.float32)))
     assert jaxpr.count("ragged_dot_general") == 3
     assert "dot_general" not in jaxpr.replace("ragged_dot_general", "")
+
+
+# ---- the whole model -----------------------------------------------------------------------------------------------
+
+ENGINE = EngineConfig(page_size=4, num_pages=32, max_num_seqs=2, max_model_len=32, bucket_ladder=(16,),
+                      max_num_batched_tokens=16)
+PROMPTS = [[5, 9, 17, 3, 88, 41, 7, 250, 13, 2, 64], [300, 12, 6, 77, 19, 1, 45]]
+
+
+@functools.cache
+def model_logits(tp: int, dcp: int, expert_parallel: bool) -> np.ndarray:
+    """Every position's logits of the two prompts (prefilled in one step each) through the tiny model of seed 0."""
+    parallel = ParallelConfig(tp=tp, dcp=dcp, enable_expert_parallel=expert_parallel)
+    mesh = make_mesh(parallel)
+    runner = ModelRunner(TINY, init_params(TINY, seed=0), parallel, ENGINE, mesh, "reference")
+    blocks = ENGINE.max_blocks_per_seq(dcp)
+    tables = [list(range(blocks)), list(range(blocks, 2 * blocks))]
+    logits, _, _ = runner.prefill(PROMPTS, tables, all_logits=True)
+    return logits
+
+
+@pytest.mark.parametrize("tp, dcp", [(2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (8, 2)])
+def test_model_with_expert_parallelism_equals_without_and_one_device(tp, dcp):
+    one_device = model_logits(1, 1, False)
+    with_ep, without = model_logits(tp, dcp, True), model_logits(tp, dcp, False)
+    valid = ~np.isnan(one_device)
+    assert valid.sum() == sum(map(len, PROMPTS)) * TINY.vocab_size
+    np.testing.assert_allclose(with_ep[valid], without[valid], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(with_ep[valid], one_device[valid], atol=1e-4, rtol=0)
