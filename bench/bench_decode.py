@@ -160,7 +160,7 @@ def variant_step(variant: str, cfg: ModelConfig, parallel: ParallelConfig, engin
     the device state donated, one program per bucket of `engine`); `details`: the detailed variant (logits and
     selected ids out) instead of the serving one."""
     layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
-    specs = param_specs(nnx.to_pure_dict(abstract))
+    specs = param_specs(nnx.to_pure_dict(abstract), expert_parallel=parallel.enable_expert_parallel)
     body = functools.partial(variant_body(variant), graphdef=graphdef, abstract=abstract, cfg=cfg, layout=layout,
                              backend=kernel_backend(kernels), variant=DETAILS if details else GREEDY)
     return StepProgram(body, mesh, buckets=engine.buckets, seqs_for=engine.seqs_for, layout=layout,
@@ -204,6 +204,7 @@ class Grid:
     index_cache: str = "exact"
     latent_cache: str = "exact"
     fallback: bool = True
+    expert_parallel: bool = False
     device_memory_gb: float | None = None
     seed: int = 0
 
@@ -353,7 +354,7 @@ def plan(grid: Grid) -> tuple[list[int], list[str]]:
             notes.append(f"dcp={w} skipped: {devices} device(s)")
             continue
         try:
-            check_divisible(cfg, w)
+            check_divisible(cfg, w, expert_parallel=grid.expert_parallel)
         except ValueError as error:
             notes.append(f"dcp={w} skipped: {error}")
             continue
@@ -426,7 +427,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
     rng = np.random.default_rng(grid.seed)
     for w in sizes:
         start = time.perf_counter()
-        parallel = ParallelConfig(tp=w, dcp=w, interleave=grid.interleave)
+        parallel = ParallelConfig(tp=w, dcp=w, interleave=grid.interleave, enable_expert_parallel=grid.expert_parallel)
         engine = grid.engine(w)
         mesh = make_mesh(parallel)
         max_blocks = engine.max_blocks_per_seq(w)
@@ -564,6 +565,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--breakdown-batches", type=lambda t: () if t == "none" else _ints(t),
                         default=d.breakdown_batches, help="batches that get the stage breakdown ('none': skip it)")
     parser.add_argument("--no-fallback", dest="fallback", action="store_false", help="skip the fallback variant")
+    parser.add_argument("--enable-expert-parallel", dest="expert_parallel", action="store_true",
+                        help="routed experts split whole over the ranks (default: along their width)")
     parser.add_argument("--steps", type=int, default=d.steps, help="timed steps per point")
     parser.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per point first")
     parser.add_argument("--page-size", type=int, default=d.page_size)
@@ -593,7 +596,7 @@ def grid_from_args(args: argparse.Namespace) -> Grid:
                 batches=args.batches, kernels=args.kernels, breakdown_batches=args.breakdown_batches,
                 steps=args.steps, warmup=args.warmup, page_size=args.page_size, interleave=args.interleave,
                 dtype=args.dtype, index_cache=args.index_cache, latent_cache=args.latent_cache, fallback=args.fallback,
-                device_memory_gb=args.device_memory_gb, seed=args.seed)
+                expert_parallel=args.expert_parallel, device_memory_gb=args.device_memory_gb, seed=args.seed)
 
 
 def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None) -> int:

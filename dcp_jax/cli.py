@@ -20,6 +20,8 @@ DTYPE_HELP = "weights, activations and exact caches: auto (the checkpoint's; bfl
 BATCHED_TOKENS_HELP = "rows of one step at most: its decode rows and prefill-chunk tokens (long prompts run in chunks)"
 PREFIX_CACHING_HELP = "reuse the KV pages of full virtual blocks a prompt shares with earlier requests"
 GPU_MEMORY_HELP = "share of each GPU's memory for weights, workspace and the KV pool (the pool takes the rest)"
+EXPERT_PARALLEL_HELP = ("split the routed experts whole over the tp ranks, each running only the tokens routed to "
+                        "its experts (default: every rank runs every expert on its slice of their width)")
 
 H200_MEMORY_GIB = 143771 / 1024  # 143,771 MiB
 
@@ -87,12 +89,14 @@ def generate(args: argparse.Namespace) -> int:
                   num_layers=args.num_layers, index_cache=args.index_cache, latent_cache=args.latent_cache,
                   dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=args.enable_prefix_caching)
+                  enable_prefix_caching=args.enable_prefix_caching,
+                  enable_expert_parallel=args.enable_expert_parallel)
         outputs = llm.generate(args.prompt, params, use_tqdm=True)
     except ValueError as e:
         print(f"dcp-jax generate: {e}", file=sys.stderr)
         return 2
-    print(f"model {args.model}: {llm.model_config.num_hidden_layers} layers {llm.dtype}, tp={tp} dcp={args.dcp} "
+    print(f"model {args.model}: {llm.model_config.num_hidden_layers} layers {llm.dtype}, tp={tp}"
+          f"{' (expert parallel)' if args.enable_expert_parallel else ''} dcp={args.dcp} "
           f"interleave={args.interleave}, {args.index_cache} index cache, {args.latent_cache} latent cache, "
           f"backend {llm.backend}")
     for out in outputs:
@@ -107,6 +111,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--num-layers", type=int, default=None, help="use only the first N decoder layers")
     s.add_argument("--dcp", type=int, default=2, help="DCP size W")
     s.add_argument("--tp", type=int, default=None, help="TP ranks (default: dcp)")
+    s.add_argument("--enable-expert-parallel", action="store_true", help=EXPERT_PARALLEL_HELP)
     s.add_argument("--interleave", type=int, default=1, help="interleave size S")
     s.add_argument("--devices", type=int, default=None, help="simulated CPU devices (default: tp)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
@@ -199,12 +204,14 @@ def serve(args: argparse.Namespace) -> int:
                       num_layers=args.num_layers, index_cache=args.index_cache, latent_cache=args.latent_cache,
                       dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
                       async_scheduling=args.async_scheduling, prompt_logprobs=not args.no_prompt_logprobs,
-                      compilation_cache_dir=args.compilation_cache_dir)
+                      compilation_cache_dir=args.compilation_cache_dir,
+                      enable_expert_parallel=args.enable_expert_parallel)
 
     def ready(engine):
         config = engine.engine_config
         print(f"dcp-jax serve: ready: model {server.serving.model_name} ({engine.model_config.num_hidden_layers} "
-              f"layers {engine.dtype}), tp={tp} dcp={args.dcp} interleave={args.interleave}, max_model_len "
+              f"layers {engine.dtype}), tp={tp}{' (expert parallel)' if args.enable_expert_parallel else ''} "
+              f"dcp={args.dcp} interleave={args.interleave}, max_model_len "
               f"{config.max_model_len}, buckets {config.buckets}, {engine.num_pages} KV pages ({args.index_cache} "
               f"index cache, {args.latent_cache} latent cache), backend {engine.backend}", flush=True)
 
@@ -247,7 +254,8 @@ def plan(args: argparse.Namespace) -> int:
         weight_format = args.weight_format
         if weight_format == "auto":
             weight_format = "fp8" if is_dir and fp8_block_size(args.model) else "model_dtype"
-        parallel = ParallelConfig(tp=args.dcp if args.tp is None else args.tp, dcp=args.dcp)
+        parallel = ParallelConfig(tp=args.dcp if args.tp is None else args.tp, dcp=args.dcp,
+                                  enable_expert_parallel=args.enable_expert_parallel)
         result = make_plan(cfg, parallel, dtype=resolve_dtype(args.dtype, cfg), weight_format=weight_format,
                            device_bytes=int(args.device_memory_gib * 2**30),
                            gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size,
@@ -259,7 +267,8 @@ def plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `dcp-jax` parser: every command, each with its `run` function as a default."""
     parser = argparse.ArgumentParser(prog="dcp-jax", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("demo", help="run the sharded sparse-attention stack on simulated devices and check it")
@@ -277,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--num-layers", type=int, default=None, help="use only the first N decoder layers")
     g.add_argument("--dcp", type=int, default=1, help="DCP size W")
     g.add_argument("--tp", type=int, default=None, help="TP ranks (default: dcp)")
+    g.add_argument("--enable-expert-parallel", action="store_true", help=EXPERT_PARALLEL_HELP)
     g.add_argument("--interleave", type=int, default=1, help="interleave size S")
     g.add_argument("--devices", type=int, default=None, help="simulated CPU devices (default: tp)")
     g.add_argument("--max-tokens", type=int, default=32)
@@ -308,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--model", default="deepseek-v3.2", help="preset name or HF directory (its config.json)")
     m.add_argument("--dcp", type=int, default=1, help="DCP size W")
     m.add_argument("--tp", type=int, default=None, help="TP ranks (default: dcp)")
+    m.add_argument("--enable-expert-parallel", action="store_true", help=EXPERT_PARALLEL_HELP)
     m.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     m.add_argument("--weight-format", choices=("auto",) + WEIGHT_FORMATS, default="auto",
                    help="auto: the checkpoint's (fp8 for a block-fp8 checkpoint; the model dtype for presets)")
@@ -322,7 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("name", help="decode: the sharded decode step over DCP sizes x contexts x batches")
     b.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     b.set_defaults(run=bench)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.run(args)
 
 

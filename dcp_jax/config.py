@@ -231,11 +231,14 @@ def preset(name: str, *, num_layers: int | None = None) -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """`tp` ranks in all; DCP groups of `dcp` consecutive ranks share one request's KV along tokens."""
+    """`tp` ranks in all; DCP groups of `dcp` consecutive ranks share one request's KV along tokens. The routed
+    experts are split over the tp ranks along their width F, or, with `enable_expert_parallel` (vLLM's name), whole
+    experts over the ranks (`model/moe.py`)."""
 
     tp: int = 1
     dcp: int = 1
     interleave: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self):
         if self.dcp < 1 or self.tp < 1:

@@ -153,6 +153,28 @@ def test_serve_help_imports_no_benchmark_and_no_jax():
     assert "--max-model-len" in done.stdout
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_enable_expert_parallel_parses_on_generate_and_serve(command):
+    parser = cli.build_parser()
+    assert parser.parse_args(command).enable_expert_parallel is False
+    assert parser.parse_args(command + ["--tp", "4", "--enable-expert-parallel"]).enable_expert_parallel is True
+
+
+def test_generate_passes_enable_expert_parallel_to_the_llm(monkeypatch, capsys):
+    import dcp_jax.serving.llm
+
+    seen = {}
+
+    def refuse(*args, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(dcp_jax.serving.llm, "LLM", refuse)
+    assert cli.main(["generate", "--prompt", "hi", "--tp", "4", "--enable-expert-parallel"]) == 2
+    assert seen["enable_expert_parallel"] is True and seen["tp"] == 4
+    assert "stop here" in capsys.readouterr().err
+
+
 def test_bench_names_what_it_has(capsys):
     assert cli.main(["bench", "nope"]) == 2
     err = capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""DeepSeek-V3.2 in flax nnx: embeddings, MLA + lightning indexer, dense MLP, DeepSeek MoE, final norm, lm_head.
+"""DeepSeek-V3.2 in flax nnx: embeddings, MLA + lightning indexer, dense MLP (`mlp.py`), DeepSeek MoE (`moe.py`),
+final norm, lm_head.
 
 Layouts (HF stores linear weights `[out, in]`; `weights.py` converts): projections applied as `x @ W` are stored
 `[in, out...]` (wq_a [D, Q], wq_b [Q, H, N+E], wkv_a [D, C+E], wo [H, V, D], index_wq [Q, I, J], index_wk [D, J],
@@ -9,8 +10,9 @@ with w_uv applied C -> V (`projections.output_projection`); embed is [A, D]. The
 other weight has the model's dtype.
 The attention module holds exactly the fields of `AttentionParams`, so the shared projections, the sparse DCP
 attention layer and the kernels read it unchanged. The modules run inside `shard_map` (`runtime/forward.py`):
-attention heads, the MLP width and the routed experts are split over every TP
-rank (partial sums meet in one psum per block); embeddings, norms, the router and lm_head are replicated.
+attention heads, the MLP widths and the routed experts (along F, or along X with expert parallelism: `moe.py`)
+are split over every TP rank (partial sums meet in one psum per block); embeddings, norms, the router and lm_head
+are replicated.
 GLM-5 shares this architecture (a preset of `config.py`); a model of another structure gets a sibling file.
 
 Letters: R rows, T tokens of a row, D hidden, Q q_lora, H heads (local h), N nope, E rope, V v dim, C kv_lora
@@ -32,13 +34,10 @@ from dcp_jax.model.attention.sparse_dcp import sparse_dcp_attention
 from dcp_jax.model.attention.params import AttentionParams, init_attention_params, partition_specs
 from dcp_jax.model.attention.projections import rms_norm
 from dcp_jax.model.mesh import HEADS
+from dcp_jax.model.mlp import MLP, dense_param
+from dcp_jax.model.moe import MoE, expert_specs
 
 HIGHEST = jax.lax.Precision.HIGHEST
-NEG_INF = float("-inf")
-
-
-def _dense(rngs: nnx.Rngs, shape, fan_in: int, dtype):
-    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype))
 
 
 def _norm(rngs: nnx.Rngs, size: int, dtype):
@@ -64,72 +63,6 @@ class Attention(nnx.Module):
         index_cache, selected [R, K])."""
         return sparse_dcp_attention(self.params(), x, kv_cache, index_cache, rope, md, cfg=self.cfg, layout=layout,
                                     backend=backend)
-
-
-class MLP(nnx.Module):
-    """down(silu(gate x) * up x); also the shared experts (width moe_intermediate_size * n_shared_experts)."""
-
-    def __init__(self, hidden: int, width: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.gate = _dense(rngs, (hidden, width), hidden, dtype)
-        self.up = _dense(rngs, (hidden, width), hidden, dtype)
-        self.down = _dense(rngs, (width, hidden), width, dtype)
-
-    def partial(self, x):
-        """Per rank, width F split over TP ranks: x [..., D] -> this rank's share [..., D] of the output."""
-        gate = jnp.einsum("...d,df->...f", x, self.gate[...], precision=HIGHEST)
-        up = jnp.einsum("...d,df->...f", x, self.up[...], precision=HIGHEST)
-        return jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, self.down[...], precision=HIGHEST)
-
-    def __call__(self, x):
-        """Per rank: x [..., D] -> [..., D], summed over the TP ranks."""
-        return jax.lax.psum(self.partial(x), HEADS)
-
-
-class MoE(nnx.Module):
-    """DeepSeek MoE: sigmoid router with e_score_correction_bias, group-limited top-k, shared experts."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        d, x, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
-        self.cfg = cfg
-        self.router = _dense(rngs, (d, x), d, jnp.float32)
-        self.router_bias = nnx.Param(0.1 * jax.random.normal(rngs.params(), (x,), jnp.float32))
-        self.experts_gate = _dense(rngs, (x, d, f), d, dtype)
-        self.experts_up = _dense(rngs, (x, d, f), d, dtype)
-        self.experts_down = _dense(rngs, (x, f, d), f, dtype)
-        self.shared = MLP(d, f * cfg.n_shared_experts, rngs=rngs, dtype=dtype)
-
-    def route(self, x):
-        """x [R, D] -> dense combine weights [R, X] f32 (zero for experts a token does not use)."""
-        cfg = self.cfg
-        logits = jnp.einsum("rd,dx->rx", x.astype(jnp.float32), self.router[...], precision=HIGHEST)
-        scores = jax.nn.sigmoid(logits)
-        choice = scores + self.router_bias[...]
-        rows = x.shape[0]
-        grouped = choice.reshape(rows, cfg.n_group, -1)
-        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [R, groups]: sum of each group's top-2
-        _, kept_groups = jax.lax.top_k(group_scores, cfg.topk_group)
-        is_kept = jnp.zeros((rows, cfg.n_group), bool).at[jnp.arange(rows)[:, None], kept_groups].set(True)
-        masked = jnp.where(jnp.repeat(is_kept, grouped.shape[-1], axis=1), choice, NEG_INF)
-        _, experts = jax.lax.top_k(masked, cfg.num_experts_per_tok)  # [R, k]
-        weights = jnp.take_along_axis(scores, experts, axis=1)  # unbiased scores
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-        weights = weights * cfg.routed_scaling_factor
-        return jnp.zeros_like(scores).at[jnp.arange(rows)[:, None], experts].add(weights)
-
-    def __call__(self, x):
-        """Per rank, the X routed experts split over TP ranks: x [..., D] -> [..., D], summed over the ranks.
-        Each rank runs its experts densely on every token, weighted by the (replicated) router."""
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        local_experts = self.experts_gate.shape[0]
-        first = jax.lax.axis_index(HEADS) * local_experts
-        combine = jax.lax.dynamic_slice_in_dim(self.route(flat), first, local_experts, axis=1)  # [R, X/tp]
-        gate = jnp.einsum("rd,xdf->rxf", flat, self.experts_gate[...], precision=HIGHEST)
-        up = jnp.einsum("rd,xdf->rxf", flat, self.experts_up[...], precision=HIGHEST)
-        per_expert = jnp.einsum("rxf,xfd->rxd", jax.nn.silu(gate) * up, self.experts_down[...], precision=HIGHEST)
-        routed = jnp.einsum("rx,rxd->rd", combine.astype(per_expert.dtype), per_expert, precision=HIGHEST)
-        return jax.lax.psum(routed + self.shared.partial(flat), HEADS).reshape(shape)
 
 
 class DecoderLayer(nnx.Module):
@@ -161,7 +94,7 @@ class DeepseekV32(nnx.Module):
             [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_hidden_layers)]
         )
         self.final_norm = _norm(rngs, cfg.hidden_size, dtype)
-        self.lm_head = _dense(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.hidden_size, dtype)
+        self.lm_head = dense_param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.hidden_size, dtype)
 
     def embed_tokens(self, tokens):
         return jnp.take(self.embed[...], tokens, axis=0)
@@ -174,39 +107,42 @@ class DeepseekV32(nnx.Module):
 
 # Attention fields split over heads (every TP rank), from `attention/params.py`.
 _HEAD_SPECS = {f.name: getattr(partition_specs(), f.name) for f in dataclasses.fields(AttentionParams)}
-# MLP / shared-expert width and routed experts split over every TP rank.
-_FEED_FORWARD_SPECS = {
-    "gate": P(None, HEADS), "up": P(None, HEADS), "down": P(HEADS, None),
-    "experts_gate": P(HEADS, None, None), "experts_up": P(HEADS, None, None), "experts_down": P(HEADS, None, None),
-}
+# MLP and shared-expert widths split over every TP rank.
+_MLP_SPECS = {"gate": P(None, HEADS), "up": P(None, HEADS), "down": P(HEADS, None)}
 
 
-def param_specs(params: dict) -> dict:
+def param_specs(params: dict, *, expert_parallel: bool) -> dict:
     """PartitionSpecs for the pure-dict state of `DeepseekV32`: attention heads, MLP widths and routed experts
-    split over every TP rank; the rest replicated."""
+    (along X when `expert_parallel`, else along F: `moe.expert_specs`) split over every TP rank; the rest
+    replicated."""
+    feed_forward = _MLP_SPECS | expert_specs(expert_parallel)
 
     def spec(path, _):
         names = [getattr(k, "key", None) for k in path]
         if "attention" in names:
             return _HEAD_SPECS[names[-1]]
         if "mlp" in names:
-            return _FEED_FORWARD_SPECS.get(names[-1], P())
+            return feed_forward.get(names[-1], P())
         return P()
 
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def check_divisible(cfg: ModelConfig, tp: int) -> None:
-    """Raise ValueError unless every dimension split over the `tp` ranks divides evenly."""
+def check_divisible(cfg: ModelConfig, tp: int, *, expert_parallel: bool) -> None:
+    """Raise ValueError unless every dimension split over the `tp` ranks divides evenly: the routed experts'
+    count X with `expert_parallel`, else their width F."""
+    routed = ({"n_routed_experts": cfg.n_routed_experts} if expert_parallel
+              else {"moe_intermediate_size": cfg.moe_intermediate_size})
     split = {
         "num_attention_heads": cfg.num_attention_heads,
         "intermediate_size": cfg.intermediate_size,
-        "n_routed_experts": cfg.n_routed_experts,
+        **(routed if cfg.n_routed_experts else {}),
         "moe_intermediate_size * n_shared_experts": cfg.moe_intermediate_size * cfg.n_shared_experts,
     }
     bad = {name: size for name, size in split.items() if size % tp}
     if bad:
-        raise ValueError(f"tp={tp} must divide {bad}")
+        mode = "with" if expert_parallel else "without"
+        raise ValueError(f"tp={tp} must divide {bad} ({mode} expert parallelism)")
 
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.float32):

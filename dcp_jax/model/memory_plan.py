@@ -111,9 +111,10 @@ def make_plan(cfg: ModelConfig, parallel: ParallelConfig, *, dtype: str, weight_
 
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
-    check_divisible(cfg, parallel.tp)
+    check_divisible(cfg, parallel.tp, expert_parallel=parallel.enable_expert_parallel)
     abstract = nnx.to_pure_dict(abstract_model(cfg, jnp.dtype(dtype))[1])
-    weights = weight_bytes_per_rank(abstract, param_specs(abstract), parallel, weight_format)
+    weights = weight_bytes_per_rank(abstract, param_specs(abstract, expert_parallel=parallel.enable_expert_parallel),
+                                     parallel, weight_format)
     itemsize = np.dtype(dtype).itemsize
     per_token, tokens = {}, {}
     for latent, index in CACHE_FORMAT_PAIRS:
@@ -133,7 +134,8 @@ def _size(n: float) -> str:
 def format_plan(plan: MemoryPlan, name: str) -> str:
     """The plan as the CLI prints it."""
     p = plan.parallel
-    lines = [f"{name} on tp={p.tp} dcp={p.dcp}, weights in {plan.weight_format}",
+    lines = [f"{name} on tp={p.tp}{' (expert parallel)' if p.enable_expert_parallel else ''} dcp={p.dcp}, "
+             f"weights in {plan.weight_format}",
              f"  weights per rank: {_size(plan.weight_bytes)}",
              f"  device memory: {_size(plan.device_bytes)} x gpu_memory_utilization {plan.gpu_memory_utilization}",
              f"  {'latent/index cache':<20}{'B/token on its rank':>22}{'(latent + index)':>22}"

@@ -5,7 +5,7 @@ HF stores linear weights `[out, in]` under its on-disk names (experts one tensor
 f32 for the router, its bias and the indexer's weights_proj, which HF keeps in fp32). `hf_tensor_shapes(cfg)`
 lists every expected tensor; loading checks the files hold exactly those (a missing or unexpected tensor, or a
 shape mismatch, is a ValueError naming them), converts one layer at a time and places each parameter on the mesh
-with the step's sharding (heads split, the rest replicated).
+with the step's sharding (`model.param_specs`: heads, MLP widths and routed experts split, the rest replicated).
 
 Block-fp8 checkpoints (DeepSeek's release format: `quantization_config` {"quant_method": "fp8", "fmt": "e4m3",
 "weight_block_size": [bm, bn]}, e4m3 `X.weight` beside an f32 `X.weight_scale_inv` of one scale per bm x bn block)
@@ -255,10 +255,11 @@ def _place(tree, specs, abstract, mesh: Mesh | None):
 
 
 def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None = None, dtype=jnp.float32,
-                   progress: Callable | None = None) -> dict:
-    """Read a HF checkpoint directory into our pure-dict params, placed on `mesh` with `model.param_specs`
-    (default device when `mesh` is None). Raises ValueError listing missing / unexpected tensors or shape
-    mismatches before any conversion. `progress(iterable)` may wrap the per-layer loop (e.g. tqdm)."""
+                   progress: Callable | None = None, *, expert_parallel: bool = False) -> dict:
+    """Read a HF checkpoint directory into our pure-dict params, placed on `mesh` with `model.param_specs` (routed
+    experts split along X when `expert_parallel`, else along F; default device when `mesh` is None). Raises
+    ValueError listing missing / unexpected tensors or shape mismatches before any conversion. `progress(iterable)`
+    may wrap the per-layer loop (e.g. tqdm)."""
     path = os.fspath(path)
     reader = _Reader(_safetensors_files(path))
     expected = hf_tensor_shapes(cfg)
@@ -290,7 +291,7 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
 
     _, abstract = abstract_model(cfg, dtype)
     abstract = nnx.to_pure_dict(abstract)
-    specs = param_specs(abstract)
+    specs = param_specs(abstract, expert_parallel=expert_parallel)
     layers = range(cfg.num_hidden_layers)
     params = {"layers": {}}
     for layer in progress(layers) if progress else layers:

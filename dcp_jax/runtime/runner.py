@@ -96,7 +96,8 @@ class ModelRunner:
                                   backend=backend, variant=variant),
                 mesh, buckets=engine.buckets, seqs_for=engine.seqs_for, layout=self.layout,
                 max_blocks=self.max_blocks, num_pages=engine.num_pages,
-                param_specs=param_specs(nnx.to_pure_dict(abstract)), input_specs=REPLICATED,
+                param_specs=param_specs(nnx.to_pure_dict(abstract),
+                                        expert_parallel=parallel.enable_expert_parallel), input_specs=REPLICATED,
                 output_specs=REPLICATED, state_specs=STATE_SPECS, input_shapes=step_input_shapes(engine))
             for variant in VARIANTS
         }

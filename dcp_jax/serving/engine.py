@@ -84,6 +84,8 @@ class Engine:
     max_num_batched_tokens: rows of one step at most: its decode rows and prefill-chunk tokens (vLLM's name).
     enable_prefix_caching: reuse the KV pages of full virtual blocks a prompt shares with earlier requests
     (`host/page_allocator.py`; vLLM's name).
+    enable_expert_parallel: split the routed experts whole over the tp ranks, each rank running only the tokens
+    routed to its experts (vLLM's name); by default every rank runs every expert on its slice of their width.
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
@@ -93,7 +95,8 @@ class Engine:
                  num_layers: int | None = None, index_cache: str = "exact", latent_cache: str = "exact",
                  dtype: str = "auto", gpu_memory_utilization: float = 0.9, async_scheduling: bool = True,
                  enable_prefix_caching: bool = False, prompt_logprobs: bool = True,
-                 compilation_cache_dir: str | None = None, progress: bool = True):
+                 compilation_cache_dir: str | None = None, progress: bool = True,
+                 enable_expert_parallel: bool = False):
         import jax
 
         if compilation_cache_dir:
@@ -104,7 +107,8 @@ class Engine:
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len, bucket_ladder=bucket_ladder,
                             kernels=kernels, seed=seed, num_layers=num_layers, index_cache=index_cache,
                             latent_cache=latent_cache, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                            max_num_batched_tokens=max_num_batched_tokens)
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            enable_expert_parallel=enable_expert_parallel)
         self.model_name, self.dtype = loaded.name, loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend

@@ -63,6 +63,8 @@ class LLM:
     requests of max_model_len).
     max_num_batched_tokens: rows of one step at most (decode rows and prefill-chunk tokens; vLLM's name).
     enable_prefix_caching: reuse the KV pages of full virtual blocks a prompt shares with earlier requests.
+    enable_expert_parallel: split the routed experts whole over the tp ranks, each rank running only the tokens
+    routed to its experts (vLLM's name); by default every rank runs every expert on its slice of their width.
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
@@ -70,12 +72,14 @@ class LLM:
                  num_pages: int | None = None, kernels: str = "auto", seed: int = 0, num_layers: int | None = None,
                  index_cache: str = "exact", latent_cache: str = "exact", dtype: str = "auto",
                  gpu_memory_utilization: float = 0.9, async_scheduling: bool = True,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, enable_prefix_caching: bool = False):
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, enable_prefix_caching: bool = False,
+                 enable_expert_parallel: bool = False):
         loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len, kernels=kernels, seed=seed,
                             num_layers=num_layers, index_cache=index_cache, latent_cache=latent_cache, dtype=dtype,
                             gpu_memory_utilization=gpu_memory_utilization,
-                            max_num_batched_tokens=max_num_batched_tokens)
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            enable_expert_parallel=enable_expert_parallel)
         self.dtype = loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend

@@ -104,7 +104,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
                max_model_len: int | None = None, bucket_ladder: Sequence[int] = DEFAULT_BUCKETS,
                kernels: str = "auto", seed: int = 0, num_layers: int | None = None, index_cache: str = "exact",
                latent_cache: str = "exact", dtype: str = "auto", gpu_memory_utilization: float = 0.9,
-               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> LoadedModel:
+               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+               enable_expert_parallel: bool = False) -> LoadedModel:
     """Validate the arguments, then load weights (an HF directory) or draw random ones (a preset), placed on a
     (tp/dcp, dcp) mesh; on CPU `tp` simulated devices are used. `dtype` (`config.DTYPE_CHOICES`): the weights',
     activations' and exact caches' dtype; auto is the checkpoint's (bfloat16 for presets). `max_model_len` None:
@@ -113,8 +114,10 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     statistics: CPU) max_num_seqs requests of max_model_len. Index keys in format `index_cache`
     (`config.INDEX_CACHE_FORMATS`), latents in format `latent_cache` (`config.LATENT_CACHE_FORMATS`). `num_layers`
     keeps only the first decoder layers (of a preset or of the checkpoint); `max_num_batched_tokens` the rows (decode
-    rows and prefill-chunk tokens) of a step at most (`EngineConfig`)."""
-    parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave)
+    rows and prefill-chunk tokens) of a step at most (`EngineConfig`); `enable_expert_parallel` splits the routed
+    experts whole over the tp ranks instead of along their width (`ParallelConfig`)."""
+    parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave,
+                              enable_expert_parallel=enable_expert_parallel)
     layout = DcpLayout(parallel.dcp, parallel.interleave, page_size)
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernels {kernels!r}; choose from {KERNEL_CHOICES}")
@@ -150,12 +153,15 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     from dcp_jax.model.weights import load_hf_params
     from dcp_jax.runtime.runner import ModelRunner
 
-    check_divisible(cfg, parallel.tp)
+    check_divisible(cfg, parallel.tp, expert_parallel=enable_expert_parallel)
     check_latent_format(latent_cache, cfg)
     mesh = make_mesh(parallel)
-    params = load_hf_params(cfg, model, mesh, dtype=jnp.dtype(dtype)) if is_dir else init_params(cfg, seed,
-                                                                                              jnp.dtype(dtype))
-    specs = param_specs(nnx.to_pure_dict(abstract_model(cfg, jnp.dtype(dtype))[1]))
+    if is_dir:
+        params = load_hf_params(cfg, model, mesh, dtype=jnp.dtype(dtype), expert_parallel=enable_expert_parallel)
+    else:
+        params = init_params(cfg, seed, jnp.dtype(dtype))
+    specs = param_specs(nnx.to_pure_dict(abstract_model(cfg, jnp.dtype(dtype))[1]),
+                        expert_parallel=enable_expert_parallel)
     params = jax.device_put(params, jax.tree.map(lambda spec: sharding(mesh, spec), specs))
     if num_pages is None:
         num_pages = pool_pages_from_memory(cfg, layout, dtype=dtype, index_cache=index_cache,

@@ -18,12 +18,13 @@ from dcp_jax.model.memory_plan import (BLOCK_FP8_LEAVES, kv_bytes_per_token, mak
 from dcp_jax.model.mesh import make_mesh, sharding
 
 
-@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2), (4, 2), (8, 4)])
-def test_weight_bytes_per_rank_are_those_placed_on_a_device(tp, dcp):
-    parallel = ParallelConfig(tp=tp, dcp=dcp)
+@pytest.mark.parametrize("tp,dcp,expert_parallel", [(1, 1, False), (2, 2, False), (4, 2, True), (8, 4, False),
+                                                    (8, 4, True)])
+def test_weight_bytes_per_rank_are_those_placed_on_a_device(tp, dcp, expert_parallel):
+    parallel = ParallelConfig(tp=tp, dcp=dcp, enable_expert_parallel=expert_parallel)
     mesh = make_mesh(parallel)
     abstract = nnx.to_pure_dict(abstract_model(TINY, jnp.bfloat16)[1])
-    specs = param_specs(abstract)
+    specs = param_specs(abstract, expert_parallel=expert_parallel)
     placed = jax.device_put(init_params(TINY, 0, jnp.bfloat16), jax.tree.map(lambda s: sharding(mesh, s), specs))
     on_device_0 = sum(shard.data.nbytes for leaf in jax.tree.leaves(placed) for shard in leaf.addressable_shards
                       if shard.device == mesh.devices.flat[0])
@@ -32,7 +33,7 @@ def test_weight_bytes_per_rank_are_those_placed_on_a_device(tp, dcp):
 
 def test_fp8_weights_take_a_byte_and_a_scale_per_block_for_the_linear_layers_only():
     abstract = nnx.to_pure_dict(abstract_model(TINY, jnp.bfloat16)[1])
-    specs = param_specs(abstract)
+    specs = param_specs(abstract, expert_parallel=False)
     one = ParallelConfig()
     fp8 = weight_bytes_per_rank(abstract, specs, one, "fp8")
     leaves = jax.tree_util.tree_leaves_with_path(abstract)
@@ -87,3 +88,5 @@ def test_plan_command_prints_the_plan_and_refuses_bad_input(capsys):
     assert cli.main(["plan", "--model", "tiny", "--tp", "3", "--dcp", "3"]) == 2
     assert "tp=3 must divide" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "tiny", "--gpu-memory-utilization", "1.5"]) == 2
+    assert cli.main(["plan", "--model", "deepseek-v3.2", "--tp", "8", "--enable-expert-parallel"]) == 0
+    assert "tp=8 (expert parallel)" in capsys.readouterr().out

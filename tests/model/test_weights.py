@@ -47,14 +47,16 @@ def test_layer_converters_are_inverse(tensors):
 
 def test_load_places_heads_and_experts_split_and_save_round_trips(checkpoint, tensors, tmp_path):
     mesh = make_mesh(ParallelConfig(tp=4, dcp=2))
-    params = load_hf_params(CFG, checkpoint, mesh)
+    params = load_hf_params(CFG, checkpoint, mesh)  # routed experts split along their width F
     attention = params["layers"][1]["attention"]
     assert attention["wq_b"].sharding.spec == P(None, HEADS, None)
     assert attention["wo"].sharding.spec == P(HEADS, None, None)
     assert attention["wq_b"].addressable_shards[0].data.shape[1] == CFG.num_attention_heads // 4
     mlp = params["layers"][1]["mlp"]
-    assert mlp["experts_gate"].sharding.spec == P(HEADS, None, None)
-    assert mlp["experts_gate"].addressable_shards[0].data.shape[0] == CFG.n_routed_experts // 4
+    assert mlp["experts_gate"].sharding.spec == P(None, None, HEADS)
+    assert mlp["experts_down"].sharding.spec == P(None, HEADS, None)
+    assert mlp["experts_gate"].addressable_shards[0].data.shape == (CFG.n_routed_experts, CFG.hidden_size,
+                                                                     CFG.moe_intermediate_size // 4)
     assert mlp["shared"]["down"].sharding.spec == P(HEADS, None)
     assert mlp["router"].sharding.spec == P()
     # HF's kv_b_proj rows are [k_nope | v] per head: w_uk is the first qk_nope_head_dim rows of head 0.
@@ -106,10 +108,30 @@ def test_random_init_fills_every_parameter():
     assert not np.allclose(params["layers"][0]["attention"]["q_a_norm"], 1.0)
 
 
+def test_expert_parallel_load_places_whole_experts_on_each_rank(checkpoint):
+    mesh = make_mesh(ParallelConfig(tp=4, dcp=2, enable_expert_parallel=True))
+    mlp = load_hf_params(CFG, checkpoint, mesh, expert_parallel=True)["layers"][1]["mlp"]
+    for name in ("experts_gate", "experts_up", "experts_down"):
+        assert mlp[name].sharding.spec == P(HEADS, None, None)
+    assert mlp["experts_gate"].addressable_shards[0].data.shape == (CFG.n_routed_experts // 4, CFG.hidden_size,
+                                                                     CFG.moe_intermediate_size)
+    assert mlp["shared"]["down"].sharding.spec == P(HEADS, None)
+
+
 def test_tp_must_divide_every_split_dimension():
-    check_divisible(CFG, 4)
-    with pytest.raises(ValueError, match="tp=3 must divide"):
-        check_divisible(CFG, 3)
+    for expert_parallel in (False, True):
+        check_divisible(CFG, 4, expert_parallel=expert_parallel)
+        with pytest.raises(ValueError, match="tp=3 must divide"):
+            check_divisible(CFG, 3, expert_parallel=expert_parallel)
+    # Expert parallelism splits the expert count X, tensor parallelism each expert's width F.
+    twelve_experts = dataclasses.replace(CFG, n_routed_experts=12)
+    check_divisible(twelve_experts, 8, expert_parallel=False)
+    with pytest.raises(ValueError, match=r"tp=8 must divide \{'n_routed_experts': 12\} \(with expert parallelism\)"):
+        check_divisible(twelve_experts, 8, expert_parallel=True)
+    narrow = dataclasses.replace(CFG, moe_intermediate_size=36, n_shared_experts=2)
+    check_divisible(narrow, 8, expert_parallel=True)
+    with pytest.raises(ValueError, match=r"\{'moe_intermediate_size': 36\} \(without expert parallelism\)"):
+        check_divisible(narrow, 8, expert_parallel=False)
 
 
 BLOCK = (8, 12)  # not a divisor of every dimension: edge blocks are partial

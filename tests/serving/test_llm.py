@@ -39,6 +39,20 @@ def test_greedy_generation_equals_hf(llm):
     assert llm.num_free_pages == llm.engine_config.num_pages
 
 
+def test_expert_parallel_generates_the_same_greedy_tokens(checkpoint, llm):
+    """Routed experts split whole over the 4 ranks: the same greedy tokens (HF's) and logprobs as the default
+    split along their width."""
+    ep = LLM(str(checkpoint), dcp=2, tp=4, interleave=2, max_num_seqs=4, max_model_len=64, page_size=4,
+             enable_expert_parallel=True)
+    assert ep.parallel_config.enable_expert_parallel and not llm.parallel_config.enable_expert_parallel
+    outs, want = ep.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY), llm.generate(
+        prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    for i, (out, ref) in enumerate(zip(outs, want)):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids == FIXTURE["gen_tokens"][i].tolist()
+        chosen = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in (out, ref)]
+        np.testing.assert_allclose(chosen[0], chosen[1], atol=1e-4, rtol=0)
+
+
 def test_continuous_batching_more_requests_than_slots(llm):
     """8 requests through 4 slots with different max_tokens: late requests join while others decode, every
     output equals the HF greedy prefix, and every page comes back."""

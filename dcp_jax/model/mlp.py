@@ -1,0 +1,44 @@
+"""The gated feed-forward block down(silu(x gate) * x up): the dense layers' MLP and DeepSeek's shared experts, with
+the random initializer of the model's projections.
+
+Letters: R rows, D hidden, F width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dcp_jax.model.mesh import HEADS
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def dense_param(rngs: nnx.Rngs, shape, fan_in: int, dtype) -> nnx.Param:
+    """A projection of `shape`, normal / sqrt(fan_in), in `dtype`."""
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype))
+
+
+def gated_mlp(x, gate, up, down):
+    """x [..., D], gate and up [D, F], down [F, D] -> down(silu(x gate) * x up) [..., D] in x's dtype."""
+    gated = jax.nn.silu(jnp.einsum("...d,df->...f", x, gate, precision=HIGHEST))
+    gated = gated * jnp.einsum("...d,df->...f", x, up, precision=HIGHEST)
+    return jnp.einsum("...f,fd->...d", gated, down, precision=HIGHEST)
+
+
+class MLP(nnx.Module):
+    """down(silu(gate x) * up x); also the shared experts (width moe_intermediate_size * n_shared_experts)."""
+
+    def __init__(self, hidden: int, width: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.gate = dense_param(rngs, (hidden, width), hidden, dtype)
+        self.up = dense_param(rngs, (hidden, width), hidden, dtype)
+        self.down = dense_param(rngs, (width, hidden), width, dtype)
+
+    def partial(self, x):
+        """Per rank, width F split over TP ranks: x [..., D] -> this rank's share [..., D] of the output."""
+        return gated_mlp(x, self.gate[...], self.up[...], self.down[...])
+
+    def __call__(self, x):
+        """Per rank: x [..., D] -> [..., D], summed over the TP ranks."""
+        return jax.lax.psum(self.partial(x), HEADS)

@@ -1,0 +1,146 @@
+"""DeepSeek's mixture of experts: the router, the routed experts computed grouped by expert, the shared experts.
+
+Router (HF's `noaux_tc`): sigmoid scores; the choice adds e_score_correction_bias (`router_bias`) to them; the
+topk_group groups of highest choice (the sum of a group's top two) are kept and the num_experts_per_tok (k)
+experts of highest choice among them chosen; their weights are the unbiased scores, normalized to sum 1 when
+norm_topk_prob, times routed_scaling_factor.
+
+Routed experts, grouped (`grouped_experts`): a step's R * k (row, expert) assignments are sorted by expert, each
+expert multiplies only the rows routed to it (`jax.lax.ragged_dot`: gate, up, silu(gate) * up, down) and the
+weighted results are summed back into their rows. Shapes are static (R * k assignments whatever the routing); the
+group sizes are traced counts. `dense_experts` is the reference: every expert on every row.
+
+Parallelism, inside shard_map over the TP ranks (`mesh.HEADS`). The hidden state is replicated on every rank (the
+attention block ends in a psum), so each rank routes every row itself: the dispatch is a local selection, and the
+combine is the one psum over HEADS that also sums the shared experts' partial outputs (no all-to-all). The
+routed experts are split as vLLM splits them:
+- tensor parallel (the default): each rank holds every expert's slice of the width F (experts_gate / experts_up
+  [X, D, F/tp], experts_down [X, F/tp, D]) and runs every assignment on it;
+- expert parallel (`ParallelConfig.enable_expert_parallel`): each rank holds X/tp whole experts (rank r the ids
+  from r * X/tp) and runs only the assignments routed to them; the others sort past its last expert, outside every
+  group, and contribute nothing.
+A rank reads which from its shard (`MoE.first_expert`). The shared experts are an MLP split over F either way.
+On CPU XLA expands a ragged_dot into a masked dense product: the tests check values; `bench/bench_moe.py` times it.
+
+Letters: R rows, D hidden, X experts (x a rank's), F expert width, k experts per row, A = R * k assignments.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dcp_jax.config import ModelConfig
+from dcp_jax.model.mesh import HEADS
+from dcp_jax.model.mlp import MLP, dense_param
+
+HIGHEST = jax.lax.Precision.HIGHEST
+NEG_INF = float("-inf")
+
+
+def expert_specs(expert_parallel: bool) -> dict[str, P]:
+    """The routed experts' PartitionSpecs: split over every TP rank along X (expert parallel), else along F."""
+    if expert_parallel:
+        return {"experts_gate": P(HEADS, None, None), "experts_up": P(HEADS, None, None),
+                "experts_down": P(HEADS, None, None)}
+    return {"experts_gate": P(None, None, HEADS), "experts_up": P(None, None, HEADS),
+            "experts_down": P(None, HEADS, None)}
+
+
+def route(x, router, router_bias, cfg: ModelConfig):
+    """x [R, D], router [D, X] f32, router_bias [X] f32 -> (experts [R, k] int32 ids, weights [R, k] f32)."""
+    rows = x.shape[0]
+    logits = jnp.einsum("rd,dx->rx", x.astype(jnp.float32), router, precision=HIGHEST)
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + router_bias
+    grouped = choice.reshape(rows, cfg.n_group, -1)
+    group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [R, groups]: sum of each group's top two
+    _, kept_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+    is_kept = jnp.zeros((rows, cfg.n_group), bool).at[jnp.arange(rows)[:, None], kept_groups].set(True)
+    masked = jnp.where(jnp.repeat(is_kept, grouped.shape[-1], axis=1), choice, NEG_INF)
+    _, experts = jax.lax.top_k(masked, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, experts, axis=1)  # unbiased scores
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def grouped_experts(x, experts, weights, gate, up, down, *, first_expert):
+    """x [R, D]; experts [R, k] global expert ids and weights [R, k] f32 (`route`); gate, up [x, D, F] and down
+    [x, F, D] the experts first_expert .. first_expert + x - 1 (an int, or a traced one) -> [R, D] in x's dtype:
+    each row's sum over its assignments to these experts of weight * down(silu(x gate) * x up). Assignments to
+    other experts add nothing. Only the rows routed to an expert are multiplied by its weights."""
+    rows, per_row = experts.shape
+    local_experts = gate.shape[0]
+    # 1. Each assignment's local expert; another rank's goes to group x, past the last local one.
+    local = experts.reshape(-1) - first_expert  # [A]
+    is_local = (local >= 0) & (local < local_experts)
+    group = jnp.where(is_local, local, local_experts)
+    # 2. Sorted by group (stable: rows in order within one); the ragged dots leave group x out.
+    order = jnp.argsort(group, stable=True)
+    row_of = order // per_row  # [A]: the row of each sorted assignment
+    group_sizes = jnp.bincount(group, length=local_experts + 1)[:local_experts]
+    # 3. The grouped GEMMs: expert j multiplies only its group_sizes[j] rows.
+    sorted_x = x[row_of]  # [A, D]
+    hidden = jax.nn.silu(jax.lax.ragged_dot(sorted_x, gate, group_sizes, precision=HIGHEST))
+    hidden = hidden * jax.lax.ragged_dot(sorted_x, up, group_sizes, precision=HIGHEST)
+    out = jax.lax.ragged_dot(hidden, down, group_sizes, precision=HIGHEST)  # [A, D]
+    # 4. Weighted sum back into the rows, in f32. Rows of group x are left unspecified by ragged_dot: selected
+    # away, not multiplied by a zero weight (0 * NaN is NaN).
+    weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    weighted = jnp.where(is_local[order][:, None], weighted, 0.0)
+    return jax.ops.segment_sum(weighted, row_of, num_segments=rows).astype(x.dtype)
+
+
+def dense_experts(x, experts, weights, gate, up, down, *, first_expert):
+    """Reference of `grouped_experts` (same contract): every local expert runs on every row, weighted by the row's
+    weight for it (zero when it did not choose it)."""
+    local_experts = gate.shape[0]
+    ids = first_expert + jnp.arange(local_experts)
+    combine = jnp.sum(jnp.where(experts[:, :, None] == ids, weights[:, :, None], 0.0), axis=1)  # [R, x] f32
+    hidden = jax.nn.silu(jnp.einsum("rd,xdf->rxf", x, gate, precision=HIGHEST))
+    hidden = hidden * jnp.einsum("rd,xdf->rxf", x, up, precision=HIGHEST)
+    per_expert = jnp.einsum("rxf,xfd->rxd", hidden, down, precision=HIGHEST)
+    return jnp.einsum("rx,rxd->rd", combine, per_expert.astype(jnp.float32), precision=HIGHEST).astype(x.dtype)
+
+
+class MoE(nnx.Module):
+    """DeepSeek MoE: the router (f32, replicated), the routed experts (split by `expert_specs`), the shared
+    experts (an MLP of width moe_intermediate_size * n_shared_experts, split over F)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        d, x, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        self.cfg = cfg
+        self.router = dense_param(rngs, (d, x), d, jnp.float32)
+        self.router_bias = nnx.Param(0.1 * jax.random.normal(rngs.params(), (x,), jnp.float32))
+        self.experts_gate = dense_param(rngs, (x, d, f), d, dtype)
+        self.experts_up = dense_param(rngs, (x, d, f), d, dtype)
+        self.experts_down = dense_param(rngs, (x, f, d), f, dtype)
+        self.shared = MLP(d, f * cfg.n_shared_experts, rngs=rngs, dtype=dtype)
+
+    def route(self, x):
+        """x [R, D] -> (experts [R, k] int32, weights [R, k] f32) (`route`)."""
+        return route(x, self.router[...], self.router_bias[...], self.cfg)
+
+    def first_expert(self):
+        """The id of this rank's first expert: rank * x when its shard holds x < X whole experts (expert
+        parallel), else 0 (every expert, a slice of F)."""
+        local_experts = self.experts_gate.shape[0]
+        if local_experts == self.cfg.n_routed_experts:
+            return 0
+        return jax.lax.axis_index(HEADS) * local_experts
+
+    def partial(self, x):
+        """Per rank: x [R, D] -> this rank's share [R, D] of the output: its routed experts' and its slice of
+        the shared experts'."""
+        experts, weights = self.route(x)
+        routed = grouped_experts(x, experts, weights, self.experts_gate[...], self.experts_up[...],
+                                 self.experts_down[...], first_expert=self.first_expert())
+        return routed + self.shared.partial(x)
+
+    def __call__(self, x):
+        """Per rank: x [..., D] -> [..., D], summed over the TP ranks."""
+        shape = x.shape
+        return jax.lax.psum(self.partial(x.reshape(-1, shape[-1])), HEADS).reshape(shape)

@@ -1,0 +1,129 @@
+"""The MoE (`dcp_jax/model/moe.py`): the grouped experts equal the dense reference (f32 and bf16, balanced and
+unbalanced routing, experts given no row, 1 and odd row counts); the rank shares of both splits (whole experts,
+slices of the width) sum to the whole; the whole model with expert parallelism equals it without, and the
+single-device model, at tp 2, 4, 8 and dcp 1, 2."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dcp_jax.config import TINY, EngineConfig, ParallelConfig
+from dcp_jax.model import moe
+from dcp_jax.model.deepseek_v32 import init_params
+from dcp_jax.model.mesh import make_mesh
+from dcp_jax.runtime.runner import ModelRunner
+
+X = TINY.n_routed_experts  # 8 experts, 2 per row, in 2 groups of 4 (one kept per row)
+
+
+@functools.cache
+def layer(dtype):
+    return moe.MoE(TINY, rngs=nnx.Rngs(0), dtype=dtype)
+
+
+def inputs(rows: int, dtype, *, seed: int = 0, router_bias=None):
+    """(x, experts, weights, gate, up, down) of `rows` random rows routed by the tiny MoE layer."""
+    m = layer(dtype)
+    x = jax.random.normal(jax.random.key(seed), (rows, TINY.hidden_size)).astype(dtype)
+    bias = m.router_bias[...] if router_bias is None else router_bias
+    experts, weights = moe.route(x, m.router[...], bias, TINY)
+    return x, experts, weights, m.experts_gate[...], m.experts_up[...], m.experts_down[...]
+
+
+def tolerance(dtype, reference) -> float:
+    """f32: summation order only. bf16: a few roundings of the intermediates, relative to the output's scale."""
+    return 1e-5 if dtype == jnp.float32 else 0.03 * float(np.abs(reference).max())
+
+
+def assert_grouped_equals_dense(args, dtype, **kwargs):
+    grouped = np.asarray(jax.jit(functools.partial(moe.grouped_experts, **kwargs))(*args), np.float32)
+    dense = np.asarray(jax.jit(functools.partial(moe.dense_experts, **kwargs))(*args), np.float32)
+    assert np.abs(dense).max() > 0.1  # the routed experts contribute
+    np.testing.assert_allclose(grouped, dense, atol=tolerance(dtype, dense), rtol=0)
+    return grouped
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_grouped_equals_dense(dtype, rows):
+    args = inputs(rows, dtype, seed=rows)
+    out = assert_grouped_equals_dense(args, dtype, first_expert=0)
+    assert out.shape == (rows, TINY.hidden_size)
+    assert jax.jit(functools.partial(moe.grouped_experts, first_expert=0))(*args).dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_unbalanced_routing_and_experts_without_rows(dtype):
+    """A router bias that sends every row to expert 3 (and its group's others): one group holds most
+    assignments, the other group's experts get none."""
+    bias = jnp.zeros(X).at[3].set(10.0)
+    args = inputs(19, dtype, router_bias=bias)
+    counts = np.bincount(np.asarray(args[1]).ravel(), minlength=X)
+    assert counts[3] == 19 and counts[4:].sum() == 0  # experts 4-7 (the other group) receive no row
+    assert_grouped_equals_dense(args, dtype, first_expert=0)
+
+
+def test_routing_weights_are_normalized_and_scaled():
+    _, experts, weights, *_ = inputs(5, jnp.float32)
+    assert experts.dtype == jnp.int32 and weights.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(weights).sum(-1), TINY.routed_scaling_factor, rtol=1e-6)
+    groups = np.asarray(experts) // (X // TINY.n_group)
+    assert (groups == groups[:, :1]).all()  # topk_group = 1: a row's experts share one group
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_rank_shares_sum_to_the_whole(dtype, tp):
+    """Expert parallel: rank r runs experts r*X/tp.. on the assignments routed to them, none other; tensor
+    parallel: every rank runs every assignment on its F/tp slice. Either way the shares sum to the whole."""
+    x, experts, weights, gate, up, down = inputs(13, dtype, seed=tp)
+    whole = np.asarray(moe.dense_experts(x, experts, weights, gate, up, down, first_expert=0), np.float32)
+    grouped = jax.jit(moe.grouped_experts)
+    local, width = X // tp, gate.shape[-1] // tp
+    by_experts = sum(np.asarray(grouped(x, experts, weights, *(w[r * local:(r + 1) * local] for w in (gate, up, down)),
+                                        first_expert=r * local), np.float32) for r in range(tp))
+    f = [slice(r * width, (r + 1) * width) for r in range(tp)]
+    by_width = sum(np.asarray(grouped(x, experts, weights, gate[..., f[r]], up[..., f[r]], down[:, f[r]],
+                                      first_expert=0), np.float32) for r in range(tp))
+    np.testing.assert_allclose(by_experts, whole, atol=tolerance(dtype, whole), rtol=0)
+    np.testing.assert_allclose(by_width, whole, atol=tolerance(dtype, whole), rtol=0)
+
+
+def test_grouped_experts_multiply_through_ragged_dots_only():
+    """The grouped path has the three ragged dots and no dense product over the experts."""
+    jaxpr = str(jax.make_jaxpr(functools.partial(moe.grouped_experts, first_expert=0))(*inputs(4, jnp.float32)))
+    assert jaxpr.count("ragged_dot_general") == 3
+    assert "dot_general" not in jaxpr.replace("ragged_dot_general", "")
+
+
+# ---- the whole model -----------------------------------------------------------------------------------------------
+
+ENGINE = EngineConfig(page_size=4, num_pages=32, max_num_seqs=2, max_model_len=32, bucket_ladder=(16,),
+                      max_num_batched_tokens=16)
+PROMPTS = [[5, 9, 17, 3, 88, 41, 7, 250, 13, 2, 64], [300, 12, 6, 77, 19, 1, 45]]
+
+
+@functools.cache
+def model_logits(tp: int, dcp: int, expert_parallel: bool) -> np.ndarray:
+    """Every position's logits of the two prompts (prefilled in one step each) through the tiny model of seed 0."""
+    parallel = ParallelConfig(tp=tp, dcp=dcp, enable_expert_parallel=expert_parallel)
+    mesh = make_mesh(parallel)
+    runner = ModelRunner(TINY, init_params(TINY, seed=0), parallel, ENGINE, mesh, "reference")
+    blocks = ENGINE.max_blocks_per_seq(dcp)
+    tables = [list(range(blocks)), list(range(blocks, 2 * blocks))]
+    logits, _, _ = runner.prefill(PROMPTS, tables, all_logits=True)
+    return logits
+
+
+@pytest.mark.parametrize("tp, dcp", [(2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (8, 2)])
+def test_model_with_expert_parallelism_equals_without_and_one_device(tp, dcp):
+    one_device = model_logits(1, 1, False)
+    with_ep, without = model_logits(tp, dcp, True), model_logits(tp, dcp, False)
+    valid = ~np.isnan(one_device)
+    assert valid.sum() == sum(map(len, PROMPTS)) * TINY.vocab_size
+    np.testing.assert_allclose(with_ep[valid], without[valid], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(with_ep[valid], one_device[valid], atol=1e-4, rtol=0)
