@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Run the test suite on 8 simulated CPU devices (sets up .venv first when needed).
+# Run the test suite on 8 simulated CPU devices (sets up .venv first when needed): one worker a core (at most 4),
+# each taking whole test files (grouped as tests/conftest.py says). The slow tests, which repeat what faster ones
+# cover at other sizes, are left out: `bash scripts/test.sh -m ""` runs everything, `-m slow` only them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/pytest ] || bash scripts/setup.sh
+.venv/bin/python -c "import pytest, xdist" 2>/dev/null || bash scripts/setup.sh
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -n auto --maxprocesses 4 --dist loadgroup -m "not slow" "$@"

@@ -1,4 +1,7 @@
-"""Shared test set-up: 8 simulated CPU devices, highest matmul precision, a `gpu` marker."""
+"""Shared test set-up: 8 simulated CPU devices, highest matmul precision, a `gpu` marker, and the groups the
+parallel runner (`scripts/test.sh`: pytest-xdist, --dist loadgroup) keeps on one worker: each test file (its
+module fixtures are built once), and the files of one engine configuration together (`serving_utils.ENGINE_KW`:
+the first compiles its programs into the session's persistent cache, the others read them)."""
 
 import os
 
@@ -12,8 +15,14 @@ jax.config.update("jax_default_matmul_precision", "highest")
 ON_GPU = jax.default_backend() == "gpu"
 
 
+# Test files that build an engine of `serving_utils.ENGINE_KW`.
+SHARED_ENGINE_FILES = ("test_engine.py", "test_lm_eval.py", "test_load.py", "test_server.py")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip_gpu)
+        group = "shared_engine" if item.path.name in SHARED_ENGINE_FILES else str(item.path)
+        item.add_marker(pytest.mark.xdist_group(group))

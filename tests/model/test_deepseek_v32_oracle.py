@@ -37,8 +37,9 @@ ONE_SHOT = 64  # the longest prompt in one step
 NAMES = ("default_rope", "yarn", "yarn_mscale")
 # (config, dcp, interleave, kernels, prefill chunk): every DCP size for default RoPE; interleave 2 and YaRN at several
 # sizes; the Pallas kernels (interpreted on CPU) at one sharded size; one-shot and chunked prefills at each size.
+# The slow ones (`-m slow`) repeat a RoPE and DCP size of the others with the other prefill.
 CASES = [
-    ("default_rope", 1, 1, "reference", ONE_SHOT),
+    pytest.param(*("default_rope", 1, 1, "reference", ONE_SHOT), marks=pytest.mark.slow),
     ("default_rope", 1, 1, "reference", 5),
     ("default_rope", 2, 1, "reference", 7),
     ("default_rope", 4, 1, "reference", ONE_SHOT),
@@ -47,13 +48,13 @@ CASES = [
     ("default_rope", 4, 2, "reference", 6),
     ("yarn", 1, 1, "reference", 7),
     ("yarn", 2, 2, "reference", 5),
-    ("yarn", 4, 2, "reference", ONE_SHOT),
-    ("yarn", 8, 1, "reference", ONE_SHOT),
-    ("yarn_mscale", 1, 1, "reference", ONE_SHOT),
+    pytest.param(*("yarn", 4, 2, "reference", ONE_SHOT), marks=pytest.mark.slow),
+    pytest.param(*("yarn", 8, 1, "reference", ONE_SHOT), marks=pytest.mark.slow),
+    pytest.param(*("yarn_mscale", 1, 1, "reference", ONE_SHOT), marks=pytest.mark.slow),
     ("yarn_mscale", 4, 2, "reference", 5),
     ("default_rope", 2, 2, "pallas", 6),
 ]
-CASE_IDS = [f"{c}-dcp{w}-S{s}-{k}-chunk{n}" for c, w, s, k, n in CASES]
+CASE_IDS = [f"{c}-dcp{w}-S{s}-{k}-chunk{n}" for c, w, s, k, n in (getattr(case, "values", case) for case in CASES)]
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -207,7 +208,7 @@ def test_selected_topk_sets_equal_hf(checkpoints, name, dcp, interleave, kernels
     np.testing.assert_array_equal((decode >= 0).sum(-1), expected)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ["default_rope", "yarn", pytest.param("yarn_mscale", marks=pytest.mark.slow)])
 def test_dense_equals_deepseek_v3(checkpoints, name):
     """index_topk >= length: our V3.2 equals HF's DeepseekV3 (no indexer) on the longest prompt, and the sparse
     run (K=16) really differs from it (sparsity is exercised)."""

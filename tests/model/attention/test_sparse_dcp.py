@@ -28,8 +28,9 @@ TOL = 2e-5
 FP8_FLIP_TOL = 2e-3
 
 
-@pytest.mark.parametrize("dcp", [1, 2, 4, 8])
-@pytest.mark.parametrize("interleave", [1, 2])
+@pytest.mark.parametrize("dcp, interleave", [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (8, 2),
+                                             pytest.param(1, 2, marks=pytest.mark.slow),
+                                             pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_dcp_step_equals_unsharded(dcp, interleave):
     report = run_comparison(TINY, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), ENGINE, SCHEDULE)
     assert report.max_context > TINY.index_topk
@@ -37,7 +38,7 @@ def test_dcp_step_equals_unsharded(dcp, interleave):
     assert report.max_abs_err < TOL
 
 
-@pytest.mark.parametrize("dcp, interleave", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("dcp, interleave", [(2, 2), pytest.param(4, 1, marks=pytest.mark.slow)])
 def test_dcp_step_with_pallas_kernels_equals_unsharded(dcp, interleave):
     """The Pallas indexer, top-k and sparse MLA kernels (interpreted on CPU) wired into the DCP step."""
     parallel = ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave)
@@ -47,7 +48,8 @@ def test_dcp_step_with_pallas_kernels_equals_unsharded(dcp, interleave):
     assert tied.max_abs_err < TOL
 
 
-@pytest.mark.parametrize("dcp, interleave, kernels", [(2, 2, "pallas"), (4, 1, "reference"), (8, 2, "reference")])
+@pytest.mark.parametrize("dcp, interleave, kernels", [(2, 2, "pallas"), pytest.param(4, 1, "reference", marks=pytest.mark.slow),
+                                                    (8, 2, "reference")])
 def test_dcp_step_with_fp8_index_cache_equals_unsharded_fp8(dcp, interleave, kernels):
     """fp8 index cache on both sides: the DCP step (fp8 keys and scales written per rank, fp8 queries scored by
     the indexer) equals the single-device computation on the same quantized keys and queries."""
@@ -58,7 +60,8 @@ def test_dcp_step_with_fp8_index_cache_equals_unsharded_fp8(dcp, interleave, ker
     assert report.max_abs_err < TOL
 
 
-@pytest.mark.parametrize("dcp, interleave, kernels", [(2, 2, "pallas"), (4, 1, "reference"), (8, 2, "reference")])
+@pytest.mark.parametrize("dcp, interleave, kernels", [(2, 2, "pallas"), pytest.param(4, 1, "reference", marks=pytest.mark.slow),
+                                                    (8, 2, "reference")])
 def test_dcp_step_with_fp8_latent_cache_equals_unsharded_fp8(dcp, interleave, kernels):
     """fp8 latent cache (and fp8 index cache) on both sides: the DCP step writes each rank's e4m3 latents, tile
     scales and bf16 rope, and attends over them; the single-device twin attends over the same quantized
