@@ -8,7 +8,8 @@ norm_topk_prob, times routed_scaling_factor.
 Routed experts, grouped (`grouped_experts`): a step's R * k (row, expert) assignments are sorted by expert, each
 expert multiplies only the rows routed to it (`jax.lax.ragged_dot`: gate, up, silu(gate) * up, down) and the
 weighted results are summed back into their rows. Shapes are static (R * k assignments whatever the routing); the
-group sizes are traced counts. `dense_experts` is the reference: every expert on every row.
+group sizes are traced counts. `dense_experts` is the reference: every expert on every row. The model runs
+`ROUTED_EXPERTS`: dense for now, see there.
 
 Parallelism, inside shard_map over the TP ranks (`mesh.HEADS`). The hidden state is replicated on every rank (the
 attention block ends in a psum), so each rank routes every row itself: the dispatch is a local selection, and the
@@ -106,6 +107,13 @@ def dense_experts(x, experts, weights, gate, up, down, *, first_expert):
     return jnp.einsum("rx,rxd->rd", combine, per_expert.astype(jnp.float32), precision=HIGHEST).astype(x.dtype)
 
 
+# The routed experts' computation the model runs. Grouped is the intended one, but jax 0.11.2 lowers ragged_dot to
+# a masked dense product ([x, A, F] selects) on the H200 as on CPU: 3.4x slower than dense at B = 256 decode rows and
+# out of memory at 4K prefill rows (bench_moe, 2026-12-03, docs/performance.md). Dense until a grouped GPU kernel
+# replaces ragged_dot's lowering.
+ROUTED_EXPERTS = dense_experts
+
+
 class MoE(nnx.Module):
     """DeepSeek MoE: the router (f32, replicated), the routed experts (split by `expert_specs`), the shared
     experts (an MLP of width moe_intermediate_size * n_shared_experts, split over F)."""
@@ -136,8 +144,8 @@ class MoE(nnx.Module):
         """Per rank: x [R, D] -> this rank's share [R, D] of the output: its routed experts' and its slice of
         the shared experts'."""
         experts, weights = self.route(x)
-        routed = grouped_experts(x, experts, weights, self.experts_gate[...], self.experts_up[...],
-                                 self.experts_down[...], first_expert=self.first_expert())
+        routed = ROUTED_EXPERTS(x, experts, weights, self.experts_gate[...], self.experts_up[...],
+                                self.experts_down[...], first_expert=self.first_expert())
         return routed + self.shared.partial(x)
 
     def __call__(self, x):
