@@ -54,12 +54,16 @@ FP8_AXES = {
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Fp8BlockWeight:
-    """A block-fp8 weight (module docstring): e4m3 `values` in our layout, f32 `scales` [*batch, K/bn, N/bm]."""
+    """A block-fp8 weight (module docstring); `shape` is the plain weight's."""
 
+    # float8_e4m3fn in the plain weight's layout, sharded as it is.
     values: jax.Array
+    # f32 [*batch, ceil(K / bn), ceil(N / bm)]: one scale per block, split as `weight_spec` says.
     scales: jax.Array
     # HF's weight_block_size (bm output rows, bn input columns).
     block: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+    # The axes of `values` that x @ W contracts (K, flattened in order) and those it produces (N); the leading
+    # others are batch axes.
     in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     out_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
@@ -70,6 +74,10 @@ class Fp8BlockWeight:
     @property
     def batch_axes(self) -> tuple[int, ...]:
         return tuple(range(self.values.ndim - len(self.in_axes) - len(self.out_axes)))
+
+
+def is_fp8(x) -> bool:
+    return isinstance(x, Fp8BlockWeight)
 
 
 def _to_matrix(x, in_axes, out_axes):
@@ -184,10 +192,6 @@ def weight_block(params) -> tuple[int, int] | None:
     if len(blocks) > 1:
         raise ValueError(f"the fp8 weights mix blocks {sorted(blocks)}")
     return blocks.pop() if blocks else None
-
-
-def is_fp8(x) -> bool:
-    return isinstance(x, Fp8BlockWeight)
 
 
 def _padded(spec: P, ndim: int) -> tuple:
