@@ -13,10 +13,12 @@ import sys
 
 from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPE_CHOICES, INDEX_CACHE_FORMATS,
                             INDEX_CACHE_HELP, KERNEL_CHOICES, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP,
-                            WEIGHT_FORMATS)
+                            QUANTIZATION_CHOICES, WEIGHT_FORMATS)
 from dcp_jax.serving.loading import use_cpu_devices
 
 DTYPE_HELP = "weights, activations and exact caches: auto (the checkpoint's; bfloat16 for presets)"
+QUANTIZATION_HELP = ("auto: the checkpoint's (a block fp8 checkpoint's linear weights stay fp8); none: dequantize "
+                     "them into --dtype")
 BATCHED_TOKENS_HELP = "rows of one step at most: its decode rows and prefill-chunk tokens (long prompts run in chunks)"
 PREFIX_CACHING_HELP = "reuse the KV pages of full virtual blocks a prompt shares with earlier requests"
 GPU_MEMORY_HELP = "share of each GPU's memory for weights, workspace and the KV pool (the pool takes the rest)"
@@ -90,7 +92,7 @@ def generate(args: argparse.Namespace) -> int:
                   dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=args.enable_prefix_caching,
-                  enable_expert_parallel=args.enable_expert_parallel)
+                  enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization)
         outputs = llm.generate(args.prompt, params, use_tqdm=True)
     except ValueError as e:
         print(f"dcp-jax generate: {e}", file=sys.stderr)
@@ -145,6 +147,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                    help="KV pages (default: what --gpu-memory-utilization leaves; CPU: max-num-seqs full requests)")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=GPU_MEMORY_HELP)
     s.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    s.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto", help=QUANTIZATION_HELP)
     s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch each step before reading the previous one's tokens")
     s.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
@@ -205,7 +208,7 @@ def serve(args: argparse.Namespace) -> int:
                       dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
                       async_scheduling=args.async_scheduling, prompt_logprobs=not args.no_prompt_logprobs,
                       compilation_cache_dir=args.compilation_cache_dir,
-                      enable_expert_parallel=args.enable_expert_parallel)
+                      enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization)
 
     def ready(engine):
         config = engine.engine_config
@@ -306,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=BATCHED_TOKENS_HELP)
     g.add_argument("--enable-prefix-caching", action="store_true", help=PREFIX_CACHING_HELP)
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    g.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto", help=QUANTIZATION_HELP)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=GPU_MEMORY_HELP)
     g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
     g.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)

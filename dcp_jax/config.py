@@ -273,6 +273,9 @@ def resolve_dtype(dtype: str, cfg: ModelConfig) -> str:
 # Formats of the weights: the model dtype, or DeepSeek's block fp8 (the linear layers' weights in e4m3 with one f32
 # scale per 128 x 128 block; embeddings, norms, the router and lm_head in the model dtype).
 WEIGHT_FORMATS = ("model_dtype", "fp8")
+# How a checkpoint's weights load (vLLM's `quantization`): auto is the checkpoint's format (a block fp8 one stays in
+# fp8, `model/fp8_linear.py`), none dequantizes into the model dtype.
+QUANTIZATION_CHOICES = ("auto", "none")
 
 # Which kernels the attention layers run: auto (Pallas on a GPU, the pure-jnp references elsewhere), pallas (the
 # Pallas kernels; interpreted on CPU) or reference.

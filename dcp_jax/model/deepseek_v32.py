@@ -7,7 +7,8 @@ index_weights [D, I], MLP gate/up [D, F] and down [F, D], experts [X, D, F] / [X
 [D, A]); the two halves of HF's kv_b_proj keep HF's per-head `[out, in]` order: w_uk [H, N, C] and w_uv [H, V, C],
 with w_uv applied C -> V (`projections.output_projection`); embed is [A, D]. The router, its bias
 (e_score_correction_bias) and index_weights (the indexer's weights_proj) are always f32, as HF keeps them; every
-other weight has the model's dtype.
+other weight has the model's dtype, or, for a block fp8 model, is an `fp8_linear.Fp8BlockWeight` (the leaves of
+`fp8_linear.FP8_AXES`: e4m3 values in the layout above and their block scales).
 The attention module holds exactly the fields of `AttentionParams`, so the shared projections, the sparse DCP
 attention layer and the kernels read it unchanged. The modules run inside `shard_map` (`runtime/forward.py`):
 attention heads, the MLP widths and the routed experts (along F, or along X with expert parallelism: `moe.py`)
@@ -33,6 +34,7 @@ from dcp_jax.host.layout import DcpLayout
 from dcp_jax.model.attention.sparse_dcp import sparse_dcp_attention
 from dcp_jax.model.attention.params import AttentionParams, init_attention_params, partition_specs
 from dcp_jax.model.attention.projections import rms_norm
+from dcp_jax.model import fp8_linear
 from dcp_jax.model.mesh import HEADS
 from dcp_jax.model.mlp import MLP, dense_param
 from dcp_jax.model.moe import MoE, expert_specs
@@ -55,7 +57,8 @@ class Attention(nnx.Module):
             setattr(self, f.name, nnx.Param(getattr(p, f.name)))
 
     def params(self) -> AttentionParams:
-        return AttentionParams(**{f.name: getattr(self, f.name)[...] for f in dataclasses.fields(AttentionParams)})
+        fields = dataclasses.fields(AttentionParams)
+        return AttentionParams(**{f.name: getattr(self, f.name).get_value() for f in fields})
 
     def __call__(self, x, rope, kv_cache, index_cache, md, *, layout: DcpLayout, backend: str):
         """Per rank: the sparse DCP attention layer of `attention/sparse_dcp.py` on these weights (x [R, D] the step's
@@ -117,15 +120,17 @@ def param_specs(params: dict, *, expert_parallel: bool) -> dict:
     replicated."""
     feed_forward = _MLP_SPECS | expert_specs(expert_parallel)
 
-    def spec(path, _):
+    def spec(path, leaf):
         names = [getattr(k, "key", None) for k in path]
         if "attention" in names:
-            return _HEAD_SPECS[names[-1]]
-        if "mlp" in names:
-            return feed_forward.get(names[-1], P())
-        return P()
+            plain = _HEAD_SPECS[names[-1]]
+        elif "mlp" in names:
+            plain = feed_forward.get(names[-1], P())
+        else:
+            plain = P()
+        return fp8_linear.weight_spec(leaf, plain) if fp8_linear.is_fp8(leaf) else plain
 
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=fp8_linear.is_fp8)
 
 
 def check_divisible(cfg: ModelConfig, tp: int, *, expert_parallel: bool) -> None:
@@ -145,18 +150,24 @@ def check_divisible(cfg: ModelConfig, tp: int, *, expert_parallel: bool) -> None
         raise ValueError(f"tp={tp} must divide {bad} ({mode} expert parallelism)")
 
 
-def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
-    """(graphdef, abstract pure-dict state of ShapeDtypeStructs) without allocating anything."""
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32, fp8_block: tuple[int, int] | None = None):
+    """(graphdef, abstract state of ShapeDtypeStructs) without allocating anything; with `fp8_block` the
+    `fp8_linear.FP8_AXES` leaves are abstract `Fp8BlockWeight`s of that block."""
     model = nnx.eval_shape(lambda: DeepseekV32(cfg, rngs=nnx.Rngs(0), dtype=dtype))
     graphdef, state = nnx.split(model)
+    if fp8_block is not None:
+        nnx.replace_by_pure_dict(state, jax.eval_shape(
+            lambda params: fp8_linear.quantize_params(params, fp8_block), nnx.to_pure_dict(state)))
     return graphdef, state
 
 
-def init_params(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> dict:
+def init_params(cfg: ModelConfig, seed: int, dtype=jnp.float32, fp8_block: tuple[int, int] | None = None) -> dict:
     """Random weights (normal / sqrt(fan_in), norms 1 + 0.1 normal) as a pure dict of jax arrays: the full,
     unsharded model on the default device (device 0), router / router_bias / index_weights in f32, the rest in
-    `dtype`. `jax.device_put` them with `param_specs` to shard."""
-    return nnx.to_pure_dict(nnx.state(DeepseekV32(cfg, rngs=nnx.Rngs(seed), dtype=dtype)))
+    `dtype`, or with `fp8_block` the `fp8_linear.FP8_AXES` leaves quantized to block fp8. `jax.device_put` them
+    with `param_specs` to shard."""
+    params = nnx.to_pure_dict(nnx.state(DeepseekV32(cfg, rngs=nnx.Rngs(seed), dtype=dtype)))
+    return params if fp8_block is None else fp8_linear.quantize_params(params, fp8_block)
 
 
 def merge(graphdef, abstract_state, params: dict) -> DeepseekV32:

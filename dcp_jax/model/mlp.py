@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dcp_jax.model import fp8_linear
 from dcp_jax.model.mesh import HEADS
-
-HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def dense_param(rngs: nnx.Rngs, shape, fan_in: int, dtype) -> nnx.Param:
@@ -21,10 +20,11 @@ def dense_param(rngs: nnx.Rngs, shape, fan_in: int, dtype) -> nnx.Param:
 
 
 def gated_mlp(x, gate, up, down):
-    """x [..., D], gate and up [D, F], down [F, D] -> down(silu(x gate) * x up) [..., D] in x's dtype."""
-    gated = jax.nn.silu(jnp.einsum("...d,df->...f", x, gate, precision=HIGHEST))
-    gated = gated * jnp.einsum("...d,df->...f", x, up, precision=HIGHEST)
-    return jnp.einsum("...f,fd->...d", gated, down, precision=HIGHEST)
+    """x [..., D], gate and up [D, F], down [F, D] (plain or block fp8) -> down(silu(x gate) * x up) [..., D] in
+    x's dtype."""
+    gated = jax.nn.silu(fp8_linear.einsum("...d,df->...f", x, gate))
+    gated = gated * fp8_linear.einsum("...d,df->...f", x, up)
+    return fp8_linear.einsum("...f,fd->...d", gated, down)
 
 
 class MLP(nnx.Module):
@@ -37,7 +37,7 @@ class MLP(nnx.Module):
 
     def partial(self, x):
         """Per rank, width F split over TP ranks: x [..., D] -> this rank's share [..., D] of the output."""
-        return gated_mlp(x, self.gate[...], self.up[...], self.down[...])
+        return gated_mlp(x, self.gate.get_value(), self.up.get_value(), self.down.get_value())
 
     def __call__(self, x):
         """Per rank: x [..., D] -> [..., D], summed over the TP ranks."""

@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dcp_jax.config import ModelConfig
+from dcp_jax.model import fp8_linear
 from dcp_jax.model.mesh import HEADS
 from dcp_jax.model.mlp import MLP, dense_param
 
@@ -70,9 +71,9 @@ def route(x, router, router_bias, cfg: ModelConfig):
 
 def grouped_experts(x, experts, weights, gate, up, down, *, first_expert):
     """x [R, D]; experts [R, k] global expert ids and weights [R, k] f32 (`route`); gate, up [x, D, F] and down
-    [x, F, D] the experts first_expert .. first_expert + x - 1 (an int, or a traced one) -> [R, D] in x's dtype:
-    each row's sum over its assignments to these experts of weight * down(silu(x gate) * x up). Assignments to
-    other experts add nothing. Only the rows routed to an expert are multiplied by its weights."""
+    [x, F, D] (plain or block fp8) the experts first_expert .. first_expert + x - 1 (an int, or a traced one) ->
+    [R, D] in x's dtype: each row's sum over its assignments to these experts of weight * down(silu(x gate) * x up).
+    Assignments to other experts add nothing. Only the rows routed to an expert are multiplied by its weights."""
     rows, per_row = experts.shape
     local_experts = gate.shape[0]
     # 1. Each assignment's local expert; another rank's goes to group x, past the last local one.
@@ -85,9 +86,9 @@ def grouped_experts(x, experts, weights, gate, up, down, *, first_expert):
     group_sizes = jnp.bincount(group, length=local_experts + 1)[:local_experts]
     # 3. The grouped GEMMs: expert j multiplies only its group_sizes[j] rows.
     sorted_x = x[row_of]  # [A, D]
-    hidden = jax.nn.silu(jax.lax.ragged_dot(sorted_x, gate, group_sizes, precision=HIGHEST))
-    hidden = hidden * jax.lax.ragged_dot(sorted_x, up, group_sizes, precision=HIGHEST)
-    out = jax.lax.ragged_dot(hidden, down, group_sizes, precision=HIGHEST)  # [A, D]
+    hidden = jax.nn.silu(fp8_linear.ragged_dot(sorted_x, gate, group_sizes))
+    hidden = hidden * fp8_linear.ragged_dot(sorted_x, up, group_sizes)
+    out = fp8_linear.ragged_dot(hidden, down, group_sizes)  # [A, D]
     # 4. Weighted sum back into the rows, in f32. Rows of group x are left unspecified by ragged_dot: selected
     # away, not multiplied by a zero weight (0 * NaN is NaN).
     weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
@@ -101,9 +102,9 @@ def dense_experts(x, experts, weights, gate, up, down, *, first_expert):
     local_experts = gate.shape[0]
     ids = first_expert + jnp.arange(local_experts)
     combine = jnp.sum(jnp.where(experts[:, :, None] == ids, weights[:, :, None], 0.0), axis=1)  # [R, x] f32
-    hidden = jax.nn.silu(jnp.einsum("rd,xdf->rxf", x, gate, precision=HIGHEST))
-    hidden = hidden * jnp.einsum("rd,xdf->rxf", x, up, precision=HIGHEST)
-    per_expert = jnp.einsum("rxf,xfd->rxd", hidden, down, precision=HIGHEST)
+    hidden = jax.nn.silu(fp8_linear.einsum("rd,xdf->rxf", x, gate))
+    hidden = hidden * fp8_linear.einsum("rd,xdf->rxf", x, up)
+    per_expert = fp8_linear.einsum("rxf,xfd->rxd", hidden, down)
     return jnp.einsum("rx,rxd->rd", combine, per_expert.astype(jnp.float32), precision=HIGHEST).astype(x.dtype)
 
 
@@ -144,8 +145,8 @@ class MoE(nnx.Module):
         """Per rank: x [R, D] -> this rank's share [R, D] of the output: its routed experts' and its slice of
         the shared experts'."""
         experts, weights = self.route(x)
-        routed = ROUTED_EXPERTS(x, experts, weights, self.experts_gate[...], self.experts_up[...],
-                                self.experts_down[...], first_expert=self.first_expert())
+        routed = ROUTED_EXPERTS(x, experts, weights, self.experts_gate.get_value(), self.experts_up.get_value(),
+                                self.experts_down.get_value(), first_expert=self.first_expert())
         return routed + self.shared.partial(x)
 
     def __call__(self, x):

@@ -9,9 +9,13 @@ with the step's sharding (`model.param_specs`: heads, MLP widths and routed expe
 
 Block-fp8 checkpoints (DeepSeek's release format: `quantization_config` {"quant_method": "fp8", "fmt": "e4m3",
 "weight_block_size": [bm, bn]}, e4m3 `X.weight` beside an f32 `X.weight_scale_inv` of one scale per bm x bn block)
-are dequantized on load (weight = e4m3 value x its block's scale) into the load dtype. Layers the config does
-not use are not read: the multi-token-prediction layers (`num_nextn_predict_layers`, numbered after the decoder
-layers), and decoder layers past a `num_hidden_layers` lowered to load only the first ones.
+load by `quantization` (vLLM's word): "auto" keeps the projections DeepSeek stores in fp8 (`fp8_linear.FP8_AXES`)
+in fp8, as `fp8_linear.Fp8BlockWeight`s of their e4m3 values and scales; "none" dequantizes them (weight = e4m3
+value x its block's scale) into the load dtype. Malformed scales (a wrong grid, a missing one, a non-finite or
+non-positive value) and a rank's slice of a split fp8 weight that is not whole blocks are ValueErrors naming the
+tensor, raised before anything is placed. Layers the config does not use are not read: the multi-token-prediction
+layers (`num_nextn_predict_layers`, numbered after the decoder layers), and decoder layers past a
+`num_hidden_layers` lowered to load only the first ones.
 """
 
 from __future__ import annotations
@@ -27,12 +31,17 @@ from flax import nnx
 import numpy as np
 from jax.sharding import Mesh
 
-from dcp_jax.config import ModelConfig
+from dcp_jax.config import QUANTIZATION_CHOICES, ModelConfig
+from dcp_jax.model import fp8_linear
 from dcp_jax.model.mesh import sharding
 from dcp_jax.model.deepseek_v32 import abstract_model, param_specs
 
 _ATTENTION = "self_attn."
 FP8 = "F8_E4M3"  # the safetensors dtype of DeepSeek's fp8 weights
+# The HF tensors of the `fp8_linear.FP8_AXES` leaves (names relative to a layer, experts' and shared ones included).
+_FP8_TENSORS = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight",
+                "o_proj.weight", "indexer.wq_b.weight", "indexer.wk.weight", "gate_proj.weight", "up_proj.weight",
+                "down_proj.weight")
 
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -233,6 +242,61 @@ def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, 
     return weight.astype(np.float32) * scales[: weight.shape[0], : weight.shape[1]]
 
 
+def kept_fp8_block(path: str, quantization: str) -> tuple[int, int] | None:
+    """The block of the fp8 weights `load_hf_params` keeps for `quantization` (`config.QUANTIZATION_CHOICES`): the
+    checkpoint's under "auto" when it is block fp8; None when the weights load in the load dtype."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization={quantization!r} must be one of {QUANTIZATION_CHOICES}")
+    return fp8_block_size(path) if quantization == "auto" else None
+
+
+def _layer_scales_to_ours(cfg: ModelConfig, scales: dict[str, np.ndarray], block: tuple[int, int],
+                          is_moe: bool) -> dict:
+    """One layer's weight_scale_inv grids (HF [out blocks, in blocks], keyed by their weight's name relative to the
+    layer) -> the scales of its fp8 leaves, [*batch, in blocks, out blocks] (`fp8_linear`), nested as our params."""
+    a = _ATTENTION
+    kv_b = scales[a + "kv_b_proj.weight"]
+    kv_b = kv_b.reshape(cfg.num_attention_heads, -1, kv_b.shape[1]).transpose(0, 2, 1)  # [H, C/bn, (N+V)/bm]
+    nope_blocks = cfg.qk_nope_head_dim // block[0]
+    attention = {"wq_a": scales[a + "q_a_proj.weight"].T, "wq_b": scales[a + "q_b_proj.weight"].T,
+                 "wkv_a": scales[a + "kv_a_proj_with_mqa.weight"].T, "w_uk": kv_b[..., :nope_blocks],
+                 "w_uv": kv_b[..., nope_blocks:], "wo": scales[a + "o_proj.weight"].T,
+                 "index_wq": scales[a + "indexer.wq_b.weight"].T, "index_wk": scales[a + "indexer.wk.weight"].T}
+    if is_moe:
+        experts = range(cfg.n_routed_experts)
+        mlp = {f"experts_{kind}": np.stack([scales[f"mlp.experts.{x}.{kind}_proj.weight"].T for x in experts])
+               for kind in ("gate", "up", "down")}
+        mlp["shared"] = _mlp_to_ours(scales, "mlp.shared_experts.")
+    else:
+        mlp = _mlp_to_ours(scales, "mlp.")
+    return {"attention": attention, "mlp": mlp}
+
+
+def _with_scales(ours: dict, scales: dict, block: tuple[int, int]) -> dict:
+    """`ours` with each leaf that `scales` (nested alike) names an Fp8BlockWeight of its e4m3 values and scales."""
+    out = dict(ours)
+    for key, s in scales.items():
+        out[key] = (_with_scales(ours[key], s, block) if isinstance(s, dict)
+                    else fp8_linear.Fp8BlockWeight(ours[key], s, block, *fp8_linear.FP8_AXES[key]))
+    return out
+
+
+def _fp8_problems(cfg: ModelConfig, reader: _Reader, scales: dict[str, str], scale_values: dict[str, np.ndarray],
+                  block: tuple[int, int], is_kept: bool) -> list[str]:
+    """What stops a block fp8 checkpoint from loading: scales that are not finite and positive (the weight would
+    be NaN or zero), and when kept in fp8, an fp8 leaf's tensor stored without a scale or kv_b_proj blocks that
+    straddle the k_nope / v rows of a head."""
+    problems = [f"{scales[n]}: a non-finite or non-positive scale" for n, s in scale_values.items()
+                if not np.all(np.isfinite(s) & (s > 0))]
+    if is_kept:
+        problems += [f"{n}: {reader.dtype(n)} without a weight_scale_inv; load with quantization='none'"
+                     for n in hf_tensor_shapes(cfg) if n.endswith(_FP8_TENSORS) and n not in scales]
+        if cfg.qk_nope_head_dim % block[0] or cfg.v_head_dim % block[0]:
+            problems.append(f"kv_b_proj: blocks of {block[0]} rows straddle a head's {cfg.qk_nope_head_dim} k_nope "
+                            f"and {cfg.v_head_dim} v rows; load with quantization='none'")
+    return problems
+
+
 def _unused_layer_names(path: str, cfg: ModelConfig, names) -> set[str]:
     """Tensors of the checkpoint's layers that `cfg` does not use: decoder layers past a truncated
     `cfg.num_hidden_layers`, and the multi-token-prediction layers numbered after the decoder's."""
@@ -255,15 +319,18 @@ def _place(tree, specs, abstract, mesh: Mesh | None):
 
 
 def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None = None, dtype=jnp.float32,
-                   progress: Callable | None = None, *, expert_parallel: bool = False) -> dict:
+                   progress: Callable | None = None, *, expert_parallel: bool = False,
+                   quantization: str = "auto") -> dict:
     """Read a HF checkpoint directory into our pure-dict params, placed on `mesh` with `model.param_specs` (routed
-    experts split along X when `expert_parallel`, else along F; default device when `mesh` is None). Raises
-    ValueError listing missing / unexpected tensors or shape mismatches before any conversion. `progress(iterable)`
-    may wrap the per-layer loop (e.g. tqdm)."""
+    experts split along X when `expert_parallel`, else along F; default device when `mesh` is None). A block fp8
+    checkpoint's fp8 weights stay fp8 under `quantization` "auto" and load in `dtype` under "none". Raises
+    ValueError listing missing / unexpected tensors, shape mismatches or malformed fp8 scales before any
+    conversion. `progress(iterable)` may wrap the per-layer loop (e.g. tqdm)."""
     path = os.fspath(path)
     reader = _Reader(_safetensors_files(path))
     expected = hf_tensor_shapes(cfg)
     block = fp8_block_size(path)
+    kept_block = kept_fp8_block(path, quantization)
     scales = {n: n + "_scale_inv" for n, shape in expected.items()
               if block and len(shape) == 2 and n + "_scale_inv" in reader.location}
     ignored = _unused_layer_names(path, cfg, reader.location)
@@ -283,27 +350,46 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
               for n in expected if (reader.dtype(n) == FP8) != (n in scales)]
     if wrong:
         raise ValueError(f"checkpoint {path} has tensors of the wrong shape or type: {wrong[:20]}")
+    scale_values = {n: reader.get(s) for n, s in scales.items()}
+    wrong = _fp8_problems(cfg, reader, scales, scale_values, block, kept_block is not None)
+    if wrong:
+        raise ValueError(f"checkpoint {path} has malformed fp8 weights: {wrong[:20]}")
+    kept_names = {n for n in scales if kept_block and n.endswith(_FP8_TENSORS)}
 
     def read(name: str) -> np.ndarray:
-        if name in scales:
-            return dequantize_fp8(reader.get(name), reader.get(scales[name]), block)
+        """The tensor as stored, or dequantized from fp8 unless it is kept."""
+        if name in scales and name not in kept_names:
+            return dequantize_fp8(reader.get(name), scale_values[name], block)
         return reader.get(name)
 
-    _, abstract = abstract_model(cfg, dtype)
+    _, abstract = abstract_model(cfg, dtype, kept_block)
     abstract = nnx.to_pure_dict(abstract)
     specs = param_specs(abstract, expert_parallel=expert_parallel)
+    if mesh is not None:
+        _check_fp8_shardable(abstract, specs, mesh)
     layers = range(cfg.num_hidden_layers)
     params = {"layers": {}}
     for layer in progress(layers) if progress else layers:
         prefix = f"model.layers.{layer}."
-        tensors = {n[len(prefix):]: read(n) for n in expected if n.startswith(prefix)}
-        params["layers"][layer] = _place(layer_to_ours(cfg, layer, tensors), specs["layers"][layer],
-                                         abstract["layers"][layer], mesh)
+        names = [n for n in expected if n.startswith(prefix)]
+        ours = layer_to_ours(cfg, layer, {n[len(prefix):]: read(n) for n in names})
+        if kept_block:
+            layer_scales = {n[len(prefix):]: scale_values[n] for n in names if n in kept_names}
+            ours = _with_scales(ours, _layer_scales_to_ours(cfg, layer_scales, kept_block, cfg.is_moe_layer(layer)),
+                                kept_block)
+        params["layers"][layer] = _place(ours, specs["layers"][layer], abstract["layers"][layer], mesh)
     top = {"embed": read("model.embed_tokens.weight"), "final_norm": read("model.norm.weight"),
            "lm_head": read("lm_head.weight").T}
     params |= {k: _place(v, specs[k], abstract[k], mesh) for k, v in top.items()}
     _check_filled(abstract, params)
     return params
+
+
+def _check_fp8_shardable(abstract: dict, specs: dict, mesh: Mesh) -> None:
+    flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=fp8_linear.is_fp8)[0]
+    for (path, leaf), spec in zip(flat, jax.tree.leaves(specs, is_leaf=fp8_linear.is_fp8)):
+        if fp8_linear.is_fp8(leaf):
+            fp8_linear.check_shardable(jax.tree_util.keystr(path), leaf, spec.values, dict(mesh.shape))
 
 
 def _check_filled(abstract: dict, params: dict) -> None:

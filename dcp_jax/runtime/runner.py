@@ -26,6 +26,7 @@ from dcp_jax.host.layout import DcpLayout
 from dcp_jax.host.metadata import (MIN_TOKENS_STOP_IDS, PROMPT, SamplingMetadata, SamplingTable, ScheduledRows,
                                    StepInputs, build_step)
 from dcp_jax.host.sampling import SamplingParams
+from dcp_jax.model import fp8_linear
 from dcp_jax.model.deepseek_v32 import abstract_model, param_specs
 from dcp_jax.model.kv_cache import allocate_kv_cache
 from dcp_jax.model.mesh import REPLICATED, sharding
@@ -78,7 +79,8 @@ class ModelRunner:
 
     Every program donates the device state: when one raises, the state may be gone (`kv_cache_is_usable`), and
     `reset_state` allocates a fresh zeroed one (every context it held is lost). `backend` names the kernels'
-    implementation (`pallas_kernels.BACKENDS`); `dtype` is the weights' and the exact caches' dtype."""
+    implementation (`pallas_kernels.BACKENDS`); `dtype` is the weights' (block fp8 ones apart: `fp8_linear`) and
+    the exact caches' dtype."""
 
     def __init__(self, cfg: ModelConfig, params: dict, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh,
                  backend: str, *, dtype=jnp.float32):
@@ -88,7 +90,7 @@ class ModelRunner:
         self.scratch_slot = engine.max_num_seqs
         self.sampling_table = SamplingTable(engine.max_num_seqs + 1, scratch_slot=self.scratch_slot,
                                             eos_token_id=cfg.eos_token_id)
-        graphdef, abstract = abstract_model(cfg, dtype)
+        graphdef, abstract = abstract_model(cfg, dtype, fp8_linear.weight_block(params))
         # Keyed by variant (`forward.VARIANTS`), one program per bucket each.
         self.steps = {
             variant: StepProgram(

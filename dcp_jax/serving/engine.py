@@ -77,7 +77,10 @@ class Engine:
     latent_cache: the MLA latent cache, "exact" (the pool's dtype) or "fp8" (656 B/token at DeepSeek's sizes: e4m3
     latent with an f32 scale per 128 columns, bf16 rope; attention reads the dequantized values, and on a GPU its
     kernel computes in bf16).
-    dtype: "auto" (the checkpoint's; bfloat16 for presets), "bfloat16" or "float32".
+    dtype: "auto" (the checkpoint's; bfloat16 for presets), "bfloat16" or "float32": the activations' and the
+    weights' not kept in fp8.
+    quantization: "auto" (the checkpoint's: a block fp8 checkpoint's linear weights stay e4m3 with their block
+    scales, multiplied by a fine-grained fp8 GEMM) or "none" (dequantized into dtype on load).
     num_pages None: what fits gpu_memory_utilization of the GPU's memory after the weights (CPU: max_num_seqs
     requests of max_model_len).
     async_scheduling: dispatch each step before reading the previous one's tokens (`core.py`).
@@ -96,7 +99,7 @@ class Engine:
                  dtype: str = "auto", gpu_memory_utilization: float = 0.9, async_scheduling: bool = True,
                  enable_prefix_caching: bool = False, prompt_logprobs: bool = True,
                  compilation_cache_dir: str | None = None, progress: bool = True,
-                 enable_expert_parallel: bool = False):
+                 enable_expert_parallel: bool = False, quantization: str = "auto"):
         import jax
 
         if compilation_cache_dir:
@@ -108,7 +111,7 @@ class Engine:
                             kernels=kernels, seed=seed, num_layers=num_layers, index_cache=index_cache,
                             latent_cache=latent_cache, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                             max_num_batched_tokens=max_num_batched_tokens,
-                            enable_expert_parallel=enable_expert_parallel)
+                            enable_expert_parallel=enable_expert_parallel, quantization=quantization)
         self.model_name, self.dtype = loaded.name, loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend

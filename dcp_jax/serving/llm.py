@@ -58,7 +58,10 @@ class LLM:
     latent_cache: the MLA latent cache, "exact" (the pool's dtype) or "fp8" (656 B/token at DeepSeek's sizes: e4m3
     latent with an f32 scale per 128 columns, bf16 rope; attention reads the dequantized values, and on a GPU its
     kernel computes in bf16).
-    dtype: "auto" (the checkpoint's; bfloat16 for presets), "bfloat16" or "float32".
+    dtype: "auto" (the checkpoint's; bfloat16 for presets), "bfloat16" or "float32": the activations' and the
+    weights' not kept in fp8.
+    quantization: "auto" (the checkpoint's: a block fp8 checkpoint's linear weights stay e4m3 with their block
+    scales, multiplied by a fine-grained fp8 GEMM) or "none" (dequantized into dtype on load).
     num_pages None: what fits gpu_memory_utilization of the GPU's memory after the weights (CPU: max_num_seqs
     requests of max_model_len).
     max_num_batched_tokens: rows of one step at most (decode rows and prefill-chunk tokens; vLLM's name).
@@ -73,13 +76,13 @@ class LLM:
                  index_cache: str = "exact", latent_cache: str = "exact", dtype: str = "auto",
                  gpu_memory_utilization: float = 0.9, async_scheduling: bool = True,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, enable_prefix_caching: bool = False,
-                 enable_expert_parallel: bool = False):
+                 enable_expert_parallel: bool = False, quantization: str = "auto"):
         loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len, kernels=kernels, seed=seed,
                             num_layers=num_layers, index_cache=index_cache, latent_cache=latent_cache, dtype=dtype,
                             gpu_memory_utilization=gpu_memory_utilization,
                             max_num_batched_tokens=max_num_batched_tokens,
-                            enable_expert_parallel=enable_expert_parallel)
+                            enable_expert_parallel=enable_expert_parallel, quantization=quantization)
         self.dtype = loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend

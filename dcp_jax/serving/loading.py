@@ -7,8 +7,8 @@ import logging
 import os
 from collections.abc import Sequence
 
-from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, KERNEL_CHOICES, PRESETS, EngineConfig,
-                            ModelConfig, ParallelConfig, preset, resolve_dtype)
+from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, KERNEL_CHOICES, PRESETS,
+                            QUANTIZATION_CHOICES, EngineConfig, ModelConfig, ParallelConfig, preset, resolve_dtype)
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.serving.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -105,7 +105,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
                kernels: str = "auto", seed: int = 0, num_layers: int | None = None, index_cache: str = "exact",
                latent_cache: str = "exact", dtype: str = "auto", gpu_memory_utilization: float = 0.9,
                max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-               enable_expert_parallel: bool = False) -> LoadedModel:
+               enable_expert_parallel: bool = False, quantization: str = "auto") -> LoadedModel:
     """Validate the arguments, then load weights (an HF directory) or draw random ones (a preset), placed on a
     (tp/dcp, dcp) mesh; on CPU `tp` simulated devices are used. `dtype` (`config.DTYPE_CHOICES`): the weights',
     activations' and exact caches' dtype; auto is the checkpoint's (bfloat16 for presets). `max_model_len` None:
@@ -115,7 +115,9 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     (`config.INDEX_CACHE_FORMATS`), latents in format `latent_cache` (`config.LATENT_CACHE_FORMATS`). `num_layers`
     keeps only the first decoder layers (of a preset or of the checkpoint); `max_num_batched_tokens` the rows (decode
     rows and prefill-chunk tokens) of a step at most (`EngineConfig`); `enable_expert_parallel` splits the routed
-    experts whole over the tp ranks instead of along their width (`ParallelConfig`)."""
+    experts whole over the tp ranks instead of along their width (`ParallelConfig`). `quantization`
+    (`config.QUANTIZATION_CHOICES`): auto keeps a block fp8 checkpoint's fp8 weights in fp8 (`dtype` stays the
+    activations' and the rest's), none dequantizes them into `dtype`."""
     parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave,
                               enable_expert_parallel=enable_expert_parallel)
     layout = DcpLayout(parallel.dcp, parallel.interleave, page_size)
@@ -135,6 +137,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
             raise ValueError(f"{num_layers=} must be in [1, {cfg.num_hidden_layers}] (the checkpoint's layers)")
         cfg = dataclasses.replace(cfg, num_hidden_layers=num_layers)
     dtype = resolve_dtype(dtype, cfg)
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization={quantization!r} must be one of {QUANTIZATION_CHOICES}")
     if num_pages is not None:
         resolve_max_model_len(cfg, layout, max_model_len, num_pages)  # refuse a bad length before any load
     use_cpu_devices(parallel.tp)
@@ -149,6 +153,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     from dcp_jax.model.attention.cache_formats import check_latent_format
     from dcp_jax.model.attention.sparse_dcp import kernel_backend
     from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, param_specs
+    from dcp_jax.model.fp8_linear import weight_block
     from dcp_jax.model.mesh import make_mesh, sharding
     from dcp_jax.model.weights import load_hf_params
     from dcp_jax.runtime.runner import ModelRunner
@@ -157,10 +162,11 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     check_latent_format(latent_cache, cfg)
     mesh = make_mesh(parallel)
     if is_dir:
-        params = load_hf_params(cfg, model, mesh, dtype=jnp.dtype(dtype), expert_parallel=enable_expert_parallel)
+        params = load_hf_params(cfg, model, mesh, dtype=jnp.dtype(dtype), expert_parallel=enable_expert_parallel,
+                                quantization=quantization)
     else:
         params = init_params(cfg, seed, jnp.dtype(dtype))
-    specs = param_specs(nnx.to_pure_dict(abstract_model(cfg, jnp.dtype(dtype))[1]),
+    specs = param_specs(nnx.to_pure_dict(abstract_model(cfg, jnp.dtype(dtype), weight_block(params))[1]),
                         expert_parallel=enable_expert_parallel)
     params = jax.device_put(params, jax.tree.map(lambda spec: sharding(mesh, spec), specs))
     if num_pages is None:

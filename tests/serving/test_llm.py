@@ -192,3 +192,22 @@ def test_a_step_runs_the_program_its_rows_need():
     assert serving_variants([greedy, greedy]) == ("greedy",)
     assert serving_variants([hot]) == ("sampled",)
     assert serving_variants([hot, greedy]) == ("greedy", "sampled")
+
+
+def test_llm_keeps_a_block_fp8_checkpoint_in_fp8_and_generates(tmp_path):
+    """DeepSeek's release format loads with quantization "auto": the placed projections are e4m3 with f32 block
+    scales, split over the ranks, and greedy generation runs (its closeness to the dequantized model is
+    tests/model/test_weights.py's)."""
+    from tests.model import test_weights as w
+
+    tensors = hf_tiny.random_tensors(w.HF_CONFIG, seed=5)
+    w._write_fp8(tmp_path, tensors | w._block_fp8(tensors, w.BLOCK16)[0] | w.MTP, w.FP8_16_CONFIG)
+    llm = LLM(str(tmp_path), dcp=2, tp=2, max_num_seqs=2, max_model_len=32, page_size=4)
+    layer = llm.runner.params["layers"][1]
+    for weight in (layer["attention"]["wq_b"], layer["attention"]["wo"], layer["mlp"]["experts_down"]):
+        assert weight.values.dtype == np.dtype("float8_e4m3fn") and weight.scales.dtype == np.float32
+        assert len(weight.values.sharding.device_set) == 2
+    assert layer["mlp"]["router"].dtype == np.float32
+    outs = llm.generate(prompt_token_ids=[[5, 9, 17, 3], [300, 12]], sampling_params=SamplingParams(
+        max_tokens=4, temperature=0, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]

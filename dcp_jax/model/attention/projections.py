@@ -10,6 +10,8 @@ import jax.numpy as jnp
 
 from dcp_jax.model.attention.params import AttentionParams
 from dcp_jax.config import ModelConfig
+from dcp_jax.model import fp8_linear
+from dcp_jax.model.fp8_linear import einsum
 from dcp_jax.model.rope import apply_rope
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -35,43 +37,47 @@ def layer_norm(x, weight, bias, eps):
 
 def mla_query(p: AttentionParams, x, cos, sin, cfg: ModelConfig):
     """x [R, D] -> (q_resid [R, Q], q_nope [R, H, N], roped q_pe [R, H, E]) for the heads in `p`."""
-    q_resid = rms_norm(jnp.einsum("rd,dq->rq", x, p.wq_a, precision=HIGHEST), p.q_a_norm, LATENT_NORM_EPS)
-    q = jnp.einsum("rq,qhk->rhk", q_resid, p.wq_b, precision=HIGHEST)
+    q_resid = rms_norm(einsum("rd,dq->rq", x, p.wq_a), p.q_a_norm, LATENT_NORM_EPS)
+    q = einsum("rq,qhk->rhk", q_resid, p.wq_b)
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
     return q_resid, q_nope, apply_rope(q_pe, cos, sin, interleaved=True)
 
 
 def mla_latent(p: AttentionParams, x, cos, sin, cfg: ModelConfig):
     """x [R, D] -> the cached MLA entry [R, C+E]: normed latent c, then the roped shared key k_pe."""
-    ckv = jnp.einsum("rd,dc->rc", x, p.wkv_a, precision=HIGHEST)
+    ckv = einsum("rd,dc->rc", x, p.wkv_a)
     c = rms_norm(ckv[..., : cfg.kv_lora_rank], p.kv_a_norm, LATENT_NORM_EPS)
     k_pe = apply_rope(ckv[..., None, cfg.kv_lora_rank :], cos, sin, interleaved=True)[..., 0, :]
     return jnp.concatenate([c, k_pe], axis=-1)
 
 
 def absorb_query(p: AttentionParams, q_nope, q_pe):
-    """MQA form of the query: [q_nope @ W_UK | q_pe] -> [R, H, C+E], scored against cached [c | k_pe]."""
-    q_latent = jnp.einsum("rhn,hnc->rhc", q_nope, p.w_uk, precision=HIGHEST)
+    """MQA form of the query: [q_nope @ W_UK | q_pe] -> [R, H, C+E], scored against cached [c | k_pe]. A block
+    fp8 W_UK is dequantized (it contracts its output axis N), as DeepSeek's inference dequantizes kv_b_proj for
+    the absorbed products."""
+    w_uk = fp8_linear.weight_values(p.w_uk, q_nope.dtype)
+    q_latent = jnp.einsum("rhn,hnc->rhc", q_nope, w_uk, precision=HIGHEST)
     return jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)
 
 
 def output_projection(p: AttentionParams, latent_out):
-    """Attention output in latent space [R, H, C] -> partial hidden [R, D] of the heads in `p`."""
-    per_head = jnp.einsum("rhc,hvc->rhv", latent_out, p.w_uv, precision=HIGHEST)
-    return jnp.einsum("rhv,hvd->rd", per_head, p.wo, precision=HIGHEST)
+    """Attention output in latent space [R, H, C] -> partial hidden [R, D] of the heads in `p`. A block fp8
+    W_UV is dequantized, as W_UK (`absorb_query`)."""
+    w_uv = fp8_linear.weight_values(p.w_uv, latent_out.dtype)
+    per_head = jnp.einsum("rhc,hvc->rhv", latent_out, w_uv, precision=HIGHEST)
+    return einsum("rhv,hvd->rd", per_head, p.wo)
 
 
 def index_query(p: AttentionParams, q_resid, cos, sin, cfg: ModelConfig):
     """q_resid [R, Q] -> indexer queries [R, I, J]; layout [rope | nope], half-split RoPE."""
-    q = jnp.einsum("rq,qij->rij", q_resid, p.index_wq, precision=HIGHEST)
+    q = einsum("rq,qij->rij", q_resid, p.index_wq)
     e = cfg.qk_rope_head_dim
     return jnp.concatenate([apply_rope(q[..., :e], cos, sin, interleaved=False), q[..., e:]], axis=-1)
 
 
 def index_key(p: AttentionParams, x, cos, sin, cfg: ModelConfig):
     """x [R, D] -> indexer key [R, J]: LayerNorm (with bias), [rope | nope], half-split RoPE."""
-    k = layer_norm(jnp.einsum("rd,dj->rj", x, p.index_wk, precision=HIGHEST), p.index_k_norm,
-                   p.index_k_norm_bias, INDEX_NORM_EPS)
+    k = layer_norm(einsum("rd,dj->rj", x, p.index_wk), p.index_k_norm, p.index_k_norm_bias, INDEX_NORM_EPS)
     e = cfg.qk_rope_head_dim
     k_pe = apply_rope(k[..., None, :e], cos, sin, interleaved=False)[..., 0, :]
     return jnp.concatenate([k_pe, k[..., e:]], axis=-1)

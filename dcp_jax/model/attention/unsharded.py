@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from dcp_jax.model.attention import cache_formats, projections
 from dcp_jax.model.attention.params import AttentionParams
 from dcp_jax.config import ModelConfig
+from dcp_jax.model import fp8_linear
 from pallas_kernels import reference
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -30,8 +31,9 @@ def sparse_attention_unsharded(p: AttentionParams, x, latents, index_keys, cos_s
     t = latents.shape[1]
     is_selected = jnp.any(jnp.arange(t)[None, :, None] == selected[:, None, :], axis=-1)  # [R, T]
     c, k_pe = latents[..., : cfg.kv_lora_rank], latents[..., cfg.kv_lora_rank :]
-    k_nope = jnp.einsum("rtc,hnc->rthn", c, p.w_uk, precision=HIGHEST)
-    values = jnp.einsum("rtc,hvc->rthv", c, p.w_uv, precision=HIGHEST)
+    # kv_b_proj as a linear layer (dequantized when block fp8, as in `projections.absorb_query`).
+    k_nope = jnp.einsum("rtc,hnc->rthn", c, fp8_linear.weight_values(p.w_uk, c.dtype), precision=HIGHEST)
+    values = jnp.einsum("rtc,hvc->rthv", c, fp8_linear.weight_values(p.w_uv, c.dtype), precision=HIGHEST)
     logits = (
         jnp.einsum("rhn,rthn->rht", q_nope, k_nope, precision=HIGHEST)
         + jnp.einsum("rhe,rte->rht", q_pe, k_pe, precision=HIGHEST)
@@ -40,4 +42,4 @@ def sparse_attention_unsharded(p: AttentionParams, x, latents, index_keys, cos_s
     probs = jax.nn.softmax(logits, axis=-1)
     probs = jnp.where(is_selected[:, None, :], probs, 0.0)  # rows with nothing selected: NaN -> 0
     per_head = jnp.einsum("rht,rthv->rhv", probs, values, precision=HIGHEST)
-    return jnp.einsum("rhv,hvd->rd", per_head, p.wo, precision=HIGHEST), selected
+    return fp8_linear.einsum("rhv,hvd->rd", per_head, p.wo), selected

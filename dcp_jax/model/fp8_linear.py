@@ -1,0 +1,224 @@
+"""Block-fp8 weights kept in fp8 (DeepSeek's release format) and the one place a linear layer multiplies.
+
+Format (`Fp8BlockWeight`): `values` float8_e4m3fn in our layout (the plain weight's: `deepseek_v32.py`) and
+`scales` f32 [*batch, ceil(K / bn), ceil(N / bm)], the checkpoint's `weight_scale_inv` grid transposed to
+[input blocks, output blocks]. K is the product of the weight's input axes (`in_axes`, contracted by x @ W), N
+that of its output axes (`out_axes`), batch the leading other axes (the experts X; the heads H of w_uk / w_uv,
+whose rows are blocks of kv_b_proj's). (bm, bn) = `block` is HF's weight_block_size: bm output rows by bn input
+columns; edge blocks are partial. A weight element is its e4m3 value times its block's scale.
+
+Sharding (`weight_spec`): the scales split like the values: their batch axes as the values', the input-block axis
+as the first input axis, the output-block axis as the first output axis. A rank's slice must be whole blocks
+(`check_shardable`).
+
+Multiplying (`einsum`, `ragged_dot`: plain weights multiply in full precision as before). With an
+`Fp8BlockWeight` it is DeepSeek's fine-grained fp8 GEMM: the activations are quantized at run time per token per
+bn channels of K (`act_quant`: e4m3, f32 scale amax / 448; DeepSeek's group of 128 is its weights' block), the
+products are accumulated in f32 and the output has the activations' dtype. This module is its pure-jnp reference:
+it multiplies the dequantized operands in f32, the same sum since a block's two scales factor out of it. The GPU
+kernel (Mosaic GPU wgmma) plugs in at `_fp8_einsum` and `_fp8_ragged_dot`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.formats import AMAX_FLOOR, E4M3_MAX
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+# (in_axes, out_axes) of each leaf DeepSeek's release stores in block fp8 (`memory_plan.BLOCK_FP8_LEAVES`).
+FP8_AXES = {
+    "wq_a": ((0,), (1,)),  # [D, Q]
+    "wq_b": ((0,), (1, 2)),  # [Q, H, N+E]
+    "wkv_a": ((0,), (1,)),  # [D, C+E]
+    "w_uk": ((2,), (1,)),  # [H, N, C]: HF's per-head [out, in]
+    "w_uv": ((2,), (1,)),  # [H, V, C]
+    "wo": ((0, 1), (2,)),  # [H, V, D]
+    "index_wq": ((0,), (1, 2)),  # [Q, I, J]
+    "index_wk": ((0,), (1,)),  # [D, J]
+    "gate": ((0,), (1,)),  # [D, F]
+    "up": ((0,), (1,)),  # [D, F]
+    "down": ((0,), (1,)),  # [F, D]
+    "experts_gate": ((1,), (2,)),  # [X, D, F]
+    "experts_up": ((1,), (2,)),  # [X, D, F]
+    "experts_down": ((1,), (2,)),  # [X, F, D]
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8BlockWeight:
+    """A block-fp8 weight (module docstring); `shape` is the plain weight's."""
+
+    # float8_e4m3fn in the plain weight's layout, sharded as it is.
+    values: jax.Array
+    # f32 [*batch, ceil(K / bn), ceil(N / bm)]: one scale per block, split as `weight_spec` says.
+    scales: jax.Array
+    # HF's weight_block_size (bm output rows, bn input columns).
+    block: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+    # The axes of `values` that x @ W contracts (K, flattened in order) and those it produces (N); the leading
+    # others are batch axes.
+    in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    out_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def batch_axes(self) -> tuple[int, ...]:
+        return tuple(range(self.values.ndim - len(self.in_axes) - len(self.out_axes)))
+
+
+def is_fp8(x) -> bool:
+    return isinstance(x, Fp8BlockWeight)
+
+
+def _to_matrix(x, in_axes, out_axes):
+    """x in our layout -> [*batch, K, N]."""
+    batch = tuple(range(x.ndim - len(in_axes) - len(out_axes)))
+    k = math.prod(x.shape[a] for a in in_axes)
+    n = math.prod(x.shape[a] for a in out_axes)
+    return jnp.transpose(x, batch + in_axes + out_axes).reshape(*x.shape[: len(batch)], k, n)
+
+
+def _from_matrix(m, shape, in_axes, out_axes):
+    """Inverse of `_to_matrix`: [*batch, K, N] -> our layout of `shape`."""
+    batch = tuple(range(len(shape) - len(in_axes) - len(out_axes)))
+    order = batch + in_axes + out_axes
+    return jnp.transpose(m.reshape([shape[a] for a in order]), [order.index(a) for a in range(len(shape))])
+
+
+def _expand(scales, rows: int, cols: int, block_rows: int, block_cols: int):
+    """[..., ceil(rows/br), ceil(cols/bc)] -> one scale per element [..., rows, cols] (edge blocks partial)."""
+    return jnp.repeat(jnp.repeat(scales, block_rows, axis=-2)[..., :rows, :], block_cols, axis=-1)[..., :cols]
+
+
+def quantize(w, block: tuple[int, int], in_axes: tuple[int, ...], out_axes: tuple[int, ...]) -> Fp8BlockWeight:
+    """A weight in our layout -> its block fp8 form: per block, scale = amax / 448 (amax floored at 1e-4, so an
+    all-zero block keeps a finite scale) and values e4m3(w / scale), as DeepSeek's release was made."""
+    bm, bn = block
+    m = _to_matrix(w.astype(jnp.float32), in_axes, out_axes)
+    k, n = m.shape[-2:]
+    padded = jnp.pad(jnp.abs(m), [(0, 0)] * (m.ndim - 2) + [(0, -k % bn), (0, -n % bm)])
+    blocks = padded.reshape(*m.shape[:-2], padded.shape[-2] // bn, bn, padded.shape[-1] // bm, bm)
+    scales = jnp.maximum(blocks.max(axis=(-3, -1)), AMAX_FLOOR) / E4M3_MAX
+    values = (m / _expand(scales, k, n, bn, bm)).astype(jnp.float8_e4m3fn)
+    return Fp8BlockWeight(_from_matrix(values, w.shape, in_axes, out_axes), scales, tuple(block), in_axes, out_axes)
+
+
+def dequantize(w: Fp8BlockWeight):
+    """f32 weight in our layout: each e4m3 value times its block's scale."""
+    m = _to_matrix(w.values.astype(jnp.float32), w.in_axes, w.out_axes)
+    bm, bn = w.block
+    return _from_matrix(m * _expand(w.scales, *m.shape[-2:], bn, bm), w.shape, w.in_axes, w.out_axes)
+
+
+def weight_values(w, dtype):
+    """The weight as a plain array: a plain one as it is, an `Fp8BlockWeight` dequantized into `dtype`."""
+    return dequantize(w).astype(dtype) if isinstance(w, Fp8BlockWeight) else w
+
+
+def act_quant(x, group: int):
+    """DeepSeek's act_quant over the last axis in groups of `group` channels (the last one partial): x [..., K] ->
+    (e4m3 values [..., K], f32 scales [..., ceil(K / group)]) with scale = max(amax, 1e-4) / 448."""
+    k = x.shape[-1]
+    padded = jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, -k % group)])
+    groups = padded.reshape(*x.shape[:-1], -1, group)
+    scales = jnp.maximum(jnp.abs(groups).max(axis=-1), AMAX_FLOOR) / E4M3_MAX
+    values = (groups / scales[..., None]).astype(jnp.float8_e4m3fn).reshape(padded.shape)[..., :k]
+    return values, scales
+
+
+def _quantized_activations(x, axes: int, group: int):
+    """x with its last `axes` axes (flattened, in order) through act_quant and back, in f32."""
+    lead = x.shape[: x.ndim - axes]
+    flat = x.reshape(*lead, -1)
+    values, scales = act_quant(flat, group)
+    per_channel = jnp.repeat(scales, group, axis=-1)[..., : flat.shape[-1]]
+    return (values.astype(jnp.float32) * per_channel).reshape(x.shape)
+
+
+def einsum(equation: str, x, w):
+    """`jnp.einsum(equation, x, w)` for activations x and a weight w, plain or `Fp8BlockWeight`; output in x's
+    dtype. With fp8 the contracted letters must be w's input axes, in order, and x's last axes."""
+    if isinstance(w, Fp8BlockWeight):
+        return _fp8_einsum(equation, x, w)
+    return jnp.einsum(equation, x, w, precision=HIGHEST)
+
+
+def _fp8_einsum(equation: str, x, w: Fp8BlockWeight):
+    inputs, output = equation.replace("...", "").split("->")
+    lhs, rhs = inputs.split(",")
+    contracted = "".join(rhs[a] for a in w.in_axes)
+    if set(contracted) != set(lhs) & set(rhs) - set(output) or not lhs.endswith(contracted):
+        raise ValueError(f"{equation=}: an fp8 weight contracts its input axes {contracted!r}, the activations' last")
+    x32 = _quantized_activations(x, len(contracted), w.block[1])
+    return jnp.einsum(equation, x32, dequantize(w), precision=HIGHEST).astype(x.dtype)
+
+
+def ragged_dot(x, w, group_sizes):
+    """`jax.lax.ragged_dot(x [A, K], w [G, K, N], group_sizes)` for a plain or `Fp8BlockWeight` w; x's dtype."""
+    if isinstance(w, Fp8BlockWeight):
+        return _fp8_ragged_dot(x, w, group_sizes)
+    return jax.lax.ragged_dot(x, w, group_sizes, precision=HIGHEST)
+
+
+def _fp8_ragged_dot(x, w: Fp8BlockWeight, group_sizes):
+    x32 = _quantized_activations(x, 1, w.block[1])
+    return jax.lax.ragged_dot(x32, dequantize(w), group_sizes, precision=HIGHEST).astype(x.dtype)
+
+
+def quantize_params(params: dict, block: tuple[int, int]) -> dict:
+    """A pure-dict model state with every `FP8_AXES` leaf quantized (`quantize`); the rest unchanged. Under
+    `jax.eval_shape` it gives the abstract fp8 state."""
+
+    def leaf(path, x):
+        name = getattr(path[-1], "key", None)
+        return quantize(x, block, *FP8_AXES[name]) if name in FP8_AXES else x
+
+    return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def weight_block(params) -> tuple[int, int] | None:
+    """The block of the `Fp8BlockWeight`s in `params` (None when every weight is plain)."""
+    blocks = {leaf.block for leaf in jax.tree.leaves(params, is_leaf=is_fp8) if is_fp8(leaf)}
+    if len(blocks) > 1:
+        raise ValueError(f"the fp8 weights mix blocks {sorted(blocks)}")
+    return blocks.pop() if blocks else None
+
+
+def _padded(spec: P, ndim: int) -> tuple:
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def weight_spec(w: Fp8BlockWeight, spec: P) -> Fp8BlockWeight:
+    """The specs of w's values (`spec`, the plain weight's) and scales (module docstring), as an Fp8BlockWeight."""
+    axes = _padded(spec, len(w.shape))
+    for group in (w.in_axes, w.out_axes):
+        if any(axes[a] is not None for a in group[1:]):
+            raise ValueError(f"{spec=} splits an inner axis of {group}: its blocks would not follow the split")
+    scales = P(*(axes[a] for a in w.batch_axes), axes[w.in_axes[0]], axes[w.out_axes[0]])
+    return Fp8BlockWeight(spec, scales, w.block, w.in_axes, w.out_axes)
+
+
+def check_shardable(name: str, w: Fp8BlockWeight, spec: P, mesh_shape: dict[str, int]) -> None:
+    """ValueError naming the leaf unless every rank's slice of its split input / output axes is whole blocks."""
+    axes = _padded(spec, len(w.shape))
+    bm, bn = w.block
+    for group, size, kind in ((w.in_axes, bn, "input"), (w.out_axes, bm, "output")):
+        split = axes[group[0]]
+        if split is None:
+            continue
+        ranks = math.prod(mesh_shape[a] for a in (split if isinstance(split, tuple) else (split,)))
+        per_rank = math.prod(w.shape[a] for a in group) // ranks
+        if per_rank % size:
+            raise ValueError(f"{name}: a rank's {kind} slice of {per_rank} is not a whole number of fp8 blocks of "
+                             f"{size} (weight_block_size {list(w.block)}, {ranks} ranks); load it with "
+                             "quantization='none'")

@@ -1,0 +1,106 @@
+"""Block-fp8 weights and the fine-grained fp8 GEMM (`dcp_jax/model/fp8_linear.py`): the pure-jnp reference equals
+float64 numpy of the blockwise sum (per (token, input block) activation scale times per block weight scale times
+the e4m3 products), partial edge blocks and one-row inputs included; quantize / dequantize; scale specs."""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dcp_jax.model import fp8_linear
+from dcp_jax.model.memory_plan import BLOCK_FP8_LEAVES
+from dcp_jax.model.mesh import HEADS
+
+
+def _act_quant_numpy(x, group):
+    """DeepSeek's act_quant in numpy: per row, per `group` channels, scale max(amax, 1e-4) / 448."""
+    k = x.shape[-1]
+    xs = np.zeros((x.shape[0], -(-k // group)), np.float32)
+    x8 = np.zeros(x.shape, ml_dtypes.float8_e4m3fn)
+    for g in range(xs.shape[1]):
+        cols = slice(g * group, (g + 1) * group)
+        xs[:, g] = np.maximum(np.abs(x[:, cols]).max(axis=1), np.float32(1e-4)) / np.float32(448)
+        x8[:, cols] = (x[:, cols] / xs[:, g : g + 1]).astype(ml_dtypes.float8_e4m3fn)
+    return x8, xs
+
+
+def _blockwise_gemm_numpy(x, w: fp8_linear.Fp8BlockWeight):
+    """x [M, K] @ w [K, N] as DeepSeek's fp8 GEMM sums it, in float64: out[m, n] = sum over input blocks b of
+    x_scale[m, b] * w_scale[b, n // bm] * sum_{k in b} x8[m, k] * w8[k, n]."""
+    bm, bn = w.block
+    x8, xs = _act_quant_numpy(np.asarray(x, np.float32), bn)
+    w8, ws = np.asarray(w.values).astype(np.float64), np.asarray(w.scales, np.float64)
+    out = np.zeros((x.shape[0], w8.shape[1]))
+    for b in range(ws.shape[0]):
+        rows = slice(b * bn, (b + 1) * bn)
+        partial = x8[:, rows].astype(np.float64) @ w8[rows]
+        per_column = np.repeat(ws[b], bm)[: w8.shape[1]]
+        out += xs[:, b : b + 1].astype(np.float64) * per_column * partial
+    return out
+
+
+@pytest.mark.parametrize("m, k, n, block", [(1, 256, 128, (128, 128)), (5, 200, 130, (128, 128)),
+                                            (3, 40, 24, (16, 16)), (7, 45, 37, (8, 12)), (1, 12, 5, (16, 16))])
+def test_reference_gemm_equals_blockwise_float64(m, k, n, block):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.standard_normal((1, k))), jnp.float32)  # outliers
+    w = fp8_linear.quantize(jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32), block, (0,), (1,))
+    got = np.asarray(fp8_linear.einsum("mk,kn->mn", x, w))
+    want = _blockwise_gemm_numpy(x, w)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # Through the grouped form too: one group of all rows.
+    experts = fp8_linear.Fp8BlockWeight(w.values[None], w.scales[None], w.block, (1,), (2,))
+    grouped = fp8_linear.ragged_dot(x, experts, jnp.array([m], jnp.int32))
+    np.testing.assert_allclose(np.asarray(grouped), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_output_has_the_activations_dtype_and_fp8_error_is_small():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.bfloat16)
+    plain = jnp.asarray(rng.standard_normal((64, 48)) / 8, jnp.float32)
+    w = fp8_linear.quantize(plain, (16, 16), (0,), (1,))
+    got = fp8_linear.einsum("rk,kn->rn", x, w)
+    assert got.dtype == jnp.bfloat16 and w.values.dtype == jnp.float8_e4m3fn and w.scales.shape == (4, 3)
+    exact = np.asarray(x, np.float32) @ np.asarray(plain)
+    assert np.linalg.norm(np.asarray(got, np.float32) - exact) / np.linalg.norm(exact) < 0.06
+
+
+def test_multi_axis_layouts_round_trip_through_the_matrix_form():
+    """wo [H, V, D] (input axes H, V) and w_uk [H, N, C] (batch H, output N, input C): quantize / dequantize keeps
+    each element within e4m3's relative step of 2^-4 of its block's max, and the einsum contracts H and V."""
+    rng = np.random.default_rng(1)
+    wo = jnp.asarray(rng.standard_normal((4, 8, 24)), jnp.float32)
+    q = fp8_linear.quantize(wo, (8, 16), (0, 1), (2,))
+    assert q.scales.shape == (2, 3)
+    np.testing.assert_allclose(fp8_linear.dequantize(q), wo, atol=np.abs(wo).max() * 2**-4)
+    x = jnp.asarray(rng.standard_normal((3, 4, 8)), jnp.float32)
+    want = _blockwise_gemm_numpy(x.reshape(3, 32), fp8_linear.Fp8BlockWeight(
+        q.values.reshape(32, 24), q.scales, q.block, (0,), (1,)))
+    np.testing.assert_allclose(fp8_linear.einsum("rhv,hvd->rd", x, q), want, rtol=1e-5, atol=1e-5)
+    w_uk = jnp.asarray(rng.standard_normal((2, 16, 24)), jnp.float32)
+    q = fp8_linear.quantize(w_uk, (8, 12), (2,), (1,))
+    assert q.scales.shape == (2, 2, 2)
+    np.testing.assert_allclose(fp8_linear.weight_values(q, jnp.float32), w_uk, atol=np.abs(w_uk).max() * 2**-4)
+
+
+def test_contracting_an_output_axis_is_refused():
+    w = fp8_linear.quantize(jnp.ones((2, 16, 24)), (8, 12), (2,), (1,))
+    with pytest.raises(ValueError, match="contracts its input axes"):
+        fp8_linear.einsum("rhn,hnc->rhc", jnp.ones((1, 2, 16)), w)
+
+
+def test_scale_specs_follow_the_split_axes():
+    wq_b = fp8_linear.quantize(jnp.ones((16, 4, 12)), (16, 16), *fp8_linear.FP8_AXES["wq_b"])
+    assert fp8_linear.weight_spec(wq_b, P(None, HEADS, None)).scales == P(None, HEADS)
+    wo = fp8_linear.quantize(jnp.ones((4, 8, 16)), (16, 16), *fp8_linear.FP8_AXES["wo"])
+    assert fp8_linear.weight_spec(wo, P(HEADS, None, None)).scales == P(HEADS, None)
+    experts = fp8_linear.quantize(jnp.ones((4, 16, 32)), (16, 16), *fp8_linear.FP8_AXES["experts_down"])
+    assert fp8_linear.weight_spec(experts, P(HEADS, None, None)).scales == P(HEADS, None, None)
+    fp8_linear.check_shardable("wo", wo, P(HEADS, None, None), {"dcp_group": 1, "dcp": 2})
+    with pytest.raises(ValueError, match="wo: a rank's input slice of 8 is not a whole number of fp8 blocks"):
+        fp8_linear.check_shardable("wo", wo, P(HEADS, None, None), {"dcp_group": 2, "dcp": 2})
+
+
+def test_fp8_leaves_are_the_memory_plans():
+    assert set(fp8_linear.FP8_AXES) == BLOCK_FP8_LEAVES
