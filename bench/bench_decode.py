@@ -54,7 +54,7 @@ from dcp_jax.host.metadata import FED_BACK, SamplingTable, StepInputs, build_ste
 from dcp_jax.model.attention import cache_formats, sparse_dcp
 from dcp_jax.model.attention.sparse_dcp import kernel_backend
 from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, merge, param_specs
-from dcp_jax.model.kv_cache import KVCache, allocate_kv_cache, from_layers, kv_bytes_per_rank
+from dcp_jax.model.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_rank, on_layer
 from dcp_jax.model.mesh import DCP, make_mesh
 from dcp_jax.model.rope import cos_sin, rope_tables
 from dcp_jax.runtime import sampler
@@ -120,19 +120,20 @@ def staged_decode_body(params, state: DeviceState, inputs, md, *, graphdef, abst
     rope = cos_sin(md.positions, *rope_tables(cfg))
     tokens = sampler.row_tokens(state.sampler, inputs.tokens, inputs.row_slots)
     hidden = model.embed_tokens(tokens)
-    caches = []
-    for i, layer in enumerate(model.layers):
-        lat, idx = state.kv_cache.layer(i)
+    kv_cache = state.kv_cache
+    lat, idx = kv_cache.local_pools()
+    for i in range(cfg.num_hidden_layers):
+        layer = model.decoder_layer(i)
+        layer_md = on_layer(md, i, num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
         if through != "base":
             update, lat, idx = attention_through(
-                layer.attention.params(), layer.attention_input(hidden), lat, idx, rope, md, cfg=cfg, layout=layout,
-                backend=backend, through="merge" if through == "mlp" else through)
+                layer.attention.params(), layer.attention_input(hidden), lat, idx, rope, layer_md, cfg=cfg,
+                layout=layout, backend=backend, through="merge" if through == "mlp" else through)
             hidden = layer.feed_forward(hidden + update) if through == "mlp" else hidden + update
-        caches.append((lat, idx))
     logits = model.logits(hidden)
     selected = jnp.zeros((cfg.num_hidden_layers, tokens.shape[0], cfg.index_topk), jnp.int32)
     outputs = (logits, selected) if variant == DETAILS else logits
-    return outputs, DeviceState(from_layers(caches), state.sampler)
+    return outputs, DeviceState(kv_cache.with_local_pools(lat, idx), state.sampler)
 
 
 def fallback_decode_body(params, state: DeviceState, inputs, md, *, layout: DcpLayout, **kwargs):

@@ -21,7 +21,7 @@ from dcp_jax.model.attention.sparse_dcp import sparse_dcp_attention
 from dcp_jax.model.attention.params import AttentionParams, init_attention_params, partition_specs
 from dcp_jax.model.attention.projections import index_key, mla_latent, rms_norm
 from dcp_jax.model.attention.unsharded import sparse_attention_unsharded
-from dcp_jax.model.kv_cache import KVCache, from_layers
+from dcp_jax.model.kv_cache import KVCache, on_layer
 from dcp_jax.model.rope import cos_sin, rope_tables
 from pallas_kernels import Fp8IndexKeys, Fp8LatentCache
 
@@ -50,17 +50,17 @@ def stack_param_specs(cfg: ModelConfig) -> list[StackLayerParams]:
 
 def decode_stack_body(params, kv_cache: KVCache, hidden, md: StepMetadata, *, cfg: ModelConfig,
                       layout: DcpLayout, backend: str):
-    """Per rank: every layer reads the host-provided local lengths and slots of `md` unchanged."""
+    """Per rank: every layer reads the host-provided local lengths and slots of `md`, moved to its own pages."""
     rope = cos_sin(md.positions, *rope_tables(cfg))
-    caches = []
+    latent, index_k = kv_cache.local_pools()
     for layer, lp in enumerate(params):
         with jax.named_scope(f"layer_{layer}"):
-            attn, lat, idx, _ = sparse_dcp_attention(lp.attention, rms_norm(hidden, lp.input_norm, cfg.rms_norm_eps),
-                                                     *kv_cache.layer(layer), rope, md, cfg=cfg, layout=layout,
-                                                     backend=backend)
+            layer_md = on_layer(md, layer, num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
+            attn, latent, index_k, _ = sparse_dcp_attention(
+                lp.attention, rms_norm(hidden, lp.input_norm, cfg.rms_norm_eps), latent, index_k, rope, layer_md,
+                cfg=cfg, layout=layout, backend=backend)
         hidden = hidden + attn
-        caches.append((lat, idx))
-    return hidden, from_layers(caches)
+    return hidden, kv_cache.with_local_pools(latent, index_k)
 
 
 @jax.tree_util.register_dataclass

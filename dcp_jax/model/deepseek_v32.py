@@ -87,17 +87,68 @@ class DecoderLayer(nnx.Module):
         return h + self.mlp(rms_norm(h, self.post_attention_norm[...], self.cfg.rms_norm_eps))
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """Consecutive decoder layers of one structure: their weights are stacked along a leading axis (one attribute
+    of `DeepseekV32`, named `name`) and run under one `jax.lax.scan`, so a program compiles each structure once
+    whatever the depth."""
+
+    name: str
+    first: int
+    count: int
+
+    @property
+    def layers(self) -> range:
+        return range(self.first, self.first + self.count)
+
+
+# The attributes of `DeepseekV32` holding its layer stacks, in layer order.
+_STACK_NAMES = ("dense_layers", "moe_layers")
+
+
+def layer_stacks(cfg: ModelConfig) -> tuple[LayerStack, ...]:
+    """The model's stacks in layer order: the dense-MLP layers (the first `first_k_dense_replace`, or all without
+    routed experts), then the MoE layers."""
+    layers = cfg.num_hidden_layers
+    dense = min(cfg.first_k_dense_replace, layers) if cfg.n_routed_experts else layers
+    stacks = (LayerStack(_STACK_NAMES[0], 0, dense), LayerStack(_STACK_NAMES[1], dense, layers - dense))
+    return tuple(stack for stack in stacks if stack.count)
+
+
+def stack_of(cfg: ModelConfig, layer: int) -> LayerStack:
+    """The stack holding decoder layer `layer`."""
+    return next(stack for stack in layer_stacks(cfg) if layer in stack.layers)
+
+
+def layer_params(cfg: ModelConfig, params: dict, layer: int) -> dict:
+    """Decoder layer `layer`'s weights (its slice of its stack) from the model's pure-dict params."""
+    stack = stack_of(cfg, layer)
+    return jax.tree.map(lambda a: a[layer - stack.first], params[stack.name])
+
+
+def _stacked(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One DecoderLayer whose every weight is the layers' weights stacked along a new leading axis."""
+    states = [nnx.state(layer) for layer in layers]
+    return nnx.merge(nnx.graphdef(layers[0]), jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
 class DeepseekV32(nnx.Module):
-    """The whole model; `step_body` of `runtime/forward.py` drives the layers."""
+    """The whole model; `step_body` of `runtime/forward.py` drives the layers, stack by stack (`layer_stacks`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
         self.embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size)).astype(dtype))
-        self.layers = nnx.List(
-            [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_hidden_layers)]
-        )
+        layers = [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_hidden_layers)]
+        for stack in layer_stacks(cfg):
+            setattr(self, stack.name, _stacked(layers[stack.first:stack.first + stack.count]))
         self.final_norm = _norm(rngs, cfg.hidden_size, dtype)
         self.lm_head = dense_param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.hidden_size, dtype)
+
+    def decoder_layer(self, layer: int) -> DecoderLayer:
+        """Decoder layer `layer` on its own (its slice of its stack), for code that walks the layers one by one."""
+        stack = stack_of(self.cfg, layer)
+        graphdef, weights = nnx.split(getattr(self, stack.name))
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[layer - stack.first], weights))
 
     def embed_tokens(self, tokens):
         return jnp.take(self.embed[...], tokens, axis=0)
@@ -117,7 +168,7 @@ _MLP_SPECS = {"gate": P(None, HEADS), "up": P(None, HEADS), "down": P(HEADS, Non
 def param_specs(params: dict, *, expert_parallel: bool) -> dict:
     """PartitionSpecs for the pure-dict state of `DeepseekV32`: attention heads, MLP widths and routed experts
     (along X when `expert_parallel`, else along F: `moe.expert_specs`) split over every TP rank; the rest
-    replicated."""
+    replicated; a layer stack's leading axis is never split."""
     feed_forward = _MLP_SPECS | expert_specs(expert_parallel)
 
     def spec(path, leaf):
@@ -128,6 +179,8 @@ def param_specs(params: dict, *, expert_parallel: bool) -> dict:
             plain = feed_forward.get(names[-1], P())
         else:
             plain = P()
+        if names[0] in _STACK_NAMES:
+            plain = P(None, *plain)
         return fp8_linear.weight_spec(leaf, plain) if fp8_linear.is_fp8(leaf) else plain
 
     return jax.tree_util.tree_map_with_path(spec, params, is_leaf=fp8_linear.is_fp8)

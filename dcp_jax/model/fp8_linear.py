@@ -32,22 +32,23 @@ from pallas_kernels.formats import AMAX_FLOOR, E4M3_MAX
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
-# (in_axes, out_axes) of each leaf DeepSeek's release stores in block fp8 (`memory_plan.BLOCK_FP8_LEAVES`).
+# (in_axes, out_axes) of each leaf DeepSeek's release stores in block fp8 (`memory_plan.BLOCK_FP8_LEAVES`), counted
+# from the last axis, so a weight stacked over layers (`deepseek_v32.LayerStack`) keeps them.
 FP8_AXES = {
-    "wq_a": ((0,), (1,)),  # [D, Q]
-    "wq_b": ((0,), (1, 2)),  # [Q, H, N+E]
-    "wkv_a": ((0,), (1,)),  # [D, C+E]
-    "w_uk": ((2,), (1,)),  # [H, N, C]: HF's per-head [out, in]
-    "w_uv": ((2,), (1,)),  # [H, V, C]
-    "wo": ((0, 1), (2,)),  # [H, V, D]
-    "index_wq": ((0,), (1, 2)),  # [Q, I, J]
-    "index_wk": ((0,), (1,)),  # [D, J]
-    "gate": ((0,), (1,)),  # [D, F]
-    "up": ((0,), (1,)),  # [D, F]
-    "down": ((0,), (1,)),  # [F, D]
-    "experts_gate": ((1,), (2,)),  # [X, D, F]
-    "experts_up": ((1,), (2,)),  # [X, D, F]
-    "experts_down": ((1,), (2,)),  # [X, F, D]
+    "wq_a": ((-2,), (-1,)),  # [D, Q]
+    "wq_b": ((-3,), (-2, -1)),  # [Q, H, N+E]
+    "wkv_a": ((-2,), (-1,)),  # [D, C+E]
+    "w_uk": ((-1,), (-2,)),  # [H, N, C]: HF's per-head [out, in]
+    "w_uv": ((-1,), (-2,)),  # [H, V, C]
+    "wo": ((-3, -2), (-1,)),  # [H, V, D]
+    "index_wq": ((-3,), (-2, -1)),  # [Q, I, J]
+    "index_wk": ((-2,), (-1,)),  # [D, J]
+    "gate": ((-2,), (-1,)),  # [D, F]
+    "up": ((-2,), (-1,)),  # [D, F]
+    "down": ((-2,), (-1,)),  # [F, D]
+    "experts_gate": ((-2,), (-1,)),  # [X, D, F]
+    "experts_up": ((-2,), (-1,)),  # [X, D, F]
+    "experts_down": ((-2,), (-1,)),  # [X, F, D]
 }
 
 
@@ -62,8 +63,8 @@ class Fp8BlockWeight:
     scales: jax.Array
     # HF's weight_block_size (bm output rows, bn input columns).
     block: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
-    # The axes of `values` that x @ W contracts (K, flattened in order) and those it produces (N); the leading
-    # others are batch axes.
+    # The axes of `values` that x @ W contracts (K, flattened in order) and those it produces (N), negative (from
+    # the last); the leading others are batch axes.
     in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     out_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
@@ -82,6 +83,7 @@ def is_fp8(x) -> bool:
 
 def _to_matrix(x, in_axes, out_axes):
     """x in our layout -> [*batch, K, N]."""
+    in_axes, out_axes = (tuple(a % x.ndim for a in axes) for axes in (in_axes, out_axes))
     batch = tuple(range(x.ndim - len(in_axes) - len(out_axes)))
     k = math.prod(x.shape[a] for a in in_axes)
     n = math.prod(x.shape[a] for a in out_axes)
@@ -90,6 +92,7 @@ def _to_matrix(x, in_axes, out_axes):
 
 def _from_matrix(m, shape, in_axes, out_axes):
     """Inverse of `_to_matrix`: [*batch, K, N] -> our layout of `shape`."""
+    in_axes, out_axes = (tuple(a % len(shape) for a in axes) for axes in (in_axes, out_axes))
     batch = tuple(range(len(shape) - len(in_axes) - len(out_axes)))
     order = batch + in_axes + out_axes
     return jnp.transpose(m.reshape([shape[a] for a in order]), [order.index(a) for a in range(len(shape))])

@@ -20,6 +20,7 @@ layers (`num_nextn_predict_layers`, numbered after the decoder layers), and deco
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -34,7 +35,7 @@ from jax.sharding import Mesh
 from dcp_jax.config import QUANTIZATION_CHOICES, ModelConfig
 from dcp_jax.model import fp8_linear
 from dcp_jax.model.mesh import sharding
-from dcp_jax.model.deepseek_v32 import abstract_model, param_specs
+from dcp_jax.model.deepseek_v32 import abstract_model, layer_params, layer_stacks, param_specs, stack_of
 
 _ATTENTION = "self_attn."
 FP8 = "F8_E4M3"  # the safetensors dtype of DeepSeek's fp8 weights
@@ -318,6 +319,22 @@ def _place(tree, specs, abstract, mesh: Mesh | None):
     return jax.tree.map(put, tree, specs, abstract)
 
 
+def _zero_stack(abstract: dict, specs: dict, mesh: Mesh | None) -> dict:
+    """A layer stack's zero weights, created in their placement (each layer is written in by `_write_layer`)."""
+    def zeros():
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
+
+    if mesh is None:
+        return zeros()
+    return jax.jit(zeros, out_shardings=jax.tree.map(lambda spec: sharding(mesh, spec), specs))()
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_layer(stack: dict, layer: dict, index: int) -> dict:
+    """The stack with `layer` (its weights, each with a leading axis of 1) written at `index`, in place."""
+    return jax.tree.map(lambda s, x: jax.lax.dynamic_update_slice_in_dim(s, x, index, 0), stack, layer)
+
+
 def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None = None, dtype=jnp.float32,
                    progress: Callable | None = None, *, expert_parallel: bool = False,
                    quantization: str = "auto") -> dict:
@@ -367,8 +384,8 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     specs = param_specs(abstract, expert_parallel=expert_parallel)
     if mesh is not None:
         _check_fp8_shardable(abstract, specs, mesh)
+    stacks = {stack.name: _zero_stack(abstract[stack.name], specs[stack.name], mesh) for stack in layer_stacks(cfg)}
     layers = range(cfg.num_hidden_layers)
-    params = {"layers": {}}
     for layer in progress(layers) if progress else layers:
         prefix = f"model.layers.{layer}."
         names = [n for n in expected if n.startswith(prefix)]
@@ -377,10 +394,12 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
             layer_scales = {n[len(prefix):]: scale_values[n] for n in names if n in kept_names}
             ours = _with_scales(ours, _layer_scales_to_ours(cfg, layer_scales, kept_block, cfg.is_moe_layer(layer)),
                                 kept_block)
-        params["layers"][layer] = _place(ours, specs["layers"][layer], abstract["layers"][layer], mesh)
+        stack = stack_of(cfg, layer)
+        placed = _place(jax.tree.map(lambda x: x[None], ours), specs[stack.name], abstract[stack.name], mesh)
+        stacks[stack.name] = _write_layer(stacks[stack.name], placed, layer - stack.first)
     top = {"embed": read("model.embed_tokens.weight"), "final_norm": read("model.norm.weight"),
            "lm_head": read("lm_head.weight").T}
-    params |= {k: _place(v, specs[k], abstract[k], mesh) for k, v in top.items()}
+    params = stacks | {k: _place(v, specs[k], abstract[k], mesh) for k, v in top.items()}
     _check_filled(abstract, params)
     return params
 
@@ -414,7 +433,8 @@ def save_hf(cfg: ModelConfig, params: dict, path: str | os.PathLike) -> None:
     tensors = {"model.embed_tokens.weight": host["embed"], "model.norm.weight": host["final_norm"],
                "lm_head.weight": host["lm_head"].T}
     for layer in range(cfg.num_hidden_layers):
-        tensors |= {f"model.layers.{layer}.{k}": v for k, v in layer_to_hf(cfg, layer, host["layers"][layer]).items()}
+        tensors |= {f"model.layers.{layer}.{k}": v
+                    for k, v in layer_to_hf(cfg, layer, layer_params(cfg, host, layer)).items()}
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -17,13 +17,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dcp_jax.config import ModelConfig
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.host.metadata import StepInputs, StepMetadata
-from dcp_jax.model.deepseek_v32 import merge
-from dcp_jax.model.kv_cache import KV_CACHE_SPECS, KVCache, from_layers
+from dcp_jax.model.deepseek_v32 import layer_stacks, merge
+from dcp_jax.model.kv_cache import KV_CACHE_SPECS, KVCache, on_layer
 from dcp_jax.model.rope import cos_sin, rope_tables
 from dcp_jax.runtime import sampler
 from dcp_jax.runtime.sampler import SamplerState
@@ -70,31 +71,47 @@ class PromptLogprobs:
     top_logprobs: jax.Array
 
 
-def _layers(model, state: DeviceState, hidden, attend):
-    """Run every decoder layer; attend(layer, x, kv pools) -> (attention out, pools, selected). Returns (hidden,
-    kv_cache, selected [layers, ...])."""
-    caches, selected = [], []
-    for i, layer in enumerate(model.layers):
-        with jax.named_scope(f"layer_{i}"):
-            attn, lat, idx, sel = attend(layer, layer.attention_input(hidden), state.kv_cache.layer(i))
-            hidden = layer.feed_forward(hidden + attn)
-        caches.append((lat, idx))
-        selected.append(sel)
-    return hidden, from_layers(caches), jnp.stack(selected)
+def _layers(model, cfg: ModelConfig, kv_cache: KVCache, hidden, md: StepMetadata, attend, *, unroll: bool):
+    """Run every decoder layer, each stack of layers of one structure (`layer_stacks`) under one `jax.lax.scan`
+    (compiled once, whatever its depth; fully unrolled when `unroll`); attend(layer, x, latent pool, index pool,
+    the layer's metadata) -> (attention out, pools, selected). Returns (hidden, kv_cache, selected
+    [layers, ...])."""
+    latent, index_k = kv_cache.local_pools()
+    selected = []
+    for stack in layer_stacks(cfg):
+        graphdef, weights = nnx.split(getattr(model, stack.name))
+
+        def one_layer(carry, layer_weights_and_index, graphdef=graphdef):
+            hidden, latent, index_k = carry
+            layer_weights, index = layer_weights_and_index
+            layer = nnx.merge(graphdef, layer_weights)
+            layer_md = on_layer(md, index, num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
+            attn, latent, index_k, sel = attend(layer, layer.attention_input(hidden), latent, index_k, layer_md)
+            return (layer.feed_forward(hidden + attn), latent, index_k), sel
+
+        with jax.named_scope(stack.name):
+            (hidden, latent, index_k), stack_selected = jax.lax.scan(
+                one_layer, (hidden, latent, index_k), (weights, jnp.arange(stack.first, stack.first + stack.count)),
+                unroll=stack.count if unroll else 1)
+        selected.append(stack_selected)
+    return hidden, kv_cache.with_local_pools(latent, index_k), jnp.concatenate(selected)
 
 
 def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, *, graphdef, abstract,
-              cfg: ModelConfig, layout: DcpLayout, backend: str, variant: str):
+              cfg: ModelConfig, layout: DcpLayout, backend: str, variant: str, unroll_layers: bool = False):
     """Per rank: inputs and md the rank's view of the step's data; `variant` one of VARIANTS. Returns (the sampled
     tokens packed (`sampler.pack`); with PromptLogprobs too; or SampledTokens and Details for DETAILS; the new
-    DeviceState). Pad rows read and write no KV and join the scratch slot's history."""
+    DeviceState). Pad rows read and write no KV and join the scratch slot's history. The layers run as one scan per
+    layer stack (`_layers`), unrolled when `unroll_layers`."""
     model = merge(graphdef, abstract, params)
     tokens = sampler.row_tokens(state.sampler, inputs.tokens, inputs.row_slots)
     sampler_state = sampler.add_history(state.sampler, tokens, inputs.roles, inputs.row_slots, inputs.fresh_slots)
     rope = cos_sin(md.positions, *rope_tables(cfg))
     hidden, kv_cache, selected = _layers(
-        model, state, model.embed_tokens(tokens),
-        lambda layer, x, pools: layer.attention(x, rope, *pools, md, layout=layout, backend=backend))
+        model, cfg, state.kv_cache, model.embed_tokens(tokens), md,
+        lambda layer, x, latent, index_k, layer_md: layer.attention(x, rope, latent, index_k, layer_md, layout=layout,
+                                                                    backend=backend),
+        unroll=unroll_layers)
     logits = model.logits(hidden[inputs.sample_rows])
     sampled, sampler_state = sampler.sample_rows(logits, inputs.sampling, sampler_state,
                                                  draws=variant in (SAMPLED, PROMPT_LOGPROBS))

@@ -12,6 +12,7 @@ its first sampled row.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from collections.abc import Sequence
 
@@ -74,16 +75,60 @@ def step_input_shapes(engine: EngineConfig):
     return shapes
 
 
+def step_programs(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh, backend: str, *,
+                  graphdef, abstract, unroll_layers: bool = False) -> dict[str, StepProgram]:
+    """The step program of every variant (`forward.VARIANTS`) of a model (`abstract_model`'s graphdef and abstract
+    state), one compiled program per bucket each; nothing is placed or compiled yet."""
+    layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
+    specs = param_specs(nnx.to_pure_dict(abstract), expert_parallel=parallel.enable_expert_parallel)
+    return {
+        variant: StepProgram(
+            functools.partial(step_body, graphdef=graphdef, abstract=abstract, cfg=cfg, layout=layout,
+                              backend=backend, variant=variant, unroll_layers=unroll_layers),
+            mesh, buckets=engine.buckets, seqs_for=engine.seqs_for, layout=layout,
+            max_blocks=engine.max_blocks_per_seq(parallel.dcp), num_pages=engine.num_pages, param_specs=specs,
+            input_specs=REPLICATED, output_specs=REPLICATED, state_specs=STATE_SPECS,
+            input_shapes=step_input_shapes(engine))
+        for variant in VARIANTS
+    }
+
+
+def state_allocator(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh, dtype):
+    """A compiled function returning a zeroed `DeviceState` (the KV pools in `engine`'s formats, exact ones of
+    `dtype`, and the sampler's) in its sharded placement."""
+    return jax.jit(
+        lambda: DeviceState(allocate_kv_cache(cfg, engine, parallel.dcp, mesh, dtype),
+                            SamplerState.zeros(engine.max_num_seqs, cfg.vocab_size)),
+        out_shardings=jax.tree.map(lambda spec: sharding(mesh, spec), STATE_SPECS))
+
+
+def compile_programs(steps: dict[str, StepProgram], programs: Sequence[tuple[str, int]], params, state, *,
+                     workers: int = 1, on_compiled=None) -> None:
+    """Compile the (variant, bucket) `programs` of `steps`: each lowered in turn (tracing is single-threaded), then
+    `workers` XLA compiles at once (they run outside the GIL); on_compiled(variant, bucket) after each. `params` and
+    `state` may be ShapeDtypeStructs in the steps' sharding (`StepProgram.param_shapes`): nothing is read."""
+    for variant, rows in programs:
+        steps[variant].lower(params, state, rows)
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        compiling = {pool.submit(steps[variant].compile, params, state, rows): (variant, rows)
+                     for variant, rows in programs}
+        for done in concurrent.futures.as_completed(compiling):
+            done.result()
+            if on_compiled:
+                on_compiled(*compiling[done])
+
+
 class ModelRunner:
     """The weights, the device state and the compiled programs of one model on a (tp/dcp, dcp) mesh.
 
     Every program donates the device state: when one raises, the state may be gone (`kv_cache_is_usable`), and
     `reset_state` allocates a fresh zeroed one (every context it held is lost). `backend` names the kernels'
     implementation (`pallas_kernels.BACKENDS`); `dtype` is the weights' (block fp8 ones apart: `fp8_linear`) and
-    the exact caches' dtype."""
+    the exact caches' dtype. Each layer stack compiles once (`forward._layers`); `unroll_layers` unrolls it (one copy
+    per layer, as a comparison)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh,
-                 backend: str, *, dtype=jnp.float32):
+                 backend: str, *, dtype=jnp.float32, unroll_layers: bool = False):
         self.cfg, self.parallel, self.engine, self.mesh = cfg, parallel, engine, mesh
         self.layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
         self.max_blocks = engine.max_blocks_per_seq(parallel.dcp)
@@ -92,23 +137,11 @@ class ModelRunner:
                                             eos_token_id=cfg.eos_token_id)
         graphdef, abstract = abstract_model(cfg, dtype, fp8_linear.weight_block(params))
         # Keyed by variant (`forward.VARIANTS`), one program per bucket each.
-        self.steps = {
-            variant: StepProgram(
-                functools.partial(step_body, graphdef=graphdef, abstract=abstract, cfg=cfg, layout=self.layout,
-                                  backend=backend, variant=variant),
-                mesh, buckets=engine.buckets, seqs_for=engine.seqs_for, layout=self.layout,
-                max_blocks=self.max_blocks, num_pages=engine.num_pages,
-                param_specs=param_specs(nnx.to_pure_dict(abstract),
-                                        expert_parallel=parallel.enable_expert_parallel), input_specs=REPLICATED,
-                output_specs=REPLICATED, state_specs=STATE_SPECS, input_shapes=step_input_shapes(engine))
-            for variant in VARIANTS
-        }
+        self.steps = step_programs(cfg, parallel, engine, mesh, backend, graphdef=graphdef, abstract=abstract,
+                                   unroll_layers=unroll_layers)
         self.params = self.steps[GREEDY].place_params(params)
         # One compiled allocator, so `reset_state` never compiles while serving.
-        self._new_state = jax.jit(
-            lambda: DeviceState(allocate_kv_cache(cfg, engine, parallel.dcp, mesh, dtype),
-                                SamplerState.zeros(engine.max_num_seqs, cfg.vocab_size)),
-            out_shardings=jax.tree.map(lambda spec: sharding(mesh, spec), STATE_SPECS))
+        self._new_state = state_allocator(cfg, parallel, engine, mesh, dtype)
         self.state = self._new_state()
 
     @property
@@ -139,9 +172,9 @@ class ModelRunner:
         """Compile one program of `programs()` (once)."""
         self.steps[variant].compile(self.params, self.state, rows)
 
-    def compile_all(self, variants: Sequence[str]) -> None:
-        for variant, rows in self.programs(variants):
-            self.compile(variant, rows)
+    def compile_all(self, programs: Sequence[tuple[str, int]], *, workers: int = 1, on_compiled=None) -> None:
+        """Compile `programs` (from `programs()`), `workers` at once (`compile_programs`)."""
+        compile_programs(self.steps, programs, self.params, self.state, workers=workers, on_compiled=on_compiled)
 
     # ---- serving: dispatch, read later ----------------------------------------------------------------------
     def set_sampling(self, slot: int, params: SamplingParams, seed: int, prompt_len: int) -> None:

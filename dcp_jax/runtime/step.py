@@ -145,6 +145,12 @@ class StepProgram:
         """Params in the step's sharding (heads split over TP ranks), so no call reshards them."""
         return jax.device_put(params, self._param_shardings)
 
+    def param_shapes(self, params):
+        """ShapeDtypeStructs of `params` (arrays or ShapeDtypeStructs) in the step's sharding: what `lower` and
+        `compile` need of the weights, so a program compiles without them (ahead of loading)."""
+        return jax.tree.map(lambda a, placed: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), params,
+                            self._param_shardings)
+
     def metadata_shapes(self, bucket):
         """The metadata of `bucket` as ShapeDtypeStructs in the step's sharding."""
         return StepMetadata(**{name: jax.ShapeDtypeStruct(shape, np.int32, sharding=getattr(self._md_shardings, name))

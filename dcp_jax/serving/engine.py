@@ -142,20 +142,25 @@ class Engine:
     # ---- start-up ---------------------------------------------------------------------------------------
     def warmup(self, *, progress: bool = True) -> None:
         """Compile every bucket's greedy and drawing programs (and the prompt-logprobs ones when they are on) once,
-        so no request ever waits for a compile."""
+        so no request ever waits for a compile: lowered in turn, then compiled one per CPU core at once."""
         from tqdm import tqdm
 
         work = self.runner.programs((GREEDY, SAMPLED, PROMPT_LOGPROBS) if self.core.has_prompt_logprobs
                                     else (GREEDY, SAMPLED))
         begin = time.monotonic()
         # A bar on a terminal only (disable=None); a log line a program elsewhere.
-        bar = tqdm(work, desc="compiling buckets", unit="program", disable=None if progress else True)
-        for i, (variant, rows) in enumerate(bar):
+        bar = tqdm(total=len(work), desc="compiling buckets", unit="program", disable=None if progress else True)
+        done = [0]
+
+        def compiled(variant, rows):
             label = _program_label(variant, rows)
+            done[0] += 1
             bar.set_postfix_str(label)
+            bar.update()
             if progress and bar.disable:
-                log.info("compiling program %d/%d: %s", i + 1, len(work), label)
-            self.runner.compile(variant, rows)
+                log.info("compiled program %d/%d: %s", done[0], len(work), label)
+
+        self.runner.compile_all(work, workers=os.cpu_count() or 1, on_compiled=compiled)
         bar.close()
         self.num_programs = len(work)
         log.info("compiled %d programs in %.1f s", len(work), time.monotonic() - begin)

@@ -117,7 +117,7 @@ def test_the_staged_variant_of_the_whole_layer_is_the_real_step(index_cache):
         placed = step.place_params(params)
         state = decode_bench.new_state(cfg, engine, 2, mesh, jax.numpy.float32)
         state = dataclasses.replace(state, kv_cache=decode_bench.fill_random(state.kv_cache, jax.random.key(1)))
-        index_k = state.kv_cache.index_k[0]
+        index_k = state.kv_cache.index_k
         assert index_k.scales.min() > 0 if index_cache == "fp8" else index_k.dtype == jax.numpy.float32
         step.compile(placed, state, 4)
         inputs = decode_bench.decode_inputs(tokens, lens, [0, 1, 2, 3], engine.max_num_seqs)
@@ -157,7 +157,7 @@ def test_fp8_latent_cache_counts_its_bytes_and_fills_its_pool():
                              latent_cache="fp8", index_cache="fp8")
     cache = allocate_kv_cache(cfg, grid.engine(1), 1, make_mesh(ParallelConfig(tp=1, dcp=1)))
     filled = decode_bench.fill_random(cache, jax.random.key(0))
-    pool = filled.latent[0]
+    pool = filled.latent
     assert isinstance(pool, Fp8LatentCache) and pool.latent.dtype == jnp.float8_e4m3fn
     assert np.all(np.asarray(pool.scales) > 0) and np.any(np.asarray(pool.rope) != 0)
 

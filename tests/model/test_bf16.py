@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from dcp_jax.config import TINY, ModelConfig
-from dcp_jax.model.deepseek_v32 import abstract_model, init_params
+from dcp_jax.model.deepseek_v32 import abstract_model, init_params, layer_params, layer_stacks, stack_of
 from dcp_jax.model.weights import _check_filled, load_hf_params
 
 from tests.oracle import hf_tiny
@@ -35,8 +35,10 @@ def test_bf16_load_keeps_hf_fp32_weights_exact(tensors, tmp_path):
             assert leaf.dtype == jnp.bfloat16, jax.tree_util.keystr(path)
             continue
         assert leaf.dtype == jnp.float32, jax.tree_util.keystr(path)
-        want = tensors[f"model.layers.{names[1]}.{kept}"]
-        np.testing.assert_array_equal(np.asarray(leaf), want.T if want.ndim == 2 else want)
+        stack = next(stack for stack in layer_stacks(CFG) if stack.name == names[0])
+        for i, layer in enumerate(stack.layers):
+            want = tensors[f"model.layers.{layer}.{kept}"]
+            np.testing.assert_array_equal(np.asarray(leaf[i]), want.T if want.ndim == 2 else want)
         seen.add(kept)
     assert seen == set(F32_KEPT.values())  # the tiny config has a MoE layer
 
@@ -45,16 +47,18 @@ def test_random_init_keeps_the_same_fp32_leaves():
     _, abstract = abstract_model(TINY, jnp.bfloat16)
     params = init_params(TINY, seed=0, dtype=jnp.bfloat16)
     _check_filled(nnx.to_pure_dict(abstract), params)
-    assert params["layers"][0]["attention"]["index_weights"].dtype == jnp.float32
-    assert params["layers"][1]["mlp"]["router"].dtype == jnp.float32
-    assert params["layers"][1]["mlp"]["router_bias"].dtype == jnp.float32
-    assert params["layers"][0]["attention"]["wq_a"].dtype == jnp.bfloat16
+    dense, moe = layer_params(TINY, params, 0), layer_params(TINY, params, 1)
+    assert dense["attention"]["index_weights"].dtype == jnp.float32
+    assert moe["mlp"]["router"].dtype == jnp.float32
+    assert moe["mlp"]["router_bias"].dtype == jnp.float32
+    assert dense["attention"]["wq_a"].dtype == jnp.bfloat16
 
 
 def test_check_filled_rejects_a_wrong_dtype():
     _, abstract = abstract_model(TINY, jnp.bfloat16)
     abstract = nnx.to_pure_dict(abstract)
     params = init_params(TINY, seed=0, dtype=jnp.bfloat16)
-    params["layers"][1]["mlp"]["router"] = params["layers"][1]["mlp"]["router"].astype(jnp.bfloat16)
+    moe = params[stack_of(TINY, 1).name]["mlp"]
+    moe["router"] = moe["router"].astype(jnp.bfloat16)
     with pytest.raises(ValueError, match="router.*dtype bfloat16 != model dtype float32"):
         _check_filled(abstract, params)

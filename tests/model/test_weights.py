@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 from dcp_jax.config import TINY, EngineConfig, ModelConfig, ParallelConfig
 from dcp_jax.model import fp8_linear
 from dcp_jax.model.mesh import HEADS, make_mesh
-from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params
+from dcp_jax.model.deepseek_v32 import (abstract_model, check_divisible, init_params, layer_params,
+                                         layer_stacks, stack_of)
 from dcp_jax.model.weights import hf_tensor_shapes, layer_to_hf, layer_to_ours, load_hf_params, save_hf
 from dcp_jax.runtime.runner import ModelRunner
 
@@ -50,23 +51,31 @@ def test_layer_converters_are_inverse(tensors):
             np.testing.assert_array_equal(back[name], hf[name], err_msg=name)
 
 
+def _spec(placed: jax.Array) -> P:
+    """The PartitionSpec of an array, with the trailing Nones a jit output's spec may drop written out."""
+    spec = tuple(placed.sharding.spec)
+    return P(*spec, *(None,) * (placed.ndim - len(spec)))
+
+
 def test_load_places_heads_and_experts_split_and_save_round_trips(checkpoint, tensors, tmp_path):
     mesh = make_mesh(ParallelConfig(tp=4, dcp=2))
     params = load_hf_params(CFG, checkpoint, mesh)  # routed experts split along their width F
-    attention = params["layers"][1]["attention"]
-    assert attention["wq_b"].sharding.spec == P(None, HEADS, None)
-    assert attention["wo"].sharding.spec == P(HEADS, None, None)
-    assert attention["wq_b"].addressable_shards[0].data.shape[1] == CFG.num_attention_heads // 4
-    mlp = params["layers"][1]["mlp"]
-    assert mlp["experts_gate"].sharding.spec == P(None, None, HEADS)
-    assert mlp["experts_down"].sharding.spec == P(None, HEADS, None)
-    assert mlp["experts_gate"].addressable_shards[0].data.shape == (CFG.n_routed_experts, CFG.hidden_size,
-                                                                     CFG.moe_intermediate_size // 4)
-    assert mlp["shared"]["down"].sharding.spec == P(HEADS, None)
-    assert mlp["router"].sharding.spec == P()
+    moe = stack_of(CFG, 1)  # placed as a stack: its leading (layer) axis whole on every rank
+    attention = params[moe.name]["attention"]
+    assert _spec(attention["wq_b"]) == P(None, None, HEADS, None)
+    assert _spec(attention["wo"]) == P(None, HEADS, None, None)
+    assert attention["wq_b"].addressable_shards[0].data.shape[:3] == (moe.count, CFG.q_lora_rank,
+                                                                       CFG.num_attention_heads // 4)
+    mlp = params[moe.name]["mlp"]
+    assert _spec(mlp["experts_gate"]) == P(None, None, None, HEADS)
+    assert _spec(mlp["experts_down"]) == P(None, None, HEADS, None)
+    assert mlp["experts_gate"].addressable_shards[0].data.shape == (moe.count, CFG.n_routed_experts,
+                                                                     CFG.hidden_size, CFG.moe_intermediate_size // 4)
+    assert _spec(mlp["shared"]["down"]) == P(None, HEADS, None)
+    assert _spec(mlp["router"]) == P(None, None, None)  # replicated
     # HF's kv_b_proj rows are [k_nope | v] per head: w_uk is the first qk_nope_head_dim rows of head 0.
     kv_b = tensors["model.layers.0.self_attn.kv_b_proj.weight"]
-    np.testing.assert_array_equal(np.asarray(params["layers"][0]["attention"]["w_uk"])[0],
+    np.testing.assert_array_equal(np.asarray(layer_params(CFG, params, 0)["attention"]["w_uk"])[0],
                                   kv_b[: CFG.qk_nope_head_dim])
     save_hf(CFG, params, tmp_path)
     saved = hf_tiny.read_safetensors(tmp_path / "model.safetensors")
@@ -98,9 +107,11 @@ def test_the_first_layers_of_a_checkpoint_load_alone(checkpoint):
     """A config with fewer layers than the checkpoint loads its first layers and skips the rest (not an error:
     the count is asked for), equal to the same layers of a full load."""
     full = load_hf_params(CFG, checkpoint)
-    first = load_hf_params(dataclasses.replace(CFG, num_hidden_layers=2), checkpoint)
-    assert sorted(first["layers"]) == [0, 1]
-    want = {**full, "layers": {i: full["layers"][i] for i in (0, 1)}}
+    two_layers = dataclasses.replace(CFG, num_hidden_layers=2)
+    first = load_hf_params(two_layers, checkpoint)
+    stacks = layer_stacks(two_layers)
+    assert [stack.count for stack in stacks] == [1, 1]
+    want = {**full, **{stack.name: jax.tree.map(lambda a, n=stack.count: a[:n], full[stack.name]) for stack in stacks}}
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -110,17 +121,18 @@ def test_random_init_fills_every_parameter():
     params = init_params(TINY, seed=0)
     want = jax.tree.map(lambda a: a.shape, jax.tree.leaves(abstract))
     assert [p.shape for p in jax.tree.leaves(params)] == want
-    assert not np.allclose(params["layers"][0]["attention"]["q_a_norm"], 1.0)
+    assert not np.allclose(layer_params(TINY, params, 0)["attention"]["q_a_norm"], 1.0)
 
 
 def test_expert_parallel_load_places_whole_experts_on_each_rank(checkpoint):
     mesh = make_mesh(ParallelConfig(tp=4, dcp=2, enable_expert_parallel=True))
-    mlp = load_hf_params(CFG, checkpoint, mesh, expert_parallel=True)["layers"][1]["mlp"]
+    moe = stack_of(CFG, 1)
+    mlp = load_hf_params(CFG, checkpoint, mesh, expert_parallel=True)[moe.name]["mlp"]
     for name in ("experts_gate", "experts_up", "experts_down"):
-        assert mlp[name].sharding.spec == P(HEADS, None, None)
-    assert mlp["experts_gate"].addressable_shards[0].data.shape == (CFG.n_routed_experts // 4, CFG.hidden_size,
-                                                                     CFG.moe_intermediate_size)
-    assert mlp["shared"]["down"].sharding.spec == P(HEADS, None)
+        assert _spec(mlp[name]) == P(None, HEADS, None, None)
+    assert mlp["experts_gate"].addressable_shards[0].data.shape == (moe.count, CFG.n_routed_experts // 4,
+                                                                     CFG.hidden_size, CFG.moe_intermediate_size)
+    assert _spec(mlp["shared"]["down"]) == P(None, HEADS, None)
 
 
 def test_tp_must_divide_every_split_dimension():
@@ -194,7 +206,8 @@ def test_block_fp8_checkpoint_loads_dequantized(tensors, checkpoint, tmp_path):
     want = load_hf_params(CFG, tmp_path / "f32")
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
-    w, w0 = (np.asarray(p["layers"][1]["attention"]["wq_b"]) for p in (got, load_hf_params(CFG, checkpoint)))
+    w, w0 = (np.asarray(layer_params(CFG, p, 1)["attention"]["wq_b"])
+             for p in (got, load_hf_params(CFG, checkpoint)))
     assert 0 < np.linalg.norm(w - w0) / np.linalg.norm(w0) < 0.05
 
 
@@ -270,7 +283,7 @@ def _prompt_log_probs(path, tp: int, quantization: str, *, quantize_activations:
     mesh = make_mesh(parallel)
     runner = ModelRunner(CFG, load_hf_params(CFG, path, mesh, quantization=quantization), parallel, ENGINE, mesh,
                          "reference")
-    attention = runner.params["layers"][1]["attention"]
+    attention = layer_params(CFG, runner.params, 1)["attention"]
     wq_b = attention["wq_b"].values if quantization == "auto" else attention["wq_b"]
     assert wq_b.dtype == (jnp.float8_e4m3fn if quantization == "auto" else jnp.float32)
     blocks = ENGINE.max_blocks_per_seq(parallel.dcp)

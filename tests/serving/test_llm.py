@@ -7,6 +7,7 @@ import pytest
 
 from dcp_jax import LLM, SamplingParams
 from dcp_jax.cli import main
+from dcp_jax.model.deepseek_v32 import layer_params
 
 from tests.oracle import hf_tiny
 
@@ -169,11 +170,11 @@ def test_generate_with_an_fp8_cache_on_the_tiny_preset(cache, capsys):
     assert [(len(out.outputs[0].token_ids), out.outputs[0].finish_reason) for out in outs] == [(8, "length")] * 2
     assert llm.num_free_pages == llm.engine_config.num_pages
     kv = llm.runner.kv_cache
-    pool, values = (kv.index_k[0], kv.index_k[0].keys) if cache == "index" else (kv.latent[0], kv.latent[0].latent)
+    pool, values = (kv.index_k, kv.index_k.keys) if cache == "index" else (kv.latent, kv.latent.latent)
     assert values.dtype == np.dtype("float8_e4m3fn")
     # One power-of-two scale per token (and 128-column latent tile) written, by its owner rank only: each prompt,
     # then the 7 tokens fed back.
-    assert np.count_nonzero(np.asarray(pool.scales)) == 20 + 3 + 2 * 7
+    assert np.count_nonzero(np.asarray(pool.scales)[:, 0]) == 20 + 3 + 2 * 7  # layer 0 of [W, L, ...]
     assert main(["generate", "--model", "tiny", "--dcp", "2", f"--{cache}-cache", "fp8", "--prompt", "hello",
                  "--max-tokens", "3", "--max-model-len", "32"]) == 0
     assert f"fp8 {cache} cache" in capsys.readouterr().out
@@ -203,7 +204,7 @@ def test_llm_keeps_a_block_fp8_checkpoint_in_fp8_and_generates(tmp_path):
     tensors = hf_tiny.random_tensors(w.HF_CONFIG, seed=5)
     w._write_fp8(tmp_path, tensors | w._block_fp8(tensors, w.BLOCK16)[0] | w.MTP, w.FP8_16_CONFIG)
     llm = LLM(str(tmp_path), dcp=2, tp=2, max_num_seqs=2, max_model_len=32, page_size=4)
-    layer = llm.runner.params["layers"][1]
+    layer = layer_params(llm.model_config, llm.runner.params, 1)
     for weight in (layer["attention"]["wq_b"], layer["attention"]["wo"], layer["mlp"]["experts_down"]):
         assert weight.values.dtype == np.dtype("float8_e4m3fn") and weight.scales.dtype == np.float32
         assert len(weight.values.sharding.device_set) == 2

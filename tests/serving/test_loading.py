@@ -56,7 +56,7 @@ def test_presets_load_in_bfloat16_end_to_end_and_checkpoints_in_their_own_dtype(
         names = {getattr(k, "key", None) for k in path}
         assert leaf.dtype == (jnp.float32 if names & f32_kept else jnp.bfloat16), path
     kv = loaded.runner.kv_cache
-    assert kv.latent[0].dtype == kv.index_k[0].dtype == jnp.bfloat16  # the exact caches take the model dtype
+    assert kv.latent.dtype == kv.index_k.dtype == jnp.bfloat16  # the exact caches take the model dtype
     config = hf_tiny.tiny_configs()["default_rope"]  # torch_dtype float32
     hf_tiny.write_random_checkpoint(config, 0, tmp_path)
     assert load_model(str(tmp_path), page_size=4, max_num_seqs=1, max_model_len=32).dtype == "float32"

@@ -55,12 +55,12 @@ def test_fp8_pool_is_e4m3_keys_and_f32_scales_at_index_head_dim_plus_4_bytes_a_t
     engine = EngineConfig(page_size=4, num_pages=8, index_cache="fp8")
     cache = allocate_kv_cache(TINY, engine, 2, make_mesh(ParallelConfig(tp=2, dcp=2)))
     j = TINY.index_head_dim
-    for pool in cache.index_k:
-        assert isinstance(pool, Fp8IndexKeys)
-        assert pool.keys.dtype == jnp.float8_e4m3fn and pool.keys.shape == (2, 8, 4, j)
-        assert pool.scales.dtype == jnp.float32 and pool.scales.shape == (2, 8, 4)
-        assert pool.keys.sharding.shard_shape(pool.keys.shape) == (1, 8, 4, j)  # each DCP rank holds its pages
-        assert pool.scales.sharding.shard_shape(pool.scales.shape) == (1, 8, 4)
+    pool, layers = cache.index_k, TINY.num_hidden_layers
+    assert isinstance(pool, Fp8IndexKeys)
+    assert pool.keys.dtype == jnp.float8_e4m3fn and pool.keys.shape == (2, layers, 8, 4, j)
+    assert pool.scales.dtype == jnp.float32 and pool.scales.shape == (2, layers, 8, 4)
+    assert pool.keys.sharding.shard_shape(pool.keys.shape) == (1, layers, 8, 4, j)  # each DCP rank holds its pages
+    assert pool.scales.sharding.shard_shape(pool.scales.shape) == (1, layers, 8, 4)
     tokens_per_rank = TINY.num_hidden_layers * 8 * 4
     assert kv_bytes_per_rank(cache)["index_k"] == tokens_per_rank * (j + 4)
     assert cache_formats.index_key_bytes("fp8", 128, 2) == 132  # DeepSeek-V3.2's J = 128, whatever the model dtype
@@ -136,14 +136,14 @@ def test_fp8_pool_is_e4m3_latent_f32_tile_scales_and_bf16_rope():
     engine = EngineConfig(page_size=4, num_pages=8, latent_cache="fp8")
     cache = allocate_kv_cache(TINY, engine, 2, make_mesh(ParallelConfig(tp=2, dcp=2)))
     c, e = TINY.kv_lora_rank, TINY.qk_rope_head_dim
-    for pool in cache.latent:
-        assert isinstance(pool, Fp8LatentCache)
-        assert pool.latent.dtype == jnp.float8_e4m3fn and pool.latent.shape == (2, 8, 4, c)
-        assert pool.scales.dtype == jnp.float32 and pool.scales.shape == (2, 8, 4, c // 128)
-        assert pool.rope.dtype == jnp.bfloat16 and pool.rope.shape == (2, 8, 4, e)
-        for part in jax.tree.leaves(pool):
-            assert part.sharding.shard_shape(part.shape)[:3] == (1, 8, 4)  # each DCP rank holds its pages
-    assert (cache.num_pages, cache.page_size) == (8, 4)
+    pool, layers = cache.latent, TINY.num_hidden_layers
+    assert isinstance(pool, Fp8LatentCache)
+    assert pool.latent.dtype == jnp.float8_e4m3fn and pool.latent.shape == (2, layers, 8, 4, c)
+    assert pool.scales.dtype == jnp.float32 and pool.scales.shape == (2, layers, 8, 4, c // 128)
+    assert pool.rope.dtype == jnp.bfloat16 and pool.rope.shape == (2, layers, 8, 4, e)
+    for part in jax.tree.leaves(pool):
+        assert part.sharding.shard_shape(part.shape)[:4] == (1, layers, 8, 4)  # each DCP rank holds its pages
+    assert (cache.num_layers, cache.num_pages, cache.page_size) == (layers, 8, 4)
     tokens_per_rank = TINY.num_hidden_layers * 8 * 4
     assert kv_bytes_per_rank(cache)["latent"] == tokens_per_rank * cache_formats.latent_bytes("fp8", TINY, 4)
     assert cache_formats.latent_bytes("fp8", TINY, 4) == c + 4 * (c // 128) + 2 * e
