@@ -198,18 +198,21 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     info = run_info() | dict(xla_flags=os.environ.get("XLA_FLAGS", ""))
-    print(json.dumps(info))
-    if args.what == "compile":
-        rows = [compile_startup(args, layers, unroll) for layers in args.layers
-                for unroll in ((False, True) if layers in args.unrolled_layers else (False,))]
-    else:
-        rows = decode_step(args)
-    for row in rows:
-        print(json.dumps(row))
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in [info, *rows]:
+
+    def record(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
+
+    record(info)
+    if args.what == "compile":
+        for layers in args.layers:
+            for unroll in (False, True) if layers in args.unrolled_layers else (False,):
+                record(compile_startup(args, layers, unroll))
+    else:
+        for row in decode_step(args):
+            record(row)
     return 0
 
 

@@ -21,6 +21,8 @@ QUANTIZATION_HELP = ("auto: the checkpoint's (a block fp8 checkpoint's linear we
                      "them into --dtype")
 BATCHED_TOKENS_HELP = "rows of one step at most: its decode rows and prefill-chunk tokens (long prompts run in chunks)"
 PREFIX_CACHING_HELP = "reuse the KV pages of full virtual blocks a prompt shares with earlier requests"
+UNROLL_LAYERS_HELP = ("compile one copy of every decoder layer instead of one scan over each stack of layers: start-up "
+                      "grows with depth; the decode step was 15%% faster on the H200 (docs/performance.md)")
 GPU_MEMORY_HELP = "share of each GPU's memory for weights, workspace and the KV pool (the pool takes the rest)"
 EXPERT_PARALLEL_HELP = ("split the routed experts whole over the tp ranks, each running only the tokens routed to "
                         "its experts (default: every rank runs every expert on its slice of their width)")
@@ -92,7 +94,8 @@ def generate(args: argparse.Namespace) -> int:
                   dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=args.enable_prefix_caching,
-                  enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization)
+                  enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
+                  unroll_layers=args.unroll_layers)
         outputs = llm.generate(args.prompt, params, use_tqdm=True)
     except ValueError as e:
         print(f"dcp-jax generate: {e}", file=sys.stderr)
@@ -152,6 +155,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                    help="dispatch each step before reading the previous one's tokens")
     s.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                    help="auto: the Pallas kernels on a GPU, the references elsewhere")
+    s.add_argument("--unroll-layers", action="store_true", help=UNROLL_LAYERS_HELP)
     s.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
     s.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
     s.add_argument("--seed", type=int, default=0, help="weights seed of a preset; default sampling seed")
@@ -208,7 +212,8 @@ def serve(args: argparse.Namespace) -> int:
                       dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
                       async_scheduling=args.async_scheduling, prompt_logprobs=not args.no_prompt_logprobs,
                       compilation_cache_dir=args.compilation_cache_dir,
-                      enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization)
+                      enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
+                      unroll_layers=args.unroll_layers)
 
     def ready(engine):
         config = engine.engine_config
@@ -312,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto", help=QUANTIZATION_HELP)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=GPU_MEMORY_HELP)
     g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
+    g.add_argument("--unroll-layers", action="store_true", help=UNROLL_LAYERS_HELP)
     g.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
     g.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
     g.set_defaults(run=generate)

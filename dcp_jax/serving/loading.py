@@ -106,7 +106,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
                kernels: str = "auto", seed: int = 0, num_layers: int | None = None, index_cache: str = "exact",
                latent_cache: str = "exact", dtype: str = "auto", gpu_memory_utilization: float = 0.9,
                max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-               enable_expert_parallel: bool = False, quantization: str = "auto") -> LoadedModel:
+               enable_expert_parallel: bool = False, quantization: str = "auto",
+               unroll_layers: bool = False) -> LoadedModel:
     """Validate the arguments, then load weights (an HF directory) or draw random ones (a preset), placed on a
     (tp/dcp, dcp) mesh; on CPU `tp` simulated devices are used. `dtype` (`config.DTYPE_CHOICES`): the weights',
     activations' and exact caches' dtype; auto is the checkpoint's (bfloat16 for presets). `max_model_len` None:
@@ -190,7 +191,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
         parallel=parallel,
         engine=engine,
         tokenizer=load_tokenizer(model if is_dir else None, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id),
-        runner=ModelRunner(cfg, params, parallel, engine, mesh, kernel_backend(kernels), dtype=jnp.dtype(dtype)),
+        runner=ModelRunner(cfg, params, parallel, engine, mesh, kernel_backend(kernels), dtype=jnp.dtype(dtype),
+                           unroll_layers=unroll_layers),
         backend=jax.default_backend(),
         dtype=dtype,
     )

@@ -98,3 +98,11 @@ def test_the_programs_size_does_not_grow_with_depth():
     assert _program_size(3, unroll=False) == _program_size(7, unroll=False)
     shallow, deep = _program_size(3, unroll=True), _program_size(7, unroll=True)
     assert deep[1] > shallow[1]
+
+
+def test_the_cli_and_llm_take_unroll_layers(capsys):
+    from dcp_jax.cli import main
+
+    assert main(["generate", "--model", "tiny", "--unroll-layers", "--prompt", "hi", "--max-tokens", "2",
+                 "--max-model-len", "32"]) == 0
+    assert "tiny" in capsys.readouterr().out

@@ -366,5 +366,5 @@ def test_warm_up_progress_is_log_lines_off_a_terminal(caplog, capsys):
                      max_num_batched_tokens=2, prompt_logprobs=False, progress=True)
     assert "\r" not in capsys.readouterr().err
     lines = [r.getMessage() for r in caplog.records]
-    assert sum("compiling program" in line for line in lines) == eng.num_programs == 4
+    assert sum("compiled program" in line for line in lines) == eng.num_programs == 4
     assert any(line.startswith(f"compiled {eng.num_programs} programs in") for line in lines)
