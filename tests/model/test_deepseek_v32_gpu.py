@@ -1,0 +1,132 @@
+"""The whole model with the Pallas kernels compiled on a CUDA GPU: the HF oracle configurations of
+test_deepseek_v32_oracle.py (f32, their golden fixtures), and a bf16 model at the Mosaic kernels' shapes against the
+same model on the reference kernels. DCP = 2 needs 2 GPUs (skipped on one).
+
+Each case records its worst logprob difference (`max_logprob_err`, in the junit xml that scripts/test_gpu.sh
+writes).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dcp_jax.config import TINY, EngineConfig, ParallelConfig
+from dcp_jax.model.deepseek_v32 import init_params
+from dcp_jax.model.mesh import make_mesh
+from dcp_jax.runtime.runner import ModelRunner
+from pallas_kernels import api, formats
+
+from tests.model.test_deepseek_v32_oracle import (ONE_SHOT, TOL, checkpoints, fixture,  # noqa: F401 (a fixture)
+                                                  log_softmax, run_case)
+
+# (config, dcp, interleave, prefill chunk): every RoPE on one GPU, one-shot and chunked prefills; interleave 2 and
+# YaRN on two.
+CASES = [("default_rope", 1, 1, 5), ("yarn", 1, 1, ONE_SHOT), ("yarn_mscale", 1, 1, 7),
+         ("default_rope", 2, 2, 6), ("yarn", 2, 1, ONE_SHOT)]
+PARAMS = [pytest.param(*case, id=f"{case[0]}-dcp{case[1]}-S{case[2]}-chunk{case[3]}",
+                       marks=pytest.mark.skipif(jax.device_count() < case[1], reason=f"DCP = {case[1]} needs "
+                                                f"{case[1]} GPUs"))
+          for case in CASES]
+
+# bf16 at the Mosaic kernels' shapes: 512 + 64 latent columns (sparse MLA), Di = 128 and pages of 64 tokens with
+# fp8 index keys (indexer).
+MOSAIC_CFG = dataclasses.replace(TINY, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
+MOSAIC_ENGINE = EngineConfig(page_size=64, num_pages=16, max_num_seqs=4, max_model_len=128, bucket_ladder=(4, 64),
+                             max_num_batched_tokens=128, index_cache="fp8")
+MOSAIC_PROMPT_LENS = (9, 16, 41, 100)
+MOSAIC_DECODE_STEPS = 8
+# Pallas against reference kernels, both bf16 models: worst logprob difference over the prefill and decode rows.
+BF16_TOL = 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, dcp, interleave, chunk", PARAMS)
+def test_prefill_logits_on_gpu_equal_hf(checkpoints, name, dcp, interleave, chunk, record_property):  # noqa: F811
+    fx = fixture(name)
+    ours = run_case(checkpoints, name, dcp, interleave, "pallas", chunk)["prefill_logits"]
+    worst = 0.0
+    for i, n in enumerate(fx["prompt_lens"]):
+        want, got = log_softmax(fx["prefill_logits"][i, :n]), log_softmax(ours[i, :n])
+        worst = max(worst, float(np.abs(got - want).max()))
+        np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1), err_msg=f"prompt {i}")
+    record_property("max_logprob_err", worst)
+    assert worst < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, dcp, interleave, chunk", PARAMS)
+def test_greedy_decode_on_gpu_equals_hf(checkpoints, name, dcp, interleave, chunk, record_property):  # noqa: F811
+    """The first token from the prefill, then 9 decode steps: the tokens the device sampled and the argmax of our
+    logits equal HF's; every logprob within TOL of HF's."""
+    fx = fixture(name)
+    result = run_case(checkpoints, name, dcp, interleave, "pallas", chunk)
+    last = [result["prefill_logits"][i, n - 1] for i, n in enumerate(fx["prompt_lens"])]
+    steps = [np.stack(last)] + result["decode_logits"]
+    assert len(steps) == fx["gen_tokens"].shape[1] >= 9
+    np.testing.assert_array_equal(result["sampled"], fx["gen_tokens"])
+    worst = 0.0
+    for j, logits in enumerate(steps):
+        logprobs = log_softmax(logits)
+        np.testing.assert_array_equal(logprobs.argmax(-1), fx["gen_tokens"][:, j], err_msg=f"step {j}")
+        worst = max(worst, float(np.abs(logprobs - fx["gen_logsoftmax"][:, j]).max()))
+    record_property("max_logprob_err", worst)
+    assert worst < TOL
+
+
+def mosaic_run(kernels: str):
+    """Prefill the MOSAIC_PROMPT_LENS prompts (one shot), then decode MOSAIC_DECODE_STEPS tokens fed the same
+    fixed ids: logits [rows, vocab] f32 of every prefill position and decode step."""
+    parallel = ParallelConfig(tp=1, dcp=1)
+    mesh = make_mesh(parallel)
+    params = init_params(MOSAIC_CFG, seed=0, dtype=jnp.bfloat16)
+    runner = ModelRunner(MOSAIC_CFG, params, parallel, MOSAIC_ENGINE, mesh, kernels, dtype=jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, MOSAIC_CFG.vocab_size, n).tolist() for n in MOSAIC_PROMPT_LENS]
+    tables = [[2 * i, 2 * i + 1] for i in range(len(prompts))]
+    prefill, _, _ = runner.prefill(prompts, tables, all_logits=True)
+    rows = [prefill[i, :n] for i, n in enumerate(MOSAIC_PROMPT_LENS)]
+    context = np.array(MOSAIC_PROMPT_LENS)
+    for tokens in rng.integers(0, MOSAIC_CFG.vocab_size, (MOSAIC_DECODE_STEPS, len(prompts))):
+        context = context + 1
+        logits, _, _ = runner.decode(tokens.tolist(), context.tolist(), tables)
+        rows.append(logits)
+    return np.concatenate(rows).astype(np.float32)
+
+
+@pytest.mark.gpu
+def test_mosaic_config_runs_the_mosaic_kernels():
+    """"pallas" picks the Mosaic sparse MLA and indexer at MOSAIC_CFG / MOSAIC_ENGINE's shapes (else the bf16 test
+    below would check the Triton kernels again)."""
+    cfg, page = MOSAIC_CFG, MOSAIC_ENGINE.page_size
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    q = jnp.zeros((4, cfg.num_attention_heads, width), jnp.bfloat16)
+    cache = jnp.zeros((MOSAIC_ENGINE.num_pages, page, width), jnp.bfloat16)
+    slots, counts = jnp.zeros((4, cfg.index_topk), jnp.int32), jnp.zeros((4,), jnp.int32)
+    assert api.choose("sparse_mla_decode", "pallas", q, cache, slots, counts, cfg.softmax_scale,
+                      value_dim=cfg.kv_lora_rank) == "mosaic"
+    fp8 = jnp.float8_e4m3fn
+    index_q = jnp.zeros((4, cfg.index_n_heads, cfg.index_head_dim), fp8)
+    keys = formats.Fp8IndexKeys(jnp.zeros((MOSAIC_ENGINE.num_pages, page, cfg.index_head_dim), fp8),
+                                jnp.zeros((MOSAIC_ENGINE.num_pages, page), jnp.float32))
+    weights, tables = jnp.zeros((4, cfg.index_n_heads), jnp.float32), jnp.zeros((4, 2), jnp.int32)
+    assert api.choose("indexer_top_k", "pallas", index_q, weights, keys, tables, counts,
+                      k=cfg.index_topk) == "mosaic"
+
+
+@pytest.mark.gpu
+def test_bf16_model_on_mosaic_kernels_equals_reference_kernels(record_property):
+    """The bf16 model on the Pallas kernels (Mosaic sparse MLA and fp8 indexer) against the same model on the
+    reference kernels: every prefill position and decode step, logprobs within BF16_TOL, and (the rows being far
+    from ties) the same argmax on nearly all rows."""
+    pallas, reference = mosaic_run("pallas"), mosaic_run("reference")
+    assert np.isfinite(pallas).all() and np.isfinite(reference).all()
+    got, want = log_softmax(pallas), log_softmax(reference)
+    worst = float(np.abs(got - want).max())
+    same_argmax = float(np.mean(got.argmax(-1) == want.argmax(-1)))
+    record_property("max_logprob_err", worst)
+    record_property("same_argmax", same_argmax)
+    assert worst < BF16_TOL
+    assert same_argmax >= 0.97

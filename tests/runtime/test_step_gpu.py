@@ -1,0 +1,58 @@
+"""The sharded decode step (runtime/step.py over model/attention_stack.py) with the Pallas kernels compiled on a
+CUDA GPU equals its unsharded twin (`decode_stack_unsharded`, reference ops), as tests/model/attention/
+test_sparse_dcp.py checks interpreted on CPU: exact and fp8 caches (index keys, latents), padded rows, contexts
+below and above index_topk, exact ties at the top-k boundary. DCP = 2 needs 2 GPUs (skipped on one).
+
+Each case records its worst difference (`max_abs_err`, in the junit xml that scripts/test_gpu.sh writes).
+"""
+
+import dataclasses
+
+import jax
+import pytest
+
+from dcp_jax.config import TINY, EngineConfig, ParallelConfig
+from dcp_jax.demo import Schedule, run_comparison
+
+from tests.model.attention.test_sparse_dcp import tied_index_params
+
+ENGINE = EngineConfig(page_size=4, num_pages=48, max_num_seqs=4, max_model_len=40, max_num_batched_tokens=4)
+# 3 active rows (one pad row) at steps 2-4 and after step 12; contexts reach 27 > index_topk = 16.
+SCHEDULE = Schedule(start=(0, 0, 2, 5), stop=(27, 12, 27, 27))
+# f32 caches: the Triton kernels run full-precision f32 dots (the CPU bound of test_sparse_dcp.py).
+TOL = 2e-5
+# fp8 latent cache: the kernel computes in bf16 and returns bf16 (one layer, so that the rounding cannot flip the
+# next layer's top-k; test_sparse_dcp.py's bound).
+FP8_LATENT_TOL = 2e-2
+
+
+def _dcp(size: int, interleave: int):
+    marks = [pytest.mark.skipif(jax.device_count() < size, reason=f"DCP = {size} needs {size} GPUs")]
+    return pytest.param(size, interleave, marks=marks, id=f"dcp{size}-S{interleave}")
+
+
+DCP_SIZES = [_dcp(1, 1), _dcp(2, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dcp, interleave", DCP_SIZES)
+@pytest.mark.parametrize("index_cache, latent_cache", [("exact", "exact"), ("fp8", "exact"), ("fp8", "fp8")])
+def test_dcp_step_on_gpu_equals_unsharded(dcp, interleave, index_cache, latent_cache, record_property):
+    engine = dataclasses.replace(ENGINE, index_cache=index_cache, latent_cache=latent_cache)
+    cfg, tol = (dataclasses.replace(TINY, num_hidden_layers=1), FP8_LATENT_TOL) if latent_cache == "fp8" else (TINY, TOL)
+    report = run_comparison(cfg, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), engine, SCHEDULE,
+                            kernels="pallas")
+    record_property("max_abs_err", report.max_abs_err)
+    assert report.max_context > cfg.index_topk
+    assert report.buckets_compiled == len(engine.buckets)
+    assert report.max_abs_err < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dcp, interleave", DCP_SIZES)
+def test_dcp_step_on_gpu_with_exact_ties_equals_unsharded(dcp, interleave, record_property):
+    """All index scores tie: the compiled top-k must keep the lowest positions, as the reference does."""
+    report = run_comparison(TINY, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), ENGINE, SCHEDULE,
+                            kernels="pallas", params=tied_index_params(3))
+    record_property("max_abs_err", report.max_abs_err)
+    assert report.max_abs_err < TOL
