@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the GPU-marked tests (`pytest -m gpu`) compiled on a CUDA GPU; extra arguments go to pytest (`-k mosaic`, `-x`).
+# Run the GPU-marked tests (`pytest -m gpu`) compiled on a CUDA GPU; extra arguments go to pytest (`-k mosaic`, `-x`,
+# test paths: these replace the default, every file holding GPU tests).
 # Uses the first Python >= 3.12 whose jax 0.11.2 sees a GPU: $PYTHON, .venv/bin/python, python3.12, python3.13,
 # python3 (the GPU machines' system python3 has jax 0.11.2 with the CUDA 13 plugin). JAX_CUDA=cuda13 (or cuda12)
 # first installs `jax[cuda13]==0.11.2` into .venv, where a registry can be reached. Refuses (exit 2) when no GPU is
@@ -46,9 +47,12 @@ if [ -z "$py" ]; then
   exit 2
 fi
 
-# Only the files holding GPU tests: collecting the rest would import the serving stack's packages (fastapi, ...),
-# which a GPU machine need not have.
-mapfile -t files < <(grep -rl --include='test_*.py' "pytest.mark.gpu" tests | sort)
+# The test paths given, else only the files holding GPU tests: collecting the rest would import the serving stack's
+# packages (fastapi, ...), which a GPU machine need not have.
+has_path=0
+for arg in "$@"; do [[ "$arg" == tests* && -e "${arg%%::*}" ]] && has_path=1; done
+files=()
+[ "$has_path" = 1 ] || mapfile -t files < <(grep -rl --include='test_*.py' "pytest.mark.gpu" tests | sort)
 mkdir -p out
 echo "test_gpu: $py (jax $("$py" -c 'import jax; print(jax.__version__, jax.devices())'))"
 PYTHONPATH=. "$py" -m pytest -m gpu -p no:cacheprovider --junitxml=out/test_gpu.xml "${files[@]}" "$@"
