@@ -22,6 +22,8 @@ from pallas_kernels import api, formats
 from tests.model.test_deepseek_v32_oracle import (ONE_SHOT, TOL, checkpoints, fixture,  # noqa: F401 (a fixture)
                                                   log_softmax, run_case)
 
+# The bound is the CPU oracle's TOL = 2e-3; measured on the H200 (default_rope, dcp 1): 4.1e-6 over the prefill
+# logprobs, 4.7e-6 over the decode steps'.
 # (config, dcp, interleave, prefill chunk): every RoPE on one GPU, one-shot and chunked prefills; interleave 2 and
 # YaRN on two.
 CASES = [("default_rope", 1, 1, 5), ("yarn", 1, 1, ONE_SHOT), ("yarn_mscale", 1, 1, 7),
@@ -39,6 +41,7 @@ MOSAIC_ENGINE = EngineConfig(page_size=64, num_pages=16, max_num_seqs=4, max_mod
 MOSAIC_PROMPT_LENS = (9, 16, 41, 100)
 MOSAIC_DECODE_STEPS = 8
 # Pallas against reference kernels, both bf16 models: worst logprob difference over the prefill and decode rows.
+# TODO(issue 25): not yet measured on the H200 (the first GPU run ran out of its time before this test).
 BF16_TOL = 0.1
 
 

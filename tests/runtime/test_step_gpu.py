@@ -19,10 +19,11 @@ from tests.model.attention.test_sparse_dcp import tied_index_params
 ENGINE = EngineConfig(page_size=4, num_pages=48, max_num_seqs=4, max_model_len=40, max_num_batched_tokens=4)
 # 3 active rows (one pad row) at steps 2-4 and after step 12; contexts reach 27 > index_topk = 16.
 SCHEDULE = Schedule(start=(0, 0, 2, 5), stop=(27, 12, 27, 27))
-# f32 caches: the Triton kernels run full-precision f32 dots (the CPU bound of test_sparse_dcp.py).
+# f32 caches: the Triton kernels run full-precision f32 dots (the CPU bound of test_sparse_dcp.py; interpreted on
+# CPU at dcp 1: 2.1e-6 exact and with fp8 index keys). TODO(issue 25): not yet measured on the H200.
 TOL = 2e-5
 # fp8 latent cache: the kernel computes in bf16 and returns bf16 (one layer, so that the rounding cannot flip the
-# next layer's top-k; test_sparse_dcp.py's bound).
+# next layer's top-k; test_sparse_dcp.py's bound; interpreted on CPU at dcp 1: 5.5e-3).
 FP8_LATENT_TOL = 2e-2
 
 
@@ -39,7 +40,8 @@ DCP_SIZES = [_dcp(1, 1), _dcp(2, 2)]
 @pytest.mark.parametrize("index_cache, latent_cache", [("exact", "exact"), ("fp8", "exact"), ("fp8", "fp8")])
 def test_dcp_step_on_gpu_equals_unsharded(dcp, interleave, index_cache, latent_cache, record_property):
     engine = dataclasses.replace(ENGINE, index_cache=index_cache, latent_cache=latent_cache)
-    cfg, tol = (dataclasses.replace(TINY, num_hidden_layers=1), FP8_LATENT_TOL) if latent_cache == "fp8" else (TINY, TOL)
+    is_fp8_latent = latent_cache == "fp8"
+    cfg, tol = (dataclasses.replace(TINY, num_hidden_layers=1), FP8_LATENT_TOL) if is_fp8_latent else (TINY, TOL)
     report = run_comparison(cfg, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), engine, SCHEDULE,
                             kernels="pallas")
     record_property("max_abs_err", report.max_abs_err)
