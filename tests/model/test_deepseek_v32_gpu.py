@@ -41,7 +41,9 @@ MOSAIC_ENGINE = EngineConfig(page_size=64, num_pages=16, max_num_seqs=4, max_mod
 MOSAIC_PROMPT_LENS = (9, 16, 41, 100)
 MOSAIC_DECODE_STEPS = 8
 # Pallas against reference kernels, both bf16 models: worst logprob difference over the prefill and decode rows.
-# TODO(issue 25): not yet measured on the H200 (the first GPU run ran out of its time before this test).
+# H200, 2026-12-04: this test FAILS, max logprob error 3.69 (cause open: the bf16 Mosaic step of 3 dense
+# DeepSeek-V3.2 layers with exact caches agreed with the reference kernels to 0.03-0.06 in the sampled token's
+# logprob; suspects: the Mosaic fp8 indexer or prefill rows on the layer-folded pool). Not loosened: investigate.
 BF16_TOL = 0.1
 
 
