@@ -125,7 +125,7 @@ class ModelRunner:
     `reset_state` allocates a fresh zeroed one (every context it held is lost). `backend` names the kernels'
     implementation (`pallas_kernels.BACKENDS`); `dtype` is the weights' (block fp8 ones apart: `fp8_linear`) and
     the exact caches' dtype. Each layer stack compiles once (`forward._layers`); `unroll_layers` unrolls it (one copy
-    per layer, as a comparison)."""
+    per layer: start-up grows with depth, the step runs faster; docs/performance.md)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh,
                  backend: str, *, dtype=jnp.float32, unroll_layers: bool = False):

@@ -3,7 +3,8 @@
 The layers run under `jax.lax.scan` over stacked weights (`forward._layers`). With XLA's defaults on the H200 each
 iteration copies its slice of the stacked weights before the GEMM reads it (+260 us a layer of DeepSeek-V3.2's
 dense MLP); with dynamic-slice fusion on and cuBLAS for every GEMM (no Triton GEMM fusions, which cannot take the
-slice in place) the scan reads the weights where they lie and runs as fast as the unrolled loop
+slice in place) the scan reads the weights where they lie and equals the unrolled loop under the same flags, still
+18% slower than the unrolled loop under XLA's defaults, whose Triton GEMMs beat cuBLAS on these shapes
 (docs/performance.md, "Layers compiled once"). A flag the user already set in XLA_FLAGS is left as set.
 """
 
