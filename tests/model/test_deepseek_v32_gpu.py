@@ -1,8 +1,8 @@
 """The whole model with the Pallas kernels compiled on a CUDA GPU: the HF oracle configurations of
 test_deepseek_v32_oracle.py (f32, their golden fixtures), and a bf16 model at the Mosaic kernels' shapes against the
-same model on the reference kernels. DCP = 2 needs 2 GPUs (skipped on one).
+same model on the reference kernels and its f32 twin. DCP = 2 needs 2 GPUs (skipped on one).
 
-Each case records its worst logprob difference (`max_logprob_err`, in the junit xml that scripts/test_gpu.sh
+Each case records its logprob differences (`max_logprob_err`, ..., in the junit xml that scripts/test_gpu.sh
 writes).
 """
 
@@ -32,20 +32,6 @@ PARAMS = [pytest.param(*case, id=f"{case[0]}-dcp{case[1]}-S{case[2]}-chunk{case[
                        marks=pytest.mark.skipif(jax.device_count() < case[1], reason=f"DCP = {case[1]} needs "
                                                 f"{case[1]} GPUs"))
           for case in CASES]
-
-# bf16 at the Mosaic kernels' shapes: 512 + 64 latent columns (sparse MLA), Di = 128 and pages of 64 tokens with
-# fp8 index keys (indexer).
-MOSAIC_CFG = dataclasses.replace(TINY, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
-MOSAIC_ENGINE = EngineConfig(page_size=64, num_pages=16, max_num_seqs=4, max_model_len=128, bucket_ladder=(4, 64),
-                             max_num_batched_tokens=128, index_cache="fp8")
-MOSAIC_PROMPT_LENS = (9, 16, 41, 100)
-MOSAIC_DECODE_STEPS = 8
-# Pallas against reference kernels, both bf16 models: worst logprob difference over the prefill and decode rows.
-# H200, 2026-12-04: this test FAILS, max logprob error 3.69 (cause open: the bf16 Mosaic step of 3 dense
-# DeepSeek-V3.2 layers with exact caches agreed with the reference kernels to 0.03-0.06 in the sampled token's
-# logprob; suspects: the Mosaic fp8 indexer or prefill rows on the layer-folded pool). Not loosened: investigate.
-BF16_TOL = 0.1
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, dcp, interleave, chunk", PARAMS)
@@ -81,24 +67,59 @@ def test_greedy_decode_on_gpu_equals_hf(checkpoints, name, dcp, interleave, chun
     assert worst < TOL
 
 
-def mosaic_run(kernels: str):
-    """Prefill the MOSAIC_PROMPT_LENS prompts (one shot), then decode MOSAIC_DECODE_STEPS tokens fed the same
-    fixed ids: logits [rows, vocab] f32 of every prefill position and decode step."""
+# bf16 at the Mosaic kernels' shapes: 512 + 64 latent columns (sparse MLA), Di = 128 and pages of 64 tokens with
+# fp8 index keys (indexer). Two layers (dense, then MoE); ONE_LAYER_CFG keeps the dense one.
+MOSAIC_CFG = dataclasses.replace(TINY, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
+ONE_LAYER_CFG = dataclasses.replace(MOSAIC_CFG, num_hidden_layers=1)
+MOSAIC_ENGINE = EngineConfig(page_size=64, num_pages=16, max_num_seqs=4, max_model_len=128, bucket_ladder=(4, 64),
+                             max_num_batched_tokens=128, index_cache="fp8")
+MOSAIC_PROMPT_LENS = (9, 16, 41, 100)
+MOSAIC_DECODE_STEPS = 8
+# Why two bounds: past the first layer, bf16 rounding flips discrete choices (which 16 of ~100 tokens the indexer
+# keeps, which expert group routes a token), so two bf16 runs of this random model differ by up to 3.7 in a logprob
+# whatever their kernels: the bf16 reference-kernel model against its f32 twin, H200 2026-12-04: max 3.66, median
+# 0.044. The first layer's inputs are the same in every run, so there the kernels must agree closely; past it the
+# Pallas model must stay as close to the f32 model as the bf16 reference-kernel model does.
+# Measured (H200, 2026-12-04), Pallas against reference kernels, one layer: max logprob error 0.023, every row's
+# selected set equal; two layers against f32: median 0.043 (reference kernels: 0.044). Mutations: the sparse-MLA
+# scale without log2(e) 0.67 / median 0.60, the scale x1.1 0.21 / 0.21, the indexer's ReLU after the head sum
+# 1.58 with 32% of rows' sets equal / median 1.04.
+BF16_TOL = 0.1
+MEDIAN_RATIO = 2.0
+SAME_SETS = 0.98
+
+
+def mosaic_run(cfg, kernels: str, dtype=jnp.bfloat16):
+    """Prefill the MOSAIC_PROMPT_LENS prompts, then decode MOSAIC_DECODE_STEPS tokens fed the same fixed ids.
+    Returns (logits [rows, vocab] f32 of every prefill position and decode step, the first layer's selected
+    token ids [rows, K], -1 padded)."""
     parallel = ParallelConfig(tp=1, dcp=1)
     mesh = make_mesh(parallel)
-    params = init_params(MOSAIC_CFG, seed=0, dtype=jnp.bfloat16)
-    runner = ModelRunner(MOSAIC_CFG, params, parallel, MOSAIC_ENGINE, mesh, kernels, dtype=jnp.bfloat16)
+    params = init_params(cfg, seed=0, dtype=dtype)
+    runner = ModelRunner(cfg, params, parallel, MOSAIC_ENGINE, mesh, kernels, dtype=dtype)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, MOSAIC_CFG.vocab_size, n).tolist() for n in MOSAIC_PROMPT_LENS]
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in MOSAIC_PROMPT_LENS]
     tables = [[2 * i, 2 * i + 1] for i in range(len(prompts))]
-    prefill, _, _ = runner.prefill(prompts, tables, all_logits=True)
+    prefill, selected, _ = runner.prefill(prompts, tables, all_logits=True, return_selected=True)
     rows = [prefill[i, :n] for i, n in enumerate(MOSAIC_PROMPT_LENS)]
+    first_layer = [selected[0, i, :n] for i, n in enumerate(MOSAIC_PROMPT_LENS)]
     context = np.array(MOSAIC_PROMPT_LENS)
-    for tokens in rng.integers(0, MOSAIC_CFG.vocab_size, (MOSAIC_DECODE_STEPS, len(prompts))):
+    for tokens in rng.integers(0, cfg.vocab_size, (MOSAIC_DECODE_STEPS, len(prompts))):
         context = context + 1
-        logits, _, _ = runner.decode(tokens.tolist(), context.tolist(), tables)
+        logits, selected, _ = runner.decode(tokens.tolist(), context.tolist(), tables, return_selected=True)
         rows.append(logits)
-    return np.concatenate(rows).astype(np.float32)
+        first_layer.append(selected[0])
+    return np.concatenate(rows).astype(np.float32), np.concatenate(first_layer)
+
+
+def row_errors(logits, want):
+    """The worst logprob difference of each row."""
+    return np.abs(log_softmax(logits) - log_softmax(want)).max(-1)
+
+
+def same_sets(selected, want):
+    """The fraction of rows selecting the same set of tokens (in any order)."""
+    return float(np.mean([set(a[a >= 0]) == set(b[b >= 0]) for a, b in zip(selected, want)]))
 
 
 @pytest.mark.gpu
@@ -122,16 +143,32 @@ def test_mosaic_config_runs_the_mosaic_kernels():
 
 
 @pytest.mark.gpu
-def test_bf16_model_on_mosaic_kernels_equals_reference_kernels(record_property):
-    """The bf16 model on the Pallas kernels (Mosaic sparse MLA and fp8 indexer) against the same model on the
-    reference kernels: every prefill position and decode step, logprobs within BF16_TOL, and (the rows being far
-    from ties) the same argmax on nearly all rows."""
-    pallas, reference = mosaic_run("pallas"), mosaic_run("reference")
+def test_bf16_first_layer_on_mosaic_kernels_equals_reference_kernels(record_property):
+    """One layer, bf16, the Pallas kernels (Mosaic sparse MLA and fp8 indexer) against the reference kernels:
+    the same tokens selected and logprobs within BF16_TOL on every prefill position and decode step."""
+    (pallas, pallas_sets), (reference, reference_sets) = (mosaic_run(ONE_LAYER_CFG, k) for k in ("pallas",
+                                                                                               "reference"))
     assert np.isfinite(pallas).all() and np.isfinite(reference).all()
-    got, want = log_softmax(pallas), log_softmax(reference)
-    worst = float(np.abs(got - want).max())
-    same_argmax = float(np.mean(got.argmax(-1) == want.argmax(-1)))
+    worst, same = float(row_errors(pallas, reference).max()), same_sets(pallas_sets, reference_sets)
     record_property("max_logprob_err", worst)
-    record_property("same_argmax", same_argmax)
+    record_property("same_sets", same)
+    assert same >= SAME_SETS
     assert worst < BF16_TOL
-    assert same_argmax >= 0.97
+
+
+@pytest.mark.gpu
+def test_bf16_model_on_mosaic_kernels_as_close_to_f32_as_reference_kernels(record_property):
+    """Two layers: the bf16 model on the Pallas kernels is as close to the f32 model (reference kernels) as the
+    bf16 model on the reference kernels is (median row error within MEDIAN_RATIO of it), and its first layer
+    selects what the bf16 reference-kernel model's does."""
+    (pallas, pallas_sets), (reference, reference_sets) = (mosaic_run(MOSAIC_CFG, k) for k in ("pallas",
+                                                                                            "reference"))
+    exact, _ = mosaic_run(MOSAIC_CFG, "reference", jnp.float32)
+    assert np.isfinite(pallas).all()
+    pallas_err, reference_err = (float(np.median(row_errors(x, exact))) for x in (pallas, reference))
+    same = same_sets(pallas_sets, reference_sets)
+    record_property("median_logprob_err", pallas_err)
+    record_property("reference_median_logprob_err", reference_err)
+    record_property("same_sets", same)
+    assert same >= SAME_SETS
+    assert pallas_err <= MEDIAN_RATIO * reference_err
