@@ -5,8 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
 log=$(mktemp)
-.venv/bin/dcp-jax serve --dcp 2 --interleave 2 --port 0 --max-model-len 128 --page-size 4 --buckets 1,2,4,8 \
-  --max-num-batched-tokens 32 \
+.venv/bin/dcp-jax serve --dcp 2 --interleave 2 --port 0 --max-model-len 128 --page-size 4 --buckets 8 \
+  --max-num-batched-tokens 16 \
   --compilation-cache-dir "${DCP_JAX_CACHE:-$HOME/.cache/dcp-jax/xla}" >"$log" 2>&1 &
 pid=$!
 trap 'kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; rm -f "$log"' EXIT

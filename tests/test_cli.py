@@ -18,7 +18,7 @@ from dcp_jax import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_DEMO_ARGS = ["--dcp", "2", "--interleave", "2", "--max-model-len", "128", "--page-size", "4",
-                   "--buckets", "1,2,4,8", "--max-num-batched-tokens", "32"]  # scripts/serve_demo.sh's, so the
+                   "--buckets", "8", "--max-num-batched-tokens", "16"]  # scripts/serve_demo.sh's, so the
 # compilation cache serves both
 
 
