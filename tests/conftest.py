@@ -1,9 +1,9 @@
 """Shared test set-up: 8 simulated CPU devices, highest matmul precision, a `gpu` marker, and the groups the
 parallel runner (`scripts/test.sh`: pytest-xdist, --dist loadgroup) keeps on one worker: each test file (its
 module fixtures are built once), and the files of one engine configuration together (`serving_utils.ENGINE_KW`:
-the first compiles its programs into the session's persistent cache, the others read them). Under pytest 9 with
-pytest-xdist 3.8 these groups are not applied (xdist writes them into `item._nodeid`, which pytest 9 no longer
-reads), so the tests spread over the workers one by one: an open problem, see the stop 36 note."""
+the first compiles its programs into the session's persistent cache, the others read them). xdist reads the
+groups into the test ids in its own pytest_collection_modifyitems, so ours runs first, and it writes them into
+`item._nodeid`, which pytest 9 no longer reads (hence pytest < 9 in pyproject.toml)."""
 
 import os
 
@@ -21,6 +21,7 @@ ON_GPU = jax.default_backend() == "gpu"
 SHARED_ENGINE_FILES = ("test_engine.py", "test_lm_eval.py", "test_load.py", "test_server.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
