@@ -5,7 +5,8 @@ A step is R query rows over S sequences: a decode row computes a request's next 
 rows computing consecutive tokens of one request (MTP verify rows would be another such run). Every index a program
 needs (positions, causal lengths, per-rank local lengths, slots, block tables) is computed here per row with numpy,
 padded to the program's bucket, and handed to the jitted program as a required input. The builders are the only
-constructors and validate what they are given; `check_step_metadata` runs before every step and checks what a program
+constructors and validate what they are given (`fill_decode_rows` writes the steady state's decode rows into a
+step of pads, equal to `build_step`'s by test); `check_step_metadata` runs before every step and checks what a program
 relies on: the structure (fields, shapes, dtypes, a known bucket) and the pages (every page a sequence uses is in the
 pool and used by that sequence alone). That the values are the layout's is the builders' job, proven by tests.
 
@@ -139,9 +140,8 @@ def _padded_tables(lens: np.ndarray, block_tables, layout: DcpLayout, rows: int,
     if len(block_tables) != n:
         raise ValueError(f"{len(block_tables)} block tables for {n} sequences")
     needed = layout.virtual_blocks(lens)
-    too_long = np.flatnonzero(needed > max_blocks)
-    if too_long.size:
-        row = int(too_long[0])
+    if (needed > max_blocks).any():
+        row = int(np.argmax(needed > max_blocks))
         raise ValueError(f"sequence {row}: a length of {lens[row]} needs {needed[row]} blocks > {max_blocks=}")
     tables = np.full((rows, max_blocks), -1, np.int32)
     if isinstance(block_tables, np.ndarray):
@@ -157,9 +157,8 @@ def _padded_tables(lens: np.ndarray, block_tables, layout: DcpLayout, rows: int,
             tables[row, : len(table)] = table
             sizes[row] = len(table)
         is_short = sizes < needed
-    short = np.flatnonzero(is_short)
-    if short.size:
-        row = int(short[0])
+    if is_short.any():
+        row = int(np.argmax(is_short))
         raise ValueError(f"sequence {row}: a length of {lens[row]} needs {needed[row]} blocks, its block table has "
                          f"{np.count_nonzero(tables[row] >= 0)} page ids")
     return tables
@@ -283,6 +282,15 @@ class SamplingTable:
                                    for name, (begin, end, dtype, shape) in self._columns.items()},
                                 positions=_padded(positions, rows, 0, np.int32), slots=index)
 
+    def gather_into(self, out: SamplingMetadata, slots: np.ndarray, positions: np.ndarray) -> None:
+        """Write the first len(slots) rows of `out` (views of a padded `SamplingMetadata`) as `gather` would."""
+        n = len(slots)
+        gathered = self._rows[slots]
+        for name, (begin, end, dtype, shape) in self._columns.items():
+            getattr(out, name)[:n] = gathered[:, begin:end].view(dtype).reshape((n, *shape))
+        out.positions[:n] = positions
+        out.slots[:n] = slots
+
 
 def build_step_inputs(slots: Sequence[int], num_queries: Sequence[int], tokens, roles, next_tokens, is_fresh,
                       samples, *, context_lens: Sequence[int], rows: int, seqs: int,
@@ -305,7 +313,7 @@ def build_step_inputs(slots: Sequence[int], num_queries: Sequence[int], tokens, 
     return StepInputs(
         tokens=_padded(tokens, rows, 0, np.int32),
         roles=_padded(roles, rows, PAD, np.int32),
-        row_slots=_padded(np.repeat(slots, queries), rows, scratch, np.int32),
+        row_slots=_padded(slots if total == len(slots) else np.repeat(slots, queries), rows, scratch, np.int32),
         next_tokens=_padded(next_tokens, rows, -1, np.int32),
         fresh_slots=_padded(slots[is_fresh], seqs, scratch + 1, np.int32),
         sample_rows=_padded((np.cumsum(queries) - 1)[samples], seqs, 0, np.int32),
@@ -342,6 +350,13 @@ class ScheduledRows:
     def num_rows(self) -> int:
         return int(self.num_queries.sum())
 
+    @property
+    def is_decode(self) -> bool:
+        """One row a sequence, each sampling, none starting its history over, the tables one array: what
+        `fill_decode_rows` writes."""
+        return (len(self.tokens) == len(self.slots) and isinstance(self.block_tables, np.ndarray)
+                and bool(self.samples.all()) and not self.is_fresh.any())
+
     @staticmethod
     def concat(parts: Sequence[ScheduledRows]) -> ScheduledRows:
         """The sequences of `parts`, in order (their block tables arrays of one width)."""
@@ -349,6 +364,35 @@ class ScheduledRows:
             return parts[0]
         return ScheduledRows(**{f.name: np.concatenate([getattr(p, f.name) for p in parts])
                                 for f in dataclasses.fields(ScheduledRows)})
+
+
+def fill_decode_rows(inputs: StepInputs, md: StepMetadata, rows: ScheduledRows, *, layout: DcpLayout,
+                     table: SamplingTable) -> None:
+    """Write `rows`, one decode row a sequence (`ScheduledRows.is_decode`), into the views `inputs` and `md` of a
+    padded step that holds no rows yet (`build_step` of none): the step `build_step` builds for them, in a few
+    writes. ValueError where `build_step` refuses them; the pages are `check_step_metadata`'s."""
+    n = len(rows.slots)
+    lens = rows.context_lens
+    if n > md.block_tables.shape[0] or lens.min(initial=1) < 1:
+        raise ValueError(f"{n} decode rows of lengths {lens.tolist()} do not fit a step of "
+                         f"{md.block_tables.shape[0]} sequences")
+    tables = np.asarray(rows.block_tables)
+    if tables.ndim != 2 or tables.shape[1] > md.block_tables.shape[1]:
+        raise ValueError(f"decode rows need their block tables as one [n, <= {md.block_tables.shape[1]}] array, "
+                         f"got shape {tables.shape}")
+    seqs = np.arange(n, dtype=np.int32)
+    md.positions[:n] = lens - 1
+    md.context_lens[:n] = lens
+    md.local_context_lens[:, :n] = layout.local_context_lens(lens)
+    md.block_tables[:n, : tables.shape[1]] = tables
+    md.slot_mapping[:, :n] = layout.slot_mapping(md.positions[:n], md.block_tables, seqs)
+    md.query_seqs[:n] = seqs
+    inputs.tokens[:n] = rows.tokens
+    inputs.roles[:n] = rows.roles
+    inputs.row_slots[:n] = rows.slots
+    inputs.next_tokens[:n] = rows.next_tokens
+    inputs.sample_rows[:n] = seqs
+    table.gather_into(inputs.sampling, rows.slots, lens)
 
 
 def build_step(rows: ScheduledRows, *, bucket: int, seqs: int, layout: DcpLayout, max_blocks: int,
@@ -415,19 +459,25 @@ def _check_pages(needed: np.ndarray, block_tables: np.ndarray, slot_mapping: np.
     and 32K contexts, 131K page ids)."""
     if block_tables.size and block_tables.max() >= num_pages:
         raise ValueError(f"block tables name pages past the pool's {num_pages}: {int(block_tables.max())}")
-    rows = np.flatnonzero(needed > 0)
-    short = rows[block_tables[rows, needed[rows] - 1] < 0]
-    if short.size:
-        row = int(short[0])
+    if block_tables.size and block_tables.min() < -1:
+        raise ValueError(f"block tables name a page below -1 (unallocated): {int(block_tables.min())}")
+    last = block_tables[np.arange(len(needed)), np.maximum(needed - 1, 0)]
+    is_short = (needed > 0) & (last < 0)
+    if is_short.any():
+        row = int(np.argmax(is_short))
         raise ValueError(f"sequence {row}: block table {block_tables[row, : needed[row]].tolist()} needs page ids "
                          f"in [0, num_pages={num_pages}) for its {int(needed[row])} blocks")
-    written = np.unique(slot_mapping[slot_mapping >= 0] // page_size)
+    # The pages written, sorted and distinct (a chunk's rows write one page several times).
+    written = np.sort(slot_mapping[slot_mapping >= 0]) // page_size
+    written = written[np.concatenate(([True], written[1:] != written[:-1]))] if written.size else written
     if written.size and written[-1] >= num_pages:
         raise ValueError(f"slot_mapping names slots past the pool's {num_pages * page_size}")
     is_written = np.zeros(num_pages + 1, np.bool_)  # the last entry is what -1 (no page) reads: never written
     is_written[written] = True
-    pages, uses = np.unique(block_tables[is_written[block_tables]], return_counts=True)
-    if len(pages) != len(written) or (uses != 1).any():
+    # Each written page once in all the tables: the tables' written entries, sorted, are exactly `written`.
+    found = np.sort(block_tables[np.take(is_written, block_tables)])  # take: 2.5x an index's speed here
+    if found.shape != written.shape or (found != written).any():
+        pages, uses = np.unique(found, return_counts=True)
         shared = np.setdiff1d(written, pages[uses == 1])[:16].tolist()
         raise ValueError(f"pages written this step are used by two blocks (one sequence or two), or by none: "
                          f"{shared}")

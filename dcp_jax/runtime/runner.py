@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.host.metadata import (MIN_TOKENS_STOP_IDS, PROMPT, SamplingMetadata, SamplingTable, ScheduledRows,
-                                   StepInputs, build_step)
+                                   StepInputs, build_step, fill_decode_rows)
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.model import fp8_linear
 from dcp_jax.model.deepseek_v32 import abstract_model, param_specs
@@ -34,7 +34,7 @@ from dcp_jax.model.mesh import REPLICATED, sharding
 from dcp_jax.runtime.forward import (DETAILS, GREEDY, PROMPT_LOGPROBS, SAMPLED, STATE_SPECS, VARIANTS, DeviceState,
                                      step_body)
 from dcp_jax.runtime.sampler import SamplerState
-from dcp_jax.runtime.step import StepProgram
+from dcp_jax.runtime.step import Placed, StepProgram
 
 # How the detailed (test) calls sample: greedily, on the scratch slot.
 GREEDY_PARAMS = SamplingParams(temperature=0.0)
@@ -143,6 +143,7 @@ class ModelRunner:
         # One compiled allocator, so `reset_state` never compiles while serving.
         self._new_state = state_allocator(cfg, parallel, engine, mesh, dtype)
         self.state = self._new_state()
+        self._empty_steps: dict[int, Placed] = {}  # bucket -> its step of pad rows only (`_empty_step`)
 
     @property
     def kv_cache(self):
@@ -194,12 +195,27 @@ class ModelRunner:
 
     def _run(self, rows: ScheduledRows, variant: str):
         bucket = self.engine.bucket_for(rows.num_rows)
-        inputs, md = build_step(rows, bucket=bucket, seqs=self.engine.seqs_for(bucket), layout=self.layout,
-                                max_blocks=self.max_blocks, table=self.sampling_table)
         step = self.steps[variant]
         step.compile(self.params, self.state, bucket)  # a no-op once compiled (an engine compiles every one first)
-        outputs, self.state = step(self.params, self.state, inputs, md)
+        if rows.is_decode:  # the steady state: written into the bucket's empty step
+            placed = step.pack_filled(self._empty_step(step, bucket), functools.partial(
+                fill_decode_rows, rows=rows, layout=self.layout, table=self.sampling_table))
+        else:
+            placed = step.pack_inputs(*build_step(rows, bucket=bucket, seqs=self.engine.seqs_for(bucket),
+                                                  layout=self.layout, max_blocks=self.max_blocks,
+                                                  table=self.sampling_table))
+        outputs, self.state = step.run_placed(self.params, self.state, placed)
         return outputs
+
+    def _empty_step(self, step: StepProgram, bucket: int) -> Placed:
+        """The packed step of `bucket` with no rows (every row a pad), built once a bucket (every variant packs
+        alike)."""
+        if bucket not in self._empty_steps:
+            none = ScheduledRows.decode([], [], np.zeros((0, self.max_blocks), np.int32))
+            self._empty_steps[bucket] = step.pack_inputs(*build_step(
+                none, bucket=bucket, seqs=self.engine.seqs_for(bucket), layout=self.layout,
+                max_blocks=self.max_blocks, table=self.sampling_table))
+        return self._empty_steps[bucket]
 
     # ---- detailed and synchronous (tests) ------------------------------------------------------------------
     def prefill(self, prompts: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]], *,

@@ -82,6 +82,11 @@ class _Packing:
             out[offset: offset + leaf.size] = leaf.reshape(-1).view(np.int32)
         return out
 
+    def views(self, packed: np.ndarray):
+        """Host: the pytree as numpy views into `packed` (writing a view writes the buffer)."""
+        leaves = [np.ndarray(shape, dtype, buffer=packed, offset=4 * offset) for offset, shape, dtype in self.fields]
+        return self.treedef.unflatten(leaves)
+
     def unpack(self, packed):
         """Traced: the pytree back out of the buffer (static slices, bit casts)."""
         leaves = []
@@ -211,6 +216,19 @@ class StepProgram:
         if bucket not in self._compiled:
             raise ValueError(f"bucket {bucket} is not compiled; call compile() for every bucket at start-up")
         return Placed(bucket, self._packing(bucket).pack((inputs, md)))
+
+    def pack_filled(self, template: Placed, fill: Callable[[StepInputs, StepMetadata], None]) -> Placed:
+        """A copy of `template` (a packed step of its bucket, `pack_inputs`) with `fill(inputs, md)` writing into
+        its views, checked as `pack_inputs` checks: a step that differs from the template in a few rows is
+        written, not built and packed field by field."""
+        packing = self._packing(template.bucket)
+        if template.packed.shape != (packing.size,):
+            raise ValueError(f"a template of {template.packed.shape} for bucket {template.bucket}'s {packing.size}")
+        packed = template.packed.copy()
+        inputs, md = packing.views(packed)
+        fill(inputs, md)
+        self.check(md)
+        return Placed(template.bucket, packed)
 
     def place_inputs(self, inputs, md) -> Placed:
         """`pack_inputs`, the buffer transferred to the devices (to run it many times: the benchmarks)."""

@@ -12,7 +12,7 @@ from dcp_jax.config import EngineConfig
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.host.metadata import (FED_BACK, GENERATED, PAD, PROMPT, SamplingMetadata, SamplingTable, ScheduledRows,
                                    StepMetadata, build_sampling_metadata, build_step, build_step_inputs,
-                                   build_step_metadata, check_step_metadata, field_names)
+                                   build_step_metadata, check_step_metadata, field_names, fill_decode_rows)
 from dcp_jax.host.sampling import SamplingParams
 
 BUCKETS = {1: 1, 2: 2, 4: 4, 8: 8}  # row width -> sequence width
@@ -197,6 +197,9 @@ def test_validator_names_the_bad_field():
     tables[1, 2] = 8
     with pytest.raises(ValueError, match="pages past the pool's 8"):  # a page id no table may name, read or not
         check(dataclasses.replace(good, block_tables=tables))
+    tables[1, 2] = -2
+    with pytest.raises(ValueError, match="below -1"):
+        check(dataclasses.replace(good, block_tables=tables))
     tables[1, 2] = 7  # past the blocks sequence 1 uses: never read, so allowed
     check(dataclasses.replace(good, block_tables=tables))
     tables[1, 2] = good.block_tables[0, 0]  # but a page written this step may appear nowhere else
@@ -275,6 +278,66 @@ def test_scheduled_rows_concat_and_build_step():
     np.testing.assert_array_equal(inputs.sample_rows, [0, 1, 5, 0])
     np.testing.assert_array_equal(inputs.tokens[:6], [-1, -1, 1, 2, 3, 4])
     check_step_metadata(md, buckets={8: 4}, layout=layout, max_blocks=3, num_pages=8)
+
+
+def empty_step(table, layout, bucket, seqs, max_blocks):
+    """`build_step` of no rows: every row a pad (what `fill_decode_rows` writes into)."""
+    return build_step(ScheduledRows.decode([], [], np.zeros((0, max_blocks), np.int32)), bucket=bucket, seqs=seqs,
+                      layout=layout, max_blocks=max_blocks, table=table)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=6), extra_rows=st.integers(0, 3),
+       dcp=st.sampled_from([1, 2, 3, 4, 8]), interleave=st.sampled_from([1, 2, 4]), fed_back=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_decode_rows_written_into_an_empty_step_equal_the_built_step(lens, extra_rows, dcp, interleave, fed_back,
+                                                                     seed):
+    """The engine's steady state: decode rows written into the bucket's step of pads equal the step `build_step`
+    builds for them, field by field, pads included (random lengths, slots, pages, sampling parameters)."""
+    rng = np.random.default_rng(seed)
+    layout, n = DcpLayout(dcp, interleave, 4), len(lens)
+    needed = layout.virtual_blocks(np.asarray(lens))
+    max_blocks = int(needed.max()) + 1
+    bucket = seqs = n + extra_rows
+    table = SamplingTable(9, scratch_slot=8, eos_token_id=1)
+    slots = rng.permutation(8)[:n]
+    for slot in slots:
+        table.set(int(slot), SamplingParams(temperature=float(rng.uniform(0, 1)), top_k=int(rng.integers(0, 9)),
+                                            min_tokens=int(rng.integers(0, 3))), int(rng.integers(2**40)), 3)
+    pages = rng.permutation(n * max_blocks).astype(np.int32).reshape(n, max_blocks)
+    tables = np.where(np.arange(max_blocks)[None] < needed[:, None], pages, -1).astype(np.int32)
+    tokens = None if fed_back else rng.integers(0, 50, n)
+    rows = ScheduledRows.decode(slots, lens, tables, tokens=tokens)
+    assert rows.is_decode
+    want = build_step(rows, bucket=bucket, seqs=seqs, layout=layout, max_blocks=max_blocks, table=table)
+    got = empty_step(table, layout, bucket, seqs, max_blocks)
+    fill_decode_rows(*got, rows, layout=layout, table=table)
+    for got_part, want_part in zip(got, want):
+        for name, value in vars(got_part).items():
+            if name == "sampling":
+                for field in field_names(SamplingMetadata):
+                    np.testing.assert_array_equal(getattr(value, field), getattr(want_part.sampling, field), field)
+            else:
+                np.testing.assert_array_equal(value, getattr(want_part, name), err_msg=name)
+
+
+def test_decode_rows_are_refused_where_the_builder_refuses_them():
+    layout, table = DcpLayout(2, 1, 4), SamplingTable(5, scratch_slot=4, eos_token_id=1)
+    tables = np.array([[0, 1, -1], [2, -1, -1]], np.int32)
+    with pytest.raises(ValueError, match="do not fit a step of 1 sequences"):
+        fill_decode_rows(*empty_step(table, layout, 1, 1, 3), ScheduledRows.decode([0, 1], [9, 3], tables),
+                         layout=layout, table=table)
+    with pytest.raises(ValueError, match="unallocated virtual block"):  # 17 tokens need 3 blocks of 8, not 2
+        fill_decode_rows(*empty_step(table, layout, 2, 2, 3), ScheduledRows.decode([0, 1], [17, 3], tables),
+                         layout=layout, table=table)
+    with pytest.raises(ValueError, match="block tables as one"):
+        fill_decode_rows(*empty_step(table, layout, 2, 2, 2), ScheduledRows.decode([0, 1], [9, 3], tables),
+                         layout=layout, table=table)
+    chunk = ScheduledRows(np.array([2], np.int32), np.array([4], np.int32), np.array([4], np.int32), tables[:1],
+                          np.arange(4, dtype=np.int32), np.full(4, PROMPT, np.int32), np.full(4, -1, np.int32),
+                          np.array([True]), np.array([True]))
+    assert not chunk.is_decode and ScheduledRows.decode([0], [3], tables[1:]).is_decode
+    assert not ScheduledRows.decode([0], [3], [[2]]).is_decode  # tables one by one: the builder's
 
 
 def test_buckets_are_the_capped_ladder_then_chunk_widths_up_to_the_budget():

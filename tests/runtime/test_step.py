@@ -210,3 +210,32 @@ def test_placed_inputs_run_the_same_program(setup):
         assert isinstance(placed.packed, jax.Array) and placed.packed.ndim == 1  # one buffer: one transfer
         got, kv_cache = step.run_placed(params, kv_cache, placed)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_step_filled_into_a_packed_template_is_the_packed_step(setup):
+    """`pack_filled` writes a step into a copy of a packed one through its views (the template stays as it was)
+    and checks it as `pack_inputs` does: what it packs equals packing the step itself."""
+    mesh, params = setup
+    step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, "reference")
+    kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
+    step.compile(params, kv_cache, 4)
+    hidden = np.random.default_rng(3).standard_normal((4, TINY.hidden_size)).astype(np.float32)
+    md = metadata([1, 9, 30], 4)
+    template = step.pack_inputs(np.zeros_like(hidden), metadata([1], 4))
+    before = template.packed.copy()
+
+    def fill(inputs, views):
+        inputs[...] = hidden
+        for name, value in vars(md).items():
+            getattr(views, name)[...] = value
+
+    filled = step.pack_filled(template, fill)
+    np.testing.assert_array_equal(filled.packed, step.pack_inputs(hidden, md).packed)
+    np.testing.assert_array_equal(template.packed, before)
+
+    def shared_page(inputs, views):
+        fill(inputs, views)
+        views.block_tables[1, 0] = views.block_tables[2, 0]  # two rows write one page
+
+    with pytest.raises(ValueError, match="written this step are used by two blocks"):
+        step.pack_filled(template, shared_page)
