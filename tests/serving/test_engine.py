@@ -51,8 +51,8 @@ def test_greedy_matches_offline_llm(engine):
     from dcp_jax.serving.llm import LLM
 
     prompts = [[5, 6, 7], [100, 200, 300, 400, 500, 3, 4], list(range(10, 40))]
-    kw = {k: ENGINE_KW[k] for k in ("dcp", "interleave", "page_size", "num_pages", "max_num_seqs", "max_model_len",
-                                     "max_num_batched_tokens")}
+    kw = {k: ENGINE_KW[k] for k in ("dtype", "dcp", "interleave", "page_size", "num_pages", "max_num_seqs",
+                                     "max_model_len", "max_num_batched_tokens")}
     llm = LLM("tiny", seed=0, **kw)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     offline = llm.generate(prompt_token_ids=prompts, sampling_params=params)
