@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "compilation_cache_dir", None):
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    info = run_info() | dict(xla_flags=os.environ.get("XLA_FLAGS", ""))
+    info = run_info()
 
     def record(row: dict) -> None:
         print(json.dumps(row), flush=True)

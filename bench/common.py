@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from bench.gpu_trace import Event, trace_events
 from dcp_jax.config import DEEPSEEK_V32
+from dcp_jax.runtime.xla_flags import apply_gpu_flags
 from pallas_kernels import _indexer_mosaic, _indexer_triton, _sparse_mla_mosaic, _sparse_mla_triton, _topk_triton
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,11 +47,13 @@ def commit() -> str:
 
 
 def run_info() -> dict:
-    """Date, commit, backend, device kind and count, jax version of this run."""
+    """Date, commit, backend, device kind and count, jax version and XLA flags of this run. Starts the backend,
+    with the GPU flags the engine sets at load (`xla_flags`), so what a benchmark runs is what users run."""
+    apply_gpu_flags()
     dev = jax.devices()[0]
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), commit=commit(),
                 backend=jax.default_backend(), device=dev.device_kind, num_devices=len(jax.devices()),
-                jax=jax.__version__)
+                jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
 class CompileCounter:

@@ -22,7 +22,21 @@ def apply_gpu_flags() -> bool:
 
     if xla_bridge.backends_are_initialized():
         return False
-    current = os.environ.get("XLA_FLAGS", "")
-    added = [f"--{name}={value}" for name, value in GPU_FLAGS.items() if f"--{name}=" not in current]
-    os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *missing_gpu_flags()]).strip()
     return True
+
+
+def missing_gpu_flags() -> list[str]:
+    """The GPU_FLAGS that XLA_FLAGS does not set."""
+    current = os.environ.get("XLA_FLAGS", "")
+    return [f"--{name}={value}" for name, value in GPU_FLAGS.items() if f"--{name}=" not in current]
+
+
+def flags_not_applied(backend: str, *, unroll_layers: bool) -> str | None:
+    """Why a model loaded now runs a slower step, or None: the layer scan on a GPU whose backend started without
+    GPU_FLAGS (`apply_gpu_flags` came too late)."""
+    missing = missing_gpu_flags()
+    if backend != "gpu" or unroll_layers or not missing:
+        return None
+    return (f"JAX started before the model loaded, without {' '.join(missing)}: each layer of the scan copies its "
+            f"weights (a slower step). Set them in XLA_FLAGS, load before using JAX, or unroll_layers=True.")

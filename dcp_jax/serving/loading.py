@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, KERNEL_CHOICES, PRESETS,
                             QUANTIZATION_CHOICES, EngineConfig, ModelConfig, ParallelConfig, preset, resolve_dtype)
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.runtime.xla_flags import apply_gpu_flags
+from dcp_jax.runtime.xla_flags import apply_gpu_flags, flags_not_applied
 from dcp_jax.serving.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
 
     if not xla_bridge.backends_are_initialized():  # the allocator reads its share when the backend starts
         os.environ.setdefault(MEM_FRACTION, str(gpu_memory_utilization))
-    apply_gpu_flags()
+    if not apply_gpu_flags() and (why := flags_not_applied(jax.default_backend(), unroll_layers=unroll_layers)):
+        log.warning(why)
     import jax.numpy as jnp
     from flax import nnx
 

@@ -99,3 +99,20 @@ def test_the_pool_takes_what_the_memory_leaves(monkeypatch):
         pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.15, **kw)
     monkeypatch.setattr(jax, "devices", lambda *a: [type("Cpu", (), {"memory_stats": lambda self: None})()])
     assert pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.9, **kw) is None
+
+
+def test_a_gpu_backend_started_without_the_scan_flags_is_named(monkeypatch):
+    """A GPU backend started before loading (the flags come too late): the load says why its step is slower and
+    what to do; not with the flags in XLA_FLAGS, with the layers unrolled, or on the CPU."""
+    import jax
+
+    from dcp_jax.runtime.xla_flags import GPU_FLAGS, apply_gpu_flags, flags_not_applied
+
+    jax.devices()  # the backend starts
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert not apply_gpu_flags()  # this process's backend has started: nothing changes
+    why = flags_not_applied("gpu", unroll_layers=False)
+    assert all(f"--{name}=" in why for name in GPU_FLAGS) and "unroll_layers=True" in why
+    assert flags_not_applied("gpu", unroll_layers=True) is None and flags_not_applied("cpu", unroll_layers=False) is None
+    monkeypatch.setenv("XLA_FLAGS", " ".join(f"--{name}={value}" for name, value in GPU_FLAGS.items()))
+    assert flags_not_applied("gpu", unroll_layers=False) is None
