@@ -104,40 +104,61 @@ class StepClock:
         engine.step = step
 
 
+class BatchedSink:
+    """The client side as the server has it (`streams.LoopSink`): `put` (the engine thread) collects a step's
+    events, `flush` hands them over at once (one wake-up of the reader a step, not one per event)."""
+
+    def __init__(self):
+        self._batches: queue.Queue = queue.Queue()
+        self._batch: list = []
+
+    def put(self, event) -> None:
+        self._batch.append(event)
+
+    def flush(self) -> None:
+        batch, self._batch = self._batch, []
+        if batch:
+            self._batches.put(batch)
+
+    def get_batch(self, timeout: float) -> list:
+        return self._batches.get(timeout=timeout)
+
+
 def run_point(engine, clock: StepClock, batch: int, context: int, steps: int, mode: str, rng,
               trace_dir: str | None = None) -> dict:
     """B requests of `context`-token prompts through the engine, decoding from when the last one had its first
     token (its prefill done; the first ones decode while the last ones prefill) until every one decoded `steps`
     more: the tokens of that window, its time, and the index of the point's first engine step. The requests are
     aborted after the window (each could decode on). With `trace_dir`, a profiler trace of the window is written
-    there."""
+    there. Events reach the client a step at a time, as the server's do (`BatchedSink`)."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=engine.engine_config.max_model_len - context + 1, ignore_eos=True,
                             seed=None, **MODES[mode])
-    sinks = [queue.Queue() for _ in range(batch)]
-    ids = [engine.add_request(rng.integers(2, vocab, context - 1).tolist(), params, sink) for sink in sinks]
-    for sink in sinks:  # every request's first token: its prefill is done
-        sink.get(timeout=3600)
-    for sink in sinks:  # tokens decoded before the window
-        while not sink.empty():
-            sink.get_nowait()
+    sink = BatchedSink()
+    ids = [engine.add_request(rng.integers(2, vocab, context - 1).tolist(), params, sink) for _ in range(batch)]
+    started = set()
+    while len(started) < batch:  # every request's first token: its prefill is done
+        started.update(event.request_id for event in sink.get_batch(timeout=3600) if event.token_ids)
     if trace_dir:
         jax.profiler.start_trace(trace_dir)
-    first_step, start, counts = len(clock.steps), time.perf_counter(), [0] * batch
-    for i, sink in enumerate(sinks):
-        while counts[i] < steps:
-            event = sink.get(timeout=3600)
+    # Counted from the first step after every request had its first token (that step's tokens included).
+    first_step, start, counts = len(clock.steps), time.perf_counter(), dict.fromkeys(ids, 0)
+    short = batch
+    while short:
+        for event in sink.get_batch(timeout=3600):
             assert event.finish_reason is None, event
-            counts[i] += len(event.token_ids)
+            before = counts[event.request_id]
+            counts[event.request_id] = before + len(event.token_ids)
+            short -= before < steps <= counts[event.request_id]
     decode_s, window = time.perf_counter() - start, (first_step, len(clock.steps))
     if trace_dir:
         jax.profiler.stop_trace()
     for request_id in ids:
         engine.abort(request_id)
-    for sink in sinks:
-        while sink.get(timeout=3600).finish_reason is None:
-            pass
-    return dict(tokens=sum(counts), decode_s=decode_s, window=window)
+    finished = set()
+    while len(finished) < batch:
+        finished.update(event.request_id for event in sink.get_batch(timeout=3600) if event.finish_reason)
+    return dict(tokens=sum(counts.values()), decode_s=decode_s, window=window)
 
 
 def device_busy(engine, clock: StepClock, batch: int, context: int, steps: int, mode: str, rng) -> dict:
