@@ -1,0 +1,1 @@
+"""Training the model over whole sequences (the shipped tiny retrieval model, issue 26)."""

@@ -1,0 +1,90 @@
+"""dcp_jax/train/forward.py: the whole-sequence training forward is the serving model (its sparse logits and
+selected sets are the serving prefill's), dense equals sparse while no query has more than index_topk keys, and
+the indexer's KL trains the indexer alone while the LM loss never reaches it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dcp_jax.config import TINY, EngineConfig, ParallelConfig
+from dcp_jax.model.deepseek_v32 import abstract_model, init_params, merge
+from dcp_jax.model.mesh import make_mesh
+from dcp_jax.runtime.runner import ModelRunner
+from dcp_jax.train.forward import DENSE, SPARSE, indexer_kl, sequence_forward
+
+ENGINE = EngineConfig(page_size=4, num_pages=32, max_num_seqs=2, max_model_len=64, bucket_ladder=(2, 16),
+                      max_num_batched_tokens=16)
+INDEXER_FIELDS = {"index_wq", "index_wk", "index_k_norm", "index_k_norm_bias", "index_weights"}
+PROMPTS = [list(np.random.default_rng(0).integers(2, TINY.vocab_size, 41)), [7, 300, 12, 6, 77]]
+
+
+def forward(params, tokens, mode):
+    graphdef, abstract = abstract_model(TINY)
+    return sequence_forward(merge(graphdef, abstract, params), jnp.asarray(tokens, jnp.int32), mode=mode)
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_the_sparse_forward_is_the_serving_prefill(dcp):
+    """A prompt past index_topk (41 > 16) and a short one: every position's logits and each layer's selected set
+    equal the serving step's (reference kernels, chunks of 16, DCP 1 and 2)."""
+    params = init_params(TINY, seed=5)
+    parallel = ParallelConfig(tp=dcp, dcp=dcp)
+    runner = ModelRunner(TINY, params, parallel, ENGINE, make_mesh(parallel), "reference")
+    blocks = ENGINE.max_blocks_per_seq(dcp)
+    served, selected, _ = runner.prefill(PROMPTS, [list(range(blocks)), list(range(blocks, 2 * blocks))],
+                                         all_logits=True, return_selected=True)
+    for i, prompt in enumerate(PROMPTS):
+        out = forward(params, prompt, SPARSE)
+        np.testing.assert_allclose(np.asarray(out.logits), served[i, : len(prompt)], atol=2e-4, rtol=0)
+        for layer in range(TINY.num_hidden_layers):
+            want = np.zeros((len(prompt), len(prompt)), bool)
+            for row, ids in enumerate(selected[layer, i, : len(prompt)]):  # -1 padded, any order
+                want[row, ids[ids >= 0]] = True
+            np.testing.assert_array_equal(np.asarray(out.attended[layer]), want, err_msg=f"layer {layer}")
+
+
+def test_dense_is_sparse_up_to_index_topk_keys_and_not_past_them():
+    params = init_params(TINY, seed=1)
+    short, long = PROMPTS[0][: TINY.index_topk], PROMPTS[0]
+    np.testing.assert_allclose(forward(params, short, DENSE).logits, forward(params, short, SPARSE).logits, atol=1e-6)
+    dense, sparse = forward(params, long, DENSE), forward(params, long, SPARSE)
+    assert np.asarray(sparse.attended).sum(axis=-1).max() == TINY.index_topk
+    assert np.asarray(dense.attended[0]).sum(axis=-1).tolist() == list(range(1, len(long) + 1))
+    assert np.abs(np.asarray(dense.logits[-1] - sparse.logits[-1])).max() > 1e-3
+    with pytest.raises(ValueError, match="mode must be"):
+        forward(params, short, "causal")
+
+
+def test_the_kl_trains_the_indexer_alone_and_the_lm_loss_everything_else():
+    params = init_params(TINY, seed=2)
+    tokens = jnp.asarray(PROMPTS[0], jnp.int32)
+
+    def losses(p):
+        out = forward(p, tokens, SPARSE)
+        lm = -jnp.mean(jax.nn.log_softmax(out.logits[:-1])[jnp.arange(len(tokens) - 1), tokens[1:]])
+        return lm, out.indexer_kl
+
+    lm_grads = jax.grad(lambda p: losses(p)[0])(params)
+    kl_grads = jax.grad(lambda p: losses(p)[1])(params)
+    for stack in ("dense_layers", "moe_layers"):
+        for name, grad in lm_grads[stack]["attention"].items():
+            is_indexer = name in INDEXER_FIELDS
+            assert (np.abs(np.asarray(grad)).max() == 0) == is_indexer, f"LM loss -> {name}"
+            if not is_indexer:
+                assert np.abs(np.asarray(kl_grads[stack]["attention"][name])).max() == 0, f"KL loss -> {name}"
+        assert np.abs(np.asarray(kl_grads[stack]["attention"]["index_wq"])).max() > 0
+    assert all(np.abs(np.asarray(g)).max() == 0 for g in jax.tree.leaves(kl_grads["lm_head"]))
+
+
+def test_the_kl_is_zero_at_the_target_and_positive_elsewhere():
+    probs = jnp.asarray(np.random.default_rng(3).dirichlet(np.ones(5), size=(2, 4)), jnp.float32)  # [heads, S, T]
+    keep = jnp.ones((4, 5), bool)
+    target = probs.sum(axis=0) / 2
+    assert float(indexer_kl(jnp.log(target), probs, keep)) == pytest.approx(0.0, abs=1e-6)
+    assert float(indexer_kl(jnp.zeros((4, 5)), probs, keep)) > 1e-3
+    # Keys outside `keep` count for neither side.
+    keep = keep.at[:, 4].set(False)
+    kept = probs.sum(axis=0).at[:, 4].set(0.0)
+    scores = jnp.log(kept / kept.sum(axis=-1, keepdims=True) + 1e-30).at[:, 4].set(100.0)
+    assert float(indexer_kl(scores, probs, keep)) == pytest.approx(0.0, abs=1e-5)

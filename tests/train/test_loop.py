@@ -1,0 +1,55 @@
+"""dcp_jax/train/loop.py and scripts/train_tiny.py: the step learns (a fixed batch is fitted), the script's
+checkpoint loads into `LLM` strictly and serves what the training forward computes."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dcp_jax.model.deepseek_v32 import abstract_model, init_params, merge
+from dcp_jax.serving.tokenizer import ByteTokenizer
+from dcp_jax.train.forward import DENSE, SPARSE, sequence_forward
+from dcp_jax.train.loop import DSA_TINY, Trainer, batches
+from scripts.train_tiny import main, parse_stages
+
+SMALL = dataclasses.replace(DSA_TINY, num_hidden_layers=2, index_topk=16)
+
+
+def test_a_fixed_batch_is_fitted_in_both_modes():
+    tokenizer = ByteTokenizer(SMALL.vocab_size)
+    tokens, mask = next(batches(tokenizer, np.random.default_rng(0), context=64, batch=4))
+    trainer = Trainer(SMALL, init_params(SMALL, 0), learning_rate=3e-3, total_steps=60, warmup_steps=5)
+    first = trainer.evaluate(tokens, mask, DENSE)
+    for step in range(60):
+        trainer.step(tokens, mask, DENSE if step < 40 else SPARSE)
+    last = trainer.evaluate(tokens, mask, SPARSE)
+    assert last["lm"] < 0.5 * first["lm"], (first, last)
+    assert last["indexer_kl"] < first["indexer_kl"], (first, last)
+
+
+def test_stages_are_parsed_and_bad_ones_refused():
+    stages = parse_stages("dense:10:512:8,sparse:5:1024:2")
+    assert [(s.mode, s.steps, s.context, s.batch) for s in stages] == [("dense", 10, 512, 8), ("sparse", 5, 1024, 2)]
+    for bad in ("dense:10:512", "causal:1:2:3", "sparse:0:64:1"):
+        with pytest.raises(Exception, match="mode:steps:context:batch"):
+            parse_stages(bad)
+
+
+def test_the_script_writes_a_checkpoint_llm_serves_as_trained(tmp_path):
+    from dcp_jax.serving.llm import LLM
+    from dcp_jax.host.sampling import SamplingParams
+    from dcp_jax.model.weights import load_hf_params
+
+    assert main(["--out", str(tmp_path), "--stages", "dense:2:48:2,sparse:2:96:2", "--eval-every", "1"]) == 0
+    log = [json.loads(line) for line in open(tmp_path / "train_log.jsonl")]
+    assert [row["step"] for row in log] == [1, 2, 3, 4] and log[-1]["mode"] == "sparse"
+    llm = LLM(str(tmp_path), dtype="float32", kernels="reference", max_model_len=128, page_size=4)
+    prompt = next(batches(ByteTokenizer(DSA_TINY.vocab_size), np.random.default_rng(5), context=96, batch=1))[0][0]
+    out = llm.generate(prompt_token_ids=[prompt[:-6].tolist()],
+                       sampling_params=SamplingParams(max_tokens=1, temperature=0))
+    params = load_hf_params(DSA_TINY, str(tmp_path))
+    graphdef, abstract = abstract_model(DSA_TINY)
+    logits = sequence_forward(merge(graphdef, abstract, params), jnp.asarray(prompt[:-6]), mode=SPARSE).logits
+    assert out[0].outputs[0].token_ids == [int(jnp.argmax(logits[-1]))]

@@ -1,0 +1,35 @@
+"""dcp_jax/train/retrieval.py: the task's format, its lengths and its answer positions."""
+
+import re
+
+import numpy as np
+import pytest
+
+from dcp_jax.serving.tokenizer import ByteTokenizer
+from dcp_jax.train.retrieval import ANSWER_BYTES, RECORD_BYTES, encode_batch, make_example, records_for
+
+
+def test_an_example_asks_for_one_of_its_distinct_keys():
+    rng = np.random.default_rng(0)
+    for records in (1, 7, 300):
+        prompt, answer = make_example(rng, records)
+        found = re.fullmatch(r"((?:k[a-z]{4}=v[0-9]{4};)+)\?k([a-z]{4})=", prompt)
+        assert found, prompt
+        pairs = dict(re.findall(r"k([a-z]{4})=v([0-9]{4});", found.group(1)))
+        assert len(pairs) == records  # distinct keys
+        assert answer == f"v{pairs[found.group(2)]};"
+    with pytest.raises(ValueError, match="num_records"):
+        make_example(rng, 0)
+
+
+def test_lengths_fit_the_context_and_the_mask_covers_the_answer():
+    tokenizer = ByteTokenizer(264)
+    for context in (64, 1024, 4096):
+        records = records_for(context)
+        tokens, mask = encode_batch(tokenizer, [make_example(np.random.default_rng(i), records) for i in range(3)])
+        assert tokens.shape[1] <= context < tokens.shape[1] + RECORD_BYTES
+        assert mask.sum(axis=1).tolist() == [ANSWER_BYTES] * 3
+        answer = tokenizer.decode(tokens[0, 1:][mask[0, :-1]])  # the tokens the masked positions predict
+        assert re.fullmatch(r"v[0-9]{4};", answer), answer
+    with pytest.raises(ValueError, match="holds no record"):
+        records_for(20)
