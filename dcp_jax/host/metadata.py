@@ -355,7 +355,7 @@ class ScheduledRows:
         """One row a sequence, each sampling, none starting its history over, the tables one array: what
         `fill_decode_rows` writes."""
         return (len(self.tokens) == len(self.slots) and isinstance(self.block_tables, np.ndarray)
-                and bool(self.samples.all()) and not self.is_fresh.any())
+                and bool((self.num_queries == 1).all() and self.samples.all()) and not self.is_fresh.any())
 
     @staticmethod
     def concat(parts: Sequence[ScheduledRows]) -> ScheduledRows:
@@ -371,20 +371,21 @@ def fill_decode_rows(inputs: StepInputs, md: StepMetadata, rows: ScheduledRows, 
     """Write `rows`, one decode row a sequence (`ScheduledRows.is_decode`), into the views `inputs` and `md` of a
     padded step that holds no rows yet (`build_step` of none): the step `build_step` builds for them, in a few
     writes. ValueError where `build_step` refuses them; the pages are `check_step_metadata`'s."""
-    n = len(rows.slots)
-    lens = rows.context_lens
-    if n > md.block_tables.shape[0] or lens.min(initial=1) < 1:
-        raise ValueError(f"{n} decode rows of lengths {lens.tolist()} do not fit a step of "
-                         f"{md.block_tables.shape[0]} sequences")
-    tables = np.asarray(rows.block_tables)
-    if tables.ndim != 2 or tables.shape[1] > md.block_tables.shape[1]:
-        raise ValueError(f"decode rows need their block tables as one [n, <= {md.block_tables.shape[1]}] array, "
-                         f"got shape {tables.shape}")
+    n, (seqs_width, max_blocks) = len(rows.slots), md.block_tables.shape
+    lens, tables = rows.context_lens, np.asarray(rows.block_tables)
+    if not len(lens) == len(rows.tokens) == len(rows.roles) == len(rows.next_tokens) == n:
+        raise ValueError(f"{n} decode rows need one context length, token, role and next token each, got "
+                         f"{len(lens)}, {len(rows.tokens)}, {len(rows.roles)} and {len(rows.next_tokens)}")
+    if n > seqs_width or lens.min(initial=1) < 1:
+        raise ValueError(f"{n} decode rows of lengths {lens.tolist()} do not fit a step of {seqs_width} sequences")
+    if tables.ndim != 2 or len(tables) != n:
+        raise ValueError(f"{n} decode rows need their block tables as one [{n}, blocks] array, got shape "
+                         f"{tables.shape}")
     seqs = np.arange(n, dtype=np.int32)
     md.positions[:n] = lens - 1
     md.context_lens[:n] = lens
     md.local_context_lens[:, :n] = layout.local_context_lens(lens)
-    md.block_tables[:n, : tables.shape[1]] = tables
+    md.block_tables[:n, : tables.shape[1]] = tables[:, :max_blocks]  # wider tables cut, as the builder cuts them
     md.slot_mapping[:, :n] = layout.slot_mapping(md.positions[:n], md.block_tables, seqs)
     md.query_seqs[:n] = seqs
     inputs.tokens[:n] = rows.tokens

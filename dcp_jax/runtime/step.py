@@ -222,6 +222,8 @@ class StepProgram:
         its views, checked as `pack_inputs` checks: a step that differs from the template in a few rows is
         written, not built and packed field by field."""
         packing = self._packing(template.bucket)
+        if not isinstance(template.packed, np.ndarray):
+            raise TypeError(f"a template is a host buffer (`pack_inputs`), got {type(template.packed).__name__}")
         if template.packed.shape != (packing.size,):
             raise ValueError(f"a template of {template.packed.shape} for bucket {template.bucket}'s {packing.size}")
         packed = template.packed.copy()

@@ -304,10 +304,13 @@ def test_decode_rows_written_into_an_empty_step_equal_the_built_step(lens, extra
     for slot in slots:
         table.set(int(slot), SamplingParams(temperature=float(rng.uniform(0, 1)), top_k=int(rng.integers(0, 9)),
                                             min_tokens=int(rng.integers(0, 3))), int(rng.integers(2**40)), 3)
-    pages = rng.permutation(n * max_blocks).astype(np.int32).reshape(n, max_blocks)
-    tables = np.where(np.arange(max_blocks)[None] < needed[:, None], pages, -1).astype(np.int32)
+    width = int(rng.integers(needed.max(), max_blocks + 1))  # the scheduler's tables may be narrower
+    pages = rng.permutation(n * width).astype(np.int32).reshape(n, width)
+    tables = np.where(np.arange(width)[None] < needed[:, None], pages, -1).astype(np.int32)
     tokens = None if fed_back else rng.integers(0, 50, n)
     rows = ScheduledRows.decode(slots, lens, tables, tokens=tokens)
+    if not fed_back:  # a resumed request's generated tokens fed again
+        rows = dataclasses.replace(rows, roles=np.full(n, GENERATED, np.int32))
     assert rows.is_decode
     want = build_step(rows, bucket=bucket, seqs=seqs, layout=layout, max_blocks=max_blocks, table=table)
     got = empty_step(table, layout, bucket, seqs, max_blocks)
@@ -331,8 +334,17 @@ def test_decode_rows_are_refused_where_the_builder_refuses_them():
         fill_decode_rows(*empty_step(table, layout, 2, 2, 3), ScheduledRows.decode([0, 1], [17, 3], tables),
                          layout=layout, table=table)
     with pytest.raises(ValueError, match="block tables as one"):
-        fill_decode_rows(*empty_step(table, layout, 2, 2, 2), ScheduledRows.decode([0, 1], [9, 3], tables),
+        fill_decode_rows(*empty_step(table, layout, 2, 2, 3), ScheduledRows.decode([0, 1], [9, 3], tables[:1]),
                          layout=layout, table=table)
+    with pytest.raises(ValueError, match="one context length, token, role and next token each"):
+        fill_decode_rows(*empty_step(table, layout, 2, 2, 3), ScheduledRows.decode([0, 1], [9], tables),
+                         layout=layout, table=table)
+    # Tables wider than the step's are cut, as the builder cuts them.
+    wide = ScheduledRows.decode([0, 1], [9, 3], tables)
+    got = empty_step(table, layout, 2, 2, 2)
+    fill_decode_rows(*got, wide, layout=layout, table=table)
+    want = build_step(wide, bucket=2, seqs=2, layout=layout, max_blocks=2, table=table)
+    np.testing.assert_array_equal(got[1].block_tables, want[1].block_tables)
     chunk = ScheduledRows(np.array([2], np.int32), np.array([4], np.int32), np.array([4], np.int32), tables[:1],
                           np.arange(4, dtype=np.int32), np.full(4, PROMPT, np.int32), np.full(4, -1, np.int32),
                           np.array([True]), np.array([True]))
