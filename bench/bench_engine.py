@@ -123,6 +123,11 @@ class BatchedSink:
     def get_batch(self, timeout: float) -> list:
         return self._batches.get(timeout=timeout)
 
+    def drain(self) -> None:
+        """Drop the batches handed over so far."""
+        while not self._batches.empty():
+            self._batches.get_nowait()
+
 
 def run_point(engine, clock: StepClock, batch: int, context: int, steps: int, mode: str, rng,
               trace_dir: str | None = None) -> dict:
@@ -139,6 +144,7 @@ def run_point(engine, clock: StepClock, batch: int, context: int, steps: int, mo
     started = set()
     while len(started) < batch:  # every request's first token: its prefill is done
         started.update(event.request_id for event in sink.get_batch(timeout=3600) if event.token_ids)
+    sink.drain()  # tokens of steps before the window
     if trace_dir:
         jax.profiler.start_trace(trace_dir)
     # Counted from the first step after every request had its first token (that step's tokens included).

@@ -34,7 +34,8 @@ def missing_gpu_flags() -> list[str]:
 
 def flags_not_applied(backend: str, *, unroll_layers: bool) -> str | None:
     """Why a model loaded now runs a slower step, or None: the layer scan on a GPU whose backend started without
-    GPU_FLAGS (`apply_gpu_flags` came too late)."""
+    GPU_FLAGS (`apply_gpu_flags` came too late). Reads XLA_FLAGS as it is now: flags added after the backend
+    started, which XLA never read, hide the warning."""
     missing = missing_gpu_flags()
     if backend != "gpu" or unroll_layers or not missing:
         return None
