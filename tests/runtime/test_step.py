@@ -198,6 +198,7 @@ def test_placed_inputs_run_the_same_program(setup):
     benchmark's device loop), giving what the validating call gives."""
     mesh, params = setup
     step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, "reference")
+    params = step.place_params(params)  # unplaced weights would be resharded by a jitted slice at the call
     kv_cache = allocate_kv_cache(TINY, ENGINE, PARALLEL.dcp, mesh)
     step.compile(params, kv_cache, 4)
     md = metadata([1, 9, 30], 4)
