@@ -1,7 +1,8 @@
 """Train the tiny DeepSeek-V3.2-architecture retrieval model (`train/loop.py`, issue 26): a dense stage (the main
 model learns the task attending to everything; the indexer warms up toward its attention), then sparse stages at
 growing contexts (the main model attends to the indexer's top-64 only). Writes the checkpoint (HF layout,
-safetensors) and the loss log (`train_log.jsonl`, and `loss.png` with matplotlib) under --out.
+safetensors) and the loss log (`train_log.jsonl`, and `loss.png` with matplotlib) under --out. With
+--max-seconds a run stops in time (a device call's limit) and leaves its state there; --resume goes on from it.
 
   python scripts/train_tiny.py --out /tmp/dsa-tiny                      # the full schedule (an H200)
   python scripts/train_tiny.py --out /tmp/t --stages dense:20:128:4 --eval-every 10   # a smoke run (CPU)
@@ -20,7 +21,9 @@ import time
 if __name__ == "__main__":  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-DEFAULT_STAGES = "dense:3000:512:32,sparse:1500:1024:16,sparse:1000:4096:4"
+# Short prompts first: on the CPU, 4-record prompts (64 tokens) left the uniform-guess loss within 100 steps where
+# 9-record ones (128 tokens) took 1,100 (docs/training.md).
+DEFAULT_STAGES = "dense:1500:64:64,dense:1500:512:32,sparse:1500:1024:16,sparse:1000:4096:4"
 
 
 def parse_stages(text: str):
@@ -66,6 +69,10 @@ def main(argv=None) -> int:
     parser.add_argument("--kl-weight", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="start no step after this long in this call (one at least), saving the state to resume "
+                             "from")
+    parser.add_argument("--resume", action="store_true", help="go on from the state a stopped run left in --out")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -77,30 +84,54 @@ def main(argv=None) -> int:
 
     cfg = DSA_TINY
     tokenizer = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-    trainer = Trainer(cfg, init_params(cfg, args.seed), learning_rate=args.learning_rate,
-                      total_steps=sum(stage.steps for stage in args.stages), kl_weight=args.kl_weight)
-    rng, eval_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed + 1)
+    total = sum(stage.steps for stage in args.stages)
+    trainer = Trainer(cfg, init_params(cfg, args.seed), learning_rate=args.learning_rate, total_steps=total,
+                      kl_weight=args.kl_weight)
     os.makedirs(args.out, exist_ok=True)
-    log, step, begin = [], 0, time.perf_counter()
-    with open(os.path.join(args.out, "train_log.jsonl"), "w") as out:
-        for stage in args.stages:
-            data = batches(tokenizer, rng, context=stage.context, batch=stage.batch)
-            held_out = next(batches(tokenizer, eval_rng, context=stage.context, batch=stage.batch))
-            for _ in range(stage.steps):
+    run = dict(model=cfg.to_hf_dict(), stages=[vars(stage) for stage in args.stages],
+               learning_rate=args.learning_rate, kl_weight=args.kl_weight, seed=args.seed)
+    rng, step, spent = np.random.default_rng(args.seed), 0, 0.0
+    state_path = os.path.join(args.out, "train_state.npz")
+    if args.resume:
+        saved = trainer.load_state(state_path)
+        if saved["run"] != json.loads(json.dumps(run)):
+            raise SystemExit(f"--resume: {args.out} holds a run of {saved['run']}, not {run}")
+        rng.bit_generator.state, step, spent = saved["rng"], saved["step"], saved["seconds"]
+    begin, first, steps_this_call = time.perf_counter() - spent, 0, 0
+    with open(os.path.join(args.out, "train_log.jsonl"), "a" if args.resume else "w") as out:
+        for index, stage in enumerate(args.stages):
+            end = first + stage.steps
+            if step < end:
+                data = batches(tokenizer, rng, context=stage.context, batch=stage.batch)
+                held_out = next(batches(tokenizer, np.random.default_rng([args.seed, 1, index]),
+                                        context=stage.context, batch=stage.batch))
+            while step < end:
+                if (args.max_seconds is not None and steps_this_call
+                        and time.perf_counter() - begin - spent > args.max_seconds):
+                    break  # checked before a step: none starts (or compiles) past the deadline but the first
                 metrics = trainer.step(*next(data), stage.mode)
-                step += 1
+                step, steps_this_call = step + 1, steps_this_call + 1
                 if step % args.eval_every == 0 or step == 1:
                     row = dict(step=step, mode=stage.mode, context=stage.context, seconds=time.perf_counter() - begin,
                                **metrics, held_out=trainer.evaluate(*held_out, stage.mode))
-                    log.append(row)
                     out.write(json.dumps(row) + "\n")
                     out.flush()
                     print(f"step {step} {stage.mode} {stage.context}: loss {metrics['lm']:.4f} kl "
                           f"{metrics['indexer_kl']:.4f} acc {metrics['accuracy']:.2f} held-out acc "
                           f"{row['held_out']['accuracy']:.2f} ({row['seconds']:.0f} s)", flush=True)
+            if step < end:
+                break
+            first = end
+    trainer.save_state(state_path, dict(run=run, step=step, rng=rng.bit_generator.state,
+                                        seconds=time.perf_counter() - begin))
+    if step < total:
+        print(f"stopped at step {step} of {total} after {time.perf_counter() - begin:.0f} s in all; go on with "
+              f"--resume")
+        return 0
     save_hf(cfg, trainer.params, args.out)
-    plot(log, os.path.join(args.out, "loss.png"))
-    print(f"checkpoint in {args.out} after {step} steps, {time.perf_counter() - begin:.0f} s")
+    with open(os.path.join(args.out, "train_log.jsonl")) as f:
+        plot([json.loads(line) for line in f], os.path.join(args.out, "loss.png"))
+    print(f"checkpoint in {args.out} after {step} steps, {time.perf_counter() - begin:.0f} s in all")
     return 0
 
 

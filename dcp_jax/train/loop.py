@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 from collections.abc import Iterator
 
 import jax
@@ -94,6 +96,27 @@ class Trainer:
         """One optimizer step on a batch; returns its metrics (host floats)."""
         self.params, self.opt_state, metrics = self._steps[mode](self.params, self.opt_state, tokens, mask)
         return {name: float(value) for name, value in metrics.items()}
+
+    def save_state(self, path: str, meta: dict) -> None:
+        """Write the parameters, the optimizer's state and `meta` (JSON) to `path` (an .npz) at once: a temporary
+        file renamed over it, so a run killed meanwhile leaves the previous state whole."""
+        leaves = [np.asarray(jax.device_get(leaf)) for leaf in jax.tree.leaves((self.params, self.opt_state))]
+        temporary = f"{path}.tmp.npz"
+        np.savez(temporary, *leaves, meta=np.array(json.dumps(meta)))
+        os.replace(temporary, path)
+
+    def load_state(self, path: str) -> dict:
+        """Resume from `save_state`'s file (a trainer of the same model and optimizer); returns its `meta`."""
+        abstract = jax.tree.leaves((self.params, self.opt_state))
+        treedef = jax.tree.structure((self.params, self.opt_state))
+        with np.load(path) as saved:
+            leaves = [saved[f"arr_{i}"] for i in range(len(saved.files) - 1)]
+            meta = json.loads(str(saved["meta"]))
+        shapes = [(np.shape(a), np.dtype(a.dtype)) for a in abstract]
+        if [(a.shape, a.dtype) for a in leaves] != shapes:
+            raise ValueError(f"{path} holds another model's or optimizer's state")
+        self.params, self.opt_state = jax.tree.map(jnp.asarray, jax.tree.unflatten(treedef, leaves))
+        return meta
 
     def evaluate(self, tokens, mask, mode: str = SPARSE) -> dict[str, float]:
         """The batch's metrics without a step."""

@@ -37,19 +37,50 @@ def test_stages_are_parsed_and_bad_ones_refused():
             parse_stages(bad)
 
 
-def test_the_script_writes_a_checkpoint_llm_serves_as_trained(tmp_path):
-    from dcp_jax.serving.llm import LLM
+STAGES = ["--stages", "dense:2:48:2,sparse:2:96:2", "--eval-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A whole run of a four-step schedule: its output directory."""
+    out = tmp_path_factory.mktemp("trained")
+    assert main(["--out", str(out), *STAGES]) == 0
+    return out
+
+
+def test_the_script_writes_a_checkpoint_llm_serves_as_trained(trained):
     from dcp_jax.host.sampling import SamplingParams
     from dcp_jax.model.weights import load_hf_params
+    from dcp_jax.serving.llm import LLM
 
-    assert main(["--out", str(tmp_path), "--stages", "dense:2:48:2,sparse:2:96:2", "--eval-every", "1"]) == 0
-    log = [json.loads(line) for line in open(tmp_path / "train_log.jsonl")]
+    log = [json.loads(line) for line in open(trained / "train_log.jsonl")]
     assert [row["step"] for row in log] == [1, 2, 3, 4] and log[-1]["mode"] == "sparse"
-    llm = LLM(str(tmp_path), dtype="float32", kernels="reference", max_model_len=128, page_size=4)
+    llm = LLM(str(trained), dtype="float32", kernels="reference", max_model_len=128, page_size=4)
     prompt = next(batches(ByteTokenizer(DSA_TINY.vocab_size), np.random.default_rng(5), context=96, batch=1))[0][0]
     out = llm.generate(prompt_token_ids=[prompt[:-6].tolist()],
                        sampling_params=SamplingParams(max_tokens=1, temperature=0))
-    params = load_hf_params(DSA_TINY, str(tmp_path))
+    params = load_hf_params(DSA_TINY, str(trained))
     graphdef, abstract = abstract_model(DSA_TINY)
     logits = sequence_forward(merge(graphdef, abstract, params), jnp.asarray(prompt[:-6]), mode=SPARSE).logits
     assert out[0].outputs[0].token_ids == [int(jnp.argmax(logits[-1]))]
+
+
+def test_a_run_stopped_in_time_resumes_to_the_same_weights(trained, tmp_path):
+    """--max-seconds stops at a step's end and leaves the state; --resume goes on to the whole run's weights."""
+    from safetensors.numpy import load_file
+
+    def saved_step():
+        with np.load(tmp_path / "train_state.npz") as saved:
+            return json.loads(str(saved["meta"]))["step"]
+
+    assert main(["--out", str(tmp_path), *STAGES, "--max-seconds", "0"]) == 0  # one step, then stop
+    for step in (1, 2, 3):  # one step a call, across the stages' boundary too
+        assert saved_step() == step and not (tmp_path / "model.safetensors").exists()
+        assert main(["--out", str(tmp_path), *STAGES, "--max-seconds", "0", "--resume"]) == 0
+    assert saved_step() == 4 and (tmp_path / "model.safetensors").exists()
+    whole, parts = load_file(trained / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    for name in whole:
+        np.testing.assert_allclose(parts[name], whole[name], rtol=0, atol=1e-6, err_msg=name)
+    assert [json.loads(line)["step"] for line in open(tmp_path / "train_log.jsonl")] == [1, 2, 3, 4]
+    with pytest.raises(SystemExit, match="holds a run of"):
+        main(["--out", str(tmp_path), "--stages", "dense:9:48:2", "--resume"])
