@@ -3,6 +3,7 @@ model learns the task attending to everything; the indexer warms up toward its a
 growing contexts (the main model attends to the indexer's top-64 only). Writes the checkpoint (HF layout,
 safetensors) and the loss log (`train_log.jsonl`, and `loss.png` with matplotlib) under --out. With
 --max-seconds a run stops in time (a device call's limit) and leaves its state there; --resume goes on from it.
+A finished run then measures its served retrieval accuracy (`train/evaluate.py`) into eval.json.
 
   python scripts/train_tiny.py --out /tmp/dsa-tiny                      # the full schedule (an H200)
   python scripts/train_tiny.py --out /tmp/t --stages dense:20:128:4 --eval-every 10   # a smoke run (CPU)
@@ -73,6 +74,9 @@ def main(argv=None) -> int:
                         help="start no step after this long in this call (one at least), saving the state to resume "
                              "from")
     parser.add_argument("--resume", action="store_true", help="go on from the state a stopped run left in --out")
+    parser.add_argument("--eval-contexts", default="1024,4096,16384",
+                        help="after training, the served accuracy (LLM, greedy) at these prompt lengths ('' none)")
+    parser.add_argument("--eval-examples", type=int, default=100)
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -132,6 +136,17 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "train_log.jsonl")) as f:
         plot([json.loads(line) for line in f], os.path.join(args.out, "loss.png"))
     print(f"checkpoint in {args.out} after {step} steps, {time.perf_counter() - begin:.0f} s in all")
+    contexts = [int(c) for c in args.eval_contexts.split(",") if c]
+    if contexts:
+        from dcp_jax.serving.llm import LLM
+        from dcp_jax.train.evaluate import served_accuracy
+
+        llm = LLM(args.out, max_model_len=max(contexts) + 16, max_num_seqs=min(args.eval_examples, 64))
+        accuracy = {context: served_accuracy(llm, context=context, examples=args.eval_examples, seed=args.seed)
+                    for context in contexts}
+        with open(os.path.join(args.out, "eval.json"), "w") as f:
+            json.dump(dict(examples=args.eval_examples, accuracy=accuracy), f)
+        print("served accuracy: " + ", ".join(f"{c} tokens {a:.3f}" for c, a in accuracy.items()))
     return 0
 
 

@@ -37,14 +37,14 @@ def test_stages_are_parsed_and_bad_ones_refused():
             parse_stages(bad)
 
 
-STAGES = ["--stages", "dense:2:48:2,sparse:2:96:2", "--eval-every", "1"]
+STAGES = ["--stages", "dense:2:48:2,sparse:2:96:2", "--eval-every", "1", "--eval-contexts", ""]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A whole run of a four-step schedule: its output directory."""
     out = tmp_path_factory.mktemp("trained")
-    assert main(["--out", str(out), *STAGES]) == 0
+    assert main(["--out", str(out), *STAGES[:-2], "--eval-contexts", "64,96", "--eval-examples", "2"]) == 0
     return out
 
 
@@ -53,6 +53,8 @@ def test_the_script_writes_a_checkpoint_llm_serves_as_trained(trained):
     from dcp_jax.model.weights import load_hf_params
     from dcp_jax.serving.llm import LLM
 
+    evaluation = json.load(open(trained / "eval.json"))
+    assert evaluation["examples"] == 2 and set(evaluation["accuracy"]) == {"64", "96"}
     log = [json.loads(line) for line in open(trained / "train_log.jsonl")]
     assert [row["step"] for row in log] == [1, 2, 3, 4] and log[-1]["mode"] == "sparse"
     llm = LLM(str(trained), dtype="float32", kernels="reference", max_model_len=128, page_size=4)
@@ -84,3 +86,26 @@ def test_a_run_stopped_in_time_resumes_to_the_same_weights(trained, tmp_path):
     assert [json.loads(line)["step"] for line in open(tmp_path / "train_log.jsonl")] == [1, 2, 3, 4]
     with pytest.raises(SystemExit, match="holds a run of"):
         main(["--out", str(tmp_path), "--stages", "dense:9:48:2", "--resume"])
+
+
+def test_served_accuracy_is_the_training_forwards_teacher_forced_accuracy(trained):
+    """Greedy generation gives the answer exactly when every answer token is the argmax given the right prefix:
+    the accuracy through `LLM` equals the training forward's on the same prompts."""
+    from dcp_jax.serving.llm import LLM
+    from dcp_jax.model.weights import load_hf_params
+    from dcp_jax.train.evaluate import served_accuracy
+    from dcp_jax.train.retrieval import encode_batch, make_example, records_for
+
+    llm = LLM(str(trained), dtype="float32", kernels="reference", max_model_len=128, page_size=4)
+    served = served_accuracy(llm, context=96, examples=6, seed=3)
+    rng = np.random.default_rng([3, 96])
+    tokens, mask = encode_batch(ByteTokenizer(DSA_TINY.vocab_size),
+                                [make_example(rng, records_for(96)) for _ in range(6)])
+    graphdef, abstract = abstract_model(DSA_TINY)
+    model = merge(graphdef, abstract, load_hf_params(DSA_TINY, str(trained)))
+    right = []
+    for row, row_mask in zip(tokens, mask):
+        logits = sequence_forward(model, jnp.asarray(row), mode=SPARSE).logits[:-1]
+        right.append(bool(np.all((np.argmax(logits, axis=-1) == row[1:])[row_mask[:-1]])))
+    assert served == sum(right) / 6
+
