@@ -82,9 +82,12 @@ class DecoderLayer(nnx.Module):
     def attention_input(self, h):
         return rms_norm(h, self.input_norm[...], self.cfg.rms_norm_eps)
 
+    def mlp_input(self, h):
+        return rms_norm(h, self.post_attention_norm[...], self.cfg.rms_norm_eps)
+
     def feed_forward(self, h):
         """h + MLP/MoE(post-attention norm of h)."""
-        return h + self.mlp(rms_norm(h, self.post_attention_norm[...], self.cfg.rms_norm_eps))
+        return h + self.mlp(self.mlp_input(h))
 
 
 @dataclasses.dataclass(frozen=True)

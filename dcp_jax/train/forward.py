@@ -69,8 +69,7 @@ def causal_attention(p: AttentionParams, x, cos, sin, *, cfg: ModelConfig, mode:
     q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
     latent = projections.mla_latent(p, x, cos, sin, cfg)
     c, k_pe = latent[:, : cfg.kv_lora_rank], latent[:, cfg.kv_lora_rank:]
-    k_nope = jnp.einsum("tc,hnc->thn", c, fp8_linear.weight_values(p.w_uk, c.dtype), precision=HIGHEST)
-    values = jnp.einsum("tc,hvc->thv", c, fp8_linear.weight_values(p.w_uv, c.dtype), precision=HIGHEST)
+    k_nope, values = projections.per_head_keys_values(p, c)
     logits = (jnp.einsum("shn,thn->hst", q_nope, k_nope, precision=HIGHEST)
               + jnp.einsum("she,te->hst", q_pe, k_pe, precision=HIGHEST)) * cfg.softmax_scale
     scores = index_scores(p, x, q_resid, cos, sin, cfg)
@@ -82,8 +81,7 @@ def causal_attention(p: AttentionParams, x, cos, sin, *, cfg: ModelConfig, mode:
 
 def feed_forward(layer, hidden):
     """`DecoderLayer.feed_forward` on one device: the MLP or MoE whole (its output not summed over ranks)."""
-    normed = projections.rms_norm(hidden, layer.post_attention_norm[...], layer.cfg.rms_norm_eps)
-    return hidden + layer.mlp.partial(normed)
+    return hidden + layer.mlp.partial(layer.mlp_input(hidden))
 
 
 class SequenceOutput(NamedTuple):

@@ -72,7 +72,7 @@ class Trainer:
 
     def __init__(self, cfg: ModelConfig, params: dict, *, learning_rate: float, total_steps: int,
                  kl_weight: float = 1.0, warmup_steps: int = 100):
-        self.cfg, self.params, self.kl_weight = cfg, params, kl_weight
+        self.params, self.kl_weight = params, kl_weight
         self.graphdef, self.abstract = abstract_model(cfg, jax.tree.leaves(params)[0].dtype)
         warmup = max(1, min(warmup_steps, total_steps // 10))
         schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(total_steps, warmup + 1),

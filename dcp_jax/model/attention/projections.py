@@ -51,6 +51,14 @@ def mla_latent(p: AttentionParams, x, cos, sin, cfg: ModelConfig):
     return jnp.concatenate([c, k_pe], axis=-1)
 
 
+def per_head_keys_values(p: AttentionParams, c):
+    """Latents c [..., C] -> (k_nope [..., H, N], values [..., H, V]): kv_b_proj as a linear layer, as HF writes it
+    (a block fp8 W_UK / W_UV dequantized, as in `absorb_query`)."""
+    k_nope = jnp.einsum("...c,hnc->...hn", c, fp8_linear.weight_values(p.w_uk, c.dtype), precision=HIGHEST)
+    values = jnp.einsum("...c,hvc->...hv", c, fp8_linear.weight_values(p.w_uv, c.dtype), precision=HIGHEST)
+    return k_nope, values
+
+
 def absorb_query(p: AttentionParams, q_nope, q_pe):
     """MQA form of the query: [q_nope @ W_UK | q_pe] -> [R, H, C+E], scored against cached [c | k_pe]. A block
     fp8 W_UK is dequantized (it contracts its output axis N), as DeepSeek's inference dequantizes kv_b_proj for

@@ -31,9 +31,7 @@ def sparse_attention_unsharded(p: AttentionParams, x, latents, index_keys, cos_s
     t = latents.shape[1]
     is_selected = jnp.any(jnp.arange(t)[None, :, None] == selected[:, None, :], axis=-1)  # [R, T]
     c, k_pe = latents[..., : cfg.kv_lora_rank], latents[..., cfg.kv_lora_rank :]
-    # kv_b_proj as a linear layer (dequantized when block fp8, as in `projections.absorb_query`).
-    k_nope = jnp.einsum("rtc,hnc->rthn", c, fp8_linear.weight_values(p.w_uk, c.dtype), precision=HIGHEST)
-    values = jnp.einsum("rtc,hvc->rthv", c, fp8_linear.weight_values(p.w_uv, c.dtype), precision=HIGHEST)
+    k_nope, values = projections.per_head_keys_values(p, c)
     logits = (
         jnp.einsum("rhn,rthn->rht", q_nope, k_nope, precision=HIGHEST)
         + jnp.einsum("rhe,rte->rht", q_pe, k_pe, precision=HIGHEST)
