@@ -43,6 +43,8 @@ class ModelConfig:
     # None for default RoPE; else HF `rope_parameters` / `rope_scaling` with rope_type "yarn".
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     max_position_embeddings: int = 4096
+    # Multi-token-prediction layers after the decoder layers (`model/mtp.py`; the serving step does not run them).
+    num_nextn_predict_layers: int = 0
     bos_token_id: int = 0
     eos_token_id: int = 1
     # The checkpoint's dtype (HF `torch_dtype`, or `dtype` in newer files); None for a preset.

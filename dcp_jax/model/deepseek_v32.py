@@ -42,7 +42,8 @@ from dcp_jax.model.moe import MoE, expert_specs
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _norm(rngs: nnx.Rngs, size: int, dtype):
+def norm_param(rngs: nnx.Rngs, size: int, dtype) -> nnx.Param:
+    """An RMSNorm weight of `size`: 1 + 0.1 normal, in `dtype`."""
     return nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (size,), jnp.float32)).astype(dtype))
 
 
@@ -71,8 +72,8 @@ class Attention(nnx.Module):
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
-        self.input_norm = _norm(rngs, cfg.hidden_size, dtype)
-        self.post_attention_norm = _norm(rngs, cfg.hidden_size, dtype)
+        self.input_norm = norm_param(rngs, cfg.hidden_size, dtype)
+        self.post_attention_norm = norm_param(rngs, cfg.hidden_size, dtype)
         self.attention = Attention(cfg, rngs=rngs, dtype=dtype)
         if cfg.is_moe_layer(layer):
             self.mlp = MoE(cfg, rngs=rngs, dtype=dtype)
@@ -144,7 +145,7 @@ class DeepseekV32(nnx.Module):
         layers = [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_hidden_layers)]
         for stack in layer_stacks(cfg):
             setattr(self, stack.name, _stacked(layers[stack.first:stack.first + stack.count]))
-        self.final_norm = _norm(rngs, cfg.hidden_size, dtype)
+        self.final_norm = norm_param(rngs, cfg.hidden_size, dtype)
         self.lm_head = dense_param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.hidden_size, dtype)
 
     def decoder_layer(self, layer: int) -> DecoderLayer:
@@ -156,10 +157,17 @@ class DeepseekV32(nnx.Module):
     def embed_tokens(self, tokens):
         return jnp.take(self.embed[...], tokens, axis=0)
 
+    def final_hidden(self, h):
+        """The last layer's output h [..., D] after the final RMSNorm: what lm_head (and an MTP layer) reads."""
+        return rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
+
+    def head(self, normed):
+        """Final-normed states [..., D] -> f32 logits [..., A] (the untied lm_head)."""
+        return jnp.einsum("...d,da->...a", normed, self.lm_head[...], precision=HIGHEST).astype(jnp.float32)
+
     def logits(self, h):
         """h [..., D] -> f32 logits [..., A] (final RMSNorm, untied lm_head)."""
-        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
-        return jnp.einsum("...d,da->...a", h, self.lm_head[...], precision=HIGHEST).astype(jnp.float32)
+        return self.head(self.final_hidden(h))
 
 
 # Attention fields split over heads (every TP rank), from `attention/params.py`.

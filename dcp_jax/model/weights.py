@@ -47,45 +47,51 @@ _FP8_TENSORS = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of a HF DeepSeek-V3.2 checkpoint (without MTP layers or fp8 scales): name -> shape."""
-    d, q, h = cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads
-    n, e, v, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    i, j = cfg.index_n_heads, cfg.index_head_dim
+    d = cfg.hidden_size
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,),
               "lm_head.weight": (cfg.vocab_size, d)}
     for layer in range(cfg.num_hidden_layers):
-        layer_shapes = {
-            "input_layernorm.weight": (d,),
-            "post_attention_layernorm.weight": (d,),
-            "self_attn.q_a_proj.weight": (q, d),
-            "self_attn.q_a_layernorm.weight": (q,),
-            "self_attn.q_b_proj.weight": (h * (n + e), q),
-            "self_attn.kv_a_proj_with_mqa.weight": (c + e, d),
-            "self_attn.kv_a_layernorm.weight": (c,),
-            "self_attn.kv_b_proj.weight": (h * (n + v), c),
-            "self_attn.o_proj.weight": (d, h * v),
-            "self_attn.indexer.wq_b.weight": (i * j, q),
-            "self_attn.indexer.wk.weight": (j, d),
-            "self_attn.indexer.k_norm.weight": (j,),
-            "self_attn.indexer.k_norm.bias": (j,),
-            "self_attn.indexer.weights_proj.weight": (i, d),
-        }
-        if cfg.is_moe_layer(layer):
-            f, shared = cfg.moe_intermediate_size, cfg.moe_intermediate_size * cfg.n_shared_experts
-            layer_shapes["mlp.gate.weight"] = (cfg.n_routed_experts, d)
-            layer_shapes["mlp.gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
-            for x in range(cfg.n_routed_experts):
-                expert = f"mlp.experts.{x}."
-                layer_shapes |= {expert + "gate_proj.weight": (f, d), expert + "up_proj.weight": (f, d),
-                                 expert + "down_proj.weight": (d, f)}
-            layer_shapes |= {"mlp.shared_experts.gate_proj.weight": (shared, d),
-                             "mlp.shared_experts.up_proj.weight": (shared, d),
-                             "mlp.shared_experts.down_proj.weight": (d, shared)}
-        else:
-            f = cfg.intermediate_size
-            layer_shapes |= {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
-                             "mlp.down_proj.weight": (d, f)}
-        shapes |= {f"model.layers.{layer}.{k}": s for k, s in layer_shapes.items()}
+        shapes |= {f"model.layers.{layer}.{k}": s for k, s in layer_tensor_shapes(cfg, layer).items()}
     return shapes
+
+
+def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Decoder layer `layer`'s tensors (names relative to `model.layers.{layer}.`) -> shape."""
+    d, q, h = cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads
+    n, e, v, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    i, j = cfg.index_n_heads, cfg.index_head_dim
+    layer_shapes = {
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+        "self_attn.q_a_proj.weight": (q, d),
+        "self_attn.q_a_layernorm.weight": (q,),
+        "self_attn.q_b_proj.weight": (h * (n + e), q),
+        "self_attn.kv_a_proj_with_mqa.weight": (c + e, d),
+        "self_attn.kv_a_layernorm.weight": (c,),
+        "self_attn.kv_b_proj.weight": (h * (n + v), c),
+        "self_attn.o_proj.weight": (d, h * v),
+        "self_attn.indexer.wq_b.weight": (i * j, q),
+        "self_attn.indexer.wk.weight": (j, d),
+        "self_attn.indexer.k_norm.weight": (j,),
+        "self_attn.indexer.k_norm.bias": (j,),
+        "self_attn.indexer.weights_proj.weight": (i, d),
+    }
+    if cfg.is_moe_layer(layer):
+        f, shared = cfg.moe_intermediate_size, cfg.moe_intermediate_size * cfg.n_shared_experts
+        layer_shapes["mlp.gate.weight"] = (cfg.n_routed_experts, d)
+        layer_shapes["mlp.gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+        for x in range(cfg.n_routed_experts):
+            expert = f"mlp.experts.{x}."
+            layer_shapes |= {expert + "gate_proj.weight": (f, d), expert + "up_proj.weight": (f, d),
+                             expert + "down_proj.weight": (d, f)}
+        layer_shapes |= {"mlp.shared_experts.gate_proj.weight": (shared, d),
+                         "mlp.shared_experts.up_proj.weight": (shared, d),
+                         "mlp.shared_experts.down_proj.weight": (d, shared)}
+    else:
+        f = cfg.intermediate_size
+        layer_shapes |= {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
+                         "mlp.down_proj.weight": (d, f)}
+    return layer_shapes
 
 
 def _mlp_to_ours(t: dict, prefix: str) -> dict:
@@ -423,8 +429,11 @@ def _check_filled(abstract: dict, params: dict) -> None:
             raise ValueError(f"{jax.tree_util.keystr(path)}: converted dtype {b.dtype} != model dtype {a.dtype}")
 
 
-def save_hf(cfg: ModelConfig, params: dict, path: str | os.PathLike) -> None:
-    """Write `config.json` and `model.safetensors` (HF names, float32 here) that `load_hf_params` and HF read."""
+def save_hf(cfg: ModelConfig, params: dict, path: str | os.PathLike, *, mtp: dict | None = None,
+            dtype=np.float32) -> None:
+    """Write `config.json` (`cfg`'s) and `model.safetensors` (HF names, tensors in `dtype`: float32 or
+    bfloat16) that `load_hf_params` and HF read; with `mtp` (an `MtpLayer`'s pure dict, for a config with one MTP layer) its
+    layer too (`mtp_to_hf`)."""
     from safetensors.numpy import save_file
 
     path = os.fspath(path)
@@ -435,7 +444,58 @@ def save_hf(cfg: ModelConfig, params: dict, path: str | os.PathLike) -> None:
     for layer in range(cfg.num_hidden_layers):
         tensors |= {f"model.layers.{layer}.{k}": v
                     for k, v in layer_to_hf(cfg, layer, layer_params(cfg, host, layer)).items()}
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
-              metadata={"format": "pt"})
+    if (mtp is not None) != bool(cfg.num_nextn_predict_layers):
+        raise ValueError(f"the config has {cfg.num_nextn_predict_layers} MTP layers; "
+                         f"{'an' if mtp is not None else 'no'} MTP layer given")
+    if mtp is not None:
+        tensors |= mtp_to_hf(cfg, jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32), mtp), host)
+    save_file({k: np.ascontiguousarray(v.astype(dtype)) for k, v in tensors.items()},
+              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg.to_hf_dict(), f, indent=2, sort_keys=True)
+
+
+def _mtp_prefix(cfg: ModelConfig) -> str:
+    return f"model.layers.{cfg.num_hidden_layers}."
+
+
+def mtp_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint's MTP layer (HF layer `num_hidden_layers`): name -> shape. Its
+    embed_tokens and shared_head.head are copies of the main model's embedding and lm_head."""
+    d, a, prefix = cfg.hidden_size, cfg.vocab_size, _mtp_prefix(cfg)
+    layer = layer_tensor_shapes(cfg, cfg.num_hidden_layers)
+    own = {"enorm.weight": (d,), "hnorm.weight": (d,), "eh_proj.weight": (d, 2 * d),
+           "shared_head.norm.weight": (d,), "shared_head.head.weight": (a, d), "embed_tokens.weight": (a, d)}
+    return {prefix + name: shape for name, shape in (layer | own).items()}
+
+
+def mtp_to_hf(cfg: ModelConfig, mtp: dict, params: dict) -> dict[str, np.ndarray]:
+    """An `MtpLayer`'s pure dict (numpy) and the main model's (for the copies of the embedding and the head) ->
+    HF tensors of the MTP layer (full names)."""
+    own = {"enorm.weight": mtp["enorm"], "hnorm.weight": mtp["hnorm"], "eh_proj.weight": mtp["eh_proj"].T,
+           "shared_head.norm.weight": mtp["head_norm"], "shared_head.head.weight": params["lm_head"].T,
+           "embed_tokens.weight": params["embed"]}
+    layer = layer_to_hf(cfg, cfg.num_hidden_layers, mtp["layer"])
+    return {_mtp_prefix(cfg) + name: value for name, value in (layer | own).items()}
+
+
+def load_mtp_params(cfg: ModelConfig, path: str | os.PathLike) -> dict:
+    """The MTP layer of a HF checkpoint directory (unquantized) as an `MtpLayer`'s pure dict of numpy arrays, f32.
+    Strict: ValueError naming missing tensors or wrong shapes; its copies of the embedding and the head must equal
+    the main model's."""
+    path = os.fspath(path)
+    reader = _Reader(_safetensors_files(path))
+    expected = mtp_tensor_shapes(cfg)
+    missing = sorted(set(expected) - set(reader.location))
+    wrong = [f"{n}: file {reader.shape(n)} != expected {s}" for n, s in expected.items()
+             if n in reader.location and reader.shape(n) != s]
+    if missing or wrong:
+        raise ValueError(f"checkpoint {path}: MTP layer missing tensors {missing[:20]}, wrong shapes {wrong[:20]}")
+    prefix = _mtp_prefix(cfg)
+    t = {n[len(prefix):]: np.asarray(reader.get(n), np.float32) for n in expected}
+    for copy, main in (("embed_tokens.weight", "model.embed_tokens.weight"),
+                       ("shared_head.head.weight", "lm_head.weight")):
+        if not np.array_equal(t[copy], np.asarray(reader.get(main), np.float32)):
+            raise ValueError(f"checkpoint {path}: {prefix}{copy} differs from {main} (the MTP layer shares it)")
+    return {"enorm": t["enorm.weight"], "hnorm": t["hnorm.weight"], "eh_proj": t["eh_proj.weight"].T,
+            "head_norm": t["shared_head.norm.weight"], "layer": layer_to_ours(cfg, cfg.num_hidden_layers, t)}
