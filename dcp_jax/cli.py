@@ -95,7 +95,7 @@ def generate(args: argparse.Namespace) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=args.enable_prefix_caching,
                   enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-                  unroll_layers=args.unroll_layers)
+                  unroll_layers=args.unroll_layers, hf_overrides=args.hf_overrides)
         outputs = llm.generate(args.prompt, params, use_tqdm=True)
     except ValueError as e:
         print(f"dcp-jax generate: {e}", file=sys.stderr)
@@ -156,11 +156,25 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                    help="auto: the Pallas kernels on a GPU, the references elsewhere")
     s.add_argument("--unroll-layers", action="store_true", help=UNROLL_LAYERS_HELP)
+    s.add_argument("--hf-overrides", type=_json_object, default=None, help=HF_OVERRIDES_HELP)
     s.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
     s.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
     s.add_argument("--seed", type=int, default=0, help="weights seed of a preset; default sampling seed")
     s.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache")
     s.add_argument("--no-prompt-logprobs", action="store_true", help="skip the all-logits prefill programs")
+
+
+HF_OVERRIDES_HELP = "config.json fields to replace, a JSON object (e.g. '{\"index_topk\": 16384}')"
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _json_list(text: str) -> list[str]:
@@ -213,7 +227,7 @@ def serve(args: argparse.Namespace) -> int:
                       async_scheduling=args.async_scheduling, prompt_logprobs=not args.no_prompt_logprobs,
                       compilation_cache_dir=args.compilation_cache_dir,
                       enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-                      unroll_layers=args.unroll_layers)
+                      unroll_layers=args.unroll_layers, hf_overrides=args.hf_overrides)
 
     def ready(engine):
         config = engine.engine_config
@@ -318,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=GPU_MEMORY_HELP)
     g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
     g.add_argument("--unroll-layers", action="store_true", help=UNROLL_LAYERS_HELP)
+    g.add_argument("--hf-overrides", type=_json_object, default=None, help=HF_OVERRIDES_HELP)
     g.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
     g.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
     g.set_defaults(run=generate)

@@ -175,6 +175,16 @@ def test_generate_passes_enable_expert_parallel_to_the_llm(monkeypatch, capsys):
     assert "stop here" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_hf_overrides_parse_as_a_json_object(command, capsys):
+    parser = cli.build_parser()
+    assert parser.parse_args(command).hf_overrides is None
+    assert parser.parse_args(command + ["--hf-overrides", '{"index_topk": 4096}']).hf_overrides == {"index_topk": 4096}
+    with pytest.raises(SystemExit):
+        parser.parse_args(command + ["--hf-overrides", "[1]"])
+    assert "expected a JSON object" in capsys.readouterr().err
+
+
 def test_bench_names_what_it_has(capsys):
     assert cli.main(["bench", "nope"]) == 2
     err = capsys.readouterr().err

@@ -99,7 +99,8 @@ class Engine:
                  dtype: str = "auto", gpu_memory_utilization: float = 0.9, async_scheduling: bool = True,
                  enable_prefix_caching: bool = False, prompt_logprobs: bool = True,
                  compilation_cache_dir: str | None = None, progress: bool = True,
-                 enable_expert_parallel: bool = False, quantization: str = "auto", unroll_layers: bool = False):
+                 enable_expert_parallel: bool = False, quantization: str = "auto", unroll_layers: bool = False,
+                 hf_overrides: dict | None = None):
         import jax
 
         if compilation_cache_dir:
@@ -112,7 +113,7 @@ class Engine:
                             latent_cache=latent_cache, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                             max_num_batched_tokens=max_num_batched_tokens,
                             enable_expert_parallel=enable_expert_parallel, quantization=quantization,
-                            unroll_layers=unroll_layers)
+                            unroll_layers=unroll_layers, hf_overrides=hf_overrides)
         self.model_name, self.dtype = loaded.name, loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend

@@ -68,6 +68,7 @@ class LLM:
     enable_prefix_caching: reuse the KV pages of full virtual blocks a prompt shares with earlier requests.
     enable_expert_parallel: split the routed experts whole over the tp ranks, each rank running only the tokens
     routed to its experts (vLLM's name); by default every rank runs every expert on its slice of their width.
+    hf_overrides: config.json fields to replace (vLLM's name), e.g. {"index_topk": 4096}.
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
@@ -76,14 +77,15 @@ class LLM:
                  index_cache: str = "exact", latent_cache: str = "exact", dtype: str = "auto",
                  gpu_memory_utilization: float = 0.9, async_scheduling: bool = True,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, enable_prefix_caching: bool = False,
-                 enable_expert_parallel: bool = False, quantization: str = "auto", unroll_layers: bool = False):
+                 enable_expert_parallel: bool = False, quantization: str = "auto", unroll_layers: bool = False,
+                 hf_overrides: dict | None = None):
         loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len, kernels=kernels, seed=seed,
                             num_layers=num_layers, index_cache=index_cache, latent_cache=latent_cache, dtype=dtype,
                             gpu_memory_utilization=gpu_memory_utilization,
                             max_num_batched_tokens=max_num_batched_tokens,
                             enable_expert_parallel=enable_expert_parallel, quantization=quantization,
-                            unroll_layers=unroll_layers)
+                            unroll_layers=unroll_layers, hf_overrides=hf_overrides)
         self.dtype = loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend

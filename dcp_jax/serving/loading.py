@@ -100,6 +100,27 @@ def pool_pages_from_memory(cfg: ModelConfig, layout: DcpLayout, *, dtype: str, i
     return pages
 
 
+def apply_hf_overrides(cfg: ModelConfig, overrides: dict | None) -> ModelConfig:
+    """`cfg` with the HF config.json fields of `overrides` replaced (read as config.json is); ValueError for a
+    field the model config does not have or a value of the wrong type."""
+    if not overrides:
+        return cfg
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object of config.json fields, got {overrides!r}")
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)} | {"rope_parameters": None}
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ValueError(f"hf_overrides: unknown config fields {unknown}; known: {sorted(fields)}")
+    base = cfg.to_hf_dict()
+    for name, value in overrides.items():
+        if name in base and base[name] is not None and type(value) is not type(base[name]) and not (
+                isinstance(base[name], float) and type(value) is int):
+            raise ValueError(f"hf_overrides: {name} must be a {type(base[name]).__name__}, got {value!r}")
+    if "rope_theta" in overrides and "rope_parameters" not in overrides:  # read from rope_parameters first
+        base["rope_parameters"] = base["rope_parameters"] | {"rope_theta": overrides["rope_theta"]}
+    return ModelConfig.from_dict(base | overrides)
+
+
 def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
                page_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
                max_model_len: int | None = None, bucket_ladder: Sequence[int] = DEFAULT_BUCKETS,
@@ -107,7 +128,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
                latent_cache: str = "exact", dtype: str = "auto", gpu_memory_utilization: float = 0.9,
                max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                enable_expert_parallel: bool = False, quantization: str = "auto",
-               unroll_layers: bool = False) -> LoadedModel:
+               unroll_layers: bool = False, hf_overrides: dict | None = None) -> LoadedModel:
     """Validate the arguments, then load weights (an HF directory) or draw random ones (a preset), placed on a
     (tp/dcp, dcp) mesh; on CPU `tp` simulated devices are used. `dtype` (`config.DTYPE_CHOICES`): the weights',
     activations' and exact caches' dtype; auto is the checkpoint's (bfloat16 for presets). `max_model_len` None:
@@ -119,7 +140,9 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     rows and prefill-chunk tokens) of a step at most (`EngineConfig`); `enable_expert_parallel` splits the routed
     experts whole over the tp ranks instead of along their width (`ParallelConfig`). `quantization`
     (`config.QUANTIZATION_CHOICES`): auto keeps a block fp8 checkpoint's fp8 weights in fp8 (`dtype` stays the
-    activations' and the rest's), none dequantizes them into `dtype`."""
+    activations' and the rest's), none dequantizes them into `dtype`. `hf_overrides` (vLLM's name): config.json
+    fields replaced before anything loads (`apply_hf_overrides`), e.g. {"index_topk": 16384} attends densely up
+    to 16K tokens."""
     parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave,
                               enable_expert_parallel=enable_expert_parallel)
     layout = DcpLayout(parallel.dcp, parallel.interleave, page_size)
@@ -134,6 +157,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     if not is_dir and model not in PRESETS:
         raise ValueError(f"model {model!r} is neither a directory nor a preset {sorted(PRESETS)}")
     cfg = ModelConfig.from_hf(model) if is_dir else preset(model, num_layers=num_layers)
+    cfg = apply_hf_overrides(cfg, hf_overrides)
     if is_dir and num_layers is not None:
         if not 1 <= num_layers <= cfg.num_hidden_layers:
             raise ValueError(f"{num_layers=} must be in [1, {cfg.num_hidden_layers}] (the checkpoint's layers)")

@@ -116,3 +116,19 @@ def test_a_gpu_backend_started_without_the_scan_flags_is_named(monkeypatch):
     assert flags_not_applied("gpu", unroll_layers=True) is None and flags_not_applied("cpu", unroll_layers=False) is None
     monkeypatch.setenv("XLA_FLAGS", " ".join(f"--{name}={value}" for name, value in GPU_FLAGS.items()))
     assert flags_not_applied("gpu", unroll_layers=False) is None
+
+
+def test_hf_overrides_replace_config_fields_and_bad_ones_are_refused_before_loading():
+    from dcp_jax.serving.loading import apply_hf_overrides
+
+    dense = apply_hf_overrides(TINY, {"index_topk": 4096, "rope_theta": 5e5})
+    assert (dense.index_topk, dense.rope_theta, dense.hidden_size) == (4096, 5e5, TINY.hidden_size)
+    assert apply_hf_overrides(TINY, {"rope_theta": 50000}).rope_theta == 50000  # an int where a float goes
+    assert apply_hf_overrides(TINY, None) is TINY
+    loaded = load_model("tiny", dcp=2, page_size=4, max_num_seqs=2, max_model_len=64,
+                        hf_overrides={"index_topk": 64})
+    assert loaded.cfg.index_topk == 64 and loaded.runner.cfg.index_topk == 64
+    for bad, message in (({"index_top_k": 8}, "unknown config fields \\['index_top_k'\\]"),
+                         ({"index_topk": "8"}, "index_topk must be a int"), ([1], "must be a JSON object")):
+        with pytest.raises(ValueError, match=message):
+            load_model("tiny", hf_overrides=bad)
