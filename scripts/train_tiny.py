@@ -8,12 +8,14 @@ A finished run then measures its served retrieval accuracy (`train/evaluate.py`)
   python scripts/train_tiny.py --out /tmp/dsa-tiny                      # the full schedule (an H200)
   python scripts/train_tiny.py --out /tmp/t --stages dense:20:128:4 --eval-every 10   # a smoke run (CPU)
 
-A stage is mode:steps:context:batch (mode dense or sparse).
+A stage is mode:steps:context:batch[:queries] (mode dense or sparse; queries per training example, 1 by default;
+the held-out batch a stage reports asks one, the evaluation's format).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -34,10 +36,10 @@ def parse_stages(text: str):
     stages = []
     for part in text.split(","):
         fields = part.split(":")
-        if len(fields) != 4 or fields[0] not in (DENSE, SPARSE) or not all(f.isdigit() and int(f) > 0
-                                                                            for f in fields[1:]):
-            raise argparse.ArgumentTypeError(f"a stage is mode:steps:context:batch (mode {DENSE} or {SPARSE}, "
-                                             f"positive integers), got {part!r}")
+        if len(fields) not in (4, 5) or fields[0] not in (DENSE, SPARSE) or not all(
+                f.isdigit() and int(f) > 0 for f in fields[1:]):
+            raise argparse.ArgumentTypeError(f"a stage is mode:steps:context:batch[:queries] (mode {DENSE} or "
+                                             f"{SPARSE}, positive integers), got {part!r}")
         stages.append(Stage(fields[0], *map(int, fields[1:])))
     return stages
 
@@ -55,6 +57,9 @@ def plot(log: list[dict], path: str) -> None:
     ax.plot(steps, [row["lm"] for row in log], label="answer loss")
     ax.plot(steps, [row["indexer_kl"] for row in log], label="indexer KL")
     ax.plot(steps, [row["accuracy"] for row in log], label="batch accuracy")
+    if "mtp_lm" in log[0]:
+        ax.plot(steps, [row["mtp_lm"] for row in log], label="MTP answer loss")
+        ax.plot(steps, [row["mtp_acceptance"] for row in log], label="MTP acceptance (value digits)")
     ax.set_xlabel("step")
     ax.set_yscale("log")
     ax.legend()
@@ -68,6 +73,12 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", type=parse_stages, default=DEFAULT_STAGES)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--kl-weight", type=float, default=1.0)
+    parser.add_argument("--mtp-weight", type=float, default=None, help="the MTP loss's weight (default DeepSeek-V3's "
+                                                                        "0.3)")
+    parser.add_argument("--chat-fraction", type=float, default=0.25,
+                        help="the share of batches whose prompts are wrapped in the chat template")
+    parser.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the checkpoint's tensors (and its torch_dtype, the dtype it serves in by default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--max-seconds", type=float, default=None,
@@ -81,19 +92,22 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from dcp_jax.model.deepseek_v32 import init_params
+    import ml_dtypes
+
     from dcp_jax.model.weights import save_hf
     from dcp_jax.serving.tokenizer import ByteTokenizer
-    from dcp_jax.train.loop import DSA_TINY, Trainer, batches
+    from dcp_jax.train.loop import DSA_TINY, MTP_WEIGHT, Trainer, batches, init_train_params
 
     cfg = DSA_TINY
+    mtp_weight = MTP_WEIGHT if args.mtp_weight is None else args.mtp_weight
     tokenizer = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     total = sum(stage.steps for stage in args.stages)
-    trainer = Trainer(cfg, init_params(cfg, args.seed), learning_rate=args.learning_rate, total_steps=total,
-                      kl_weight=args.kl_weight)
+    trainer = Trainer(cfg, init_train_params(cfg, args.seed), learning_rate=args.learning_rate, total_steps=total,
+                      kl_weight=args.kl_weight, mtp_weight=mtp_weight)
     os.makedirs(args.out, exist_ok=True)
     run = dict(model=cfg.to_hf_dict(), stages=[vars(stage) for stage in args.stages],
-               learning_rate=args.learning_rate, kl_weight=args.kl_weight, seed=args.seed)
+               learning_rate=args.learning_rate, kl_weight=args.kl_weight, mtp_weight=mtp_weight,
+               chat_fraction=args.chat_fraction, seed=args.seed)
     rng, step, spent = np.random.default_rng(args.seed), 0, 0.0
     state_path = os.path.join(args.out, "train_state.npz")
     if args.resume:
@@ -106,7 +120,8 @@ def main(argv=None) -> int:
         for index, stage in enumerate(args.stages):
             end = first + stage.steps
             if step < end:
-                data = batches(tokenizer, rng, context=stage.context, batch=stage.batch)
+                data = batches(tokenizer, rng, context=stage.context, batch=stage.batch, queries=stage.queries,
+                               chat_fraction=args.chat_fraction)
                 held_out = next(batches(tokenizer, np.random.default_rng([args.seed, 1, index]),
                                         context=stage.context, batch=stage.batch))
             while step < end:
@@ -120,9 +135,11 @@ def main(argv=None) -> int:
                                **metrics, held_out=trainer.evaluate(*held_out, stage.mode))
                     out.write(json.dumps(row) + "\n")
                     out.flush()
+                    mtp = (f" mtp loss {metrics['mtp_lm']:.4f} acceptance {metrics['mtp_acceptance']:.2f}"
+                           if "mtp_lm" in metrics else "")
                     print(f"step {step} {stage.mode} {stage.context}: loss {metrics['lm']:.4f} kl "
                           f"{metrics['indexer_kl']:.4f} acc {metrics['accuracy']:.2f} held-out acc "
-                          f"{row['held_out']['accuracy']:.2f} ({row['seconds']:.0f} s)", flush=True)
+                          f"{row['held_out']['accuracy']:.2f}{mtp} ({row['seconds']:.0f} s)", flush=True)
             if step < end:
                 break
             first = end
@@ -132,7 +149,9 @@ def main(argv=None) -> int:
         print(f"stopped at step {step} of {total} after {time.perf_counter() - begin:.0f} s in all; go on with "
               f"--resume")
         return 0
-    save_hf(cfg, trainer.params, args.out)
+    saved_cfg = dataclasses.replace(cfg, torch_dtype=args.save_dtype)
+    save_hf(saved_cfg, trainer.params["model"], args.out, mtp=trainer.params.get("mtp"),
+            dtype=ml_dtypes.bfloat16 if args.save_dtype == "bfloat16" else np.float32)
     with open(os.path.join(args.out, "train_log.jsonl")) as f:
         plot([json.loads(line) for line in f], os.path.join(args.out, "loss.png"))
     print(f"checkpoint in {args.out} after {step} steps, {time.perf_counter() - begin:.0f} s in all")

@@ -1,6 +1,7 @@
 """The model over whole sequences, differentiable, for training: causal MLA with the lightning indexer, attending
-densely (every earlier token) or sparsely (the indexer's top-k, selected exactly as the serving step selects), and
-the indexer's KL loss toward the main attention (DeepSeek-V3.2's dense warm-up and sparse stages).
+densely (every earlier token, explicit per-head keys as HF writes it) or sparsely (the indexer's top-k, selected
+exactly as the serving step selects, gathered from the latents: memory grows with T K, so 16K-token sequences
+train), and the indexer's KL loss toward the main attention (DeepSeek-V3.2's dense warm-up and sparse stages).
 
 Same weights and projections (`attention/projections.py`) as the serving programs, so a sparse forward's logits are
 the serving prefill's (tested). The indexer reads its inputs detached from the main model's graph: the LM loss
@@ -24,38 +25,48 @@ from pallas_kernels import reference
 
 HIGHEST = jax.lax.Precision.HIGHEST
 DENSE, SPARSE = "dense", "sparse"
+# Evaluation only: index_topk keys drawn at random among the earlier ones (the contrast that shows the indexer's
+# selection matters).
+RANDOM = "random"
 
 
-def index_scores(p: AttentionParams, x, q_resid, cos, sin, cfg: ModelConfig):
-    """The indexer's scores [S, T] f32 of every position against every position (causality not applied), from
-    inputs detached from the main model's graph."""
+class IndexerInputs(NamedTuple):
+    """The indexer's queries [S, I, J], weights [S, I] and keys [T, J] of one sequence, from inputs detached from
+    the main model's graph (the KL loss trains the indexer alone)."""
+
+    queries: jax.Array
+    weights: jax.Array
+    keys: jax.Array
+
+
+def indexer_inputs(p: AttentionParams, x, q_resid, cos, sin, cfg: ModelConfig) -> IndexerInputs:
     x, q_resid = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_resid)
-    queries = projections.index_query(p, q_resid, cos, sin, cfg)
-    keys = projections.index_key(p, x, cos, sin, cfg)
-    weights = projections.index_weights(p, x, cfg)
-    return cache_formats.dense_index_scores(queries[None], weights[None], keys[None])[0]
+    return IndexerInputs(projections.index_query(p, q_resid, cos, sin, cfg), projections.index_weights(p, x, cfg),
+                         projections.index_key(p, x, cos, sin, cfg))
 
 
-def attended(scores, *, cfg: ModelConfig, mode: str):
-    """[S, T] bool: the keys each query attends. DENSE: every earlier key and itself; SPARSE: the indexer's top
-    index_topk of those (all of them while fewer), ties to the lower position (`reference.topk`, as served)."""
-    s, t = scores.shape
-    causal = jnp.arange(t)[None, :] <= jnp.arange(s)[:, None]
-    if mode == DENSE:
-        return causal
-    if mode != SPARSE:
-        raise ValueError(f"mode must be {DENSE!r} or {SPARSE!r}, got {mode!r}")
-    _, selected = reference.topk(jax.lax.stop_gradient(scores), jnp.arange(1, s + 1, dtype=jnp.int32),
-                                 k=cfg.index_topk)
-    columns = jnp.where(selected < 0, t, selected)  # pads land in a dropped extra column
-    picked = jnp.zeros((s, t + 1), bool).at[jnp.arange(s)[:, None], columns].set(True)
-    return picked[:, :t]
+def index_scores(indexer: IndexerInputs):
+    """The indexer's scores [S, T] f32 of every position against every position (causality not applied)."""
+    return cache_formats.dense_index_scores(indexer.queries[None], indexer.weights[None], indexer.keys[None])[0]
+
+
+def selected_keys(indexer: IndexerInputs, *, cfg: ModelConfig, mode: str, key=None):
+    """[S, K] int32: the keys each query attends, -1 padded (K = index_topk). SPARSE: the indexer's top index_topk
+    of the earlier keys and itself (all of them while fewer), ties to the lower position (`reference.topk`, as
+    served); RANDOM: as many drawn uniformly (by `key`)."""
+    scores = jax.lax.stop_gradient(index_scores(indexer))
+    if mode == RANDOM:
+        scores = jax.random.uniform(key, scores.shape)
+    elif mode != SPARSE:
+        raise ValueError(f"mode must be {DENSE!r}, {SPARSE!r} or {RANDOM!r}, got {mode!r}")
+    s = scores.shape[0]
+    return reference.topk(scores, jnp.arange(1, s + 1, dtype=jnp.int32), k=cfg.index_topk)[1]
 
 
 def indexer_kl(scores, probs, keep):
     """KL(target || indexer) summed over the kept keys, averaged over queries: the target is the main attention's
-    probabilities summed over heads and renormalized over `keep` (no gradient), the indexer's distribution the
-    softmax of its scores over `keep`."""
+    probabilities [H, S, K] summed over heads and renormalized over `keep` [S, K] (no gradient), the indexer's
+    distribution the softmax of its `scores` [S, K] over `keep`."""
     target = jnp.where(keep, jax.lax.stop_gradient(probs.sum(axis=0)), 0.0)
     target = target / jnp.maximum(target.sum(axis=-1, keepdims=True), 1e-30)
     log_indexer = jax.nn.log_softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
@@ -63,20 +74,52 @@ def indexer_kl(scores, probs, keep):
     return terms.sum() / scores.shape[0]
 
 
-def causal_attention(p: AttentionParams, x, cos, sin, *, cfg: ModelConfig, mode: str):
-    """x [T, D] one sequence's normed hidden states -> (attention output [T, D], the indexer's KL loss, the keys
-    each position attended [T, T])."""
-    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
-    latent = projections.mla_latent(p, x, cos, sin, cfg)
+def dense_attention(p: AttentionParams, q_nope, q_pe, latent, indexer: IndexerInputs, cfg: ModelConfig):
+    """Every query attends every earlier key and itself, with explicit per-head keys and values (as HF writes
+    it): (output [S, D], the indexer's KL over the same keys)."""
     c, k_pe = latent[:, : cfg.kv_lora_rank], latent[:, cfg.kv_lora_rank:]
     k_nope, values = projections.per_head_keys_values(p, c)
     logits = (jnp.einsum("shn,thn->hst", q_nope, k_nope, precision=HIGHEST)
               + jnp.einsum("she,te->hst", q_pe, k_pe, precision=HIGHEST)) * cfg.softmax_scale
-    scores = index_scores(p, x, q_resid, cos, sin, cfg)
-    keep = attended(scores, cfg=cfg, mode=mode)
-    probs = jax.nn.softmax(jnp.where(keep[None], logits.astype(jnp.float32), -jnp.inf), axis=-1)
+    s, t = logits.shape[1:]
+    causal = jnp.arange(t)[None, :] <= jnp.arange(s)[:, None]
+    probs = jax.nn.softmax(jnp.where(causal[None], logits.astype(jnp.float32), -jnp.inf), axis=-1)
     per_head = jnp.einsum("hst,thv->shv", probs.astype(values.dtype), values, precision=HIGHEST)
-    return fp8_linear.einsum("shv,hvd->sd", per_head, p.wo), indexer_kl(scores, probs, keep), keep
+    return fp8_linear.einsum("shv,hvd->sd", per_head, p.wo), indexer_kl(index_scores(indexer), probs, causal)
+
+
+def sparse_attention(p: AttentionParams, q_nope, q_pe, latent, indexer: IndexerInputs, selected,
+                     cfg: ModelConfig):
+    """Each query attends its `selected` keys [S, K] only, gathered from the latents (the MQA form the serving
+    step computes): (output [S, D], the indexer's KL over the selected keys). Memory grows with S K, not S T."""
+    keep = selected >= 0
+    rows = jnp.maximum(selected, 0)
+    gathered = latent[rows]  # [S, K, C+E]
+    query = projections.absorb_query(p, q_nope, q_pe)  # [S, H, C+E]
+    logits = jnp.einsum("shc,skc->hsk", query, gathered, precision=HIGHEST) * cfg.softmax_scale
+    probs = jax.nn.softmax(jnp.where(keep[None], logits.astype(jnp.float32), -jnp.inf), axis=-1)
+    latent_out = jnp.einsum("hsk,skc->shc", probs.astype(latent.dtype), gathered[..., : cfg.kv_lora_rank],
+                            precision=HIGHEST)
+    # The indexer's scores of the selected keys alone (`dense_index_scores`' terms), with their gradient.
+    dots = jnp.einsum("sij,skj->sik", indexer.queries, indexer.keys[rows], precision=HIGHEST,
+                      preferred_element_type=jnp.float32)
+    scores = jnp.einsum("si,sik->sk", indexer.weights, jax.nn.relu(dots), precision=HIGHEST,
+                        preferred_element_type=jnp.float32)
+    return projections.output_projection(p, latent_out), indexer_kl(scores, probs, keep)
+
+
+def causal_attention(p: AttentionParams, x, cos, sin, *, cfg: ModelConfig, mode: str, key=None):
+    """x [T, D] one sequence's normed hidden states -> (attention output [T, D], the indexer's KL loss, the keys
+    each position attended [T, K], -1 padded; K = 0 for DENSE, where every earlier key is)."""
+    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
+    latent = projections.mla_latent(p, x, cos, sin, cfg)
+    indexer = indexer_inputs(p, x, q_resid, cos, sin, cfg)
+    if mode == DENSE:
+        out, kl = dense_attention(p, q_nope, q_pe, latent, indexer, cfg)
+        return out, kl, jnp.zeros((x.shape[0], 0), jnp.int32)
+    selected = selected_keys(indexer, cfg=cfg, mode=mode, key=key)
+    out, kl = sparse_attention(p, q_nope, q_pe, latent, indexer, selected, cfg)
+    return out, kl, selected
 
 
 def feed_forward(layer, hidden):
@@ -88,19 +131,46 @@ class SequenceOutput(NamedTuple):
     logits: jax.Array  # [T, A] f32, at every position
     hidden: jax.Array  # [T, D]: the last layer's output, before the final norm
     indexer_kl: jax.Array  # f32: the indexer's KL loss, averaged over layers
-    attended: jax.Array  # [layers, T, T] bool: the keys each position attended in each layer
+    selected: jax.Array  # [layers, T, K] int32: the keys each position attended in each layer, -1 padded (K = 0:
+    # DENSE, every earlier key)
 
 
-def sequence_forward(model, tokens, *, mode: str) -> SequenceOutput:
-    """tokens [T] int32 through `model` (a `DeepseekV32`, unsharded, outside shard_map), attending as `mode`."""
+def decoder_layer_forward(layer, hidden, cos, sin, *, cfg: ModelConfig, mode: str, key=None):
+    """One `DecoderLayer` over a sequence: (hidden [T, D] out, the indexer's KL, the selected keys [T, K])."""
+    out, kl, selected = causal_attention(layer.attention.params(), layer.attention_input(hidden), cos, sin, cfg=cfg,
+                                         mode=mode, key=key)
+    return feed_forward(layer, hidden + out), kl, selected
+
+
+def sequence_forward(model, tokens, *, mode: str, key=None) -> SequenceOutput:
+    """tokens [T] int32 through `model` (a `DeepseekV32`, unsharded, outside shard_map), attending as `mode`
+    (RANDOM draws each layer's keys from `key`)."""
     cfg = model.cfg
     cos, sin = cos_sin(jnp.arange(tokens.shape[0]), *rope_tables(cfg))
-    hidden, kl, attended_sets = model.embed_tokens(tokens), 0.0, []
+    hidden, kl, selected = model.embed_tokens(tokens), 0.0, []
     for index in range(cfg.num_hidden_layers):
-        layer = model.decoder_layer(index)
-        out, layer_kl, keep = causal_attention(layer.attention.params(), layer.attention_input(hidden), cos, sin,
-                                               cfg=cfg, mode=mode)
-        hidden = feed_forward(layer, hidden + out)
+        hidden, layer_kl, layer_selected = decoder_layer_forward(
+            model.decoder_layer(index), hidden, cos, sin, cfg=cfg, mode=mode,
+            key=None if key is None else jax.random.fold_in(key, index))
         kl = kl + layer_kl
-        attended_sets.append(keep)
-    return SequenceOutput(model.logits(hidden), hidden, kl / cfg.num_hidden_layers, jnp.stack(attended_sets))
+        selected.append(layer_selected)
+    return SequenceOutput(model.logits(hidden), hidden, kl / cfg.num_hidden_layers, jnp.stack(selected))
+
+
+class MtpOutput(NamedTuple):
+    logits: jax.Array  # [T, A] f32: at position p, of token p + 1
+    indexer_kl: jax.Array  # f32: the MTP layer's indexer's KL loss
+    selected: jax.Array  # [T, K] int32, as SequenceOutput's
+
+
+def mtp_forward(model, mtp, tokens, hidden, *, mode: str) -> MtpOutput:
+    """The MTP layer (`model/mtp.py`, an `MtpLayer`) over tokens [T] given the main model's `hidden` [T, D]
+    (`SequenceOutput.hidden`): at position p it reads the main model's state of p - 1 and token p's embedding and
+    predicts token p + 1; the embedding and the head are `model`'s."""
+    cfg = model.cfg
+    cos, sin = cos_sin(jnp.arange(tokens.shape[0]), *rope_tables(cfg))
+    normed = model.final_hidden(hidden)
+    previous = jnp.concatenate([jnp.zeros_like(normed[:1]), normed[:-1]])
+    h = mtp.layer_input(model.embed_tokens(tokens), previous)
+    h, kl, selected = decoder_layer_forward(mtp.layer, h, cos, sin, cfg=cfg, mode=mode)
+    return MtpOutput(model.head(mtp.head_input(h)), kl, selected)

@@ -21,49 +21,103 @@ import numpy as np
 import optax
 
 from dcp_jax.config import TINY, ModelConfig
-from dcp_jax.model.deepseek_v32 import abstract_model, merge
-from dcp_jax.train.forward import DENSE, SPARSE, sequence_forward
+from dcp_jax.model.deepseek_v32 import abstract_model, init_params, merge
+from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
+from dcp_jax.serving.tokenizer import apply_chat_template
+from dcp_jax.train.forward import DENSE, SPARSE, mtp_forward, sequence_forward
 from dcp_jax.train.retrieval import encode_batch, make_example, records_for
 
 # The shipped model's shape: DeepSeek-V3.2's architecture (MLA with q_lora and the latent cache, the lightning
-# indexer, one dense layer then MoE layers with shared experts and group routing), byte vocabulary (2 specials +
-# 256 bytes, rounded up), index_topk 64 so 1K-16K contexts are far past it.
+# indexer, one dense layer then MoE layers with shared experts and group routing, one MTP layer), byte vocabulary
+# (2 specials + 256 bytes, rounded up), index_topk 64 so 1K-16K contexts are far past it.
 DSA_TINY = dataclasses.replace(TINY, vocab_size=264, num_hidden_layers=4, index_topk=64,
-                               max_position_embeddings=16384)
+                               max_position_embeddings=16384, num_nextn_predict_layers=1)
+# DeepSeek-V3's MTP loss weight (lambda) for its first 10T tokens.
+MTP_WEIGHT = 0.3
+
+
+def init_train_params(cfg: ModelConfig, seed: int) -> dict:
+    """Random f32 weights to train: {"model": the main model's, "mtp": the MTP layer's (when the config has
+    one)}."""
+    params = {"model": init_params(cfg, seed)}
+    if cfg.num_nextn_predict_layers:
+        params["mtp"] = init_mtp_params(cfg, seed + 1)
+    return params
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """`steps` optimizer steps attending as `mode` on batches of `batch` prompts of `context` tokens."""
+    """`steps` optimizer steps attending as `mode` on batches of `batch` examples of `context` tokens asking
+    `queries` queries each."""
 
     mode: str
     steps: int
     context: int
     batch: int
+    queries: int = 1
 
 
-def batches(tokenizer, rng: np.random.Generator, *, context: int,
-            batch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Endless (tokens, answer_mask) batches of retrieval prompts filling `context` tokens."""
-    records = records_for(context)
+def chat_prompt(prompt: str) -> str:
+    """A prompt as a one-message chat renders it (the server's chat template, generation prompt added)."""
+    return apply_chat_template([{"role": "user", "content": prompt}])
+
+
+def batches(tokenizer, rng: np.random.Generator, *, context: int, batch: int, queries: int = 1,
+            chat_fraction: float = 0.0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Endless (tokens, answer_mask) batches of retrieval examples of `queries` queries filling `context` tokens;
+    a `chat_fraction` of the batches wrap each prompt in the chat template (`chat_prompt`), so the model answers
+    through /v1/chat/completions too."""
+    records = records_for(context, queries)
     while True:
-        yield encode_batch(tokenizer, [make_example(rng, records) for _ in range(batch)])
+        examples = [make_example(rng, records, queries) for _ in range(batch)]
+        if rng.random() < chat_fraction:
+            examples = [(chat_prompt(prompt), answer) for prompt, answer in examples]
+        yield encode_batch(tokenizer, examples)
 
 
-def batch_loss(params, tokens, mask, *, graphdef, abstract, mode: str, kl_weight: float):
-    """(loss, metrics) of a batch: the mean answer cross-entropy plus kl_weight times the indexer's KL."""
-    model = merge(graphdef, abstract, params)
+def _value_positions(answer_mask):
+    """The positions of a row's answer mask [T] (`encode_batch`'s) whose next token is a digit of the value: the
+    answer's positions but its first (next `v`) and its last (next `;`)."""
+    before = jnp.concatenate([jnp.zeros(1, bool), answer_mask[:-1]])
+    after = jnp.concatenate([answer_mask[1:], jnp.zeros(1, bool)])
+    return answer_mask & before & after
+
+
+def _answer_terms(logits, tokens, mask):
+    """(mean cross-entropy over the answer's tokens, whether every one is the argmax, the argmax [T-1]) of one
+    row's logits [T, A] (position p's are of token p + 1)."""
+    logits, targets, answer = logits[:-1], tokens[1:], mask[:-1]
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:, None], axis=-1)[:, 0]
+    predicted = jnp.argmax(logits, axis=-1)
+    right = jnp.all(jnp.where(answer, predicted == targets, True))
+    return jnp.sum(nll * answer) / jnp.sum(answer), right, predicted
+
+
+def batch_loss(params, tokens, mask, *, graphdefs, abstracts, mode: str, kl_weight: float, mtp_weight: float):
+    """(loss, metrics) of a batch: the mean answer cross-entropy, plus kl_weight times the indexers' KL (averaged
+    over the attention layers, the MTP layer's included), plus mtp_weight times the MTP layer's answer
+    cross-entropy (DeepSeek-V3's MTP loss, one depth). The MTP metrics: its accuracy on the answer tokens and its
+    acceptance on the value's digits (its argmax there equal to the main model's, as a greedy draft is verified)."""
+    model = merge(graphdefs["model"], abstracts["model"], params["model"])
+    mtp = merge(graphdefs["mtp"], abstracts["mtp"], params["mtp"]) if "mtp" in params else None
+    layers = model.cfg.num_hidden_layers
 
     def one(row_tokens, row_mask):
         out = sequence_forward(model, row_tokens, mode=mode)
-        logits, targets, answer = out.logits[:-1], row_tokens[1:], row_mask[:-1]
-        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:, None], axis=-1)[:, 0]
-        right = jnp.all(jnp.where(answer, jnp.argmax(logits, axis=-1) == targets, True))
-        return jnp.sum(nll * answer) / jnp.sum(answer), out.indexer_kl, right
+        lm, right, predicted = _answer_terms(out.logits, row_tokens, row_mask)
+        row = dict(lm=lm, indexer_kl=out.indexer_kl, accuracy=right)
+        if mtp is not None:
+            drafted = mtp_forward(model, mtp, row_tokens, out.hidden, mode=mode)
+            mtp_lm, mtp_right, draft = _answer_terms(drafted.logits, row_tokens, row_mask)
+            digits = _value_positions(row_mask)[:-1]
+            row |= dict(mtp_lm=mtp_lm, mtp_accuracy=mtp_right,
+                        mtp_acceptance=jnp.sum(digits & (draft == predicted)) / jnp.sum(digits),
+                        indexer_kl=(out.indexer_kl * layers + drafted.indexer_kl) / (layers + 1))
+        return row
 
-    lm, kl, right = jax.vmap(one)(tokens, mask)
-    metrics = dict(lm=lm.mean(), indexer_kl=kl.mean(), accuracy=right.mean())
-    return metrics["lm"] + kl_weight * metrics["indexer_kl"], metrics
+    metrics = jax.tree.map(jnp.mean, jax.vmap(one)(tokens, mask))
+    loss = metrics["lm"] + kl_weight * metrics["indexer_kl"] + mtp_weight * metrics.get("mtp_lm", 0.0)
+    return loss, metrics
 
 
 class Trainer:
@@ -71,23 +125,26 @@ class Trainer:
     of the rate; gradients clipped to norm 1) and a jitted step per attention mode."""
 
     def __init__(self, cfg: ModelConfig, params: dict, *, learning_rate: float, total_steps: int,
-                 kl_weight: float = 1.0, warmup_steps: int = 100):
-        self.params, self.kl_weight = params, kl_weight
-        self.graphdef, self.abstract = abstract_model(cfg, jax.tree.leaves(params)[0].dtype)
+                 kl_weight: float = 1.0, mtp_weight: float = MTP_WEIGHT, warmup_steps: int = 100):
+        self.params = params
+        dtype = jax.tree.leaves(params)[0].dtype
+        graphdefs, abstracts = {}, {}
+        graphdefs["model"], abstracts["model"] = abstract_model(cfg, dtype)
+        if "mtp" in params:
+            graphdefs["mtp"], abstracts["mtp"] = abstract_mtp(cfg, dtype)
+        loss = functools.partial(batch_loss, graphdefs=graphdefs, abstracts=abstracts, kl_weight=kl_weight,
+                                 mtp_weight=mtp_weight)
         warmup = max(1, min(warmup_steps, total_steps // 10))
         schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(total_steps, warmup + 1),
                                                       learning_rate / 10)
         self.optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
         self.opt_state = self.optimizer.init(params)
-        self._steps = {mode: jax.jit(functools.partial(self._step, mode=mode), donate_argnums=(0, 1))
+        self._steps = {mode: jax.jit(functools.partial(self._step, loss=functools.partial(loss, mode=mode)),
+                                     donate_argnums=(0, 1))
                        for mode in (DENSE, SPARSE)}
-        self._evals = {mode: jax.jit(functools.partial(batch_loss, graphdef=self.graphdef, abstract=self.abstract,
-                                                       mode=mode, kl_weight=kl_weight))
-                       for mode in (DENSE, SPARSE)}
+        self._evals = {mode: jax.jit(functools.partial(loss, mode=mode)) for mode in (DENSE, SPARSE)}
 
-    def _step(self, params, opt_state, tokens, mask, *, mode: str):
-        loss = functools.partial(batch_loss, graphdef=self.graphdef, abstract=self.abstract, mode=mode,
-                                 kl_weight=self.kl_weight)
+    def _step(self, params, opt_state, tokens, mask, *, loss):
         (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, tokens, mask)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, metrics

@@ -2,10 +2,15 @@
 `k<key>=v<value>;` (key: 4 random lowercase ASCII letters, distinct within a prompt; value: 4 random decimal
 digits), then a query `?k<key>=` for one of them, answered by `v<value>;`. Only attending to the one right record
 answers it, so accuracy past index_topk tokens measures the indexer's selection.
+
+Training examples may ask several queries in a row (`?k<key>=v<value>;` each, keys drawn independently, so no
+answer follows from the earlier ones by elimination; the last one's answer the example's): every answer is supervised, so a sequence teaches several retrievals (as multi-query associative
+recall trains), and its beginning up to the first answer is an evaluation prompt's format exactly.
 """
 
 from __future__ import annotations
 
+import re
 import string
 
 import numpy as np
@@ -18,33 +23,47 @@ _LETTERS = np.frombuffer(string.ascii_lowercase.encode(), np.uint8)
 _DIGITS = np.frombuffer(string.digits.encode(), np.uint8)
 
 
-def records_for(context: int) -> int:
-    """Records in a prompt of at most `context` tokens (a BOS token, the records, the query and the answer)."""
-    records = (context - 1 - QUERY_BYTES - ANSWER_BYTES) // RECORD_BYTES
+# A query answered in place: its answer's span is what `encode_batch` supervises besides the final answer.
+_ANSWERED_QUERY = re.compile(r"\?k[a-z]{%d}=(v[0-9]{%d};)" % (KEY_LETTERS, VALUE_DIGITS))
+
+
+def records_for(context: int, queries: int = 1) -> int:
+    """Records in a prompt of at most `context` tokens (a BOS token, the records, the queries and their
+    answers)."""
+    records = (context - 1 - queries * (QUERY_BYTES + ANSWER_BYTES)) // RECORD_BYTES
     if records < 1:
-        raise ValueError(f"a context of {context} tokens holds no record")
+        raise ValueError(f"a context of {context} tokens holds no record and {queries} queries")
     return records
 
 
-def make_example(rng: np.random.Generator, num_records: int) -> tuple[str, str]:
-    """(prompt, answer): `num_records` records and a query for one of them, chosen uniformly."""
+def make_example(rng: np.random.Generator, num_records: int, queries: int = 1) -> tuple[str, str]:
+    """(prompt, answer): `num_records` records, then `queries` queries of records drawn uniformly and
+    independently, each but the last answered in the prompt; the answer is the last one's."""
     if not 1 <= num_records <= len(_LETTERS) ** KEY_LETTERS:
         raise ValueError(f"{num_records=} must be in [1, {len(_LETTERS) ** KEY_LETTERS}]")
+    if queries < 1:
+        raise ValueError(f"{queries=} must be >= 1")
     codes = rng.choice(len(_LETTERS) ** KEY_LETTERS, num_records, replace=False)
     keys = _LETTERS[(codes[:, None] // len(_LETTERS) ** np.arange(KEY_LETTERS)[::-1]) % len(_LETTERS)]
     values = _DIGITS[rng.integers(0, 10, (num_records, VALUE_DIGITS))]
-    asked = int(rng.integers(num_records))
+    asked = rng.integers(num_records, size=queries)
     text = [f"k{bytes(k).decode()}=v{bytes(v).decode()};" for k, v in zip(keys, values)]
-    return "".join(text) + f"?k{bytes(keys[asked]).decode()}=", f"v{bytes(values[asked]).decode()};"
+    text += [f"?k{bytes(keys[i]).decode()}=v{bytes(values[i]).decode()};" for i in asked[:-1]]
+    return "".join(text) + f"?k{bytes(keys[asked[-1]]).decode()}=", f"v{bytes(values[asked[-1]]).decode()};"
 
 
 def encode_batch(tokenizer, examples: list[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [B, T] int32: BOS, prompt, answer; answer_mask [B, T] bool: the positions whose next token is an
-    answer token, where the loss and the accuracy are taken). The examples must have one length."""
+    """(tokens [B, T] int32: BOS, prompt, answer, a byte a token; answer_mask [B, T] bool: the positions whose
+    next token is an answer token (the final answer's, and those of queries answered in the prompt), where the
+    loss and the accuracy are taken). The examples must have one length."""
     rows = [tokenizer.encode(prompt + answer) for prompt, answer in examples]
     if len({len(row) for row in rows}) != 1:
         raise ValueError("the examples of a batch must have one length")
     tokens = np.asarray(rows, np.int32)
     mask = np.zeros(tokens.shape, bool)
     mask[:, -ANSWER_BYTES - 1: -1] = True
+    for row, (prompt, _) in enumerate(examples):
+        for found in _ANSWERED_QUERY.finditer(prompt):  # token p + 1 is byte p: the mask's positions are bytes'
+            mask[row, found.start(1): found.end(1)] = True
     return tokens, mask
+

@@ -11,7 +11,7 @@ import pytest
 from dcp_jax.model.deepseek_v32 import abstract_model, init_params, merge
 from dcp_jax.serving.tokenizer import ByteTokenizer
 from dcp_jax.train.forward import DENSE, SPARSE, sequence_forward
-from dcp_jax.train.loop import DSA_TINY, Trainer, batches
+from dcp_jax.train.loop import DSA_TINY, Trainer, batches, chat_prompt, init_train_params
 from scripts.train_tiny import main, parse_stages
 
 SMALL = dataclasses.replace(DSA_TINY, num_hidden_layers=2, index_topk=16)
@@ -20,13 +20,25 @@ SMALL = dataclasses.replace(DSA_TINY, num_hidden_layers=2, index_topk=16)
 def test_a_fixed_batch_is_fitted_in_both_modes():
     tokenizer = ByteTokenizer(SMALL.vocab_size)
     tokens, mask = next(batches(tokenizer, np.random.default_rng(0), context=64, batch=4))
-    trainer = Trainer(SMALL, init_params(SMALL, 0), learning_rate=3e-3, total_steps=60, warmup_steps=5)
+    trainer = Trainer(SMALL, init_train_params(SMALL, 0), learning_rate=3e-3, total_steps=60, warmup_steps=5)
     first = trainer.evaluate(tokens, mask, DENSE)
     for step in range(60):
         trainer.step(tokens, mask, DENSE if step < 40 else SPARSE)
     last = trainer.evaluate(tokens, mask, SPARSE)
     assert last["lm"] < 0.5 * first["lm"], (first, last)
+    assert last["mtp_lm"] < 0.5 * first["mtp_lm"], (first, last)
     assert last["indexer_kl"] < first["indexer_kl"], (first, last)
+    assert 0 <= first["mtp_acceptance"] <= 1 and last["mtp_acceptance"] > first["mtp_acceptance"], (first, last)
+
+
+def test_chat_batches_wrap_the_prompts_in_the_chat_template():
+    tokenizer = ByteTokenizer(SMALL.vocab_size)
+    plain = next(batches(tokenizer, np.random.default_rng(1), context=64, batch=2))
+    chat = next(batches(tokenizer, np.random.default_rng(1), context=64, batch=2, chat_fraction=1.0))
+    text = tokenizer.decode(chat[0][0])
+    assert text.startswith("<|user|>\n") and "\n<|assistant|>\nv" in text
+    assert text == chat_prompt(tokenizer.decode(plain[0][0])[:-6]) + tokenizer.decode(plain[0][0])[-6:]
+    assert tokenizer.decode(chat[0][0][1:][chat[1][0][:-1]]) == tokenizer.decode(plain[0][0][1:][plain[1][0][:-1]])
 
 
 def test_stages_are_parsed_and_bad_ones_refused():
@@ -65,6 +77,36 @@ def test_the_script_writes_a_checkpoint_llm_serves_as_trained(trained):
     graphdef, abstract = abstract_model(DSA_TINY)
     logits = sequence_forward(merge(graphdef, abstract, params), jnp.asarray(prompt[:-6]), mode=SPARSE).logits
     assert out[0].outputs[0].token_ids == [int(jnp.argmax(logits[-1]))]
+    config = json.load(open(trained / "config.json"))
+    assert config["torch_dtype"] == "bfloat16" and config["num_nextn_predict_layers"] == 1
+
+
+def test_the_checkpoint_holds_the_mtp_layer_strictly(trained, tmp_path):
+    """The MTP layer round-trips (bf16 on disk) and loads strictly: a missing tensor or a copy of the embedding
+    that differs from the main model's is refused."""
+    import shutil
+
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    from dcp_jax.model.weights import load_mtp_params, mtp_tensor_shapes, mtp_to_hf
+
+    mtp = load_mtp_params(DSA_TINY, str(trained))
+    tensors = load_file(trained / "model.safetensors")
+    assert set(mtp_tensor_shapes(DSA_TINY)) <= set(tensors)
+    main_params = {"embed": tensors["model.embed_tokens.weight"], "lm_head": tensors["lm_head.weight"].T}
+    for name, value in mtp_to_hf(DSA_TINY, mtp, main_params).items():
+        np.testing.assert_array_equal(value.astype(ml_dtypes.bfloat16), tensors[name], err_msg=name)
+    for broken in ("missing", "copy"):
+        shutil.copy(trained / "config.json", tmp_path / "config.json")
+        changed = dict(tensors)
+        if broken == "missing":
+            del changed["model.layers.4.hnorm.weight"]
+        else:
+            changed["model.layers.4.embed_tokens.weight"] = changed["model.layers.4.embed_tokens.weight"] * 2
+        save_file(changed, tmp_path / "model.safetensors")
+        with pytest.raises(ValueError, match="hnorm" if broken == "missing" else "differs from"):
+            load_mtp_params(DSA_TINY, str(tmp_path))
 
 
 def test_a_run_stopped_in_time_resumes_to_the_same_weights(trained, tmp_path):
@@ -90,22 +132,26 @@ def test_a_run_stopped_in_time_resumes_to_the_same_weights(trained, tmp_path):
 
 def test_served_accuracy_is_the_training_forwards_teacher_forced_accuracy(trained):
     """Greedy generation gives the answer exactly when every answer token is the argmax given the right prefix:
-    the accuracy through `LLM` equals the training forward's on the same prompts."""
-    from dcp_jax.serving.llm import LLM
+    the accuracy through `LLM` equals the training forward's on the same prompts (checked per prompt too); a
+    random selection of the same size attends other keys."""
+    import jax
+
     from dcp_jax.model.weights import load_hf_params
-    from dcp_jax.train.evaluate import served_accuracy
-    from dcp_jax.train.retrieval import encode_batch, make_example, records_for
+    from dcp_jax.serving.llm import LLM
+    from dcp_jax.train.evaluate import examples_for, forced_accuracy, served_accuracy
+    from dcp_jax.train.forward import RANDOM
 
     llm = LLM(str(trained), dtype="float32", kernels="reference", max_model_len=128, page_size=4)
-    served = served_accuracy(llm, context=96, examples=6, seed=3)
-    rng = np.random.default_rng([3, 96])
-    tokens, mask = encode_batch(ByteTokenizer(DSA_TINY.vocab_size),
-                                [make_example(rng, records_for(96)) for _ in range(6)])
     graphdef, abstract = abstract_model(DSA_TINY)
     model = merge(graphdef, abstract, load_hf_params(DSA_TINY, str(trained)))
-    right = []
-    for row, row_mask in zip(tokens, mask):
-        logits = sequence_forward(model, jnp.asarray(row), mode=SPARSE).logits[:-1]
-        right.append(bool(np.all((np.argmax(logits, axis=-1) == row[1:])[row_mask[:-1]])))
-    assert served == sum(right) / 6
-
+    tokenizer = ByteTokenizer(DSA_TINY.vocab_size)
+    for seed in range(3):
+        served = served_accuracy(llm, context=96, examples=1, seed=seed)
+        assert served == forced_accuracy(model, tokenizer, context=96, examples=1, seed=seed, mode=SPARSE), seed
+    assert served_accuracy(llm, context=96, examples=6, seed=3) == forced_accuracy(
+        model, tokenizer, context=96, examples=6, seed=3, mode=SPARSE)
+    prompt = jnp.asarray(tokenizer.encode("".join(examples_for(96, 1)[0])))
+    chosen = np.asarray(sequence_forward(model, prompt, mode=SPARSE).selected)
+    drawn = np.asarray(sequence_forward(model, prompt, mode=RANDOM, key=jax.random.key(0)).selected)
+    assert ((drawn >= 0).sum(-1) == (chosen >= 0).sum(-1)).all()  # as many keys, all earlier ones
+    assert (drawn <= np.arange(len(prompt))[:, None]).all() and (np.sort(drawn) != np.sort(chosen)).any()

@@ -33,3 +33,27 @@ def test_lengths_fit_the_context_and_the_mask_covers_the_answer():
         assert re.fullmatch(r"v[0-9]{4};", answer), answer
     with pytest.raises(ValueError, match="holds no record"):
         records_for(20)
+
+
+def test_queries_answered_in_the_prompt_are_supervised_too():
+    """A training example of several queries: keys of its records asked, each earlier one answered in place, every
+    answer's tokens masked (and nothing else); its beginning up to the first answer is a one-query prompt."""
+    tokenizer = ByteTokenizer(264)
+    rng = np.random.default_rng(3)
+    records = records_for(256, queries=5)
+    assert 1 + records * RECORD_BYTES + 5 * (7 + ANSWER_BYTES) <= 256
+    prompt, answer = make_example(rng, records, queries=5)
+    found = re.fullmatch(r"((?:k[a-z]{4}=v[0-9]{4};)+)((?:\?k[a-z]{4}=v[0-9]{4};){4})\?k([a-z]{4})=", prompt)
+    assert found, prompt
+    pairs = dict(re.findall(r"k([a-z]{4})=v([0-9]{4});", found.group(1)))
+    asked = re.findall(r"\?k([a-z]{4})=v([0-9]{4});", found.group(2))
+    assert len(pairs) == records and all(pairs[k] == v for k, v in asked)
+    assert found.group(3) in pairs and answer == f"v{pairs[found.group(3)]};"
+    tokens, mask = encode_batch(tokenizer, [(prompt, answer)])
+    assert mask.sum() == 5 * ANSWER_BYTES
+    supervised = tokenizer.decode(tokens[0, 1:][mask[0, :-1]])
+    assert supervised == "".join(f"v{v};" for _, v in asked) + answer
+    first = prompt.index("?")
+    assert re.fullmatch(r"(k[a-z]{4}=v[0-9]{4};)+\?k[a-z]{4}=", prompt[: first + 7])
+    with pytest.raises(ValueError, match="queries"):
+        make_example(rng, 3, queries=0)
