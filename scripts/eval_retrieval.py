@@ -1,0 +1,255 @@
+"""Retrieval accuracy of a model through the OpenAI server with lm-eval (issue 26): the task's prompts at each
+context written as local lm-eval tasks (no hub), a server started per configuration (DCP size, interleave, cache
+formats, or dense attention: index_topk raised past the context by --hf-overrides), lm-eval's `local-completions`
+and `local-chat-completions --apply_chat_template` run against it. Writes results.json (accuracy and every
+answer per configuration, context and client), results.md (the table and whether the answers are identical
+across configurations) and accuracy.png under --out.
+
+  python scripts/eval_retrieval.py --model checkpoints/dsa-tiny --out /tmp/eval \\
+      --configs dcp=1 dcp=2 dcp=2,interleave=2 dcp=1,index_cache=fp8,latent_cache=fp8 dense
+
+A configuration is `dense` or comma-separated key=value of: dcp, interleave, index_cache, latent_cache, dtype.
+On a CPU the server runs on simulated devices (one per DCP rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":
+    sys.path.insert(0, REPO)
+
+CONFIG_KEYS = {"dcp": int, "interleave": int, "index_cache": str, "latent_cache": str, "dtype": str}
+CLIENTS = ("completions", "chat")
+TASK_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{target}}}}"
+generation_kwargs:
+  until: [";"]
+  max_gen_toks: 8
+  do_sample: false
+  temperature: 0
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def parse_config(text: str) -> dict:
+    """`dense` or key=value,... (CONFIG_KEYS) -> the server's settings, with a `name`."""
+    if text == "dense":
+        return {"name": "dense", "dense": True}
+    config = {"name": text}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key not in CONFIG_KEYS or not value:
+            raise argparse.ArgumentTypeError(f"a configuration is 'dense' or key=value,... of {sorted(CONFIG_KEYS)}, "
+                                             f"got {text!r}")
+        config[key] = CONFIG_KEYS[key](value)
+    return config
+
+
+def write_tasks(directory: str, contexts: list[int], examples: int, seed: int) -> list[str]:
+    """One lm-eval task per context (`dsa_retrieval_<context>`: its prompts, `evaluate.examples_for`, in a JSON
+    lines file beside its YAML); returns the task names."""
+    from dcp_jax.train.evaluate import examples_for
+
+    os.makedirs(directory, exist_ok=True)
+    names = []
+    for context in contexts:
+        name = f"dsa_retrieval_{context}"
+        data = os.path.join(directory, f"{name}.jsonl")
+        with open(data, "w") as f:
+            for prompt, answer in examples_for(context, examples, seed):
+                f.write(json.dumps({"prompt": prompt, "target": answer.rstrip(";")}) + "\n")
+        with open(os.path.join(directory, f"{name}.yaml"), "w") as f:
+            f.write(TASK_YAML.format(name=name, data=data))
+        names.append(name)
+    return names
+
+
+class Server:
+    """`dcp-jax serve` for one configuration, in a subprocess on loopback; stopped by SIGINT (it drains)."""
+
+    MODEL = "model"  # the served model's name
+
+    def __init__(self, model: str, config: dict, *, max_model_len: int, max_num_seqs: int, port: int, log: str):
+        dcp = config.get("dcp", 1)
+        cmd = [sys.executable, "-m", "dcp_jax.cli", "serve", "--model", model, "--served-model-name", self.MODEL,
+               "--dcp", str(dcp), "--interleave", str(config.get("interleave", 1)), "--port", str(port),
+               "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+               "--index-cache", config.get("index_cache", "exact"),
+               "--latent-cache", config.get("latent_cache", "exact"), "--dtype", config.get("dtype", "auto"),
+               "--no-prompt-logprobs", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
+        if config.get("dense"):
+            cmd += ["--hf-overrides", json.dumps({"index_topk": max_model_len})]
+        self.url, self.log = f"http://127.0.0.1:{port}", open(log, "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        for line in self.proc.stdout:
+            self.log.write(line)
+            if "ready:" in line:
+                return
+        raise RuntimeError(f"the server of {config['name']} exited before it was ready (log: {log})")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def run_lm_eval(url: str, served_model: str, client: str, tasks: list[str], task_dir: str, out: str,
+                concurrency: int) -> dict:
+    """lm-eval through `client` on the tasks against the server at `url` serving `served_model`: {task: [the
+    answer of each example, in order]}."""
+    if client == "completions":
+        model, args = "local-completions", (f"model={served_model},base_url={url}/v1/completions,"
+                                            "tokenizer_backend=None,tokenized_requests=False")
+        extra = []
+    else:
+        model, args = "local-chat-completions", f"model={served_model},base_url={url}/v1/chat/completions"
+        extra = ["--apply_chat_template"]
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", model,
+           "--model_args", f"{args},num_concurrent={concurrency},max_retries=1,timeout=3600",
+           "--tasks", ",".join(tasks), "--include_path", task_dir, "--output_path", out, "--log_samples", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"lm-eval {client} failed: {proc.stderr[-3000:]}")
+    answers = {}
+    for task in tasks:
+        path = max((os.path.join(root, f) for root, _, files in os.walk(out) for f in files
+                    if f.startswith(f"samples_{task}_")), key=os.path.getmtime)
+        with open(path) as f:
+            samples = sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
+        answers[task] = [s["filtered_resps"][0] if isinstance(s["filtered_resps"], list) else s["filtered_resps"]
+                         for s in samples]
+    return answers
+
+
+def summarize(results: dict, contexts: list[int]) -> str:
+    """The markdown table (accuracy % per configuration, client and context) and the answers' agreement."""
+    lines = ["| configuration | client | " + " | ".join(f"{c} tokens" for c in contexts) + " |",
+             "|---|---|" + "---|" * len(contexts)]
+    for name, per_client in results["configs"].items():
+        for client, per_context in per_client.items():
+            lines.append(f"| {name} | {client} | " + " | ".join(
+                f"{100 * per_context[str(c)]['accuracy']:.1f}" for c in contexts) + " |")
+    sparse = [name for name in results["configs"] if name != "dense"]
+    if len(sparse) > 1:
+        for client in CLIENTS:
+            differing = {c: [n for n in sparse if client in results["configs"][n] and
+                             results["configs"][n][client][str(c)]["answers"] !=
+                             results["configs"][sparse[0]][client][str(c)]["answers"]] for c in contexts}
+            lines.append(f"\n{client}: answers identical across {', '.join(sparse)}: "
+                         + ("yes" if not any(differing.values()) else f"no, differing from {sparse[0]}: {differing}"))
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, contexts: list[int], path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, per_client in results["configs"].items():
+        for client, per_context in per_client.items():
+            ax.plot(contexts, [100 * per_context[str(c)]["accuracy"] for c in contexts], marker="o",
+                    label=f"{name} ({client})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("retrieval accuracy %")
+    ax.set_ylim(-2, 102)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="an HF checkpoint directory or a preset name")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--contexts", default="1024,4096,16384")
+    parser.add_argument("--examples", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=1, help="the prompts' seed (training draws from seed 0)")
+    parser.add_argument("--configs", nargs="+", type=parse_config, default=[parse_config("dcp=1")])
+    parser.add_argument("--clients", default=",".join(CLIENTS))
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--port", type=int, default=None, help="default: a free one")
+    args = parser.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    clients = args.clients.split(",")
+    if set(clients) - set(CLIENTS):
+        parser.error(f"--clients: choose from {CLIENTS}")
+
+    from dcp_jax.train.retrieval import ANSWER_BYTES
+
+    os.makedirs(args.out, exist_ok=True)
+    task_dir = os.path.join(args.out, "tasks")
+    tasks = write_tasks(task_dir, contexts, args.examples, args.seed)
+    # Room for the longest prompt in the chat template, the answer and lm-eval's few extra tokens.
+    max_model_len = max(contexts) + 64 + ANSWER_BYTES
+    results = {"model": args.model, "examples": args.examples, "seed": args.seed, "configs": {}}
+    for config in args.configs:
+        port = args.port or _free_port()
+        started = time.perf_counter()
+        server = Server(args.model, config, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs, port=port,
+                        log=os.path.join(args.out, f"server_{config['name']}.log"))
+        try:
+            per_client = {}
+            for client in clients:
+                answers = run_lm_eval(server.url, Server.MODEL, client, tasks, task_dir,
+                                      os.path.join(args.out, "lm_eval", config["name"], client), args.max_num_seqs)
+                per_client[client] = {}
+                for context, task in zip(contexts, tasks):
+                    with open(os.path.join(task_dir, f"{task}.jsonl")) as f:
+                        targets = [json.loads(line)["target"] for line in f]
+                    right = sum(a.strip() == t for a, t in zip(answers[task], targets))
+                    per_client[client][str(context)] = {"accuracy": right / len(targets), "answers": answers[task]}
+        finally:
+            server.stop()
+        results["configs"][config["name"]] = per_client
+        print(f"{config['name']}: " + "; ".join(
+            f"{client} " + ", ".join(f"{c}: {100 * per_client[client][str(c)]['accuracy']:.1f}%" for c in contexts)
+            for client in clients) + f" ({time.perf_counter() - started:.0f} s)", flush=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    table = summarize(results, contexts)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table)
+    plot(results, contexts, os.path.join(args.out, "accuracy.png"))
+    print(table)
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

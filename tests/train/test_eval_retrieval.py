@@ -1,0 +1,45 @@
+"""scripts/eval_retrieval.py: the retrieval prompts as offline lm-eval tasks, run by lm-eval's completions and chat
+clients against the server on loopback, answers read back in order."""
+
+import json
+
+import pytest
+
+from dcp_jax.train.evaluate import examples_for
+from scripts.eval_retrieval import parse_config, run_lm_eval, summarize, write_tasks
+from tests.serving.serving_utils import start_server
+
+pytest.importorskip("lm_eval")
+
+
+def test_the_tasks_hold_the_evaluation_prompts(tmp_path):
+    names = write_tasks(str(tmp_path), [32, 64], examples=3, seed=2)
+    assert names == ["dsa_retrieval_32", "dsa_retrieval_64"]
+    rows = [json.loads(line) for line in open(tmp_path / "dsa_retrieval_64.jsonl")]
+    assert rows == [{"prompt": p, "target": a[:-1]} for p, a in examples_for(64, 3, seed=2)]
+    assert f"test: {tmp_path}/dsa_retrieval_64.jsonl" in (tmp_path / "dsa_retrieval_64.yaml").read_text()
+
+
+def test_configurations_are_parsed_and_bad_ones_refused():
+    assert parse_config("dcp=2,interleave=2,index_cache=fp8") == {"name": "dcp=2,interleave=2,index_cache=fp8",
+                                                                  "dcp": 2, "interleave": 2, "index_cache": "fp8"}
+    assert parse_config("dense") == {"name": "dense", "dense": True}
+    with pytest.raises(Exception, match="key=value"):
+        parse_config("tp=2")
+
+
+def test_lm_eval_answers_the_task_through_both_clients(tmp_path_factory, tmp_path):
+    server = start_server(tmp_path_factory)
+    try:
+        tasks = write_tasks(str(tmp_path / "tasks"), [32], examples=3, seed=0)
+        per_client = {client: run_lm_eval(server.url, "tiny", client, tasks, str(tmp_path / "tasks"),
+                                          str(tmp_path / client), 2)
+                      for client in ("completions", "chat")}
+    finally:
+        server.stop()
+    for answers in per_client.values():
+        assert len(answers["dsa_retrieval_32"]) == 3
+        assert all(isinstance(a, str) and ";" not in a for a in answers["dsa_retrieval_32"])
+    results = {"configs": {"dcp=2": {client: {"32": {"accuracy": 0.0, "answers": answers["dsa_retrieval_32"]}}
+                                     for client, answers in per_client.items()}}}
+    assert "| dcp=2 | chat | 0.0 |" in summarize(results, [32])
