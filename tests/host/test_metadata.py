@@ -157,6 +157,16 @@ def test_the_builder_gives_the_layouts_values(sequences, dcp, interleave):
     check_step_metadata(md, buckets={32: 4}, layout=layout, max_blocks=max_blocks, num_pages=4 * max_blocks)
 
 
+def test_verify_rows_take_their_local_lengths_from_their_own_global_lengths():
+    """MTP verify rows are a run of rows of one request, as a prefill chunk: a vLLM review's example (DCP 2, rank 1,
+    context 10, 3 query tokens) must give local lengths 4, 4, 5, not the first row's advanced by the offset."""
+    layout = DcpLayout(2, 1, page_size=4)
+    md = build_step_metadata([10], [3], [[0, 1]], rows=4, seqs=1, layout=layout, max_blocks=2)
+    assert md.context_lens[:3].tolist() == [8, 9, 10]
+    assert md.local_context_lens[1, :3].tolist() == [4, 4, 5] and md.local_context_lens[0, :3].tolist() == [4, 5, 5]
+    assert_is_the_layouts(md, layout)
+
+
 def test_the_layout_oracle_catches_wrong_values():
     """The re-derivation the step no longer runs still catches what a wrong builder would publish."""
     layout = DcpLayout(2, 1, 4)

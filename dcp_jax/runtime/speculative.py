@@ -1,0 +1,50 @@
+"""Verifying drafted tokens on the device (speculative decoding, the MTP issue): which of a request's N drafted
+tokens the target model keeps, and the token it adds after them.
+
+A request verifies with N + 1 rows: row i holds the target's distribution p_i of the token after draft i - 1 (row 0:
+after the last accepted token), already through the sampler's penalties and filters (`sampler.filter_logits`).
+The drafts come from a greedy draft layer (MTP), so the draft distribution q_i is one-hot at d_i and rejection
+sampling reads: keep d_i with probability p_i(d_i); at the first draft rejected, draw from p_i without d_i
+(max(0, p_i - q_i) renormalized); when all N are kept, draw a bonus token from p_N. Every emitted token is then
+distributed as the target's own draw (Leviathan et al. 2023), and a greedy row (temperature 0) keeps d_i exactly
+while it is p_i's argmax, then emits the argmax: token for token the output of greedy decoding without drafts.
+Draws are counter-based as the sampler's: row i's uniform and Gumbel noise come from its request's seed and the
+position of the token it decides, so a request's output depends on nothing else.
+Letters: R requests, N drafts each, A vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dcp_jax.runtime.sampler import NEG_INF, row_keys
+
+
+def accept_drafts(kept_logits, drafts, *, is_greedy, seeds, positions):
+    """kept_logits [R, N+1, A] f32: row i's filtered, temperature-scaled logits (-inf where filtered out; a greedy
+    row's any logits: only their argmax counts); drafts [R, N] int32; is_greedy [R] bool; seeds [R, 2] uint32;
+    positions [R, N+1] int32: the position of the token each row decides. Returns (accepted [R] int32: how many
+    drafts are kept, 0..N; tokens [R, N+1] int32: the kept drafts, then the token after them, then -1)."""
+    r, rows, vocab = kept_logits.shape
+    n = rows - 1
+    keys = row_keys(jnp.repeat(seeds, rows, axis=0), positions.reshape(-1))
+    uniforms = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0)))(keys).reshape(r, rows)
+    gumbels = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, 1), (vocab,)))(keys)
+    gumbels = gumbels.reshape(r, rows, vocab)
+    probs = jax.nn.softmax(kept_logits, axis=-1)
+    argmax = jnp.argmax(kept_logits, axis=-1).astype(jnp.int32)  # [R, N+1]
+    p_draft = jnp.take_along_axis(probs[:, :n], drafts[..., None], axis=-1)[..., 0]  # [R, N]
+    kept = jnp.where(is_greedy[:, None], drafts == argmax[:, :n], uniforms[:, :n] < p_draft)
+    accepted = jnp.sum(jnp.cumprod(kept.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+    # The token after the kept drafts: at a rejected row, a draw without its draft; at row N, a plain draw.
+    rejected_draft = jnp.concatenate([drafts, jnp.full((r, 1), -1, jnp.int32)], axis=-1)  # row N rejects nothing
+    without = jnp.where(jnp.arange(vocab) == rejected_draft[..., None], NEG_INF, kept_logits)
+    drawn = jnp.argmax(without + gumbels, axis=-1).astype(jnp.int32)
+    after = jnp.where(is_greedy[:, None], argmax, drawn)  # [R, N+1]
+    last = jnp.take_along_axis(after, accepted[:, None], axis=-1)[:, 0]
+    index = jnp.arange(rows)[None, :]
+    padded_drafts = jnp.concatenate([drafts, jnp.zeros((r, 1), jnp.int32)], axis=-1)
+    tokens = jnp.where(index < accepted[:, None], padded_drafts,
+                       jnp.where(index == accepted[:, None], last[:, None], -1))
+    return accepted, tokens.astype(jnp.int32)
