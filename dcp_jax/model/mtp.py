@@ -1,12 +1,13 @@
 """DeepSeek-V3's multi-token-prediction (MTP) module, one depth: HF's decoder layer `num_hidden_layers` of a
 checkpoint with `num_nextn_predict_layers` = 1.
 
-At position p it reads the main model's last hidden state of position p - 1 after the final norm (what lm_head
-reads, as vLLM and SGLang feed it) and the embedding of token p (zero at position 0, which has no earlier state),
-each RMS-normed (hnorm, enorm), concatenated [embedding, hidden] and projected back to D (eh_proj); a full decoder
-layer of the main model's structure (MLA with its own lightning indexer, the MoE) follows, then its own norm
-(HF's shared_head.norm) and the main model's lm_head: the logits of token p + 1, one past what the main model
-predicts there. The embedding and the head are the main model's (HF stores copies in the layer; `weights.py`).
+Its row at position r (RoPE position r, its cache entry r) reads the main model's last hidden state of position r
+after the final norm (what lm_head reads) and the embedding of token r + 1, the token the main model produced
+there (zero at position 0), as vLLM and SGLang feed DeepSeek's MTP layer; each is RMS-normed (hnorm, enorm),
+concatenated [embedding, hidden] and projected back to D (eh_proj); a full decoder layer of the main model's
+structure (MLA with its own lightning indexer, the MoE) follows, then its own norm (HF's shared_head.norm) and the
+main model's lm_head: the logits of token r + 2, one past what the main model predicts at r + 1. The embedding and
+the head are the main model's (HF stores copies in the layer; `weights.py`).
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ class MtpLayer(nnx.Module):
         self.layer = DecoderLayer(cfg, cfg.num_hidden_layers, rngs=rngs, dtype=dtype)
         self.head_norm = norm_param(rngs, d, dtype)
 
-    def layer_input(self, embeddings, previous_hidden):
-        """embeddings [T, D] of tokens 0..T-1 and previous_hidden [T, D] (the main model's final-normed state of
-        positions -1..T-2, zeros at -1) -> the decoder layer's input [T, D]; position 0's embedding is zeroed."""
-        embeddings = embeddings.at[0].set(0)
+    def layer_input(self, embeddings, hidden, positions):
+        """embeddings [R, D] of the tokens after the rows' positions [R], hidden [R, D] the main model's
+        final-normed states there -> the decoder layer's input [R, D]; a row at position 0 has its embedding
+        zeroed."""
+        embeddings = jnp.where((positions == 0)[:, None], 0, embeddings)
         eps = self.cfg.rms_norm_eps
         joined = jnp.concatenate([rms_norm(embeddings, self.enorm[...], eps),
-                                  rms_norm(previous_hidden, self.hnorm[...], eps)], axis=-1)
+                                  rms_norm(hidden, self.hnorm[...], eps)], axis=-1)
         return jnp.einsum("td,de->te", joined, self.eh_proj[...], precision=jax.lax.Precision.HIGHEST)
 
     def head_input(self, h):

@@ -158,19 +158,18 @@ def sequence_forward(model, tokens, *, mode: str, key=None) -> SequenceOutput:
 
 
 class MtpOutput(NamedTuple):
-    logits: jax.Array  # [T, A] f32: at position p, of token p + 1
+    logits: jax.Array  # [T-1, A] f32: at row r, of token r + 2
     indexer_kl: jax.Array  # f32: the MTP layer's indexer's KL loss
-    selected: jax.Array  # [T, K] int32, as SequenceOutput's
+    selected: jax.Array  # [T-1, K] int32, as SequenceOutput's
 
 
 def mtp_forward(model, mtp, tokens, hidden, *, mode: str) -> MtpOutput:
     """The MTP layer (`model/mtp.py`, an `MtpLayer`) over tokens [T] given the main model's `hidden` [T, D]
-    (`SequenceOutput.hidden`): at position p it reads the main model's state of p - 1 and token p's embedding and
-    predicts token p + 1; the embedding and the head are `model`'s."""
+    (`SequenceOutput.hidden`): row r (position r) reads the main model's state of r and token r + 1's embedding
+    and predicts token r + 2, for r in 0..T-2; the embedding and the head are `model`'s."""
     cfg = model.cfg
-    cos, sin = cos_sin(jnp.arange(tokens.shape[0]), *rope_tables(cfg))
-    normed = model.final_hidden(hidden)
-    previous = jnp.concatenate([jnp.zeros_like(normed[:1]), normed[:-1]])
-    h = mtp.layer_input(model.embed_tokens(tokens), previous)
+    positions = jnp.arange(tokens.shape[0] - 1)
+    cos, sin = cos_sin(positions, *rope_tables(cfg))
+    h = mtp.layer_input(model.embed_tokens(tokens[1:]), model.final_hidden(hidden[:-1]), positions)
     h, kl, selected = decoder_layer_forward(mtp.layer, h, cos, sin, cfg=cfg, mode=mode)
     return MtpOutput(model.head(mtp.head_input(h)), kl, selected)

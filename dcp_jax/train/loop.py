@@ -108,7 +108,9 @@ def batch_loss(params, tokens, mask, *, graphdefs, abstracts, mode: str, kl_weig
         row = dict(lm=lm, indexer_kl=out.indexer_kl, accuracy=right)
         if mtp is not None:
             drafted = mtp_forward(model, mtp, row_tokens, out.hidden, mode=mode)
-            mtp_lm, mtp_right, draft = _answer_terms(drafted.logits, row_tokens, row_mask)
+            # Aligned with the main model's: position q's of token q + 1 (MTP row q - 1); position 0 has none.
+            aligned = jnp.concatenate([jnp.zeros_like(drafted.logits[:1]), drafted.logits])
+            mtp_lm, mtp_right, draft = _answer_terms(aligned, row_tokens, row_mask)
             digits = _value_positions(row_mask)[:-1]
             row |= dict(mtp_lm=mtp_lm, mtp_accuracy=mtp_right,
                         mtp_acceptance=jnp.sum(digits & (draft == predicted)) / jnp.sum(digits),
