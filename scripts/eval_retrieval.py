@@ -97,12 +97,14 @@ class Server:
                "--no-prompt-logprobs", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
         if config.get("dense"):
             cmd += ["--hf-overrides", json.dumps({"index_topk": max_model_len})]
-        self.url, self.log = f"http://127.0.0.1:{port}", open(log, "w")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        for line in self.proc.stdout:
-            self.log.write(line)
-            if "ready:" in line:
-                return
+        self.url, self.log_path = f"http://127.0.0.1:{port}", log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        while self.proc.poll() is None:  # its log says when it is ready
+            with open(log) as f:
+                if "ready:" in f.read():
+                    return
+            time.sleep(1)
         raise RuntimeError(f"the server of {config['name']} exited before it was ready (log: {log})")
 
     def stop(self) -> None:
@@ -111,7 +113,6 @@ class Server:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        self.log.close()
 
 
 def run_lm_eval(url: str, served_model: str, client: str, tasks: list[str], task_dir: str, out: str,
@@ -155,7 +156,7 @@ def summarize(results: dict, contexts: list[int]) -> str:
                 f"{100 * per_context[str(c)]['accuracy']:.1f}" for c in contexts) + " |")
     sparse = [name for name in results["configs"] if name != "dense"]
     if len(sparse) > 1:
-        for client in CLIENTS:
+        for client in results["configs"][sparse[0]]:
             differing = {c: [n for n in sparse if client in results["configs"][n] and
                              results["configs"][n][client][str(c)]["answers"] !=
                              results["configs"][sparse[0]][client][str(c)]["answers"]] for c in contexts}
@@ -203,13 +204,16 @@ def main(argv=None) -> int:
     if set(clients) - set(CLIENTS):
         parser.error(f"--clients: choose from {CLIENTS}")
 
-    from dcp_jax.train.retrieval import ANSWER_BYTES
+    from dcp_jax.config import ModelConfig, preset
 
     os.makedirs(args.out, exist_ok=True)
     task_dir = os.path.join(args.out, "tasks")
     tasks = write_tasks(task_dir, contexts, args.examples, args.seed)
-    # Room for the longest prompt in the chat template, the answer and lm-eval's few extra tokens.
-    max_model_len = max(contexts) + 64 + ANSWER_BYTES
+    # A prompt of `context` leaves room for the chat template and the generation (`evaluate.EVAL_ROOM`).
+    max_model_len = max(contexts)
+    cfg = ModelConfig.from_hf(args.model) if os.path.isdir(args.model) else preset(args.model)
+    if max_model_len > cfg.max_position_embeddings:
+        parser.error(f"--contexts: {max_model_len} tokens exceed the model's {cfg.max_position_embeddings}")
     results = {"model": args.model, "examples": args.examples, "seed": args.seed, "configs": {}}
     for config in args.configs:
         port = args.port or _free_port()

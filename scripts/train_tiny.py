@@ -92,8 +92,6 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    import ml_dtypes
-
     from dcp_jax.model.weights import save_hf
     from dcp_jax.serving.tokenizer import ByteTokenizer
     from dcp_jax.train.loop import DSA_TINY, MTP_WEIGHT, Trainer, batches, init_train_params
@@ -150,8 +148,7 @@ def main(argv=None) -> int:
               f"--resume")
         return 0
     saved_cfg = dataclasses.replace(cfg, torch_dtype=args.save_dtype)
-    save_hf(saved_cfg, trainer.params["model"], args.out, mtp=trainer.params.get("mtp"),
-            dtype=ml_dtypes.bfloat16 if args.save_dtype == "bfloat16" else np.float32)
+    save_hf(saved_cfg, trainer.params["model"], args.out, mtp=trainer.params.get("mtp"))
     with open(os.path.join(args.out, "train_log.jsonl")) as f:
         plot([json.loads(line) for line in f], os.path.join(args.out, "loss.png"))
     print(f"checkpoint in {args.out} after {step} steps, {time.perf_counter() - begin:.0f} s in all")

@@ -28,6 +28,12 @@ def accept_drafts(kept_logits, drafts, *, is_greedy, seeds, positions):
     drafts are kept, 0..N; tokens [R, N+1] int32: the kept drafts, then the token after them, then -1)."""
     r, rows, vocab = kept_logits.shape
     n = rows - 1
+    expected = {"drafts": (r, n), "is_greedy": (r,), "seeds": (r, 2), "positions": (r, rows)}
+    given = {"drafts": drafts, "is_greedy": is_greedy, "seeds": seeds, "positions": positions}
+    wrong = {name: jnp.shape(a) for name, a in given.items() if jnp.shape(a) != expected[name]}
+    if n < 1 or wrong:
+        raise ValueError(f"accept_drafts: for kept_logits {kept_logits.shape} (N = {n} >= 1 drafts) expected "
+                         f"{expected}, got {wrong}")
     keys = row_keys(jnp.repeat(seeds, rows, axis=0), positions.reshape(-1))
     uniforms = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0)))(keys).reshape(r, rows)
     gumbels = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, 1), (vocab,)))(keys)

@@ -101,14 +101,15 @@ def pool_pages_from_memory(cfg: ModelConfig, layout: DcpLayout, *, dtype: str, i
 
 
 def apply_hf_overrides(cfg: ModelConfig, overrides: dict | None) -> ModelConfig:
-    """`cfg` with the HF config.json fields of `overrides` replaced (read as config.json is); ValueError for a
-    field the model config does not have or a value of the wrong type."""
-    if not overrides:
+    """`cfg` with the HF config.json fields of `overrides` replaced (read as config.json is: `rope_scaling` and
+    `rope_parameters` alike replace the RoPE parameters); ValueError for a field the model config does not have or
+    a value of the wrong type."""
+    if overrides is None:
         return cfg
     if not isinstance(overrides, dict):
         raise ValueError(f"hf_overrides must be a JSON object of config.json fields, got {overrides!r}")
-    fields = {f.name: f for f in dataclasses.fields(ModelConfig)} | {"rope_parameters": None}
-    unknown = sorted(set(overrides) - set(fields))
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} | {"rope_parameters"}
+    unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(f"hf_overrides: unknown config fields {unknown}; known: {sorted(fields)}")
     base = cfg.to_hf_dict()
@@ -116,7 +117,11 @@ def apply_hf_overrides(cfg: ModelConfig, overrides: dict | None) -> ModelConfig:
         if name in base and base[name] is not None and type(value) is not type(base[name]) and not (
                 isinstance(base[name], float) and type(value) is int):
             raise ValueError(f"hf_overrides: {name} must be a {type(base[name]).__name__}, got {value!r}")
-    if "rope_theta" in overrides and "rope_parameters" not in overrides:  # read from rope_parameters first
+    overrides = dict(overrides)
+    rope = overrides.pop("rope_parameters", None) or overrides.pop("rope_scaling", None)
+    if rope is not None:  # config.json's RoPE block, read before any top-level rope_theta
+        base["rope_parameters"] = {"rope_theta": base["rope_theta"]} | rope
+    if "rope_theta" in overrides:
         base["rope_parameters"] = base["rope_parameters"] | {"rope_theta": overrides["rope_theta"]}
     return ModelConfig.from_dict(base | overrides)
 

@@ -8,16 +8,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.train.forward import sequence_forward
-from dcp_jax.train.retrieval import ANSWER_BYTES, encode_batch, make_example, records_for
+from dcp_jax.train.retrieval import ANSWER_BYTES, CHAT_BYTES, encode_batch, make_example, records_for
+
+# Room an evaluation prompt of `context` tokens leaves: the chat template's bytes and a generation of 8 tokens (a
+# client's max_tokens past the answer), so either client's request fits a server of max_model_len `context`.
+EVAL_ROOM = CHAT_BYTES + 8
 
 
 def examples_for(context: int, examples: int, seed: int = 0) -> list[tuple[str, str]]:
-    """The (prompt, answer) pairs an evaluation at `context` tokens uses: drawn from seed and context alone."""
+    """The (prompt, answer) pairs an evaluation at `context` tokens uses (the prompt EVAL_ROOM tokens short of
+    it, the answer included): drawn from seed and context alone."""
     rng = np.random.default_rng([seed, context])
-    return [make_example(rng, records_for(context)) for _ in range(examples)]
+    return [make_example(rng, records_for(context - EVAL_ROOM)) for _ in range(examples)]
 
 
 def served_accuracy(llm, *, context: int, examples: int, seed: int = 0) -> float:
@@ -31,12 +37,19 @@ def served_accuracy(llm, *, context: int, examples: int, seed: int = 0) -> float
 def forced_accuracy(model, tokenizer, *, context: int, examples: int, seed: int = 0, mode: str,
                     key: jax.Array | None = None) -> float:
     """The share of `examples_for(context, examples, seed)` whose answer tokens are all the argmax of `model` (a
-    `DeepseekV32`) attending as `mode` (the training forward's; RANDOM draws from `key`, another draw a prompt)."""
-    tokens, mask = encode_batch(tokenizer, examples_for(context, examples, seed))
-    answer_logits = jax.jit(lambda row, k: sequence_forward(model, row, mode=mode, key=k).logits[-ANSWER_BYTES - 1:-1])
+    `DeepseekV32`) attending as `mode` (the training forward's; RANDOM draws each prompt's keys from its own
+    fold of `key`)."""
+    tokens, _ = encode_batch(tokenizer, examples_for(context, examples, seed))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def answer_logits(state, row, row_key):
+        out = sequence_forward(nnx.merge(graphdef, state), row, mode=mode, key=row_key)
+        return out.logits[-ANSWER_BYTES - 1:-1]
+
     right = 0
     for index, row in enumerate(tokens):
         row_key = None if key is None else jax.random.fold_in(key, index)
-        predicted = np.asarray(jnp.argmax(answer_logits(jnp.asarray(row), row_key), axis=-1))
+        predicted = np.asarray(jnp.argmax(answer_logits(state, jnp.asarray(row), row_key), axis=-1))
         right += bool(np.all(predicted == row[-ANSWER_BYTES:]))
     return right / examples

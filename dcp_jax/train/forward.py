@@ -1,7 +1,8 @@
 """The model over whole sequences, differentiable, for training: causal MLA with the lightning indexer, attending
 densely (every earlier token, explicit per-head keys as HF writes it) or sparsely (the indexer's top-k, selected
-exactly as the serving step selects, gathered from the latents: memory grows with T K, so 16K-token sequences
-train), and the indexer's KL loss toward the main attention (DeepSeek-V3.2's dense warm-up and sparse stages).
+exactly as the serving step selects, a chunk of queries at a time, then gathered from the latents: the attention's
+memory grows with T K, the selection's with T times a chunk, so 16K-token sequences fit), and the indexer's KL
+loss toward the main attention (DeepSeek-V3.2's dense warm-up and sparse stages).
 
 Same weights and projections (`attention/projections.py`) as the serving programs, so a sparse forward's logits are
 the serving prefill's (tested). The indexer reads its inputs detached from the main model's graph: the LM loss
@@ -50,17 +51,36 @@ def index_scores(indexer: IndexerInputs):
     return cache_formats.dense_index_scores(indexer.queries[None], indexer.weights[None], indexer.keys[None])[0]
 
 
+# Queries whose indexer scores the sparse selection holds at once: [512, I, T] f32, 256 MiB at T = 16K, I = 8.
+SELECTION_CHUNK = 512
+
+
 def selected_keys(indexer: IndexerInputs, *, cfg: ModelConfig, mode: str, key=None):
     """[S, K] int32: the keys each query attends, -1 padded (K = index_topk). SPARSE: the indexer's top index_topk
     of the earlier keys and itself (all of them while fewer), ties to the lower position (`reference.topk`, as
-    served); RANDOM: as many drawn uniformly (by `key`)."""
-    scores = jax.lax.stop_gradient(index_scores(indexer))
+    served), SELECTION_CHUNK queries at a time; RANDOM: as many drawn uniformly (by `key`)."""
+    s = indexer.queries.shape[0]
+    lengths = jnp.arange(1, s + 1, dtype=jnp.int32)
     if mode == RANDOM:
-        scores = jax.random.uniform(key, scores.shape)
-    elif mode != SPARSE:
-        raise ValueError(f"mode must be {DENSE!r}, {SPARSE!r} or {RANDOM!r}, got {mode!r}")
-    s = scores.shape[0]
-    return reference.topk(scores, jnp.arange(1, s + 1, dtype=jnp.int32), k=cfg.index_topk)[1]
+        if key is None:
+            raise ValueError("a RANDOM selection needs a key")
+        return reference.topk(jax.random.uniform(key, (s, indexer.keys.shape[0])), lengths, k=cfg.index_topk)[1]
+    if mode != SPARSE:
+        raise ValueError(f"a selection's mode must be {SPARSE!r} or {RANDOM!r}, got {mode!r}")
+    indexer = jax.tree.map(jax.lax.stop_gradient, indexer)
+    chunk = min(SELECTION_CHUNK, s)
+    padded = -(-s // chunk) * chunk
+
+    def one_chunk(args):
+        queries, weights, chunk_lengths = args
+        scores = cache_formats.dense_index_scores(queries[None], weights[None], indexer.keys[None])[0]
+        return reference.topk(scores, chunk_lengths, k=cfg.index_topk)[1]
+
+    def split(a):
+        return jnp.pad(a, [(0, padded - s)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, chunk, *a.shape[1:])
+
+    selected = jax.lax.map(one_chunk, (split(indexer.queries), split(indexer.weights), split(lengths)))
+    return selected.reshape(padded, -1)[:s]
 
 
 def indexer_kl(scores, probs, keep):
@@ -111,6 +131,8 @@ def sparse_attention(p: AttentionParams, q_nope, q_pe, latent, indexer: IndexerI
 def causal_attention(p: AttentionParams, x, cos, sin, *, cfg: ModelConfig, mode: str, key=None):
     """x [T, D] one sequence's normed hidden states -> (attention output [T, D], the indexer's KL loss, the keys
     each position attended [T, K], -1 padded; K = 0 for DENSE, where every earlier key is)."""
+    if mode not in (DENSE, SPARSE, RANDOM):
+        raise ValueError(f"mode must be {DENSE!r}, {SPARSE!r} or {RANDOM!r}, got {mode!r}")
     q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
     latent = projections.mla_latent(p, x, cos, sin, cfg)
     indexer = indexer_inputs(p, x, q_resid, cos, sin, cfg)

@@ -23,9 +23,8 @@ import optax
 from dcp_jax.config import TINY, ModelConfig
 from dcp_jax.model.deepseek_v32 import abstract_model, init_params, merge
 from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
-from dcp_jax.serving.tokenizer import apply_chat_template
 from dcp_jax.train.forward import DENSE, SPARSE, mtp_forward, sequence_forward
-from dcp_jax.train.retrieval import encode_batch, make_example, records_for
+from dcp_jax.train.retrieval import CHAT_BYTES, chat_prompt, encode_batch, make_example, records_for
 
 # The shipped model's shape: DeepSeek-V3.2's architecture (MLA with q_lora and the latent cache, the lightning
 # indexer, one dense layer then MoE layers with shared experts and group routing, one MTP layer), byte vocabulary
@@ -57,17 +56,12 @@ class Stage:
     queries: int = 1
 
 
-def chat_prompt(prompt: str) -> str:
-    """A prompt as a one-message chat renders it (the server's chat template, generation prompt added)."""
-    return apply_chat_template([{"role": "user", "content": prompt}])
-
-
 def batches(tokenizer, rng: np.random.Generator, *, context: int, batch: int, queries: int = 1,
             chat_fraction: float = 0.0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Endless (tokens, answer_mask) batches of retrieval examples of `queries` queries filling `context` tokens;
     a `chat_fraction` of the batches wrap each prompt in the chat template (`chat_prompt`), so the model answers
-    through /v1/chat/completions too."""
-    records = records_for(context, queries)
+    through /v1/chat/completions too (their examples fit `context`, the others are CHAT_BYTES shorter)."""
+    records = records_for(context - (CHAT_BYTES if chat_fraction else 0), queries)
     while True:
         examples = [make_example(rng, records, queries) for _ in range(batch)]
         if rng.random() < chat_fraction:

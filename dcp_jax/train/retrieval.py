@@ -4,8 +4,10 @@ digits), then a query `?k<key>=` for one of them, answered by `v<value>;`. Only 
 answers it, so accuracy past index_topk tokens measures the indexer's selection.
 
 Training examples may ask several queries in a row (`?k<key>=v<value>;` each, keys drawn independently, so no
-answer follows from the earlier ones by elimination; the last one's answer the example's): every answer is supervised, so a sequence teaches several retrievals (as multi-query associative
-recall trains), and its beginning up to the first answer is an evaluation prompt's format exactly.
+answer follows from the earlier ones by elimination; the last one's answer the example's): every answer is
+supervised, so a sequence teaches several retrievals (as multi-query associative recall trains), and its
+beginning up to the first answer is an evaluation prompt's format exactly. A prompt may also be wrapped in the
+server's chat template (`chat_prompt`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import string
 
 import numpy as np
 
+from dcp_jax.serving.tokenizer import apply_chat_template
+
 KEY_LETTERS, VALUE_DIGITS = 4, 4
 RECORD_BYTES = 1 + KEY_LETTERS + 2 + VALUE_DIGITS + 1  # k<key>=v<value>;
 QUERY_BYTES = 1 + 1 + KEY_LETTERS + 1  # ?k<key>=
@@ -23,6 +27,13 @@ _LETTERS = np.frombuffer(string.ascii_lowercase.encode(), np.uint8)
 _DIGITS = np.frombuffer(string.digits.encode(), np.uint8)
 
 
+def chat_prompt(prompt: str) -> str:
+    """A prompt as the server's chat template renders a one-message conversation (the generation prompt added)."""
+    return apply_chat_template([{"role": "user", "content": prompt}])
+
+
+# Bytes the chat template adds around a prompt.
+CHAT_BYTES = len(chat_prompt(""))
 # A query answered in place: its answer's span is what `encode_batch` supervises besides the final answer.
 _ANSWERED_QUERY = re.compile(r"\?k[a-z]{%d}=(v[0-9]{%d};)" % (KEY_LETTERS, VALUE_DIGITS))
 

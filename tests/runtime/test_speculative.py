@@ -5,6 +5,7 @@ seeds on a small vocabulary), a draft that is always wrong included."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from scipy import stats
 
 from dcp_jax.runtime.speculative import accept_drafts
@@ -61,3 +62,16 @@ def test_a_draft_that_is_always_wrong_is_never_kept_and_the_output_is_still_the_
     accepted, tokens = verify(logits, [2], greedy=False, seeds=np.arange(8000))
     assert (accepted == 0).all() and (tokens[:, 1] == -1).all()
     assert_distributed_as(tokens[:, 0], p[0], 3)
+
+
+def test_rows_mixing_greedy_and_sampled_requests_and_bad_shapes():
+    logits = np.log(np.array([[[0.1, 0.9], [0.9, 0.1]], [[0.5, 0.5], [0.5, 0.5]]], np.float32))
+    seeds = jnp.zeros((2, 2), jnp.uint32)
+    positions = jnp.array([[3, 4], [3, 4]], jnp.int32)
+    accepted, tokens = accept_drafts(jnp.asarray(logits), jnp.array([[1], [1]], jnp.int32),
+                                     is_greedy=jnp.array([True, False]), seeds=seeds, positions=positions)
+    assert accepted[0] == 1 and tokens[0].tolist() == [1, 0]  # greedy: the draft is the argmax, then the argmax
+    assert tokens[1, 0] in (0, 1) and (tokens[1, 1] == -1) == (accepted[1] == 0)
+    with pytest.raises(ValueError, match="expected"):
+        accept_drafts(jnp.asarray(logits), jnp.array([1, 1], jnp.int32), is_greedy=jnp.array([True, False]),
+                      seeds=seeds, positions=positions)

@@ -125,10 +125,16 @@ def test_hf_overrides_replace_config_fields_and_bad_ones_are_refused_before_load
     assert (dense.index_topk, dense.rope_theta, dense.hidden_size) == (4096, 5e5, TINY.hidden_size)
     assert apply_hf_overrides(TINY, {"rope_theta": 50000}).rope_theta == 50000  # an int where a float goes
     assert apply_hf_overrides(TINY, None) is TINY
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    for name in ("rope_scaling", "rope_parameters"):
+        scaled = apply_hf_overrides(TINY, {name: yarn})
+        assert scaled.rope["rope_type"] == "yarn" and scaled.rope["factor"] == 4.0 and scaled.rope_theta == 1e4
     loaded = load_model("tiny", dcp=2, page_size=4, max_num_seqs=2, max_model_len=64,
                         hf_overrides={"index_topk": 64})
     assert loaded.cfg.index_topk == 64 and loaded.runner.cfg.index_topk == 64
     for bad, message in (({"index_top_k": 8}, "unknown config fields \\['index_top_k'\\]"),
-                         ({"index_topk": "8"}, "index_topk must be a int"), ([1], "must be a JSON object")):
+                         ({"index_topk": "8"}, "index_topk must be a int"), ([1], "must be a JSON object"),
+                         ("", "must be a JSON object")):
         with pytest.raises(ValueError, match=message):
             load_model("tiny", hf_overrides=bad)

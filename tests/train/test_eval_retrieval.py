@@ -7,14 +7,14 @@ import pytest
 
 from dcp_jax.train.evaluate import examples_for
 from scripts.eval_retrieval import parse_config, run_lm_eval, summarize, write_tasks
-from tests.serving.serving_utils import start_server
+from tests.serving.serving_utils import http, start_server
 
 pytest.importorskip("lm_eval")
 
 
 def test_the_tasks_hold_the_evaluation_prompts(tmp_path):
-    names = write_tasks(str(tmp_path), [32, 64], examples=3, seed=2)
-    assert names == ["dsa_retrieval_32", "dsa_retrieval_64"]
+    names = write_tasks(str(tmp_path), [64, 96], examples=3, seed=2)
+    assert names == ["dsa_retrieval_64", "dsa_retrieval_96"]
     rows = [json.loads(line) for line in open(tmp_path / "dsa_retrieval_64.jsonl")]
     assert rows == [{"prompt": p, "target": a[:-1]} for p, a in examples_for(64, 3, seed=2)]
     assert f"test: {tmp_path}/dsa_retrieval_64.jsonl" in (tmp_path / "dsa_retrieval_64.yaml").read_text()
@@ -29,17 +29,25 @@ def test_configurations_are_parsed_and_bad_ones_refused():
 
 
 def test_lm_eval_answers_the_task_through_both_clients(tmp_path_factory, tmp_path):
+    """The answers lm-eval reads back, in the tasks' order, are the server's own greedy replies to the prompts."""
     server = start_server(tmp_path_factory)
     try:
-        tasks = write_tasks(str(tmp_path / "tasks"), [32], examples=3, seed=0)
+        tasks = write_tasks(str(tmp_path / "tasks"), [64], examples=3, seed=0)
         per_client = {client: run_lm_eval(server.url, "tiny", client, tasks, str(tmp_path / "tasks"),
                                           str(tmp_path / client), 2)
                       for client in ("completions", "chat")}
+        direct = {"completions": [], "chat": []}
+        for prompt, _ in examples_for(64, 3, seed=0):
+            request = dict(model="tiny", max_tokens=8, temperature=0, stop=[";"])
+            _, _, body = http(server, "POST", "/v1/completions", request | {"prompt": prompt})
+            direct["completions"].append(json.loads(body)["choices"][0]["text"])
+            _, _, body = http(server, "POST", "/v1/chat/completions",
+                              request | {"messages": [{"role": "user", "content": prompt}]})
+            direct["chat"].append(json.loads(body)["choices"][0]["message"]["content"])
     finally:
         server.stop()
-    for answers in per_client.values():
-        assert len(answers["dsa_retrieval_32"]) == 3
-        assert all(isinstance(a, str) and ";" not in a for a in answers["dsa_retrieval_32"])
-    results = {"configs": {"dcp=2": {client: {"32": {"accuracy": 0.0, "answers": answers["dsa_retrieval_32"]}}
+    for client, answers in per_client.items():
+        assert answers["dsa_retrieval_64"] == direct[client], client
+    results = {"configs": {"dcp=2": {client: {"64": {"accuracy": 0.0, "answers": answers["dsa_retrieval_64"]}}
                                      for client, answers in per_client.items()}}}
-    assert "| dcp=2 | chat | 0.0 |" in summarize(results, [32])
+    assert "| dcp=2 | chat | 0.0 |" in summarize(results, [64])

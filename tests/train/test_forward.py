@@ -105,20 +105,39 @@ def test_the_mtp_layer_predicts_one_token_further_causally():
     graphdef, abstract = abstract_model(cfg)
     mtp_graphdef, mtp_abstract = abstract_mtp(cfg)
 
-    def mtp_logits(params, mtp_params, tokens):
+    def mtp_logits(params, mtp_params, tokens, hidden_change=None):
         model = merge(graphdef, abstract, params)
         tokens = jnp.asarray(tokens, jnp.int32)
         hidden = sequence_forward(model, tokens, mode=SPARSE).hidden
+        if hidden_change is not None:
+            hidden = hidden.at[hidden_change].add(1.0)
         return mtp_forward(model, merge(mtp_graphdef, mtp_abstract, mtp_params), tokens, hidden, mode=SPARSE).logits
 
     params, mtp_params = init_params(cfg, seed=3), init_mtp_params(cfg, seed=4)
     tokens = np.array(PROMPTS[0][:24])
     base = np.asarray(mtp_logits(params, mtp_params, tokens))
-    changed = tokens.copy()
-    changed[10] = (changed[10] + 1) % cfg.vocab_size
-    moved = np.asarray(mtp_logits(params, mtp_params, changed))
     assert base.shape == (23, cfg.vocab_size)
-    np.testing.assert_array_equal(moved[:9], base[:9])
-    assert np.abs(moved[9] - base[9]).max() > 1e-4
+    # Row r reads token r + 1, but row 0 none (its embedding is zeroed): token 1 first moves row 1 (its state).
+    for changed_token, first_moved in ((10, 9), (1, 1)):
+        changed = tokens.copy()
+        changed[changed_token] = (changed[changed_token] + 1) % cfg.vocab_size
+        moved = np.asarray(mtp_logits(params, mtp_params, changed))
+        np.testing.assert_array_equal(moved[:first_moved], base[:first_moved])
+        assert np.abs(moved[first_moved] - base[first_moved]).max() > 1e-4
+    moved = np.asarray(mtp_logits(params, mtp_params, tokens, hidden_change=10))  # row 10 reads the state of 10
+    np.testing.assert_array_equal(moved[:10], base[:10])
+    assert np.abs(moved[10] - base[10]).max() > 1e-4
     grads = jax.grad(lambda p: mtp_logits(p, mtp_params, tokens)[-1, 5])(params)
     assert float(jnp.abs(grads["embed"]).max()) > 0 and float(jnp.abs(grads["lm_head"]).max()) > 0
+
+
+def test_the_selection_by_chunks_of_queries_is_the_whole_selection(monkeypatch):
+    """SELECTION_CHUNK queries at a time (the last chunk padded) select what all queries at once select."""
+    from dcp_jax.train import forward as forward_module
+
+    params = init_params(TINY, seed=6)
+    whole = forward(params, PROMPTS[0], SPARSE)
+    monkeypatch.setattr(forward_module, "SELECTION_CHUNK", 16)  # 41 queries: chunks of 16, 16 and 9 + 7 pads
+    chunked = forward(params, PROMPTS[0], SPARSE)
+    np.testing.assert_array_equal(np.asarray(chunked.selected), np.asarray(whole.selected))
+    np.testing.assert_array_equal(np.asarray(chunked.logits), np.asarray(whole.logits))

@@ -3,15 +3,18 @@ checkpoint loads into `LLM` strictly and serves what the training forward comput
 
 import dataclasses
 import json
+import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dcp_jax.model.deepseek_v32 import abstract_model, init_params, merge
+from dcp_jax.model.deepseek_v32 import abstract_model, merge
 from dcp_jax.serving.tokenizer import ByteTokenizer
 from dcp_jax.train.forward import DENSE, SPARSE, sequence_forward
-from dcp_jax.train.loop import DSA_TINY, Trainer, batches, chat_prompt, init_train_params
+from dcp_jax.train.loop import DSA_TINY, Trainer, batches, init_train_params
+from dcp_jax.train.retrieval import CHAT_BYTES, chat_prompt
 from scripts.train_tiny import main, parse_stages
 
 SMALL = dataclasses.replace(DSA_TINY, num_hidden_layers=2, index_topk=16)
@@ -31,14 +34,48 @@ def test_a_fixed_batch_is_fitted_in_both_modes():
     assert 0 <= first["mtp_acceptance"] <= 1 and last["mtp_acceptance"] > first["mtp_acceptance"], (first, last)
 
 
-def test_chat_batches_wrap_the_prompts_in_the_chat_template():
+def test_the_mtp_loss_is_its_logits_of_the_token_two_past_each_row():
+    """batch_loss's MTP terms by hand: MTP row r predicts token r + 2, taken where token r + 2 is an answer token
+    (mask[r + 1]); its acceptance compares row r's argmax with the main model's at position r + 1."""
+    from dcp_jax.model.mtp import abstract_mtp
+    from dcp_jax.train.forward import mtp_forward
+    from dcp_jax.train.loop import batch_loss
+
+    tokens, mask = next(batches(ByteTokenizer(SMALL.vocab_size), np.random.default_rng(4), context=64, batch=1))
+    params = init_train_params(SMALL, 2)
+    graphdefs, abstracts = {}, {}
+    graphdefs["model"], abstracts["model"] = abstract_model(SMALL)
+    graphdefs["mtp"], abstracts["mtp"] = abstract_mtp(SMALL)
+    _, metrics = batch_loss(params, tokens, mask, graphdefs=graphdefs, abstracts=abstracts, mode=SPARSE,
+                            kl_weight=1.0, mtp_weight=0.3)
+    model = merge(graphdefs["model"], abstracts["model"], params["model"])
+    out = sequence_forward(model, jnp.asarray(tokens[0]), mode=SPARSE)
+    drafted = mtp_forward(model, merge(graphdefs["mtp"], abstracts["mtp"], params["mtp"]), jnp.asarray(tokens[0]),
+                          out.hidden, mode=SPARSE)
+    rows = np.flatnonzero(mask[0, 1:-1])  # rows r with token r + 2 an answer token
+    log_probs = np.asarray(jax.nn.log_softmax(drafted.logits))
+    want = -np.mean([log_probs[r, tokens[0, r + 2]] for r in rows])
+    np.testing.assert_allclose(float(metrics["mtp_lm"]), want, rtol=1e-5)
+    digits = rows[1:-1]  # the value's digits: not `v`, not `;`
+    main_argmax, draft_argmax = np.argmax(out.logits, -1), np.argmax(drafted.logits, -1)
+    np.testing.assert_allclose(float(metrics["mtp_acceptance"]), np.mean(draft_argmax[digits] ==
+                                                                         main_argmax[digits + 1]), rtol=1e-6)
+
+
+def test_chat_batches_wrap_the_prompts_in_the_chat_template_and_fit_the_context():
     tokenizer = ByteTokenizer(SMALL.vocab_size)
-    plain = next(batches(tokenizer, np.random.default_rng(1), context=64, batch=2))
-    chat = next(batches(tokenizer, np.random.default_rng(1), context=64, batch=2, chat_fraction=1.0))
-    text = tokenizer.decode(chat[0][0])
-    assert text.startswith("<|user|>\n") and "\n<|assistant|>\nv" in text
-    assert text == chat_prompt(tokenizer.decode(plain[0][0])[:-6]) + tokenizer.decode(plain[0][0])[-6:]
-    assert tokenizer.decode(chat[0][0][1:][chat[1][0][:-1]]) == tokenizer.decode(plain[0][0][1:][plain[1][0][:-1]])
+    rng = np.random.default_rng(1)
+    for chat_fraction in (1.0, 0.5):
+        data = batches(tokenizer, rng, context=64, batch=2, chat_fraction=chat_fraction)
+        for tokens, mask in (next(data) for _ in range(6)):
+            text = tokenizer.decode(tokens[0])
+            prompt = re.fullmatch(r"(?:<\|user\|>\n)?((?:k[a-z]{4}=v[0-9]{4};)+\?k[a-z]{4}=)(?:\n<\|assistant\|>\n)?"
+                                  r"v[0-9]{4};", text)
+            assert prompt, text
+            is_chat = text.startswith("<|user|>")
+            assert text[: -6] == (chat_prompt(prompt.group(1)) if is_chat else prompt.group(1))
+            assert tokens.shape[1] == (64 if is_chat else 64 - CHAT_BYTES) - (64 - CHAT_BYTES - 1 - 13) % 12
+            assert tokenizer.decode(tokens[0, 1:][mask[0, :-1]]) == text[-6:]
 
 
 def test_stages_are_parsed_and_bad_ones_refused():
@@ -49,7 +86,7 @@ def test_stages_are_parsed_and_bad_ones_refused():
             parse_stages(bad)
 
 
-STAGES = ["--stages", "dense:2:48:2,sparse:2:96:2", "--eval-every", "1", "--eval-contexts", ""]
+STAGES = ["--stages", "dense:2:64:2,sparse:2:96:2", "--eval-every", "1", "--eval-contexts", ""]
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +187,7 @@ def test_served_accuracy_is_the_training_forwards_teacher_forced_accuracy(traine
         assert served == forced_accuracy(model, tokenizer, context=96, examples=1, seed=seed, mode=SPARSE), seed
     assert served_accuracy(llm, context=96, examples=6, seed=3) == forced_accuracy(
         model, tokenizer, context=96, examples=6, seed=3, mode=SPARSE)
-    prompt = jnp.asarray(tokenizer.encode("".join(examples_for(96, 1)[0])))
+    prompt = jnp.asarray(tokenizer.encode("".join(examples_for(160, 1)[0])))  # past index_topk 64
     chosen = np.asarray(sequence_forward(model, prompt, mode=SPARSE).selected)
     drawn = np.asarray(sequence_forward(model, prompt, mode=RANDOM, key=jax.random.key(0)).selected)
     assert ((drawn >= 0).sum(-1) == (chosen >= 0).sum(-1)).all()  # as many keys, all earlier ones
