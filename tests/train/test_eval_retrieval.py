@@ -28,6 +28,7 @@ def test_configurations_are_parsed_and_bad_ones_refused():
         parse_config("tp=2")
 
 
+@pytest.mark.slow  # a server's compile and two lm-eval runs (~90 s); tests/serving/test_lm_eval.py runs both clients
 def test_lm_eval_answers_the_task_through_both_clients(tmp_path_factory, tmp_path):
     """The answers lm-eval reads back, in the tasks' order, are the server's own greedy replies to the prompts."""
     server = start_server(tmp_path_factory)
