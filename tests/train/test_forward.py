@@ -3,6 +3,7 @@ selected sets are the serving prefill's), dense equals sparse while no query has
 the indexer's KL trains the indexer alone while the LM loss never reaches it."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,11 @@ PROMPTS = [list(np.random.default_rng(0).integers(2, TINY.vocab_size, 41)), [7, 
 
 
 def forward(params, tokens, mode):
+    """The training forward of TINY, jitted (one compile a mode and length; module constants such as
+    SELECTION_CHUNK are read when it traces)."""
     graphdef, abstract = abstract_model(TINY)
-    return sequence_forward(merge(graphdef, abstract, params), jnp.asarray(tokens, jnp.int32), mode=mode)
+    run = jax.jit(lambda params, tokens: sequence_forward(merge(graphdef, abstract, params), tokens, mode=mode))
+    return run(params, jnp.asarray(tokens, jnp.int32))
 
 
 @pytest.mark.parametrize("dcp", [1, 2])
@@ -105,6 +109,7 @@ def test_the_mtp_layer_predicts_one_token_further_causally():
     graphdef, abstract = abstract_model(cfg)
     mtp_graphdef, mtp_abstract = abstract_mtp(cfg)
 
+    @functools.partial(jax.jit, static_argnames="hidden_change")
     def mtp_logits(params, mtp_params, tokens, hidden_change=None):
         model = merge(graphdef, abstract, params)
         tokens = jnp.asarray(tokens, jnp.int32)

@@ -46,12 +46,17 @@ def test_the_mtp_loss_is_its_logits_of_the_token_two_past_each_row():
     graphdefs, abstracts = {}, {}
     graphdefs["model"], abstracts["model"] = abstract_model(SMALL)
     graphdefs["mtp"], abstracts["mtp"] = abstract_mtp(SMALL)
-    _, metrics = batch_loss(params, tokens, mask, graphdefs=graphdefs, abstracts=abstracts, mode=SPARSE,
-                            kl_weight=1.0, mtp_weight=0.3)
-    model = merge(graphdefs["model"], abstracts["model"], params["model"])
-    out = sequence_forward(model, jnp.asarray(tokens[0]), mode=SPARSE)
-    drafted = mtp_forward(model, merge(graphdefs["mtp"], abstracts["mtp"], params["mtp"]), jnp.asarray(tokens[0]),
-                          out.hidden, mode=SPARSE)
+    _, metrics = jax.jit(lambda p: batch_loss(p, tokens, mask, graphdefs=graphdefs, abstracts=abstracts,
+                                              mode=SPARSE, kl_weight=1.0, mtp_weight=0.3))(params)
+
+    @jax.jit
+    def forwards(params, row):
+        model = merge(graphdefs["model"], abstracts["model"], params["model"])
+        out = sequence_forward(model, row, mode=SPARSE)
+        mtp = merge(graphdefs["mtp"], abstracts["mtp"], params["mtp"])
+        return out, mtp_forward(model, mtp, row, out.hidden, mode=SPARSE)
+
+    out, drafted = forwards(params, jnp.asarray(tokens[0]))
     rows = np.flatnonzero(mask[0, 1:-1])  # rows r with token r + 2 an answer token
     log_probs = np.asarray(jax.nn.log_softmax(drafted.logits))
     want = -np.mean([log_probs[r, tokens[0, r + 2]] for r in rows])
@@ -191,7 +196,8 @@ def test_served_accuracy_is_the_training_forwards_teacher_forced_accuracy(traine
     assert served_accuracy(llm, context=96, examples=6, seed=3) == forced_accuracy(
         model, tokenizer, context=96, examples=6, seed=3, mode=SPARSE)
     prompt = jnp.asarray(tokenizer.encode("".join(examples_for(160, 1)[0])))  # past index_topk 64
-    chosen = np.asarray(sequence_forward(model, prompt, mode=SPARSE).selected)
-    drawn = np.asarray(sequence_forward(model, prompt, mode=RANDOM, key=jax.random.key(0)).selected)
+    chosen = np.asarray(jax.jit(lambda row: sequence_forward(model, row, mode=SPARSE).selected)(prompt))
+    drawn = np.asarray(jax.jit(lambda row: sequence_forward(model, row, mode=RANDOM, key=jax.random.key(0))
+                               .selected)(prompt))
     assert ((drawn >= 0).sum(-1) == (chosen >= 0).sum(-1)).all()  # as many keys, all earlier ones
     assert (drawn <= np.arange(len(prompt))[:, None]).all() and (np.sort(drawn) != np.sort(chosen)).any()
