@@ -262,20 +262,20 @@ def bench(args: argparse.Namespace) -> int:
 
 def plan(args: argparse.Namespace) -> int:
     """Print the memory plan (`model/memory_plan.py`) of a preset or a checkpoint's config on a mesh."""
-    from dcp_jax.config import PRESETS, ModelConfig, ParallelConfig, preset, resolve_dtype
+    from dcp_jax.config import (PRESETS, ModelConfig, ParallelConfig, model_directory, preset, resolve_dtype,
+                                unknown_model)
     from dcp_jax.model.memory_plan import format_plan, make_plan
     from dcp_jax.model.weights import fp8_block_size
 
-    is_dir = os.path.isdir(args.model)
-    if not is_dir and args.model not in PRESETS:
-        print(f"dcp-jax plan: model {args.model!r} is neither a directory nor a preset {sorted(PRESETS)}",
-              file=sys.stderr)
+    directory = model_directory(args.model)
+    if directory is None and args.model not in PRESETS:
+        print(f"dcp-jax plan: {unknown_model(args.model)}", file=sys.stderr)
         return 2
     try:
-        cfg = ModelConfig.from_hf(args.model) if is_dir else preset(args.model)
+        cfg = ModelConfig.from_hf(directory) if directory else preset(args.model)
         weight_format = args.weight_format
         if weight_format == "auto":
-            weight_format = "fp8" if is_dir and fp8_block_size(args.model) else "model_dtype"
+            weight_format = "fp8" if directory and fp8_block_size(directory) else "model_dtype"
         parallel = ParallelConfig(tp=args.dcp if args.tp is None else args.tp, dcp=args.dcp,
                                   enable_expert_parallel=args.enable_expert_parallel)
         result = make_plan(cfg, parallel, dtype=resolve_dtype(args.dtype, cfg), weight_format=weight_format,

@@ -219,6 +219,34 @@ GLM5 = dataclasses.replace(
 PRESETS = {"tiny": TINY, "deepseek-v3.2": DEEPSEEK_V32, "glm-5": GLM5}
 
 
+# Trained checkpoints shipped inside the package (HF layout), served by name like a preset: `dsa-tiny`, the tiny
+# retrieval model of `train/` (docs/training.md).
+CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
+
+
+def shipped_checkpoints() -> list[str]:
+    """The names of the checkpoints shipped with the package."""
+    if not os.path.isdir(CHECKPOINTS_DIR):
+        return []
+    return sorted(name for name in os.listdir(CHECKPOINTS_DIR)
+                  if os.path.isfile(os.path.join(CHECKPOINTS_DIR, name, "config.json")))
+
+
+def model_directory(model: str) -> str | None:
+    """The HF directory `model` names (a path, or a shipped checkpoint's name); None for a preset or nothing."""
+    if os.path.isdir(model):
+        return model
+    if model in shipped_checkpoints():
+        return os.path.join(CHECKPOINTS_DIR, model)
+    return None
+
+
+def unknown_model(model: str) -> str:
+    """The error for a model that is neither a directory, a shipped checkpoint nor a preset."""
+    return (f"model {model!r} is neither a directory, a shipped checkpoint {shipped_checkpoints()} nor a preset "
+            f"{sorted(PRESETS)}")
+
+
 def preset(name: str, *, num_layers: int | None = None) -> ModelConfig:
     """A built-in config by name, optionally with fewer layers (for benchmarks)."""
     if name not in PRESETS:

@@ -1,15 +1,16 @@
 """Retrieval accuracy of a model through the OpenAI server with lm-eval (issue 26): the task's prompts at each
 context written as local lm-eval tasks (no hub), a server started per configuration (DCP size, interleave, cache
 formats, or dense attention: index_topk raised past the context by --hf-overrides), lm-eval's `local-completions`
-and `local-chat-completions --apply_chat_template` run against it. Writes results.json (accuracy and every
-answer per configuration, context and client), results.md (the table and whether the answers are identical
-across configurations) and accuracy.png under --out.
+and `local-chat-completions --apply_chat_template` run against it; or, with client `llm` (for a machine without
+lm-eval or the server's packages, such as the GPU machines here), the offline API `LLM` in this process. Writes
+results.json (accuracy and every answer per configuration, context and client), results.md (the table and whether
+the answers are identical across configurations) and accuracy.png under --out.
 
-  python scripts/eval_retrieval.py --model checkpoints/dsa-tiny --out /tmp/eval \\
+  python scripts/eval_retrieval.py --model dsa-tiny --out /tmp/eval \\
       --configs dcp=1 dcp=2 dcp=2,interleave=2 dcp=1,index_cache=fp8,latent_cache=fp8 dense
 
 A configuration is `dense` or comma-separated key=value of: dcp, interleave, index_cache, latent_cache, dtype.
-On a CPU the server runs on simulated devices (one per DCP rank).
+On a CPU the server (or LLM) runs on simulated devices (one per DCP rank).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ if __name__ == "__main__":
     sys.path.insert(0, REPO)
 
 CONFIG_KEYS = {"dcp": int, "interleave": int, "index_cache": str, "latent_cache": str, "dtype": str}
-CLIENTS = ("completions", "chat")
+# lm-eval's two clients against the server, and the offline API in this process (for a machine without lm-eval or
+# the server's packages).
+CLIENTS = ("completions", "chat", "llm")
+SERVER_CLIENTS = ("completions", "chat")
 TASK_YAML = """task: {name}
 dataset_path: json
 dataset_kwargs:
@@ -146,6 +150,34 @@ def run_lm_eval(url: str, served_model: str, client: str, tasks: list[str], task
     return answers
 
 
+def read_task(task_dir: str, task: str, field: str) -> list[str]:
+    """One field (prompt or target) of each of a task's examples, in order."""
+    with open(os.path.join(task_dir, f"{task}.jsonl")) as f:
+        return [json.loads(line)[field] for line in f]
+
+
+def run_llm(model: str, config: dict, tasks: list[str], task_dir: str, *, max_model_len: int,
+            max_num_seqs: int) -> dict:
+    """The offline API (`LLM.generate`, greedy, lm-eval's generation: up to 8 tokens, stopped at ';') on the tasks'
+    prompts with the configuration's settings, in this process: {task: [the answer of each example, in order]}."""
+    import gc
+
+    from dcp_jax.host.sampling import SamplingParams
+    from dcp_jax.serving.llm import LLM
+
+    llm = LLM(model, dcp=config.get("dcp", 1), interleave=config.get("interleave", 1),
+              index_cache=config.get("index_cache", "exact"), latent_cache=config.get("latent_cache", "exact"),
+              dtype=config.get("dtype", "auto"), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              hf_overrides={"index_topk": max_model_len} if config.get("dense") else None)
+    params = SamplingParams(max_tokens=8, temperature=0, stop=[";"])
+    answers = {task: [out.outputs[0].text for out in llm.generate(prompts=read_task(task_dir, task, "prompt"),
+                                                                   sampling_params=params)]
+               for task in tasks}
+    del llm
+    gc.collect()  # the next configuration's pool takes the device memory this one held
+    return answers
+
+
 def summarize(results: dict, contexts: list[int]) -> str:
     """The markdown table (accuracy % per configuration, client and context) and the answers' agreement."""
     lines = ["| configuration | client | " + " | ".join(f"{c} tokens" for c in contexts) + " |",
@@ -189,13 +221,13 @@ def plot(results: dict, contexts: list[int], path: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="an HF checkpoint directory or a preset name")
+    parser.add_argument("--model", required=True, help="an HF checkpoint directory, a shipped checkpoint (dsa-tiny) or a preset")
     parser.add_argument("--out", required=True)
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--examples", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1, help="the prompts' seed (training draws from seed 0)")
     parser.add_argument("--configs", nargs="+", type=parse_config, default=[parse_config("dcp=1")])
-    parser.add_argument("--clients", default=",".join(CLIENTS))
+    parser.add_argument("--clients", default=",".join(SERVER_CLIENTS), help=f"comma-separated, of {CLIENTS}")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--port", type=int, default=None, help="default: a free one")
     args = parser.parse_args(argv)
@@ -204,35 +236,44 @@ def main(argv=None) -> int:
     if set(clients) - set(CLIENTS):
         parser.error(f"--clients: choose from {CLIENTS}")
 
-    from dcp_jax.config import ModelConfig, preset
+    if "llm" in clients:  # simulated CPU devices for the largest DCP size, asked for before jax starts
+        from dcp_jax.serving.loading import use_cpu_devices
+
+        use_cpu_devices(max(config.get("dcp", 1) for config in args.configs))
+    from dcp_jax.config import ModelConfig, model_directory, preset
 
     os.makedirs(args.out, exist_ok=True)
     task_dir = os.path.join(args.out, "tasks")
     tasks = write_tasks(task_dir, contexts, args.examples, args.seed)
     # A prompt of `context` leaves room for the chat template and the generation (`evaluate.EVAL_ROOM`).
     max_model_len = max(contexts)
-    cfg = ModelConfig.from_hf(args.model) if os.path.isdir(args.model) else preset(args.model)
+    directory = model_directory(args.model)
+    cfg = ModelConfig.from_hf(directory) if directory else preset(args.model)
     if max_model_len > cfg.max_position_embeddings:
         parser.error(f"--contexts: {max_model_len} tokens exceed the model's {cfg.max_position_embeddings}")
     results = {"model": args.model, "examples": args.examples, "seed": args.seed, "configs": {}}
     for config in args.configs:
-        port = args.port or _free_port()
-        started = time.perf_counter()
-        server = Server(args.model, config, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs, port=port,
-                        log=os.path.join(args.out, f"server_{config['name']}.log"))
-        try:
-            per_client = {}
-            for client in clients:
-                answers = run_lm_eval(server.url, Server.MODEL, client, tasks, task_dir,
-                                      os.path.join(args.out, "lm_eval", config["name"], client), args.max_num_seqs)
-                per_client[client] = {}
-                for context, task in zip(contexts, tasks):
-                    with open(os.path.join(task_dir, f"{task}.jsonl")) as f:
-                        targets = [json.loads(line)["target"] for line in f]
-                    right = sum(a.strip() == t for a, t in zip(answers[task], targets))
-                    per_client[client][str(context)] = {"accuracy": right / len(targets), "answers": answers[task]}
-        finally:
-            server.stop()
+        started, answers = time.perf_counter(), {}
+        if set(clients) & set(SERVER_CLIENTS):
+            server = Server(args.model, config, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+                            port=args.port or _free_port(), log=os.path.join(args.out, f"server_{config['name']}.log"))
+            try:
+                for client in set(clients) & set(SERVER_CLIENTS):
+                    answers[client] = run_lm_eval(server.url, Server.MODEL, client, tasks, task_dir,
+                                                  os.path.join(args.out, "lm_eval", config["name"], client),
+                                                  args.max_num_seqs)
+            finally:
+                server.stop()
+        if "llm" in clients:
+            answers["llm"] = run_llm(args.model, config, tasks, task_dir, max_model_len=max_model_len,
+                                     max_num_seqs=args.max_num_seqs)
+        per_client = {}
+        for client in clients:
+            per_client[client] = {}
+            for context, task in zip(contexts, tasks):
+                targets = read_task(task_dir, task, "target")
+                right = sum(a.strip() == t for a, t in zip(answers[client][task], targets))
+                per_client[client][str(context)] = {"accuracy": right / len(targets), "answers": answers[client][task]}
         results["configs"][config["name"]] = per_client
         print(f"{config['name']}: " + "; ".join(
             f"{client} " + ", ".join(f"{c}: {100 * per_client[client][str(c)]['accuracy']:.1f}%" for c in contexts)

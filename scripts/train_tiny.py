@@ -3,7 +3,8 @@ model learns the task attending to everything; the indexer warms up toward its a
 growing contexts (the main model attends to the indexer's top-64 only). Writes the checkpoint (HF layout,
 safetensors) and the loss log (`train_log.jsonl`, and `loss.png` with matplotlib) under --out. With
 --max-seconds a run stops in time (a device call's limit) and leaves its state there; --resume goes on from it.
-A finished run then measures its served retrieval accuracy (`train/evaluate.py`) into eval.json.
+A finished run then measures its retrieval accuracy (`train/evaluate.evaluate_checkpoint`: served, and teacher forced
+with the indexer's and a random selection) into eval.json.
 
   python scripts/train_tiny.py --out /tmp/dsa-tiny                      # the full schedule (an H200)
   python scripts/train_tiny.py --out /tmp/t --stages dense:20:128:4 --eval-every 10   # a smoke run (CPU)
@@ -154,15 +155,14 @@ def main(argv=None) -> int:
     print(f"checkpoint in {args.out} after {step} steps, {time.perf_counter() - begin:.0f} s in all")
     contexts = [int(c) for c in args.eval_contexts.split(",") if c]
     if contexts:
-        from dcp_jax.serving.llm import LLM
-        from dcp_jax.train.evaluate import served_accuracy
+        from dcp_jax.train.evaluate import evaluate_checkpoint
 
-        llm = LLM(args.out, max_model_len=max(contexts) + 16, max_num_seqs=min(args.eval_examples, 64))
-        accuracy = {context: served_accuracy(llm, context=context, examples=args.eval_examples, seed=args.seed)
-                    for context in contexts}
+        # Seed 1's prompts: training draws from seed 0's stream.
+        accuracy = evaluate_checkpoint(args.out, contexts=contexts, examples=args.eval_examples, seed=1)
         with open(os.path.join(args.out, "eval.json"), "w") as f:
-            json.dump(dict(examples=args.eval_examples, accuracy=accuracy), f)
-        print("served accuracy: " + ", ".join(f"{c} tokens {a:.3f}" for c, a in accuracy.items()))
+            json.dump(dict(examples=args.eval_examples, seed=1, accuracy=accuracy), f)
+        for name, per_context in accuracy.items():
+            print(f"{name} accuracy: " + ", ".join(f"{c} tokens {a:.3f}" for c, a in per_context.items()))
     return 0
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dcp_jax import cli
+from dcp_jax.config import shipped_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_DEMO_ARGS = ["--dcp", "2", "--interleave", "2", "--max-model-len", "128", "--page-size", "4",
@@ -73,8 +74,9 @@ def test_a_bad_model_is_one_line_and_exit_2_after_binding():
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "Traceback" not in out, out
     assert out.splitlines()[0].startswith("dcp-jax serve: listening on http://127.0.0.1:")
-    assert out.strip().splitlines()[-1] == ("dcp-jax serve: model '/no/such/model' is neither a directory nor a "
-                                            "preset ['deepseek-v3.2', 'glm-5', 'tiny']")
+    assert out.strip().splitlines()[-1] == (f"dcp-jax serve: model '/no/such/model' is neither a directory, a "
+                                            f"shipped checkpoint {shipped_checkpoints()} nor a preset "
+                                            f"['deepseek-v3.2', 'glm-5', 'tiny']")
 
 
 def read_until(proc, pattern: str, lines: list[str], timeout: float = 300.0) -> re.Match:

@@ -1,4 +1,5 @@
-"""Build a ready model runner from a preset name or an HF checkpoint directory (shared by LLM and Engine)."""
+"""Build a ready model runner from a preset name, a shipped checkpoint's name or an HF checkpoint directory (shared
+by LLM and Engine)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import os
 from collections.abc import Sequence
 
 from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, KERNEL_CHOICES, PRESETS,
-                            QUANTIZATION_CHOICES, EngineConfig, ModelConfig, ParallelConfig, preset, resolve_dtype)
+                            QUANTIZATION_CHOICES, EngineConfig, ModelConfig, ParallelConfig, model_directory, preset,
+                            resolve_dtype, unknown_model)
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.runtime.xla_flags import apply_gpu_flags, flags_not_applied
 from dcp_jax.serving.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -19,13 +21,14 @@ MEM_FRACTION, DEFAULT_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75
 
 
 def use_cpu_devices(count: int) -> None:
-    """Ask for `count` simulated CPU devices when jax has not started (no effect on GPUs or afterwards)."""
+    """Ask for at least `count` simulated CPU devices when jax has not started (no effect on GPUs or afterwards;
+    a larger count asked for before stays)."""
     import jax
 
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
     try:
-        jax.config.update("jax_num_cpu_devices", max(count, 1))
+        jax.config.update("jax_num_cpu_devices", max(count, 1, jax.config.jax_num_cpu_devices))
     except RuntimeError:  # backends already initialized: keep what is there
         pass
 
@@ -158,10 +161,11 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     if not max_num_seqs <= max_num_batched_tokens:
         raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs={max_num_seqs} "
                          f"(every running request may decode in one step)")
-    is_dir = os.path.isdir(model)
+    directory = model_directory(model)
+    is_dir = directory is not None
     if not is_dir and model not in PRESETS:
-        raise ValueError(f"model {model!r} is neither a directory nor a preset {sorted(PRESETS)}")
-    cfg = ModelConfig.from_hf(model) if is_dir else preset(model, num_layers=num_layers)
+        raise ValueError(unknown_model(model))
+    cfg = ModelConfig.from_hf(directory) if is_dir else preset(model, num_layers=num_layers)
     cfg = apply_hf_overrides(cfg, hf_overrides)
     if is_dir and num_layers is not None:
         if not 1 <= num_layers <= cfg.num_hidden_layers:
@@ -195,7 +199,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     check_latent_format(latent_cache, cfg)
     mesh = make_mesh(parallel)
     if is_dir:
-        params = load_hf_params(cfg, model, mesh, dtype=jnp.dtype(dtype), expert_parallel=enable_expert_parallel,
+        params = load_hf_params(cfg, directory, mesh, dtype=jnp.dtype(dtype), expert_parallel=enable_expert_parallel,
                                 quantization=quantization)
     else:
         params = init_params(cfg, seed, jnp.dtype(dtype))
@@ -216,11 +220,11 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     log.info("max_model_len %d, %d KV pages (%d tokens), dtype %s", max_model_len, num_pages,
              num_pages * layout.tokens_per_block, dtype)
     return LoadedModel(
-        name=os.path.basename(os.path.normpath(model)) if is_dir else model,
+        name=os.path.basename(os.path.normpath(directory)) if is_dir else model,
         cfg=cfg,
         parallel=parallel,
         engine=engine,
-        tokenizer=load_tokenizer(model if is_dir else None, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id),
+        tokenizer=load_tokenizer(directory, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id),
         runner=ModelRunner(cfg, params, parallel, engine, mesh, kernel_backend(kernels), dtype=jnp.dtype(dtype),
                            unroll_layers=unroll_layers),
         backend=jax.default_backend(),

@@ -53,3 +53,29 @@ def forced_accuracy(model, tokenizer, *, context: int, examples: int, seed: int 
         predicted = np.asarray(jnp.argmax(answer_logits(state, jnp.asarray(row), row_key), axis=-1))
         right += bool(np.all(predicted == row[-ANSWER_BYTES:]))
     return right / examples
+
+
+def evaluate_checkpoint(path: str, *, contexts: list[int], examples: int, seed: int = 0) -> dict:
+    """A trained checkpoint's accuracy per context: served (`LLM`, greedy, the checkpoint's dtype), and teacher
+    forced in float32 attending to the indexer's selection and to a random one of the same size (the contrast that
+    shows the selection matters): {"served"|"sparse"|"random": {context: accuracy}}."""
+    from dcp_jax.config import ModelConfig
+    from dcp_jax.model.deepseek_v32 import abstract_model, merge
+    from dcp_jax.model.weights import load_hf_params
+    from dcp_jax.serving.llm import LLM
+    from dcp_jax.serving.tokenizer import ByteTokenizer
+    from dcp_jax.train.forward import RANDOM, SPARSE
+
+    llm = LLM(path, max_model_len=max(contexts) + EVAL_ROOM, max_num_seqs=min(examples, 64))
+    result = {"served": {context: served_accuracy(llm, context=context, examples=examples, seed=seed)
+                         for context in contexts}}
+    del llm
+    cfg = ModelConfig.from_hf(path)
+    model = merge(*abstract_model(cfg), load_hf_params(cfg, path))
+    tokenizer = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    for mode in (SPARSE, RANDOM):
+        result[mode] = {context: forced_accuracy(model, tokenizer, context=context, examples=examples, seed=seed,
+                                                 mode=mode, key=jax.random.key(seed) if mode == RANDOM else None)
+                        for context in contexts}
+    return result
+

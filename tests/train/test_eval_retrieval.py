@@ -52,3 +52,17 @@ def test_lm_eval_answers_the_task_through_both_clients(tmp_path_factory, tmp_pat
     results = {"configs": {"dcp=2": {client: {"64": {"accuracy": 0.0, "answers": answers["dsa_retrieval_64"]}}
                                      for client, answers in per_client.items()}}}
     assert "| dcp=2 | chat | 0.0 |" in summarize(results, [64])
+
+
+def test_the_llm_client_answers_in_process_per_configuration(tmp_path):
+    """Client `llm` (no server, no lm-eval): each configuration's LLM answers every prompt, greedy, stopped at ';'
+    as lm-eval's generation is; the table and results name it."""
+    from scripts.eval_retrieval import main
+
+    assert main(["--model", "tiny", "--out", str(tmp_path), "--contexts", "64", "--examples", "2", "--clients", "llm",
+                 "--configs", "dcp=1", "dcp=2,interleave=2", "--max-num-seqs", "2"]) == 0
+    results = json.load(open(tmp_path / "results.json"))
+    for name in ("dcp=1", "dcp=2,interleave=2"):
+        answers = results["configs"][name]["llm"]["64"]["answers"]
+        assert len(answers) == 2 and all(";" not in answer and len(answer) <= 8 for answer in answers), answers
+    assert "| dcp=1 | llm |" in (tmp_path / "results.md").read_text()

@@ -12,7 +12,7 @@ import pytest
 
 from dcp_jax.model.deepseek_v32 import abstract_model, merge
 from dcp_jax.serving.tokenizer import ByteTokenizer
-from dcp_jax.train.forward import DENSE, SPARSE, sequence_forward
+from dcp_jax.train.forward import DENSE, RANDOM, SPARSE, sequence_forward
 from dcp_jax.train.loop import DSA_TINY, Trainer, batches, init_train_params
 from dcp_jax.train.retrieval import CHAT_BYTES, chat_prompt
 from scripts.train_tiny import main, parse_stages
@@ -110,7 +110,8 @@ def test_the_script_writes_a_checkpoint_llm_serves_as_trained(trained):
     from dcp_jax.serving.llm import LLM
 
     evaluation = json.load(open(trained / "eval.json"))
-    assert evaluation["examples"] == 2 and set(evaluation["accuracy"]) == {"64", "96"}
+    assert evaluation["examples"] == 2 and set(evaluation["accuracy"]) == {"served", SPARSE, RANDOM}
+    assert all(set(per_context) == {"64", "96"} for per_context in evaluation["accuracy"].values())
     log = [json.loads(line) for line in open(trained / "train_log.jsonl")]
     assert [row["step"] for row in log] == [1, 2, 3, 4] and log[-1]["mode"] == "sparse"
     llm = LLM(str(trained), dtype="float32", kernels="reference", max_model_len=128, page_size=4)
@@ -184,7 +185,6 @@ def test_served_accuracy_is_the_training_forwards_teacher_forced_accuracy(traine
     from dcp_jax.model.weights import load_hf_params
     from dcp_jax.serving.llm import LLM
     from dcp_jax.train.evaluate import examples_for, forced_accuracy, served_accuracy
-    from dcp_jax.train.forward import RANDOM
 
     llm = LLM(str(trained), dtype="float32", kernels="reference", max_model_len=128, page_size=4)
     graphdef, abstract = abstract_model(DSA_TINY)
