@@ -141,7 +141,8 @@ def _has_no_default(cls, name: str) -> bool:
 
 
 # The embedded default: tiny, random, runs on simulated CPU devices in seconds. Eight index heads keep
-# exact score ties rare (see the oracle notes). A 128-column latent is one tile of the fp8 latent cache.
+# exact score ties rare (see the oracle notes). A 128-column latent is one tile of the fp8 latent cache. One MTP
+# layer, as DeepSeek-V3.2 has (`model/mtp.py`; the speculative decoding draft).
 TINY = ModelConfig(
     vocab_size=512,
     hidden_size=256,
@@ -166,6 +167,7 @@ TINY = ModelConfig(
     index_head_dim=32,
     index_topk=16,
     max_position_embeddings=4096,
+    num_nextn_predict_layers=1,
 )
 
 _DEEPSEEK_V32_YARN = (
@@ -203,6 +205,7 @@ DEEPSEEK_V32 = ModelConfig(
     index_topk=2048,
     rope_scaling=_DEEPSEEK_V32_YARN,
     max_position_embeddings=163840,
+    num_nextn_predict_layers=1,
 )
 
 GLM5 = dataclasses.replace(
@@ -335,6 +338,10 @@ def check_latent_cache(latent_cache: str) -> None:
         raise ValueError(f"latent_cache={latent_cache!r} must be one of {LATENT_CACHE_FORMATS}")
 
 
+# The most tokens the MTP layer drafts a step (vLLM's num_speculative_tokens).
+MAX_SPECULATIVE_TOKENS = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Paged KV pool (page size, page count, index and latent cache formats), the step programs' buckets and the
@@ -353,8 +360,14 @@ class EngineConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     index_cache: str = "exact"
     latent_cache: str = "exact"
+    # Tokens the MTP layer drafts per request and step (speculative decoding); 0: off. When on, the KV pools hold
+    # the MTP layer's cache after the decoder layers' (`kv_layers`).
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in "
+                             f"[0, {MAX_SPECULATIVE_TOKENS}]")
         if self.page_size < 1 or self.num_pages < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
             raise ValueError(f"page_size, num_pages, max_num_seqs, max_model_len must be >= 1: {self}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -365,6 +378,10 @@ class EngineConfig:
         ladder = self.bucket_ladder
         if not ladder or any(b < 1 for b in ladder) or list(ladder) != sorted(set(ladder)):
             raise ValueError(f"bucket_ladder must be strictly increasing positive ints, got {ladder}")
+
+    def kv_layers(self, cfg: ModelConfig) -> int:
+        """Layers whose KV the pools hold: the decoder layers', and the MTP layer's when drafting."""
+        return cfg.num_hidden_layers + (1 if self.num_speculative_tokens else 0)
 
     @property
     def buckets(self) -> tuple[int, ...]:

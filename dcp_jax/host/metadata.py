@@ -108,6 +108,9 @@ class StepInputs:
     # [R] int32: the token after each row's in its request where known (a prompt's next token), else -1: the
     # prompt-logprobs programs report its logprob.
     next_tokens: np.ndarray
+    # [R] int32: 1 on a row at its request's position 0, else 0 (the MTP layer zeroes that row's embedding input;
+    # given by the host, as nothing in a program may derive values from the global positions).
+    is_position_zero: np.ndarray
     # [Q] int32: slots whose history starts over this step (the request's first rows); pad one past the scratch
     # slot (no slot: nothing reset, no [A]-wide row written for a pad).
     fresh_slots: np.ndarray
@@ -310,11 +313,14 @@ def build_step_inputs(slots: Sequence[int], num_queries: Sequence[int], tokens, 
         raise ValueError(f"{len(slots)} sequences of {queries.tolist()} queries with {len(tokens)} tokens do not fit "
                          f"a step of {rows} rows and {seqs} sequences")
     scratch = table.scratch_slot
+    is_position_zero = np.zeros(total, np.int32)
+    is_position_zero[(np.cumsum(queries) - queries)[np.asarray(context_lens) == queries]] = 1
     return StepInputs(
         tokens=_padded(tokens, rows, 0, np.int32),
         roles=_padded(roles, rows, PAD, np.int32),
         row_slots=_padded(slots if total == len(slots) else np.repeat(slots, queries), rows, scratch, np.int32),
         next_tokens=_padded(next_tokens, rows, -1, np.int32),
+        is_position_zero=_padded(is_position_zero, rows, 0, np.int32),
         fresh_slots=_padded(slots[is_fresh], seqs, scratch + 1, np.int32),
         sample_rows=_padded((np.cumsum(queries) - 1)[samples], seqs, 0, np.int32),
         sampling=table.gather(slots[samples], np.asarray(context_lens, np.int32)[samples], rows=seqs),
@@ -392,6 +398,7 @@ def fill_decode_rows(inputs: StepInputs, md: StepMetadata, rows: ScheduledRows, 
     inputs.roles[:n] = rows.roles
     inputs.row_slots[:n] = rows.slots
     inputs.next_tokens[:n] = rows.next_tokens
+    inputs.is_position_zero[:n] = lens == 1
     inputs.sample_rows[:n] = seqs
     table.gather_into(inputs.sampling, rows.slots, lens)
 

@@ -235,7 +235,8 @@ def init_params(cfg: ModelConfig, seed: int, dtype=jnp.float32, fp8_block: tuple
 
 
 def merge(graphdef, abstract_state, params: dict) -> DeepseekV32:
-    """A model whose weights are the arrays of `params` (a pure dict; traced values inside jit work)."""
+    """A model (or an `MtpLayer`, of its graphdef and state) whose weights are the arrays of `params` (a pure dict;
+    traced values inside jit work)."""
     state = jax.tree.map(lambda x: x, abstract_state)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)

@@ -74,8 +74,9 @@ KV_CACHE_SPECS = KVCache(latent=P(DCP), index_k=P(DCP))
 
 def allocate_kv_cache(cfg: ModelConfig, engine: EngineConfig, dcp: int, mesh: Mesh, dtype=jnp.float32) -> KVCache:
     """Zero-filled pools (latents in `engine.latent_cache`'s format, index keys in `engine.index_cache`'s; 'exact'
-    ones of `dtype`), created directly in their sharded placement."""
-    pool = (dcp, cfg.num_hidden_layers, engine.num_pages, engine.page_size)
+    ones of `dtype`), created directly in their sharded placement; `engine.kv_layers` layers (the MTP layer's
+    last)."""
+    pool = (dcp, engine.kv_layers(cfg), engine.num_pages, engine.page_size)
     placed = sharding(mesh, P(DCP))
     new_latent = jax.jit(lambda: cache_formats.zero_latents(pool, cfg, engine.latent_cache, dtype),
                          out_shardings=placed)

@@ -34,11 +34,11 @@ class MtpLayer(nnx.Module):
         self.layer = DecoderLayer(cfg, cfg.num_hidden_layers, rngs=rngs, dtype=dtype)
         self.head_norm = norm_param(rngs, d, dtype)
 
-    def layer_input(self, embeddings, hidden, positions):
-        """embeddings [R, D] of the tokens after the rows' positions [R], hidden [R, D] the main model's
-        final-normed states there -> the decoder layer's input [R, D]; a row at position 0 has its embedding
+    def layer_input(self, embeddings, hidden, is_position_zero):
+        """embeddings [R, D] of the tokens after the rows, hidden [R, D] the main model's final-normed states at
+        them -> the decoder layer's input [R, D]; a row at position 0 (is_position_zero [R]) has its embedding
         zeroed."""
-        embeddings = jnp.where((positions == 0)[:, None], 0, embeddings)
+        embeddings = jnp.where(is_position_zero[:, None], 0, embeddings)
         eps = self.cfg.rms_norm_eps
         joined = jnp.concatenate([rms_norm(embeddings, self.enorm[...], eps),
                                   rms_norm(hidden, self.hnorm[...], eps)], axis=-1)

@@ -20,6 +20,7 @@ layers (`num_nextn_predict_layers`, numbered after the decoder layers), and deco
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -431,8 +432,8 @@ def _check_filled(abstract: dict, params: dict) -> None:
 
 def save_hf(cfg: ModelConfig, params: dict, path: str | os.PathLike, *, mtp: dict | None = None) -> None:
     """Write `config.json` (`cfg`'s) and `model.safetensors` (HF names; bfloat16 when cfg.torch_dtype says so,
-    else float32) that `load_hf_params` and HF read; with `mtp` (an `MtpLayer`'s pure dict, for a config with one
-    MTP layer) its layer too (`mtp_to_hf`)."""
+    else float32) that `load_hf_params` and HF read; with `mtp` (an `MtpLayer`'s pure dict) its layer too
+    (`mtp_to_hf`). The written config's num_nextn_predict_layers counts the MTP layers written (1 or 0)."""
     import ml_dtypes
 
     from safetensors.numpy import save_file
@@ -445,9 +446,7 @@ def save_hf(cfg: ModelConfig, params: dict, path: str | os.PathLike, *, mtp: dic
     for layer in range(cfg.num_hidden_layers):
         tensors |= {f"model.layers.{layer}.{k}": v
                     for k, v in layer_to_hf(cfg, layer, layer_params(cfg, host, layer)).items()}
-    if (mtp is not None) != bool(cfg.num_nextn_predict_layers):
-        raise ValueError(f"the config has {cfg.num_nextn_predict_layers} MTP layers; "
-                         f"{'an' if mtp is not None else 'no'} MTP layer given")
+    cfg = dataclasses.replace(cfg, num_nextn_predict_layers=int(mtp is not None))  # the layers written
     if mtp is not None:
         tensors |= mtp_to_hf(cfg, jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32), mtp), host)
     dtype = ml_dtypes.bfloat16 if cfg.torch_dtype == "bfloat16" else np.float32

@@ -5,7 +5,9 @@ A step's rows are decode rows and the tokens of prefill chunks alike (`host/meta
 given, or each slot's last sampled token) join their requests' sampler histories -> embeddings -> per layer (sparse
 DCP attention, MLP / MoE) -> final norm -> lm_head logits of the sampled rows only (a decode row, a prompt's last
 token) -> the sampler (`sampler.py`): each sampled row's next token and its logprobs, recorded in its slot of the
-sampler state. The prompt-logprobs variant also returns, for every row, the logprob of the token after it and the
+sampler state. With an MTP layer (speculative decoding), it then runs over every row with the token after the row
+(the prompt's next, or the one just sampled) and writes its own cache; its argmax at each sampled row is the
+request's draft, kept in the device state. The prompt-logprobs variant also returns, for every row, the logprob of the token after it and the
 top ones, chunk by chunk (never the [R, A] logits at once); the details variant returns every row's logits and the
 per-layer selected global top-k ids (the oracle tests).
 Letters: R rows, Q sampled rows, K index top-k, A vocab, N top logprobs.
@@ -45,19 +47,28 @@ class DeviceState:
 
     kv_cache: KVCache
     sampler: SamplerState
+    # [slots] int32 (replicated): each slot's token drafted by the MTP layer at its last sampled row; None without
+    # an MTP layer.
+    drafts: jax.Array | None = None
 
 
-STATE_SPECS = DeviceState(kv_cache=KV_CACHE_SPECS, sampler=SamplerState(P(), P(), P()))
+def state_specs(*, drafts: bool) -> DeviceState:
+    """The PartitionSpecs of a DeviceState (with the drafts or without)."""
+    return DeviceState(kv_cache=KV_CACHE_SPECS, sampler=SamplerState(P(), P(), P()), drafts=P() if drafts else None)
+
+
+STATE_SPECS = state_specs(drafts=False)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Details:
-    """The detailed outputs: every row's logits [R, A] f32 and the selected global top-k ids [layers, R, K], -1
-    padded."""
+    """The detailed outputs: every row's logits [R, A] f32, the selected global top-k ids [layers, R, K], -1
+    padded, and with an MTP layer its logits at every row [R, A] f32 (else None)."""
 
     logits: jax.Array
     selected: jax.Array
+    mtp_logits: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -97,12 +108,41 @@ def _layers(model, cfg: ModelConfig, kv_cache: KVCache, hidden, md: StepMetadata
     return hidden, kv_cache.with_local_pools(latent, index_k), jnp.concatenate(selected)
 
 
+def _mtp_rows(model, mtp, normed, following, is_position_zero, rope, kv_cache: KVCache, md: StepMetadata, *,
+              layout: DcpLayout, backend: str):
+    """The MTP layer (`model/mtp.py`) over a step's rows, its cache the pools' last layer: row r reads the main
+    model's final-normed state normed[r] [R, D] and the token after it following[r] [R] (`StepInputs`'
+    is_position_zero [R] masks it). Returns (the MTP head's input [R, D], the KV cache)."""
+    x = mtp.layer_input(model.embed_tokens(following), normed, is_position_zero > 0)
+    latent, index_k = kv_cache.local_pools()
+    layer_md = on_layer(md, kv_cache.num_layers - 1, num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
+    attn, latent, index_k, _ = mtp.layer.attention(mtp.layer.attention_input(x), rope, latent, index_k, layer_md,
+                                                   layout=layout, backend=backend)
+    return mtp.head_input(mtp.layer.feed_forward(x + attn)), kv_cache.with_local_pools(latent, index_k)
+
+
+def _following_tokens(inputs: StepInputs, sampled_tokens):
+    """[R] the token after each row: its prompt's next (`next_tokens`), else the one sampled at the row (a decode
+    row, a prompt's last); 0 on pad rows. Pad entries of `sample_rows` (sampling position 0: a real row samples
+    position >= 1) write nothing."""
+    rows = inputs.tokens.shape[0]
+    at_rows = jnp.where(inputs.sampling.positions > 0, inputs.sample_rows, rows)
+    sampled_at = jnp.zeros(rows, jnp.int32).at[at_rows].set(sampled_tokens, mode="drop")
+    return jnp.where(inputs.next_tokens >= 0, inputs.next_tokens, sampled_at)
+
+
 def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, *, graphdef, abstract,
-              cfg: ModelConfig, layout: DcpLayout, backend: str, variant: str, unroll_layers: bool = False):
+              cfg: ModelConfig, layout: DcpLayout, backend: str, variant: str, unroll_layers: bool = False,
+              mtp_graphdef=None, mtp_abstract=None):
     """Per rank: inputs and md the rank's view of the step's data; `variant` one of VARIANTS. Returns (the sampled
     tokens packed (`sampler.pack`); with PromptLogprobs too; or SampledTokens and Details for DETAILS; the new
     DeviceState). Pad rows read and write no KV and join the scratch slot's history. The layers run as one scan per
-    layer stack (`_layers`), unrolled when `unroll_layers`."""
+    layer stack (`_layers`), unrolled when `unroll_layers`. With `mtp_graphdef` and `mtp_abstract` (an
+    `MtpLayer`'s), `params` is (the model's, the MTP layer's) and the MTP layer drafts (`_mtp_rows`)."""
+    mtp = None
+    if mtp_graphdef is not None:
+        params, mtp_params = params
+        mtp = merge(mtp_graphdef, mtp_abstract, mtp_params)
     model = merge(graphdef, abstract, params)
     tokens = sampler.row_tokens(state.sampler, inputs.tokens, inputs.row_slots)
     sampler_state = sampler.add_history(state.sampler, tokens, inputs.roles, inputs.row_slots, inputs.fresh_slots)
@@ -115,9 +155,18 @@ def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, 
     logits = model.logits(hidden[inputs.sample_rows])
     sampled, sampler_state = sampler.sample_rows(logits, inputs.sampling, sampler_state,
                                                  draws=variant in (SAMPLED, PROMPT_LOGPROBS))
-    new_state = DeviceState(kv_cache, sampler_state)
+    drafts, mtp_logits = state.drafts, None
+    if mtp is not None:
+        following = _following_tokens(inputs, sampled.tokens)
+        mtp_hidden, kv_cache = _mtp_rows(model, mtp, model.final_hidden(hidden), following, inputs.is_position_zero,
+                                         rope, kv_cache, md, layout=layout, backend=backend)
+        drafted = jnp.argmax(model.head(mtp_hidden[inputs.sample_rows]), axis=-1).astype(jnp.int32)
+        drafts = drafts.at[inputs.sampling.slots].set(drafted)  # pads: the scratch slot's
+        if variant == DETAILS:
+            mtp_logits = model.head(mtp_hidden)
+    new_state = DeviceState(kv_cache, sampler_state, drafts)
     if variant == DETAILS:
-        return (sampled, Details(model.logits(hidden), selected)), new_state
+        return (sampled, Details(model.logits(hidden), selected, mtp_logits)), new_state
     if variant == PROMPT_LOGPROBS:
         return (sampler.pack(sampled), prompt_logprobs(model, hidden, inputs.next_tokens)), new_state
     return sampler.pack(sampled), new_state

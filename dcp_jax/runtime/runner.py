@@ -31,7 +31,8 @@ from dcp_jax.model import fp8_linear
 from dcp_jax.model.deepseek_v32 import abstract_model, param_specs
 from dcp_jax.model.kv_cache import allocate_kv_cache
 from dcp_jax.model.mesh import REPLICATED, sharding
-from dcp_jax.runtime.forward import (DETAILS, GREEDY, PROMPT_LOGPROBS, SAMPLED, STATE_SPECS, VARIANTS, DeviceState,
+from dcp_jax.model.mtp import abstract_mtp
+from dcp_jax.runtime.forward import (DETAILS, GREEDY, PROMPT_LOGPROBS, SAMPLED, VARIANTS, DeviceState, state_specs,
                                      step_body)
 from dcp_jax.runtime.sampler import SamplerState
 from dcp_jax.runtime.step import Placed, StepProgram
@@ -69,25 +70,31 @@ def step_input_shapes(engine: EngineConfig):
 
     def shapes(rows: int) -> StepInputs:
         per_row, per_seq = (jax.ShapeDtypeStruct((n,), jnp.int32) for n in (rows, engine.seqs_for(rows)))
-        return StepInputs(tokens=per_row, roles=per_row, row_slots=per_row, next_tokens=per_row, fresh_slots=per_seq,
+        return StepInputs(tokens=per_row, roles=per_row, row_slots=per_row, next_tokens=per_row,
+                          is_position_zero=per_row, fresh_slots=per_seq,
                           sample_rows=per_seq, sampling=sampling_shapes(engine.seqs_for(rows)))
 
     return shapes
 
 
 def step_programs(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh, backend: str, *,
-                  graphdef, abstract, unroll_layers: bool = False) -> dict[str, StepProgram]:
+                  graphdef, abstract, mtp=None, unroll_layers: bool = False) -> dict[str, StepProgram]:
     """The step program of every variant (`forward.VARIANTS`) of a model (`abstract_model`'s graphdef and abstract
-    state), one compiled program per bucket each; nothing is placed or compiled yet."""
+    state; with `mtp`, `abstract_mtp`'s, the programs draft with the MTP layer and take (model, MTP layer) params),
+    one compiled program per bucket each; nothing is placed or compiled yet."""
     layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
     specs = param_specs(nnx.to_pure_dict(abstract), expert_parallel=parallel.enable_expert_parallel)
+    mtp_graphdef, mtp_abstract = mtp or (None, None)
+    if mtp is not None:
+        specs = (specs, param_specs(nnx.to_pure_dict(mtp_abstract), expert_parallel=parallel.enable_expert_parallel))
     return {
         variant: StepProgram(
             functools.partial(step_body, graphdef=graphdef, abstract=abstract, cfg=cfg, layout=layout,
-                              backend=backend, variant=variant, unroll_layers=unroll_layers),
+                              backend=backend, variant=variant, unroll_layers=unroll_layers,
+                              mtp_graphdef=mtp_graphdef, mtp_abstract=mtp_abstract),
             mesh, buckets=engine.buckets, seqs_for=engine.seqs_for, layout=layout,
             max_blocks=engine.max_blocks_per_seq(parallel.dcp), num_pages=engine.num_pages, param_specs=specs,
-            input_specs=REPLICATED, output_specs=REPLICATED, state_specs=STATE_SPECS,
+            input_specs=REPLICATED, output_specs=REPLICATED, state_specs=state_specs(drafts=mtp is not None),
             input_shapes=step_input_shapes(engine))
         for variant in VARIANTS
     }
@@ -95,11 +102,13 @@ def step_programs(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConf
 
 def state_allocator(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh, dtype):
     """A compiled function returning a zeroed `DeviceState` (the KV pools in `engine`'s formats, exact ones of
-    `dtype`, and the sampler's) in its sharded placement."""
+    `dtype`, the sampler's, and each slot's draft when `engine` drafts) in its sharded placement."""
+    drafting = bool(engine.num_speculative_tokens)
     return jax.jit(
         lambda: DeviceState(allocate_kv_cache(cfg, engine, parallel.dcp, mesh, dtype),
-                            SamplerState.zeros(engine.max_num_seqs, cfg.vocab_size)),
-        out_shardings=jax.tree.map(lambda spec: sharding(mesh, spec), STATE_SPECS))
+                            SamplerState.zeros(engine.max_num_seqs, cfg.vocab_size),
+                            jnp.zeros(engine.max_num_seqs + 1, jnp.int32) if drafting else None),
+        out_shardings=jax.tree.map(lambda spec: sharding(mesh, spec), state_specs(drafts=drafting)))
 
 
 def compile_programs(steps: dict[str, StepProgram], programs: Sequence[tuple[str, int]], params, state, *,
@@ -128,7 +137,7 @@ class ModelRunner:
     per layer: start-up grows with depth, the step runs faster; docs/performance.md)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh,
-                 backend: str, *, dtype=jnp.float32, unroll_layers: bool = False):
+                 backend: str, *, dtype=jnp.float32, unroll_layers: bool = False, mtp_params: dict | None = None):
         self.cfg, self.parallel, self.engine, self.mesh = cfg, parallel, engine, mesh
         self.layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
         self.max_blocks = engine.max_blocks_per_seq(parallel.dcp)
@@ -136,10 +145,14 @@ class ModelRunner:
         self.sampling_table = SamplingTable(engine.max_num_seqs + 1, scratch_slot=self.scratch_slot,
                                             eos_token_id=cfg.eos_token_id)
         graphdef, abstract = abstract_model(cfg, dtype, fp8_linear.weight_block(params))
+        if bool(engine.num_speculative_tokens) != (mtp_params is not None):
+            raise ValueError(f"num_speculative_tokens={engine.num_speculative_tokens} needs the MTP layer's params "
+                             f"exactly when it is > 0")
+        mtp = abstract_mtp(cfg, dtype) if mtp_params is not None else None
         # Keyed by variant (`forward.VARIANTS`), one program per bucket each.
         self.steps = step_programs(cfg, parallel, engine, mesh, backend, graphdef=graphdef, abstract=abstract,
-                                   unroll_layers=unroll_layers)
-        self.params = self.steps[GREEDY].place_params(params)
+                                   mtp=mtp, unroll_layers=unroll_layers)
+        self.params = self.steps[GREEDY].place_params(params if mtp is None else (params, mtp_params))
         # One compiled allocator, so `reset_state` never compiles while serving.
         self._new_state = state_allocator(cfg, parallel, engine, mesh, dtype)
         self.state = self._new_state()
@@ -218,6 +231,10 @@ class ModelRunner:
         return self._empty_steps[bucket]
 
     # ---- detailed and synchronous (tests) ------------------------------------------------------------------
+    def run_details(self, rows: ScheduledRows):
+        """Run `rows` in the details program and wait: host (SampledTokens, `forward.Details`)."""
+        return jax.device_get(self._run(rows, DETAILS))
+
     def prefill(self, prompts: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]], *,
                 chunk_size: int | None = None, all_logits: bool = False, return_selected: bool = False):
         """Prefill `prompts` (token ids, lengths >= 1) into the pages of `block_tables`, each in chunks of at most

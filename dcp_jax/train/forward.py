@@ -192,6 +192,6 @@ def mtp_forward(model, mtp, tokens, hidden, *, mode: str) -> MtpOutput:
     cfg = model.cfg
     positions = jnp.arange(tokens.shape[0] - 1)
     cos, sin = cos_sin(positions, *rope_tables(cfg))
-    h = mtp.layer_input(model.embed_tokens(tokens[1:]), model.final_hidden(hidden[:-1]), positions)
+    h = mtp.layer_input(model.embed_tokens(tokens[1:]), model.final_hidden(hidden[:-1]), positions == 0)
     h, kl, selected = decoder_layer_forward(mtp.layer, h, cos, sin, cfg=cfg, mode=mode)
     return MtpOutput(model.head(mtp.head_input(h)), kl, selected)

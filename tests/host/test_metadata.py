@@ -261,6 +261,8 @@ def test_step_inputs_place_each_sequences_rows_and_its_sample():
     np.testing.assert_array_equal(inputs.roles, [FED_BACK, PROMPT, PROMPT, GENERATED, PROMPT, PROMPT, PAD, PAD])
     np.testing.assert_array_equal(inputs.row_slots, [2, 1, 1, 1, 0, 0, 4, 4])
     np.testing.assert_array_equal(inputs.next_tokens, [-1, 6, 7, -1, 9, 10, -1, -1])
+    # Sequence 1's rows are positions 0-2; sequence 2's are 3-4.
+    np.testing.assert_array_equal(inputs.is_position_zero, [0, 1, 0, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(inputs.fresh_slots, [1, 5, 5, 5])  # pads name no slot
     np.testing.assert_array_equal(inputs.sample_rows, [0, 3, 0, 0])
     np.testing.assert_array_equal(inputs.sampling.slots, [2, 1, 4, 4])

@@ -84,7 +84,7 @@ def test_plan_command_prints_the_plan_and_refuses_bad_input(capsys):
     out = capsys.readouterr().out
     assert "weights per rank: 83." in out and "fp8/fp8" in out
     assert cli.main(["plan", "--model", "nope"]) == 2
-    assert "neither a directory nor a preset" in capsys.readouterr().err
+    assert "neither a directory, a shipped checkpoint" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "tiny", "--tp", "3", "--dcp", "3"]) == 2
     assert "tp=3 must divide" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "tiny", "--gpu-memory-utilization", "1.5"]) == 2

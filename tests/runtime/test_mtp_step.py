@@ -1,0 +1,86 @@
+"""The MTP layer in the step programs (`runtime/forward.py`, speculative decoding's draft): over a prompt's rows and
+decode rows, with its own cache (the pools' last layer), it gives the training forward's MTP logits
+(`train/forward.mtp_forward`) at every row, chunked or not, at DCP 1 and 2; each sampled row's argmax is its slot's
+draft in the device state."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dcp_jax.config import TINY, EngineConfig, ParallelConfig
+from dcp_jax.host.metadata import GENERATED, PROMPT, ScheduledRows
+from dcp_jax.model.deepseek_v32 import abstract_model, init_params, merge
+from dcp_jax.model.mesh import make_mesh
+from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
+from dcp_jax.runtime.runner import GREEDY_PARAMS, ModelRunner
+from dcp_jax.train.forward import SPARSE, mtp_forward, sequence_forward
+
+ENGINE = EngineConfig(page_size=4, num_pages=32, max_num_seqs=2, max_model_len=64, bucket_ladder=(2, 16, 32),
+                      max_num_batched_tokens=32, num_speculative_tokens=1)
+PROMPT_IDS = np.random.default_rng(0).integers(2, TINY.vocab_size, 29).tolist()  # past index_topk 16
+
+
+def _chunk(prompt, first, end, table, slot):
+    n = end - first
+    return ScheduledRows(slots=np.array([slot], np.int32), context_lens=np.array([end], np.int32),
+                         num_queries=np.array([n], np.int32), block_tables=[table],
+                         tokens=np.asarray(prompt[first:end], np.int32), roles=np.full(n, PROMPT, np.int32),
+                         next_tokens=np.asarray((prompt[first + 1:end + 1] + [-1])[:n], np.int32),
+                         is_fresh=np.array([first == 0]), samples=np.array([end == len(prompt)]))
+
+
+def _served_mtp_logits(dcp: int, chunks: list[int]):
+    """The MTP logits of every prompt row and of one decode row through the details program, the tokens sampled
+    after the prompt and after the decode row, and the slot's draft after each step."""
+    params, mtp_params = init_params(TINY, seed=1), init_mtp_params(TINY, seed=2)
+    parallel = ParallelConfig(tp=dcp, dcp=dcp)
+    runner = ModelRunner(TINY, params, parallel, ENGINE, make_mesh(parallel), "reference", mtp_params=mtp_params)
+    slot, table = 0, list(range(ENGINE.max_blocks_per_seq(dcp)))
+    runner.set_sampling(slot, GREEDY_PARAMS, 0, len(PROMPT_IDS))
+    logits, first = [], 0
+    for end in chunks:
+        sampled, details = runner.run_details(_chunk(PROMPT_IDS, first, end, table, slot))
+        logits.append(details.mtp_logits[:end - first])
+        first = end
+    token = int(sampled.tokens[0])
+    drafts = [int(np.asarray(runner.state.drafts)[slot])]
+    decode = ScheduledRows.decode([slot], [len(PROMPT_IDS) + 1], np.asarray([table], np.int32))
+    decode = ScheduledRows(**{**decode.__dict__, "tokens": np.array([token], np.int32),
+                              "roles": np.array([GENERATED], np.int32)})
+    sampled, details = runner.run_details(decode)
+    logits.append(details.mtp_logits[:1])
+    drafts.append(int(np.asarray(runner.state.drafts)[slot]))
+    return (np.concatenate(logits), [token, int(sampled.tokens[0])], drafts, (params, mtp_params),
+            runner.state.kv_cache.num_layers)
+
+
+@pytest.mark.parametrize("dcp, chunks", [(1, [29]), (2, [13, 29])])
+def test_mtp_rows_give_the_training_forwards_mtp_logits_and_drafts(dcp, chunks):
+    served, generated, drafts, (params, mtp_params), layers = _served_mtp_logits(dcp, chunks)
+    assert layers == TINY.num_hidden_layers + 1  # the MTP layer's cache after the decoder layers'
+    model = merge(*abstract_model(TINY), params)
+    mtp = merge(*abstract_mtp(TINY), mtp_params)
+    tokens = jnp.asarray(PROMPT_IDS + generated, jnp.int32)  # the prompt, the token after it, the next one
+    hidden = sequence_forward(model, tokens, mode=SPARSE).hidden
+    expected = np.asarray(mtp_forward(model, mtp, tokens, hidden, mode=SPARSE).logits)  # rows 0 .. T
+    np.testing.assert_allclose(served, expected, atol=2e-4, rtol=0)
+    assert drafts == [int(np.argmax(expected[len(PROMPT_IDS) - 1])), int(np.argmax(expected[len(PROMPT_IDS)]))]
+
+
+def test_a_runner_drafts_exactly_with_mtp_params():
+    parallel = ParallelConfig(tp=1, dcp=1)
+    with pytest.raises(ValueError, match="needs the MTP layer's params"):
+        ModelRunner(TINY, init_params(TINY, seed=1), parallel, ENGINE, make_mesh(parallel), "reference")
+
+
+def test_no_drafting_program_derives_local_lengths_or_waits_for_the_device():
+    """The MTP layer's rows keep the step's property: global positions reach RoPE and the position-0 embedding
+    mask alone, and no serving program holds a traced branch."""
+    parallel = ParallelConfig(tp=2, dcp=2, interleave=2)
+    runner = ModelRunner(TINY, init_params(TINY, seed=1), parallel, ENGINE, make_mesh(parallel), "reference",
+                         mtp_params=init_mtp_params(TINY, seed=2))
+    for variant, step in runner.steps.items():
+        for rows in step.buckets:
+            assert step.length_derivations(runner.params, runner.state, rows) == [], (variant, rows)
+            if variant != "details":
+                assert step.host_syncs(runner.params, runner.state, rows) == [], (variant, rows)
