@@ -95,7 +95,8 @@ def generate(args: argparse.Namespace) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=args.enable_prefix_caching,
                   enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-                  unroll_layers=args.unroll_layers, hf_overrides=args.hf_overrides)
+                  unroll_layers=args.unroll_layers, hf_overrides=args.hf_overrides,
+                  speculative_config=args.speculative_config)
         outputs = llm.generate(args.prompt, params, use_tqdm=True)
     except ValueError as e:
         print(f"dcp-jax generate: {e}", file=sys.stderr)
@@ -157,6 +158,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                    help="auto: the Pallas kernels on a GPU, the references elsewhere")
     s.add_argument("--unroll-layers", action="store_true", help=UNROLL_LAYERS_HELP)
     s.add_argument("--hf-overrides", type=_json_object, default=None, help=HF_OVERRIDES_HELP)
+    s.add_argument("--speculative-config", type=_json_object, default=None, help=SPECULATIVE_HELP)
     s.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
     s.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
     s.add_argument("--seed", type=int, default=0, help="weights seed of a preset; default sampling seed")
@@ -165,6 +167,8 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
 
 
 HF_OVERRIDES_HELP = "config.json fields to replace, a JSON object (e.g. '{\"index_topk\": 16384}')"
+SPECULATIVE_HELP = ("speculative decoding with the model's MTP layer, a JSON object: "
+                    "'{\"method\": \"mtp\", \"num_speculative_tokens\": 1}' (steps then run synchronously)")
 
 
 def _json_object(text: str) -> dict:
@@ -227,7 +231,8 @@ def serve(args: argparse.Namespace) -> int:
                       async_scheduling=args.async_scheduling, prompt_logprobs=not args.no_prompt_logprobs,
                       compilation_cache_dir=args.compilation_cache_dir,
                       enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-                      unroll_layers=args.unroll_layers, hf_overrides=args.hf_overrides)
+                      unroll_layers=args.unroll_layers, hf_overrides=args.hf_overrides,
+                      speculative_config=args.speculative_config)
 
     def ready(engine):
         config = engine.engine_config
@@ -333,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
     g.add_argument("--unroll-layers", action="store_true", help=UNROLL_LAYERS_HELP)
     g.add_argument("--hf-overrides", type=_json_object, default=None, help=HF_OVERRIDES_HELP)
+    g.add_argument("--speculative-config", type=_json_object, default=None, help=SPECULATIVE_HELP)
     g.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
     g.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
     g.set_defaults(run=generate)

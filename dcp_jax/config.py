@@ -338,8 +338,32 @@ def check_latent_cache(latent_cache: str) -> None:
         raise ValueError(f"latent_cache={latent_cache!r} must be one of {LATENT_CACHE_FORMATS}")
 
 
-# The most tokens the MTP layer drafts a step (vLLM's num_speculative_tokens).
-MAX_SPECULATIVE_TOKENS = 3
+# The most tokens the MTP layer drafts a step (vLLM's num_speculative_tokens): one MTP pass a step is built so far.
+MAX_SPECULATIVE_TOKENS = 1
+# `speculative_config` methods (vLLM's names for DeepSeek's MTP layer).
+SPECULATIVE_METHODS = ("mtp", "deepseek_mtp")
+
+
+def num_speculative_tokens(speculative_config: dict | None) -> int:
+    """vLLM's `speculative_config` ({"method": "mtp", "num_speculative_tokens": N}, or None: off) -> N, after
+    checking it (ValueError naming what is wrong)."""
+    if speculative_config is None:
+        return 0
+    if not isinstance(speculative_config, dict):
+        raise ValueError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")
+    unknown = set(speculative_config) - {"method", "num_speculative_tokens"}
+    if unknown:
+        raise ValueError(f"speculative_config: unsupported fields {sorted(unknown)} (method, "
+                         f"num_speculative_tokens)")
+    method = speculative_config.get("method")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config: method {method!r} is not one of {SPECULATIVE_METHODS} (the "
+                         f"model's own MTP layer drafts)")
+    n = speculative_config.get("num_speculative_tokens")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"speculative_config: num_speculative_tokens must be an int in [1, "
+                         f"{MAX_SPECULATIVE_TOKENS}] (one MTP pass a step is built so far), got {n!r}")
+    return n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,14 +394,20 @@ class EngineConfig:
                              f"[0, {MAX_SPECULATIVE_TOKENS}]")
         if self.page_size < 1 or self.num_pages < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
             raise ValueError(f"page_size, num_pages, max_num_seqs, max_model_len must be >= 1: {self}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_batched_tokens < self.max_num_seqs * self.sample_group:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
-                             f"{self.max_num_seqs} (every running request may decode in one step)")
+                             f"{self.max_num_seqs} x {self.sample_group} (every running request may decode in one "
+                             f"step, with its drafts)")
         check_index_cache(self.index_cache)
         check_latent_cache(self.latent_cache)
         ladder = self.bucket_ladder
         if not ladder or any(b < 1 for b in ladder) or list(ladder) != sorted(set(ladder)):
             raise ValueError(f"bucket_ladder must be strictly increasing positive ints, got {ladder}")
+
+    @property
+    def sample_group(self) -> int:
+        """Rows sampled per sequence and step at most: its last, or its last accepted token's and its drafts'."""
+        return self.num_speculative_tokens + 1
 
     def kv_layers(self, cfg: ModelConfig) -> int:
         """Layers whose KV the pools hold: the decoder layers', and the MTP layer's when drafting."""

@@ -187,6 +187,19 @@ def test_hf_overrides_parse_as_a_json_object(command, capsys):
     assert "expected a JSON object" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_speculative_config_parses_as_a_json_object(command):
+    parser = cli.build_parser()
+    assert parser.parse_args(command).speculative_config is None
+    given = parser.parse_args(command + ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
+    assert given.speculative_config == {"method": "mtp", "num_speculative_tokens": 1}
+
+
+def test_generate_refuses_a_bad_speculative_config_in_one_line(capsys):
+    assert cli.main(["generate", "--prompt", "hi", "--speculative-config", '{"method": "eagle"}']) == 2
+    assert "speculative_config: method 'eagle'" in capsys.readouterr().err
+
+
 def test_bench_names_what_it_has(capsys):
     assert cli.main(["bench", "nope"]) == 2
     err = capsys.readouterr().err

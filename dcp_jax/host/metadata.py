@@ -29,6 +29,8 @@ PER_RANK = dict(per_rank=True)
 # mask (a prompt token), a generated token's count (one fed again: a resumed request's history), or nothing again
 # (the last sampled token fed back: counted when it was sampled).
 PAD, PROMPT, GENERATED, FED_BACK = 0, 1, 2, 3
+# A row's token that is its slot's draft (the MTP layer's, still on the device): `StepInputs.tokens`.
+DRAFT_TOKEN = -2
 # The stop tokens (EOS and stop_token_ids) a request's min_tokens can hold back on the device.
 MIN_TOKENS_STOP_IDS = 16
 
@@ -99,7 +101,7 @@ class StepInputs:
     rows (one per sequence at most, Q = S) whose next token is sampled."""
 
     # [R] int32: each row's token; -1 = its slot's last sampled token (a decode row whose input is still on the
-    # device). Pad rows 0.
+    # device); DRAFT_TOKEN = its slot's drafted token (a verify row). Pad rows 0.
     tokens: np.ndarray
     # [R] int32: what each row's token adds to its request's sampler history (PAD, PROMPT, GENERATED, FED_BACK).
     roles: np.ndarray
@@ -114,7 +116,9 @@ class StepInputs:
     # [Q] int32: slots whose history starts over this step (the request's first rows); pad one past the scratch
     # slot (no slot: nothing reset, no [A]-wide row written for a pad).
     fresh_slots: np.ndarray
-    # [Q] int32: the rows whose next token is sampled; pad 0 (sampled on the scratch slot, never read).
+    # [Q] int32: the rows whose next token is sampled, in groups of G = num_speculative_tokens + 1 per sampling
+    # sequence (Q = S * G; G = 1 without drafting): its last row, or with drafts (a verify group) the row of its
+    # last accepted token and then its draft rows; pad 0 (sampled on the scratch slot at position 0, never read).
     sample_rows: np.ndarray
     sampling: SamplingMetadata
 
@@ -296,23 +300,33 @@ class SamplingTable:
 
 
 def build_step_inputs(slots: Sequence[int], num_queries: Sequence[int], tokens, roles, next_tokens, is_fresh,
-                      samples, *, context_lens: Sequence[int], rows: int, seqs: int,
-                      table: SamplingTable) -> StepInputs:
+                      samples, *, context_lens: Sequence[int], rows: int, seqs: int, table: SamplingTable,
+                      num_drafts: Sequence[int] | None = None, group: int = 1) -> StepInputs:
     """`StepInputs` of the sequences of `build_step_metadata` (same order): sequence i on sampler slot `slots[i]`
     has `num_queries[i]` rows, whose tokens, roles and next tokens are the next entries of the flat `tokens`,
     `roles` and `next_tokens`; its history starts over when `is_fresh[i]`; its last row's next token (position
-    context_lens[i]) is sampled when `samples[i]`, with the parameters and seed of its slot in `table`. Padded to
-    `rows` rows and `seqs` sequences on the scratch slot."""
+    context_lens[i]) is sampled when `samples[i]`, with the parameters and seed of its slot in `table`, and so is
+    the next token of each of the `num_drafts[i]` rows before it (< `group`, the sample groups' width: a verify
+    group). Padded to `rows` rows and `seqs` sequences on the scratch slot."""
     slots = np.asarray(slots, np.int32)
     queries = np.asarray(num_queries, np.int64)
     tokens, roles, next_tokens = (np.asarray(a, np.int32).reshape(-1) for a in (tokens, roles, next_tokens))
     is_fresh, samples = np.asarray(is_fresh, bool), np.asarray(samples, bool)
+    drafts = np.zeros(len(slots), np.int64) if num_drafts is None else np.asarray(num_drafts, np.int64)
     total = int(queries.sum())
-    if not (len(slots) == len(queries) == len(is_fresh) == len(samples) == len(context_lens) <= seqs
+    if not (len(slots) == len(queries) == len(is_fresh) == len(samples) == len(context_lens) == len(drafts) <= seqs
             and len(tokens) == len(roles) == len(next_tokens) == total <= rows):
         raise ValueError(f"{len(slots)} sequences of {queries.tolist()} queries with {len(tokens)} tokens do not fit "
                          f"a step of {rows} rows and {seqs} sequences")
+    if (drafts < 0).any() or (drafts >= group).any() or (drafts >= queries).any() or (drafts[~samples] > 0).any():
+        raise ValueError(f"draft counts {drafts.tolist()} must be below the group width {group} and the rows "
+                         f"{queries.tolist()}, on sampling sequences only")
     scratch = table.scratch_slot
+    # Each sampling sequence's group: its draft rows and last row, each sampling the token after it, then pads.
+    offsets, sampled_drafts = np.arange(group), drafts[samples][:, None]
+    real = offsets <= sampled_drafts
+    group_rows = (np.cumsum(queries) - 1)[samples][:, None] - sampled_drafts + offsets
+    group_positions = np.asarray(context_lens, np.int64)[samples][:, None] - sampled_drafts + offsets
     is_position_zero = np.zeros(total, np.int32)
     is_position_zero[(np.cumsum(queries) - queries)[np.asarray(context_lens) == queries]] = 1
     return StepInputs(
@@ -322,8 +336,9 @@ def build_step_inputs(slots: Sequence[int], num_queries: Sequence[int], tokens, 
         next_tokens=_padded(next_tokens, rows, -1, np.int32),
         is_position_zero=_padded(is_position_zero, rows, 0, np.int32),
         fresh_slots=_padded(slots[is_fresh], seqs, scratch + 1, np.int32),
-        sample_rows=_padded((np.cumsum(queries) - 1)[samples], seqs, 0, np.int32),
-        sampling=table.gather(slots[samples], np.asarray(context_lens, np.int32)[samples], rows=seqs),
+        sample_rows=_padded(np.where(real, group_rows, 0).reshape(-1), seqs * group, 0, np.int32),
+        sampling=table.gather(np.where(real, slots[samples][:, None], scratch).reshape(-1),
+                              np.where(real, group_positions, 0).reshape(-1), rows=seqs * group),
     )
 
 
@@ -342,6 +357,9 @@ class ScheduledRows:
     next_tokens: np.ndarray  # [rows] int32, -1: unknown
     is_fresh: np.ndarray  # [n] bool
     samples: np.ndarray  # [n] bool
+    # [n] int32: the drafted tokens each sequence verifies (its rows before the last hold them, all sampled); None:
+    # none.
+    num_drafts: np.ndarray | None = None
 
     @classmethod
     def decode(cls, slots: Sequence[int], context_lens: Sequence[int], block_tables, tokens=None) -> ScheduledRows:
@@ -351,6 +369,21 @@ class ScheduledRows:
         return cls(np.asarray(slots, np.int32), np.asarray(context_lens, np.int32), np.ones(n, np.int32),
                    block_tables, np.full(n, -1, np.int32) if tokens is None else np.asarray(tokens, np.int32),
                    np.full(n, FED_BACK, np.int32), np.full(n, -1, np.int32), np.zeros(n, bool), np.ones(n, bool))
+
+    @classmethod
+    def verify(cls, slots: Sequence[int], context_lens: Sequence[int], num_drafts: Sequence[int],
+               block_tables) -> ScheduledRows:
+        """Per sequence a verify group (speculative decoding): its decode row (the slot's last sampled token, at
+        context_lens[i] - 1) and num_drafts[i] rows of its slot's drafted tokens after it, each sampling the token
+        after it."""
+        lens, drafts = np.asarray(context_lens, np.int32), np.asarray(num_drafts, np.int32)
+        queries = drafts + 1
+        first = np.repeat(np.cumsum(queries) - queries, queries)
+        tokens = np.where(np.arange(int(queries.sum())) == first, -1, DRAFT_TOKEN).astype(np.int32)
+        rows = len(tokens)
+        return cls(np.asarray(slots, np.int32), lens + drafts, queries, block_tables, tokens,
+                   np.full(rows, FED_BACK, np.int32), np.full(rows, -1, np.int32), np.zeros(len(lens), bool),
+                   np.ones(len(lens), bool), drafts)
 
     @property
     def num_rows(self) -> int:
@@ -368,8 +401,13 @@ class ScheduledRows:
         """The sequences of `parts`, in order (their block tables arrays of one width)."""
         if len(parts) == 1:
             return parts[0]
+        drafts = None
+        if any(p.num_drafts is not None for p in parts):
+            drafts = np.concatenate([np.zeros(len(p.slots), np.int32) if p.num_drafts is None else p.num_drafts
+                                     for p in parts])
         return ScheduledRows(**{f.name: np.concatenate([getattr(p, f.name) for p in parts])
-                                for f in dataclasses.fields(ScheduledRows)})
+                                for f in dataclasses.fields(ScheduledRows) if f.name != "num_drafts"},
+                             num_drafts=drafts)
 
 
 def fill_decode_rows(inputs: StepInputs, md: StepMetadata, rows: ScheduledRows, *, layout: DcpLayout,
@@ -404,13 +442,14 @@ def fill_decode_rows(inputs: StepInputs, md: StepMetadata, rows: ScheduledRows, 
 
 
 def build_step(rows: ScheduledRows, *, bucket: int, seqs: int, layout: DcpLayout, max_blocks: int,
-               table: SamplingTable) -> tuple[StepInputs, StepMetadata]:
-    """The step's `StepInputs` and `StepMetadata` for `rows`, padded to `bucket` rows and `seqs` sequences."""
+               table: SamplingTable, group: int = 1) -> tuple[StepInputs, StepMetadata]:
+    """The step's `StepInputs` and `StepMetadata` for `rows`, padded to `bucket` rows and `seqs` sequences, sampled
+    in groups of `group` rows (`StepInputs.sample_rows`)."""
     md = build_step_metadata(rows.context_lens, rows.num_queries, rows.block_tables, rows=bucket, seqs=seqs,
                              layout=layout, max_blocks=max_blocks)
     inputs = build_step_inputs(rows.slots, rows.num_queries, rows.tokens, rows.roles, rows.next_tokens,
                                rows.is_fresh, rows.samples, context_lens=rows.context_lens, rows=bucket, seqs=seqs,
-                               table=table)
+                               table=table, num_drafts=rows.num_drafts, group=group)
     return inputs, md
 
 

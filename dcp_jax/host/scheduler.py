@@ -6,7 +6,8 @@ Owns the request states, the waiting queue and the running batch. Pages are hand
 `PageAllocator`. A step runs at most `max_num_batched_tokens` rows (vLLM's chunked prefill). Each step the scheduler
 
 1. gives every running request past its prefill one decode row (unless its sampled tokens, pending ones included,
-   reach max_tokens), growing its block table for it; when the pool is empty it preempts the youngest running
+   reach max_tokens), and with speculative decoding a row per drafted token after it (`decode_rows`), growing its
+   block table for them; when the pool is empty it preempts the youngest running
    request (its pages go back to the pool, it returns to the front of the queue and is recomputed by a prefill of
    prompt + generated tokens when readmitted), so a full pool never crashes a step;
 2. gives running requests still prefilling their next chunk within the budget left (oldest first; when pages run
@@ -162,8 +163,9 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """One engine step: `scheduled` requests, each with its rows this step (1: a decode row; else the next
-    `num_tokens` tokens of its prefill), decode rows first; `preempted` lost their pages this step."""
+    """One engine step: `scheduled` requests, each with its rows this step (past its prefill: its decode row and
+    its draft rows, `Scheduler.decode_rows`; else the next `num_tokens` tokens of its prefill), decode rows first;
+    `preempted` lost their pages this step."""
 
     scheduled: tuple[tuple[Request, int], ...]
     preempted: tuple[Request, ...]
@@ -267,7 +269,7 @@ class Scheduler:
         row each (their budget set aside first, so no prefill starves them), prefill chunks within the rest.
         Preemption takes the youngest, never a request scheduled already (those come before it)."""
         preempted: list[Request] = []
-        budget = self.engine.max_num_batched_tokens - sum(map(self._wants_decode_row, self.running))  # for chunks
+        budget = self.engine.max_num_batched_tokens - sum(map(self.decode_rows, self.running))  # for chunks
         scheduled = []
         size = self._tokens_per_block
         for request in list(self.running):
@@ -279,8 +281,8 @@ class Scheduler:
                 n = min(request.prefill_len - request.num_computed, budget)
                 tokens = request.num_computed + n
                 budget -= n
-            elif self._wants_decode_row(request):
-                n, tokens = 1, request.context_len
+            elif n := self.decode_rows(request):
+                tokens = request.context_len + n - 1  # its drafts' rows too
             else:
                 continue
             if -(-tokens // size) > len(request.pages) and not self._reserve(request, tokens, preempted):
@@ -290,9 +292,13 @@ class Scheduler:
             scheduled += self._admit(budget)
         return StepPlan(scheduled=tuple(scheduled), preempted=tuple(preempted))
 
-    @staticmethod
-    def _wants_decode_row(request: Request) -> bool:
-        return not request.is_prefilling and request.num_sampled < request.params.max_tokens
+    def decode_rows(self, request: Request) -> int:
+        """The rows a request past its prefill decodes with this step: one, and one per token drafted for it (up to
+        num_speculative_tokens, while its max_tokens leaves room for them all and the token after); 0 when it
+        has sampled max_tokens (its last token is pending) or is still prefilling."""
+        if request.is_prefilling or request.num_sampled >= request.params.max_tokens:
+            return 0
+        return 1 + min(self.engine.num_speculative_tokens, request.params.max_tokens - request.num_sampled - 1)
 
     def _reserve(self, request: Request, tokens: int, preempted: list[Request]) -> bool:
         """Grow a running request's block table to hold `tokens` tokens, preempting the youngest running requests

@@ -62,23 +62,25 @@ def weight_bytes_per_rank(abstract_params: dict, specs: dict, parallel: Parallel
     return int(sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(per_rank, abstract_params, specs))))
 
 
-def kv_bytes_per_token(cfg: ModelConfig, *, latent_cache: str, index_cache: str, itemsize: int) -> dict[str, int]:
-    """Bytes one cached token takes on the rank that holds it, all layers: its latent and its index key."""
-    layers = cfg.num_hidden_layers
+def kv_bytes_per_token(cfg: ModelConfig, *, latent_cache: str, index_cache: str, itemsize: int,
+                       layers: int | None = None) -> dict[str, int]:
+    """Bytes one cached token takes on the rank that holds it, all `layers` layers (default the decoder layers;
+    `EngineConfig.kv_layers` with the MTP layer's): its latent and its index key."""
+    layers = cfg.num_hidden_layers if layers is None else layers
     return {"latent": layers * latent_bytes(latent_cache, cfg, itemsize),
             "index_k": layers * index_key_bytes(index_cache, cfg.index_head_dim, itemsize)}
 
 
 def pool_pages(free_bytes: float, cfg: ModelConfig, *, page_size: int, latent_cache: str, index_cache: str,
-               itemsize: int, max_num_seqs: int) -> int:
+               itemsize: int, max_num_seqs: int, layers: int | None = None) -> int:
     """Pages (of `page_size` tokens per rank) of the KV pool that fit `free_bytes` of one rank's memory (what
     gpu_memory_utilization leaves after the weights): less WORKSPACE_FRACTION, the sampler state and one layer's
     pools besides. May be <= 0 (nothing fits)."""
     sampler_bytes = (max_num_seqs + 1) * cfg.vocab_size * 5  # int32 counts + bool prompt mask per slot
     free = (1 - WORKSPACE_FRACTION) * free_bytes - sampler_bytes
-    per_token = sum(kv_bytes_per_token(cfg, latent_cache=latent_cache, index_cache=index_cache,
-                                       itemsize=itemsize).values())
-    layers = cfg.num_hidden_layers
+    layers = cfg.num_hidden_layers if layers is None else layers
+    per_token = sum(kv_bytes_per_token(cfg, latent_cache=latent_cache, index_cache=index_cache, itemsize=itemsize,
+                                       layers=layers).values())
     return int(free * layers / (layers + 1) // (per_token * page_size))
 
 

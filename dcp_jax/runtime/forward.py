@@ -24,12 +24,13 @@ from jax.sharding import PartitionSpec as P
 
 from dcp_jax.config import ModelConfig
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import StepInputs, StepMetadata
+from dcp_jax.host.metadata import DRAFT_TOKEN, StepInputs, StepMetadata
 from dcp_jax.model.deepseek_v32 import layer_stacks, merge
 from dcp_jax.model.kv_cache import KV_CACHE_SPECS, KVCache, on_layer
 from dcp_jax.model.rope import cos_sin, rope_tables
 from dcp_jax.runtime import sampler
 from dcp_jax.runtime.sampler import SamplerState
+from dcp_jax.runtime.speculative import verify_groups
 
 # The programs of one bucket: its sampled rows all greedy (no draw); rows that draw (any mix of parameters); drawing,
 # with every row's prompt logprobs; greedy, with the details. The host picks one from the step's rows.
@@ -145,6 +146,8 @@ def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, 
         mtp = merge(mtp_graphdef, mtp_abstract, mtp_params)
     model = merge(graphdef, abstract, params)
     tokens = sampler.row_tokens(state.sampler, inputs.tokens, inputs.row_slots)
+    if mtp is not None:
+        tokens = jnp.where(inputs.tokens == DRAFT_TOKEN, state.drafts[inputs.row_slots], tokens)
     sampler_state = sampler.add_history(state.sampler, tokens, inputs.roles, inputs.row_slots, inputs.fresh_slots)
     rope = cos_sin(md.positions, *rope_tables(cfg))
     hidden, kv_cache, selected = _layers(
@@ -152,16 +155,27 @@ def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, 
         lambda layer, x, latent, index_k, layer_md: layer.attention(x, rope, latent, index_k, layer_md, layout=layout,
                                                                     backend=backend),
         unroll=unroll_layers)
-    logits = model.logits(hidden[inputs.sample_rows])
-    sampled, sampler_state = sampler.sample_rows(logits, inputs.sampling, sampler_state,
-                                                 draws=variant in (SAMPLED, PROMPT_LOGPROBS))
+    draws = variant in (SAMPLED, PROMPT_LOGPROBS)
     drafts, mtp_logits = state.drafts, None
-    if mtp is not None:
-        following = _following_tokens(inputs, sampled.tokens)
-        mtp_hidden, kv_cache = _mtp_rows(model, mtp, model.final_hidden(hidden), following, inputs.is_position_zero,
-                                         rope, kv_cache, md, layout=layout, backend=backend)
-        drafted = jnp.argmax(model.head(mtp_hidden[inputs.sample_rows]), axis=-1).astype(jnp.int32)
-        drafts = drafts.at[inputs.sampling.slots].set(drafted)  # pads: the scratch slot's
+    if mtp is None:
+        logits = model.logits(hidden[inputs.sample_rows])
+        sampled, sampler_state = sampler.sample_rows(logits, inputs.sampling, sampler_state, draws=draws)
+    else:
+        # Groups of G = 2 sampled rows (N = 1 draft; `StepInputs.sample_rows`): each sampling sequence's row of its
+        # last token, then its draft's row (a pad without one).
+        normed = model.final_hidden(hidden)
+        group_rows = inputs.sample_rows.reshape(-1, 2)
+        slots = inputs.sampling.slots[::2]
+        has_draft = inputs.sampling.positions.reshape(-1, 2)[:, 1] > 0
+        verified = jnp.where(has_draft, drafts[slots], -1)[:, None]
+        sampled, accepted, sampler_state = verify_groups(model.head(normed[inputs.sample_rows]), inputs.sampling,
+                                                         sampler_state, verified, draws=draws)
+        following = jnp.maximum(_following_tokens(inputs, sampled.tokens), 0)  # rejected rows: any token
+        mtp_hidden, kv_cache = _mtp_rows(model, mtp, normed, following, inputs.is_position_zero, rope, kv_cache, md,
+                                         layout=layout, backend=backend)
+        last_rows = jnp.take_along_axis(group_rows, accepted[:, None], axis=-1)[:, 0]  # the last emitted's row
+        drafted = jnp.argmax(model.head(mtp_hidden[last_rows]), axis=-1).astype(jnp.int32)
+        drafts = drafts.at[slots].set(drafted)  # pads: the scratch slot's
         if variant == DETAILS:
             mtp_logits = model.head(mtp_hidden)
     new_state = DeviceState(kv_cache, sampler_state, drafts)

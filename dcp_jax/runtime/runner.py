@@ -69,10 +69,12 @@ def step_input_shapes(engine: EngineConfig):
     """rows -> the ShapeDtypeStructs of a bucket's `StepInputs`."""
 
     def shapes(rows: int) -> StepInputs:
-        per_row, per_seq = (jax.ShapeDtypeStruct((n,), jnp.int32) for n in (rows, engine.seqs_for(rows)))
+        samples = engine.seqs_for(rows) * engine.sample_group
+        per_row, per_seq, per_sample = (jax.ShapeDtypeStruct((n,), jnp.int32)
+                                        for n in (rows, engine.seqs_for(rows), samples))
         return StepInputs(tokens=per_row, roles=per_row, row_slots=per_row, next_tokens=per_row,
-                          is_position_zero=per_row, fresh_slots=per_seq,
-                          sample_rows=per_seq, sampling=sampling_shapes(engine.seqs_for(rows)))
+                          is_position_zero=per_row, fresh_slots=per_seq, sample_rows=per_sample,
+                          sampling=sampling_shapes(samples))
 
     return shapes
 
@@ -210,13 +212,13 @@ class ModelRunner:
         bucket = self.engine.bucket_for(rows.num_rows)
         step = self.steps[variant]
         step.compile(self.params, self.state, bucket)  # a no-op once compiled (an engine compiles every one first)
-        if rows.is_decode:  # the steady state: written into the bucket's empty step
+        if rows.is_decode and self.engine.sample_group == 1:  # the steady state: written into the empty step
             placed = step.pack_filled(self._empty_step(step, bucket), functools.partial(
                 fill_decode_rows, rows=rows, layout=self.layout, table=self.sampling_table))
         else:
             placed = step.pack_inputs(*build_step(rows, bucket=bucket, seqs=self.engine.seqs_for(bucket),
                                                   layout=self.layout, max_blocks=self.max_blocks,
-                                                  table=self.sampling_table))
+                                                  table=self.sampling_table, group=self.engine.sample_group))
         outputs, self.state = step.run_placed(self.params, self.state, placed)
         return outputs
 
@@ -227,7 +229,7 @@ class ModelRunner:
             none = ScheduledRows.decode([], [], np.zeros((0, self.max_blocks), np.int32))
             self._empty_steps[bucket] = step.pack_inputs(*build_step(
                 none, bucket=bucket, seqs=self.engine.seqs_for(bucket), layout=self.layout,
-                max_blocks=self.max_blocks, table=self.sampling_table))
+                max_blocks=self.max_blocks, table=self.sampling_table, group=self.engine.sample_group))
         return self._empty_steps[bucket]
 
     # ---- detailed and synchronous (tests) ------------------------------------------------------------------

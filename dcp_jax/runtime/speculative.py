@@ -15,15 +15,19 @@ Letters: R requests, N drafts each, A vocab.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from dcp_jax.runtime.sampler import NEG_INF, row_keys
+from dcp_jax.runtime.sampler import (NEG_INF, TOP_LOGPROBS, SampledTokens, SamplerState, apply_penalties,
+                                     filter_logits, hold_back_stops, row_keys)
 
 
 def accept_drafts(kept_logits, drafts, *, is_greedy, seeds, positions):
     """kept_logits [R, N+1, A] f32: row i's filtered, temperature-scaled logits (-inf where filtered out; a greedy
-    row's any logits: only their argmax counts); drafts [R, N] int32; is_greedy [R] bool; seeds [R, 2] uint32;
+    row's any logits: only their argmax counts); drafts [R, N] int32, -1 past a request's drafts (one with fewer,
+    or none: its row after the last draft emits a plain draw); is_greedy [R] bool; seeds [R, 2] uint32;
     positions [R, N+1] int32: the position of the token each row decides. Returns (accepted [R] int32: how many
     drafts are kept, 0..N; tokens [R, N+1] int32: the kept drafts, then the token after them, then -1)."""
     r, rows, vocab = kept_logits.shape
@@ -40,10 +44,11 @@ def accept_drafts(kept_logits, drafts, *, is_greedy, seeds, positions):
     gumbels = gumbels.reshape(r, rows, vocab)
     probs = jax.nn.softmax(kept_logits, axis=-1)
     argmax = jnp.argmax(kept_logits, axis=-1).astype(jnp.int32)  # [R, N+1]
-    p_draft = jnp.take_along_axis(probs[:, :n], drafts[..., None], axis=-1)[..., 0]  # [R, N]
-    kept = jnp.where(is_greedy[:, None], drafts == argmax[:, :n], uniforms[:, :n] < p_draft)
+    p_draft = jnp.take_along_axis(probs[:, :n], jnp.maximum(drafts, 0)[..., None], axis=-1)[..., 0]  # [R, N]
+    kept = (drafts >= 0) & jnp.where(is_greedy[:, None], drafts == argmax[:, :n], uniforms[:, :n] < p_draft)
     accepted = jnp.sum(jnp.cumprod(kept.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
-    # The token after the kept drafts: at a rejected row, a draw without its draft; at row N, a plain draw.
+    # The token after the kept drafts: at a rejected row, a draw without its draft; at row N or past a request's
+    # drafts (-1 excludes nothing), a plain draw.
     rejected_draft = jnp.concatenate([drafts, jnp.full((r, 1), -1, jnp.int32)], axis=-1)  # row N rejects nothing
     without = jnp.where(jnp.arange(vocab) == rejected_draft[..., None], NEG_INF, kept_logits)
     drawn = jnp.argmax(without + gumbels, axis=-1).astype(jnp.int32)
@@ -54,3 +59,35 @@ def accept_drafts(kept_logits, drafts, *, is_greedy, seeds, positions):
     tokens = jnp.where(index < accepted[:, None], padded_drafts,
                        jnp.where(index == accepted[:, None], last[:, None], -1))
     return accepted, tokens.astype(jnp.int32)
+
+
+def verify_groups(logits, sampling, state: SamplerState, drafts, *, draws: bool):
+    """Each request's group of G = N + 1 sampled rows, flat: logits [S*G, A] f32 (row 0 at its last token, row i at
+    its draft i; rows past a request's drafts are pads), `sampling` (`SamplingMetadata`) per row, drafts [S, N]
+    int32 (-1 past a request's). Each row's logits go through the sampler's min_tokens hold-back, penalties (over
+    the history before the group) and, when `draws`, its filters; `accept_drafts` decides. Returns (SampledTokens
+    per row: the token it emits, -1 past the group's last, with the raw logits' logprobs; accepted [S]; the state
+    with every emitted token counted and each group's last one its slot's last token)."""
+    groups, n = drafts.shape
+    g = n + 1
+    raw_logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, min(TOP_LOGPROBS, logits.shape[-1]))
+    held = hold_back_stops(logits.astype(jnp.float32), sampling.stop_ids, sampling.stops_from, sampling.positions)
+    penalized = apply_penalties(held, state.output_counts[sampling.slots], state.prompt_mask[sampling.slots],
+                                sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty)
+    is_greedy = sampling.temperature <= 0
+    kept = penalized
+    if draws:
+        kept = filter_logits(penalized, jnp.where(is_greedy, 1.0, sampling.temperature), sampling.min_p,
+                             sampling.top_k, sampling.top_p)
+    accepted, tokens = accept_drafts(kept.reshape(groups, g, -1), drafts, is_greedy=is_greedy[::g],
+                                     seeds=sampling.seeds[::g], positions=sampling.positions.reshape(groups, g))
+    flat = tokens.reshape(-1)
+    logprobs = jnp.take_along_axis(raw_logprobs, jnp.maximum(flat, 0)[:, None], axis=-1)[:, 0]
+    last = jnp.take_along_axis(tokens, accepted[:, None], axis=-1)[:, 0]
+    vocab = logits.shape[-1]
+    state = dataclasses.replace(
+        state, last_tokens=state.last_tokens.at[sampling.slots[::g]].set(last),
+        output_counts=state.output_counts.at[sampling.slots, jnp.where(flat >= 0, flat, vocab)].add(1, mode="drop"))
+    return SampledTokens(flat, logprobs, top_ids.astype(jnp.int32), top_logprobs), accepted, state
+

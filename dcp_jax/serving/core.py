@@ -47,6 +47,7 @@ class _Dispatched:
     samplers: list[Request]
     outputs: object  # SampledTokens packed, or (that, PromptLogprobs)
     logprob_chunks: list[tuple[Request, int, int, int]]
+    drafts: list[int] = dataclasses.field(default_factory=list)  # drafted tokens of each verify group with some
 
 
 class ServingCore:
@@ -56,7 +57,10 @@ class ServingCore:
                  metrics: ServingMetrics | None = None, async_scheduling: bool = True):
         self.runner, self.scheduler = runner, scheduler
         self.vocab_size, self.seed, self.has_prompt_logprobs = vocab_size, seed, has_prompt_logprobs
-        self.async_scheduling = async_scheduling
+        # Speculative decoding (the MTP layer drafts) schedules synchronously: a step's rows depend on how many
+        # drafts the step before kept.
+        self.drafts = bool(runner.engine.num_speculative_tokens)
+        self.async_scheduling = async_scheduling and not self.drafts
         self.metrics = metrics or ServingMetrics()
         self._numbers = itertools.count()
         self._in_flight: list[_Dispatched] = []
@@ -72,6 +76,9 @@ class ServingCore:
             raise ValueError(f"the prompt has token ids outside [0, {self.vocab_size})")
         if prompt_logprobs is not None and not self.has_prompt_logprobs:
             raise ValueError("this engine was started without prompt logprobs")
+        if self.drafts and (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1):
+            raise ValueError("presence_penalty, frequency_penalty and repetition_penalty are not supported with "
+                             "speculative decoding yet")
         held = len(params.stop_token_ids) + (not params.ignore_eos)
         if params.min_tokens and held > MIN_TOKENS_STOP_IDS:
             raise ValueError(f"min_tokens holds back at most {MIN_TOKENS_STOP_IDS} stop tokens (EOS included), got "
@@ -145,12 +152,15 @@ class ServingCore:
         """One step: decode rows (one numpy gather of their tables) then prefill chunks; marks them dispatched. A
         request whose chunk fails to build fails alone and stays out of the step (None: nothing left to run)."""
         sched, runner = self.scheduler, self.runner
-        decodes = [r for r, _ in scheduled if not r.is_prefilling]
+        decodes = [(r, n) for r, n in scheduled if not r.is_prefilling]
         parts = []
         if decodes:
-            parts.append(ScheduledRows.decode([r.slot for r in decodes], [r.context_len for r in decodes],
-                                              sched.block_tables_of(decodes)))
-        samplers, logprob_chunks, row = list(decodes), [], len(decodes)
+            requests = [r for r, _ in decodes]
+            slots, lens, tables = [r.slot for r in requests], [r.context_len for r in requests], \
+                sched.block_tables_of(requests)
+            parts.append(ScheduledRows.verify(slots, lens, [n - 1 for _, n in decodes], tables) if self.drafts
+                         else ScheduledRows.decode(slots, lens, tables))
+        samplers, logprob_chunks, row = [r for r, _ in decodes], [], sum(n for _, n in decodes)
         chunks = []
         for request, n in scheduled:
             if not request.is_prefilling:
@@ -173,9 +183,9 @@ class ServingCore:
             return None
         variant = step_variant([r.params for r in samplers], prompt_logprobs=bool(logprob_chunks))
         outputs = runner.dispatch(ScheduledRows.concat(parts), variant)
-        for request, n in [*((r, 1) for r in decodes), *chunks]:
+        for request, n in [*decodes, *chunks]:
             sched.mark_dispatched(request, n)
-        return _Dispatched(samplers, outputs, logprob_chunks)
+        return _Dispatched(samplers, outputs, logprob_chunks, [n - 1 for _, n in decodes if n > 1])
 
     def _chunk_rows(self, request: Request, n: int) -> ScheduledRows:
         """The rows of the next prefill chunk of `request`, [first, first + n): prompt tokens, then (resumed)
@@ -211,16 +221,23 @@ class ServingCore:
                 self._record_prompt_logprobs(request, prompt_lps, first, n, row)
             sampled = sampler.unpack(packed)
             tokens = sampled.tokens.tolist()
-            counted = 0
-            for row, request in enumerate(d.samplers):
-                try:
-                    counted += self._apply(request, tokens[row], sampled, row)
+            counted, group = 0, self.runner.engine.sample_group
+            for index, request in enumerate(d.samplers):
+                first = index * group
+                try:  # a verify group emits its kept drafts and the token after them (-1 past them)
+                    for row in range(first, first + group):
+                        if tokens[row] < 0 or (row > first and request.is_finished):
+                            break
+                        counted += self._apply(request, tokens[row], sampled, row)
                 except Exception as e:
                     log.exception("applying the token of %s failed", request.request_id)
                     self.scheduler.fail(request, f"token handling failed: {e}")
                 applied.append(request)
             if counted:
                 self.metrics.on_tokens(counted)
+            if d.drafts:
+                emitted = sum(tokens[row] >= 0 for row in range(len(d.samplers) * group))
+                self.metrics.on_drafts(len(d.drafts), sum(d.drafts), accepted=emitted - len(d.samplers))
         return applied
 
     @staticmethod

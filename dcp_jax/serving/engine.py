@@ -68,7 +68,8 @@ class EngineStoppedError(RuntimeError):
 class Engine:
     """A continuous-batching server engine over one model on `tp` devices (KV split over `dcp` ranks).
 
-    model: a preset name (random weights; `tiny` is the embedded default) or a HF checkpoint directory.
+    model: a preset name (random weights; `tiny` is the embedded default), a shipped checkpoint's name or a HF
+    checkpoint directory.
     max_model_len: None takes the model's max_position_embeddings, capped by what the KV pool holds.
     prompt_logprobs: also compile the programs that return every row's logprobs, so requests may ask for prompt
     logprobs (echo).
@@ -89,6 +90,8 @@ class Engine:
     (`host/page_allocator.py`; vLLM's name).
     enable_expert_parallel: split the routed experts whole over the tp ranks, each rank running only the tokens
     routed to its experts (vLLM's name); by default every rank runs every expert on its slice of their width.
+    speculative_config: {"method": "mtp", "num_speculative_tokens": 1} (vLLM's): the model's MTP layer drafts,
+    the next step verifies (steps then run synchronously).
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
@@ -100,7 +103,7 @@ class Engine:
                  enable_prefix_caching: bool = False, prompt_logprobs: bool = True,
                  compilation_cache_dir: str | None = None, progress: bool = True,
                  enable_expert_parallel: bool = False, quantization: str = "auto", unroll_layers: bool = False,
-                 hf_overrides: dict | None = None):
+                 hf_overrides: dict | None = None, speculative_config: dict | None = None):
         import jax
 
         if compilation_cache_dir:
@@ -113,7 +116,8 @@ class Engine:
                             latent_cache=latent_cache, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                             max_num_batched_tokens=max_num_batched_tokens,
                             enable_expert_parallel=enable_expert_parallel, quantization=quantization,
-                            unroll_layers=unroll_layers, hf_overrides=hf_overrides)
+                            unroll_layers=unroll_layers, hf_overrides=hf_overrides,
+                            speculative_config=speculative_config)
         self.model_name, self.dtype = loaded.name, loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend

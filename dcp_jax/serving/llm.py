@@ -51,7 +51,8 @@ class RequestOutput:
 class LLM:
     """A DeepSeek-V3.2 model on `tp` devices (default `dcp`), KV split over DCP groups of `dcp` ranks.
 
-    model: a preset name (`tiny`, `deepseek-v3.2`, `glm-5`; random weights) or a HF checkpoint directory.
+    model: a preset name (`tiny`, `deepseek-v3.2`, `glm-5`; random weights), a shipped checkpoint's name or a HF
+    checkpoint directory.
     max_model_len: None takes the model's max_position_embeddings, capped by what the KV pool holds.
     index_cache: the indexer key cache, "exact" (model dtype, HF's math) or "fp8" (e4m3 keys and an f32 scale per
     token, scored with fp8 queries).
@@ -69,6 +70,9 @@ class LLM:
     enable_expert_parallel: split the routed experts whole over the tp ranks, each rank running only the tokens
     routed to its experts (vLLM's name); by default every rank runs every expert on its slice of their width.
     hf_overrides: config.json fields to replace (vLLM's name), e.g. {"index_topk": 4096}.
+    speculative_config: {"method": "mtp", "num_speculative_tokens": 1} (vLLM's): the model's MTP layer drafts a
+    token per request and step, verified in the next (greedy outputs unchanged; sampled ones distributed as the
+    model's); steps then run synchronously.
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
@@ -78,14 +82,15 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, async_scheduling: bool = True,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, enable_prefix_caching: bool = False,
                  enable_expert_parallel: bool = False, quantization: str = "auto", unroll_layers: bool = False,
-                 hf_overrides: dict | None = None):
+                 hf_overrides: dict | None = None, speculative_config: dict | None = None):
         loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len, kernels=kernels, seed=seed,
                             num_layers=num_layers, index_cache=index_cache, latent_cache=latent_cache, dtype=dtype,
                             gpu_memory_utilization=gpu_memory_utilization,
                             max_num_batched_tokens=max_num_batched_tokens,
                             enable_expert_parallel=enable_expert_parallel, quantization=quantization,
-                            unroll_layers=unroll_layers, hf_overrides=hf_overrides)
+                            unroll_layers=unroll_layers, hf_overrides=hf_overrides,
+                            speculative_config=speculative_config)
         self.dtype = loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend

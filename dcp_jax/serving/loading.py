@@ -9,8 +9,8 @@ import os
 from collections.abc import Sequence
 
 from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, KERNEL_CHOICES, PRESETS,
-                            QUANTIZATION_CHOICES, EngineConfig, ModelConfig, ParallelConfig, model_directory, preset,
-                            resolve_dtype, unknown_model)
+                            QUANTIZATION_CHOICES, EngineConfig, ModelConfig, ParallelConfig, model_directory,
+                            num_speculative_tokens, preset, resolve_dtype, unknown_model)
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.runtime.xla_flags import apply_gpu_flags, flags_not_applied
 from dcp_jax.serving.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -78,7 +78,7 @@ def device_budget(stats: dict, gpu_memory_utilization: float) -> float:
 
 
 def pool_pages_from_memory(cfg: ModelConfig, layout: DcpLayout, *, dtype: str, index_cache: str, latent_cache: str,
-                           gpu_memory_utilization: float, max_num_seqs: int) -> int | None:
+                           gpu_memory_utilization: float, max_num_seqs: int, layers: int | None = None) -> int | None:
     """KV pages that fit a device's memory after what is in use (the placed weights), by the memory plan's
     arithmetic (`memory_plan.pool_pages`). None when the device reports no memory statistics (CPU)."""
     import jax
@@ -92,12 +92,12 @@ def pool_pages_from_memory(cfg: ModelConfig, layout: DcpLayout, *, dtype: str, i
     budget = device_budget(stats, gpu_memory_utilization)
     itemsize = np.dtype(dtype).itemsize
     pages = pool_pages(budget, cfg, page_size=layout.page_size, latent_cache=latent_cache, index_cache=index_cache,
-                       itemsize=itemsize, max_num_seqs=max_num_seqs)
+                       itemsize=itemsize, max_num_seqs=max_num_seqs, layers=layers)
     if pages < 1:
         raise ValueError(f"no KV page fits: {budget / 2**30:.1f} GiB left at gpu_memory_utilization="
                          f"{gpu_memory_utilization} after the weights")
-    per_token = sum(kv_bytes_per_token(cfg, latent_cache=latent_cache, index_cache=index_cache,
-                                       itemsize=itemsize).values())
+    per_token = sum(kv_bytes_per_token(cfg, latent_cache=latent_cache, index_cache=index_cache, itemsize=itemsize,
+                                       layers=layers).values())
     log.info("KV pool from memory: %d pages = %d tokens over dcp=%d (%.1f GiB per rank)", pages,
              pages * layout.tokens_per_block, layout.dcp_size, pages * layout.page_size * per_token / 2**30)
     return pages
@@ -136,7 +136,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
                latent_cache: str = "exact", dtype: str = "auto", gpu_memory_utilization: float = 0.9,
                max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                enable_expert_parallel: bool = False, quantization: str = "auto",
-               unroll_layers: bool = False, hf_overrides: dict | None = None) -> LoadedModel:
+               unroll_layers: bool = False, hf_overrides: dict | None = None,
+               speculative_config: dict | None = None) -> LoadedModel:
     """Validate the arguments, then load weights (an HF directory) or draw random ones (a preset), placed on a
     (tp/dcp, dcp) mesh; on CPU `tp` simulated devices are used. `dtype` (`config.DTYPE_CHOICES`): the weights',
     activations' and exact caches' dtype; auto is the checkpoint's (bfloat16 for presets). `max_model_len` None:
@@ -150,7 +151,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     (`config.QUANTIZATION_CHOICES`): auto keeps a block fp8 checkpoint's fp8 weights in fp8 (`dtype` stays the
     activations' and the rest's), none dequantizes them into `dtype`. `hf_overrides` (vLLM's name): config.json
     fields replaced before anything loads (`apply_hf_overrides`), e.g. {"index_topk": 16384} attends densely up
-    to 16K tokens."""
+    to 16K tokens. `speculative_config` (vLLM's): {"method": "mtp", "num_speculative_tokens": 1} drafts with the
+    model's MTP layer (`config.num_speculative_tokens`; a checkpoint's, or a preset's random one)."""
     parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave,
                               enable_expert_parallel=enable_expert_parallel)
     layout = DcpLayout(parallel.dcp, parallel.interleave, page_size)
@@ -158,9 +160,10 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
         raise ValueError(f"unknown kernels {kernels!r}; choose from {KERNEL_CHOICES}")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
-    if not max_num_seqs <= max_num_batched_tokens:
-        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs={max_num_seqs} "
-                         f"(every running request may decode in one step)")
+    drafts = num_speculative_tokens(speculative_config)
+    if not max_num_seqs * (drafts + 1) <= max_num_batched_tokens:
+        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs={max_num_seqs} x "
+                         f"{drafts + 1} (every running request may decode in one step, with its drafts)")
     directory = model_directory(model)
     is_dir = directory is not None
     if not is_dir and model not in PRESETS:
@@ -171,6 +174,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
         if not 1 <= num_layers <= cfg.num_hidden_layers:
             raise ValueError(f"{num_layers=} must be in [1, {cfg.num_hidden_layers}] (the checkpoint's layers)")
         cfg = dataclasses.replace(cfg, num_hidden_layers=num_layers)
+    if drafts and cfg.num_nextn_predict_layers < 1:
+        raise ValueError(f"speculative_config: model {model!r} has no MTP layer (num_nextn_predict_layers is 0)")
     dtype = resolve_dtype(dtype, cfg)
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization={quantization!r} must be one of {QUANTIZATION_CHOICES}")
@@ -192,7 +197,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, param_specs
     from dcp_jax.model.fp8_linear import weight_block
     from dcp_jax.model.mesh import make_mesh, sharding
-    from dcp_jax.model.weights import load_hf_params
+    from dcp_jax.model.mtp import init_mtp_params
+    from dcp_jax.model.weights import load_hf_params, load_mtp_params
     from dcp_jax.runtime.runner import ModelRunner
 
     check_divisible(cfg, parallel.tp, expert_parallel=enable_expert_parallel)
@@ -206,17 +212,22 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     specs = param_specs(nnx.to_pure_dict(abstract_model(cfg, jnp.dtype(dtype), weight_block(params))[1]),
                         expert_parallel=enable_expert_parallel)
     params = jax.device_put(params, jax.tree.map(lambda spec: sharding(mesh, spec), specs))
+    mtp_params = None
+    if drafts:
+        mtp_params = load_mtp_params(cfg, directory) if is_dir else init_mtp_params(cfg, seed + 1)
+        mtp_params = jax.tree.map(lambda a: jnp.asarray(a, dtype), mtp_params)
     if num_pages is None:
         num_pages = pool_pages_from_memory(cfg, layout, dtype=dtype, index_cache=index_cache,
                                            latent_cache=latent_cache, gpu_memory_utilization=gpu_memory_utilization,
-                                           max_num_seqs=max_num_seqs)
+                                           max_num_seqs=max_num_seqs,
+                                           layers=cfg.num_hidden_layers + (1 if drafts else 0))
     max_model_len = resolve_max_model_len(cfg, layout, max_model_len, num_pages)
     if num_pages is None:
         num_pages = max_num_seqs * int(layout.virtual_blocks(max_model_len))
     engine = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                           max_model_len=max_model_len, bucket_ladder=tuple(bucket_ladder),
                           max_num_batched_tokens=max_num_batched_tokens, index_cache=index_cache,
-                          latent_cache=latent_cache)
+                          latent_cache=latent_cache, num_speculative_tokens=drafts)
     log.info("max_model_len %d, %d KV pages (%d tokens), dtype %s", max_model_len, num_pages,
              num_pages * layout.tokens_per_block, dtype)
     return LoadedModel(
@@ -226,7 +237,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
         engine=engine,
         tokenizer=load_tokenizer(directory, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id),
         runner=ModelRunner(cfg, params, parallel, engine, mesh, kernel_backend(kernels), dtype=jnp.dtype(dtype),
-                           unroll_layers=unroll_layers),
+                           unroll_layers=unroll_layers, mtp_params=mtp_params),
         backend=jax.default_backend(),
         dtype=dtype,
     )

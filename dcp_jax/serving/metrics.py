@@ -1,7 +1,7 @@
 """Serving metrics through `prometheus_client` (no jax), in a registry of their own per engine.
 
 The engine thread records events as they happen: admitted prompts, prefills (the prefix cache's queries and hits,
-in tokens), generated tokens, first tokens, preemptions,
+in tokens), generated tokens, first tokens, speculative decoding's drafted and kept tokens, preemptions,
 KV cache resets, and each request's end (finished or aborted: its reason, end-to-end latency and time per output
 token). The queue gauges are set after every change the loop makes; the KV pool and the compile counts are read
 from a callback when /metrics is scraped. Every metric is named `dcp_jax_*`; counters get `_total` from the
@@ -76,9 +76,21 @@ class ServingMetrics:
                                  ["finish_reason"], registry=registry)
         for reason in FINISH_REASONS:
             self._finished.labels(reason)
+        self._spec_drafts = Counter(f"{p}_spec_decode_num_drafts", "Verify groups of requests with drafted tokens "
+                                    "(speculative decoding).", registry=registry)
+        self._spec_draft_tokens = Counter(f"{p}_spec_decode_num_draft_tokens", "Drafted tokens verified.",
+                                          registry=registry)
+        self._spec_accepted_tokens = Counter(f"{p}_spec_decode_num_accepted_tokens", "Drafted tokens kept.",
+                                             registry=registry)
+        self._spec_acceptance = Gauge(f"{p}_spec_decode_acceptance_rate", "Drafted tokens kept per drafted token, "
+                                      "since start.", registry=registry)
+        self._spec_mean_length = Gauge(f"{p}_spec_decode_mean_accepted_length", "Tokens a verify group emits on "
+                                       "average (its kept drafts and the token after them), since start.",
+                                       registry=registry)
         self._running = Gauge(f"{p}_running_requests", "Requests in the running batch.", registry=registry)
         self._waiting = Gauge(f"{p}_waiting_requests", "Requests waiting for admission.", registry=registry)
         self._lock = threading.Lock()
+        self._spec_totals = [0, 0, 0]  # verify groups, drafted tokens, kept ones
         self._window_s = window_s
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens)
         if live is not None:
@@ -110,6 +122,17 @@ class ServingMetrics:
         self._e2e.observe(e2e_s)
         if output_tokens > 1:
             self._tpot.observe(decode_s / (output_tokens - 1))
+
+    def on_drafts(self, groups: int, draft_tokens: int, accepted: int) -> None:
+        """A step verified `draft_tokens` drafted tokens in `groups` verify groups and kept `accepted`."""
+        self._spec_drafts.inc(groups)
+        self._spec_draft_tokens.inc(draft_tokens)
+        self._spec_accepted_tokens.inc(accepted)
+        with self._lock:
+            self._spec_totals = [t + n for t, n in zip(self._spec_totals, (groups, draft_tokens, accepted))]
+            verified, drafted, kept = self._spec_totals
+        self._spec_acceptance.set(kept / drafted)
+        self._spec_mean_length.set(1 + kept / verified)
 
     def on_preempt(self, count: int) -> None:
         self._preemptions.inc(count)

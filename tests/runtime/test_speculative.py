@@ -75,3 +75,18 @@ def test_rows_mixing_greedy_and_sampled_requests_and_bad_shapes():
     with pytest.raises(ValueError, match="expected"):
         accept_drafts(jnp.asarray(logits), jnp.array([1, 1], jnp.int32), is_greedy=jnp.array([True, False]),
                       seeds=seeds, positions=positions)
+
+
+def test_a_request_with_fewer_drafts_emits_a_plain_draw_after_them():
+    """-1 drafts (a request near its max_tokens, or a prefill's sampled row): never kept; the row after the last
+    real draft emits the target's own draw (the argmax when greedy), nothing excluded."""
+    logits = np.log(np.array([[0.1, 0.6, 0.2, 0.1], [0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]]))
+    for drafts, accepted, tokens in (([-1, -1], 0, [1, -1, -1]), ([1, -1], 1, [1, 0, -1]),
+                                     ([2, -1], 0, [1, -1, -1])):
+        got_accepted, got_tokens = verify(logits, drafts, greedy=True, seeds=[0])
+        assert got_accepted.tolist() == [accepted] and got_tokens.tolist() == [tokens], drafts
+    p = np.array([[0.5, 0.3, 0.2, 0.0], [0.1, 0.2, 0.3, 0.4]])
+    logits = np.log(np.where(p > 0, p, 1e-30)).astype(np.float32)
+    accepted, tokens = verify(logits, [-1], greedy=False, seeds=np.arange(20000))
+    assert (accepted == 0).all()
+    assert_distributed_as(tokens[:, 0], p[0], 4)
