@@ -13,6 +13,7 @@ builds the real decode step of `runtime.forward.step_body` (random weights of a 
 latents and index keys in the grid's latent and index cache formats, host-built metadata), compiles each bucket
 once, and times it after warm-up inside `jax.no_tracing()` with a compile counter: step latency, pipelined steps and the
 program alone (`time_steps`). Beside it, same pool and same metadata:
+- `tbo` (`--tbo`): the same step with two-batch overlap (each layer's attention as two micro-batches);
 - `fallback`: the same step with the local lengths re-derived on device from the global ones
   (`runtime.jaxpr_check.local_context_lens_on_device`) - the failure mode the design forbids;
 - stage-isolating variants `through_<stage>` (see `STAGES`): each layer runs the attention data flow of
@@ -145,9 +146,11 @@ def fallback_decode_body(params, state: DeviceState, inputs, md, *, layout: DcpL
 
 
 def variant_body(variant: str) -> Callable:
-    """'host' (the real step), 'fallback', or 'through_<stage>'."""
+    """'host' (the real step), 'tbo' (the real step with two-batch overlap), 'fallback', or 'through_<stage>'."""
     if variant == "host":
         return step_body
+    if variant == "tbo":
+        return functools.partial(step_body, micro_batches=2)
     if variant == "fallback":
         return fallback_decode_body
     if variant.startswith("through_") and variant[len("through_"):] in STAGES + ("mlp",):
@@ -205,6 +208,7 @@ class Grid:
     index_cache: str = "exact"
     latent_cache: str = "exact"
     fallback: bool = True
+    tbo: bool = False
     expert_parallel: bool = False
     device_memory_gb: float | None = None
     seed: int = 0
@@ -226,7 +230,7 @@ class Grid:
                             index_cache=self.index_cache, latent_cache=self.latent_cache)
 
     def variants(self, batch: int) -> tuple[str, ...]:
-        out = ("host",) + (("fallback",) if self.fallback else ())
+        out = ("host",) + (("tbo",) if self.tbo else ()) + (("fallback",) if self.fallback else ())
         if batch in self.breakdown_batches:
             out += tuple(f"through_{s}" for s in STAGES)
         return out
@@ -370,12 +374,15 @@ def num_points(grid: Grid, sizes: list[int]) -> int:
 
 
 def work_items(grid: Grid) -> list[tuple[int, str, str]]:
-    """(batch, kernels, variant) in the order they run for each DCP size: every host step first, then the
-    fallbacks, then the stage variants, so a --budget-s cut drops the least important ones."""
+    """(batch, kernels, variant) in the order they run for each DCP size: every host step first, then the TBO
+    ones, the fallbacks, then the stage variants, so a --budget-s cut drops the least important ones."""
     items = [(b, k, "host") for b in grid.batches for k in grid.kernels]
+    if grid.tbo:
+        items += [(b, k, "tbo") for b in grid.batches for k in grid.kernels]
     if grid.fallback:
         items += [(b, k, "fallback") for b in grid.batches for k in grid.kernels]
-    items += [(b, k, v) for b in grid.batches for k in grid.kernels for v in grid.variants(b)[1 + grid.fallback:]]
+    first_stage = 1 + grid.tbo + grid.fallback
+    items += [(b, k, v) for b in grid.batches for k in grid.kernels for v in grid.variants(b)[first_stage:]]
     return items
 
 
@@ -566,6 +573,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--breakdown-batches", type=lambda t: () if t == "none" else _ints(t),
                         default=d.breakdown_batches, help="batches that get the stage breakdown ('none': skip it)")
     parser.add_argument("--no-fallback", dest="fallback", action="store_false", help="skip the fallback variant")
+    parser.add_argument("--tbo", action="store_true", help="also time the step with two-batch overlap (`tbo`)")
     parser.add_argument("--enable-expert-parallel", dest="expert_parallel", action="store_true",
                         help="routed experts split whole over the ranks (default: along their width)")
     parser.add_argument("--steps", type=int, default=d.steps, help="timed steps per point")
@@ -597,6 +605,7 @@ def grid_from_args(args: argparse.Namespace) -> Grid:
                 batches=args.batches, kernels=args.kernels, breakdown_batches=args.breakdown_batches,
                 steps=args.steps, warmup=args.warmup, page_size=args.page_size, interleave=args.interleave,
                 dtype=args.dtype, index_cache=args.index_cache, latent_cache=args.latent_cache, fallback=args.fallback,
+                tbo=args.tbo,
                 expert_parallel=args.expert_parallel, device_memory_gb=args.device_memory_gb, seed=args.seed)
 
 

@@ -96,7 +96,7 @@ def generate(args: argparse.Namespace) -> int:
                   enable_prefix_caching=args.enable_prefix_caching,
                   enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
                   unroll_layers=args.unroll_layers, hf_overrides=args.hf_overrides,
-                  speculative_config=args.speculative_config)
+                  speculative_config=args.speculative_config, enable_tbo=args.enable_tbo)
         outputs = llm.generate(args.prompt, params, use_tqdm=True)
     except ValueError as e:
         print(f"dcp-jax generate: {e}", file=sys.stderr)
@@ -159,6 +159,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--unroll-layers", action="store_true", help=UNROLL_LAYERS_HELP)
     s.add_argument("--hf-overrides", type=_json_object, default=None, help=HF_OVERRIDES_HELP)
     s.add_argument("--speculative-config", type=_json_object, default=None, help=SPECULATIVE_HELP)
+    s.add_argument("--enable-tbo", action="store_true", help=TBO_HELP)
     s.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
     s.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
     s.add_argument("--seed", type=int, default=0, help="weights seed of a preset; default sampling seed")
@@ -167,6 +168,8 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
 
 
 HF_OVERRIDES_HELP = "config.json fields to replace, a JSON object (e.g. '{\"index_topk\": 16384}')"
+TBO_HELP = ("two-batch overlap: each layer's attention runs as two micro-batches of the step's rows, one's "
+            "collectives beside the other's compute")
 SPECULATIVE_HELP = ("speculative decoding with the model's MTP layer, a JSON object: "
                     "'{\"method\": \"mtp\", \"num_speculative_tokens\": 1}' (steps then run synchronously)")
 
@@ -232,7 +235,7 @@ def serve(args: argparse.Namespace) -> int:
                       compilation_cache_dir=args.compilation_cache_dir,
                       enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
                       unroll_layers=args.unroll_layers, hf_overrides=args.hf_overrides,
-                      speculative_config=args.speculative_config)
+                      speculative_config=args.speculative_config, enable_tbo=args.enable_tbo)
 
     def ready(engine):
         config = engine.engine_config
@@ -339,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--unroll-layers", action="store_true", help=UNROLL_LAYERS_HELP)
     g.add_argument("--hf-overrides", type=_json_object, default=None, help=HF_OVERRIDES_HELP)
     g.add_argument("--speculative-config", type=_json_object, default=None, help=SPECULATIVE_HELP)
+    g.add_argument("--enable-tbo", action="store_true", help=TBO_HELP)
     g.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
     g.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
     g.set_defaults(run=generate)

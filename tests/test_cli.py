@@ -216,3 +216,10 @@ def test_generate_names_a_bad_model_directory_in_one_line(tmp_path, capsys, cont
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"dcp-jax generate: {tmp_path / 'config.json'}: ") and message in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_enable_tbo_parses_on_generate_and_serve(command):
+    parser = cli.build_parser()
+    assert parser.parse_args(command).enable_tbo is False
+    assert parser.parse_args(command + ["--enable-tbo"]).enable_tbo is True

@@ -61,12 +61,13 @@ class Attention(nnx.Module):
         fields = dataclasses.fields(AttentionParams)
         return AttentionParams(**{f.name: getattr(self, f.name).get_value() for f in fields})
 
-    def __call__(self, x, rope, kv_cache, index_cache, md, *, layout: DcpLayout, backend: str):
+    def __call__(self, x, rope, kv_cache, index_cache, md, *, layout: DcpLayout, backend: str,
+                 micro_batches: int = 1):
         """Per rank: the sparse DCP attention layer of `attention/sparse_dcp.py` on these weights (x [R, D] the step's
-        rows, md the rank's view of its StepMetadata). Returns (output [R, D] summed over TP ranks, kv_cache,
-        index_cache, selected [R, K])."""
+        rows, md the rank's view of its StepMetadata; `micro_batches` 2: two-batch overlap). Returns (output [R, D]
+        summed over TP ranks, kv_cache, index_cache, selected [R, K])."""
         return sparse_dcp_attention(self.params(), x, kv_cache, index_cache, rope, md, cfg=self.cfg, layout=layout,
-                                    backend=backend)
+                                    backend=backend, micro_batches=micro_batches)
 
 
 class DecoderLayer(nnx.Module):

@@ -134,12 +134,14 @@ def _following_tokens(inputs: StepInputs, sampled_tokens):
 
 def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, *, graphdef, abstract,
               cfg: ModelConfig, layout: DcpLayout, backend: str, variant: str, unroll_layers: bool = False,
-              mtp_graphdef=None, mtp_abstract=None):
+              mtp_graphdef=None, mtp_abstract=None, micro_batches: int = 1):
     """Per rank: inputs and md the rank's view of the step's data; `variant` one of VARIANTS. Returns (the sampled
     tokens packed (`sampler.pack`); with PromptLogprobs too; or SampledTokens and Details for DETAILS; the new
     DeviceState). Pad rows read and write no KV and join the scratch slot's history. The layers run as one scan per
     layer stack (`_layers`), unrolled when `unroll_layers`. With `mtp_graphdef` and `mtp_abstract` (an
-    `MtpLayer`'s), `params` is (the model's, the MTP layer's) and the MTP layer drafts (`_mtp_rows`)."""
+    `MtpLayer`'s), `params` is (the model's, the MTP layer's) and the MTP layer drafts (`_mtp_rows`).
+    `micro_batches` 2: each layer's attention runs as two micro-batches (two-batch overlap,
+    `sparse_dcp.sparse_dcp_attention`)."""
     mtp = None
     if mtp_graphdef is not None:
         params, mtp_params = params
@@ -153,7 +155,7 @@ def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, 
     hidden, kv_cache, selected = _layers(
         model, cfg, state.kv_cache, model.embed_tokens(tokens), md,
         lambda layer, x, latent, index_k, layer_md: layer.attention(x, rope, latent, index_k, layer_md, layout=layout,
-                                                                    backend=backend),
+                                                                    backend=backend, micro_batches=micro_batches),
         unroll=unroll_layers)
     draws = variant in (SAMPLED, PROMPT_LOGPROBS)
     drafts, mtp_logits = state.drafts, None

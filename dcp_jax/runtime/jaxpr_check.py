@@ -1,7 +1,8 @@
 """Static check on a traced program: does anything derive from the global positions or lengths?
 
 The host hands every program per-rank local lengths. Global positions may only become RoPE angles: converted to a
-float, broadcast, scaled (mul) and ended by cos/sin, whose outputs are free to use. `length_derivations`
+float, broadcast, scaled (mul) and ended by cos/sin, whose outputs are free to use; and they may be moved unchanged
+(a static slice: a micro-batch's rows), the moved values followed as the originals. `length_derivations`
 follows every value computed from the global inputs through the jaxpr, into sub-jaxprs (jit, shard_map,
 control flow), whatever its dtype, and reports every other operation applied to one: the "fallback"
 arithmetic (floordiv, mul, sub, clamp, ...), a comparison mask, a float round trip, a reduction.
@@ -18,8 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-# The RoPE angle path: positions -> float -> broadcast -> * inv_freq; cos/sin end it.
-_ROPE_PATH = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "mul", "copy"})
+# The RoPE angle path: positions -> float -> broadcast -> * inv_freq; cos/sin end it. A static slice (a micro-batch's
+# rows) moves values without deriving any.
+_ROPE_PATH = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "mul", "copy",
+                        "slice"})
 _ROPE_END = frozenset({"cos", "sin"})
 
 

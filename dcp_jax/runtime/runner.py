@@ -80,10 +80,12 @@ def step_input_shapes(engine: EngineConfig):
 
 
 def step_programs(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh, backend: str, *,
-                  graphdef, abstract, mtp=None, unroll_layers: bool = False) -> dict[str, StepProgram]:
+                  graphdef, abstract, mtp=None, unroll_layers: bool = False,
+                  enable_tbo: bool = False) -> dict[str, StepProgram]:
     """The step program of every variant (`forward.VARIANTS`) of a model (`abstract_model`'s graphdef and abstract
     state; with `mtp`, `abstract_mtp`'s, the programs draft with the MTP layer and take (model, MTP layer) params),
-    one compiled program per bucket each; nothing is placed or compiled yet."""
+    one compiled program per bucket each; nothing is placed or compiled yet. `enable_tbo`: each layer's attention
+    runs as two micro-batches of the step's rows (two-batch overlap)."""
     layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
     specs = param_specs(nnx.to_pure_dict(abstract), expert_parallel=parallel.enable_expert_parallel)
     mtp_graphdef, mtp_abstract = mtp or (None, None)
@@ -93,7 +95,8 @@ def step_programs(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConf
         variant: StepProgram(
             functools.partial(step_body, graphdef=graphdef, abstract=abstract, cfg=cfg, layout=layout,
                               backend=backend, variant=variant, unroll_layers=unroll_layers,
-                              mtp_graphdef=mtp_graphdef, mtp_abstract=mtp_abstract),
+                              mtp_graphdef=mtp_graphdef, mtp_abstract=mtp_abstract,
+                              micro_batches=2 if enable_tbo else 1),
             mesh, buckets=engine.buckets, seqs_for=engine.seqs_for, layout=layout,
             max_blocks=engine.max_blocks_per_seq(parallel.dcp), num_pages=engine.num_pages, param_specs=specs,
             input_specs=REPLICATED, output_specs=REPLICATED, state_specs=state_specs(drafts=mtp is not None),
@@ -136,10 +139,12 @@ class ModelRunner:
     `reset_state` allocates a fresh zeroed one (every context it held is lost). `backend` names the kernels'
     implementation (`pallas_kernels.BACKENDS`); `dtype` is the weights' (block fp8 ones apart: `fp8_linear`) and
     the exact caches' dtype. Each layer stack compiles once (`forward._layers`); `unroll_layers` unrolls it (one copy
-    per layer: start-up grows with depth, the step runs faster; docs/performance.md)."""
+    per layer: start-up grows with depth, the step runs faster; docs/performance.md). `mtp_params`: the MTP layer's
+    (speculative decoding, `engine.num_speculative_tokens` > 0); `enable_tbo`: two-batch overlap in every program."""
 
     def __init__(self, cfg: ModelConfig, params: dict, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh,
-                 backend: str, *, dtype=jnp.float32, unroll_layers: bool = False, mtp_params: dict | None = None):
+                 backend: str, *, dtype=jnp.float32, unroll_layers: bool = False, mtp_params: dict | None = None,
+                 enable_tbo: bool = False):
         self.cfg, self.parallel, self.engine, self.mesh = cfg, parallel, engine, mesh
         self.layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
         self.max_blocks = engine.max_blocks_per_seq(parallel.dcp)
@@ -153,7 +158,7 @@ class ModelRunner:
         mtp = abstract_mtp(cfg, dtype) if mtp_params is not None else None
         # Keyed by variant (`forward.VARIANTS`), one program per bucket each.
         self.steps = step_programs(cfg, parallel, engine, mesh, backend, graphdef=graphdef, abstract=abstract,
-                                   mtp=mtp, unroll_layers=unroll_layers)
+                                   mtp=mtp, unroll_layers=unroll_layers, enable_tbo=enable_tbo)
         self.params = self.steps[GREEDY].place_params(params if mtp is None else (params, mtp_params))
         # One compiled allocator, so `reset_state` never compiles while serving.
         self._new_state = state_allocator(cfg, parallel, engine, mesh, dtype)

@@ -92,6 +92,7 @@ class Engine:
     routed to its experts (vLLM's name); by default every rank runs every expert on its slice of their width.
     speculative_config: {"method": "mtp", "num_speculative_tokens": 1} (vLLM's): the model's MTP layer drafts,
     the next step verifies (steps then run synchronously).
+    enable_tbo: two-batch overlap: each layer's attention runs as two micro-batches of the step's rows.
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
@@ -103,7 +104,8 @@ class Engine:
                  enable_prefix_caching: bool = False, prompt_logprobs: bool = True,
                  compilation_cache_dir: str | None = None, progress: bool = True,
                  enable_expert_parallel: bool = False, quantization: str = "auto", unroll_layers: bool = False,
-                 hf_overrides: dict | None = None, speculative_config: dict | None = None):
+                 hf_overrides: dict | None = None, speculative_config: dict | None = None,
+                 enable_tbo: bool = False):
         import jax
 
         if compilation_cache_dir:
@@ -117,7 +119,7 @@ class Engine:
                             max_num_batched_tokens=max_num_batched_tokens,
                             enable_expert_parallel=enable_expert_parallel, quantization=quantization,
                             unroll_layers=unroll_layers, hf_overrides=hf_overrides,
-                            speculative_config=speculative_config)
+                            speculative_config=speculative_config, enable_tbo=enable_tbo)
         self.model_name, self.dtype = loaded.name, loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend

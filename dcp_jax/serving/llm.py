@@ -73,6 +73,8 @@ class LLM:
     speculative_config: {"method": "mtp", "num_speculative_tokens": 1} (vLLM's): the model's MTP layer drafts a
     token per request and step, verified in the next (greedy outputs unchanged; sampled ones distributed as the
     model's); steps then run synchronously.
+    enable_tbo: two-batch overlap: each layer's attention runs as two micro-batches of the step's rows, so one's
+    collectives can run beside the other's compute (same outputs).
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
@@ -82,7 +84,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, async_scheduling: bool = True,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, enable_prefix_caching: bool = False,
                  enable_expert_parallel: bool = False, quantization: str = "auto", unroll_layers: bool = False,
-                 hf_overrides: dict | None = None, speculative_config: dict | None = None):
+                 hf_overrides: dict | None = None, speculative_config: dict | None = None,
+                 enable_tbo: bool = False):
         loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len, kernels=kernels, seed=seed,
                             num_layers=num_layers, index_cache=index_cache, latent_cache=latent_cache, dtype=dtype,
@@ -90,7 +93,7 @@ class LLM:
                             max_num_batched_tokens=max_num_batched_tokens,
                             enable_expert_parallel=enable_expert_parallel, quantization=quantization,
                             unroll_layers=unroll_layers, hf_overrides=hf_overrides,
-                            speculative_config=speculative_config)
+                            speculative_config=speculative_config, enable_tbo=enable_tbo)
         self.dtype = loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend

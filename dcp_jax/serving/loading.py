@@ -137,7 +137,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
                max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                enable_expert_parallel: bool = False, quantization: str = "auto",
                unroll_layers: bool = False, hf_overrides: dict | None = None,
-               speculative_config: dict | None = None) -> LoadedModel:
+               speculative_config: dict | None = None, enable_tbo: bool = False) -> LoadedModel:
     """Validate the arguments, then load weights (an HF directory) or draw random ones (a preset), placed on a
     (tp/dcp, dcp) mesh; on CPU `tp` simulated devices are used. `dtype` (`config.DTYPE_CHOICES`): the weights',
     activations' and exact caches' dtype; auto is the checkpoint's (bfloat16 for presets). `max_model_len` None:
@@ -152,7 +152,9 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     activations' and the rest's), none dequantizes them into `dtype`. `hf_overrides` (vLLM's name): config.json
     fields replaced before anything loads (`apply_hf_overrides`), e.g. {"index_topk": 16384} attends densely up
     to 16K tokens. `speculative_config` (vLLM's): {"method": "mtp", "num_speculative_tokens": 1} drafts with the
-    model's MTP layer (`config.num_speculative_tokens`; a checkpoint's, or a preset's random one)."""
+    model's MTP layer (`config.num_speculative_tokens`; a checkpoint's, or a preset's random one). `enable_tbo`
+    (two-batch overlap): each layer's attention runs as two micro-batches of the step's rows, one's collectives
+    beside the other's compute (`sparse_dcp.sparse_dcp_attention`)."""
     parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave,
                               enable_expert_parallel=enable_expert_parallel)
     layout = DcpLayout(parallel.dcp, parallel.interleave, page_size)
@@ -237,7 +239,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
         engine=engine,
         tokenizer=load_tokenizer(directory, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id),
         runner=ModelRunner(cfg, params, parallel, engine, mesh, kernel_backend(kernels), dtype=jnp.dtype(dtype),
-                           unroll_layers=unroll_layers, mtp_params=mtp_params),
+                           unroll_layers=unroll_layers, mtp_params=mtp_params, enable_tbo=enable_tbo),
         backend=jax.default_backend(),
         dtype=dtype,
     )

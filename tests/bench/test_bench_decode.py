@@ -28,7 +28,7 @@ STAGED = [f"through_{s}" for s in decode_bench_results.STAGES]
 # page 4, L = 64: 16 pages per row at DCP 1, 8 at DCP 2 (exactly half).
 SMOKE = ["bench", "decode", "--preset", "tiny", "--num-layers", "1", "--dcp", "1,2,16", "--contexts", "64",
          "--batches", "2", "--breakdown-batches", "2", "--kernels", "reference", "--steps", "2", "--warmup", "1",
-         "--page-size", "4", "--device-memory-gb", "0.05", "--img-dir", "none"]
+         "--page-size", "4", "--device-memory-gb", "0.05", "--img-dir", "none", "--tbo"]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_the_grid_runs_and_meets_its_targets(smoke):
     assert not [r for r in rows if r["kind"] in ("error", "skipped")]
     assert "dcp=16 skipped: 8 device(s)" in text
     points = {(r["dcp"], r["variant"]): r for r in rows if r["kind"] == "point"}
-    assert set(points) == {(w, v) for w in (1, 2) for v in ["host", "fallback"] + STAGED}
+    assert set(points) == {(w, v) for w in (1, 2) for v in ["host", "tbo", "fallback"] + STAGED}
     for p in points.values():
         assert p["recompiles"] == 0 and p["steps"] == 2
         assert 0 < p["min_ms"] <= p["median_ms"] <= p["max_ms"]

@@ -13,6 +13,8 @@ Per rank (h = H/tp local heads, W = dcp size, pages/B = this rank's KV pool):
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -119,13 +121,26 @@ def merge_heads(p, out, lse, dtype):
     return jax.lax.psum(projections.output_projection(p, latent_out), HEADS)
 
 
-def sparse_dcp_attention(p: AttentionParams, x, kv_cache, index_cache, rope, md: StepMetadata, *,
-                         cfg: ModelConfig, layout: DcpLayout, backend: str):
-    """Returns (attention output [R, D] summed over all TP ranks, kv_cache, index_cache, the global top-k
-    positions [R, K] selected for each row (-1 padded, identical on every rank))."""
-    with jax.named_scope("projections"):
-        queries, kv_cache, index_cache = project_and_write(p, x, kv_cache, index_cache, rope, md.slot_mapping,
-                                                           cfg=cfg)
+def rows_view(md: StepMetadata, rows: slice) -> StepMetadata:
+    """Per rank: the step's metadata for a run of its rows (a micro-batch): every per-row field sliced (static
+    bounds), the sequences' block tables whole (query_seqs still index them). Nothing is rebuilt or copied by the
+    host: a micro-batch reads the rows the host built for it."""
+    return dataclasses.replace(md, positions=md.positions[rows], context_lens=md.context_lens[rows],
+                               local_context_lens=md.local_context_lens[rows], slot_mapping=md.slot_mapping[rows],
+                               query_seqs=md.query_seqs[rows])
+
+
+def micro_batch_rows(rows: int, micro_batches: int) -> list[slice]:
+    """The static row ranges of `micro_batches` micro-batches of a step of `rows` rows (the first ones one row
+    longer when it does not divide; fewer when there are fewer rows)."""
+    count = max(1, min(micro_batches, rows))
+    bounds = [rows * i // count for i in range(count + 1)]
+    return [slice(bounds[i], bounds[i + 1]) for i in range(count)]
+
+
+def _attend_rows(p, queries: Queries, kv_cache, index_cache, md: StepMetadata, *, cfg: ModelConfig,
+                 layout: DcpLayout, backend: str, dtype):
+    """Stages 2-7 for some rows (their queries and metadata): (attention output [r, D], selected [r, K])."""
     with jax.named_scope("indexer_topk"):
         values, local_ids = local_top_k(queries, index_cache, md, cfg=cfg, backend=backend)
     with jax.named_scope("exchange"):
@@ -133,5 +148,24 @@ def sparse_dcp_attention(p: AttentionParams, x, kv_cache, index_cache, rope, md:
     with jax.named_scope("sparse_mla"):
         out, lse = attend(p, queries, kv_cache, owned_slots, counts, cfg=cfg, backend=backend)
     with jax.named_scope("merge"):
-        attn = merge_heads(p, out, lse, x.dtype)
+        return merge_heads(p, out, lse, dtype), selected
+
+
+def sparse_dcp_attention(p: AttentionParams, x, kv_cache, index_cache, rope, md: StepMetadata, *,
+                         cfg: ModelConfig, layout: DcpLayout, backend: str, micro_batches: int = 1):
+    """Returns (attention output [R, D] summed over all TP ranks, kv_cache, index_cache, the global top-k
+    positions [R, K] selected for each row (-1 padded, identical on every rank)). With `micro_batches` = 2 (two-
+    batch overlap, TBO) every row's keys are written first, then the rows run stages 2-7 as independent chains of
+    consecutive rows (`micro_batch_rows`, `rows_view`), so the scheduler can run one chain's collectives (the
+    candidate exchange, the query all-gather, the TP all-reduce) beside the other's compute."""
+    with jax.named_scope("projections"):
+        queries, kv_cache, index_cache = project_and_write(p, x, kv_cache, index_cache, rope, md.slot_mapping,
+                                                           cfg=cfg)
+    outputs, ranges = [], micro_batch_rows(x.shape[0], micro_batches)
+    for index, rows in enumerate(ranges):
+        with jax.named_scope(f"micro_batch_{index}") if len(ranges) > 1 else contextlib.nullcontext():
+            outputs.append(_attend_rows(p, Queries(*(q[rows] for q in queries)), kv_cache, index_cache,
+                                        rows_view(md, rows), cfg=cfg, layout=layout, backend=backend,
+                                        dtype=x.dtype))
+    attn, selected = (jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*outputs))
     return attn, kv_cache, index_cache, selected
