@@ -98,7 +98,7 @@ class SamplingMetadata:
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
     """The step's per-row data besides its metadata: the rows' tokens and their requests' sampler slots, and the Q
-    rows (one per sequence at most, Q = S) whose next token is sampled."""
+    rows whose next token is sampled (`sample_rows`: Q = S x the sample group's width)."""
 
     # [R] int32: each row's token; -1 = its slot's last sampled token (a decode row whose input is still on the
     # device); DRAFT_TOKEN = its slot's drafted token (a verify row). Pad rows 0.

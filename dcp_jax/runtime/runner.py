@@ -205,9 +205,9 @@ class ModelRunner:
 
     def dispatch(self, rows: ScheduledRows, variant: str):
         """Enqueue one step of `rows` in the `variant` program of the smallest bucket that holds them. Returns the
-        step's sampled tokens packed (`sampler.unpack` reads them; one per sequence that samples, in order), with
-        the rows' `PromptLogprobs` for that variant, on the device, their copy to the host already queued behind
-        the step."""
+        step's sampled tokens packed (`sampler.unpack` reads them; `engine.sample_group` entries per sequence that
+        samples, in order: its token, or a verify group's emitted tokens, then -1), with the rows'
+        `PromptLogprobs` for that variant, on the device, their copy to the host already queued behind the step."""
         outputs = self._run(rows, variant)
         for leaf in jax.tree.leaves(outputs):
             leaf.copy_to_host_async()
@@ -295,7 +295,7 @@ class ModelRunner:
         rows = ScheduledRows.decode([self.scratch_slot] * n, context_lens, block_tables, tokens=tokens)
         sampled, details = self._run(rows, DETAILS)
         selected = np.asarray(details.selected)[:, :n] if return_selected else None
-        return np.asarray(details.logits)[:n], selected, np.asarray(sampled.tokens)[:n]
+        return np.asarray(details.logits)[:n], selected, np.asarray(sampled.tokens)[::self.engine.sample_group][:n]
 
 
 def _pad_axis(a: np.ndarray, axis: int, size: int, value) -> np.ndarray:

@@ -9,7 +9,8 @@ sampling reads: keep d_i with probability p_i(d_i); at the first draft rejected,
 distributed as the target's own draw (Leviathan et al. 2023), and a greedy row (temperature 0) keeps d_i exactly
 while it is p_i's argmax, then emits the argmax: token for token the output of greedy decoding without drafts.
 Draws are counter-based as the sampler's: row i's uniform and Gumbel noise come from its request's seed and the
-position of the token it decides, so a request's output depends on nothing else.
+position of the token it decides, so a request's output depends on nothing else (with drafting on, not the same
+draws as without: a seeded request's sampled output differs, each distributed as the target's).
 Letters: R requests, N drafts each, A vocab.
 """
 
@@ -24,12 +25,13 @@ from dcp_jax.runtime.sampler import (NEG_INF, TOP_LOGPROBS, SampledTokens, Sampl
                                      filter_logits, hold_back_stops, row_keys)
 
 
-def accept_drafts(kept_logits, drafts, *, is_greedy, seeds, positions):
+def accept_drafts(kept_logits, drafts, *, is_greedy, seeds, positions, draws: bool = True):
     """kept_logits [R, N+1, A] f32: row i's filtered, temperature-scaled logits (-inf where filtered out; a greedy
     row's any logits: only their argmax counts); drafts [R, N] int32, -1 past a request's drafts (one with fewer,
     or none: its row after the last draft emits a plain draw); is_greedy [R] bool; seeds [R, 2] uint32;
-    positions [R, N+1] int32: the position of the token each row decides. Returns (accepted [R] int32: how many
-    drafts are kept, 0..N; tokens [R, N+1] int32: the kept drafts, then the token after them, then -1)."""
+    positions [R, N+1] int32: the position of the token each row decides. `draws` (static) False: every request
+    is greedy (no noise drawn). Returns (accepted [R] int32: how many drafts are kept, 0..N; tokens [R, N+1] int32:
+    the kept drafts, then the token after them, then -1)."""
     r, rows, vocab = kept_logits.shape
     n = rows - 1
     expected = {"drafts": (r, n), "is_greedy": (r,), "seeds": (r, 2), "positions": (r, rows)}
@@ -38,21 +40,24 @@ def accept_drafts(kept_logits, drafts, *, is_greedy, seeds, positions):
     if n < 1 or wrong:
         raise ValueError(f"accept_drafts: for kept_logits {kept_logits.shape} (N = {n} >= 1 drafts) expected "
                          f"{expected}, got {wrong}")
-    keys = row_keys(jnp.repeat(seeds, rows, axis=0), positions.reshape(-1))
-    uniforms = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0)))(keys).reshape(r, rows)
-    gumbels = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, 1), (vocab,)))(keys)
-    gumbels = gumbels.reshape(r, rows, vocab)
-    probs = jax.nn.softmax(kept_logits, axis=-1)
     argmax = jnp.argmax(kept_logits, axis=-1).astype(jnp.int32)  # [R, N+1]
-    p_draft = jnp.take_along_axis(probs[:, :n], jnp.maximum(drafts, 0)[..., None], axis=-1)[..., 0]  # [R, N]
-    kept = (drafts >= 0) & jnp.where(is_greedy[:, None], drafts == argmax[:, :n], uniforms[:, :n] < p_draft)
+    kept = (drafts >= 0) & (drafts == argmax[:, :n])
+    after = argmax  # [R, N+1]
+    if draws:
+        keys = row_keys(jnp.repeat(seeds, rows, axis=0), positions.reshape(-1))
+        uniforms = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0)))(keys).reshape(r, rows)
+        gumbels = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, 1), (vocab,)))(keys)
+        gumbels = gumbels.reshape(r, rows, vocab)
+        probs = jax.nn.softmax(kept_logits, axis=-1)
+        p_draft = jnp.take_along_axis(probs[:, :n], jnp.maximum(drafts, 0)[..., None], axis=-1)[..., 0]  # [R, N]
+        kept = jnp.where(is_greedy[:, None], kept, (drafts >= 0) & (uniforms[:, :n] < p_draft))
+        # The token after the kept drafts: at a rejected row, a draw without its draft; at row N or past a
+        # request's drafts (-1 excludes nothing), a plain draw.
+        rejected_draft = jnp.concatenate([drafts, jnp.full((r, 1), -1, jnp.int32)], axis=-1)  # row N rejects none
+        without = jnp.where(jnp.arange(vocab) == rejected_draft[..., None], NEG_INF, kept_logits)
+        drawn = jnp.argmax(without + gumbels, axis=-1).astype(jnp.int32)
+        after = jnp.where(is_greedy[:, None], argmax, drawn)
     accepted = jnp.sum(jnp.cumprod(kept.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
-    # The token after the kept drafts: at a rejected row, a draw without its draft; at row N or past a request's
-    # drafts (-1 excludes nothing), a plain draw.
-    rejected_draft = jnp.concatenate([drafts, jnp.full((r, 1), -1, jnp.int32)], axis=-1)  # row N rejects nothing
-    without = jnp.where(jnp.arange(vocab) == rejected_draft[..., None], NEG_INF, kept_logits)
-    drawn = jnp.argmax(without + gumbels, axis=-1).astype(jnp.int32)
-    after = jnp.where(is_greedy[:, None], argmax, drawn)  # [R, N+1]
     last = jnp.take_along_axis(after, accepted[:, None], axis=-1)[:, 0]
     index = jnp.arange(rows)[None, :]
     padded_drafts = jnp.concatenate([drafts, jnp.zeros((r, 1), jnp.int32)], axis=-1)
@@ -81,7 +86,8 @@ def verify_groups(logits, sampling, state: SamplerState, drafts, *, draws: bool)
         kept = filter_logits(penalized, jnp.where(is_greedy, 1.0, sampling.temperature), sampling.min_p,
                              sampling.top_k, sampling.top_p)
     accepted, tokens = accept_drafts(kept.reshape(groups, g, -1), drafts, is_greedy=is_greedy[::g],
-                                     seeds=sampling.seeds[::g], positions=sampling.positions.reshape(groups, g))
+                                     seeds=sampling.seeds[::g], positions=sampling.positions.reshape(groups, g),
+                                     draws=draws)
     flat = tokens.reshape(-1)
     logprobs = jnp.take_along_axis(raw_logprobs, jnp.maximum(flat, 0)[:, None], axis=-1)[:, 0]
     last = jnp.take_along_axis(tokens, accepted[:, None], axis=-1)[:, 0]

@@ -178,6 +178,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
         cfg = dataclasses.replace(cfg, num_hidden_layers=num_layers)
     if drafts and cfg.num_nextn_predict_layers < 1:
         raise ValueError(f"speculative_config: model {model!r} has no MTP layer (num_nextn_predict_layers is 0)")
+    if drafts and is_dir and num_layers is not None:
+        raise ValueError("speculative_config: a checkpoint cut to num_layers has no MTP layer after its last layer")
     dtype = resolve_dtype(dtype, cfg)
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization={quantization!r} must be one of {QUANTIZATION_CHOICES}")
@@ -192,6 +194,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     if not apply_gpu_flags() and (why := flags_not_applied(jax.default_backend(), unroll_layers=unroll_layers)):
         log.warning(why)
     import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
     from dcp_jax.model.attention.cache_formats import check_latent_format
@@ -199,10 +202,12 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, param_specs
     from dcp_jax.model.fp8_linear import weight_block
     from dcp_jax.model.mesh import make_mesh, sharding
-    from dcp_jax.model.mtp import init_mtp_params
-    from dcp_jax.model.weights import load_hf_params, load_mtp_params
+    from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
+    from dcp_jax.model.weights import fp8_block_size, load_hf_params, load_mtp_params
     from dcp_jax.runtime.runner import ModelRunner
 
+    if drafts and is_dir and fp8_block_size(directory):
+        raise ValueError("speculative_config: reading a block fp8 checkpoint's MTP layer is not supported yet")
     check_divisible(cfg, parallel.tp, expert_parallel=enable_expert_parallel)
     check_latent_format(latent_cache, cfg)
     mesh = make_mesh(parallel)
@@ -215,9 +220,12 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
                         expert_parallel=enable_expert_parallel)
     params = jax.device_put(params, jax.tree.map(lambda spec: sharding(mesh, spec), specs))
     mtp_params = None
-    if drafts:
-        mtp_params = load_mtp_params(cfg, directory) if is_dir else init_mtp_params(cfg, seed + 1)
-        mtp_params = jax.tree.map(lambda a: jnp.asarray(a, dtype), mtp_params)
+    if drafts:  # placed split as the decoder layers are, before the pool is sized by what is left
+        mtp_params = load_mtp_params(cfg, directory) if is_dir else init_mtp_params(cfg, seed + 1, jnp.dtype(dtype))
+        mtp_specs = param_specs(nnx.to_pure_dict(abstract_mtp(cfg, jnp.dtype(dtype))[1]),
+                                expert_parallel=enable_expert_parallel)
+        mtp_params = jax.device_put(jax.tree.map(lambda a: np.asarray(a).astype(jnp.dtype(dtype)), mtp_params),
+                                    jax.tree.map(lambda spec: sharding(mesh, spec), mtp_specs))
     if num_pages is None:
         num_pages = pool_pages_from_memory(cfg, layout, dtype=dtype, index_cache=index_cache,
                                            latent_cache=latent_cache, gpu_memory_utilization=gpu_memory_utilization,

@@ -74,8 +74,8 @@ def test_a_runner_drafts_exactly_with_mtp_params():
 
 
 def test_no_drafting_program_derives_local_lengths_or_waits_for_the_device():
-    """The MTP layer's rows keep the step's property: global positions reach RoPE and the position-0 embedding
-    mask alone, and no serving program holds a traced branch."""
+    """The MTP layer's rows and the verify groups keep the step's property: global positions reach RoPE alone (the
+    position-0 embedding mask is the host's `is_position_zero`), and no serving program holds a traced branch."""
     parallel = ParallelConfig(tp=2, dcp=2, interleave=2)
     runner = ModelRunner(TINY, init_params(TINY, seed=1), parallel, ENGINE, make_mesh(parallel), "reference",
                          mtp_params=init_mtp_params(TINY, seed=2))

@@ -130,3 +130,18 @@ def test_the_engine_serves_with_mtp_and_reports_it_in_metrics(tmp_path_factory):
         assert "dcp_jax_spec_decode_mean_accepted_length" in metrics
     finally:
         engine.stop()
+
+
+def test_a_checkpoints_mtp_layer_drafts_and_a_cut_checkpoint_is_refused(tmp_path, plain_greedy):
+    """The MTP layer saved with a checkpoint (`save_hf(..., mtp=)`) is the one that drafts: the preset's random
+    weights saved and served again give the same greedy output, drafting or not; a checkpoint cut to fewer layers
+    has no MTP layer after its last one (refused before loading)."""
+    from dcp_jax.model.deepseek_v32 import init_params
+    from dcp_jax.model.mtp import init_mtp_params
+    from dcp_jax.model.weights import save_hf
+
+    save_hf(TINY, init_params(TINY, seed=0), tmp_path, mtp=init_mtp_params(TINY, seed=1))
+    kw = dict(max_model_len=64, max_num_seqs=4, page_size=4, dtype="float32", kernels="reference")
+    assert token_ids(LLM(str(tmp_path), speculative_config=MTP, **kw)) == plain_greedy
+    with pytest.raises(ValueError, match="cut to num_layers has no MTP layer"):
+        LLM(str(tmp_path), speculative_config=MTP, num_layers=1, **kw)
