@@ -54,7 +54,7 @@ def _served_mtp_logits(dcp: int, chunks: list[int]):
             runner.state.kv_cache.num_layers)
 
 
-@pytest.mark.parametrize("dcp, chunks", [(1, [29]), (2, [13, 29])])
+@pytest.mark.parametrize("dcp, chunks", [pytest.param(1, [29], marks=pytest.mark.slow), (2, [13, 29])])
 def test_mtp_rows_give_the_training_forwards_mtp_logits_and_drafts(dcp, chunks):
     served, generated, drafts, (params, mtp_params), layers = _served_mtp_logits(dcp, chunks)
     assert layers == TINY.num_hidden_layers + 1  # the MTP layer's cache after the decoder layers'
@@ -73,11 +73,12 @@ def test_a_runner_drafts_exactly_with_mtp_params():
         ModelRunner(TINY, init_params(TINY, seed=1), parallel, ENGINE, make_mesh(parallel), "reference")
 
 
-def test_no_drafting_program_derives_local_lengths_or_waits_for_the_device():
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_no_drafting_program_derives_local_lengths_or_waits_for_the_device(kernels):
     """The MTP layer's rows and the verify groups keep the step's property: global positions reach RoPE alone (the
     position-0 embedding mask is the host's `is_position_zero`), and no serving program holds a traced branch."""
     parallel = ParallelConfig(tp=2, dcp=2, interleave=2)
-    runner = ModelRunner(TINY, init_params(TINY, seed=1), parallel, ENGINE, make_mesh(parallel), "reference",
+    runner = ModelRunner(TINY, init_params(TINY, seed=1), parallel, ENGINE, make_mesh(parallel), kernels,
                          mtp_params=init_mtp_params(TINY, seed=2))
     for variant, step in runner.steps.items():
         for rows in step.buckets:

@@ -47,7 +47,8 @@ def assert_same(got, want):
 
 @pytest.mark.parametrize("dcp, interleave, decodes", [
     (2, 2, 2),  # bucket 3: micro-batches of 1 and 2 rows, the second holding a pad
-    (8, 1, 3),  # ranks owning none of a 5-token prompt's keys; bucket 3 split 1 + 2, all real
+    # Ranks owning none of a 5-token prompt's keys; bucket 3 split 1 + 2, all real.
+    pytest.param(8, 1, 3, marks=pytest.mark.slow),
     pytest.param(4, 1, 2, marks=pytest.mark.slow),
     pytest.param(4, 2, 3, marks=pytest.mark.slow),
     pytest.param(2, 1, 1, marks=pytest.mark.slow),  # bucket 1: one micro-batch
