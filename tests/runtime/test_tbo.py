@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
+from dcp_jax.host.metadata import ScheduledRows
 from dcp_jax.model.attention import sparse_dcp
 from dcp_jax.model.deepseek_v32 import init_params
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.runtime.forward import GREEDY
 from dcp_jax.runtime.runner import ModelRunner
 
-# Buckets of 3 (odd) and 4 rows: 2 decode rows in bucket 3 split 1 + 2 (one real, one pad); 3 prompts of 5, 9
-# and 23 tokens (past index_topk 16) prefill in bucket 32.
+# Buckets 3 (odd), 4 and 32: decode rows run in bucket 3, split 1 + 2 (2 rows: one real, one pad; 1 row: the
+# second micro-batch all pads); 3 prompts of 5, 9 and 23 tokens (past index_topk 16) prefill one at a time in
+# bucket 32, split 16 + 16 (the second all pads for the first two).
 ENGINE = EngineConfig(page_size=4, num_pages=48, max_num_seqs=4, max_model_len=48, bucket_ladder=(3, 4),
                       max_num_batched_tokens=32)
 PROMPTS = [np.random.default_rng(i).integers(2, TINY.vocab_size, n).tolist() for i, n in enumerate([5, 9, 23])]
@@ -51,7 +53,7 @@ def assert_same(got, want):
     pytest.param(8, 1, 3, marks=pytest.mark.slow),
     pytest.param(4, 1, 2, marks=pytest.mark.slow),
     pytest.param(4, 2, 3, marks=pytest.mark.slow),
-    pytest.param(2, 1, 1, marks=pytest.mark.slow),  # bucket 1: one micro-batch
+    pytest.param(2, 1, 1, marks=pytest.mark.slow),
 ])
 def test_tbo_outputs_equal_the_plain_steps(dcp, interleave, decodes):
     assert_same(outputs(dcp, interleave, enable_tbo=True, decodes=decodes),
@@ -108,11 +110,15 @@ def test_tbo_programs_run_two_chains_derive_no_length_and_compile_once():
     for variant, step in runner.steps.items():
         for rows in step.buckets:
             assert step.length_derivations(runner.params, runner.state, rows) == [], (variant, rows)
-    runner.compile_all(runner.programs())
+    runner.compile_all(runner.programs([GREEDY]))
     compiled = runner.steps[GREEDY].num_compiled
     blocks = ENGINE.max_blocks_per_seq(2)
-    runner.prefill(PROMPTS[:2], [list(range(blocks)), list(range(blocks, 2 * blocks))])
-    assert runner.steps[GREEDY].num_compiled == compiled
+    tables = np.arange(2 * blocks, dtype=np.int32).reshape(2, blocks)
+    for rows in (ScheduledRows.decode([0, 1], [5, 9], tables, tokens=[7, 8]),  # bucket 3
+                 ScheduledRows.verify([0, 1], [6, 10], [0, 0], tables)):  # the same, as verify groups of none
+        for _ in range(2):
+            jax.block_until_ready(runner.dispatch(rows, GREEDY))
+    assert runner.steps[GREEDY].num_compiled == compiled == len(ENGINE.buckets)
 
 
 def test_llm_with_tbo_generates_the_plain_engines_greedy_tokens():

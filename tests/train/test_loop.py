@@ -100,7 +100,7 @@ STAGES = ["--stages", "dense:2:64:2,sparse:2:96:2", "--chat-fraction", "0", "--e
 def trained(tmp_path_factory):
     """A whole run of a four-step schedule: its output directory."""
     out = tmp_path_factory.mktemp("trained")
-    assert main(["--out", str(out), *STAGES[:-2], "--eval-contexts", "64,96", "--eval-examples", "2"]) == 0
+    assert main(["--out", str(out), *STAGES[:-2], "--eval-contexts", "96", "--eval-examples", "2"]) == 0
     return out
 
 
@@ -111,7 +111,7 @@ def test_the_script_writes_a_checkpoint_llm_serves_as_trained(trained):
 
     evaluation = json.load(open(trained / "eval.json"))
     assert evaluation["examples"] == 2 and set(evaluation["accuracy"]) == {"served", SPARSE, RANDOM}
-    assert all(set(per_context) == {"64", "96"} for per_context in evaluation["accuracy"].values())
+    assert all(set(per_context) == {"96"} for per_context in evaluation["accuracy"].values())
     log = [json.loads(line) for line in open(trained / "train_log.jsonl")]
     assert [row["step"] for row in log] == [1, 2, 3, 4] and log[-1]["mode"] == "sparse"
     llm = LLM(str(trained), dtype="float32", kernels="reference", max_model_len=128, page_size=4)
