@@ -45,6 +45,16 @@ def parse_stages(text: str):
     return stages
 
 
+# A step or evaluation this long is reported: a compile (the first batch of a shape), or something to look at.
+SLOW_STEP_S = 5.0
+
+
+def slow_step(what: str, started: float) -> None:
+    seconds = time.perf_counter() - started
+    if seconds > SLOW_STEP_S:
+        print(f"{what} took {seconds:.1f} s (a compile, or the first run of a shape)", flush=True)
+
+
 def plot(log: list[dict], path: str) -> None:
     try:
         import matplotlib
@@ -130,11 +140,16 @@ def main(argv=None) -> int:
                 if (args.max_seconds is not None and steps_this_call
                         and time.perf_counter() - begin - spent > args.max_seconds):
                     break  # checked before a step: none starts (or compiles) past the deadline but the first
+                started = time.perf_counter()
                 metrics = trainer.step(*next(data), stage.mode)
                 step, steps_this_call = step + 1, steps_this_call + 1
+                slow_step(f"step {step} ({stage.mode} {stage.context})", started)
                 if step % args.eval_every == 0 or step == 1:
+                    started = time.perf_counter()
+                    held_out_metrics = trainer.evaluate(*held_out, stage.mode)
+                    slow_step(f"held-out evaluation at step {step}", started)
                     row = dict(step=step, mode=stage.mode, context=stage.context, seconds=time.perf_counter() - begin,
-                               **metrics, held_out=trainer.evaluate(*held_out, stage.mode))
+                               **metrics, held_out=held_out_metrics)
                     out.write(json.dumps(row) + "\n")
                     out.flush()
                     mtp = (f" mtp loss {metrics['mtp_lm']:.4f} acceptance {metrics['mtp_acceptance']:.2f}"
