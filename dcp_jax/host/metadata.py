@@ -118,7 +118,8 @@ class StepInputs:
     fresh_slots: np.ndarray
     # [Q] int32: the rows whose next token is sampled, in groups of G = num_speculative_tokens + 1 per sampling
     # sequence (Q = S * G; G = 1 without drafting): its last row, or with drafts (a verify group) the row of its
-    # last accepted token and then its draft rows; pad 0 (sampled on the scratch slot at position 0, never read).
+    # last accepted token and then its draft rows; pad R, one past the last row (a gather clamps it to a real row,
+    # whose draw on the scratch slot is never read; a scatter drops it).
     sample_rows: np.ndarray
     sampling: SamplingMetadata
 
@@ -336,7 +337,7 @@ def build_step_inputs(slots: Sequence[int], num_queries: Sequence[int], tokens, 
         next_tokens=_padded(next_tokens, rows, -1, np.int32),
         is_position_zero=_padded(is_position_zero, rows, 0, np.int32),
         fresh_slots=_padded(slots[is_fresh], seqs, scratch + 1, np.int32),
-        sample_rows=_padded(np.where(real, group_rows, 0).reshape(-1), seqs * group, 0, np.int32),
+        sample_rows=_padded(np.where(real, group_rows, rows).reshape(-1), seqs * group, rows, np.int32),
         sampling=table.gather(np.where(real, slots[samples][:, None], scratch).reshape(-1),
                               np.where(real, group_positions, 0).reshape(-1), rows=seqs * group),
     )

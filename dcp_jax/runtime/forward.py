@@ -124,11 +124,9 @@ def _mtp_rows(model, mtp, normed, following, is_position_zero, rope, kv_cache: K
 
 def _following_tokens(inputs: StepInputs, sampled_tokens):
     """[R] the token after each row: its prompt's next (`next_tokens`), else the one sampled at the row (a decode
-    row, a prompt's last); 0 on pad rows. Pad entries of `sample_rows` (sampling position 0: a real row samples
-    position >= 1) write nothing."""
+    row, a prompt's last); 0 on pad rows. Pad entries of `sample_rows` (R: past the rows) write nothing."""
     rows = inputs.tokens.shape[0]
-    at_rows = jnp.where(inputs.sampling.positions > 0, inputs.sample_rows, rows)
-    sampled_at = jnp.zeros(rows, jnp.int32).at[at_rows].set(sampled_tokens, mode="drop")
+    sampled_at = jnp.zeros(rows, jnp.int32).at[inputs.sample_rows].set(sampled_tokens, mode="drop")
     return jnp.where(inputs.next_tokens >= 0, inputs.next_tokens, sampled_at)
 
 
@@ -168,7 +166,7 @@ def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, 
         normed = model.final_hidden(hidden)
         group_rows = inputs.sample_rows.reshape(-1, 2)
         slots = inputs.sampling.slots[::2]
-        has_draft = inputs.sampling.positions.reshape(-1, 2)[:, 1] > 0
+        has_draft = group_rows[:, 1] < inputs.tokens.shape[0]  # a pad entry is R
         verified = jnp.where(has_draft, drafts[slots], -1)[:, None]
         sampled, accepted, sampler_state = verify_groups(model.head(normed[inputs.sample_rows]), inputs.sampling,
                                                          sampler_state, verified, draws=draws)

@@ -264,7 +264,7 @@ def test_step_inputs_place_each_sequences_rows_and_its_sample():
     # Sequence 1's rows are positions 0-2; sequence 2's are 3-4.
     np.testing.assert_array_equal(inputs.is_position_zero, [0, 1, 0, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(inputs.fresh_slots, [1, 5, 5, 5])  # pads name no slot
-    np.testing.assert_array_equal(inputs.sample_rows, [0, 3, 0, 0])
+    np.testing.assert_array_equal(inputs.sample_rows, [0, 3, 8, 8])  # pads: one past the rows
     np.testing.assert_array_equal(inputs.sampling.slots, [2, 1, 4, 4])
     np.testing.assert_array_equal(inputs.sampling.positions, [12, 3, 0, 0])
     np.testing.assert_array_equal(inputs.sampling.temperature, np.float32([0.0, 0.7, 0.0, 0.0]))
@@ -287,7 +287,7 @@ def test_scheduled_rows_concat_and_build_step():
     inputs, md = build_step(both, bucket=8, seqs=4, layout=layout, max_blocks=3, table=table)
     np.testing.assert_array_equal(md.context_lens, [6, 9, 1, 2, 3, 4, 0, 0])
     np.testing.assert_array_equal(md.query_seqs, [0, 1, 2, 2, 2, 2, 0, 0])
-    np.testing.assert_array_equal(inputs.sample_rows, [0, 1, 5, 0])
+    np.testing.assert_array_equal(inputs.sample_rows, [0, 1, 5, 8])
     np.testing.assert_array_equal(inputs.tokens[:6], [-1, -1, 1, 2, 3, 4])
     check_step_metadata(md, buckets={8: 4}, layout=layout, max_blocks=3, num_pages=8)
 
