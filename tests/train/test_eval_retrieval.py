@@ -60,9 +60,9 @@ def test_the_llm_client_answers_in_process_per_configuration(tmp_path):
     from scripts.eval_retrieval import main
 
     assert main(["--model", "tiny", "--out", str(tmp_path), "--contexts", "64", "--examples", "2", "--clients", "llm",
-                 "--configs", "dcp=1", "dcp=2,interleave=2", "--max-num-seqs", "2"]) == 0
+                 "--configs", "dcp=2,interleave=2", "dense", "--max-num-seqs", "2"]) == 0
     results = json.load(open(tmp_path / "results.json"))
-    for name in ("dcp=1", "dcp=2,interleave=2"):
+    for name in ("dcp=2,interleave=2", "dense"):
         answers = results["configs"][name]["llm"]["64"]["answers"]
         assert len(answers) == 2 and all(";" not in answer and len(answer) <= 8 for answer in answers), answers
-    assert "| dcp=1 | llm |" in (tmp_path / "results.md").read_text()
+    assert "| dcp=2,interleave=2 | llm |" in (tmp_path / "results.md").read_text()
