@@ -66,7 +66,7 @@ def evaluate_checkpoint(path: str, *, contexts: list[int], examples: int, seed: 
     from dcp_jax.serving.tokenizer import ByteTokenizer
     from dcp_jax.train.forward import RANDOM, SPARSE
 
-    llm = LLM(path, max_model_len=max(contexts) + EVAL_ROOM, max_num_seqs=min(examples, 64))
+    llm = LLM(path, max_model_len=max(contexts), max_num_seqs=min(examples, 64))  # prompts leave EVAL_ROOM
     result = {"served": {context: served_accuracy(llm, context=context, examples=examples, seed=seed)
                          for context in contexts}}
     del llm
@@ -78,4 +78,3 @@ def evaluate_checkpoint(path: str, *, contexts: list[int], examples: int, seed: 
                                                  mode=mode, key=jax.random.key(seed) if mode == RANDOM else None)
                         for context in contexts}
     return result
-
