@@ -366,6 +366,11 @@ def num_speculative_tokens(speculative_config: dict | None) -> int:
     return n
 
 
+def kv_layers(cfg: ModelConfig, num_speculative_tokens: int) -> int:
+    """Layers whose KV the pools hold: the decoder layers', and the MTP layer's when drafting."""
+    return cfg.num_hidden_layers + (1 if num_speculative_tokens else 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Paged KV pool (page size, page count, index and latent cache formats), the step programs' buckets and the
@@ -410,8 +415,8 @@ class EngineConfig:
         return self.num_speculative_tokens + 1
 
     def kv_layers(self, cfg: ModelConfig) -> int:
-        """Layers whose KV the pools hold: the decoder layers', and the MTP layer's when drafting."""
-        return cfg.num_hidden_layers + (1 if self.num_speculative_tokens else 0)
+        """Layers whose KV the pools hold (`kv_layers`)."""
+        return kv_layers(cfg, self.num_speculative_tokens)
 
     @property
     def buckets(self) -> tuple[int, ...]:

@@ -221,7 +221,8 @@ def plot(results: dict, contexts: list[int], path: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="an HF checkpoint directory, a shipped checkpoint (dsa-tiny) or a preset")
+    parser.add_argument("--model", required=True,
+                        help="an HF checkpoint directory, a shipped checkpoint (dsa-tiny) or a preset")
     parser.add_argument("--out", required=True)
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--examples", type=int, default=100)

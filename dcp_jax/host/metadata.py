@@ -323,7 +323,8 @@ def build_step_inputs(slots: Sequence[int], num_queries: Sequence[int], tokens, 
         raise ValueError(f"draft counts {drafts.tolist()} must be below the group width {group} and the rows "
                          f"{queries.tolist()}, on sampling sequences only")
     scratch = table.scratch_slot
-    # Each sampling sequence's group: its draft rows and last row, each sampling the token after it, then pads.
+    # Each sampling sequence's group: its last row, or the row before its draft rows and those (its last ones),
+    # each sampling the token after it; then pads.
     offsets, sampled_drafts = np.arange(group), drafts[samples][:, None]
     real = offsets <= sampled_drafts
     group_rows = (np.cumsum(queries) - 1)[samples][:, None] - sampled_drafts + offsets

@@ -7,9 +7,9 @@ Owns the request states, the waiting queue and the running batch. Pages are hand
 
 1. gives every running request past its prefill one decode row (unless its sampled tokens, pending ones included,
    reach max_tokens), and with speculative decoding a row per drafted token after it (`decode_rows`), growing its
-   block table for them; when the pool is empty it preempts the youngest running
-   request (its pages go back to the pool, it returns to the front of the queue and is recomputed by a prefill of
-   prompt + generated tokens when readmitted), so a full pool never crashes a step;
+   block table for them; when the pool is empty it preempts the youngest running request (its pages go back to
+   the pool, it returns to the front of the queue and is recomputed by a prefill of prompt + generated tokens
+   when readmitted), so a full pool never crashes a step;
 2. gives running requests still prefilling their next chunk within the budget left (oldest first; when pages run
    out, the youngest is preempted for the oldest, which always fits: `check_fits`);
 3. admits waiting requests first come first served while a batch slot, budget and the pages of their first chunk

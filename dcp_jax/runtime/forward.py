@@ -5,11 +5,13 @@ A step's rows are decode rows and the tokens of prefill chunks alike (`host/meta
 given, or each slot's last sampled token) join their requests' sampler histories -> embeddings -> per layer (sparse
 DCP attention, MLP / MoE) -> final norm -> lm_head logits of the sampled rows only (a decode row, a prompt's last
 token) -> the sampler (`sampler.py`): each sampled row's next token and its logprobs, recorded in its slot of the
-sampler state. With an MTP layer (speculative decoding), it then runs over every row with the token after the row
-(the prompt's next, or the one just sampled) and writes its own cache; its argmax at each sampled row is the
-request's draft, kept in the device state. The prompt-logprobs variant also returns, for every row, the logprob of the token after it and the
-top ones, chunk by chunk (never the [R, A] logits at once); the details variant returns every row's logits and the
-per-layer selected global top-k ids (the oracle tests).
+sampler state. With an MTP layer (speculative decoding) a request samples a group of rows instead, its decode row
+and its draft's, and the device verifies the draft (`speculative.verify_groups`); the MTP layer then runs over
+every row with the token after it (the prompt's next, or the one emitted there) and writes its own cache; its
+argmax at a request's last emitted row is the request's next draft, kept in the device state. The prompt-logprobs
+variant also returns, for every row, the logprob of the token after it and the top ones, chunk by chunk (never the
+[R, A] logits at once); the details variant returns every row's logits and the per-layer selected global top-k ids
+(the oracle tests).
 Letters: R rows, Q sampled rows, K index top-k, A vocab, N top logprobs.
 """
 
@@ -48,7 +50,7 @@ class DeviceState:
 
     kv_cache: KVCache
     sampler: SamplerState
-    # [slots] int32 (replicated): each slot's token drafted by the MTP layer at its last sampled row; None without
+    # [slots] int32 (replicated): each slot's token drafted by the MTP layer at its last emitted row; None without
     # an MTP layer.
     drafts: jax.Array | None = None
 

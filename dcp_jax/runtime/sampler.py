@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -148,19 +149,44 @@ def sample(logits, *, temperature, top_k, top_p, min_p, presence_penalty, freque
     draws (static): False when every row is greedy (the host knows, and picks that program): no filter, no noise.
     Never a traced branch on the parameters: the GPU runtime reads a `lax.cond`'s predicate on the host, so the
     program's launch would wait for the device and no step could be dispatched ahead."""
+    out = processed_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                           repetition_penalty=repetition_penalty, positions=positions, stop_ids=stop_ids,
+                           stops_from=stops_from, output_counts=output_counts, prompt_mask=prompt_mask, draws=draws)
+    tokens = jnp.argmax(out.penalized, axis=-1).astype(jnp.int32)  # the first maximum: the lowest id among ties
+    if draws:
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(
+            row_keys(seeds, positions))
+        tokens = jnp.where(temperature <= 0, tokens, jnp.argmax(out.kept + noise, axis=-1).astype(jnp.int32))
+    logprobs = jnp.take_along_axis(out.raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    return SampledTokens(tokens, logprobs, out.top_ids, out.top_logprobs)
+
+
+class ProcessedLogits(NamedTuple):
+    """What sampling reads of a step's logits [R, A] (`processed_logits`)."""
+
+    raw_logprobs: jax.Array  # [R, A] f32: log-softmax of the raw logits (the logprobs reported)
+    top_logprobs: jax.Array  # [R, N] f32 and
+    top_ids: jax.Array  # [R, N] int32: the N largest of them
+    penalized: jax.Array  # [R, A] f32: with min_tokens' held-back stops and the penalties (a greedy row's argmax)
+    kept: jax.Array  # [R, A] f32: those scaled by the temperature and filtered (`penalized` when not drawing)
+
+
+def processed_logits(logits, *, temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
+                     repetition_penalty, positions, stop_ids, stops_from, output_counts, prompt_mask,
+                     draws: bool) -> ProcessedLogits:
+    """Logits [R, A] through the sampler's processing in vLLM's order (`sample`'s parameters): the raw logprobs,
+    then min_tokens' hold-back and the penalties, then, when `draws`, the temperature (1 on greedy rows, whose
+    argmax the filters keep) and min-p, top-k, top-p. `sample` draws from the result, `speculative.verify_groups`
+    verifies drafts against it."""
     raw_logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, min(TOP_LOGPROBS, logits.shape[-1]))
     penalized = apply_penalties(hold_back_stops(logits.astype(jnp.float32), stop_ids, stops_from, positions),
                                 output_counts, prompt_mask, presence_penalty, frequency_penalty, repetition_penalty)
-    is_greedy = temperature <= 0
-    tokens = jnp.argmax(penalized, axis=-1).astype(jnp.int32)  # the first maximum: the lowest id among ties
+    kept = penalized
     if draws:
-        kept = filter_logits(penalized, jnp.where(is_greedy, 1.0, temperature), min_p, top_k, top_p)
-        noise = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(
-            row_keys(seeds, positions))
-        tokens = jnp.where(is_greedy, tokens, jnp.argmax(kept + noise, axis=-1).astype(jnp.int32))
-    logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SampledTokens(tokens, logprobs, top_ids.astype(jnp.int32), top_logprobs)
+        kept = filter_logits(penalized, jnp.where(temperature <= 0, 1.0, temperature), min_p, top_k, top_p)
+    return ProcessedLogits(raw_logprobs, top_logprobs, top_ids.astype(jnp.int32), penalized, kept)
 
 
 @jax.tree_util.register_dataclass
@@ -183,13 +209,18 @@ class SamplerState:
                    jnp.zeros((slots + 1, vocab), jnp.bool_))
 
 
+def row_arguments(sampling, state: SamplerState) -> dict:
+    """`processed_logits`' keyword arguments (all but `draws`) for the rows of `sampling` (a `SamplingMetadata`):
+    their parameters and their slots' histories."""
+    return dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
+                presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+                repetition_penalty=sampling.repetition_penalty, positions=sampling.positions,
+                stop_ids=sampling.stop_ids, stops_from=sampling.stops_from,
+                output_counts=state.output_counts[sampling.slots], prompt_mask=state.prompt_mask[sampling.slots])
+
+
 def _sample_rows(logits, sampling, state: SamplerState, draws: bool) -> SampledTokens:
-    return sample(logits, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                  min_p=sampling.min_p, presence_penalty=sampling.presence_penalty,
-                  frequency_penalty=sampling.frequency_penalty, repetition_penalty=sampling.repetition_penalty,
-                  seeds=sampling.seeds, positions=sampling.positions, stop_ids=sampling.stop_ids,
-                  stops_from=sampling.stops_from, output_counts=state.output_counts[sampling.slots],
-                  prompt_mask=state.prompt_mask[sampling.slots], draws=draws)
+    return sample(logits, seeds=sampling.seeds, draws=draws, **row_arguments(sampling, state))
 
 
 def _record(state: SamplerState, slots, tokens) -> SamplerState:

@@ -21,8 +21,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dcp_jax.runtime.sampler import (NEG_INF, TOP_LOGPROBS, SampledTokens, SamplerState, apply_penalties,
-                                     filter_logits, hold_back_stops, row_keys)
+from dcp_jax.runtime.sampler import (NEG_INF, SampledTokens, SamplerState, processed_logits, row_arguments,
+                                     row_keys)
 
 
 def accept_drafts(kept_logits, drafts, *, is_greedy, seeds, positions, draws: bool = True):
@@ -69,31 +69,22 @@ def accept_drafts(kept_logits, drafts, *, is_greedy, seeds, positions, draws: bo
 def verify_groups(logits, sampling, state: SamplerState, drafts, *, draws: bool):
     """Each request's group of G = N + 1 sampled rows, flat: logits [S*G, A] f32 (row 0 at its last token, row i at
     its draft i; rows past a request's drafts are pads), `sampling` (`SamplingMetadata`) per row, drafts [S, N]
-    int32 (-1 past a request's). Each row's logits go through the sampler's min_tokens hold-back, penalties (over
-    the history before the group) and, when `draws`, its filters; `accept_drafts` decides. Returns (SampledTokens
-    per row: the token it emits, -1 past the group's last, with the raw logits' logprobs; accepted [S]; the state
-    with every emitted token counted and each group's last one its slot's last token)."""
+    int32 (-1 past a request's). Each row's logits go through the sampler's processing (`processed_logits`; the
+    penalties over the history before the group); `accept_drafts` decides. Returns (SampledTokens per row: the
+    token it emits, -1 past the group's last, with the raw logits' logprobs; accepted [S]; the state with every
+    emitted token counted and each group's last one its slot's last token)."""
     groups, n = drafts.shape
     g = n + 1
-    raw_logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, min(TOP_LOGPROBS, logits.shape[-1]))
-    held = hold_back_stops(logits.astype(jnp.float32), sampling.stop_ids, sampling.stops_from, sampling.positions)
-    penalized = apply_penalties(held, state.output_counts[sampling.slots], state.prompt_mask[sampling.slots],
-                                sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty)
-    is_greedy = sampling.temperature <= 0
-    kept = penalized
-    if draws:
-        kept = filter_logits(penalized, jnp.where(is_greedy, 1.0, sampling.temperature), sampling.min_p,
-                             sampling.top_k, sampling.top_p)
-    accepted, tokens = accept_drafts(kept.reshape(groups, g, -1), drafts, is_greedy=is_greedy[::g],
-                                     seeds=sampling.seeds[::g], positions=sampling.positions.reshape(groups, g),
-                                     draws=draws)
+    out = processed_logits(logits, draws=draws, **row_arguments(sampling, state))
+    accepted, tokens = accept_drafts(out.kept.reshape(groups, g, -1), drafts,
+                                     is_greedy=sampling.temperature[::g] <= 0, seeds=sampling.seeds[::g],
+                                     positions=sampling.positions.reshape(groups, g), draws=draws)
     flat = tokens.reshape(-1)
-    logprobs = jnp.take_along_axis(raw_logprobs, jnp.maximum(flat, 0)[:, None], axis=-1)[:, 0]
+    logprobs = jnp.take_along_axis(out.raw_logprobs, jnp.maximum(flat, 0)[:, None], axis=-1)[:, 0]
     last = jnp.take_along_axis(tokens, accepted[:, None], axis=-1)[:, 0]
     vocab = logits.shape[-1]
     state = dataclasses.replace(
         state, last_tokens=state.last_tokens.at[sampling.slots[::g]].set(last),
         output_counts=state.output_counts.at[sampling.slots, jnp.where(flat >= 0, flat, vocab)].add(1, mode="drop"))
-    return SampledTokens(flat, logprobs, top_ids.astype(jnp.int32), top_logprobs), accepted, state
+    return SampledTokens(flat, logprobs, out.top_ids, out.top_logprobs), accepted, state
 

@@ -59,8 +59,8 @@ class ServingCore:
         self.vocab_size, self.seed, self.has_prompt_logprobs = vocab_size, seed, has_prompt_logprobs
         # Speculative decoding (the MTP layer drafts) schedules synchronously: a step's rows depend on how many
         # drafts the step before kept.
-        self.drafts = bool(runner.engine.num_speculative_tokens)
-        self.async_scheduling = async_scheduling and not self.drafts
+        self.drafting = bool(runner.engine.num_speculative_tokens)
+        self.async_scheduling = async_scheduling and not self.drafting
         self.metrics = metrics or ServingMetrics()
         self._numbers = itertools.count()
         self._in_flight: list[_Dispatched] = []
@@ -76,7 +76,7 @@ class ServingCore:
             raise ValueError(f"the prompt has token ids outside [0, {self.vocab_size})")
         if prompt_logprobs is not None and not self.has_prompt_logprobs:
             raise ValueError("this engine was started without prompt logprobs")
-        if self.drafts and (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1):
+        if self.drafting and (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1):
             raise ValueError("presence_penalty, frequency_penalty and repetition_penalty are not supported with "
                              "speculative decoding yet")
         held = len(params.stop_token_ids) + (not params.ignore_eos)
@@ -158,7 +158,7 @@ class ServingCore:
             requests = [r for r, _ in decodes]
             slots, lens, tables = [r.slot for r in requests], [r.context_len for r in requests], \
                 sched.block_tables_of(requests)
-            parts.append(ScheduledRows.verify(slots, lens, [n - 1 for _, n in decodes], tables) if self.drafts
+            parts.append(ScheduledRows.verify(slots, lens, [n - 1 for _, n in decodes], tables) if self.drafting
                          else ScheduledRows.decode(slots, lens, tables))
         samplers, logprob_chunks, row = [r for r, _ in decodes], [], sum(n for _, n in decodes)
         chunks = []

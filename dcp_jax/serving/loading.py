@@ -9,8 +9,8 @@ import os
 from collections.abc import Sequence
 
 from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, KERNEL_CHOICES, PRESETS,
-                            QUANTIZATION_CHOICES, EngineConfig, ModelConfig, ParallelConfig, model_directory,
-                            num_speculative_tokens, preset, resolve_dtype, unknown_model)
+                            QUANTIZATION_CHOICES, EngineConfig, ModelConfig, ParallelConfig, kv_layers,
+                            model_directory, num_speculative_tokens, preset, resolve_dtype, unknown_model)
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.runtime.xla_flags import apply_gpu_flags, flags_not_applied
 from dcp_jax.serving.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -230,7 +230,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
         num_pages = pool_pages_from_memory(cfg, layout, dtype=dtype, index_cache=index_cache,
                                            latent_cache=latent_cache, gpu_memory_utilization=gpu_memory_utilization,
                                            max_num_seqs=max_num_seqs,
-                                           layers=cfg.num_hidden_layers + (1 if drafts else 0))
+                                           layers=kv_layers(cfg, drafts))
     max_model_len = resolve_max_model_len(cfg, layout, max_model_len, num_pages)
     if num_pages is None:
         num_pages = max_num_seqs * int(layout.virtual_blocks(max_model_len))

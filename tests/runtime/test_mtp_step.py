@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
-from dcp_jax.host.metadata import GENERATED, PROMPT, ScheduledRows
+from dcp_jax.host.metadata import PROMPT, ScheduledRows
 from dcp_jax.model.deepseek_v32 import abstract_model, init_params, merge
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
@@ -44,9 +44,7 @@ def _served_mtp_logits(dcp: int, chunks: list[int]):
         first = end
     token = int(sampled.tokens[0])
     drafts = [int(np.asarray(runner.state.drafts)[slot])]
-    decode = ScheduledRows.decode([slot], [len(PROMPT_IDS) + 1], np.asarray([table], np.int32))
-    decode = ScheduledRows(**{**decode.__dict__, "tokens": np.array([token], np.int32),
-                              "roles": np.array([GENERATED], np.int32)})
+    decode = ScheduledRows.decode([slot], [len(PROMPT_IDS) + 1], np.asarray([table], np.int32), tokens=[token])
     sampled, details = runner.run_details(decode)
     logits.append(details.mtp_logits[:1])
     drafts.append(int(np.asarray(runner.state.drafts)[slot]))
