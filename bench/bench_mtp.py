@@ -1,7 +1,8 @@
-"""Speculative decoding's verify step against a plain decode step (issue 27): the step a request runs with one
-drafted token (two verify rows and the MTP layer) and the plain decode step (one row), per request at a batch and
-context, on the engine's own runner and programs (`load_model`, greedy). A verify step emits 1 + a tokens for an
-acceptance rate a, a plain one 1, so drafting pays off once a > t_verify / t_plain - 1: printed with the times.
+"""Speculative decoding's verify step against a plain decode step (issue 27): the step a request runs with N
+drafted tokens (N + 1 verify rows, the MTP layer over them and its N - 1 chained passes) and the plain decode step
+(one row), per request at a batch and context, on the engine's own runner and programs (`load_model`, greedy). With
+each draft kept with probability a (independently), a verify step emits (1 - a^(N+1)) / (1 - a) tokens, a plain one
+1: drafting pays off above the acceptance rate where that equals t_verify / t_plain, printed with the times.
 
   python bench/bench_mtp.py --model tiny --batch 8 --context 1024 --out /tmp/mtp.json
   python bench/bench_mtp.py --model deepseek-v3.2 --num-layers 4 --batch 32 --context 16384   # an H200
@@ -18,7 +19,21 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MTP = {"method": "mtp", "num_speculative_tokens": 1}
+def expected_tokens(acceptance: float, drafts: int) -> float:
+    """Tokens a verify step of `drafts` drafts emits when each is kept with probability `acceptance`."""
+    return sum(acceptance ** i for i in range(drafts + 1))
+
+
+def breakeven_acceptance(cost_ratio: float, drafts: int) -> float:
+    """The acceptance rate at which a verify step costing `cost_ratio` plain steps emits as many tokens per unit of
+    time (bisection; 1.0 when even full acceptance does not pay)."""
+    if expected_tokens(1.0, drafts) <= cost_ratio:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if expected_tokens(middle, drafts) < cost_ratio else (low, middle)
+    return (low + high) / 2
 
 
 def step_seconds(runner, rows, steps: int) -> float:
@@ -44,6 +59,7 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--dcp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--num-speculative-tokens", default="1,2,3", help="the draft counts N to time")
     parser.add_argument("--out", default=None, help="a JSON file for the results")
     args = parser.parse_args(argv)
 
@@ -55,13 +71,16 @@ def main(argv=None) -> int:
     from dcp_jax.serving.loading import load_model
 
     info = run_info()
+    draft_counts = [int(n) for n in args.num_speculative_tokens.split(",")]
+    room = 2 * max(draft_counts)  # the verify rows and the chained passes' after them
     results = {}
-    for name, spec in (("plain", None), ("verify", MTP)):
+    for drafts in [0, *draft_counts]:
+        spec = {"method": "mtp", "num_speculative_tokens": drafts} if drafts else None
         loaded = load_model(args.model, dcp=args.dcp, num_layers=args.num_layers, max_num_seqs=args.batch,
-                            max_model_len=args.context + 2, max_num_batched_tokens=2 * args.batch,
+                            max_model_len=args.context + room, max_num_batched_tokens=(drafts + 1) * args.batch,
                             speculative_config=spec)
         runner = loaded.runner
-        blocks = runner.layout.virtual_blocks(args.context + 2)
+        blocks = runner.layout.virtual_blocks(args.context + room)
         if args.batch * blocks > runner.engine.num_pages:
             raise SystemExit(f"{args.batch} requests of {args.context} tokens need {args.batch * blocks} pages, the "
                              f"pool holds {runner.engine.num_pages}")
@@ -70,21 +89,27 @@ def main(argv=None) -> int:
         for slot in slots:
             runner.set_sampling(slot, SamplingParams(temperature=0), 0, args.context)
         lens = [args.context] * args.batch
-        rows = (ScheduledRows.verify(slots, lens, [1] * args.batch, tables) if spec
+        rows = (ScheduledRows.verify(slots, lens, [drafts] * args.batch, tables) if drafts
                 else ScheduledRows.decode(slots, lens, tables))
-        results[name] = step_seconds(runner, rows, args.steps)
+        results[drafts] = step_seconds(runner, rows, args.steps)
         del loaded, runner
-    breakeven = results["verify"] / results["plain"] - 1
-    row = dict(model=args.model, num_layers=args.num_layers, batch=args.batch, context=args.context, dcp=args.dcp,
-               plain_ms=results["plain"] * 1e3, verify_ms=results["verify"] * 1e3,
-               plain_ms_per_request=results["plain"] * 1e3 / args.batch,
-               verify_ms_per_request=results["verify"] * 1e3 / args.batch, breakeven_acceptance=breakeven)
+    plain = results[0]
+    rows = []
     print(f"{info['device']}: {args.model} batch {args.batch}, context {args.context}, dcp {args.dcp}: plain step "
-          f"{row['plain_ms']:.2f} ms, verify step (1 draft) {row['verify_ms']:.2f} ms; MTP pays off above an "
-          f"acceptance rate of {breakeven:.2f}")
+          f"{plain * 1e3:.2f} ms")
+    for drafts in draft_counts:
+        ratio = results[drafts] / plain
+        row = dict(model=args.model, num_layers=args.num_layers, batch=args.batch, context=args.context,
+                   dcp=args.dcp, num_speculative_tokens=drafts, plain_ms=plain * 1e3, verify_ms=results[drafts] * 1e3,
+                   plain_ms_per_request=plain * 1e3 / args.batch,
+                   verify_ms_per_request=results[drafts] * 1e3 / args.batch, cost_ratio=ratio,
+                   breakeven_acceptance=breakeven_acceptance(ratio, drafts))
+        rows.append(row)
+        print(f"  N = {drafts}: verify step {row['verify_ms']:.2f} ms ({ratio:.2f}x); MTP pays off above an "
+              f"acceptance rate of {row['breakeven_acceptance']:.2f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(run=info, rows=[row]), f, indent=1)
+            json.dump(dict(run=info, rows=rows), f, indent=1)
     return 0
 
 

@@ -171,7 +171,8 @@ HF_OVERRIDES_HELP = "config.json fields to replace, a JSON object (e.g. '{\"inde
 TBO_HELP = ("two-batch overlap: each layer's attention runs as two micro-batches of the step's rows, one's "
             "collectives beside the other's compute")
 SPECULATIVE_HELP = ("speculative decoding with the model's MTP layer, a JSON object: "
-                    "'{\"method\": \"mtp\", \"num_speculative_tokens\": 1}' (steps then run synchronously)")
+                    "'{\"method\": \"mtp\", \"num_speculative_tokens\": 1}' (1 to 3 drafts; steps then run "
+                    "synchronously)")
 
 
 def _json_object(text: str) -> dict:

@@ -338,8 +338,9 @@ def check_latent_cache(latent_cache: str) -> None:
         raise ValueError(f"latent_cache={latent_cache!r} must be one of {LATENT_CACHE_FORMATS}")
 
 
-# The most tokens the MTP layer drafts a step (vLLM's num_speculative_tokens): one MTP pass a step is built so far.
-MAX_SPECULATIVE_TOKENS = 1
+# The most tokens the MTP layer drafts a step (vLLM's num_speculative_tokens): its one layer runs again on its own
+# output for each draft after the first (chained passes), as vLLM's deepseek_mtp does past the checkpoint's layers.
+MAX_SPECULATIVE_TOKENS = 3
 # `speculative_config` methods (vLLM's names for DeepSeek's MTP layer).
 SPECULATIVE_METHODS = ("mtp", "deepseek_mtp")
 
@@ -362,7 +363,7 @@ def num_speculative_tokens(speculative_config: dict | None) -> int:
     n = speculative_config.get("num_speculative_tokens")
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"speculative_config: num_speculative_tokens must be an int in [1, "
-                         f"{MAX_SPECULATIVE_TOKENS}] (one MTP pass a step is built so far), got {n!r}")
+                         f"{MAX_SPECULATIVE_TOKENS}], got {n!r}")
     return n
 
 

@@ -29,7 +29,8 @@ PER_RANK = dict(per_rank=True)
 # mask (a prompt token), a generated token's count (one fed again: a resumed request's history), or nothing again
 # (the last sampled token fed back: counted when it was sampled).
 PAD, PROMPT, GENERATED, FED_BACK = 0, 1, 2, 3
-# A row's token that is its slot's draft (the MTP layer's, still on the device): `StepInputs.tokens`.
+# A row's token that is its slot's draft i, DRAFT_TOKEN - i (the MTP layer's, still on the device):
+# `StepInputs.tokens`.
 DRAFT_TOKEN = -2
 # The stop tokens (EOS and stop_token_ids) a request's min_tokens can hold back on the device.
 MIN_TOKENS_STOP_IDS = 16
@@ -57,6 +58,22 @@ class StepMetadata:
     block_tables: np.ndarray
     # [R] int32: the sequence (row of block_tables) of each row. Pad rows 0 (they read nothing: length 0).
     query_seqs: np.ndarray
+    # The MTP layer's chained passes (speculative decoding with N >= 2 drafts; else all None). After the verify, a
+    # sampling sequence whose group's first row is at position p and which keeps a of its drafts drafts again: its
+    # first draft at its last emitted row (p + a), draft j + 1 (j = 1..N-1) with one more row at position
+    # p + a + j. The host cannot know a, so it builds the row at each offset o = 1..2N-1 past p (a + j = o); the
+    # program picks column a + j - 1. Positions past the sequence's pages are pads (length 0, no write: a draft
+    # there is never verified). Letters: G sample groups (the bucket's sequence width), O = 2N - 1 offsets.
+    # [G, O] int32: the row's position. Pad entries 0.
+    draft_positions: np.ndarray | None = None
+    # [G, O] int32: its global causal length (position + 1). Pad entries 0.
+    draft_context_lens: np.ndarray | None = None
+    # [W, G, O] int32, per rank: tokens of its causal context held by rank w.
+    draft_local_context_lens: np.ndarray | None = dataclasses.field(default=None, metadata=PER_RANK)
+    # [W, G, O] int32, per rank: the slot where rank w writes its MTP latent; -1 = not the owner, or a pad.
+    draft_slot_mapping: np.ndarray | None = dataclasses.field(default=None, metadata=PER_RANK)
+    # [G] int32: each sample group's sequence (row of block_tables). Pad groups 0.
+    draft_seqs: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -101,7 +118,7 @@ class StepInputs:
     rows whose next token is sampled (`sample_rows`: Q = S x the sample group's width)."""
 
     # [R] int32: each row's token; -1 = its slot's last sampled token (a decode row whose input is still on the
-    # device); DRAFT_TOKEN = its slot's drafted token (a verify row). Pad rows 0.
+    # device); DRAFT_TOKEN - i = its slot's draft i (a verify row). Pad rows 0.
     tokens: np.ndarray
     # [R] int32: what each row's token adds to its request's sampler history (PAD, PROMPT, GENERATED, FED_BACK).
     roles: np.ndarray
@@ -381,7 +398,8 @@ class ScheduledRows:
         lens, drafts = np.asarray(context_lens, np.int32), np.asarray(num_drafts, np.int32)
         queries = drafts + 1
         first = np.repeat(np.cumsum(queries) - queries, queries)
-        tokens = np.where(np.arange(int(queries.sum())) == first, -1, DRAFT_TOKEN).astype(np.int32)
+        index = np.arange(int(queries.sum())) - first  # 0: the decode row, i + 1: draft i's
+        tokens = np.where(index == 0, -1, DRAFT_TOKEN + 1 - index).astype(np.int32)
         rows = len(tokens)
         return cls(np.asarray(slots, np.int32), lens + drafts, queries, block_tables, tokens,
                    np.full(rows, FED_BACK, np.int32), np.full(rows, -1, np.int32), np.zeros(len(lens), bool),
@@ -443,15 +461,47 @@ def fill_decode_rows(inputs: StepInputs, md: StepMetadata, rows: ScheduledRows, 
     table.gather_into(inputs.sampling, rows.slots, lens)
 
 
+def draft_offsets(num_speculative_tokens: int) -> int:
+    """O, the offsets of `StepMetadata`'s draft_* fields: 2N - 1 for N >= 2 drafts, else 0 (no chained pass)."""
+    return 2 * num_speculative_tokens - 1 if num_speculative_tokens >= 2 else 0
+
+
+def build_draft_metadata(md: StepMetadata, context_lens, num_drafts, samples, *, layout: DcpLayout,
+                         num_speculative_tokens: int) -> StepMetadata:
+    """`md` (`build_step_metadata`'s, same sequences) with its draft_* fields: the MTP layer's chained-pass rows of
+    each sampling sequence (`samples[i]`), whose group's first row is at position context_lens[i] - num_drafts[i]
+    - 1; each row's lengths derived from its own position, a row past its sequence's pages a pad."""
+    offsets = draft_offsets(num_speculative_tokens)
+    groups = md.block_tables.shape[0]
+    seqs = np.flatnonzero(np.asarray(samples, bool))
+    first = (np.asarray(context_lens, np.int64) - np.asarray(num_drafts, np.int64) - 1)[seqs]
+    positions = first[:, None] + np.arange(1, offsets + 1)  # [s, O]
+    covered = np.count_nonzero(md.block_tables[seqs] >= 0, axis=1) * layout.tokens_per_block
+    positions = np.where(positions < covered[:, None], positions, -1)  # -1: a pad
+    padded = np.full((groups, offsets), -1, np.int64)
+    padded[: len(seqs)] = positions
+    lens = (padded + 1).astype(np.int32)
+    draft_seqs = _padded(seqs, groups, 0, np.int32)
+    return dataclasses.replace(
+        md, draft_positions=np.maximum(padded, 0).astype(np.int32), draft_context_lens=lens,
+        draft_local_context_lens=layout.local_context_lens(lens.reshape(-1)).reshape(-1, groups, offsets),
+        draft_slot_mapping=layout.slot_mapping(padded, md.block_tables, draft_seqs), draft_seqs=draft_seqs)
+
+
 def build_step(rows: ScheduledRows, *, bucket: int, seqs: int, layout: DcpLayout, max_blocks: int,
                table: SamplingTable, group: int = 1) -> tuple[StepInputs, StepMetadata]:
     """The step's `StepInputs` and `StepMetadata` for `rows`, padded to `bucket` rows and `seqs` sequences, sampled
-    in groups of `group` rows (`StepInputs.sample_rows`)."""
+    in groups of `group` rows (`StepInputs.sample_rows`; group - 1 drafts at most, with their chained passes'
+    rows from 2 on)."""
     md = build_step_metadata(rows.context_lens, rows.num_queries, rows.block_tables, rows=bucket, seqs=seqs,
                              layout=layout, max_blocks=max_blocks)
     inputs = build_step_inputs(rows.slots, rows.num_queries, rows.tokens, rows.roles, rows.next_tokens,
                                rows.is_fresh, rows.samples, context_lens=rows.context_lens, rows=bucket, seqs=seqs,
                                table=table, num_drafts=rows.num_drafts, group=group)
+    if draft_offsets(group - 1):
+        drafts = np.zeros(len(rows.slots), np.int64) if rows.num_drafts is None else rows.num_drafts
+        md = build_draft_metadata(md, rows.context_lens, drafts, rows.samples, layout=layout,
+                                  num_speculative_tokens=group - 1)
     return inputs, md
 
 
@@ -468,8 +518,20 @@ def _check_structure(md, cls, expected: dict[str, tuple[int, ...]]) -> None:
             raise TypeError(f"{cls.__name__}.{name} has dtype {value.dtype}, expected int32")
 
 
+def step_metadata_dims(rows: int, seqs: int, dcp_size: int, max_blocks: int, offsets: int = 0):
+    """The shape of each StepMetadata field of a step of `rows` rows and `seqs` sequences; the draft_* fields with
+    `offsets` (`draft_offsets`) > 0 only."""
+    dims = dict(positions=(rows,), context_lens=(rows,), local_context_lens=(dcp_size, rows),
+                slot_mapping=(dcp_size, rows), block_tables=(seqs, max_blocks), query_seqs=(rows,))
+    if offsets:
+        dims.update(draft_positions=(seqs, offsets), draft_context_lens=(seqs, offsets),
+                    draft_local_context_lens=(dcp_size, seqs, offsets), draft_slot_mapping=(dcp_size, seqs, offsets),
+                    draft_seqs=(seqs,))
+    return dims
+
+
 def check_step_metadata(md, *, buckets: Mapping[int, int], layout: DcpLayout, max_blocks: int,
-                        num_pages: int) -> None:
+                        num_pages: int, offsets: int = 0) -> None:
     """TypeError/ValueError unless `md` is a complete, well-shaped StepMetadata of a known bucket (`buckets` maps
     its row width R to its sequence width S) whose sequences use pages of the pool, each page a row writes by that
     row's sequence alone (either fault would make a row read or overwrite another request's KV), and whose rows
@@ -481,9 +543,11 @@ def check_step_metadata(md, *, buckets: Mapping[int, int], layout: DcpLayout, ma
         raise ValueError(f"context_lens shape {np.shape(md.context_lens)} is not [R] for a bucket R in "
                          f"{list(buckets)}")
     w, seqs = layout.dcp_size, buckets.get(rows)
-    _check_structure(md, StepMetadata, dict(positions=(rows,), context_lens=(rows,), local_context_lens=(w, rows),
-                                            slot_mapping=(w, rows), block_tables=(seqs, max_blocks),
-                                            query_seqs=(rows,)))
+    _check_structure(md, StepMetadata, step_metadata_dims(rows, seqs, w, max_blocks, offsets))
+    stray = [f.name for f in dataclasses.fields(StepMetadata)
+             if f.name.startswith("draft_") and not offsets and getattr(md, f.name) is not None]
+    if stray:
+        raise ValueError(f"StepMetadata.{stray[0]} is set for programs without chained draft passes")
     if not isinstance(md.block_tables, np.ndarray):
         return
     if (md.context_lens < 0).any():
@@ -496,7 +560,14 @@ def check_step_metadata(md, *, buckets: Mapping[int, int], layout: DcpLayout, ma
     else:  # blocks each sequence uses: those of its longest row
         needed = np.zeros(seqs, np.int64)
         np.maximum.at(needed, md.query_seqs, blocks)
-    _check_pages(needed, md.block_tables, md.slot_mapping, layout.page_size, num_pages)
+    slots = md.slot_mapping
+    if offsets:
+        if (md.draft_context_lens < 0).any() or md.draft_seqs.min() < 0 or md.draft_seqs.max() >= seqs:
+            raise ValueError(f"draft_context_lens must be >= 0 and draft_seqs name sequences in [0, {seqs}), got "
+                             f"{md.draft_context_lens.tolist()} and {md.draft_seqs.tolist()}")
+        np.maximum.at(needed, md.draft_seqs, layout.virtual_blocks(md.draft_context_lens.max(axis=1)))
+        slots = np.concatenate([slots.reshape(-1), md.draft_slot_mapping.reshape(-1)])
+    _check_pages(needed, md.block_tables, slots, layout.page_size, num_pages)
 
 
 def _check_pages(needed: np.ndarray, block_tables: np.ndarray, slot_mapping: np.ndarray, page_size: int,

@@ -279,10 +279,10 @@ class Scheduler:
                 if budget <= 0:
                     continue
                 n = min(request.prefill_len - request.num_computed, budget)
-                tokens = request.num_computed + n
+                tokens = self._held(request, request.num_computed + n, samples=self.samples(request, n))
                 budget -= n
             elif n := self.decode_rows(request):
-                tokens = request.context_len + n - 1  # its drafts' rows too
+                tokens = self._held(request, request.context_len + n - 1, samples=True)  # its drafts' rows too
             else:
                 continue
             if -(-tokens // size) > len(request.pages) and not self._reserve(request, tokens, preempted):
@@ -299,6 +299,15 @@ class Scheduler:
         if request.is_prefilling or request.num_sampled >= request.params.max_tokens:
             return 0
         return 1 + min(self.engine.num_speculative_tokens, request.params.max_tokens - request.num_sampled - 1)
+
+    def _held(self, request: Request, tokens: int, *, samples: bool) -> int:
+        """The tokens `request` needs pages for when this step computes its first `tokens`: with chained draft
+        passes (N >= 2 drafts) and its next token sampled, also their N - 1 rows after those (`StepMetadata`'s
+        draft_*), up to its max context (a draft past it is never verified)."""
+        n = self.engine.num_speculative_tokens
+        if samples and n >= 2:
+            return max(tokens, min(tokens + n - 1, request.max_context_len))
+        return tokens
 
     def _reserve(self, request: Request, tokens: int, preempted: list[Request]) -> bool:
         """Grow a running request's block table to hold `tokens` tokens, preempting the youngest running requests
@@ -359,7 +368,7 @@ class Scheduler:
             cached = self._cached_prefix(request, prefill_len)
             computed = len(cached) * self._tokens_per_block
             n = min(prefill_len - computed, budget)
-            need = self.blocks_for(computed + n) - len(cached)
+            need = self.blocks_for(self._held(request, computed + n, samples=computed + n >= prefill_len)) - len(cached)
             if need > self.allocator.num_free:
                 self.allocator.free(cached)
                 break  # first come first served: nobody overtakes the head of the queue

@@ -6,9 +6,10 @@ given, or each slot's last sampled token) join their requests' sampler histories
 DCP attention, MLP / MoE) -> final norm -> lm_head logits of the sampled rows only (a decode row, a prompt's last
 token) -> the sampler (`sampler.py`): each sampled row's next token and its logprobs, recorded in its slot of the
 sampler state. With an MTP layer (speculative decoding) a request samples a group of rows instead, its decode row
-and its draft's, and the device verifies the draft (`speculative.verify_groups`); the MTP layer then runs over
-every row with the token after it (the prompt's next, or the one emitted there) and writes its own cache; its
-argmax at a request's last emitted row is the request's next draft, kept in the device state. The prompt-logprobs
+and its drafts' (N + 1), and the device verifies the drafts (`speculative.verify_groups`); the MTP layer then runs
+over every row with the token after it (the prompt's next, or the one emitted there) and writes its own cache; its
+argmax at a request's last emitted row is the request's next first draft, and with N >= 2 chained passes of one row
+a request (`_chained_drafts`) draft the others, all kept in the device state. The prompt-logprobs
 variant also returns, for every row, the logprob of the token after it and the top ones, chunk by chunk (never the
 [R, A] logits at once); the details variant returns every row's logits and the per-layer selected global top-k ids
 (the oracle tests).
@@ -50,8 +51,8 @@ class DeviceState:
 
     kv_cache: KVCache
     sampler: SamplerState
-    # [slots] int32 (replicated): each slot's token drafted by the MTP layer at its last emitted row; None without
-    # an MTP layer.
+    # [slots, N] int32 (replicated): each slot's N tokens drafted by the MTP layer after its last emitted row; None
+    # without an MTP layer.
     drafts: jax.Array | None = None
 
 
@@ -113,15 +114,41 @@ def _layers(model, cfg: ModelConfig, kv_cache: KVCache, hidden, md: StepMetadata
 
 def _mtp_rows(model, mtp, normed, following, is_position_zero, rope, kv_cache: KVCache, md: StepMetadata, *,
               layout: DcpLayout, backend: str):
-    """The MTP layer (`model/mtp.py`) over a step's rows, its cache the pools' last layer: row r reads the main
-    model's final-normed state normed[r] [R, D] and the token after it following[r] [R] (`StepInputs`'
-    is_position_zero [R] masks it). Returns (the MTP head's input [R, D], the KV cache)."""
+    """The MTP layer (`model/mtp.py`) over rows, its cache the pools' last layer: row r reads the final-normed state
+    normed[r] [R, D] (the main model's; in a chained pass the MTP head's input of the pass before) and the token
+    after it following[r] [R] (is_position_zero [R] masks it). Returns (the MTP head's input [R, D], the KV
+    cache)."""
     x = mtp.layer_input(model.embed_tokens(following), normed, is_position_zero > 0)
     latent, index_k = kv_cache.local_pools()
     layer_md = on_layer(md, kv_cache.num_layers - 1, num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
     attn, latent, index_k, _ = mtp.layer.attention(mtp.layer.attention_input(x), rope, latent, index_k, layer_md,
                                                    layout=layout, backend=backend)
     return mtp.head_input(mtp.layer.feed_forward(x + attn)), kv_cache.with_local_pools(latent, index_k)
+
+
+def _chained_drafts(model, mtp, first, hidden, accepted, kv_cache: KVCache, md: StepMetadata, cfg: ModelConfig, *,
+                    layout: DcpLayout, backend: str):
+    """Drafts 2..N of each sample group by chained MTP passes (N - 1 = md.draft_positions' offsets // 2): pass j
+    reads the MTP head's input hidden [G, D] and the draft first [G] of the pass before, at the group's row of
+    column accepted + j - 1 of md's draft_* fields (host-built for every count kept, `StepMetadata`). Returns
+    ([G, N - 1] drafts, the KV cache)."""
+    drafts = []
+    for j in range(1, (md.draft_positions.shape[1] + 1) // 2):
+        column = (accepted + j - 1)[:, None]
+
+        def pick(table, column=column):
+            return jnp.take_along_axis(table, column, axis=1)[:, 0]
+
+        pass_md = dataclasses.replace(
+            md, positions=pick(md.draft_positions), context_lens=pick(md.draft_context_lens),
+            local_context_lens=pick(md.draft_local_context_lens), slot_mapping=pick(md.draft_slot_mapping),
+            query_seqs=md.draft_seqs)
+        rope = cos_sin(pass_md.positions, *rope_tables(cfg))
+        hidden, kv_cache = _mtp_rows(model, mtp, hidden, first, jnp.zeros_like(first), rope, kv_cache, pass_md,
+                                     layout=layout, backend=backend)
+        first = jnp.argmax(model.head(hidden), axis=-1).astype(jnp.int32)
+        drafts.append(first)
+    return jnp.stack(drafts, axis=1), kv_cache
 
 
 def _following_tokens(inputs: StepInputs, sampled_tokens):
@@ -148,8 +175,9 @@ def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, 
         mtp = merge(mtp_graphdef, mtp_abstract, mtp_params)
     model = merge(graphdef, abstract, params)
     tokens = sampler.row_tokens(state.sampler, inputs.tokens, inputs.row_slots)
-    if mtp is not None:
-        tokens = jnp.where(inputs.tokens == DRAFT_TOKEN, state.drafts[inputs.row_slots], tokens)
+    if mtp is not None:  # a verify row's token DRAFT_TOKEN - i: its slot's draft i
+        draft_index = jnp.clip(DRAFT_TOKEN - inputs.tokens, 0, state.drafts.shape[1] - 1)
+        tokens = jnp.where(inputs.tokens <= DRAFT_TOKEN, state.drafts[inputs.row_slots, draft_index], tokens)
     sampler_state = sampler.add_history(state.sampler, tokens, inputs.roles, inputs.row_slots, inputs.fresh_slots)
     rope = cos_sin(md.positions, *rope_tables(cfg))
     hidden, kv_cache, selected = _layers(
@@ -163,20 +191,25 @@ def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, 
         logits = model.logits(hidden[inputs.sample_rows])
         sampled, sampler_state = sampler.sample_rows(logits, inputs.sampling, sampler_state, draws=draws)
     else:
-        # Groups of G = 2 sampled rows (N = 1 draft; `StepInputs.sample_rows`): each sampling sequence's row of its
-        # last token, then its draft's row (a pad without one).
+        # Groups of G = N + 1 sampled rows (`StepInputs.sample_rows`): each sampling sequence's row of its last
+        # token, then its drafts' rows (pads past the ones it verifies).
         normed = model.final_hidden(hidden)
-        group_rows = inputs.sample_rows.reshape(-1, 2)
-        slots = inputs.sampling.slots[::2]
-        has_draft = group_rows[:, 1] < inputs.tokens.shape[0]  # a pad entry is R
-        verified = jnp.where(has_draft, drafts[slots], -1)[:, None]
+        group = drafts.shape[1] + 1
+        group_rows = inputs.sample_rows.reshape(-1, group)
+        slots = inputs.sampling.slots[::group]
+        has_draft = group_rows[:, 1:] < inputs.tokens.shape[0]  # a pad entry is R
+        verified = jnp.where(has_draft, drafts[slots], -1)
         sampled, accepted, sampler_state = verify_groups(model.head(normed[inputs.sample_rows]), inputs.sampling,
                                                          sampler_state, verified, draws=draws)
         following = jnp.maximum(_following_tokens(inputs, sampled.tokens), 0)  # rejected rows: any token
         mtp_hidden, kv_cache = _mtp_rows(model, mtp, normed, following, inputs.is_position_zero, rope, kv_cache, md,
                                          layout=layout, backend=backend)
         last_rows = jnp.take_along_axis(group_rows, accepted[:, None], axis=-1)[:, 0]  # the last emitted's row
-        drafted = jnp.argmax(model.head(mtp_hidden[last_rows]), axis=-1).astype(jnp.int32)
+        drafted = jnp.argmax(model.head(mtp_hidden[last_rows]), axis=-1).astype(jnp.int32)[:, None]
+        if group > 2:
+            chained, kv_cache = _chained_drafts(model, mtp, drafted[:, 0], mtp_hidden[last_rows], accepted,
+                                                kv_cache, md, cfg, layout=layout, backend=backend)
+            drafted = jnp.concatenate([drafted, chained], axis=1)
         drafts = drafts.at[slots].set(drafted)  # pads: the scratch slot's
         if variant == DETAILS:
             mtp_logits = model.head(mtp_hidden)

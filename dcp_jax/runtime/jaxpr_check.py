@@ -2,7 +2,8 @@
 
 The host hands every program per-rank local lengths. Global positions may only become RoPE angles: converted to a
 float, broadcast, scaled (mul) and ended by cos/sin, whose outputs are free to use; and they may be moved unchanged
-(a static slice: a micro-batch's rows), the moved values followed as the originals. `length_derivations`
+(a static slice: a micro-batch's rows; a gather of host-built entries at indices not derived from them: a verify's
+kept-draft count picking a chained draft row's), the moved values followed as the originals. `length_derivations`
 follows every value computed from the global inputs through the jaxpr, into sub-jaxprs (jit, shard_map,
 control flow), whatever its dtype, and reports every other operation applied to one: the "fallback"
 arithmetic (floordiv, mul, sub, clamp, ...), a comparison mask, a float round trip, a reduction.
@@ -49,6 +50,15 @@ def _is_rope_step(eqn) -> bool:
     return eqn.primitive.name in _ROPE_PATH
 
 
+# Moves of an operand (its first input) to positions given by its other inputs.
+_SELECTIONS = frozenset({"gather", "dynamic_slice"})
+
+
+def _is_selection(eqn, tainted: set) -> bool:
+    """A gather of tainted values at untainted indices: entries moved, none computed."""
+    return eqn.primitive.name in _SELECTIONS and not any(_is_tainted(v, tainted) for v in eqn.invars[1:])
+
+
 def _walk(jaxpr: core.Jaxpr, tainted: set, found: list[str], where: str) -> None:
     """Extend `tainted` (vars derived from the global inputs) through `jaxpr`, recording every use of one that
     is not a step of the RoPE angle path."""
@@ -69,7 +79,7 @@ def _walk(jaxpr: core.Jaxpr, tainted: set, found: list[str], where: str) -> None
                 tainted.update(eqn.outvars)
         if subs or name in _ROPE_END:
             continue
-        if not _is_rope_step(eqn):
+        if not (_is_rope_step(eqn) or _is_selection(eqn, tainted)):
             found.append(f"{where}{name}: {eqn}")
         tainted.update(eqn.outvars)
 

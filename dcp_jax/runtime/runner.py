@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.host.metadata import (MIN_TOKENS_STOP_IDS, PROMPT, SamplingMetadata, SamplingTable, ScheduledRows,
-                                   StepInputs, build_step, fill_decode_rows)
+                                   StepInputs, build_step, draft_offsets, fill_decode_rows)
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.model import fp8_linear
 from dcp_jax.model.deepseek_v32 import abstract_model, param_specs
@@ -100,7 +100,7 @@ def step_programs(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConf
             mesh, buckets=engine.buckets, seqs_for=engine.seqs_for, layout=layout,
             max_blocks=engine.max_blocks_per_seq(parallel.dcp), num_pages=engine.num_pages, param_specs=specs,
             input_specs=REPLICATED, output_specs=REPLICATED, state_specs=state_specs(drafts=mtp is not None),
-            input_shapes=step_input_shapes(engine))
+            input_shapes=step_input_shapes(engine), draft_offsets=draft_offsets(engine.num_speculative_tokens))
         for variant in VARIANTS
     }
 
@@ -112,7 +112,8 @@ def state_allocator(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineCo
     return jax.jit(
         lambda: DeviceState(allocate_kv_cache(cfg, engine, parallel.dcp, mesh, dtype),
                             SamplerState.zeros(engine.max_num_seqs, cfg.vocab_size),
-                            jnp.zeros(engine.max_num_seqs + 1, jnp.int32) if drafting else None),
+                            jnp.zeros((engine.max_num_seqs + 1, engine.num_speculative_tokens), jnp.int32)
+                            if drafting else None),
         out_shardings=jax.tree.map(lambda spec: sharding(mesh, spec), state_specs(drafts=drafting)))
 
 

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.host.metadata import (SamplingMetadata, StepInputs, StepMetadata, check_step_metadata, field_names,
-                                   is_per_rank)
+                                   is_per_rank, step_metadata_dims)
 from dcp_jax.model.kv_cache import KV_CACHE_SPECS
 from dcp_jax.model.mesh import PER_DCP_RANK, REPLICATED, sharding
 from dcp_jax.runtime.jaxpr_check import flat_indices_of, host_syncs, length_derivations
@@ -33,14 +33,17 @@ for _cls in (StepMetadata, SamplingMetadata, StepInputs):
     jax.tree_util.register_dataclass(_cls, data_fields=list(field_names(_cls)), meta_fields=[])
 
 
-def metadata_specs(cls):
-    """A `cls` of PartitionSpecs: per-rank fields split over "dcp", the others replicated."""
-    return cls(**{f.name: PER_DCP_RANK if is_per_rank(f) else REPLICATED for f in dataclasses.fields(cls)})
+def metadata_specs(cls, names=None):
+    """A `cls` of PartitionSpecs: per-rank fields split over "dcp", the others replicated; only the fields in
+    `names` when given (the others None: absent)."""
+    return cls(**{f.name: PER_DCP_RANK if is_per_rank(f) else REPLICATED for f in dataclasses.fields(cls)
+                  if names is None or f.name in names})
 
 
 def rank_view(md):
     """Inside shard_map: the metadata with the size-1 rank axis of every per-rank field dropped."""
-    return dataclasses.replace(md, **{f.name: getattr(md, f.name)[0] for f in dataclasses.fields(md) if is_per_rank(f)})
+    return dataclasses.replace(md, **{f.name: getattr(md, f.name)[0] for f in dataclasses.fields(md)
+                                      if is_per_rank(f) and getattr(md, f.name) is not None})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,21 +104,23 @@ class StepProgram:
     state is donated. The positions and global lengths of `StepMetadata` (`GLOBAL_FIELDS`) must reach nothing but
     RoPE (`length_derivations`)."""
 
-    GLOBAL_FIELDS = ("positions", "context_lens")
+    GLOBAL_FIELDS = ("positions", "context_lens", "draft_positions", "draft_context_lens")
 
     def __init__(self, body: Callable, mesh: Mesh, *, buckets: Iterable[int], seqs_for: Callable[[int], int],
                  layout: DcpLayout, max_blocks: int, num_pages: int, param_specs, input_specs, output_specs,
-                 input_shapes: Callable[[int], object], state_specs=KV_CACHE_SPECS):
+                 input_shapes: Callable[[int], object], state_specs=KV_CACHE_SPECS, draft_offsets: int = 0):
         """`body(params, state, inputs, md)` per rank, with `md` the rank's view; `seqs_for(rows)` the sequence
         width of a bucket; `input_shapes(rows)` gives the inputs' ShapeDtypeStructs; `state_specs` the donated
-        state's PartitionSpecs (default: a KV cache alone); `num_pages` the KV pool's pages (the page check)."""
+        state's PartitionSpecs (default: a KV cache alone); `num_pages` the KV pool's pages (the page check);
+        `draft_offsets` the offsets of the metadata's draft_* fields (`metadata.draft_offsets`; 0: none)."""
         self.mesh = mesh
         self.layout, self.max_blocks, self.num_pages = layout, max_blocks, num_pages
+        self.draft_offsets = draft_offsets
         self.buckets = tuple(buckets)
         self._seqs = {rows: seqs_for(rows) for rows in self.buckets}
         self._input_shapes = input_shapes
         self._param_shardings = jax.tree.map(lambda spec: sharding(mesh, spec), param_specs)
-        specs = metadata_specs(StepMetadata)
+        specs = metadata_specs(StepMetadata, self.metadata_dims(self.buckets[0]))
         self._md_shardings = jax.tree.map(lambda spec: sharding(mesh, spec), specs)
 
         def per_rank(params, state, inputs, md):
@@ -138,13 +143,11 @@ class StepProgram:
         self._packings: dict[int, _Packing] = {}
 
     def metadata_dims(self, rows: int) -> dict[str, tuple[int, ...]]:
-        w = self.layout.dcp_size
-        return dict(positions=(rows,), context_lens=(rows,), local_context_lens=(w, rows), slot_mapping=(w, rows),
-                    block_tables=(self._seqs[rows], self.max_blocks), query_seqs=(rows,))
+        return step_metadata_dims(rows, self._seqs[rows], self.layout.dcp_size, self.max_blocks, self.draft_offsets)
 
     def check(self, md) -> None:
         check_step_metadata(md, buckets=self._seqs, layout=self.layout, max_blocks=self.max_blocks,
-                            num_pages=self.num_pages)
+                            num_pages=self.num_pages, offsets=self.draft_offsets)
 
     def place_params(self, params):
         """Params in the step's sharding (heads split over TP ranks), so no call reshards them."""

@@ -90,8 +90,8 @@ class Engine:
     (`host/page_allocator.py`; vLLM's name).
     enable_expert_parallel: split the routed experts whole over the tp ranks, each rank running only the tokens
     routed to its experts (vLLM's name); by default every rank runs every expert on its slice of their width.
-    speculative_config: {"method": "mtp", "num_speculative_tokens": 1} (vLLM's): the model's MTP layer drafts,
-    the next step verifies (steps then run synchronously).
+    speculative_config: {"method": "mtp", "num_speculative_tokens": N} (vLLM's; N in 1..3): the model's MTP layer
+    drafts, the next step verifies (steps then run synchronously).
     enable_tbo: two-batch overlap: each layer's attention runs as two micro-batches of the step's rows.
     """
 

@@ -151,7 +151,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     (`config.QUANTIZATION_CHOICES`): auto keeps a block fp8 checkpoint's fp8 weights in fp8 (`dtype` stays the
     activations' and the rest's), none dequantizes them into `dtype`. `hf_overrides` (vLLM's name): config.json
     fields replaced before anything loads (`apply_hf_overrides`), e.g. {"index_topk": 16384} attends densely up
-    to 16K tokens. `speculative_config` (vLLM's): {"method": "mtp", "num_speculative_tokens": 1} drafts with the
+    to 16K tokens. `speculative_config` (vLLM's): {"method": "mtp", "num_speculative_tokens": N} drafts with the
     model's MTP layer (`config.num_speculative_tokens`; a checkpoint's, or a preset's random one). `enable_tbo`
     (two-batch overlap): each layer's attention runs as two micro-batches of the step's rows, one's collectives
     beside the other's compute (`sparse_dcp.sparse_dcp_attention`)."""

@@ -1,15 +1,26 @@
-"""bench/bench_mtp.py times the plain and the verify step on the engine's runner (a CPU smoke run of the tiny
-preset at DCP 2) and writes the break-even acceptance rate."""
+"""bench/bench_mtp.py times the plain and the verify steps on the engine's runner (a CPU smoke run of the tiny
+preset at DCP 2) and writes the break-even acceptance rate per draft count."""
 
 import json
 
-from bench.bench_mtp import main
+import pytest
+
+from bench.bench_mtp import breakeven_acceptance, expected_tokens, main
 
 
-def test_it_times_both_steps_and_writes_the_break_even(tmp_path, capsys):
+def test_it_times_the_steps_and_writes_the_break_even(tmp_path, capsys):
     out = tmp_path / "mtp.json"
-    assert main(["--batch", "2", "--context", "40", "--steps", "2", "--dcp", "2", "--out", str(out)]) == 0
-    row = json.loads(out.read_text())["rows"][0]
-    assert row["plain_ms"] > 0 and row["verify_ms"] > 0
-    assert row["breakeven_acceptance"] == row["verify_ms"] / row["plain_ms"] - 1
+    assert main(["--batch", "2", "--context", "40", "--steps", "2", "--dcp", "2", "--num-speculative-tokens", "3",
+                 "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["num_speculative_tokens"] == 3 and row["plain_ms"] > 0 and row["verify_ms"] > 0
+    assert row["cost_ratio"] == pytest.approx(row["verify_ms"] / row["plain_ms"])
+    if row["cost_ratio"] < 4:
+        assert expected_tokens(row["breakeven_acceptance"], 3) == pytest.approx(row["cost_ratio"], rel=1e-6)
     assert "pays off above an acceptance rate" in capsys.readouterr().out
+
+
+def test_the_break_even_acceptance():
+    assert breakeven_acceptance(1.5, 1) == pytest.approx(0.5)  # 1 + a = 1.5
+    assert breakeven_acceptance(1.0, 3) == pytest.approx(0.0, abs=1e-9)
+    assert breakeven_acceptance(4.5, 3) == 1.0  # 4 tokens at best: never pays

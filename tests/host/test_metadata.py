@@ -43,10 +43,11 @@ def test_fields_and_inert_pad_rows(dcp, interleave):
     lens, tables = [5, 1, 17], [[3, 4], [0], [7, 2, 9, 10, 11]]
     md = build(lens, tables, bucket=8, dcp=dcp, interleave=interleave, page_size=4, max_blocks=5)
     fields = field_names(StepMetadata)
-    assert set(fields) == {"positions", "context_lens", "local_context_lens", "slot_mapping", "block_tables",
-                           "query_seqs"}
+    row_fields = {"positions", "context_lens", "local_context_lens", "slot_mapping", "block_tables", "query_seqs"}
+    assert set(fields) == row_fields | {"draft_positions", "draft_context_lens", "draft_local_context_lens",
+                                        "draft_slot_mapping", "draft_seqs"}  # the chained draft passes': None here
     for name in fields:
-        assert getattr(md, name).dtype == np.int32
+        assert getattr(md, name).dtype == np.int32 if name in row_fields else getattr(md, name) is None
     np.testing.assert_array_equal(md.context_lens, [5, 1, 17, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(md.positions, [4, 0, 16, 0, 0, 0, 0, 0])
     # Local lengths are published for every dcp size, 1 included, and pad rows hold 0 tokens everywhere.
@@ -165,6 +166,53 @@ def test_verify_rows_take_their_local_lengths_from_their_own_global_lengths():
     assert md.context_lens[:3].tolist() == [8, 9, 10]
     assert md.local_context_lens[1, :3].tolist() == [4, 4, 5] and md.local_context_lens[0, :3].tolist() == [4, 5, 5]
     assert_is_the_layouts(md, layout)
+
+
+def brute_local_len(length: int, rank: int, layout: DcpLayout) -> int:
+    """Tokens of the first `length` held by `rank`, counted one by one."""
+    return sum((t // layout.interleave) % layout.dcp_size == rank for t in range(length))
+
+
+@settings(max_examples=40, deadline=None)
+@given(groups=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 3)), min_size=1, max_size=3),
+       n=st.integers(2, 3), dcp=st.sampled_from([1, 2, 3, 4, 8]), interleave=st.sampled_from([1, 2, 4]),
+       spare_blocks=st.integers(0, 1))
+def test_chained_draft_rows_take_their_local_lengths_from_their_own_positions(groups, n, dcp, interleave,
+                                                                              spare_blocks):
+    """The MTP layer's chained-pass rows (N >= 2 drafts): for each verify group (its decode row at L - 1, d <= N
+    drafts after it) and each offset o = 1..2N-1, the row at position L - 1 + o has the local lengths and slot a
+    one-by-one count gives, or is a pad past the sequence's pages."""
+    layout = DcpLayout(dcp, interleave, page_size=4)
+    size = layout.tokens_per_block
+    max_blocks = int(layout.virtual_blocks(40 + 2 * n)) + 1
+    lens = [length for length, _ in groups]
+    drafts = [min(d, n) for _, d in groups]
+    tables = [list(range(i * max_blocks, i * max_blocks + int(layout.virtual_blocks(length + d)) + spare_blocks))
+              for i, (length, d) in enumerate(zip(lens, drafts))]
+    rows = ScheduledRows.verify(list(range(len(lens))), lens, drafts, np.full((len(lens), max_blocks), -1, np.int32))
+    rows = dataclasses.replace(rows, block_tables=tables)
+    table = SamplingTable(4, scratch_slot=3, eos_token_id=1)
+    _, md = build_step(rows, bucket=16, seqs=4, layout=layout, max_blocks=max_blocks, table=table, group=n + 1)
+    for g, (length, d) in enumerate(zip(lens, drafts)):
+        assert md.draft_seqs[g] == g
+        for o in range(1, 2 * n):
+            q = length - 1 + o
+            if q >= len(tables[g]) * size:  # past its pages: a pad
+                assert md.draft_context_lens[g, o - 1] == 0 and (md.draft_slot_mapping[:, g, o - 1] == -1).all()
+                continue
+            assert (md.draft_positions[g, o - 1], md.draft_context_lens[g, o - 1]) == (q, q + 1)
+            for w in range(dcp):
+                assert md.draft_local_context_lens[w, g, o - 1] == brute_local_len(q + 1, w, layout)
+                owner = (q // interleave) % dcp
+                local = (q // (interleave * dcp)) * interleave + q % interleave
+                want = tables[g][local // 4] * 4 + local % 4 if w == owner else -1
+                assert md.draft_slot_mapping[w, g, o - 1] == want
+    assert (md.draft_context_lens[len(lens):] == 0).all() and (md.draft_slot_mapping[:, len(lens):] == -1).all()
+    check_step_metadata(md, buckets={16: 4}, layout=layout, max_blocks=max_blocks, num_pages=4 * max_blocks,
+                        offsets=2 * n - 1)
+    with pytest.raises(ValueError, match="draft_slot_mapping.*expected|shape"):
+        check_step_metadata(md, buckets={16: 4}, layout=layout, max_blocks=max_blocks, num_pages=4 * max_blocks,
+                            offsets=2 * n + 1)
 
 
 def test_the_layout_oracle_catches_wrong_values():

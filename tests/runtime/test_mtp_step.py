@@ -1,7 +1,10 @@
 """The MTP layer in the step programs (`runtime/forward.py`, speculative decoding's draft): over a prompt's rows and
 decode rows, with its own cache (the pools' last layer), it gives the training forward's MTP logits
 (`train/forward.mtp_forward`) at every row, chunked or not, at DCP 1 and 2; each sampled row's argmax is its slot's
-draft in the device state."""
+first draft in the device state, and with N >= 2 the chained passes' drafts are the layer run again on its own
+output (a reference over the whole sequence)."""
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +16,8 @@ from dcp_jax.model.deepseek_v32 import abstract_model, init_params, merge
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
 from dcp_jax.runtime.runner import GREEDY_PARAMS, ModelRunner
-from dcp_jax.train.forward import SPARSE, mtp_forward, sequence_forward
+from dcp_jax.model.rope import cos_sin, rope_tables
+from dcp_jax.train.forward import SPARSE, decoder_layer_forward, mtp_forward, sequence_forward
 
 ENGINE = EngineConfig(page_size=4, num_pages=32, max_num_seqs=2, max_model_len=64, bucket_ladder=(2, 16, 32),
                       max_num_batched_tokens=32, num_speculative_tokens=1)
@@ -29,12 +33,12 @@ def _chunk(prompt, first, end, table, slot):
                          is_fresh=np.array([first == 0]), samples=np.array([end == len(prompt)]))
 
 
-def _served_mtp_logits(dcp: int, chunks: list[int]):
+def _served_mtp_logits(dcp: int, chunks: list[int], engine: EngineConfig):
     """The MTP logits of every prompt row and of one decode row through the details program, the tokens sampled
-    after the prompt and after the decode row, and the slot's draft after each step."""
+    after the prompt and after the decode row, and the slot's drafts after each step."""
     params, mtp_params = init_params(TINY, seed=1), init_mtp_params(TINY, seed=2)
     parallel = ParallelConfig(tp=dcp, dcp=dcp)
-    runner = ModelRunner(TINY, params, parallel, ENGINE, make_mesh(parallel), "reference", mtp_params=mtp_params)
+    runner = ModelRunner(TINY, params, parallel, engine, make_mesh(parallel), "reference", mtp_params=mtp_params)
     slot, table = 0, list(range(ENGINE.max_blocks_per_seq(dcp)))
     runner.set_sampling(slot, GREEDY_PARAMS, 0, len(PROMPT_IDS))
     logits, first = [], 0
@@ -43,18 +47,34 @@ def _served_mtp_logits(dcp: int, chunks: list[int]):
         logits.append(details.mtp_logits[:end - first])
         first = end
     token = int(sampled.tokens[0])
-    drafts = [int(np.asarray(runner.state.drafts)[slot])]
+    drafts = [np.asarray(runner.state.drafts)[slot].tolist()]
     decode = ScheduledRows.decode([slot], [len(PROMPT_IDS) + 1], np.asarray([table], np.int32), tokens=[token])
     sampled, details = runner.run_details(decode)
     logits.append(details.mtp_logits[:1])
-    drafts.append(int(np.asarray(runner.state.drafts)[slot]))
+    drafts.append(np.asarray(runner.state.drafts)[slot].tolist())
     return (np.concatenate(logits), [token, int(sampled.tokens[0])], drafts, (params, mtp_params),
             runner.state.kv_cache.num_layers)
 
 
-@pytest.mark.parametrize("dcp, chunks", [pytest.param(1, [29], marks=pytest.mark.slow), (2, [13, 29])])
-def test_mtp_rows_give_the_training_forwards_mtp_logits_and_drafts(dcp, chunks):
-    served, generated, drafts, (params, mtp_params), layers = _served_mtp_logits(dcp, chunks)
+def _chained_drafts(model, mtp, tokens, hidden, last_row: int, n: int) -> list[int]:
+    """Reference: the n drafts after row `last_row` of tokens [T] (the main model's `hidden`): the MTP layer over
+    rows 0..last_row, then again with each draft and the state it gave it appended."""
+    normed, following, drafts = model.final_hidden(hidden[:last_row + 1]), tokens[1:last_row + 2], []
+    for _ in range(n):
+        positions = jnp.arange(normed.shape[0])
+        h = mtp.layer_input(model.embed_tokens(following), normed, positions == 0)
+        h, _, _ = decoder_layer_forward(mtp.layer, h, *cos_sin(positions, *rope_tables(TINY)), cfg=TINY, mode=SPARSE)
+        out = mtp.head_input(h)
+        drafts.append(int(jnp.argmax(model.head(out[-1]))))
+        normed, following = jnp.concatenate([normed, out[-1:]]), jnp.append(following, drafts[-1])
+    return drafts
+
+
+@pytest.mark.parametrize("dcp, chunks, drafts", [pytest.param(1, [29], 1, marks=pytest.mark.slow), (2, [13, 29], 1),
+                                                 (2, [29], 3)])
+def test_mtp_rows_give_the_training_forwards_mtp_logits_and_drafts(dcp, chunks, drafts):
+    engine = dataclasses.replace(ENGINE, num_speculative_tokens=drafts)
+    served, generated, served_drafts, (params, mtp_params), layers = _served_mtp_logits(dcp, chunks, engine)
     assert layers == TINY.num_hidden_layers + 1  # the MTP layer's cache after the decoder layers'
     model = merge(*abstract_model(TINY), params)
     mtp = merge(*abstract_mtp(TINY), mtp_params)
@@ -62,7 +82,10 @@ def test_mtp_rows_give_the_training_forwards_mtp_logits_and_drafts(dcp, chunks):
     hidden = sequence_forward(model, tokens, mode=SPARSE).hidden
     expected = np.asarray(mtp_forward(model, mtp, tokens, hidden, mode=SPARSE).logits)  # rows 0 .. T
     np.testing.assert_allclose(served, expected, atol=2e-4, rtol=0)
-    assert drafts == [int(np.argmax(expected[len(PROMPT_IDS) - 1])), int(np.argmax(expected[len(PROMPT_IDS)]))]
+    last = len(PROMPT_IDS) - 1  # the prompt's last row, then the decode row
+    assert [d[0] for d in served_drafts] == [int(np.argmax(expected[last])), int(np.argmax(expected[last + 1]))]
+    if drafts > 1:
+        assert served_drafts == [_chained_drafts(model, mtp, tokens, hidden, row, drafts) for row in (last, last + 1)]
 
 
 def test_a_runner_drafts_exactly_with_mtp_params():
@@ -71,12 +94,15 @@ def test_a_runner_drafts_exactly_with_mtp_params():
         ModelRunner(TINY, init_params(TINY, seed=1), parallel, ENGINE, make_mesh(parallel), "reference")
 
 
-@pytest.mark.parametrize("kernels", ["reference", pytest.param("pallas", marks=pytest.mark.slow)])
-def test_no_drafting_program_derives_local_lengths_or_waits_for_the_device(kernels):
-    """The MTP layer's rows and the verify groups keep the step's property: global positions reach RoPE alone (the
-    position-0 embedding mask is the host's `is_position_zero`), and no serving program holds a traced branch."""
+@pytest.mark.parametrize("kernels, drafts", [("reference", 3), pytest.param("reference", 1, marks=pytest.mark.slow),
+                                             pytest.param("pallas", 3, marks=pytest.mark.slow)])
+def test_no_drafting_program_derives_local_lengths_or_waits_for_the_device(kernels, drafts):
+    """The MTP layer's rows, the verify groups and the chained passes keep the step's property: global positions
+    reach RoPE alone (the position-0 embedding mask is the host's `is_position_zero`; a chained pass's row is
+    picked among the host's, not computed), and no serving program holds a traced branch."""
     parallel = ParallelConfig(tp=2, dcp=2, interleave=2)
-    runner = ModelRunner(TINY, init_params(TINY, seed=1), parallel, ENGINE, make_mesh(parallel), kernels,
+    engine = dataclasses.replace(ENGINE, num_speculative_tokens=drafts)
+    runner = ModelRunner(TINY, init_params(TINY, seed=1), parallel, engine, make_mesh(parallel), kernels,
                          mtp_params=init_mtp_params(TINY, seed=2))
     for variant, step in runner.steps.items():
         for rows in step.buckets:

@@ -17,7 +17,7 @@ from dcp_jax.model.attention_stack import decode_stack_body, init_stack_params
 from dcp_jax.model.kv_cache import allocate_kv_cache
 from dcp_jax.model.mesh import DCP, make_mesh
 from dcp_jax.runtime.forward import GREEDY, PROMPT_LOGPROBS, SAMPLED
-from dcp_jax.runtime.jaxpr_check import host_syncs, local_context_lens_on_device
+from dcp_jax.runtime.jaxpr_check import host_syncs, length_derivations, local_context_lens_on_device
 from dcp_jax.serving.loading import load_model
 
 ENGINE = EngineConfig(page_size=4, num_pages=64, max_num_seqs=8, max_model_len=64, max_num_batched_tokens=8)
@@ -122,6 +122,19 @@ def test_the_check_catches_a_wired_in_fallback(setup, body, expected_ops):
     rows = ENGINE.buckets[-1]
     found = step.length_derivations(params, kv_cache, rows)
     assert expected_ops & {f.split(":")[0].split("/")[-1] for f in found}, found
+
+
+def test_the_check_lets_host_rows_be_picked_but_not_computed_from():
+    """A chained draft pass picks its row among host-built ones by a device count (a gather: moved, not derived);
+    indexing by a global length, or arithmetic on the picked one, is still a derivation."""
+    positions, count = jnp.zeros((4, 5), jnp.int32), jnp.zeros(4, jnp.int32)
+
+    def found(f):
+        return {d.split(":")[0].split("/")[-1] for d in length_derivations(jax.make_jaxpr(f)(positions, count), [0])}
+
+    assert found(lambda p, a: jnp.cos(jnp.take_along_axis(p, a[:, None], axis=1).astype(jnp.float32))) == set()
+    assert "gather" in found(lambda p, a: jnp.take(a, p[:, 0]))
+    assert "add" in found(lambda p, a: jnp.take_along_axis(p, a[:, None], axis=1) + 1)
 
 
 @pytest.mark.parametrize("kernels", ["reference", "pallas"])

@@ -15,6 +15,7 @@ from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.serving.llm import LLM
 
 MTP = {"method": "mtp", "num_speculative_tokens": 1}
+MTP3 = {"method": "mtp", "num_speculative_tokens": 3}
 # Prompts of 5, 23 and 40 tokens: below and past the tiny preset's index_topk of 16.
 PROMPTS = [np.random.default_rng(i).integers(2, TINY.vocab_size, n).tolist() for i, n in enumerate([5, 23, 40])]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -34,19 +35,22 @@ def plain_greedy():
     return token_ids(make_llm(speculative_config=None))
 
 
-# DCP 1, 4 and 8 repeat DCP 2's checks at other sizes (slow: scripts/test.sh leaves them out).
-SIZES = [(2, 2), pytest.param(1, 1, marks=pytest.mark.slow), pytest.param(4, 1, marks=pytest.mark.slow),
-         pytest.param(8, 2, marks=pytest.mark.slow)]
+# DCP 1, 4 and 8 repeat DCP 2's checks at other sizes, N = 2 N = 1's and 3's (slow: scripts/test.sh leaves them
+# out).
+SIZES = [(2, 2, MTP3), pytest.param(2, 2, MTP, marks=pytest.mark.slow),
+         pytest.param(2, 1, {"method": "mtp", "num_speculative_tokens": 2}, marks=pytest.mark.slow),
+         pytest.param(1, 1, MTP3, marks=pytest.mark.slow), pytest.param(4, 1, MTP3, marks=pytest.mark.slow),
+         pytest.param(8, 2, MTP3, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("dcp, interleave", SIZES)
-def test_greedy_output_with_mtp_is_greedy_decodings(plain_greedy, dcp, interleave):
-    assert token_ids(make_llm(dcp, interleave)) == plain_greedy
+@pytest.mark.parametrize("dcp, interleave, config", SIZES)
+def test_greedy_output_with_mtp_is_greedy_decodings(plain_greedy, dcp, interleave, config):
+    assert token_ids(make_llm(dcp, interleave, config)) == plain_greedy
 
 
 def force_drafts(llm, expected, right):
-    """Before each step, write each running request's draft: its next greedy token (`expected`) when right[i],
-    else another one."""
+    """Before each step, write each running request's drafts: its next greedy tokens (`expected`), the one after
+    its first right[i] drafts (if any) changed to another token."""
     runner, scheduler = llm.runner, llm.core.scheduler
     dispatch = runner.dispatch
 
@@ -55,9 +59,12 @@ def force_drafts(llm, expected, right):
         for request in scheduler.running:
             index = int(request.request_id.split("-")[-1])
             k = len(request.output_ids)
-            if 0 < k < len(expected[index]):
-                token = expected[index][k]
-                drafts[request.slot] = token if right[index] else (token + 1) % TINY.vocab_size
+            tokens = expected[index][k: k + drafts.shape[1]]
+            if 0 < k and tokens:
+                tokens = tokens + [0] * (drafts.shape[1] - len(tokens))
+                if right[index] < len(tokens):
+                    tokens[right[index]] = (tokens[right[index]] + 1) % TINY.vocab_size
+                drafts[request.slot] = tokens
         runner.state = dataclasses.replace(runner.state, drafts=jax.device_put(jnp.asarray(drafts),
                                                                                runner.state.drafts.sharding))
         return dispatch(rows, variant)
@@ -65,12 +72,23 @@ def force_drafts(llm, expected, right):
     runner.dispatch = forced
 
 
-@pytest.mark.parametrize("dcp, interleave", SIZES)
-def test_drafts_right_for_some_requests_and_wrong_for_others(plain_greedy, dcp, interleave):
-    """Right drafts are all kept (two tokens a step), wrong ones all rejected; the output is greedy decoding's, the
-    metrics count them and every page is free after."""
-    llm = make_llm(dcp, interleave)
-    right = [True, False, True]
+def draft_counts(max_tokens: int, n: int, right: int) -> tuple[int, int]:
+    """(drafted, kept) of a request whose first `right` drafts a step are right: the scheduler drafts up to n while
+    max_tokens leaves room for them and the token after; the prefill samples its first token."""
+    sampled, drafted, kept = 1, 0, 0
+    while sampled < max_tokens:
+        d = min(n, max_tokens - sampled - 1)
+        drafted, kept, sampled = drafted + d, kept + min(d, right), sampled + min(d, right) + 1
+    return drafted, kept
+
+
+@pytest.mark.parametrize("dcp, interleave, config", SIZES)
+def test_drafts_right_for_some_requests_and_wrong_for_others(plain_greedy, dcp, interleave, config):
+    """All drafts kept for one request, none for another, the first only (N > 1) for the third; the output is
+    greedy decoding's, the metrics count them and every page is free after."""
+    llm = make_llm(dcp, interleave, config)
+    n = config["num_speculative_tokens"]
+    right = [n, 0, min(1, n - 1) if n > 1 else n]
     force_drafts(llm, plain_greedy, right)
     assert token_ids(llm) == plain_greedy
     metrics = llm.core.metrics.render()
@@ -79,16 +97,16 @@ def test_drafts_right_for_some_requests_and_wrong_for_others(plain_greedy, dcp, 
               if line.startswith("dcp_jax_spec_decode")}
     drafted, kept = values["dcp_jax_spec_decode_num_draft_tokens_total"], \
         values["dcp_jax_spec_decode_num_accepted_tokens_total"]
-    # Each right-draft request keeps its draft in 5 verify steps (12 tokens: its first, 2 a step, then one more
-    # with no room left to draft); the wrong-draft one has 10 drafts rejected, one a step.
-    assert kept == 2 * 5 and drafted == 2 * 5 + 10, values
+    counts = [draft_counts(GREEDY.max_tokens, n, r) for r in right]
+    assert (drafted, kept) == tuple(map(sum, zip(*counts))), values
+    assert draft_counts(12, 1, 1) == (5, 5) and draft_counts(12, 1, 0) == (10, 0)  # N = 1: 2 tokens a step, or 1
     assert values["dcp_jax_spec_decode_acceptance_rate"] == pytest.approx(kept / drafted)
     scheduler = llm.core.scheduler
     assert scheduler.allocator.num_free == llm.engine_config.num_pages and not scheduler.running
 
 
 def test_sampled_output_with_mtp_is_reproducible_per_seed():
-    llm = make_llm(2, 1)
+    llm = make_llm(2, 1, MTP3)
     params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
     first, again = token_ids(llm, params), token_ids(llm, params)
     assert first == again and all(len(ids) == 10 for ids in first)
@@ -97,7 +115,7 @@ def test_sampled_output_with_mtp_is_reproducible_per_seed():
 
 def test_bad_speculative_configurations_are_refused():
     for config, message in (({"method": "ngram", "num_speculative_tokens": 1}, "method 'ngram'"),
-                            ({"method": "mtp", "num_speculative_tokens": 3}, "num_speculative_tokens must be"),
+                            ({"method": "mtp", "num_speculative_tokens": 4}, "num_speculative_tokens must be"),
                             ({"method": "mtp"}, "num_speculative_tokens must be"),
                             ({"method": "mtp", "num_speculative_tokens": 1, "model": "x"}, "unsupported fields")):
         with pytest.raises(ValueError, match=message):
