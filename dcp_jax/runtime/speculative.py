@@ -69,20 +69,27 @@ def accept_drafts(kept_logits, drafts, *, is_greedy, seeds, positions, draws: bo
 def verify_groups(logits, sampling, state: SamplerState, drafts, *, draws: bool):
     """Each request's group of G = N + 1 sampled rows, flat: logits [S*G, A] f32 (row 0 at its last token, row i at
     its draft i; rows past a request's drafts are pads), `sampling` (`SamplingMetadata`) per row, drafts [S, N]
-    int32 (-1 past a request's). Each row's logits go through the sampler's processing (`processed_logits`; the
-    penalties over the history before the group); `accept_drafts` decides. Returns (SampledTokens per row: the
+    int32 (-1 past a request's). Each row's logits go through the sampler's processing (`processed_logits`; row i's
+    penalties over the history before the group and drafts 0..i-1, the tokens it follows when it counts: as
+    decoding without drafts would penalize it); `accept_drafts` decides. Returns (SampledTokens per row: the
     token it emits, -1 past the group's last, with the raw logits' logprobs; accepted [S]; the state with every
     emitted token counted and each group's last one its slot's last token)."""
     groups, n = drafts.shape
     g = n + 1
-    out = processed_logits(logits, draws=draws, **row_arguments(sampling, state))
+    arguments = row_arguments(sampling, state)
+    vocab = logits.shape[-1]
+    counts, group_first = arguments["output_counts"], jnp.arange(groups) * g
+    for k in range(n):  # draft k counts for rows k + 1..N of its group
+        kept_rows = (group_first[:, None] + jnp.arange(k + 1, g)[None, :]).reshape(-1)
+        draft = jnp.repeat(jnp.where(drafts[:, k] >= 0, drafts[:, k], vocab), n - k)
+        counts = counts.at[kept_rows, draft].add(1, mode="drop")
+    out = processed_logits(logits, draws=draws, **(arguments | dict(output_counts=counts)))
     accepted, tokens = accept_drafts(out.kept.reshape(groups, g, -1), drafts,
                                      is_greedy=sampling.temperature[::g] <= 0, seeds=sampling.seeds[::g],
                                      positions=sampling.positions.reshape(groups, g), draws=draws)
     flat = tokens.reshape(-1)
     logprobs = jnp.take_along_axis(out.raw_logprobs, jnp.maximum(flat, 0)[:, None], axis=-1)[:, 0]
     last = jnp.take_along_axis(tokens, accepted[:, None], axis=-1)[:, 0]
-    vocab = logits.shape[-1]
     state = dataclasses.replace(
         state, last_tokens=state.last_tokens.at[sampling.slots[::g]].set(last),
         output_counts=state.output_counts.at[sampling.slots, jnp.where(flat >= 0, flat, vocab)].add(1, mode="drop"))

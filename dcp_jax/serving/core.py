@@ -76,9 +76,6 @@ class ServingCore:
             raise ValueError(f"the prompt has token ids outside [0, {self.vocab_size})")
         if prompt_logprobs is not None and not self.has_prompt_logprobs:
             raise ValueError("this engine was started without prompt logprobs")
-        if self.drafting and (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1):
-            raise ValueError("presence_penalty, frequency_penalty and repetition_penalty are not supported with "
-                             "speculative decoding yet")
         held = len(params.stop_token_ids) + (not params.ignore_eos)
         if params.min_tokens and held > MIN_TOKENS_STOP_IDS:
             raise ValueError(f"min_tokens holds back at most {MIN_TOKENS_STOP_IDS} stop tokens (EOS included), got "

@@ -1,7 +1,8 @@
 """Speculative decoding with the model's MTP layer (`speculative_config`, issue 27): greedy output token for token
 that of decoding without drafts at every DCP size and interleave, with contexts crossing index_topk; drafts forced
 right for some requests and wrong for others are kept and rejected as they should, and the pages all come back;
-sampled output is reproducible per seed; bad configurations are refused before anything loads."""
+penalties see the drafts a row follows; sampled output is reproducible per seed; bad configurations are refused
+before anything loads."""
 
 import dataclasses
 
@@ -31,8 +32,13 @@ def token_ids(llm, params=GREEDY, prompts=PROMPTS):
 
 
 @pytest.fixture(scope="module")
-def plain_greedy():
-    return token_ids(make_llm(speculative_config=None))
+def plain_llm():
+    return make_llm(speculative_config=None)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(plain_llm):
+    return token_ids(plain_llm)
 
 
 # DCP 1, 4 and 8 repeat DCP 2's checks at other sizes, N = 2 N = 1's and 3's (slow: scripts/test.sh leaves them
@@ -105,6 +111,19 @@ def test_drafts_right_for_some_requests_and_wrong_for_others(plain_greedy, dcp, 
     assert scheduler.allocator.num_free == llm.engine_config.num_pages and not scheduler.running
 
 
+def test_penalties_apply_to_each_verify_row_as_without_drafts(plain_llm):
+    """Presence, frequency and repetition penalties with drafting (N = 3, drafts forced right, so rows after kept
+    drafts decide): each row is penalized for the drafts before it too, so greedy output is decoding's without
+    drafts."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=0.8,
+                            frequency_penalty=0.6, repetition_penalty=1.3)
+    expected = token_ids(plain_llm, params)
+    assert expected != token_ids(plain_llm)  # the penalties change the output
+    llm = make_llm(2, 2, MTP3)
+    force_drafts(llm, expected, [3, 3, 1])
+    assert token_ids(llm, params) == expected
+
+
 def test_sampled_output_with_mtp_is_reproducible_per_seed():
     llm = make_llm(2, 1, MTP3)
     params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
@@ -124,9 +143,6 @@ def test_bad_speculative_configurations_are_refused():
         make_llm(speculative_config=MTP, hf_overrides={"num_nextn_predict_layers": 0})
     with pytest.raises(ValueError, match="max_num_batched_tokens=4 must be >= max_num_seqs=4 x 2"):
         make_llm(max_num_batched_tokens=4)
-    llm = make_llm()
-    with pytest.raises(ValueError, match="not supported with speculative decoding"):
-        llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=SamplingParams(presence_penalty=0.5))
 
 
 def test_the_engine_serves_with_mtp_and_reports_it_in_metrics(tmp_path_factory, plain_greedy):
