@@ -111,6 +111,23 @@ def test_drafts_right_for_some_requests_and_wrong_for_others(plain_greedy, dcp, 
     assert scheduler.allocator.num_free == llm.engine_config.num_pages and not scheduler.running
 
 
+def test_a_request_aborted_between_verify_steps_frees_its_pages(plain_greedy):
+    """With N = 3 a drafting request holds pages for its verify rows and the chained passes' after them; aborted
+    mid-generation it gives them all back, and the others' output is still greedy decoding's."""
+    llm = make_llm(2, 2, MTP3)
+    core = llm.core
+    requests = [core.make_request(prompt, GREEDY) for prompt in PROMPTS]
+    for request in requests:
+        core.add(request)
+    while len(requests[1].output_ids) < 2:
+        core.step()
+    assert core.abort(requests[1].request_id) is requests[1] and requests[1].finish_reason == "abort"
+    while core.has_work:
+        core.step()
+    assert [requests[0].output_ids, requests[2].output_ids] == [plain_greedy[0], plain_greedy[2]]
+    assert core.scheduler.allocator.num_free == llm.engine_config.num_pages and not core.scheduler.running
+
+
 def test_penalties_apply_to_each_verify_row_as_without_drafts(plain_llm):
     """Presence, frequency and repetition penalties with drafting (N = 3, drafts forced right, so rows after kept
     drafts decide): each row is penalized for the drafts before it too, so greedy output is decoding's without
