@@ -165,6 +165,8 @@ class ModelRunner:
         self._new_state = state_allocator(cfg, parallel, engine, mesh, dtype)
         self.state = self._new_state()
         self._empty_steps: dict[int, Placed] = {}  # bucket -> its step of pad rows only (`_empty_step`)
+        # A multi-host leader's `multihost.Mirror`: its followers run every program this runner runs.
+        self.mirror = None
 
     @property
     def kv_cache(self):
@@ -183,6 +185,8 @@ class ModelRunner:
 
     def reset_state(self) -> None:
         """A fresh zeroed device state in the same placement (no recompile); every cached context is lost."""
+        if self.mirror is not None:
+            self.mirror.reset()
         self.state = self._new_state()
 
     # ---- programs ---------------------------------------------------------------------------------------
@@ -225,8 +229,18 @@ class ModelRunner:
             placed = step.pack_inputs(*build_step(rows, bucket=bucket, seqs=self.engine.seqs_for(bucket),
                                                   layout=self.layout, max_blocks=self.max_blocks,
                                                   table=self.sampling_table, group=self.engine.sample_group))
+        if self.mirror is not None:
+            self.mirror.run(variant, bucket, placed.packed)
         outputs, self.state = step.run_placed(self.params, self.state, placed)
+        if jax.process_count() > 1:  # replicated over every process: this one's copy, readable here
+            outputs = jax.tree.map(lambda a: a.addressable_data(0), outputs)
         return outputs
+
+    def run_mirrored(self, variant: str, placed: Placed) -> None:
+        """A multi-host follower: run the `variant` program on the leader's step buffer (`multihost.follow`)."""
+        step = self.steps[variant]
+        step.compile(self.params, self.state, placed.bucket)
+        _, self.state = step.run_placed(self.params, self.state, placed)
 
     def _empty_step(self, step: StepProgram, bucket: int) -> Placed:
         """The packed step of `bucket` with no rows (every row a pad), built once a bucket (every variant packs

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dcp_jax.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.host.scheduler import Request, Scheduler
+from dcp_jax.runtime.forward import VARIANTS
+from dcp_jax.runtime.multihost import Distributed, FollowerChannel, Mirror, PeerLost, StepChannel, follow
 from dcp_jax.serving.core import ServingCore
 from dcp_jax.serving.loading import load_model
 from dcp_jax.serving.streams import output_text, stop_reason
@@ -75,6 +77,9 @@ class LLM:
     as the model's); steps then run synchronously.
     enable_tbo: two-batch overlap: each layer's attention runs as two micro-batches of the step's rows, so one's
     collectives can run beside the other's compute (same outputs).
+    coordinator_address, num_processes, process_id: one process of a multi-host deployment (`runtime/multihost.py`;
+    jax.distributed's names): every process constructs the same LLM and calls the same `generate`s; process 0
+    schedules and every process returns its outputs.
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
@@ -85,7 +90,9 @@ class LLM:
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, enable_prefix_caching: bool = False,
                  enable_expert_parallel: bool = False, quantization: str = "auto", unroll_layers: bool = False,
                  hf_overrides: dict | None = None, speculative_config: dict | None = None,
-                 enable_tbo: bool = False):
+                 enable_tbo: bool = False, coordinator_address: str | None = None, num_processes: int = 1,
+                 process_id: int = 0):
+        self.distributed = Distributed.of(coordinator_address, num_processes, process_id)
         loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
                             max_num_seqs=max_num_seqs, max_model_len=max_model_len, kernels=kernels, seed=seed,
                             num_layers=num_layers, index_cache=index_cache, latent_cache=latent_cache, dtype=dtype,
@@ -93,7 +100,8 @@ class LLM:
                             max_num_batched_tokens=max_num_batched_tokens,
                             enable_expert_parallel=enable_expert_parallel, quantization=quantization,
                             unroll_layers=unroll_layers, hf_overrides=hf_overrides,
-                            speculative_config=speculative_config, enable_tbo=enable_tbo)
+                            speculative_config=speculative_config, enable_tbo=enable_tbo,
+                            distributed=self.distributed)
         self.dtype = loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
@@ -103,8 +111,40 @@ class LLM:
         # Programs compile at their first use (an engine compiles them all at start-up).
         self.core = ServingCore(self.runner, scheduler, vocab_size=self.model_config.vocab_size, seed=seed,
                                 has_prompt_logprobs=False, async_scheduling=async_scheduling)
+        self._channel = None
+        if self.distributed is not None and self.distributed.is_leader:
+            self._channel = StepChannel(self.distributed)
+            self.runner.mirror = Mirror(self._channel, VARIANTS)
+        elif self.distributed is not None:
+            self._channel = FollowerChannel(self.distributed)
 
-    def generate(self, prompts: str | Sequence[str] | None = None,
+    def generate(self, *args, **kwargs) -> list[RequestOutput]:
+        """See `_generate`. In a multi-host deployment process 0 generates and sends its outputs (or its error) to
+        the others, which run its programs meanwhile."""
+        if self.distributed is None:
+            return self._generate(*args, **kwargs)
+        if not self.distributed.is_leader:
+            outcome = follow(self.runner, self._channel, VARIANTS)
+            if outcome is None:
+                raise PeerLost("the leader stopped")
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        try:
+            outputs = self._generate(*args, **kwargs)
+        except Exception as e:
+            self.runner.mirror.result(e)
+            raise
+        self.runner.mirror.result(outputs)
+        return outputs
+
+    def close(self) -> None:
+        """Multi-host: release the other processes (process 0), close the channel."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def _generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None, *, use_tqdm: bool = False
                  ) -> list[RequestOutput]:

@@ -12,6 +12,7 @@ from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, KER
                             QUANTIZATION_CHOICES, EngineConfig, ModelConfig, ParallelConfig, kv_layers,
                             model_directory, num_speculative_tokens, preset, resolve_dtype, unknown_model)
 from dcp_jax.host.layout import DcpLayout
+from dcp_jax.runtime.multihost import Distributed, initialize
 from dcp_jax.runtime.xla_flags import apply_gpu_flags, flags_not_applied
 from dcp_jax.serving.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -86,7 +87,7 @@ def pool_pages_from_memory(cfg: ModelConfig, layout: DcpLayout, *, dtype: str, i
 
     from dcp_jax.model.memory_plan import kv_bytes_per_token, pool_pages
 
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return None
     budget = device_budget(stats, gpu_memory_utilization)
@@ -137,7 +138,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
                max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                enable_expert_parallel: bool = False, quantization: str = "auto",
                unroll_layers: bool = False, hf_overrides: dict | None = None,
-               speculative_config: dict | None = None, enable_tbo: bool = False) -> LoadedModel:
+               speculative_config: dict | None = None, enable_tbo: bool = False,
+               distributed: Distributed | None = None) -> LoadedModel:
     """Validate the arguments, then load weights (an HF directory) or draw random ones (a preset), placed on a
     (tp/dcp, dcp) mesh; on CPU `tp` simulated devices are used. `dtype` (`config.DTYPE_CHOICES`): the weights',
     activations' and exact caches' dtype; auto is the checkpoint's (bfloat16 for presets). `max_model_len` None:
@@ -154,7 +156,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     to 16K tokens. `speculative_config` (vLLM's): {"method": "mtp", "num_speculative_tokens": N} drafts with the
     model's MTP layer (`config.num_speculative_tokens`; a checkpoint's, or a preset's random one). `enable_tbo`
     (two-batch overlap): each layer's attention runs as two micro-batches of the step's rows, one's collectives
-    beside the other's compute (`sparse_dcp.sparse_dcp_attention`)."""
+    beside the other's compute (`sparse_dcp.sparse_dcp_attention`). `distributed` (`multihost.Distributed`): this
+    process is one of a multi-host deployment, the mesh over every process's devices (tp / num_processes each)."""
     parallel = ParallelConfig(tp=dcp if tp is None else tp, dcp=dcp, interleave=interleave,
                               enable_expert_parallel=enable_expert_parallel)
     layout = DcpLayout(parallel.dcp, parallel.interleave, page_size)
@@ -185,7 +188,12 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
         raise ValueError(f"quantization={quantization!r} must be one of {QUANTIZATION_CHOICES}")
     if num_pages is not None:
         resolve_max_model_len(cfg, layout, max_model_len, num_pages)  # refuse a bad length before any load
-    use_cpu_devices(parallel.tp)
+    processes = 1 if distributed is None else distributed.num_processes
+    if parallel.tp % processes:
+        raise ValueError(f"tp={parallel.tp} must split evenly over num_processes={processes} (each process holds "
+                         f"tp / num_processes devices of the mesh)")
+    use_cpu_devices(parallel.tp // processes)
+    initialize(distributed)
     import jax
     from jax._src import xla_bridge
 
@@ -216,21 +224,28 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
                                 quantization=quantization)
     else:
         params = init_params(cfg, seed, jnp.dtype(dtype))
+        if processes > 1:  # host values, each process placing its own shards of them
+            params = jax.tree.map(np.asarray, params)
     specs = param_specs(nnx.to_pure_dict(abstract_model(cfg, jnp.dtype(dtype), weight_block(params))[1]),
                         expert_parallel=enable_expert_parallel)
     params = jax.device_put(params, jax.tree.map(lambda spec: sharding(mesh, spec), specs))
     mtp_params = None
     if drafts:  # placed split as the decoder layers are, before the pool is sized by what is left
         mtp_params = load_mtp_params(cfg, directory) if is_dir else init_mtp_params(cfg, seed + 1, jnp.dtype(dtype))
+        mtp_params = jax.tree.map(np.asarray, mtp_params)
         mtp_specs = param_specs(nnx.to_pure_dict(abstract_mtp(cfg, jnp.dtype(dtype))[1]),
                                 expert_parallel=enable_expert_parallel)
-        mtp_params = jax.device_put(jax.tree.map(lambda a: np.asarray(a).astype(jnp.dtype(dtype)), mtp_params),
+        mtp_params = jax.device_put(jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), mtp_params),
                                     jax.tree.map(lambda spec: sharding(mesh, spec), mtp_specs))
     if num_pages is None:
         num_pages = pool_pages_from_memory(cfg, layout, dtype=dtype, index_cache=index_cache,
                                            latent_cache=latent_cache, gpu_memory_utilization=gpu_memory_utilization,
                                            max_num_seqs=max_num_seqs,
                                            layers=kv_layers(cfg, drafts))
+        if num_pages is not None and processes > 1:  # one pool size everywhere: the least any process holds
+            from jax.experimental import multihost_utils
+
+            num_pages = int(np.min(multihost_utils.process_allgather(np.int32(num_pages))))
     max_model_len = resolve_max_model_len(cfg, layout, max_model_len, num_pages)
     if num_pages is None:
         num_pages = max_num_seqs * int(layout.virtual_blocks(max_model_len))
