@@ -14,6 +14,7 @@ import sys
 from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPE_CHOICES, INDEX_CACHE_FORMATS,
                             INDEX_CACHE_HELP, KERNEL_CHOICES, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP,
                             QUANTIZATION_CHOICES, WEIGHT_FORMATS)
+from dcp_jax.runtime.multihost import Distributed
 from dcp_jax.serving.loading import use_cpu_devices
 
 DTYPE_HELP = "weights, activations and exact caches: auto (the checkpoint's; bfloat16 for presets)"
@@ -165,6 +166,12 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=0, help="weights seed of a preset; default sampling seed")
     s.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache")
     s.add_argument("--no-prompt-logprobs", action="store_true", help="skip the all-logits prefill programs")
+    s.add_argument("--coordinator-address", default=None,
+                   help="multi-host: HOST:PORT of process 0 (jax.distributed's coordinator; the step channel uses "
+                        "PORT + 1); every process runs serve with the same arguments but --process-id")
+    s.add_argument("--num-processes", type=int, default=1, help="multi-host: processes of the deployment")
+    s.add_argument("--process-id", type=int, default=0,
+                   help="multi-host: this process (0 serves HTTP and schedules; the others run its steps)")
 
 
 HF_OVERRIDES_HELP = "config.json fields to replace, a JSON object (e.g. '{\"index_topk\": 16384}')"
@@ -195,6 +202,45 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def load_engine(args: argparse.Namespace, tp: int, distributed):
+    """serve's Engine (one process's of a multi-host `distributed` deployment, or None)."""
+    processes = 1 if distributed is None else distributed.num_processes
+    use_cpu_devices(max(args.devices or tp, tp) // processes)
+    import jax
+
+    from dcp_jax.serving.engine import Engine
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    return Engine(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, page_size=args.page_size,
+                  num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  bucket_ladder=tuple(args.buckets), max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=args.enable_prefix_caching, kernels=args.kernels, seed=args.seed,
+                  num_layers=args.num_layers, index_cache=args.index_cache, latent_cache=args.latent_cache,
+                  dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+                  async_scheduling=args.async_scheduling, prompt_logprobs=not args.no_prompt_logprobs,
+                  compilation_cache_dir=args.compilation_cache_dir,
+                  enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
+                  unroll_layers=args.unroll_layers, hf_overrides=args.hf_overrides,
+                  speculative_config=args.speculative_config, enable_tbo=args.enable_tbo,
+                  coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+                  process_id=args.process_id)
+
+
+def _follow(args: argparse.Namespace, engine) -> int:
+    """A multi-host process after process 0: run its steps until it stops (0) or is gone (1)."""
+    from dcp_jax.runtime.multihost import PeerLost
+
+    print(f"dcp-jax serve: process {args.process_id} of {args.num_processes} ready, following process 0",
+          flush=True)
+    try:
+        engine.follow()
+    except PeerLost as e:
+        print(f"dcp-jax serve: {e}", file=sys.stderr)
+        return 1
+    print(f"dcp-jax serve: process 0 stopped; process {args.process_id} exits", flush=True)
+    return 0
+
+
 def serve(args: argparse.Namespace) -> int:
     """Bind first (a bad address is one line and exit 2 before any loading), load and compile while /health
     answers 503, serve; SIGTERM or SIGINT drain and exit 0."""
@@ -205,6 +251,13 @@ def serve(args: argparse.Namespace) -> int:
     from dcp_jax.serving.server import OpenAIServer
 
     tp = args.tp or args.dcp
+    try:
+        distributed = Distributed.of(args.coordinator_address, args.num_processes, args.process_id)
+    except ValueError as e:
+        print(f"dcp-jax serve: {e}", file=sys.stderr)
+        return 2
+    if distributed is not None and not distributed.is_leader:
+        return _follow(args, load_engine(args, tp, distributed))
     try:
         server = OpenAIServer(host=args.host, port=args.port, api_key=args.api_key,
                               served_model_name=args.served_model_name, root_path=args.root_path,
@@ -220,23 +273,7 @@ def serve(args: argparse.Namespace) -> int:
           flush=True)
 
     def load():
-        use_cpu_devices(max(args.devices or tp, tp))
-        import jax
-
-        from dcp_jax.serving.engine import Engine
-
-        jax.config.update("jax_default_matmul_precision", "highest")
-        return Engine(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, page_size=args.page_size,
-                      num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                      bucket_ladder=tuple(args.buckets), max_num_batched_tokens=args.max_num_batched_tokens,
-                      enable_prefix_caching=args.enable_prefix_caching, kernels=args.kernels, seed=args.seed,
-                      num_layers=args.num_layers, index_cache=args.index_cache, latent_cache=args.latent_cache,
-                      dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-                      async_scheduling=args.async_scheduling, prompt_logprobs=not args.no_prompt_logprobs,
-                      compilation_cache_dir=args.compilation_cache_dir,
-                      enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-                      unroll_layers=args.unroll_layers, hf_overrides=args.hf_overrides,
-                      speculative_config=args.speculative_config, enable_tbo=args.enable_tbo)
+        return load_engine(args, tp, distributed)
 
     def ready(engine):
         config = engine.engine_config

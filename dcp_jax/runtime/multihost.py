@@ -84,6 +84,8 @@ def initialize(dist: Distributed | None) -> None:
                              f"{jax.process_count()}")
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Its preemption notifier takes SIGTERM for itself; serve's drain must see it.
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(dist.coordinator_address, num_processes=dist.num_processes,
                                process_id=dist.process_id, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
 

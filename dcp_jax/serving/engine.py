@@ -27,13 +27,16 @@ from typing import Any
 from dcp_jax.config import DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.host.scheduler import Request, RequestStatus, Scheduler
-from dcp_jax.runtime.forward import GREEDY, PROMPT_LOGPROBS, SAMPLED
+from dcp_jax.runtime.forward import GREEDY, PROMPT_LOGPROBS, SAMPLED, VARIANTS
+from dcp_jax.runtime.multihost import Distributed, FollowerChannel, Mirror, StepChannel, follow
 from dcp_jax.serving.core import ServingCore
 from dcp_jax.serving.loading import load_model
 from dcp_jax.serving.metrics import ServingMetrics
 from dcp_jax.serving.streams import LoopSink, Sink, Stream, StreamEvent
 
 log = logging.getLogger(__name__)
+# A multi-host leader that lost a process exits this long after failing its streams (`Engine._on_peer_lost`).
+PEER_LOST_EXIT_S = 3.0
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles = [0]
@@ -93,6 +96,9 @@ class Engine:
     speculative_config: {"method": "mtp", "num_speculative_tokens": N} (vLLM's; N in 1..3): the model's MTP layer
     drafts, the next step verifies (steps then run synchronously).
     enable_tbo: two-batch overlap: each layer's attention runs as two micro-batches of the step's rows.
+    coordinator_address, num_processes, process_id: one process of a multi-host deployment (`runtime/multihost.py`;
+    jax.distributed's names): process 0's engine serves and schedules; every other process builds the same engine
+    and runs `follow()` instead of `start()`.
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
@@ -105,9 +111,11 @@ class Engine:
                  compilation_cache_dir: str | None = None, progress: bool = True,
                  enable_expert_parallel: bool = False, quantization: str = "auto", unroll_layers: bool = False,
                  hf_overrides: dict | None = None, speculative_config: dict | None = None,
-                 enable_tbo: bool = False):
+                 enable_tbo: bool = False, coordinator_address: str | None = None, num_processes: int = 1,
+                 process_id: int = 0):
         import jax
 
+        self.distributed = Distributed.of(coordinator_address, num_processes, process_id)
         if compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", os.fspath(compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -119,7 +127,8 @@ class Engine:
                             max_num_batched_tokens=max_num_batched_tokens,
                             enable_expert_parallel=enable_expert_parallel, quantization=quantization,
                             unroll_layers=unroll_layers, hf_overrides=hf_overrides,
-                            speculative_config=speculative_config, enable_tbo=enable_tbo)
+                            speculative_config=speculative_config, enable_tbo=enable_tbo,
+                            distributed=self.distributed)
         self.model_name, self.dtype = loaded.name, loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
@@ -146,6 +155,38 @@ class Engine:
         self._live_ids: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._channel = None
+        if self.distributed is not None and self.distributed.is_leader:
+            self._channel = StepChannel(self.distributed, on_lost=self._on_peer_lost)
+            self.runner.mirror = Mirror(self._channel, VARIANTS)
+        elif self.distributed is not None:
+            self._channel = FollowerChannel(self.distributed)
+
+    def follow(self) -> None:
+        """A multi-host follower (process_id > 0): run the leader's programs until it stops (returns) or is gone
+        (`multihost.PeerLost`)."""
+        if not isinstance(self._channel, FollowerChannel):
+            raise RuntimeError("follow() is for the processes after process 0 of a multi-host deployment")
+        try:
+            follow(self.runner, self._channel, VARIANTS)
+        finally:
+            self._channel.close()
+
+    def _on_peer_lost(self, message: str) -> None:
+        """A process of the deployment is gone (called on the channel's watcher thread): the collectives of the step
+        in flight can no longer complete, so this engine cannot go on. Every open stream ends now with the error,
+        nothing new is taken, and after PEER_LOST_EXIT_S (for the error events to reach the clients) the process
+        exits with status 1 (jax.distributed's heartbeat would end it a little later)."""
+        log.error("%s: failing every request in flight and exiting", message)
+        with self._lock:
+            self._accepting = False
+        try:
+            for request in [*self.scheduler.running, *self.scheduler.waiting]:
+                request.status, request.error = RequestStatus.FINISHED_ERROR, message  # an error event
+                self._emit(request)
+            self._flush_sinks()
+        finally:
+            threading.Timer(PEER_LOST_EXIT_S, os._exit, args=(1,)).start()
 
     # ---- start-up ---------------------------------------------------------------------------------------
     def warmup(self, *, progress: bool = True) -> None:
@@ -205,6 +246,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        if isinstance(self._channel, StepChannel):  # multi-host: the followers stop too
+            self._channel.close()
 
     @property
     def is_alive(self) -> bool:

@@ -65,10 +65,11 @@ def finish(processes, timeout: float = BOUND_S) -> list[tuple[int, str, str]]:
 
 
 def single_process_greedy(dcp: int, max_tokens: int = 8):
+    """The completions of PROMPTS by one process of dcp devices."""
     llm = LLM("tiny", dcp=dcp, max_model_len=64, max_num_seqs=4, page_size=4, dtype="float32", kernels="reference")
     outputs = llm.generate(prompt_token_ids=PROMPTS,
                            sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    return [out.outputs[0].token_ids for out in outputs]
+    return [out.outputs[0] for out in outputs]
 
 
 @pytest.mark.parametrize("num_processes, dcp", [(2, 4), pytest.param(2, 2, marks=pytest.mark.slow),
@@ -77,12 +78,13 @@ def test_greedy_output_of_a_deployment_is_one_process(num_processes, dcp):
     results = finish(start(num_processes, dcp))
     for rc, out, err in results:
         assert rc == 0, err[-3000:]
-    expected = single_process_greedy(dcp)
+    expected = [c.token_ids for c in single_process_greedy(dcp)]
     for _, out, _ in results:  # every process returns the leader's outputs
         assert json.loads(out.strip().splitlines()[-1]) == expected
 
 
-@pytest.mark.parametrize("killed", [1, 0], ids=["follower", "leader"])
+# A killed follower's stream is the server test's; killing one under `LLM` repeats it (slow).
+@pytest.mark.parametrize("killed", [pytest.param(1, marks=pytest.mark.slow), 0], ids=["follower", "leader"])
 def test_a_killed_process_ends_the_others_with_an_error(killed):
     processes = start(2, 2, max_tokens=200, max_model_len=256)
     ready = time.monotonic() + BOUND_S
@@ -97,3 +99,71 @@ def test_a_killed_process_ends_the_others_with_an_error(killed):
     assert survivor[0] != 0 and time.monotonic() - started < 120
     # The channel's error (the peer's connection closed), or jax.distributed's when its service saw the death first.
     assert "is gone" in survivor[2] or "another task died" in survivor[2], survivor[2][-3000:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serving(num_processes: int, dcp: int) -> tuple[list[subprocess.Popen], int]:
+    """`dcp-jax serve` as a deployment; returns the processes and process 0's HTTP port once it is ready."""
+    port, http_port = free_port_pair(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    common = ["--model", "tiny", "--dcp", str(dcp), "--max-model-len", "128", "--max-num-seqs", "4", "--page-size",
+              "4", "--dtype", "float32", "--kernels", "reference", "--no-prompt-logprobs", "--buckets", "4",
+              "--max-num-batched-tokens", "16", "--coordinator-address", f"127.0.0.1:{port}", "--num-processes",
+              str(num_processes)]
+    processes = [subprocess.Popen(
+        [sys.executable, "-m", "dcp_jax.cli", "serve", *common, "--process-id", str(i), "--port", str(http_port)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(num_processes)]
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline:
+        line = processes[0].stdout.readline()
+        if "dcp-jax serve: ready" in line:
+            return processes, http_port
+        if not line:
+            break
+    finish(processes, timeout=5)
+    pytest.fail("process 0 never served")
+
+
+def test_process_0_serves_the_openai_client_and_a_killed_follower_fails_the_stream():
+    """The deployment answers the real `openai` client with one process's greedy output; a follower killed while a
+    completion streams ends that stream with an error (not a silent truncation) and process 0 exits, within
+    bounds."""
+    import openai
+
+    processes, http_port = start_serving(2, 2)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="EMPTY", max_retries=0,
+                               timeout=BOUND_S)
+        expected = single_process_greedy(2)
+        for prompt, completion in zip(PROMPTS, expected):
+            reply = client.completions.create(model="tiny", prompt=[prompt], max_tokens=8, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            assert reply.choices[0].text == completion.text and reply.usage.completion_tokens == 8
+        stream = client.completions.create(model="tiny", prompt=[PROMPTS[1]], max_tokens=100, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        started = time.monotonic()
+        with pytest.raises(openai.APIError, match="is gone"):
+            for i, _ in enumerate(stream):
+                if i == 2:
+                    processes[1].send_signal(signal.SIGKILL)
+        assert time.monotonic() - started < 60
+        assert finish(processes, timeout=60)[0][0] != 0  # process 0 exits with an error
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_to_process_0_drains_and_every_process_exits_0():
+    processes, _ = start_serving(2, 2)
+    processes[0].send_signal(signal.SIGTERM)
+    results = finish(processes, timeout=120)
+    assert [rc for rc, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+    assert "process 0 stopped" in results[1][1]
