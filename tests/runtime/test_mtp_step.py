@@ -70,8 +70,8 @@ def _chained_drafts(model, mtp, tokens, hidden, last_row: int, n: int) -> list[i
     return drafts
 
 
-@pytest.mark.parametrize("dcp, chunks, drafts", [pytest.param(1, [29], 1, marks=pytest.mark.slow), (2, [13, 29], 1),
-                                                 (2, [29], 3)])
+@pytest.mark.parametrize("dcp, chunks, drafts", [pytest.param(1, [29], 1, marks=pytest.mark.slow),
+                                                 pytest.param(2, [29], 1, marks=pytest.mark.slow), (2, [13, 29], 3)])
 def test_mtp_rows_give_the_training_forwards_mtp_logits_and_drafts(dcp, chunks, drafts):
     engine = dataclasses.replace(ENGINE, num_speculative_tokens=drafts)
     served, generated, served_drafts, (params, mtp_params), layers = _served_mtp_logits(dcp, chunks, engine)

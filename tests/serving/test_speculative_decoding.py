@@ -49,6 +49,8 @@ SIZES = [(2, 2, MTP3), pytest.param(2, 2, MTP, marks=pytest.mark.slow),
          pytest.param(8, 2, MTP3, marks=pytest.mark.slow)]
 
 
+# Slow at every size: the forced-drafts test below checks greedy identity at DCP 2, N = 3 too.
+@pytest.mark.slow
 @pytest.mark.parametrize("dcp, interleave, config", SIZES)
 def test_greedy_output_with_mtp_is_greedy_decodings(plain_greedy, dcp, interleave, config):
     assert token_ids(make_llm(dcp, interleave, config)) == plain_greedy
