@@ -257,7 +257,12 @@ def serve(args: argparse.Namespace) -> int:
         print(f"dcp-jax serve: {e}", file=sys.stderr)
         return 2
     if distributed is not None and not distributed.is_leader:
-        return _follow(args, load_engine(args, tp, distributed))
+        try:
+            engine = load_engine(args, tp, distributed)
+        except ValueError as e:
+            print(f"dcp-jax serve: {e}", file=sys.stderr)
+            return 2
+        return _follow(args, engine)
     try:
         server = OpenAIServer(host=args.host, port=args.port, api_key=args.api_key,
                               served_model_name=args.served_model_name, root_path=args.root_path,

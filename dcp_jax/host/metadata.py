@@ -58,22 +58,22 @@ class StepMetadata:
     block_tables: np.ndarray
     # [R] int32: the sequence (row of block_tables) of each row. Pad rows 0 (they read nothing: length 0).
     query_seqs: np.ndarray
-    # The MTP layer's chained passes (speculative decoding with N >= 2 drafts; else all None). After the verify, a
+    # The MTP layer's chained passes (speculative decoding with N >= 2 drafts; else O = 0). After the verify, a
     # sampling sequence whose group's first row is at position p and which keeps a of its drafts drafts again: its
     # first draft at its last emitted row (p + a), draft j + 1 (j = 1..N-1) with one more row at position
     # p + a + j. The host cannot know a, so it builds the row at each offset o = 1..2N-1 past p (a + j = o); the
     # program picks column a + j - 1. Positions past the sequence's pages are pads (length 0, no write: a draft
     # there is never verified). Letters: G sample groups (the bucket's sequence width), O = 2N - 1 offsets.
     # [G, O] int32: the row's position. Pad entries 0.
-    draft_positions: np.ndarray | None = None
+    draft_positions: np.ndarray
     # [G, O] int32: its global causal length (position + 1). Pad entries 0.
-    draft_context_lens: np.ndarray | None = None
+    draft_context_lens: np.ndarray
     # [W, G, O] int32, per rank: tokens of its causal context held by rank w.
-    draft_local_context_lens: np.ndarray | None = dataclasses.field(default=None, metadata=PER_RANK)
+    draft_local_context_lens: np.ndarray = dataclasses.field(metadata=PER_RANK)
     # [W, G, O] int32, per rank: the slot where rank w writes its MTP latent; -1 = not the owner, or a pad.
-    draft_slot_mapping: np.ndarray | None = dataclasses.field(default=None, metadata=PER_RANK)
+    draft_slot_mapping: np.ndarray = dataclasses.field(metadata=PER_RANK)
     # [G] int32: each sample group's sequence (row of block_tables). Pad groups 0.
-    draft_seqs: np.ndarray | None = None
+    draft_seqs: np.ndarray
 
     @property
     def rows(self) -> int:
@@ -219,6 +219,7 @@ def build_step_metadata(context_lens: Sequence[int], num_queries: Sequence[int],
         row_lens[:total] = np.repeat(lens - ends, queries) + np.arange(1, total + 1)
         query_seqs[:total] = np.repeat(np.arange(n), queries)
     positions = np.maximum(row_lens - 1, 0)
+    no_drafts = np.zeros((seqs, 0), np.int32)  # `build_draft_metadata` fills them in
     return StepMetadata(
         positions=positions,
         context_lens=row_lens,
@@ -226,6 +227,11 @@ def build_step_metadata(context_lens: Sequence[int], num_queries: Sequence[int],
         slot_mapping=layout.slot_mapping(np.where(row_lens > 0, positions, -1), tables, query_seqs),
         block_tables=tables,
         query_seqs=query_seqs,
+        draft_positions=no_drafts,
+        draft_context_lens=no_drafts,
+        draft_local_context_lens=np.zeros((layout.dcp_size, seqs, 0), np.int32),
+        draft_slot_mapping=np.zeros((layout.dcp_size, seqs, 0), np.int32),
+        draft_seqs=np.zeros(seqs, np.int32),
     )
 
 
@@ -518,16 +524,14 @@ def _check_structure(md, cls, expected: dict[str, tuple[int, ...]]) -> None:
             raise TypeError(f"{cls.__name__}.{name} has dtype {value.dtype}, expected int32")
 
 
-def step_metadata_dims(rows: int, seqs: int, dcp_size: int, max_blocks: int, offsets: int = 0):
-    """The shape of each StepMetadata field of a step of `rows` rows and `seqs` sequences; the draft_* fields with
-    `offsets` (`draft_offsets`) > 0 only."""
-    dims = dict(positions=(rows,), context_lens=(rows,), local_context_lens=(dcp_size, rows),
-                slot_mapping=(dcp_size, rows), block_tables=(seqs, max_blocks), query_seqs=(rows,))
-    if offsets:
-        dims.update(draft_positions=(seqs, offsets), draft_context_lens=(seqs, offsets),
-                    draft_local_context_lens=(dcp_size, seqs, offsets), draft_slot_mapping=(dcp_size, seqs, offsets),
-                    draft_seqs=(seqs,))
-    return dims
+def step_metadata_dims(rows: int, seqs: int, dcp_size: int, max_blocks: int, offsets: int):
+    """The shape of each StepMetadata field of a step of `rows` rows and `seqs` sequences, with `offsets` draft
+    offsets (`draft_offsets`; 0: no chained passes)."""
+    return dict(positions=(rows,), context_lens=(rows,), local_context_lens=(dcp_size, rows),
+                slot_mapping=(dcp_size, rows), block_tables=(seqs, max_blocks), query_seqs=(rows,),
+                draft_positions=(seqs, offsets), draft_context_lens=(seqs, offsets),
+                draft_local_context_lens=(dcp_size, seqs, offsets), draft_slot_mapping=(dcp_size, seqs, offsets),
+                draft_seqs=(seqs,))
 
 
 def check_step_metadata(md, *, buckets: Mapping[int, int], layout: DcpLayout, max_blocks: int,
@@ -544,10 +548,6 @@ def check_step_metadata(md, *, buckets: Mapping[int, int], layout: DcpLayout, ma
                          f"{list(buckets)}")
     w, seqs = layout.dcp_size, buckets.get(rows)
     _check_structure(md, StepMetadata, step_metadata_dims(rows, seqs, w, max_blocks, offsets))
-    stray = [f.name for f in dataclasses.fields(StepMetadata)
-             if f.name.startswith("draft_") and not offsets and getattr(md, f.name) is not None]
-    if stray:
-        raise ValueError(f"StepMetadata.{stray[0]} is set for programs without chained draft passes")
     if not isinstance(md.block_tables, np.ndarray):
         return
     if (md.context_lens < 0).any():

@@ -112,24 +112,24 @@ def _layers(model, cfg: ModelConfig, kv_cache: KVCache, hidden, md: StepMetadata
     return hidden, kv_cache.with_local_pools(latent, index_k), jnp.concatenate(selected)
 
 
-def _mtp_rows(model, mtp, normed, following, is_position_zero, rope, kv_cache: KVCache, md: StepMetadata, *,
+def _mtp_rows(model, mtp, hidden, following, is_position_zero, rope, kv_cache: KVCache, md: StepMetadata, *,
               layout: DcpLayout, backend: str):
-    """The MTP layer (`model/mtp.py`) over rows, its cache the pools' last layer: row r reads the final-normed state
-    normed[r] [R, D] (the main model's; in a chained pass the MTP head's input of the pass before) and the token
-    after it following[r] [R] (is_position_zero [R] masks it). Returns (the MTP head's input [R, D], the KV
-    cache)."""
-    x = mtp.layer_input(model.embed_tokens(following), normed, is_position_zero > 0)
+    """The MTP layer (`model/mtp.py`) over rows, its cache the pools' last layer: row r reads the state hidden[r]
+    [R, D] (the main model's final-normed one; in a chained pass the layer's output of the pass before, as vLLM's
+    deepseek_mtp chains it) and the token after it following[r] [R] (is_position_zero [R] masks it). Returns (the
+    layer's output [R, D], before the shared head's norm (`MtpLayer.head_input`), the KV cache)."""
+    x = mtp.layer_input(model.embed_tokens(following), hidden, is_position_zero > 0)
     latent, index_k = kv_cache.local_pools()
     layer_md = on_layer(md, kv_cache.num_layers - 1, num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
     attn, latent, index_k, _ = mtp.layer.attention(mtp.layer.attention_input(x), rope, latent, index_k, layer_md,
                                                    layout=layout, backend=backend)
-    return mtp.head_input(mtp.layer.feed_forward(x + attn)), kv_cache.with_local_pools(latent, index_k)
+    return mtp.layer.feed_forward(x + attn), kv_cache.with_local_pools(latent, index_k)
 
 
 def _chained_drafts(model, mtp, first, hidden, accepted, kv_cache: KVCache, md: StepMetadata, cfg: ModelConfig, *,
                     layout: DcpLayout, backend: str):
     """Drafts 2..N of each sample group by chained MTP passes (N - 1 = md.draft_positions' offsets // 2): pass j
-    reads the MTP head's input hidden [G, D] and the draft first [G] of the pass before, at the group's row of
+    reads the MTP layer's output hidden [G, D] and the draft first [G] of the pass before, at the group's row of
     column accepted + j - 1 of md's draft_* fields (host-built for every count kept, `StepMetadata`). Returns
     ([G, N - 1] drafts, the KV cache)."""
     drafts = []
@@ -146,7 +146,7 @@ def _chained_drafts(model, mtp, first, hidden, accepted, kv_cache: KVCache, md: 
         rope = cos_sin(pass_md.positions, *rope_tables(cfg))
         hidden, kv_cache = _mtp_rows(model, mtp, hidden, first, jnp.zeros_like(first), rope, kv_cache, pass_md,
                                      layout=layout, backend=backend)
-        first = jnp.argmax(model.head(hidden), axis=-1).astype(jnp.int32)
+        first = jnp.argmax(model.head(mtp.head_input(hidden)), axis=-1).astype(jnp.int32)
         drafts.append(first)
     return jnp.stack(drafts, axis=1), kv_cache
 
@@ -205,14 +205,14 @@ def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, 
         mtp_hidden, kv_cache = _mtp_rows(model, mtp, normed, following, inputs.is_position_zero, rope, kv_cache, md,
                                          layout=layout, backend=backend)
         last_rows = jnp.take_along_axis(group_rows, accepted[:, None], axis=-1)[:, 0]  # the last emitted's row
-        drafted = jnp.argmax(model.head(mtp_hidden[last_rows]), axis=-1).astype(jnp.int32)[:, None]
+        drafted = jnp.argmax(model.head(mtp.head_input(mtp_hidden[last_rows])), axis=-1).astype(jnp.int32)[:, None]
         if group > 2:
             chained, kv_cache = _chained_drafts(model, mtp, drafted[:, 0], mtp_hidden[last_rows], accepted,
                                                 kv_cache, md, cfg, layout=layout, backend=backend)
             drafted = jnp.concatenate([drafted, chained], axis=1)
         drafts = drafts.at[slots].set(drafted)  # pads: the scratch slot's
         if variant == DETAILS:
-            mtp_logits = model.head(mtp_hidden)
+            mtp_logits = model.head(mtp.head_input(mtp_hidden))
     new_state = DeviceState(kv_cache, sampler_state, drafts)
     if variant == DETAILS:
         return (sampled, Details(model.logits(hidden), selected, mtp_logits)), new_state

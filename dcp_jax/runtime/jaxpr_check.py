@@ -51,7 +51,7 @@ def _is_rope_step(eqn) -> bool:
 
 
 # Moves of an operand (its first input) to positions given by its other inputs.
-_SELECTIONS = frozenset({"gather", "dynamic_slice"})
+_SELECTIONS = frozenset({"gather"})
 
 
 def _is_selection(eqn, tainted: set) -> bool:

@@ -25,8 +25,10 @@ import numpy as np
 # followers (an offline `generate`'s outputs), stop following.
 RUN, RESET, RESULT, STOP = 1, 2, 3, 4
 _HEADER = struct.Struct("!iiiq")  # command, variant index, bucket, payload bytes
-# How long a follower retries its connection to the leader, and the heartbeat that bounds a silent peer.
-CONNECT_TIMEOUT_S = 120.0
+# How long the leader waits for every follower (they load and compile meanwhile) and a follower retries its
+# connection; a connection's hello; the heartbeat that bounds a silent peer.
+CONNECT_TIMEOUT_S = 900.0
+HELLO_TIMEOUT_S = 10.0
 HEARTBEAT_TIMEOUT_S = 20
 
 
@@ -102,29 +104,44 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 class StepChannel:
-    """The leader's end: accepts every follower, then sends them each command; a watcher per follower notes the
-    first one lost (`failure`) and calls `on_lost(message)` once."""
+    """The leader's end: accepts every follower (each names itself once, a process id of the deployment not taken
+    yet; anything else is dropped), then sends them each command; a watcher per follower notes the first one lost
+    (`failure`) and calls `on_lost(message)` once, unless the channel is closing."""
 
     def __init__(self, dist: Distributed, *, on_lost=None, timeout_s: float = CONNECT_TIMEOUT_S):
-        self._server = socket.create_server(("", dist.channel_address[1]), reuse_port=False)
-        self._server.settimeout(timeout_s)
-        self._peers: list[socket.socket] = []
+        self._server = socket.create_server(dist.channel_address)
+        self._peers: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
         self.failure: str | None = None
+        self._closing = False
         self._on_lost = on_lost
+        deadline = time.monotonic() + timeout_s
         try:
             while len(self._peers) < dist.num_processes - 1:
+                self._server.settimeout(max(0.1, deadline - time.monotonic()))
                 peer, _ = self._server.accept()
+                try:
+                    peer.settimeout(HELLO_TIMEOUT_S)
+                    process_id = struct.unpack("!i", _recv_exactly(peer, 4))[0]
+                except (OSError, PeerLost):
+                    peer.close()
+                    continue
+                if not 0 < process_id < dist.num_processes or process_id in self._peers:
+                    peer.close()
+                    continue
+                peer.settimeout(None)
                 peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                process_id = struct.unpack("!i", _recv_exactly(peer, 4))[0]
-                self._peers.append(peer)
-                threading.Thread(target=self._watch, args=(peer, process_id), daemon=True,
-                                 name=f"watch-process-{process_id}").start()
+                self._peers[process_id] = peer
         except TimeoutError:
-            raise PeerLost(f"{len(self._peers)} of {dist.num_processes - 1} followers connected within "
+            for peer in self._peers.values():
+                peer.close()
+            raise PeerLost(f"{len(self._peers)} of {dist.num_processes - 1} processes connected within "
                            f"{timeout_s:.0f} s") from None
         finally:
             self._server.close()
+        for process_id, peer in self._peers.items():
+            threading.Thread(target=self._watch, args=(peer, process_id), daemon=True,
+                             name=f"watch-process-{process_id}").start()
 
     def _watch(self, peer: socket.socket, process_id: int) -> None:
         try:
@@ -136,33 +153,39 @@ class StepChannel:
 
     def _lost(self, message: str) -> None:
         with self._lock:
-            first, self.failure = self.failure is None, self.failure or message
+            first = self.failure is None and not self._closing
+            self.failure = self.failure or message
         if first and self._on_lost is not None:
             self._on_lost(message)
 
     def send(self, command: int, variant: int = 0, bucket: int = 0, payload: bytes = b"") -> None:
-        """Send one command to every follower; PeerLost once one is gone."""
+        """Send one command to every follower; PeerLost once one is gone (a follower that closes after a RESULT
+        it received is seen by the next send)."""
         if self.failure:
             raise PeerLost(self.failure)
         message = _HEADER.pack(command, variant, bucket, len(payload)) + payload
-        with self._lock:
-            for peer in self._peers:
-                try:
-                    peer.sendall(message)
-                except OSError as e:
-                    self.failure = self.failure or f"a follower is gone: {e}"
-        if self.failure:
-            raise PeerLost(self.failure)
+        lost = None
+        for process_id, peer in self._peers.items():
+            try:
+                peer.sendall(message)
+            except OSError as e:
+                lost = lost or f"process {process_id} of the deployment is gone ({e})"
+        if lost:
+            self._lost(lost)
+            raise PeerLost(lost)
 
     def close(self) -> None:
-        """Tell the followers to stop (when they still listen) and close."""
-        if not self.failure:
+        """Tell the followers to stop (when they still listen) and close: their ends closing is no loss."""
+        if self.failure is None and not self._closing:
+            with self._lock:
+                self._closing = True
             try:
                 self.send(STOP)
             except PeerLost:
                 pass
+        self._closing = True
         self.failure = self.failure or "the channel is closed"
-        for peer in self._peers:
+        for peer in self._peers.values():
             peer.close()
 
 
@@ -207,12 +230,18 @@ class Mirror:
         self.channel.send(RESET)
 
     def result(self, value) -> None:
-        self.channel.send(RESULT, payload=pickle.dumps(value))
+        """Send an offline call's outputs (or its exception: as a RuntimeError when it does not pickle)."""
+        try:
+            payload = pickle.dumps(value)
+        except Exception:
+            payload = pickle.dumps(RuntimeError(repr(value)))
+        self.channel.send(RESULT, payload=payload)
 
 
 def follow(runner, channel: FollowerChannel, variants: tuple[str, ...]):
-    """A follower's loop: run each program the leader runs, on its buffer, until the leader sends a result (returned)
-    or stops (None). PeerLost when the leader is gone."""
+    """A follower's loop: run each program the leader runs, on its buffer, until the leader sends a result (returned;
+    the leader is this deployment's process 0, whose pickles it trusts) or stops (None). PeerLost when the leader
+    is gone."""
     from dcp_jax.runtime.step import Placed
 
     while True:

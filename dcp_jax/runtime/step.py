@@ -33,17 +33,14 @@ for _cls in (StepMetadata, SamplingMetadata, StepInputs):
     jax.tree_util.register_dataclass(_cls, data_fields=list(field_names(_cls)), meta_fields=[])
 
 
-def metadata_specs(cls, names=None):
-    """A `cls` of PartitionSpecs: per-rank fields split over "dcp", the others replicated; only the fields in
-    `names` when given (the others None: absent)."""
-    return cls(**{f.name: PER_DCP_RANK if is_per_rank(f) else REPLICATED for f in dataclasses.fields(cls)
-                  if names is None or f.name in names})
+def metadata_specs(cls):
+    """A `cls` of PartitionSpecs: per-rank fields split over "dcp", the others replicated."""
+    return cls(**{f.name: PER_DCP_RANK if is_per_rank(f) else REPLICATED for f in dataclasses.fields(cls)})
 
 
 def rank_view(md):
     """Inside shard_map: the metadata with the size-1 rank axis of every per-rank field dropped."""
-    return dataclasses.replace(md, **{f.name: getattr(md, f.name)[0] for f in dataclasses.fields(md)
-                                      if is_per_rank(f) and getattr(md, f.name) is not None})
+    return dataclasses.replace(md, **{f.name: getattr(md, f.name)[0] for f in dataclasses.fields(md) if is_per_rank(f)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +117,7 @@ class StepProgram:
         self._seqs = {rows: seqs_for(rows) for rows in self.buckets}
         self._input_shapes = input_shapes
         self._param_shardings = jax.tree.map(lambda spec: sharding(mesh, spec), param_specs)
-        specs = metadata_specs(StepMetadata, self.metadata_dims(self.buckets[0]))
+        specs = metadata_specs(StepMetadata)
         self._md_shardings = jax.tree.map(lambda spec: sharding(mesh, spec), specs)
 
         def per_rank(params, state, inputs, md):

@@ -35,8 +35,9 @@ from dcp_jax.serving.metrics import ServingMetrics
 from dcp_jax.serving.streams import LoopSink, Sink, Stream, StreamEvent
 
 log = logging.getLogger(__name__)
-# A multi-host leader that lost a process exits this long after failing its streams (`Engine._on_peer_lost`).
-PEER_LOST_EXIT_S = 3.0
+# A multi-host leader that lost a process fails its streams from the watcher's thread when its loop did not within
+# the grace, and exits this long after (`Engine._on_peer_lost`).
+PEER_LOST_GRACE_S, PEER_LOST_EXIT_S = 1.0, 3.0
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles = [0]
@@ -156,6 +157,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._channel = None
+        self._streams_failed = threading.Event()
         if self.distributed is not None and self.distributed.is_leader:
             self._channel = StepChannel(self.distributed, on_lost=self._on_peer_lost)
             self.runner.mirror = Mirror(self._channel, VARIANTS)
@@ -173,20 +175,33 @@ class Engine:
             self._channel.close()
 
     def _on_peer_lost(self, message: str) -> None:
-        """A process of the deployment is gone (called on the channel's watcher thread): the collectives of the step
-        in flight can no longer complete, so this engine cannot go on. Every open stream ends now with the error,
-        nothing new is taken, and after PEER_LOST_EXIT_S (for the error events to reach the clients) the process
-        exits with status 1 (jax.distributed's heartbeat would end it a little later)."""
+        """A process of the deployment is gone (on the channel's watcher thread, or the loop's when a send found it):
+        the engine cannot go on. Nothing new is taken; the loop ends every open stream with the error; when it does
+        not within PEER_LOST_GRACE_S (it waits in a step's collective with the lost process, which never returns),
+        this thread does; PEER_LOST_EXIT_S later (for the events to reach the clients) the process exits with
+        status 1 (jax.distributed's heartbeat would end it a little later)."""
         log.error("%s: failing every request in flight and exiting", message)
         with self._lock:
             self._accepting = False
         try:
-            for request in [*self.scheduler.running, *self.scheduler.waiting]:
-                request.status, request.error = RequestStatus.FINISHED_ERROR, message  # an error event
-                self._emit(request)
-            self._flush_sinks()
+            if threading.current_thread() is self._thread:
+                self._fail_open_streams(message)
+            else:
+                self._inbox.put(("peer_lost", message))
+                if not self._streams_failed.wait(PEER_LOST_GRACE_S):
+                    self._fail_open_streams(message)
         finally:
             threading.Timer(PEER_LOST_EXIT_S, os._exit, args=(1,)).start()
+
+    def _fail_open_streams(self, message: str) -> None:
+        """End every open stream with an error event `message` (a lost process)."""
+        if self._streams_failed.is_set():
+            return
+        self._streams_failed.set()
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            request.status, request.error = RequestStatus.FINISHED_ERROR, message  # an error event
+            self._emit(request)
+        self._flush_sinks()
 
     # ---- start-up ---------------------------------------------------------------------------------------
     def warmup(self, *, progress: bool = True) -> None:
@@ -231,7 +246,11 @@ class Engine:
 
     # ---- the thread -------------------------------------------------------------------------------------
     def start(self) -> Engine:
-        """Start the loop's thread (again after `stop`)."""
+        """Start the loop's thread (again after `stop`, on one host: a multi-host deployment stops for good)."""
+        if self._channel is not None and self._channel.failure:
+            raise RuntimeError(f"this multi-host engine cannot serve again: {self._channel.failure}")
+        if self.distributed is not None and not self.distributed.is_leader:
+            raise RuntimeError("processes after process 0 of a multi-host deployment run follow(), not start()")
         if self._thread is None:
             self._stopping.clear()
             with self._lock:
@@ -263,9 +282,10 @@ class Engine:
                         break
                     if self.core.has_work:
                         self.step()
-                except Exception:  # a bug in the loop itself: log it, fail what is live, keep serving
+                except Exception:  # a bug in the loop itself (or a lost process): log it, fail what is live
                     log.exception("engine step failed")
-                    for request in self.core.fail_live("internal engine error"):
+                    lost = self._channel.failure if self._channel is not None else None
+                    for request in self.core.fail_live(lost or "internal engine error"):
                         self._emit(request)
                 self._flush_sinks()
         finally:
@@ -311,6 +331,8 @@ class Engine:
                 request = self.core.abort(payload)
                 if request is not None:
                     self._emit(request)
+            elif kind == "peer_lost":
+                self._fail_open_streams(payload)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

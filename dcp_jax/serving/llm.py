@@ -118,9 +118,16 @@ class LLM:
         elif self.distributed is not None:
             self._channel = FollowerChannel(self.distributed)
 
-    def generate(self, *args, **kwargs) -> list[RequestOutput]:
-        """See `_generate`. In a multi-host deployment process 0 generates and sends its outputs (or its error) to
-        the others, which run its programs meanwhile."""
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None, *, use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
+        """Generate for `prompts` (text, tokenized with BOS) or `prompt_token_ids` (used as given); one
+        SamplingParams for all or one per prompt. Returns one RequestOutput per prompt, in order, with the n
+        completions its SamplingParams ask for (completion j draws from seed + j when seeded, as vLLM's). In a
+        multi-host deployment process 0 generates and sends its outputs (or its error) to the others, which run its
+        programs meanwhile and return them."""
+        args, kwargs = (prompts, sampling_params, prompt_token_ids), dict(use_tqdm=use_tqdm)
         if self.distributed is None:
             return self._generate(*args, **kwargs)
         if not self.distributed.is_leader:
@@ -148,9 +155,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None, *, use_tqdm: bool = False
                  ) -> list[RequestOutput]:
-        """Generate for `prompts` (text, tokenized with BOS) or `prompt_token_ids` (used as given); one
-        SamplingParams for all or one per prompt. Returns one RequestOutput per prompt, in order, with the n
-        completions its SamplingParams ask for (completion j draws from seed + j when seeded, as vLLM's)."""
+        """`generate` on this process."""
         grouped, texts = self._make_requests(prompts, prompt_token_ids, sampling_params)
         requests = [r for choices in grouped for r in choices]
         progress = None

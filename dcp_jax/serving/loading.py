@@ -34,6 +34,20 @@ def use_cpu_devices(count: int) -> None:
         pass
 
 
+def deployment_devices(tp: int, processes: int) -> list:
+    """The mesh's devices: tp / processes of each process's, in process order (a host's own devices are the mesh's
+    fastest axis); ValueError when a process has fewer."""
+    import jax
+
+    per_process = tp // processes
+    devices = [[d for d in jax.devices() if d.process_index == p][:per_process] for p in range(processes)]
+    short = [p for p, mine in enumerate(devices) if len(mine) < per_process]
+    if short:
+        raise ValueError(f"tp={tp} over {processes} processes needs {per_process} devices in each; process {short[0]} "
+                         f"has {len(devices[short[0]])}")
+    return [d for mine in devices for d in mine]
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
     name: str
@@ -218,7 +232,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
         raise ValueError("speculative_config: reading a block fp8 checkpoint's MTP layer is not supported yet")
     check_divisible(cfg, parallel.tp, expert_parallel=enable_expert_parallel)
     check_latent_format(latent_cache, cfg)
-    mesh = make_mesh(parallel)
+    mesh = make_mesh(parallel, deployment_devices(parallel.tp, processes) if processes > 1 else None)
     if is_dir:
         params = load_hf_params(cfg, directory, mesh, dtype=jnp.dtype(dtype), expert_parallel=enable_expert_parallel,
                                 quantization=quantization)

@@ -43,11 +43,12 @@ def test_fields_and_inert_pad_rows(dcp, interleave):
     lens, tables = [5, 1, 17], [[3, 4], [0], [7, 2, 9, 10, 11]]
     md = build(lens, tables, bucket=8, dcp=dcp, interleave=interleave, page_size=4, max_blocks=5)
     fields = field_names(StepMetadata)
-    row_fields = {"positions", "context_lens", "local_context_lens", "slot_mapping", "block_tables", "query_seqs"}
-    assert set(fields) == row_fields | {"draft_positions", "draft_context_lens", "draft_local_context_lens",
-                                        "draft_slot_mapping", "draft_seqs"}  # the chained draft passes': None here
+    assert set(fields) == {"positions", "context_lens", "local_context_lens", "slot_mapping", "block_tables",
+                           "query_seqs", "draft_positions", "draft_context_lens", "draft_local_context_lens",
+                           "draft_slot_mapping", "draft_seqs"}
     for name in fields:
-        assert getattr(md, name).dtype == np.int32 if name in row_fields else getattr(md, name) is None
+        assert getattr(md, name).dtype == np.int32
+    assert md.draft_positions.shape == (8, 0) and md.draft_slot_mapping.shape == (dcp, 8, 0)  # no chained passes
     np.testing.assert_array_equal(md.context_lens, [5, 1, 17, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(md.positions, [4, 0, 16, 0, 0, 0, 0, 0])
     # Local lengths are published for every dcp size, 1 included, and pad rows hold 0 tokens everywhere.

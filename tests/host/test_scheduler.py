@@ -529,3 +529,24 @@ def test_random_traffic_with_the_prefix_cache_never_leaks_or_double_frees_pages(
     assert not s.has_work and all(r.is_finished for r in added)
     assert s.allocator.num_used == 0 and s.allocator.num_free == 10
     assert sum(r.num_cached_tokens for r in added) > 0  # prefixes were reused
+
+
+@pytest.mark.parametrize("drafts", [1, 3])
+def test_drafting_requests_hold_pages_for_the_chained_passes_rows(drafts):
+    """With N >= 2 drafts a request that samples holds pages past its step's rows for the N - 1 rows of the chained
+    MTP passes (`StepMetadata.draft_*`), never past its max context; N = 1 needs none."""
+    engine = EngineConfig(page_size=2, num_pages=64, max_num_seqs=2, max_model_len=64, bucket_ladder=(1, 2, 4, 8),
+                          max_num_batched_tokens=64, num_speculative_tokens=drafts)
+    s = Scheduler(engine, DcpLayout(1, 1, 2), eos_token_id=EOS, new_detokenizer=lambda: IncrementalDetokenizer(detok))
+    s.add(req("a", prompt_len=5, max_tokens=12))
+    extra = drafts - 1
+    plan = s.schedule()  # its prefill samples its first token: rows 0..4, chained rows after them
+    r = s.get("a")
+    assert len(r.pages) == s.blocks_for(5 + extra)
+    dispatch(s, plan)
+    s.append_token(r, 5)
+    ((_, n),) = s.schedule().scheduled  # a decode row and its drafts' rows, then the chained ones
+    assert n == 1 + drafts and len(r.pages) == s.blocks_for(r.context_len + n - 1 + extra)
+    s.add(req("short", prompt_len=5, max_tokens=2))  # its max context, 6 tokens, caps what it holds
+    s.schedule()
+    assert len(s.get("short").pages) == s.blocks_for(min(5 + extra, 6))

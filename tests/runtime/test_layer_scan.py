@@ -41,7 +41,10 @@ def test_layer_stacks_split_dense_and_moe_layers():
 def test_on_layer_moves_page_ids_and_slots_to_the_layers_pages_and_keeps_minus_one():
     md = StepMetadata(positions=np.array([4, 0]), context_lens=np.array([5, 0]),
                       local_context_lens=np.array([[5, 0]]), slot_mapping=np.array([[6, -1]]),
-                      block_tables=np.array([[1, 0], [-1, -1]]), query_seqs=np.array([0, 1]))
+                      block_tables=np.array([[1, 0], [-1, -1]]), query_seqs=np.array([0, 1]),
+                      draft_positions=np.zeros((2, 0)), draft_context_lens=np.zeros((2, 0)),
+                      draft_local_context_lens=np.zeros((1, 2, 0)), draft_slot_mapping=np.zeros((1, 2, 0)),
+                      draft_seqs=np.zeros(2))
     moved = on_layer(jax.tree.map(jax.numpy.asarray, md), 2, num_pages=3, page_size=4)
     np.testing.assert_array_equal(moved.block_tables, [[7, 6], [-1, -1]])
     np.testing.assert_array_equal(moved.slot_mapping, [[6 + 2 * 3 * 4, -1]])

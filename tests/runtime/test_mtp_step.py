@@ -58,20 +58,21 @@ def _served_mtp_logits(dcp: int, chunks: list[int], engine: EngineConfig):
 
 def _chained_drafts(model, mtp, tokens, hidden, last_row: int, n: int) -> list[int]:
     """Reference: the n drafts after row `last_row` of tokens [T] (the main model's `hidden`): the MTP layer over
-    rows 0..last_row, then again with each draft and the state it gave it appended."""
+    rows 0..last_row, then again with each draft and the layer's output (before the head's norm) appended."""
     normed, following, drafts = model.final_hidden(hidden[:last_row + 1]), tokens[1:last_row + 2], []
     for _ in range(n):
         positions = jnp.arange(normed.shape[0])
         h = mtp.layer_input(model.embed_tokens(following), normed, positions == 0)
         h, _, _ = decoder_layer_forward(mtp.layer, h, *cos_sin(positions, *rope_tables(TINY)), cfg=TINY, mode=SPARSE)
-        out = mtp.head_input(h)
-        drafts.append(int(jnp.argmax(model.head(out[-1]))))
-        normed, following = jnp.concatenate([normed, out[-1:]]), jnp.append(following, drafts[-1])
+        drafts.append(int(jnp.argmax(model.head(mtp.head_input(h[-1])))))
+        normed, following = jnp.concatenate([normed, h[-1:]]), jnp.append(following, drafts[-1])
     return drafts
 
 
-@pytest.mark.parametrize("dcp, chunks, drafts", [pytest.param(1, [29], 1, marks=pytest.mark.slow),
-                                                 pytest.param(2, [29], 1, marks=pytest.mark.slow), (2, [13, 29], 3)])
+# N = 3 after a prefill (chained passes from column 0) is slow: test_chained_drafts_start_at_the_last_kept_draft
+# checks the chained passes after a verify that kept two drafts.
+@pytest.mark.parametrize("dcp, chunks, drafts", [pytest.param(1, [29], 1, marks=pytest.mark.slow), (2, [13, 29], 1),
+                                                 pytest.param(2, [13, 29], 3, marks=pytest.mark.slow)])
 def test_mtp_rows_give_the_training_forwards_mtp_logits_and_drafts(dcp, chunks, drafts):
     engine = dataclasses.replace(ENGINE, num_speculative_tokens=drafts)
     served, generated, served_drafts, (params, mtp_params), layers = _served_mtp_logits(dcp, chunks, engine)
@@ -109,3 +110,29 @@ def test_no_drafting_program_derives_local_lengths_or_waits_for_the_device(kerne
             assert step.length_derivations(runner.params, runner.state, rows) == [], (variant, rows)
             if variant != "details":
                 assert step.host_syncs(runner.params, runner.state, rows) == [], (variant, rows)
+
+
+def test_chained_drafts_start_at_the_last_kept_draft():
+    """A verify group keeping a = 2 of its N = 3 drafts (the third forced wrong) drafts again from its last emitted
+    row, p + a: the chained passes pick the host's rows at p + a + j (column a + j - 1), as the reference gives."""
+    engine = dataclasses.replace(ENGINE, num_speculative_tokens=3)
+    params, mtp_params = init_params(TINY, seed=1), init_mtp_params(TINY, seed=2)
+    parallel = ParallelConfig(tp=2, dcp=2, interleave=2)
+    runner = ModelRunner(TINY, params, parallel, engine, make_mesh(parallel), "reference", mtp_params=mtp_params)
+    slot, table = 0, list(range(engine.max_blocks_per_seq(2)))
+    runner.set_sampling(slot, GREEDY_PARAMS, 0, len(PROMPT_IDS))
+    sampled, _ = runner.run_details(_chunk(PROMPT_IDS, 0, len(PROMPT_IDS), table, slot))
+    model, mtp = merge(*abstract_model(TINY), params), merge(*abstract_mtp(TINY), mtp_params)
+    tokens = PROMPT_IDS + [int(sampled.tokens[0])]
+    for _ in range(3):  # the greedy continuation g1, g2, g3
+        logits = model.logits(sequence_forward(model, jnp.asarray(tokens, jnp.int32), mode=SPARSE).hidden[-1])
+        tokens.append(int(jnp.argmax(logits)))
+    forced = tokens[-3:-1] + [(tokens[-1] + 1) % TINY.vocab_size]  # g1, g2 right, the third wrong
+    runner.state = dataclasses.replace(runner.state, drafts=runner.state.drafts.at[slot].set(jnp.asarray(forced)))
+    verify = ScheduledRows.verify([slot], [len(PROMPT_IDS) + 1], [3], np.asarray([table], np.int32))
+    sampled, _ = runner.run_details(verify)
+    assert np.asarray(sampled.tokens)[:4].tolist() == tokens[-3:] + [-1]  # g1, g2 kept, then g3
+    hidden = sequence_forward(model, jnp.asarray(tokens, jnp.int32), mode=SPARSE).hidden
+    last = len(PROMPT_IDS) + 2  # the row of g2, whose next token g3 was emitted
+    assert np.asarray(runner.state.drafts)[slot].tolist() == _chained_drafts(model, mtp, jnp.asarray(tokens), hidden,
+                                                                             last, 3)

@@ -241,8 +241,7 @@ def test_a_step_filled_into_a_packed_template_is_the_packed_step(setup):
     def fill(inputs, views):
         inputs[...] = hidden
         for name, value in vars(md).items():
-            if value is not None:  # the draft_* fields: none here
-                getattr(views, name)[...] = value
+            getattr(views, name)[...] = value
 
     filled = step.pack_filled(template, fill)
     np.testing.assert_array_equal(filled.packed, step.pack_inputs(hidden, md).packed)

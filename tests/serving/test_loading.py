@@ -84,7 +84,7 @@ def test_the_pool_takes_what_the_memory_leaves(monkeypatch):
 
     kw = dict(dtype="bfloat16", index_cache="exact", latent_cache="exact", max_num_seqs=4)
     per_token = TINY.num_hidden_layers * (TINY.latent_dim + TINY.index_head_dim) * 2  # bf16
-    monkeypatch.setattr(jax, "devices", lambda *a: [_FakeDevice(limit=2**30, in_use=2**28)])
+    monkeypatch.setattr(jax, "local_devices", lambda *a: [_FakeDevice(limit=2**30, in_use=2**28)])
     monkeypatch.setenv(MEM_FRACTION, "0.75")  # the allocator holds 3/4 of a memory of 4/3 GiB
     layers = TINY.num_hidden_layers  # and one layer's pools besides the pool
 
@@ -97,7 +97,7 @@ def test_the_pool_takes_what_the_memory_leaves(monkeypatch):
     assert pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.9, **kw) == expected_pages(2**30 - 2**28)
     with pytest.raises(ValueError, match="no KV page fits"):
         pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.15, **kw)
-    monkeypatch.setattr(jax, "devices", lambda *a: [type("Cpu", (), {"memory_stats": lambda self: None})()])
+    monkeypatch.setattr(jax, "local_devices", lambda *a: [type("Cpu", (), {"memory_stats": lambda self: None})()])
     assert pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.9, **kw) is None
 
 

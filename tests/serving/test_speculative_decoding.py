@@ -41,8 +41,8 @@ def plain_greedy(plain_llm):
     return token_ids(plain_llm)
 
 
-# DCP 1, 4 and 8 repeat DCP 2's checks at other sizes, N = 2 N = 1's and 3's (slow: scripts/test.sh leaves them
-# out).
+# DCP 1, 4 and 8 repeat DCP 2's checks at other sizes, and N = 1 and 2 repeat N = 3's (slow: scripts/test.sh
+# leaves them out).
 SIZES = [(2, 2, MTP3), pytest.param(2, 2, MTP, marks=pytest.mark.slow),
          pytest.param(2, 1, {"method": "mtp", "num_speculative_tokens": 2}, marks=pytest.mark.slow),
          pytest.param(1, 1, MTP3, marks=pytest.mark.slow), pytest.param(4, 1, MTP3, marks=pytest.mark.slow),
@@ -144,7 +144,7 @@ def test_penalties_apply_to_each_verify_row_as_without_drafts(plain_llm):
 
 
 def test_sampled_output_with_mtp_is_reproducible_per_seed():
-    llm = make_llm(2, 1, MTP3)
+    llm = make_llm(2, 1)
     params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
     first, again = token_ids(llm, params), token_ids(llm, params)
     assert first == again and all(len(ids) == 10 for ids in first)
