@@ -72,8 +72,9 @@ def single_process_greedy(dcp: int, max_tokens: int = 8):
     return [out.outputs[0] for out in outputs]
 
 
-@pytest.mark.parametrize("num_processes, dcp", [(2, 4), pytest.param(2, 2, marks=pytest.mark.slow),
-                                                pytest.param(4, 8, marks=pytest.mark.slow)])
+# Slow: the server test below checks one process's output on two at DCP 2.
+@pytest.mark.slow
+@pytest.mark.parametrize("num_processes, dcp", [(2, 4), (2, 2), (4, 8)])
 def test_greedy_output_of_a_deployment_is_one_process(num_processes, dcp):
     results = finish(start(num_processes, dcp))
     for rc, out, err in results:

@@ -69,10 +69,10 @@ def _chained_drafts(model, mtp, tokens, hidden, last_row: int, n: int) -> list[i
     return drafts
 
 
-# N = 3 after a prefill (chained passes from column 0) is slow: test_chained_drafts_start_at_the_last_kept_draft
-# checks the chained passes after a verify that kept two drafts.
-@pytest.mark.parametrize("dcp, chunks, drafts", [pytest.param(1, [29], 1, marks=pytest.mark.slow), (2, [13, 29], 1),
-                                                 pytest.param(2, [13, 29], 3, marks=pytest.mark.slow)])
+# Slow: test_chained_drafts_start_at_the_last_kept_draft checks the MTP logits over two chunks and a verify group at
+# DCP 2, N = 3, and the chained passes after a verify that kept two drafts.
+@pytest.mark.slow
+@pytest.mark.parametrize("dcp, chunks, drafts", [(1, [29], 1), (2, [13, 29], 1), (2, [13, 29], 3)])
 def test_mtp_rows_give_the_training_forwards_mtp_logits_and_drafts(dcp, chunks, drafts):
     engine = dataclasses.replace(ENGINE, num_speculative_tokens=drafts)
     served, generated, served_drafts, (params, mtp_params), layers = _served_mtp_logits(dcp, chunks, engine)
@@ -113,15 +113,19 @@ def test_no_drafting_program_derives_local_lengths_or_waits_for_the_device(kerne
 
 
 def test_chained_drafts_start_at_the_last_kept_draft():
-    """A verify group keeping a = 2 of its N = 3 drafts (the third forced wrong) drafts again from its last emitted
-    row, p + a: the chained passes pick the host's rows at p + a + j (column a + j - 1), as the reference gives."""
+    """N = 3 at DCP 2 over a prompt in two chunks, then a verify group keeping a = 2 of its drafts (the third forced
+    wrong): the MTP logits of every prompt row and every emitted verify row are the training forward's, and the
+    group drafts again from its last emitted row, p + a: the chained passes pick the host's rows at p + a + j
+    (column a + j - 1), as the reference gives."""
     engine = dataclasses.replace(ENGINE, num_speculative_tokens=3)
     params, mtp_params = init_params(TINY, seed=1), init_mtp_params(TINY, seed=2)
     parallel = ParallelConfig(tp=2, dcp=2, interleave=2)
     runner = ModelRunner(TINY, params, parallel, engine, make_mesh(parallel), "reference", mtp_params=mtp_params)
     slot, table = 0, list(range(engine.max_blocks_per_seq(2)))
     runner.set_sampling(slot, GREEDY_PARAMS, 0, len(PROMPT_IDS))
-    sampled, _ = runner.run_details(_chunk(PROMPT_IDS, 0, len(PROMPT_IDS), table, slot))
+    served = [runner.run_details(_chunk(PROMPT_IDS, 0, 13, table, slot))[1].mtp_logits[:13]]
+    sampled, details = runner.run_details(_chunk(PROMPT_IDS, 13, len(PROMPT_IDS), table, slot))
+    served.append(details.mtp_logits[:len(PROMPT_IDS) - 13])
     model, mtp = merge(*abstract_model(TINY), params), merge(*abstract_mtp(TINY), mtp_params)
     tokens = PROMPT_IDS + [int(sampled.tokens[0])]
     for _ in range(3):  # the greedy continuation g1, g2, g3
@@ -130,9 +134,12 @@ def test_chained_drafts_start_at_the_last_kept_draft():
     forced = tokens[-3:-1] + [(tokens[-1] + 1) % TINY.vocab_size]  # g1, g2 right, the third wrong
     runner.state = dataclasses.replace(runner.state, drafts=runner.state.drafts.at[slot].set(jnp.asarray(forced)))
     verify = ScheduledRows.verify([slot], [len(PROMPT_IDS) + 1], [3], np.asarray([table], np.int32))
-    sampled, _ = runner.run_details(verify)
+    sampled, details = runner.run_details(verify)
     assert np.asarray(sampled.tokens)[:4].tolist() == tokens[-3:] + [-1]  # g1, g2 kept, then g3
+    served.append(details.mtp_logits[:3])  # rows p .. p + a, each with the token emitted after it
     hidden = sequence_forward(model, jnp.asarray(tokens, jnp.int32), mode=SPARSE).hidden
+    expected = np.asarray(mtp_forward(model, mtp, jnp.asarray(tokens), hidden, mode=SPARSE).logits)
+    np.testing.assert_allclose(np.concatenate(served), expected[:len(PROMPT_IDS) + 3], atol=2e-4, rtol=0)
     last = len(PROMPT_IDS) + 2  # the row of g2, whose next token g3 was emitted
     assert np.asarray(runner.state.drafts)[slot].tolist() == _chained_drafts(model, mtp, jnp.asarray(tokens), hidden,
                                                                              last, 3)

@@ -93,7 +93,8 @@ def draft_counts(max_tokens: int, n: int, right: int) -> tuple[int, int]:
 @pytest.mark.parametrize("dcp, interleave, config", SIZES)
 def test_drafts_right_for_some_requests_and_wrong_for_others(plain_greedy, dcp, interleave, config):
     """All drafts kept for one request, none for another, the first only (N > 1) for the third; the output is
-    greedy decoding's, the metrics count them and every page is free after."""
+    greedy decoding's, the metrics count them and every page is free after; then (the MTP layer drafting again) a
+    request aborted between verify steps gives its pages back."""
     llm = make_llm(dcp, interleave, config)
     n = config["num_speculative_tokens"]
     right = [n, 0, min(1, n - 1) if n > 1 else n]
@@ -111,12 +112,13 @@ def test_drafts_right_for_some_requests_and_wrong_for_others(plain_greedy, dcp, 
     assert values["dcp_jax_spec_decode_acceptance_rate"] == pytest.approx(kept / drafted)
     scheduler = llm.core.scheduler
     assert scheduler.allocator.num_free == llm.engine_config.num_pages and not scheduler.running
+    del llm.runner.dispatch  # the drafts the MTP layer makes again
+    assert_an_abort_between_verify_steps_frees_its_pages(llm, plain_greedy)
 
 
-def test_a_request_aborted_between_verify_steps_frees_its_pages(plain_greedy):
-    """With N = 3 a drafting request holds pages for its verify rows and the chained passes' after them; aborted
+def assert_an_abort_between_verify_steps_frees_its_pages(llm, plain_greedy):
+    """A drafting request holds pages for its verify rows (and with N >= 2 the chained passes' after them); aborted
     mid-generation it gives them all back, and the others' output is still greedy decoding's."""
-    llm = make_llm(2, 2, MTP3)
     core = llm.core
     requests = [core.make_request(prompt, GREEDY) for prompt in PROMPTS]
     for request in requests:
