@@ -176,14 +176,13 @@ class StepChannel:
 
     def close(self) -> None:
         """Tell the followers to stop (when they still listen) and close: their ends closing is no loss."""
-        if self.failure is None and not self._closing:
-            with self._lock:
-                self._closing = True
+        with self._lock:
+            is_open, self._closing = self.failure is None and not self._closing, True
+        if is_open:
             try:
                 self.send(STOP)
             except PeerLost:
                 pass
-        self._closing = True
         self.failure = self.failure or "the channel is closed"
         for peer in self._peers.values():
             peer.close()
@@ -236,6 +235,16 @@ class Mirror:
         except Exception:
             payload = pickle.dumps(RuntimeError(repr(value)))
         self.channel.send(RESULT, payload=payload)
+
+
+def connect(dist: Distributed, runner, variants: tuple[str, ...], *, on_lost=None):
+    """This process's channel of deployment `dist`: process 0's `StepChannel` (accepting every other process, its
+    `runner` mirrored to them, `on_lost` called once one is gone), or another process's `FollowerChannel`."""
+    if not dist.is_leader:
+        return FollowerChannel(dist)
+    channel = StepChannel(dist, on_lost=on_lost)
+    runner.mirror = Mirror(channel, variants)
+    return channel
 
 
 def follow(runner, channel: FollowerChannel, variants: tuple[str, ...]):

@@ -232,7 +232,7 @@ class ModelRunner:
         if self.mirror is not None:
             self.mirror.run(variant, bucket, placed.packed)
         outputs, self.state = step.run_placed(self.params, self.state, placed)
-        if jax.process_count() > 1:  # replicated over every process: this one's copy, readable here
+        if self.mirror is not None:  # multi-host: replicated over every process; this one's copy, readable here
             outputs = jax.tree.map(lambda a: a.addressable_data(0), outputs)
         return outputs
 

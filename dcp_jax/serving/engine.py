@@ -28,7 +28,7 @@ from dcp_jax.config import DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.host.scheduler import Request, RequestStatus, Scheduler
 from dcp_jax.runtime.forward import GREEDY, PROMPT_LOGPROBS, SAMPLED, VARIANTS
-from dcp_jax.runtime.multihost import Distributed, FollowerChannel, Mirror, StepChannel, follow
+from dcp_jax.runtime.multihost import Distributed, FollowerChannel, StepChannel, connect, follow
 from dcp_jax.serving.core import ServingCore
 from dcp_jax.serving.loading import load_model
 from dcp_jax.serving.metrics import ServingMetrics
@@ -156,13 +156,9 @@ class Engine:
         self._live_ids: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._channel = None
         self._streams_failed = threading.Event()
-        if self.distributed is not None and self.distributed.is_leader:
-            self._channel = StepChannel(self.distributed, on_lost=self._on_peer_lost)
-            self.runner.mirror = Mirror(self._channel, VARIANTS)
-        elif self.distributed is not None:
-            self._channel = FollowerChannel(self.distributed)
+        self._channel = None if self.distributed is None else connect(self.distributed, self.runner, VARIANTS,
+                                                                      on_lost=self._on_peer_lost)
 
     def follow(self) -> None:
         """A multi-host follower (process_id > 0): run the leader's programs until it stops (returns) or is gone

@@ -17,7 +17,7 @@ from dcp_jax.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.host.scheduler import Request, Scheduler
 from dcp_jax.runtime.forward import VARIANTS
-from dcp_jax.runtime.multihost import Distributed, FollowerChannel, Mirror, PeerLost, StepChannel, follow
+from dcp_jax.runtime.multihost import Distributed, PeerLost, connect, follow
 from dcp_jax.serving.core import ServingCore
 from dcp_jax.serving.loading import load_model
 from dcp_jax.serving.streams import output_text, stop_reason
@@ -111,12 +111,7 @@ class LLM:
         # Programs compile at their first use (an engine compiles them all at start-up).
         self.core = ServingCore(self.runner, scheduler, vocab_size=self.model_config.vocab_size, seed=seed,
                                 has_prompt_logprobs=False, async_scheduling=async_scheduling)
-        self._channel = None
-        if self.distributed is not None and self.distributed.is_leader:
-            self._channel = StepChannel(self.distributed)
-            self.runner.mirror = Mirror(self._channel, VARIANTS)
-        elif self.distributed is not None:
-            self._channel = FollowerChannel(self.distributed)
+        self._channel = None if self.distributed is None else connect(self.distributed, self.runner, VARIANTS)
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
