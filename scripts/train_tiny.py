@@ -9,8 +9,9 @@ with the indexer's and a random selection) into eval.json.
   python scripts/train_tiny.py --out /tmp/dsa-tiny                      # the full schedule (an H200)
   python scripts/train_tiny.py --out /tmp/t --stages dense:20:128:4 --eval-every 10   # a smoke run (CPU)
 
-A stage is mode:steps:context:batch[:queries] (mode dense or sparse; queries per training example, 1 by default;
-the held-out batch a stage reports asks one, the evaluation's format).
+A stage is mode:steps:context:batch[:queries|mixed] (mode dense or sparse; queries per training example, 1 by
+default; mixed: each example's number of records drawn uniformly, queries filling the rest (`mixed_example`); the
+held-out batch a stage reports is the evaluation's format: the most records and one query).
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ import time
 if __name__ == "__main__":  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Short prompts first: on the CPU, 4-record prompts (64 tokens) left the uniform-guess loss within 100 steps where
-# 9-record ones (128 tokens) took 1,100 (docs/training.md).
-DEFAULT_STAGES = "dense:1500:64:64,dense:1500:512:32,sparse:1500:1024:16,sparse:1000:4096:4"
+# Mixed examples (records drawn uniformly, queries filling the rest) of 256 tokens first: on an H200 the circuit
+# formed within 2,000 such steps where 64-token one-query examples learned to tell 2 records apart but not 4
+# (docs/training.md); then the indexer's dense warm-up at 1K, and sparse stages up to the 16K of the evaluation.
+DEFAULT_STAGES = ("dense:2500:256:32:mixed,dense:800:1024:8:mixed,sparse:1500:1024:16:mixed,sparse:1000:4096:4:mixed,"
+                  "sparse:300:16384:1:mixed")
+
+
+MIXED = "mixed"
 
 
 def parse_stages(text: str):
@@ -37,11 +43,13 @@ def parse_stages(text: str):
     stages = []
     for part in text.split(","):
         fields = part.split(":")
+        mixed = len(fields) == 5 and fields[4] == MIXED
+        numbers = fields[1:4] if mixed else fields[1:]
         if len(fields) not in (4, 5) or fields[0] not in (DENSE, SPARSE) or not all(
-                f.isdigit() and int(f) > 0 for f in fields[1:]):
-            raise argparse.ArgumentTypeError(f"a stage is mode:steps:context:batch[:queries] (mode {DENSE} or "
+                f.isdigit() and int(f) > 0 for f in numbers):
+            raise argparse.ArgumentTypeError(f"a stage is mode:steps:context:batch[:queries|{MIXED}] (mode {DENSE} or "
                                              f"{SPARSE}, positive integers), got {part!r}")
-        stages.append(Stage(fields[0], *map(int, fields[1:])))
+        stages.append(Stage(fields[0], *map(int, numbers), mixed=mixed))
     return stages
 
 
@@ -78,6 +86,21 @@ def plot(log: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def initial_params_from(cfg, path: str) -> dict:
+    """A checkpoint's weights as the trainer's f32 params ({"model", "mtp"}); SystemExit unless its architecture is
+    `cfg`'s."""
+    import jax
+    import jax.numpy as jnp
+
+    from dcp_jax.config import ModelConfig
+    from dcp_jax.model.weights import load_hf_params, load_mtp_params
+
+    saved = ModelConfig.from_hf(path)
+    if dataclasses.replace(saved, torch_dtype=cfg.torch_dtype) != cfg:
+        raise SystemExit(f"--init-from: {path} holds another architecture than the one trained here")
+    return {"model": load_hf_params(cfg, path), "mtp": jax.tree.map(jnp.asarray, load_mtp_params(cfg, path))}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for the checkpoint and the log")
@@ -96,6 +119,9 @@ def main(argv=None) -> int:
                         help="start no step after this long in this call (one at least), saving the state to resume "
                              "from")
     parser.add_argument("--resume", action="store_true", help="go on from the state a stopped run left in --out")
+    parser.add_argument("--init-from", default=None,
+                        help="start from this checkpoint's weights (a trained dsa-tiny, with its MTP layer) instead of "
+                             "random ones; the optimizer starts afresh on --stages")
     parser.add_argument("--eval-contexts", default="1024,4096,16384",
                         help="after training, the served accuracy (LLM, greedy) at these prompt lengths ('' none)")
     parser.add_argument("--eval-examples", type=int, default=100)
@@ -114,12 +140,16 @@ def main(argv=None) -> int:
     mtp_weight = MTP_WEIGHT if args.mtp_weight is None else args.mtp_weight
     tokenizer = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     total = sum(stage.steps for stage in args.stages)
-    trainer = Trainer(cfg, init_train_params(cfg, args.seed), learning_rate=args.learning_rate, total_steps=total,
-                      kl_weight=args.kl_weight, mtp_weight=mtp_weight)
+    if args.init_from:
+        params = initial_params_from(cfg, args.init_from)
+    else:
+        params = init_train_params(cfg, args.seed)
+    trainer = Trainer(cfg, params, learning_rate=args.learning_rate, total_steps=total, kl_weight=args.kl_weight,
+                      mtp_weight=mtp_weight)
     os.makedirs(args.out, exist_ok=True)
     run = dict(model=cfg.to_hf_dict(), stages=[vars(stage) for stage in args.stages],
                learning_rate=args.learning_rate, kl_weight=args.kl_weight, mtp_weight=mtp_weight,
-               chat_fraction=args.chat_fraction, seed=args.seed)
+               chat_fraction=args.chat_fraction, seed=args.seed, init_from=args.init_from)
     rng, step, spent = np.random.default_rng(args.seed), 0, 0.0
     state_path = os.path.join(args.out, "train_state.npz")
     if args.resume:
@@ -133,7 +163,7 @@ def main(argv=None) -> int:
             end = first + stage.steps
             if step < end:
                 data = batches(tokenizer, rng, context=stage.context, batch=stage.batch, queries=stage.queries,
-                               chat_fraction=args.chat_fraction)
+                               mixed=stage.mixed, chat_fraction=args.chat_fraction)
                 held_out = next(batches(tokenizer, np.random.default_rng([args.seed, 1, index]),
                                         context=stage.context, batch=stage.batch))
             while step < end:

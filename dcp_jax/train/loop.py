@@ -24,7 +24,8 @@ from dcp_jax.config import TINY, ModelConfig
 from dcp_jax.model.deepseek_v32 import abstract_model, init_params, merge
 from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
 from dcp_jax.train.forward import DENSE, SPARSE, mtp_forward, sequence_forward
-from dcp_jax.train.retrieval import CHAT_BYTES, chat_prompt, encode_batch, make_example, records_for
+from dcp_jax.train.retrieval import (CHAT_BYTES, chat_prompt, encode_batch, make_example, mixed_example,
+                                     records_for)
 
 # The shipped model's shape: DeepSeek-V3.2's architecture (MLA with q_lora and the latent cache, the lightning
 # indexer, one dense layer then MoE layers with shared experts and group routing, one MTP layer), byte vocabulary
@@ -47,26 +48,32 @@ def init_train_params(cfg: ModelConfig, seed: int) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """`steps` optimizer steps attending as `mode` on batches of `batch` examples of `context` tokens asking
-    `queries` queries each."""
+    `queries` queries each (the records filling the rest), or `mixed_example`s when `mixed`."""
 
     mode: str
     steps: int
     context: int
     batch: int
     queries: int = 1
+    mixed: bool = False
 
 
-def batches(tokenizer, rng: np.random.Generator, *, context: int, batch: int, queries: int = 1,
+def batches(tokenizer, rng: np.random.Generator, *, context: int, batch: int, queries: int = 1, mixed: bool = False,
             chat_fraction: float = 0.0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Endless (tokens, answer_mask) batches of retrieval examples of `queries` queries filling `context` tokens;
-    a `chat_fraction` of the batches wrap each prompt in the chat template (`chat_prompt`), so the model answers
-    through /v1/chat/completions too (their examples fit `context`, the others are CHAT_BYTES shorter)."""
-    records = records_for(context - (CHAT_BYTES if chat_fraction else 0), queries)
+    """Endless (tokens, answer_mask) batches of retrieval examples filling `context` tokens: of `queries` queries,
+    or `mixed_example`s when `mixed` (padded to `context` tokens); a `chat_fraction` of the batches wrap each
+    prompt in the chat template (`chat_prompt`), so the model answers through /v1/chat/completions too (their
+    examples fit `context`; the others are CHAT_BYTES shorter unless mixed, as every batch has one length)."""
+    records = records_for(context - (CHAT_BYTES if chat_fraction else 0), queries)  # one length for every batch
     while True:
-        examples = [make_example(rng, records, queries) for _ in range(batch)]
-        if rng.random() < chat_fraction:
+        chat = rng.random() < chat_fraction
+        if mixed:
+            examples = [mixed_example(rng, context - (CHAT_BYTES if chat else 0)) for _ in range(batch)]
+        else:
+            examples = [make_example(rng, records, queries) for _ in range(batch)]
+        if chat:
             examples = [(chat_prompt(prompt), answer) for prompt, answer in examples]
-        yield encode_batch(tokenizer, examples)
+        yield encode_batch(tokenizer, examples, context if mixed else None)
 
 
 def _value_positions(answer_mask):

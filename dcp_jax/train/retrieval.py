@@ -6,8 +6,10 @@ answers it, so accuracy past index_topk tokens measures the indexer's selection.
 Training examples may ask several queries in a row (`?k<key>=v<value>;` each, keys drawn independently, so no
 answer follows from the earlier ones by elimination; the last one's answer the example's): every answer is
 supervised, so a sequence teaches several retrievals (as multi-query associative recall trains), and its
-beginning up to the first answer is an evaluation prompt's format exactly. A prompt may also be wrapped in the
-server's chat template (`chat_prompt`).
+beginning up to the first answer is an evaluation prompt's format exactly. A mixed example (`mixed_example`) draws
+its number of records uniformly and fills the rest of its context with queries: one length of sequence teaches
+retrieval among few records and among many. A prompt may also be wrapped in the server's chat template
+(`chat_prompt`).
 """
 
 from __future__ import annotations
@@ -63,16 +65,36 @@ def make_example(rng: np.random.Generator, num_records: int, queries: int = 1) -
     return "".join(text) + f"?k{bytes(keys[asked[-1]]).decode()}=", f"v{bytes(values[asked[-1]]).decode()};"
 
 
-def encode_batch(tokenizer, examples: list[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+def queries_for(context: int, records: int) -> int:
+    """Queries (each answered) that fill a prompt of at most `context` tokens after a BOS token and `records`
+    records."""
+    return (context - 1 - records * RECORD_BYTES) // (QUERY_BYTES + ANSWER_BYTES)
+
+
+def mixed_example(rng: np.random.Generator, context: int) -> tuple[str, str]:
+    """(prompt, answer) of at most `context` tokens: a number of records drawn uniformly from 1 to
+    `records_for(context)`, then as many queries as fit."""
+    records = int(rng.integers(1, records_for(context) + 1))
+    return make_example(rng, records, queries_for(context, records))
+
+
+def encode_batch(tokenizer, examples: list[tuple[str, str]], length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [B, T] int32: BOS, prompt, answer, a byte a token; answer_mask [B, T] bool: the positions whose
     next token is an answer token (the final answer's, and those of queries answered in the prompt), where the
-    loss and the accuracy are taken). The examples must have one length."""
+    loss and the accuracy are taken). Without `length` the examples must have one length; with it, shorter ones
+    are padded after their answer with EOS tokens (T = length), which nothing supervised attends (causal)."""
     rows = [tokenizer.encode(prompt + answer) for prompt, answer in examples]
-    if len({len(row) for row in rows}) != 1:
-        raise ValueError("the examples of a batch must have one length")
-    tokens = np.asarray(rows, np.int32)
+    if length is None:
+        if len({len(row) for row in rows}) != 1:
+            raise ValueError("the examples of a batch must have one length")
+        length = len(rows[0])
+    if max(len(row) for row in rows) > length:
+        raise ValueError(f"an example is longer than {length} tokens")
+    tokens = np.full((len(rows), length), tokenizer.eos_token_id, np.int32)
     mask = np.zeros(tokens.shape, bool)
-    mask[:, -ANSWER_BYTES - 1: -1] = True
+    for row, ids in enumerate(rows):
+        tokens[row, : len(ids)] = ids
+        mask[row, len(ids) - ANSWER_BYTES - 1: len(ids) - 1] = True
     for row, (prompt, _) in enumerate(examples):
         for found in _ANSWERED_QUERY.finditer(prompt):  # token p + 1 is byte p: the mask's positions are bytes'
             mask[row, found.start(1): found.end(1)] = True

@@ -84,9 +84,10 @@ def test_chat_batches_wrap_the_prompts_in_the_chat_template_and_fit_the_context(
 
 
 def test_stages_are_parsed_and_bad_ones_refused():
-    stages = parse_stages("dense:10:512:8,sparse:5:1024:2")
-    assert [(s.mode, s.steps, s.context, s.batch) for s in stages] == [("dense", 10, 512, 8), ("sparse", 5, 1024, 2)]
-    for bad in ("dense:10:512", "causal:1:2:3", "sparse:0:64:1"):
+    stages = parse_stages("dense:10:512:8,sparse:5:1024:2:3,sparse:5:256:4:mixed")
+    assert [(s.mode, s.steps, s.context, s.batch, s.queries, s.mixed) for s in stages] == [
+        ("dense", 10, 512, 8, 1, False), ("sparse", 5, 1024, 2, 3, False), ("sparse", 5, 256, 4, 1, True)]
+    for bad in ("dense:10:512", "causal:1:2:3", "sparse:0:64:1", "dense:1:64:2:some", "dense:1:64:2:0"):
         with pytest.raises(Exception, match="mode:steps:context:batch"):
             parse_stages(bad)
 
@@ -174,6 +175,25 @@ def test_a_run_stopped_in_time_resumes_to_the_same_weights(trained, tmp_path):
     assert [json.loads(line)["step"] for line in open(tmp_path / "train_log.jsonl")] == [1, 2, 3, 4]
     with pytest.raises(SystemExit, match="holds a run of"):
         main(["--out", str(tmp_path), "--stages", "dense:9:48:2", "--resume"])
+
+
+def test_a_run_can_start_from_a_checkpoint(trained, tmp_path):
+    """--init-from starts from a checkpoint's weights (its MTP layer's too): one step at the warm-up's first rate,
+    zero, writes them back unchanged; a checkpoint of another architecture is refused before anything loads."""
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "from"
+    assert main(["--out", str(out), "--init-from", str(trained), "--stages", "dense:1:64:2:mixed", *STAGES[2:]]) == 0
+    before, after = load_file(trained / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(after) == set(before)
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.load(open(trained / "config.json"))
+    json.dump(config | {"num_hidden_layers": 3}, open(other / "config.json", "w"))
+    with pytest.raises(SystemExit, match="another architecture"):
+        main(["--out", str(tmp_path / "refused"), "--init-from", str(other), *STAGES])
 
 
 def test_served_accuracy_is_the_training_forwards_teacher_forced_accuracy(trained):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from dcp_jax.serving.tokenizer import ByteTokenizer
-from dcp_jax.train.retrieval import ANSWER_BYTES, RECORD_BYTES, encode_batch, make_example, records_for
+from dcp_jax.train.retrieval import (ANSWER_BYTES, RECORD_BYTES, encode_batch, make_example, mixed_example,
+                                     queries_for, records_for)
 
 
 def test_an_example_asks_for_one_of_its_distinct_keys():
@@ -57,3 +58,32 @@ def test_queries_answered_in_the_prompt_are_supervised_too():
     assert re.fullmatch(r"(k[a-z]{4}=v[0-9]{4};)+\?k[a-z]{4}=", prompt[: first + 7])
     with pytest.raises(ValueError, match="queries"):
         make_example(rng, 3, queries=0)
+
+
+def test_mixed_examples_draw_their_records_and_fill_the_rest_with_queries():
+    """Every number of records from 1 to the most is drawn; the queries fill the context; a batch of them is padded
+    after each answer with EOS, unsupervised."""
+    tokenizer = ByteTokenizer(264)
+    rng = np.random.default_rng(7)
+    context = 160
+    seen = set()
+    for _ in range(200):
+        prompt, answer = mixed_example(rng, context)
+        records = len(re.findall(r"(?<![?])k[a-z]{4}=v[0-9]{4};", prompt))
+        queries = prompt.count("?")
+        seen.add(records)
+        assert queries == queries_for(context, records) >= 1
+        assert len(tokenizer.encode(prompt + answer)) <= context < len(tokenizer.encode(prompt + answer)) + 13
+    assert seen == set(range(1, records_for(context) + 1))
+    examples = [make_example(rng, 1), make_example(rng, 3, queries=2)]
+    tokens, mask = encode_batch(tokenizer, examples, length=70)
+    assert tokens.shape == (2, 70)
+    for row, (prompt, answer) in enumerate(examples):
+        ids = tokenizer.encode(prompt + answer)
+        assert tokens[row, : len(ids)].tolist() == ids and set(tokens[row, len(ids):]) <= {tokenizer.eos_token_id}
+        assert not mask[row, len(ids) - 1:].any() and mask[row, len(ids) - ANSWER_BYTES - 1]
+        assert tokenizer.decode(tokens[row, 1:][mask[row, :-1]]).endswith(answer)
+    with pytest.raises(ValueError, match="one length"):
+        encode_batch(tokenizer, examples)
+    with pytest.raises(ValueError, match="longer than 20"):
+        encode_batch(tokenizer, examples, length=20)
