@@ -34,6 +34,12 @@ H200_MEMORY_GIB = 143771 / 1024  # 143,771 MiB
 BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "bench"
 
 
+# The shipped trained retrieval model (`dcp_jax/checkpoints/dsa-tiny`, docs/training.md).
+DEFAULT_MODEL = "dsa-tiny"
+MODEL_HELP = ("a shipped checkpoint (dsa-tiny: trained, the default), a preset of random weights (tiny, deepseek-v3.2, "
+              "glm-5) or a HF directory")
+
+
 def _parse_sizes(text: str) -> list[int]:
     try:
         sizes = [int(part) for part in text.split(",") if part]
@@ -113,7 +119,7 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--model", default="tiny", help="preset name (tiny, deepseek-v3.2, glm-5) or HF directory")
+    s.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model name)")
     s.add_argument("--num-layers", type=int, default=None, help="use only the first N decoder layers")
     s.add_argument("--dcp", type=int, default=2, help="DCP size W")
@@ -353,8 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=demo)
-    g = commands.add_parser("generate", help="generate text with a preset (random weights) or a HF checkpoint")
-    g.add_argument("--model", default="tiny", help="preset name (tiny, deepseek-v3.2, glm-5) or HF directory")
+    g = commands.add_parser("generate", help="generate text with the shipped dsa-tiny, a preset (random weights) or a "
+                                             "HF checkpoint")
+    g.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     g.add_argument("--num-layers", type=int, default=None, help="use only the first N decoder layers")
     g.add_argument("--dcp", type=int, default=1, help="DCP size W")
@@ -389,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
     g.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
     g.set_defaults(run=generate)
-    s = commands.add_parser("serve", help="OpenAI-compatible server (default: the embedded tiny model)")
+    s = commands.add_parser("serve", help="OpenAI-compatible server (default: the shipped dsa-tiny model)")
     add_serve_arguments(s)
     s.set_defaults(run=serve)
     m = commands.add_parser("plan", help="memory plan: weight bytes per rank, KV bytes per token, tokens that fit")

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Set up, start the OpenAI-compatible server on the embedded tiny model with DCP=2 over simulated CPU devices
-# (loopback, a free port), wait for /health, send one completion, print it, stop the server.
+# Set up, start the OpenAI-compatible server on the shipped trained model (dsa-tiny) with DCP=2 over simulated CPU
+# devices (loopback, a free port), wait for /health, ask one retrieval question past index_topk (one record among 25,
+# 308 tokens), print the answer and whether it is right, stop the server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
 log=$(mktemp)
-.venv/bin/dcp-jax serve --dcp 2 --interleave 2 --port 0 --max-model-len 128 --page-size 4 --buckets 8 \
-  --max-num-batched-tokens 16 \
+.venv/bin/dcp-jax serve --dcp 2 --interleave 2 --port 0 --max-model-len 352 --page-size 4 --buckets 8 \
+  --max-num-batched-tokens 64 \
   --compilation-cache-dir "${DCP_JAX_CACHE:-$HOME/.cache/dcp-jax/xla}" >"$log" 2>&1 &
 pid=$!
 trap 'kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; rm -f "$log"' EXIT
@@ -19,6 +20,23 @@ for _ in $(seq 600); do
 done
 grep '^dcp-jax serve:' "$log"
 echo "POST $url/v1/completions"
-curl -sf "$url/v1/completions" -H 'Content-Type: application/json' \
-  -d '{"model": "tiny", "prompt": "Hello, DCP!", "max_tokens": 16, "temperature": 0}' |
-  .venv/bin/python -m json.tool
+.venv/bin/python - "$url" <<'PY'
+import json
+import sys
+import urllib.request
+
+import numpy as np
+
+from dcp_jax.train.retrieval import ANSWER_BYTES, make_example, records_for
+
+prompt, answer = make_example(np.random.default_rng(2026), records_for(320))
+body = {"model": "dsa-tiny", "prompt": prompt, "max_tokens": ANSWER_BYTES, "temperature": 0}
+request = urllib.request.Request(f"{sys.argv[1]}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+reply = json.load(urllib.request.urlopen(request, timeout=300))
+text = reply["choices"][0]["text"]
+print(json.dumps(reply, indent=2))
+print(f"prompt: {prompt[:48]}... ({reply['usage']['prompt_tokens']} tokens) ...{prompt[-24:]}")
+print(f"answer: {text!r}, expected {answer!r}: {'right' if text == answer else 'WRONG'}")
+sys.exit(0 if text == answer else 1)
+PY

@@ -72,16 +72,23 @@ def plot(log: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     steps = [row["step"] for row in log]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot(steps, [row["lm"] for row in log], label="answer loss")
-    ax.plot(steps, [row["indexer_kl"] for row in log], label="indexer KL")
-    ax.plot(steps, [row["accuracy"] for row in log], label="batch accuracy")
+    fig, (losses, rates) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    losses.plot(steps, [row["lm"] for row in log], label="answer loss")
+    losses.plot(steps, [row["indexer_kl"] for row in log], label="indexer KL")
+    rates.plot(steps, [row["held_out"]["accuracy"] for row in log], label="held-out accuracy (evaluation format)")
     if "mtp_lm" in log[0]:
-        ax.plot(steps, [row["mtp_lm"] for row in log], label="MTP answer loss")
-        ax.plot(steps, [row["mtp_acceptance"] for row in log], label="MTP acceptance (value digits)")
-    ax.set_xlabel("step")
-    ax.set_yscale("log")
-    ax.legend()
+        losses.plot(steps, [row["mtp_lm"] for row in log], label="MTP answer loss")
+        rates.plot(steps, [row["mtp_acceptance"] for row in log], label="MTP acceptance (value digits)")
+    for before, row in zip(log, log[1:]):  # stage boundaries: the attention mode or the context changes
+        if (before["mode"], before["context"]) != (row["mode"], row["context"]):
+            for ax in (losses, rates):
+                ax.axvline(row["step"], color="grey", linewidth=0.5)
+            rates.text(row["step"], 0.02, f" {row['mode']} {row['context']}", fontsize=7, rotation=90, va="bottom")
+    losses.set_yscale("log")
+    losses.legend()
+    rates.set_ylim(0, 1.05)
+    rates.set_xlabel("step")
+    rates.legend(loc="center right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -18,8 +18,8 @@ from dcp_jax import cli
 from dcp_jax.config import shipped_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVE_DEMO_ARGS = ["--dcp", "2", "--interleave", "2", "--max-model-len", "128", "--page-size", "4",
-                   "--buckets", "8", "--max-num-batched-tokens", "16"]  # scripts/serve_demo.sh's, so the
+SERVE_DEMO_ARGS = ["--dcp", "2", "--interleave", "2", "--max-model-len", "352", "--page-size", "4",
+                   "--buckets", "8", "--max-num-batched-tokens", "64"]  # scripts/serve_demo.sh's, so the
 # compilation cache serves both
 
 
@@ -36,15 +36,17 @@ def test_demo_compares_the_sharded_stack_with_the_single_device_one(capsys):
     assert [row[0] for row in rows] == ["1", "2"]
 
 
-def test_readme_serve_demo_answers_a_completion(xla_cache):
+def test_readme_serve_demo_answers_the_retrieval_question_right(xla_cache):
     env = dict(os.environ, DCP_JAX_CACHE=str(xla_cache))
     env.pop("XLA_FLAGS", None)  # the server picks its own simulated devices
     done = subprocess.run(["bash", str(ROOT / "scripts" / "serve_demo.sh")], env=env, capture_output=True,
                           text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    reply = json.loads(done.stdout[done.stdout.index("{"):])
-    assert reply["object"] == "text_completion"
-    assert reply["usage"]["completion_tokens"] == 16
+    assert done.returncode == 0, done.stdout + done.stderr
+    reply = json.loads(done.stdout[done.stdout.index("{"): done.stdout.rindex("}") + 1])
+    assert reply["object"] == "text_completion" and reply["model"] == "dsa-tiny"
+    assert reply["usage"]["prompt_tokens"] > 64  # past index_topk: the selection decides the answer
+    answer = re.search(r"answer: '(.*)', expected '(.*)': right", done.stdout)
+    assert answer and answer.group(1) == answer.group(2) == reply["choices"][0]["text"], done.stdout
 
 
 def serve_process(*args, env=None):
@@ -94,7 +96,7 @@ def read_until(proc, pattern: str, lines: list[str], timeout: float = 300.0) -> 
 
 def stream_completion(port: int, prompt: list[int], max_tokens: int, started: threading.Event, out: dict) -> None:
     """One streamed completion over a raw socket; `out["data"]` is everything the server sent."""
-    body = json.dumps({"model": "tiny", "prompt": [prompt], "max_tokens": max_tokens, "temperature": 0,
+    body = json.dumps({"model": "dsa-tiny", "prompt": [prompt], "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
