@@ -12,7 +12,7 @@ from flax import nnx
 
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.train.forward import sequence_forward
-from dcp_jax.train.retrieval import ANSWER_BYTES, CHAT_BYTES, encode_batch, make_example, records_for
+from dcp_jax.train.retrieval import ANSWER_BYTES, CHAT_BYTES, chat_prompt, encode_batch, make_example, records_for
 
 # Room an evaluation prompt of `context` tokens leaves: the chat template's bytes and a generation of 8 tokens (a
 # client's max_tokens past the answer), so either client's request fits a server of max_model_len `context`.
@@ -26,10 +26,11 @@ def examples_for(context: int, examples: int, seed: int = 0) -> list[tuple[str, 
     return [make_example(rng, records_for(context - EVAL_ROOM)) for _ in range(examples)]
 
 
-def served_accuracy(llm, *, context: int, examples: int, seed: int = 0) -> float:
-    """The share of `examples` prompts filling `context` tokens whose greedy answer through `llm` is right."""
+def served_accuracy(llm, *, context: int, examples: int, seed: int = 0, chat: bool = False) -> float:
+    """The share of `examples` prompts filling `context` tokens whose greedy answer through `llm` is right; with
+    `chat` each prompt is wrapped in the chat template as /v1/chat/completions renders it."""
     cases = examples_for(context, examples, seed)
-    outputs = llm.generate(prompts=[prompt for prompt, _ in cases],
+    outputs = llm.generate(prompts=[chat_prompt(prompt) if chat else prompt for prompt, _ in cases],
                            sampling_params=SamplingParams(max_tokens=ANSWER_BYTES, temperature=0, ignore_eos=True))
     return sum(out.outputs[0].text == answer for out, (_, answer) in zip(outputs, cases)) / examples
 
@@ -56,9 +57,10 @@ def forced_accuracy(model, tokenizer, *, context: int, examples: int, seed: int 
 
 
 def evaluate_checkpoint(path: str, *, contexts: list[int], examples: int, seed: int = 0) -> dict:
-    """A trained checkpoint's accuracy per context: served (`LLM`, greedy, the checkpoint's dtype), and teacher
-    forced in float32 attending to the indexer's selection and to a random one of the same size (the contrast that
-    shows the selection matters): {"served"|"sparse"|"random": {context: accuracy}}."""
+    """A trained checkpoint's accuracy per context: served (`LLM`, greedy, the checkpoint's dtype; the prompts
+    bare and in the chat template), and teacher forced in float32 attending to the indexer's selection and to a
+    random one of the same size (the contrast that shows the selection matters):
+    {"served"|"served_chat"|"sparse"|"random": {context: accuracy}}."""
     from dcp_jax.config import ModelConfig
     from dcp_jax.model.deepseek_v32 import abstract_model, merge
     from dcp_jax.model.weights import load_hf_params
@@ -67,8 +69,9 @@ def evaluate_checkpoint(path: str, *, contexts: list[int], examples: int, seed: 
     from dcp_jax.train.forward import RANDOM, SPARSE
 
     llm = LLM(path, max_model_len=max(contexts), max_num_seqs=min(examples, 64))  # prompts leave EVAL_ROOM
-    result = {"served": {context: served_accuracy(llm, context=context, examples=examples, seed=seed)
-                         for context in contexts}}
+    result = {name: {context: served_accuracy(llm, context=context, examples=examples, seed=seed, chat=chat)
+                     for context in contexts}
+              for name, chat in (("served", False), ("served_chat", True))}
     del llm
     cfg = ModelConfig.from_hf(path)
     model = merge(*abstract_model(cfg), load_hf_params(cfg, path))

@@ -63,12 +63,16 @@ def batches(tokenizer, rng: np.random.Generator, *, context: int, batch: int, qu
     """Endless (tokens, answer_mask) batches of retrieval examples filling `context` tokens: of `queries` queries,
     or `mixed_example`s when `mixed` (padded to `context` tokens); a `chat_fraction` of the batches wrap each
     prompt in the chat template (`chat_prompt`), so the model answers through /v1/chat/completions too (their
-    examples fit `context`; the others are CHAT_BYTES shorter unless mixed, as every batch has one length)."""
+    examples fit `context`; the others are CHAT_BYTES shorter unless mixed, as every batch has one length). A mixed
+    chat batch asks one query after the most records: the final answer alone follows the template, and an example
+    of many queries would train that format once."""
     records = records_for(context - (CHAT_BYTES if chat_fraction else 0), queries)  # one length for every batch
     while True:
         chat = rng.random() < chat_fraction
-        if mixed:
-            examples = [mixed_example(rng, context - (CHAT_BYTES if chat else 0)) for _ in range(batch)]
+        if mixed and chat:  # one query after the most records: a chat request's format, its answer after the template
+            examples = [make_example(rng, records_for(context - CHAT_BYTES), 1) for _ in range(batch)]
+        elif mixed:
+            examples = [mixed_example(rng, context) for _ in range(batch)]
         else:
             examples = [make_example(rng, records, queries) for _ in range(batch)]
         if chat:

@@ -17,6 +17,19 @@ from dcp_jax.train.loop import DSA_TINY, Trainer, batches, init_train_params
 from dcp_jax.train.retrieval import CHAT_BYTES, chat_prompt
 from scripts.train_tiny import main, parse_stages
 
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """A persistent compilation cache for the module: each `main` builds a new Trainer, whose programs the first
+    run compiled."""
+    before = {name: getattr(jax.config, name) for name in ("jax_compilation_cache_dir",
+                                                            "jax_persistent_cache_min_compile_time_secs")}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    yield
+    for name, value in before.items():
+        jax.config.update(name, value)
+
 SMALL = dataclasses.replace(DSA_TINY, num_hidden_layers=2, index_topk=16)
 
 
@@ -111,7 +124,7 @@ def test_the_script_writes_a_checkpoint_llm_serves_as_trained(trained):
     from dcp_jax.serving.llm import LLM
 
     evaluation = json.load(open(trained / "eval.json"))
-    assert evaluation["examples"] == 2 and set(evaluation["accuracy"]) == {"served", SPARSE, RANDOM}
+    assert evaluation["examples"] == 2 and set(evaluation["accuracy"]) == {"served", "served_chat", SPARSE, RANDOM}
     assert all(set(per_context) == {"96"} for per_context in evaluation["accuracy"].values())
     log = [json.loads(line) for line in open(trained / "train_log.jsonl")]
     assert [row["step"] for row in log] == [1, 2, 3, 4] and log[-1]["mode"] == "sparse"
