@@ -157,25 +157,42 @@ def read_task(task_dir: str, task: str, field: str) -> list[str]:
 
 
 def run_llm(model: str, config: dict, tasks: list[str], task_dir: str, *, max_model_len: int,
-            max_num_seqs: int) -> dict:
+            max_num_seqs: int, num_speculative_tokens: int = 0) -> tuple[dict, dict]:
     """The offline API (`LLM.generate`, greedy, lm-eval's generation: up to 8 tokens, stopped at ';') on the tasks'
-    prompts with the configuration's settings, in this process: {task: [the answer of each example, in order]}."""
+    prompts with the configuration's settings, in this process: ({task: [the answer of each example, in order]},
+    {task: the MTP drafts' acceptance (kept / drafted, from the engine's metrics)} when `num_speculative_tokens`
+    drafts a step, else {})."""
     import gc
 
     from dcp_jax.host.sampling import SamplingParams
     from dcp_jax.serving.llm import LLM
+    from dcp_jax.serving.metrics import PREFIX
 
+    speculative = ({"method": "mtp", "num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens
+                   else None)
     llm = LLM(model, dcp=config.get("dcp", 1), interleave=config.get("interleave", 1),
               index_cache=config.get("index_cache", "exact"), latent_cache=config.get("latent_cache", "exact"),
               dtype=config.get("dtype", "auto"), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-              hf_overrides={"index_topk": max_model_len} if config.get("dense") else None)
+              hf_overrides={"index_topk": max_model_len} if config.get("dense") else None,
+              speculative_config=speculative)
     params = SamplingParams(max_tokens=8, temperature=0, stop=[";"])
-    answers = {task: [out.outputs[0].text for out in llm.generate(prompts=read_task(task_dir, task, "prompt"),
-                                                                   sampling_params=params)]
-               for task in tasks}
+
+    metrics = llm.core.metrics
+
+    def drafted_and_kept():
+        return [metrics.value(f"{PREFIX}_spec_decode_num_{kind}_total") for kind in ("draft_tokens", "accepted_tokens")]
+
+    answers, acceptance = {}, {}
+    for task in tasks:
+        before = drafted_and_kept() if speculative else None
+        outputs = llm.generate(prompts=read_task(task_dir, task, "prompt"), sampling_params=params)
+        answers[task] = [out.outputs[0].text for out in outputs]
+        if speculative:
+            drafted, kept = (after - earlier for after, earlier in zip(drafted_and_kept(), before))
+            acceptance[task] = kept / drafted if drafted else None  # None: no step drafted
     del llm
     gc.collect()  # the next configuration's pool takes the device memory this one held
-    return answers
+    return answers, acceptance
 
 
 def summarize(results: dict, contexts: list[int]) -> str:
@@ -186,6 +203,10 @@ def summarize(results: dict, contexts: list[int]) -> str:
         for client, per_context in per_client.items():
             lines.append(f"| {name} | {client} | " + " | ".join(
                 f"{100 * per_context[str(c)]['accuracy']:.1f}" for c in contexts) + " |")
+            if "mtp_acceptance" in per_context[str(contexts[0])]:
+                kept = [per_context[str(c)]["mtp_acceptance"] for c in contexts]
+                lines.append(f"| {name} | {client}: MTP drafts kept % | " + " | ".join(
+                    "-" if k is None else f"{100 * k:.1f}" for k in kept) + " |")
     sparse = [name for name in results["configs"] if name != "dense"]
     if len(sparse) > 1:
         for client in results["configs"][sparse[0]]:
@@ -231,11 +252,16 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", default=",".join(SERVER_CLIENTS), help=f"comma-separated, of {CLIENTS}")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--port", type=int, default=None, help="default: a free one")
+    parser.add_argument("--num-speculative-tokens", type=int, default=0,
+                        help="client llm: draft this many tokens a step with the model's MTP layer and record the "
+                             "drafts' acceptance (greedy: the answers are the same as without)")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     clients = args.clients.split(",")
     if set(clients) - set(CLIENTS):
         parser.error(f"--clients: choose from {CLIENTS}")
+    if args.num_speculative_tokens and clients != ["llm"]:
+        parser.error("--num-speculative-tokens: the acceptance is read from the in-process engine (--clients llm)")
 
     if "llm" in clients:  # simulated CPU devices for the largest DCP size, asked for before jax starts
         from dcp_jax.serving.loading import use_cpu_devices
@@ -254,7 +280,7 @@ def main(argv=None) -> int:
         parser.error(f"--contexts: {max_model_len} tokens exceed the model's {cfg.max_position_embeddings}")
     results = {"model": args.model, "examples": args.examples, "seed": args.seed, "configs": {}}
     for config in args.configs:
-        started, answers = time.perf_counter(), {}
+        started, answers, acceptance = time.perf_counter(), {}, {}
         if set(clients) & set(SERVER_CLIENTS):
             server = Server(args.model, config, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
                             port=args.port or _free_port(), log=os.path.join(args.out, f"server_{config['name']}.log"))
@@ -266,8 +292,9 @@ def main(argv=None) -> int:
             finally:
                 server.stop()
         if "llm" in clients:
-            answers["llm"] = run_llm(args.model, config, tasks, task_dir, max_model_len=max_model_len,
-                                     max_num_seqs=args.max_num_seqs)
+            answers["llm"], acceptance = run_llm(args.model, config, tasks, task_dir, max_model_len=max_model_len,
+                                                 max_num_seqs=args.max_num_seqs,
+                                                 num_speculative_tokens=args.num_speculative_tokens)
         per_client = {}
         for client in clients:
             per_client[client] = {}
@@ -275,6 +302,8 @@ def main(argv=None) -> int:
                 targets = read_task(task_dir, task, "target")
                 right = sum(a.strip() == t for a, t in zip(answers[client][task], targets))
                 per_client[client][str(context)] = {"accuracy": right / len(targets), "answers": answers[client][task]}
+                if client == "llm" and acceptance:
+                    per_client[client][str(context)]["mtp_acceptance"] = acceptance[task]
         results["configs"][config["name"]] = per_client
         print(f"{config['name']}: " + "; ".join(
             f"{client} " + ", ".join(f"{c}: {100 * per_client[client][str(c)]['accuracy']:.1f}%" for c in contexts)

@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     mtp_weight = MTP_WEIGHT if args.mtp_weight is None else args.mtp_weight
     tokenizer = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     total = sum(stage.steps for stage in args.stages)
-    if args.init_from:
+    if args.init_from and not args.resume:  # a resumed run reads its own state
         params = initial_params_from(cfg, args.init_from)
     else:
         params = init_train_params(cfg, args.seed)

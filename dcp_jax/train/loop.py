@@ -66,11 +66,14 @@ def batches(tokenizer, rng: np.random.Generator, *, context: int, batch: int, qu
     examples fit `context`; the others are CHAT_BYTES shorter unless mixed, as every batch has one length). A mixed
     chat batch asks one query after the most records: the final answer alone follows the template, and an example
     of many queries would train that format once."""
-    records = records_for(context - (CHAT_BYTES if chat_fraction else 0), queries)  # one length for every batch
+    if mixed:
+        records = records_for(context - CHAT_BYTES)  # a chat batch's
+    else:
+        records = records_for(context - (CHAT_BYTES if chat_fraction else 0), queries)  # one length for every batch
     while True:
         chat = rng.random() < chat_fraction
-        if mixed and chat:  # one query after the most records: a chat request's format, its answer after the template
-            examples = [make_example(rng, records_for(context - CHAT_BYTES), 1) for _ in range(batch)]
+        if mixed and chat:
+            examples = [make_example(rng, records, 1) for _ in range(batch)]
         elif mixed:
             examples = [mixed_example(rng, context) for _ in range(batch)]
         else:

@@ -78,11 +78,12 @@ def mixed_example(rng: np.random.Generator, context: int) -> tuple[str, str]:
     return make_example(rng, records, queries_for(context, records))
 
 
-def encode_batch(tokenizer, examples: list[tuple[str, str]], length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def encode_batch(tokenizer, examples: list[tuple[str, str]],
+                 length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [B, T] int32: BOS, prompt, answer, a byte a token; answer_mask [B, T] bool: the positions whose
     next token is an answer token (the final answer's, and those of queries answered in the prompt), where the
     loss and the accuracy are taken). Without `length` the examples must have one length; with it, shorter ones
-    are padded after their answer with EOS tokens (T = length), which nothing supervised attends (causal)."""
+    are padded after their answer with EOS tokens (T = length), which no answer position attends (causal)."""
     rows = [tokenizer.encode(prompt + answer) for prompt, answer in examples]
     if length is None:
         if len({len(row) for row in rows}) != 1:

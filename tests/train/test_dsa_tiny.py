@@ -44,8 +44,8 @@ def test_dsa_tiny_is_shipped_and_round_trips(tmp_path):
 def single_device_answers():
     from dcp_jax.serving.llm import LLM
 
-    cases = examples_for(2048, 3, seed=HIDDEN_SEED) + examples_for(4096, 1, seed=HIDDEN_SEED)
-    llm = LLM("dsa-tiny", dtype="float32", max_model_len=4096, max_num_seqs=4)
+    cases = examples_for(2048, 2, seed=HIDDEN_SEED) + examples_for(3072, 1, seed=HIDDEN_SEED)
+    llm = LLM("dsa-tiny", dtype="float32", max_model_len=3072, max_num_seqs=3)
     return cases, answers(llm, cases)
 
 
@@ -59,7 +59,7 @@ def test_dsa_tiny_answers_the_same_at_every_dcp_size(single_device_answers, dcp,
     from dcp_jax.serving.llm import LLM
 
     cases, want = single_device_answers
-    llm = LLM("dsa-tiny", dcp=dcp, interleave=interleave, dtype="float32", max_model_len=4096, max_num_seqs=4)
+    llm = LLM("dsa-tiny", dcp=dcp, interleave=interleave, dtype="float32", max_model_len=3072, max_num_seqs=3)
     assert answers(llm, cases) == want
 
 

@@ -66,3 +66,18 @@ def test_the_llm_client_answers_in_process_per_configuration(tmp_path):
         answers = results["configs"][name]["llm"]["64"]["answers"]
         assert len(answers) == 2 and all(";" not in answer and len(answer) <= 8 for answer in answers), answers
     assert "| dcp=2,interleave=2 | llm |" in (tmp_path / "results.md").read_text()
+
+
+def test_the_llm_client_records_the_mtp_drafts_acceptance(tmp_path, capsys):
+    """With --num-speculative-tokens the trained model drafts with its MTP layer: its greedy answers stay right and
+    the drafts' acceptance is recorded per context (from the engine's metrics); server clients are refused."""
+    from scripts.eval_retrieval import main
+
+    assert main(["--model", "dsa-tiny", "--out", str(tmp_path), "--contexts", "128", "--examples", "2", "--clients",
+                 "llm", "--configs", "dcp=2", "--num-speculative-tokens", "2", "--max-num-seqs", "2"]) == 0
+    result = json.load(open(tmp_path / "results.json"))["configs"]["dcp=2"]["llm"]["128"]
+    assert result["accuracy"] == 1.0 and result["mtp_acceptance"] > 0.5  # the trained MTP layer drafts the value
+    assert "| dcp=2 | llm: MTP drafts kept % |" in (tmp_path / "results.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["--model", "dsa-tiny", "--out", str(tmp_path), "--num-speculative-tokens", "1"])
+    assert "in-process engine" in capsys.readouterr().err

@@ -14,21 +14,17 @@ from dcp_jax.model.deepseek_v32 import abstract_model, merge
 from dcp_jax.serving.tokenizer import ByteTokenizer
 from dcp_jax.train.forward import DENSE, RANDOM, SPARSE, sequence_forward
 from dcp_jax.train.loop import DSA_TINY, Trainer, batches, init_train_params
-from dcp_jax.train.retrieval import CHAT_BYTES, chat_prompt
+from dcp_jax.train.retrieval import ANSWER_BYTES, CHAT_BYTES, chat_prompt, queries_for, records_for
 from scripts.train_tiny import main, parse_stages
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compilation_cache(tmp_path_factory):
     """A persistent compilation cache for the module: each `main` builds a new Trainer, whose programs the first
-    run compiled."""
-    before = {name: getattr(jax.config, name) for name in ("jax_compilation_cache_dir",
-                                                            "jax_persistent_cache_min_compile_time_secs")}
+    run compiled. jax keeps the first directory a process sets (an engine test's, in a worker that ran one first)."""
     jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    yield
-    for name, value in before.items():
-        jax.config.update(name, value)
+
 
 SMALL = dataclasses.replace(DSA_TINY, num_hidden_layers=2, index_topk=16)
 
@@ -94,6 +90,29 @@ def test_chat_batches_wrap_the_prompts_in_the_chat_template_and_fit_the_context(
             assert text[: -6] == (chat_prompt(prompt.group(1)) if is_chat else prompt.group(1))
             assert tokens.shape[1] == (64 if is_chat else 64 - CHAT_BYTES) - (64 - CHAT_BYTES - 1 - 13) % 12
             assert tokenizer.decode(tokens[0, 1:][mask[0, :-1]]) == text[-6:]
+
+
+def test_mixed_batches_fill_the_context_and_chat_ones_ask_one_query_after_the_most_records():
+    tokenizer = ByteTokenizer(SMALL.vocab_size)
+    data = batches(tokenizer, np.random.default_rng(2), context=160, batch=3, mixed=True, chat_fraction=0.5)
+    kinds = set()
+    for tokens, mask in (next(data) for _ in range(8)):
+        assert tokens.shape == (3, 160)
+        for row in range(3):
+            ids = tokens[row].tolist()
+            end = len(ids) - next(i for i, t in enumerate(reversed(ids)) if t != tokenizer.eos_token_id)
+            assert not mask[row, end - 1:].any() and mask[row, end - ANSWER_BYTES - 1]
+            text = tokenizer.decode(ids[:end])
+            records = len(re.findall(r"(?<![?])k[a-z]{4}=v[0-9]{4};", text))
+            if text.startswith("<|user|>"):
+                kinds.add("chat")
+                assert text.count("?") == 1 and records == records_for(160 - CHAT_BYTES)
+                prompt = re.fullmatch(r"<\|user\|>\n(.*)\n<\|assistant\|>\nv[0-9]{4};", text, re.S)
+                assert prompt and text[: -ANSWER_BYTES] == chat_prompt(prompt.group(1))
+            else:
+                kinds.add("bare")
+                assert text.count("?") == queries_for(160, records) >= 1
+    assert kinds == {"chat", "bare"}
 
 
 def test_stages_are_parsed_and_bad_ones_refused():
@@ -196,7 +215,8 @@ def test_a_run_can_start_from_a_checkpoint(trained, tmp_path):
     from safetensors.numpy import load_file
 
     out = tmp_path / "from"
-    assert main(["--out", str(out), "--init-from", str(trained), "--stages", "dense:1:64:2:mixed", *STAGES[2:]]) == 0
+    # The first stage's shape of STAGES: the module's compilation cache holds its programs.
+    assert main(["--out", str(out), "--init-from", str(trained), "--stages", "dense:1:64:2", *STAGES[2:]]) == 0
     before, after = load_file(trained / "model.safetensors"), load_file(out / "model.safetensors")
     assert set(after) == set(before)
     for name in before:
