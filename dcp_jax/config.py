@@ -140,9 +140,9 @@ def _has_no_default(cls, name: str) -> bool:
     return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
 
 
-# The random preset the tests serve (and `LLM`'s and `Engine`'s default): runs on simulated CPU devices in seconds. Eight index heads keep
-# exact score ties rare (see the oracle notes). A 128-column latent is one tile of the fp8 latent cache. One MTP
-# layer, as DeepSeek-V3.2 has (`model/mtp.py`; the speculative decoding draft).
+# The random preset the tests serve (and `LLM`'s and `Engine`'s default): runs on simulated CPU devices in
+# seconds. Eight index heads keep exact score ties rare (see the oracle notes). A 128-column latent is one tile of
+# the fp8 latent cache. One MTP layer, as DeepSeek-V3.2 has (`model/mtp.py`; the speculative decoding draft).
 TINY = ModelConfig(
     vocab_size=512,
     hidden_size=256,

@@ -26,14 +26,13 @@ import time
 if __name__ == "__main__":  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+MIXED = "mixed"  # a stage's fifth field for mixed examples
+
 # Mixed examples (records drawn uniformly, queries filling the rest) of 256 tokens first: on an H200 the circuit
 # formed within 2,000 such steps where 64-token one-query examples learned to tell 2 records apart but not 4
 # (docs/training.md); then the indexer's dense warm-up at 1K, and sparse stages up to the 16K of the evaluation.
 DEFAULT_STAGES = ("dense:2500:256:32:mixed,dense:800:1024:8:mixed,sparse:1500:1024:16:mixed,sparse:1000:4096:4:mixed,"
                   "sparse:300:16384:1:mixed")
-
-
-MIXED = "mixed"
 
 
 def parse_stages(text: str):

@@ -93,10 +93,9 @@ def encode_batch(tokenizer, examples: list[tuple[str, str]],
         raise ValueError(f"an example is longer than {length} tokens")
     tokens = np.full((len(rows), length), tokenizer.eos_token_id, np.int32)
     mask = np.zeros(tokens.shape, bool)
-    for row, ids in enumerate(rows):
+    for row, (ids, (prompt, _)) in enumerate(zip(rows, examples)):
         tokens[row, : len(ids)] = ids
         mask[row, len(ids) - ANSWER_BYTES - 1: len(ids) - 1] = True
-    for row, (prompt, _) in enumerate(examples):
         for found in _ANSWERED_QUERY.finditer(prompt):  # token p + 1 is byte p: the mask's positions are bytes'
             mask[row, found.start(1): found.end(1)] = True
     return tokens, mask
