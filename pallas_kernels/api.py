@@ -47,17 +47,14 @@ def _never(*args, interpret=None, **kwargs) -> list[str]:
 # ---- indexer_logits / indexer_top_k ----------------------------------------------------------------------------
 
 
-def _check_indexer_inputs(q, weights, index_cache, block_tables, lens, query_seqs):
+def _check_indexer_inputs(q, weights, index_cache, block_tables, lens):
     k_cache, k_scale = _keys_and_scales(index_cache)
     if q.ndim != 3 or k_cache.ndim != 3 or block_tables.ndim != 2:
-        raise ValueError(f"need q [R, Hi, Di], index_cache [pages, page, Di], block_tables [R, P] (or [S, P] with "
-                         f"query_seqs); got {q.shape=} {k_cache.shape=} {block_tables.shape=}")
+        raise ValueError(f"need q [R, Hi, Di], index_cache [pages, page, Di], block_tables [R, P]; got "
+                         f"{q.shape=} {k_cache.shape=} {block_tables.shape=}")
     rows, heads, dim = q.shape
-    tables_rows = rows if query_seqs is None else block_tables.shape[0]
-    if weights.shape != (rows, heads) or lens.shape != (rows,) or block_tables.shape[0] != tables_rows:
+    if weights.shape != (rows, heads) or lens.shape != (rows,) or block_tables.shape[0] != rows:
         raise ValueError(f"row/head mismatch: {q.shape=} {weights.shape=} {block_tables.shape=} {lens.shape=}")
-    if query_seqs is not None and (query_seqs.shape != (rows,) or query_seqs.dtype != jnp.int32):
-        raise ValueError(f"query_seqs must be int32 [R]; got {query_seqs.shape=} {query_seqs.dtype=} for {rows} rows")
     if k_cache.shape[2] != dim:
         raise ValueError(f"head dim mismatch: {q.shape=} {k_cache.shape=}")
     if jnp.dtype(q.dtype) not in _INDEX_DTYPES or jnp.dtype(k_cache.dtype) not in _INDEX_DTYPES:
@@ -69,21 +66,15 @@ def _check_indexer_inputs(q, weights, index_cache, block_tables, lens, query_seq
                          f"for keys {k_cache.shape}")
 
 
-def _indexer_triton_run(q, weights, index_cache, block_tables, lens, *, query_seqs=None, interpret=None, **knobs):
+def _indexer_triton_run(q, weights, index_cache, block_tables, lens, *, interpret=None, **knobs):
     k_cache, k_scale = _keys_and_scales(index_cache)
     return _indexer_triton.indexer_logits(q, weights, k_cache, block_tables, lens, k_scale=k_scale,
-                                          query_seqs=query_seqs, interpret=interpret, **knobs)
+                                          interpret=interpret, **knobs)
 
 
-def _row_tables(block_tables, query_seqs):
-    """[R, P]: each row's block table (per-sequence tables gathered by query_seqs; row tables as they are)."""
-    return block_tables if query_seqs is None else block_tables[query_seqs]
-
-
-def _indexer_mosaic_run(q, weights, index_cache, block_tables, lens, *, query_seqs=None, interpret=None, **knobs):
+def _indexer_mosaic_run(q, weights, index_cache, block_tables, lens, *, interpret=None, **knobs):
     k_cache, k_scale = _keys_and_scales(index_cache)
-    return _indexer_mosaic.indexer_logits(q, weights, k_cache, _row_tables(block_tables, query_seqs), lens,
-                                          k_scale=k_scale, **knobs)
+    return _indexer_mosaic.indexer_logits(q, weights, k_cache, block_tables, lens, k_scale=k_scale, **knobs)
 
 
 def _indexer_triton_unsupported(q, weights, index_cache, block_tables, lens, *, interpret=None, **_):
@@ -94,18 +85,17 @@ def _indexer_mosaic_unsupported(q, weights, index_cache, block_tables, lens, *, 
     return _indexer_mosaic.unsupported(q, *_keys_and_scales(index_cache), interpret)
 
 
-def _indexer_top_k_triton_run(q, weights, index_cache, block_tables, lens, *, k, sorted=True, query_seqs=None,
-                              interpret=None, topk_knobs=None, **knobs):
-    logits = _indexer_triton_run(q, weights, index_cache, block_tables, lens, query_seqs=query_seqs,
-                                 interpret=interpret, **knobs)
+def _indexer_top_k_triton_run(q, weights, index_cache, block_tables, lens, *, k, sorted=True, interpret=None,
+                              topk_knobs=None, **knobs):
+    logits = _indexer_triton_run(q, weights, index_cache, block_tables, lens, interpret=interpret, **knobs)
     return _topk_triton.topk(logits, lens, k, sorted=sorted, interpret=interpret, **(topk_knobs or {}))
 
 
-def _indexer_top_k_mosaic_run(q, weights, index_cache, block_tables, lens, *, k, sorted=True, query_seqs=None,
-                              interpret=None, **knobs):
+def _indexer_top_k_mosaic_run(q, weights, index_cache, block_tables, lens, *, k, sorted=True, interpret=None,
+                              **knobs):
     k_cache, k_scale = _keys_and_scales(index_cache)
-    return _indexer_mosaic.indexer_top_k(q, weights, k_cache, _row_tables(block_tables, query_seqs), lens, k=k,
-                                         k_scale=k_scale, sorted=sorted, **knobs)
+    return _indexer_mosaic.indexer_top_k(q, weights, k_cache, block_tables, lens, k=k, k_scale=k_scale,
+                                         sorted=sorted, **knobs)
 
 
 def _topk_triton_run(scores, lens, *, k, sorted=True, interpret=None, **knobs):
@@ -223,22 +213,19 @@ def _run(op: str, backend: str, args: tuple, kwargs: dict, interpret, knobs: dic
     return IMPLEMENTATIONS[op][name].run(*args, interpret=interpret, **kwargs, **knobs)
 
 
-def indexer_logits(q, weights, index_cache, block_tables, lens, *, query_seqs=None, backend="pallas", interpret=None,
-                   **knobs):
+def indexer_logits(q, weights, index_cache, block_tables, lens, *, backend="pallas", interpret=None, **knobs):
     """Lightning-indexer logits over a paged index-K cache.
 
     q [R, Hi, Di] (f32, bf16 or float8_e4m3fn), weights [R, Hi] f32 with every scale folded in, index_cache
     [pages, page, Di] (f32, bf16 or float8_e4m3fn) or `Fp8IndexKeys` of [pages, page, Di] e4m3 keys and
     [pages, page] f32 per-token scales, block_tables [R, P] int32 page ids (entries past a row's length are never
-    read, may be -1), lens [R] int32 local lengths (host-computed, 0 <= lens <= P * page). With `query_seqs` [R]
-    int32, block_tables are per sequence, [S, P], and row r reads those of sequence query_seqs[r] (the Triton
-    kernel then shares key loads among consecutive rows of one sequence: a prefill chunk's tokens). Returns f32
-    [R, P*page]: `sum_h weights[r,h] * relu(q[r,h] . k_t) * scale[t]` (scale 1 for a plain cache) for
-    t < lens[r], -inf elsewhere. Knobs: `_indexer_triton.indexer_logits`, `_indexer_mosaic.indexer_logits`.
+    read, may be -1), lens [R] int32 local lengths (host-computed, 0 <= lens <= P * page). Returns f32 [R, P*page]:
+    `sum_h weights[r,h] * relu(q[r,h] . k_t) * scale[t]` (scale 1 for a plain cache) for t < lens[r], -inf
+    elsewhere. Knobs: `_indexer_triton.indexer_logits`, `_indexer_mosaic.indexer_logits`.
     """
     args = (q, weights, index_cache, block_tables, lens)
-    _check_indexer_inputs(*args, query_seqs)
-    return _run("indexer_logits", backend, args, dict(query_seqs=query_seqs), interpret, knobs)
+    _check_indexer_inputs(*args)
+    return _run("indexer_logits", backend, args, {}, interpret, knobs)
 
 
 def topk(scores, lens, *, k, sorted=True, backend="pallas", interpret=None, **knobs):
@@ -250,15 +237,15 @@ def topk(scores, lens, *, k, sorted=True, backend="pallas", interpret=None, **kn
     return _run("topk", backend, (scores, lens), dict(k=k, sorted=sorted), interpret, knobs)
 
 
-def indexer_top_k(q, weights, index_cache, block_tables, lens, *, k, sorted=True, query_seqs=None, backend="pallas",
-                  interpret=None, **knobs):
+def indexer_top_k(q, weights, index_cache, block_tables, lens, *, k, sorted=True, backend="pallas", interpret=None,
+                  **knobs):
     """`topk(indexer_logits(...), lens, k=k, sorted=sorted)`, with the top-k's first pass fused into the Mosaic
     indexer where the shapes allow. Knobs: the indexer's (triton: plus `topk_knobs`, a dict for the top-k)."""
     args = (q, weights, index_cache, block_tables, lens)
-    _check_indexer_inputs(*args, query_seqs)
+    _check_indexer_inputs(*args)
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"k must be a Python int >= 1; got {k=}")
-    return _run("indexer_top_k", backend, args, dict(k=k, sorted=sorted, query_seqs=query_seqs), interpret, knobs)
+    return _run("indexer_top_k", backend, args, dict(k=k, sorted=sorted), interpret, knobs)
 
 
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, backend="pallas", interpret=None,

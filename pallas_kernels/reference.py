@@ -18,20 +18,17 @@ HIGHEST = jax.lax.Precision.HIGHEST
 NEG_INF = float("-inf")
 
 
-def indexer_logits(q, weights, index_cache, block_tables, lens, *, query_seqs=None):
+def indexer_logits(q, weights, index_cache, block_tables, lens):
     """Lightning-indexer scores over a paged index-K cache.
 
     q [R, Hi, Di], weights [R, Hi] f32 (every scale folded in), index_cache [pages, B, Di] (f32, bf16 or fp8 e4m3)
     or `Fp8IndexKeys` (keys [pages, B, Di] e4m3, scales [pages, B] f32 per token), block_tables [R, P] int32 page
-    ids (entries past a row's length are ignored, may be -1), lens [R] int32 tokens per row; with query_seqs [R]
-    int32 block_tables are per sequence ([S, P]) and row r reads those of query_seqs[r].
+    ids (entries past a row's length are ignored, may be -1), lens [R] int32 tokens per row.
     Returns f32 [R, P*B]: `sum_h weights[r,h] * relu(q[r,h] . k_t) * scale[t]` for t < lens[r], -inf elsewhere.
     """
     k_cache, k_scale = ((index_cache.keys, index_cache.scales) if isinstance(index_cache, Fp8IndexKeys)
                         else (index_cache, None))
     num_pages, page_size, _ = k_cache.shape
-    if query_seqs is not None:
-        block_tables = block_tables[query_seqs]
     rows, max_blocks = block_tables.shape
     pages = jnp.clip(block_tables, 0, num_pages - 1)
     keys = k_cache[pages].astype(jnp.float32).reshape(rows, max_blocks * page_size, -1)  # [R, T, Di]
@@ -67,10 +64,9 @@ def topk(scores, lens, *, k, sorted=True):
     return values, indices
 
 
-def indexer_top_k(q, weights, index_cache, block_tables, lens, *, k, sorted=True, query_seqs=None):
+def indexer_top_k(q, weights, index_cache, block_tables, lens, *, k, sorted=True):
     """topk of indexer_logits."""
-    return topk(indexer_logits(q, weights, index_cache, block_tables, lens, query_seqs=query_seqs), lens, k=k,
-                sorted=sorted)
+    return topk(indexer_logits(q, weights, index_cache, block_tables, lens), lens, k=k, sorted=sorted)
 
 
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512):

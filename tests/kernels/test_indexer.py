@@ -89,79 +89,6 @@ def test_indexer_logits_bf16_queries_fp8_keys():
     _check((q8.astype(jnp.bfloat16), *rest), rtol=1e-5)
 
 
-def _prefill_case(seed, *, runs, heads, dim, page_size, max_blocks, dtype):
-    """Rows as a step lays them out: `runs` of (sequence, first length, rows): consecutive rows of one sequence
-    with lengths first, first + 1, ... (a prefill chunk's causal lengths; one row: a decode row; length 0: pad
-    rows). Returns (q, weights, cache, per-sequence block tables [S, P], lens, query_seqs)."""
-    num_seqs = max(s for s, _, _ in runs) + 1
-    lens = [first + i if first else 0 for _, first, count in runs for i in range(count)]
-    q, weights, cache, _, lens = _case(seed, rows=len(lens), heads=heads, dim=dim, page_size=page_size,
-                                       max_blocks=max_blocks, lens=lens, dtype=dtype)
-    rng = np.random.default_rng(seed + 1)
-    num_pages = (cache.keys if isinstance(cache, Fp8IndexKeys) else cache).shape[0]
-    tables = rng.permutation(num_pages)[:num_seqs * max_blocks].reshape(num_seqs, max_blocks).astype(np.int32)
-    seqs = np.asarray([s for s, _, count in runs for _ in range(count)], np.int32)
-    return q, weights, cache, jnp.asarray(tables), lens, jnp.asarray(seqs)
-
-
-# (runs, heads, dim, page_size, max_blocks): prefill chunks across and inside tiles, decode rows of other
-# sequences between them, pad rows at the end, lengths 0, < a chunk, and the whole table.
-PREFILL_CASES = [
-    ([(0, 5, 7), (1, 30, 1), (2, 1, 6), (0, 0, 3)], 4, 16, 4, 8),
-    ([(1, 40, 9), (0, 64, 1), (2, 17, 5), (1, 3, 1)], 8, 32, 8, 8),
-]
-
-
-# (case, dtype, rows_per_tile, knobs): tiles of 1, 3, 4 and 8 rows, several chunks a program, each dtype.
-TILE_CONFIGS = [
-    (0, jnp.float32, 3, {}),
-    (1, jnp.float32, 4, dict(block_t=16, chunk_t=16)),
-    (0, jnp.float32, 8, dict(block_t=32, chunk_t=16)),
-    (1, jnp.bfloat16, 1, {}),
-    (1, FP8, 4, {}),
-]
-
-
-@pytest.mark.parametrize("case, dtype, rows_per_tile, knobs", TILE_CONFIGS,
-                         ids=[f"case{c}-{jnp.dtype(d).name}-tile{t}" for c, d, t, _ in TILE_CONFIGS])
-def test_row_tiles_of_one_sequence_match_reference(case, dtype, rows_per_tile, knobs):
-    """query_seqs: tiles whose rows share a sequence score each key chunk once for all of them; mixed tiles row by
-    row; both equal the reference on every row."""
-    runs, heads, dim, page_size, max_blocks = PREFILL_CASES[case]
-    *args, seqs = _prefill_case(4, runs=runs, heads=heads, dim=dim, page_size=page_size, max_blocks=max_blocks,
-                                dtype=dtype)
-    out = np.asarray(pallas_kernels.indexer_logits(*args, query_seqs=seqs, backend="triton",
-                                                   rows_per_tile=rows_per_tile, **knobs))
-    q, weights, cache, tables, lens = args
-    ref = np.asarray(reference.indexer_logits(q, weights, cache, tables[seqs], lens))
-    np.testing.assert_array_equal(np.asarray(reference.indexer_logits(*args, query_seqs=seqs)), ref)
-    is_valid = np.arange(ref.shape[1])[None, :] < np.asarray(lens)[:, None]
-    assert out.shape == ref.shape
-    np.testing.assert_array_equal(out[~is_valid], -np.inf)
-    np.testing.assert_allclose(out[is_valid], ref[is_valid], rtol=1e-5, atol=1e-5)
-
-
-def test_indexer_top_k_takes_per_sequence_tables():
-    *args, seqs = _prefill_case(5, runs=[(0, 20, 6), (1, 9, 1), (2, 30, 3)], heads=4, dim=16, page_size=4,
-                                max_blocks=8, dtype=jnp.float32)
-    q, weights, cache, tables, lens = args
-    want = reference.indexer_top_k(q, weights, cache, tables[seqs], lens, k=8, sorted=False)
-    for backend in ("triton", "reference"):
-        got = pallas_kernels.indexer_top_k(*args, k=8, sorted=False, query_seqs=seqs, backend=backend)
-        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-
-
-def test_query_seqs_are_checked():
-    *args, seqs = _prefill_case(6, runs=[(0, 3, 2), (1, 5, 1)], heads=4, dim=16, page_size=4, max_blocks=2,
-                                dtype=jnp.float32)
-    with pytest.raises(ValueError, match="query_seqs must be int32"):
-        pallas_kernels.indexer_logits(*args, query_seqs=seqs[:2])
-    with pytest.raises(ValueError, match="query_seqs must be int32"):
-        pallas_kernels.indexer_logits(*args, query_seqs=seqs.astype(jnp.float32))
-    with pytest.raises(ValueError, match="rows_per_tile"):
-        pallas_kernels.indexer_logits(*args, query_seqs=seqs, backend="triton", rows_per_tile=0)
-
-
 @pytest.mark.parametrize(
     "change, match",
     [
@@ -250,22 +177,6 @@ def test_indexer_logits_compiled_real_shapes(dtype, fp8_imprecise_acc, backend):
                  with_scale=True)
     knobs = dict(fp8_imprecise_acc=fp8_imprecise_acc) if backend == "triton" else {}
     _check(args, rtol=2e-3 if dtype == FP8 else 1e-4, interpret=False, backend=backend, **knobs)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [FP8, jnp.bfloat16], ids=["fp8", "bf16"])
-def test_row_tiles_compiled_real_shapes(dtype):
-    """The row-tile kernel compiled at the DeepSeek-V3.2 indexer's shapes: a prefill chunk of 200 rows (tiles of
-    one sequence and a tile across the chunk's end), decode rows of other sequences, pad rows."""
-    runs = [(0, 3000, 200), (1, 4096, 1), (2, 1, 1), (3, 777, 3), (0, 0, 7)]
-    *args, seqs = _prefill_case(7, runs=runs, heads=64, dim=128, page_size=64, max_blocks=64, dtype=dtype)
-    q, weights, cache, tables, lens = args
-    ref = np.asarray(reference.indexer_logits(*args, query_seqs=seqs))
-    out = np.asarray(pallas_kernels.indexer_logits(*args, query_seqs=seqs, backend="triton", interpret=False))
-    is_valid = np.arange(ref.shape[1])[None, :] < np.asarray(lens)[:, None]
-    np.testing.assert_array_equal(out[~is_valid], -np.inf)
-    err = np.linalg.norm(out[is_valid] - ref[is_valid]) / np.linalg.norm(ref[is_valid])
-    assert err <= (2e-3 if dtype == FP8 else 1e-4), err
 
 
 @pytest.mark.gpu

@@ -85,20 +85,18 @@ def row_block_tables(md: StepMetadata):
 
 
 def local_scores(queries: Queries, index_cache, md: StepMetadata, *, backend: str):
-    """2. Indexer logits [R, P*B] over this rank's index-K shard, -inf past the host-provided local lengths (each
-    row through its sequence's block table: consecutive rows of one sequence share key loads where the kernel
-    tiles them)."""
+    """2. Indexer logits [R, P*B] over this rank's index-K shard, -inf past the host-provided local lengths."""
     q, weights = cache_formats.encode_index_queries(queries.index_q, queries.index_weights, index_cache)
-    return pallas_kernels.indexer_logits(q, weights, index_cache, md.block_tables, md.local_context_lens,
-                                         query_seqs=md.query_seqs, backend=backend)
+    return pallas_kernels.indexer_logits(q, weights, index_cache, row_block_tables(md), md.local_context_lens,
+                                         backend=backend)
 
 
 def local_top_k(queries: Queries, index_cache, md: StepMetadata, *, cfg: ModelConfig, backend: str):
     """2-3. This rank's top-k of its indexer logits (fused where the kernels allow): (scores [R, K], local token
     ids [R, K], -1 padded), in column order: the exchange sorts the merged candidates anyway."""
     q, weights = cache_formats.encode_index_queries(queries.index_q, queries.index_weights, index_cache)
-    return pallas_kernels.indexer_top_k(q, weights, index_cache, md.block_tables, md.local_context_lens,
-                                        k=cfg.index_topk, sorted=False, query_seqs=md.query_seqs, backend=backend)
+    return pallas_kernels.indexer_top_k(q, weights, index_cache, row_block_tables(md), md.local_context_lens,
+                                        k=cfg.index_topk, sorted=False, backend=backend)
 
 
 def select_owned(values, local_ids, md: StepMetadata, *, cfg: ModelConfig, layout: DcpLayout):
