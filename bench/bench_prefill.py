@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n x n x n bf16 matmul ceiling")
     parser.add_argument("--cpu-devices", type=int, default=8)
     parser.add_argument("--out", default="results_prefill.jsonl")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="trace one more TTFT of the last context and print the N kernels of most device time")
     args = parser.parse_args(argv)
     use_cpu_devices(args.cpu_devices)
     import jax
@@ -191,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                         compiles_after_warmup=engine.compiles_after_warmup))
             print(f"| {context} | {ttft:.1f} | {sum(roof.values()):.1f} ({roof['dense']:.1f} / {roof['indexer']:.1f}"
                   f" / {roof['attention']:.1f}) | {ttft / sum(roof.values()):.2f} |", flush=True)
+        if args.profile:
+            profile(engine, rng.integers(2, cfg.vocab_size, args.contexts[-1]).tolist(), args.profile, record)
         if args.decodes:
             if mixed_budget != budget:
                 engine.stop()
@@ -201,6 +205,29 @@ def main(argv: list[str] | None = None) -> int:
         engine.stop()
         out.close()
     return 0
+
+
+def profile(engine, prompt: list[int], top: int, record) -> None:
+    """Device time by kernel over one TTFT of `prompt` (a profiler trace): the `top` kernels of most time."""
+    import tempfile
+
+    import jax
+
+    from bench.common import kernel_durations_us
+    from bench.gpu_trace import trace_events
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            ttft = time_to_first_token(engine, prompt)
+        durations = kernel_durations_us(trace_events(trace_dir), line_prefix="Stream", name_chars=60)
+    totals = sorted(((sum(d), len(d), name) for name, d in durations.items()), reverse=True)
+    busy = sum(t for t, _, _ in totals)
+    record(dict(kind="profile", context=len(prompt), ttft_ms=1e3 * ttft, busy_ms=busy / 1e3,
+                kernels=[dict(name=n, total_ms=t / 1e3, calls=c) for t, c, n in totals]))
+    print(f"profile of one {len(prompt)}-token TTFT (traced {1e3 * ttft:.1f} ms): kernels busy {busy / 1e3:.1f} ms",
+          flush=True)
+    print("| kernel | device ms | share | calls |\n|---|---|---|---|", flush=True)
+    for total, calls, name in totals[:top]:
+        print(f"| {name} | {total / 1e3:.2f} | {total / busy:.1%} | {calls} |", flush=True)
 
 
 def mixed(engine, args, cfg, rng, record) -> None:
