@@ -130,7 +130,7 @@ def staged_decode_body(params, state: DeviceState, inputs, md, *, graphdef, abst
             update, lat, idx = attention_through(
                 layer.attention.params(), layer.attention_input(hidden), lat, idx, rope, layer_md, cfg=cfg,
                 layout=layout, backend=backend, through="merge" if through == "mlp" else through)
-            hidden = layer.feed_forward(hidden + update) if through == "mlp" else hidden + update
+            hidden = layer.feed_forward(hidden + update, backend=backend) if through == "mlp" else hidden + update
     logits = model.logits(hidden)
     selected = jnp.zeros((cfg.num_hidden_layers, tokens.shape[0], cfg.index_topk), jnp.int32)
     outputs = (logits, selected) if variant == DETAILS else logits

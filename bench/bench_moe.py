@@ -1,6 +1,7 @@
 """One MoE layer on one device: the grouped experts of `dcp_jax/model/moe.py` (each expert multiplies only the rows
-routed to it, `jax.lax.ragged_dot`) against the dense reference (every expert on every row), at decode batches and
-prefill lengths, beside same-run ceilings. `dcp-jax bench moe` runs this file.
+routed to it: through the Pallas grouped matmul, `pallas_kernels.grouped_matmul`, what the model runs with the
+Pallas kernels, or through XLA's `jax.lax.ragged_dot`) against the dense reference (every expert on every row), at
+decode batches and prefill lengths, beside same-run ceilings. `dcp-jax bench moe` runs this file.
 
 The layer is the model's (`moe.route`, `moe.grouped_experts` or `moe.dense_experts`, the shared experts'
 `mlp.gated_mlp`) at a preset's shapes (DeepSeek-V3.2: hidden 7168, 256 experts, 8 per token, width 2048, one
@@ -10,7 +11,9 @@ Ceilings of the same run:
   weights and the f32 router, at the copy bandwidth (x -> x + 1 over `--copy-bytes`: `common.copy_tbps`);
 - prefill, T tokens: the activated FLOPs, 2 T (3 D F (k + shared) + D X), at the bf16 matmul rate
   (`common.matmul_tflops`).
-A ratio is a time over its ceiling (1.0 is the ceiling). The dense reference runs up to `--dense-max-rows` rows:
+A ratio is a time over its ceiling (1.0 is the ceiling). `--experts` picks the computations timed (`EXPERTS`;
+`--pallas-knobs` a JSON list of knob sets of the Pallas kernel, each timed as `pallas` + its knobs). The dense
+reference runs up to `--dense-max-rows` rows:
 its [R, X, D] per-expert outputs alone are R x 3.7 MB at DeepSeek's shapes in bf16 (15 GB at R = 4096); past it
 the row says skipped.
 
@@ -35,12 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from bench.common import copy_tbps, matmul_tflops, median_seconds, run_info
 from dcp_jax.config import ModelConfig, preset
 from dcp_jax.model import moe
 from dcp_jax.model.mlp import gated_mlp
 
-EXPERTS = {"grouped": moe.grouped_experts, "dense": moe.dense_experts}
+EXPERTS = {"pallas": functools.partial(moe.grouped_experts, matmul=functools.partial(pallas_kernels.grouped_matmul,
+                                                                                   backend="pallas")),
+           "ragged_dot": moe.grouped_experts, "dense": moe.dense_experts}
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -104,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=_sizes, default=(1, 8, 64, 256), help="decode batches B (rows)")
     parser.add_argument("--prefill", type=_sizes, default=(4096, 16384), help="prefill lengths T (rows)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="expert weights, rows")
+    parser.add_argument("--experts", default="pallas,dense", help=f"computations timed, of {sorted(EXPERTS)}")
+    parser.add_argument("--pallas-knobs", default="[]",
+                        help='JSON list of knob sets of the Pallas grouped matmul, each timed too: [{"block_m": 64}]')
     parser.add_argument("--dense-max-rows", type=int, default=4096,
                         help="the dense reference runs up to this many rows (skipped past it)")
     parser.add_argument("--runs", type=int, default=10, help="timed calls per point (median)")
@@ -133,8 +142,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.moe_intermediate_size}, {cfg.n_shared_experts} shared, {args.dtype}; same-run copy {tbps:.2f} TB/s, "
           f"bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     weights = random_weights(cfg, dtype)
-    layers = {name: layer(fn, cfg) for name, fn in EXPERTS.items()}
-    print("| phase | rows | grouped ms | dense ms | ceiling ms | ceiling | grouped / ceiling | dense / grouped |")
+    computations = {name: EXPERTS[name] for name in args.experts.split(",")}
+    for knobs in json.loads(args.pallas_knobs):
+        matmul = functools.partial(pallas_kernels.grouped_matmul, backend="triton", **knobs)
+        computations[f"pallas {json.dumps(knobs)}"] = functools.partial(moe.grouped_experts, matmul=matmul)
+    layers = {name: layer(fn, cfg) for name, fn in computations.items()}
+    print("| phase | rows | experts chosen | ceiling | ceiling ms | computation | ms | / ceiling |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     points = [("decode", rows) for rows in args.decode] + [("prefill", rows) for rows in args.prefill]
     for phase, rows in points:
@@ -158,10 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                 notes[name] = f"failed: {type(error).__name__}: {str(error)[:200]}"
         record(dict(kind="point", phase=phase, rows=rows, distinct_experts=distinct, ceiling_ms=ceiling_ms,
                     **{f"{name}_ms": ms for name, ms in times.items()}, notes=notes))
-        grouped, dense = times.get("grouped"), times.get("dense")
-        print(f"| {phase} | {rows} | {_ms(grouped, notes.get('grouped'))} | {_ms(dense, notes.get('dense'))} | "
-              f"{ceiling_ms:.3f} | {ceiling}, {distinct} experts | {_ratio(grouped, ceiling_ms)} | "
-              f"{_ratio(dense, grouped)} |", flush=True)
+        for name in layers:
+            print(f"| {phase} | {rows} | {distinct} | {ceiling} | {ceiling_ms:.3f} | {name} | "
+                  f"{_ms(times.get(name), notes.get(name))} | {_ratio(times.get(name), ceiling_ms)} |", flush=True)
     if out:
         out.close()
     return 0

@@ -1,11 +1,12 @@
-"""Pallas GPU kernels of sparse DCP decode, behind one face.
+"""Pallas GPU kernels of sparse DCP decode (and the MoE's grouped matmul), behind one face.
 
 Ops (`api.py`; each has a reference of the same signature in `reference.py`, and a `backend` argument: "pallas"
 by default, "reference", "triton", "mosaic"):
 - `indexer_logits`: lightning-indexer scores over a paged index-K cache;
 - `topk`: exact per-row top-k of length-masked scores;
 - `indexer_top_k`: the two, fused where the Mosaic indexer allows;
-- `sparse_mla_decode`: absorbed sparse MLA over compacted physical slots, with the log-sum-exp of each row.
+- `sparse_mla_decode`: absorbed sparse MLA over compacted physical slots, with the log-sum-exp of each row;
+- `grouped_matmul`: rows sorted by group times their group's matrix (an MoE layer's routed experts).
 `lse_merge_weights` (plain jnp) merges partial attention results by log-sum-exp. The cache formats (`formats.py`):
 `Fp8IndexKeys` and `Fp8LatentCache`, passed to the ops in place of a plain cache, and their quantizers.
 `unsupported` / `choose` / `IMPLEMENTATIONS` are the backend table. Modules named with a leading underscore are
@@ -14,9 +15,10 @@ the implementations.
 
 from pallas_kernels import formats, reference
 from pallas_kernels._lse import lse_merge_weights
-from pallas_kernels.api import (BACKENDS, IMPLEMENTATIONS, choose, indexer_logits, indexer_top_k, sparse_mla_decode,
-                                topk, unsupported)
+from pallas_kernels.api import (BACKENDS, IMPLEMENTATIONS, choose, grouped_matmul, indexer_logits, indexer_top_k,
+                                sparse_mla_decode, topk, unsupported)
 from pallas_kernels.formats import Fp8IndexKeys, Fp8LatentCache
 
-__all__ = ["BACKENDS", "IMPLEMENTATIONS", "Fp8IndexKeys", "Fp8LatentCache", "choose", "formats", "indexer_logits",
-           "indexer_top_k", "lse_merge_weights", "reference", "sparse_mla_decode", "topk", "unsupported"]
+__all__ = ["BACKENDS", "IMPLEMENTATIONS", "Fp8IndexKeys", "Fp8LatentCache", "choose", "formats", "grouped_matmul",
+           "indexer_logits", "indexer_top_k", "lse_merge_weights", "reference", "sparse_mla_decode", "topk",
+           "unsupported"]

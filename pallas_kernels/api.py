@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
-from pallas_kernels import (_indexer_mosaic, _indexer_triton, _sparse_mla_mosaic, _sparse_mla_triton, _topk_triton,
-                            reference)
+from pallas_kernels import (_grouped_matmul_triton, _indexer_mosaic, _indexer_triton, _sparse_mla_mosaic,
+                            _sparse_mla_triton, _topk_triton, reference)
 from pallas_kernels.formats import Fp8IndexKeys, Fp8LatentCache
 
 BACKENDS = ("pallas", "reference", "triton", "mosaic")
@@ -136,6 +136,21 @@ def _sparse_mla_mosaic_run(q, kv_cache, slots, counts, sm_scale, value_dim=512, 
     return _sparse_mla_mosaic.sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, value_dim=value_dim, **knobs)
 
 
+# ---- grouped_matmul ---------------------------------------------------------------------------------------------
+
+
+def _check_grouped_matmul_inputs(x, w, group_sizes):
+    if x.ndim != 2 or w.ndim != 3 or group_sizes.shape != (w.shape[0],) or x.shape[1] != w.shape[1]:
+        raise ValueError(f"need x [A, K], w [G, K, N], group_sizes [G]; got {x.shape=} {w.shape=} "
+                         f"{group_sizes.shape=}")
+    if group_sizes.dtype != jnp.int32:
+        raise ValueError(f"group_sizes must be int32; got {group_sizes.dtype}")
+
+
+def _grouped_matmul_triton_unsupported(x, w, group_sizes, *, interpret=None, **_):
+    return _grouped_matmul_triton.unsupported(x, w)
+
+
 def _reference_run(fn):
     def run(*args, interpret=None, **kwargs):
         return fn(*args, **kwargs)
@@ -157,6 +172,10 @@ IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
         "reference": Implementation(_reference_run(reference.indexer_top_k), _never),
         "triton": Implementation(_indexer_top_k_triton_run, _indexer_triton_unsupported),
         "mosaic": Implementation(_indexer_top_k_mosaic_run, _indexer_mosaic_unsupported),
+    },
+    "grouped_matmul": {
+        "reference": Implementation(_reference_run(reference.grouped_matmul), _never),
+        "triton": Implementation(_grouped_matmul_triton.grouped_matmul, _grouped_matmul_triton_unsupported),
     },
     "sparse_mla_decode": {
         "reference": Implementation(_reference_run(reference.sparse_mla_decode), _never),
@@ -262,3 +281,14 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, ba
     _check_sparse_mla_inputs(q, kv_cache, slots, counts, sm_scale, value_dim)
     return _run("sparse_mla_decode", backend, (q, kv_cache, slots, counts, sm_scale), dict(value_dim=value_dim),
                 interpret, knobs)
+
+
+def grouped_matmul(x, w, group_sizes, *, backend="pallas", interpret=None, **knobs):
+    """Grouped matmul, an MoE layer's routed experts: x [A, K] rows sorted by group, w [G, K, N] (the Triton kernel:
+    x's dtype, bf16 or f32; K and N multiples of 16), group_sizes [G] int32 with sum <= A. Rows offset_g ..
+    offset_g + group_sizes[g] - 1 (offset_g the sizes before g summed) are multiplied by w[g] with f32
+    accumulation; out [A, N] in x's dtype, rows past the last group unspecified (`jax.lax.ragged_dot`'s
+    contract). The kernel multiplies only the rows each group has: a group of none reads none of its weights.
+    Knobs: `_grouped_matmul_triton.grouped_matmul`."""
+    _check_grouped_matmul_inputs(x, w, group_sizes)
+    return _run("grouped_matmul", backend, (x, w, group_sizes), {}, interpret, knobs)

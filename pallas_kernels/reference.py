@@ -91,3 +91,11 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512):
     probs = jnp.where(is_valid[:, None, :], jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
     out = jnp.einsum("rhs,rsd->rhd", probs, kv[..., :value_dim], precision=HIGHEST)
     return out, lse
+
+
+def grouped_matmul(x, w, group_sizes):
+    """Grouped matmul (an MoE's routed experts): x [A, K] rows sorted by group, w [G, K, N], group_sizes [G] int32
+    (sum <= A). Rows offset_g .. offset_g + group_sizes[g] - 1 times w[g] (f32), out [A, N] in x's dtype; rows
+    past the last group unspecified."""
+    out = jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), group_sizes, precision=HIGHEST)
+    return out.astype(x.dtype)

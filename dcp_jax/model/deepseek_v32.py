@@ -87,9 +87,10 @@ class DecoderLayer(nnx.Module):
     def mlp_input(self, h):
         return rms_norm(h, self.post_attention_norm[...], self.cfg.rms_norm_eps)
 
-    def feed_forward(self, h):
-        """h + MLP/MoE(post-attention norm of h)."""
-        return h + self.mlp(self.mlp_input(h))
+    def feed_forward(self, h, *, backend: str):
+        """h + MLP/MoE(post-attention norm of h); `backend` the kernels' (the MoE's routed experts: `MoE.partial`)."""
+        x = self.mlp_input(h)
+        return h + (self.mlp(x, backend=backend) if isinstance(self.mlp, MoE) else self.mlp(x))
 
 
 @dataclasses.dataclass(frozen=True)

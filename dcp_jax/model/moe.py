@@ -6,10 +6,12 @@ experts of highest choice among them chosen; their weights are the unbiased scor
 norm_topk_prob, times routed_scaling_factor.
 
 Routed experts, grouped (`grouped_experts`): a step's R * k (row, expert) assignments are sorted by expert, each
-expert multiplies only the rows routed to it (`jax.lax.ragged_dot`: gate, up, silu(gate) * up, down) and the
-weighted results are summed back into their rows. Shapes are static (R * k assignments whatever the routing); the
-group sizes are traced counts. `dense_experts` is the reference: every expert on every row. The model runs
-`ROUTED_EXPERTS`: dense for now, see there.
+expert multiplies only the rows routed to it (a grouped matmul: gate, up, silu(gate) * up, down) and the weighted
+results are summed back into their rows. Shapes are static (R * k assignments whatever the routing); the group
+sizes are traced counts. `dense_experts` is the reference: every expert on every row. Which one the model runs is
+`MoE.partial`'s `backend`: grouped through `pallas_kernels.grouped_matmul` with the Pallas kernels where it takes
+the weights, else dense (jax 0.11.2 lowers `jax.lax.ragged_dot` to a masked dense product on the GPU as on CPU:
+slower than dense, and out of memory at prefill rows; bench_moe, docs/performance.md).
 
 Parallelism, inside shard_map over the TP ranks (`mesh.HEADS`). The hidden state is replicated on every rank (the
 attention block ends in a psum), so each rank routes every row itself: the dispatch is a local selection, and the
@@ -21,18 +23,21 @@ routed experts are split as vLLM splits them:
   from r * X/tp) and runs only the assignments routed to them; the others sort past its last expert, outside every
   group, and contribute nothing.
 A rank reads which from its shard (`MoE.first_expert`). The shared experts are an MLP split over F either way.
-On CPU XLA expands a ragged_dot into a masked dense product: the tests check values; `bench/bench_moe.py` times it.
+`bench/bench_moe.py` times both.
 
 Letters: R rows, D hidden, X experts (x a rank's), F expert width, k experts per row, A = R * k assignments.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels
 from dcp_jax.config import ModelConfig
 from dcp_jax.model import fp8_linear
 from dcp_jax.model.mesh import HEADS
@@ -69,11 +74,12 @@ def route(x, router, router_bias, cfg: ModelConfig):
     return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
-def grouped_experts(x, experts, weights, gate, up, down, *, first_expert):
+def grouped_experts(x, experts, weights, gate, up, down, *, first_expert, matmul=fp8_linear.ragged_dot):
     """x [R, D]; experts [R, k] global expert ids and weights [R, k] f32 (`route`); gate, up [x, D, F] and down
     [x, F, D] (plain or block fp8) the experts first_expert .. first_expert + x - 1 (an int, or a traced one) ->
     [R, D] in x's dtype: each row's sum over its assignments to these experts of weight * down(silu(x gate) * x up).
-    Assignments to other experts add nothing. Only the rows routed to an expert are multiplied by its weights."""
+    Assignments to other experts add nothing. Only the rows routed to an expert are multiplied by its weights, by
+    `matmul(rows [A, K], w [x, K, N], group_sizes [x])` (`jax.lax.ragged_dot`'s contract)."""
     rows, per_row = experts.shape
     local_experts = gate.shape[0]
     # 1. Each assignment's local expert; another rank's goes to group x, past the last local one.
@@ -86,10 +92,10 @@ def grouped_experts(x, experts, weights, gate, up, down, *, first_expert):
     group_sizes = jnp.bincount(group, length=local_experts + 1)[:local_experts]
     # 3. The grouped GEMMs: expert j multiplies only its group_sizes[j] rows.
     sorted_x = x[row_of]  # [A, D]
-    hidden = jax.nn.silu(fp8_linear.ragged_dot(sorted_x, gate, group_sizes))
-    hidden = hidden * fp8_linear.ragged_dot(sorted_x, up, group_sizes)
-    out = fp8_linear.ragged_dot(hidden, down, group_sizes)  # [A, D]
-    # 4. Weighted sum back into the rows, in f32. Rows of group x are left unspecified by ragged_dot: selected
+    hidden = jax.nn.silu(matmul(sorted_x, gate, group_sizes))
+    hidden = hidden * matmul(sorted_x, up, group_sizes)
+    out = matmul(hidden, down, group_sizes)  # [A, D]
+    # 4. Weighted sum back into the rows, in f32. Rows of group x are left unspecified by the matmul: selected
     # away, not multiplied by a zero weight (0 * NaN is NaN).
     weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     weighted = jnp.where(is_local[order][:, None], weighted, 0.0)
@@ -108,11 +114,19 @@ def dense_experts(x, experts, weights, gate, up, down, *, first_expert):
     return jnp.einsum("rx,rxd->rd", combine, per_expert.astype(jnp.float32), precision=HIGHEST).astype(x.dtype)
 
 
-# The routed experts' computation the model runs. Grouped is the intended one, but jax 0.11.2 lowers ragged_dot to
-# a masked dense product ([x, A, F] selects) on the H200 as on CPU: 3.4x slower than dense at B = 256 decode rows and
-# out of memory at 4K prefill rows (bench_moe, 2026-12-03, docs/performance.md). Dense until a grouped GPU kernel
-# replaces ragged_dot's lowering.
-ROUTED_EXPERTS = dense_experts
+def routed_experts(backend: str, x, gate, up, down):
+    """The routed experts' computation for a kernels backend (`pallas_kernels.BACKENDS`) and these (local)
+    weights: `grouped_experts` through `pallas_kernels.grouped_matmul` where that backend's kernel takes them
+    (plain weights of x's dtype), else `dense_experts`."""
+    def runs(w):
+        return not fp8_linear.is_fp8(w) and not pallas_kernels.unsupported(
+            "grouped_matmul", backend, jax.ShapeDtypeStruct((1, w.shape[1]), x.dtype), w,
+            jax.ShapeDtypeStruct((w.shape[0],), jnp.int32))
+
+    if backend != "reference" and all(map(runs, (gate, up, down))):
+        return functools.partial(grouped_experts, matmul=functools.partial(pallas_kernels.grouped_matmul,
+                                                                           backend=backend))
+    return dense_experts
 
 
 class MoE(nnx.Module):
@@ -141,15 +155,15 @@ class MoE(nnx.Module):
             return 0
         return jax.lax.axis_index(HEADS) * local_experts
 
-    def partial(self, x):
-        """Per rank: x [R, D] -> this rank's share [R, D] of the output: its routed experts' and its slice of
-        the shared experts'."""
+    def partial(self, x, *, backend: str = "reference"):
+        """Per rank: x [R, D] -> this rank's share [R, D] of the output: its routed experts' (`routed_experts` for
+        the kernels `backend`: "reference" runs them densely) and its slice of the shared experts'."""
         experts, weights = self.route(x)
-        routed = ROUTED_EXPERTS(x, experts, weights, self.experts_gate.get_value(), self.experts_up.get_value(),
-                                self.experts_down.get_value(), first_expert=self.first_expert())
-        return routed + self.shared.partial(x)
+        gate, up, down = (w.get_value() for w in (self.experts_gate, self.experts_up, self.experts_down))
+        run = routed_experts(backend, x, gate, up, down)
+        return run(x, experts, weights, gate, up, down, first_expert=self.first_expert()) + self.shared.partial(x)
 
-    def __call__(self, x):
+    def __call__(self, x, *, backend: str):
         """Per rank: x [..., D] -> [..., D], summed over the TP ranks."""
         shape = x.shape
-        return jax.lax.psum(self.partial(x.reshape(-1, shape[-1])), HEADS).reshape(shape)
+        return jax.lax.psum(self.partial(x.reshape(-1, shape[-1]), backend=backend), HEADS).reshape(shape)

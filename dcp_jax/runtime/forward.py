@@ -86,7 +86,8 @@ class PromptLogprobs:
     top_logprobs: jax.Array
 
 
-def _layers(model, cfg: ModelConfig, kv_cache: KVCache, hidden, md: StepMetadata, attend, *, unroll: bool):
+def _layers(model, cfg: ModelConfig, kv_cache: KVCache, hidden, md: StepMetadata, attend, *, backend: str,
+            unroll: bool):
     """Run every decoder layer, each stack of layers of one structure (`layer_stacks`) under one `jax.lax.scan`
     (compiled once, whatever its depth; fully unrolled when `unroll`); attend(layer, x, latent pool, index pool,
     the layer's metadata) -> (attention out, pools, selected). Returns (hidden, kv_cache, selected
@@ -102,7 +103,7 @@ def _layers(model, cfg: ModelConfig, kv_cache: KVCache, hidden, md: StepMetadata
             layer = nnx.merge(graphdef, layer_weights)
             layer_md = on_layer(md, index, num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
             attn, latent, index_k, sel = attend(layer, layer.attention_input(hidden), latent, index_k, layer_md)
-            return (layer.feed_forward(hidden + attn), latent, index_k), sel
+            return (layer.feed_forward(hidden + attn, backend=backend), latent, index_k), sel
 
         with jax.named_scope(stack.name):
             (hidden, latent, index_k), stack_selected = jax.lax.scan(
@@ -123,7 +124,7 @@ def _mtp_rows(model, mtp, hidden, following, is_position_zero, rope, kv_cache: K
     layer_md = on_layer(md, kv_cache.num_layers - 1, num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
     attn, latent, index_k, _ = mtp.layer.attention(mtp.layer.attention_input(x), rope, latent, index_k, layer_md,
                                                    layout=layout, backend=backend)
-    return mtp.layer.feed_forward(x + attn), kv_cache.with_local_pools(latent, index_k)
+    return mtp.layer.feed_forward(x + attn, backend=backend), kv_cache.with_local_pools(latent, index_k)
 
 
 def _chained_drafts(model, mtp, first, hidden, accepted, kv_cache: KVCache, md: StepMetadata, cfg: ModelConfig, *,
@@ -184,7 +185,7 @@ def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, 
         model, cfg, state.kv_cache, model.embed_tokens(tokens), md,
         lambda layer, x, latent, index_k, layer_md: layer.attention(x, rope, latent, index_k, layer_md, layout=layout,
                                                                     backend=backend, micro_batches=micro_batches),
-        unroll=unroll_layers)
+        backend=backend, unroll=unroll_layers)
     draws = variant in (SAMPLED, PROMPT_LOGPROBS)
     drafts, mtp_logits = state.drafts, None
     if mtp is None:

@@ -1,7 +1,8 @@
 """The MoE (`dcp_jax/model/moe.py`): the grouped experts equal the dense reference (f32 and bf16, balanced and
-unbalanced routing, experts given no row, 1 and odd row counts); the rank shares of both splits (whole experts,
-slices of the width) sum to the whole; the whole model with expert parallelism equals it without, and the
-single-device model, at tp 2, 4, 8 and dcp 1, 2."""
+unbalanced routing, experts given no row, 1 and odd row counts; through XLA's ragged_dot and the Pallas grouped
+matmul); the rank shares of both splits (whole experts, slices of the width) sum to the whole; which computation a
+kernels backend runs; the whole model with expert parallelism equals it without, and the single-device model, at
+tp 2, 4, 8 and dcp 1, 2."""
 
 import functools
 
@@ -11,8 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import pallas_kernels
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
-from dcp_jax.model import moe
+from dcp_jax.model import fp8_linear, moe
 from dcp_jax.model.deepseek_v32 import init_params
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.runtime.runner import ModelRunner
@@ -39,8 +41,8 @@ def tolerance(dtype, reference) -> float:
     return 1e-5 if dtype == jnp.float32 else 0.03 * float(np.abs(reference).max())
 
 
-def assert_grouped_equals_dense(args, dtype, **kwargs):
-    grouped = np.asarray(jax.jit(functools.partial(moe.grouped_experts, **kwargs))(*args), np.float32)
+def assert_grouped_equals_dense(args, dtype, *, matmul=fp8_linear.ragged_dot, **kwargs):
+    grouped = np.asarray(jax.jit(functools.partial(moe.grouped_experts, matmul=matmul, **kwargs))(*args), np.float32)
     dense = np.asarray(jax.jit(functools.partial(moe.dense_experts, **kwargs))(*args), np.float32)
     assert np.abs(dense).max() > 0.1  # the routed experts contribute
     np.testing.assert_allclose(grouped, dense, atol=tolerance(dtype, dense), rtol=0)
@@ -98,6 +100,36 @@ def test_grouped_experts_multiply_through_ragged_dots_only():
     jaxpr = str(jax.make_jaxpr(functools.partial(moe.grouped_experts, first_expert=0))(*inputs(4, jnp.float32)))
     assert jaxpr.count("ragged_dot_general") == 3
     assert "dot_general" not in jaxpr.replace("ragged_dot_general", "")
+
+
+def test_grouped_experts_through_the_pallas_grouped_matmul_equal_dense():
+    """The Pallas kernel (interpreted) as the grouped matmul, on every expert and on one rank's whole experts (the
+    other ranks' assignments sort past its groups and add nothing)."""
+    x, experts, weights, gate, up, down = inputs(9, jnp.float32, seed=3)
+    pallas_matmul = functools.partial(pallas_kernels.grouped_matmul, backend="pallas")
+    assert_grouped_equals_dense((x, experts, weights, gate, up, down), jnp.float32, first_expert=0,
+                                matmul=pallas_matmul)
+    half = slice(X // 2, X)
+    assert_grouped_equals_dense((x, experts, weights, gate[half], up[half], down[half]), jnp.float32,
+                                first_expert=X // 2, matmul=pallas_matmul)
+
+
+def test_the_kernels_backend_picks_the_routed_experts_computation():
+    x, _, _, gate, up, down = inputs(2, jnp.bfloat16)
+    grouped = moe.routed_experts("pallas", x, gate, up, down)
+    assert grouped.func is moe.grouped_experts and grouped.keywords["matmul"].keywords == {"backend": "pallas"}
+    assert moe.routed_experts("reference", x, gate, up, down) is moe.dense_experts
+    assert moe.routed_experts("pallas", x.astype(jnp.float32), gate, up, down) is moe.dense_experts  # dtypes differ
+    narrow = [w[..., :8] for w in (gate, up)] + [down[:, :8]]  # F = 8: no Triton dot that narrow
+    assert moe.routed_experts("pallas", x, *narrow) is moe.dense_experts
+    block_fp8 = [fp8_linear.quantize(w, (16, 16), (1,), (2,)) for w in (gate, up)]
+    assert moe.routed_experts("pallas", x, *block_fp8, down) is moe.dense_experts
+
+
+def test_the_layer_with_pallas_kernels_equals_it_with_the_references():
+    m = layer(jnp.float32)
+    x = jax.random.normal(jax.random.key(4), (6, TINY.hidden_size))
+    np.testing.assert_allclose(np.asarray(m.partial(x, backend="pallas")), np.asarray(m.partial(x)), atol=1e-5)
 
 
 # ---- the whole model -----------------------------------------------------------------------------------------------

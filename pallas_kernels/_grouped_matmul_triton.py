@@ -1,0 +1,118 @@
+"""Grouped matmul (the routed experts of an MoE layer): the Triton kernel.
+
+Contract (`pallas_kernels.grouped_matmul`): x [A, K] rows sorted by group, w [G, K, N] (one matrix a group, the
+same dtype as x: bf16 or f32), group_sizes [G] int32 (sum <= A): rows offset_g .. offset_g + group_sizes[g] - 1
+(offset_g the sum of the sizes before g) are multiplied by w[g], f32 accumulation, out [A, N] in x's dtype. Rows
+past the last group are left unspecified (as `jax.lax.ragged_dot` leaves them).
+
+Work items (vLLM's fused-MoE schedule): each group's rows are cut into blocks of block_m; the wrapper lists the
+blocks of every group in order (`work_items`, computed in the program from group_sizes: the item's group, first
+row and row count), at most ceil(A / block_m) + G of them. Grid (items, N / block_n): a program multiplies its
+block's rows [block_m, K] by its group's [K, block_n] slice, block_k at a time, and stores its rows; programs
+past the last item exit at once. So a group with no rows costs nothing and each group's weights are read once per
+block of its rows: at decode (a few rows an expert) the layer reads only the chosen experts' weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._platform import default_interpret
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
+
+MIN_DOT_DIM = 16  # smallest M, N, K of a Triton tensor-core dot
+_BLOCKS = (128, 64, 32, 16)  # block_n / block_k candidates, largest first
+
+
+def work_items(group_sizes, num_rows: int, block_m: int):
+    """(group [W], first row [W], rows [W]) int32 of each block of block_m rows of each group, in group order,
+    W = ceil(num_rows / block_m) + G (the most there can be); items past the last block have 0 rows."""
+    num_groups = group_sizes.shape[0]
+    max_items = pl.cdiv(num_rows, block_m) + num_groups
+    sizes = group_sizes.astype(jnp.int32)
+    blocks = (sizes + block_m - 1) // block_m  # [G]
+    last_block = jnp.cumsum(blocks)  # [G]: items before group g + its own
+    item = jnp.arange(max_items, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(last_block, item, side="right"), num_groups - 1).astype(jnp.int32)
+    within = item - (last_block[group] - blocks[group])  # the item's block index within its group
+    offsets = jnp.cumsum(sizes) - sizes
+    rows = jnp.clip(sizes[group] - within * block_m, 0, block_m)
+    rows = jnp.where(item < last_block[-1], rows, 0)
+    return group, offsets[group] + within * block_m, rows
+
+
+def _kernel(groups_ref, starts_ref, rows_ref, x_ref, w_ref, out_ref, *, block_m: int, block_n: int, block_k: int,
+            precision):
+    item, n_block = pl.program_id(0), pl.program_id(1)
+    num_rows = rows_ref[item]
+
+    @pl.when(num_rows > 0)
+    def _multiply():
+        group, start = groups_ref[item], starts_ref[item]
+        is_row = lax.iota(jnp.int32, block_m) < num_rows
+        columns = pl.ds(n_block * block_n, block_n)
+
+        def step(k, acc):
+            depth = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+            rows = plgpu.load(x_ref.at[pl.ds(start, block_m), depth],
+                              mask=jnp.broadcast_to(is_row[:, None], (block_m, block_k)), other=0)
+            weights = w_ref[group, depth, columns]
+            return acc + lax.dot(rows, weights, precision=precision, preferred_element_type=jnp.float32)
+
+        acc = lax.fori_loop(0, x_ref.shape[1] // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+        plgpu.store(out_ref.at[pl.ds(start, block_m), columns], acc.astype(out_ref.dtype),
+                    mask=jnp.broadcast_to(is_row[:, None], (block_m, block_n)))
+
+
+def _largest_block(dim: int, at_most: int) -> int | None:
+    return next((b for b in _BLOCKS if b <= at_most and dim % b == 0), None)
+
+
+def unsupported(x, w) -> list[str]:
+    """Why this kernel does not take these inputs (empty: it does)."""
+    reasons = []
+    if x.dtype != w.dtype or jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        reasons.append(f"it needs x and w of one dtype, bf16 or f32; got {x.dtype} and {w.dtype}")
+    if _largest_block(w.shape[1], 128) is None or _largest_block(w.shape[2], 128) is None:
+        reasons.append(f"it needs K and N multiples of {MIN_DOT_DIM}; got w {w.shape}")
+    return reasons
+
+
+def grouped_matmul(x, w, group_sizes, *, interpret=None, block_m=None, block_n=128, block_k=64, num_warps=4,
+                   num_stages=3):
+    """The contract of the module docstring. Knobs: block_m rows a block (None: 16 when the rows average at most 16
+    a group, the decode case, else 64), block_n and block_k (powers of two >= 16, shrunk to divide N and K),
+    num_warps and num_stages for Triton."""
+    interpret = default_interpret(interpret)
+    num_rows, depth = x.shape
+    num_groups, _, width = w.shape
+    if block_m is None:
+        block_m = 16 if num_rows <= 16 * num_groups else 64
+    block_n, block_k = _largest_block(width, block_n), _largest_block(depth, block_k)
+    if block_m < MIN_DOT_DIM or block_m & (block_m - 1) or block_n is None or block_k is None:
+        raise ValueError(f"need block_m a power of two >= {MIN_DOT_DIM} and blocks dividing K and N; got "
+                         f"{block_m=} {block_n=} {block_k=} for {x.shape=} {w.shape=}")
+    groups, starts, rows = work_items(group_sizes, num_rows, block_m)
+    # One block of pad rows: a block's row slice never runs past the arrays (masked rows are not read or written).
+    padded = jnp.pad(x, ((0, block_m), (0, 0)))
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
+    kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, precision=precision)
+    out = pl.pallas_call(
+        kernel,
+        grid=(groups.shape[0], width // block_n),
+        in_specs=[pl.no_block_spec] * 5,
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((num_rows + block_m, width), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"grouped_matmul_{block_m=}_{block_n=}_{block_k=}",
+    )(groups, starts, rows, padded, w)
+    return out[:num_rows]
