@@ -180,6 +180,16 @@ def test_indexer_logits_compiled_real_shapes(dtype, fp8_imprecise_acc, backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [FP8, jnp.bfloat16], ids=["fp8", "bf16"])
+def test_dsa_tiny_shapes_compiled(dtype):
+    """The kernel `backend="pallas"` picks at dsa-tiny's indexer shapes (8 heads of 32, pages of 16), compiled."""
+    lens = [0, 1, 15, 16, 300, 1023, 777, 1024]
+    args = _case(8, rows=8, heads=8, dim=32, page_size=16, max_blocks=64, lens=lens, dtype=dtype,
+                 with_scale=True)
+    _check(args, rtol=2e-3 if dtype == FP8 else 1e-4, interpret=False, backend="pallas")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads, max_blocks, pages_per_cta, stages",
                          [(64, 64, 4, 1), (64, 70, 16, 4), (20, 9, 8, 6), (128, 33, None, 3)])
 def test_mosaic_kernel_on_gpu(heads, max_blocks, pages_per_cta, stages):

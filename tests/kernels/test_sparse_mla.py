@@ -35,6 +35,7 @@ SHAPES = {
     "deepseek_tiny_s": (2, 16, 512, 64, 24, 4, 16),
     "tiny_d128": (3, 16, 128, 16, 40, 8, 16),  # the smallest latent an fp8 latent cache takes (one scale tile)
     "deepseek": (4, 128, 512, 64, 2048, 512, 64),
+    "dsa_tiny": (4, 8, 128, 16, 64, 300, 16),  # the shipped dsa-tiny's attention (index_topk 64, page 16)
 }
 # Relative Frobenius error of out; absolute and relative error of lse. bf16 rounds the softmax weights before the
 # value dot. An f32 lse near 20 is a sum of exp2 terms and a log2, a few f32 ulps (1.9e-6 each) from the reference:
@@ -273,6 +274,22 @@ def test_fp8_latent_cache_on_gpu(num_splits):
     q, cache, slots, counts = _fp8_inputs(4, shape, [2048, 0, 1, 700])
     out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits))(q, cache, slots, counts)
     ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.1352, 512)
+    _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-latent"])
+def test_dsa_tiny_shapes_on_gpu(fp8):
+    """The kernel `backend="pallas"` picks at dsa-tiny's shapes (8 heads, latent 128, rope 16), compiled."""
+    shape = SHAPES["dsa_tiny"]
+    counts = [64, 0, 1, 37]
+    if fp8:
+        q, cache, slots, counts = _fp8_inputs(6, shape, counts)
+        ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.17, 128)
+    else:
+        q, cache, slots, counts = _make_inputs(6, shape, counts, jnp.bfloat16)
+        ref_out, ref_lse = _reference(q, cache, slots, counts, 0.17, 128)
+    out, lse = jax.jit(lambda *a: _decode(*a, 0.17, value_dim=128, backend="pallas"))(q, cache, slots, counts)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
 
 
