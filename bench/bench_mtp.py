@@ -26,9 +26,12 @@ def expected_tokens(acceptance: float, drafts: int) -> float:
 
 def breakeven_acceptance(cost_ratio: float, drafts: int) -> float:
     """The acceptance rate at which a verify step costing `cost_ratio` plain steps emits as many tokens per unit of
-    time (bisection; 1.0 when even full acceptance does not pay)."""
+    time (bisection; 1.0 when even full acceptance does not pay, 0.0 when a verify step costs no more than a plain
+    one, so any acceptance pays)."""
     if expected_tokens(1.0, drafts) <= cost_ratio:
         return 1.0
+    if cost_ratio <= 1.0:
+        return 0.0
     low, high = 0.0, 1.0
     for _ in range(60):
         middle = (low + high) / 2
