@@ -137,19 +137,25 @@ def trained(tmp_path_factory):
     return out
 
 
-def test_the_script_writes_a_checkpoint_llm_serves_as_trained(trained):
+@pytest.fixture(scope="module")
+def trained_llm(trained):
+    """The trained checkpoint served by `LLM` (float32, the reference kernels)."""
+    from dcp_jax.serving.llm import LLM
+
+    return LLM(str(trained), dtype="float32", kernels="reference", max_model_len=128, page_size=4)
+
+
+def test_the_script_writes_a_checkpoint_llm_serves_as_trained(trained, trained_llm):
     from dcp_jax.host.sampling import SamplingParams
     from dcp_jax.model.weights import load_hf_params
-    from dcp_jax.serving.llm import LLM
 
     evaluation = json.load(open(trained / "eval.json"))
     assert evaluation["examples"] == 2 and set(evaluation["accuracy"]) == {"served", "served_chat", SPARSE, RANDOM}
     assert all(set(per_context) == {"96"} for per_context in evaluation["accuracy"].values())
     log = [json.loads(line) for line in open(trained / "train_log.jsonl")]
     assert [row["step"] for row in log] == [1, 2, 3, 4] and log[-1]["mode"] == "sparse"
-    llm = LLM(str(trained), dtype="float32", kernels="reference", max_model_len=128, page_size=4)
     prompt = next(batches(ByteTokenizer(DSA_TINY.vocab_size), np.random.default_rng(5), context=96, batch=1))[0][0]
-    out = llm.generate(prompt_token_ids=[prompt[:-6].tolist()],
+    out = trained_llm.generate(prompt_token_ids=[prompt[:-6].tolist()],
                        sampling_params=SamplingParams(max_tokens=1, temperature=0))
     params = load_hf_params(DSA_TINY, str(trained))
     graphdef, abstract = abstract_model(DSA_TINY)
@@ -229,17 +235,16 @@ def test_a_run_can_start_from_a_checkpoint(trained, tmp_path):
         main(["--out", str(tmp_path / "refused"), "--init-from", str(other), *STAGES])
 
 
-def test_served_accuracy_is_the_training_forwards_teacher_forced_accuracy(trained):
+def test_served_accuracy_is_the_training_forwards_teacher_forced_accuracy(trained, trained_llm):
     """Greedy generation gives the answer exactly when every answer token is the argmax given the right prefix:
     the accuracy through `LLM` equals the training forward's on the same prompts (checked per prompt too); a
     random selection of the same size attends other keys."""
     import jax
 
     from dcp_jax.model.weights import load_hf_params
-    from dcp_jax.serving.llm import LLM
     from dcp_jax.train.evaluate import examples_for, forced_accuracy, served_accuracy
 
-    llm = LLM(str(trained), dtype="float32", kernels="reference", max_model_len=128, page_size=4)
+    llm = trained_llm
     graphdef, abstract = abstract_model(DSA_TINY)
     model = merge(graphdef, abstract, load_hf_params(DSA_TINY, str(trained)))
     tokenizer = ByteTokenizer(DSA_TINY.vocab_size)
