@@ -1,11 +1,12 @@
 """One MoE layer on one device: the grouped experts of `dcp_jax/model/moe.py` (each expert multiplies only the rows
-routed to it: through the Pallas grouped matmul, `pallas_kernels.grouped_matmul`, what the model runs with the
+routed to it: through the Pallas grouped matmul, `fp8_linear.grouped_matmul`, what the model runs with the
 Pallas kernels, or through XLA's `jax.lax.ragged_dot`) against the dense reference (every expert on every row), at
 decode batches and prefill lengths, beside same-run ceilings. `dcp-jax bench moe` runs this file.
 
 The layer is the model's (`moe.route`, `moe.grouped_experts` or `moe.dense_experts`, the shared experts'
 `mlp.gated_mlp`) at a preset's shapes (DeepSeek-V3.2: hidden 7168, 256 experts, 8 per token, width 2048, one
-shared expert), random weights in `--dtype` (the router f32), random rows, the whole layer on one device (tp 1).
+shared expert), random weights in `--dtype` (the router f32; `--weight-format fp8`: the routed experts in block fp8,
+through `pallas_kernels.grouped_matmul_fp8`), random rows, the whole layer on one device (tp 1).
 Ceilings of the same run:
 - decode, B rows: the activated weights read once, (the distinct experts the rows chose + the shared ones) x 3 D F
   weights and the f32 router, at the copy bandwidth (x -> x + 1 over `--copy-bytes`: `common.copy_tbps`);
@@ -38,13 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels
 from bench.common import copy_tbps, matmul_tflops, median_seconds, run_info
 from dcp_jax.config import ModelConfig, preset
-from dcp_jax.model import moe
+from dcp_jax.model import fp8_linear, moe
 from dcp_jax.model.mlp import gated_mlp
 
-EXPERTS = {"pallas": functools.partial(moe.grouped_experts, matmul=functools.partial(pallas_kernels.grouped_matmul,
+EXPERTS = {"pallas": functools.partial(moe.grouped_experts, matmul=functools.partial(fp8_linear.grouped_matmul,
                                                                                    backend="pallas")),
            "ragged_dot": moe.grouped_experts, "dense": moe.dense_experts}
 
@@ -91,10 +91,14 @@ def layer(experts_fn, cfg: ModelConfig):
     return run
 
 
-def activated_weight_bytes(cfg: ModelConfig, distinct_experts: int, itemsize: int) -> int:
-    """Bytes a decode step must read: the chosen and the shared experts' gate, up and down, and the f32 router."""
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
-    return (distinct_experts + cfg.n_shared_experts) * expert + cfg.hidden_size * cfg.n_routed_experts * 4
+def activated_weight_bytes(cfg: ModelConfig, distinct_experts: int, itemsize: int, shared_itemsize: int | None = None,
+                           ) -> int:
+    """Bytes a decode step must read: the chosen routed experts' gate, up and down (`itemsize` bytes a weight; the
+    scales of block fp8 are 1/16384 of that, left out), the shared experts' (`shared_itemsize`, default the same)
+    and the f32 router."""
+    weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    shared = cfg.n_shared_experts * weights * (shared_itemsize or itemsize)
+    return distinct_experts * weights * itemsize + shared + cfg.hidden_size * cfg.n_routed_experts * 4
 
 
 def activated_flops(cfg: ModelConfig, tokens: int) -> float:
@@ -110,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=_sizes, default=(1, 8, 64, 256), help="decode batches B (rows)")
     parser.add_argument("--prefill", type=_sizes, default=(4096, 16384), help="prefill lengths T (rows)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="expert weights, rows")
+    parser.add_argument("--weight-format", choices=["plain", "fp8"], default="plain",
+                        help="fp8: the routed experts in DeepSeek's block fp8 (blocks of 128), as its release")
     parser.add_argument("--experts", default="pallas,dense", help=f"computations timed, of {sorted(EXPERTS)}")
     parser.add_argument("--pallas-knobs", default="[]",
                         help='JSON list of knob sets of the Pallas grouped matmul, each timed too: [{"block_m": 64}]')
@@ -142,9 +148,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.moe_intermediate_size}, {cfg.n_shared_experts} shared, {args.dtype}; same-run copy {tbps:.2f} TB/s, "
           f"bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     weights = random_weights(cfg, dtype)
+    if args.weight_format == "fp8":
+        block = (min(128, cfg.moe_intermediate_size), min(128, cfg.hidden_size))
+        for name in ("gate", "up", "down"):
+            weights[name] = jax.jit(fp8_linear.quantize, static_argnums=(1, 2, 3))(weights[name], block, (-2,), (-1,))
+    unknown = set(args.experts.split(",")) - set(EXPERTS)
+    if unknown:
+        parser.error(f"--experts: unknown {sorted(unknown)}; choose from {sorted(EXPERTS)}")
     computations = {name: EXPERTS[name] for name in args.experts.split(",")}
     for knobs in json.loads(args.pallas_knobs):
-        matmul = functools.partial(pallas_kernels.grouped_matmul, backend="triton", **knobs)
+        matmul = functools.partial(fp8_linear.grouped_matmul, backend="triton", **knobs)
         computations[f"pallas {json.dumps(knobs)}"] = functools.partial(moe.grouped_experts, matmul=matmul)
     layers = {name: layer(fn, cfg) for name, fn in computations.items()}
     print("| phase | rows | experts chosen | ceiling | ceiling ms | computation | ms | / ceiling |")
@@ -155,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         chosen = moe.route(x, weights["router"], weights["router_bias"], cfg)[0]
         distinct = int(np.unique(np.asarray(chosen)).size)
         if phase == "decode":
-            nbytes = activated_weight_bytes(cfg, distinct, dtype.itemsize)
+            nbytes = activated_weight_bytes(cfg, distinct, 1 if args.weight_format == "fp8" else dtype.itemsize,
+                                            dtype.itemsize)
             ceiling_ms, ceiling = 1e3 * nbytes / (tbps * 1e12), f"{nbytes / 1e6:,.1f} MB read"
         else:
             flops = activated_flops(cfg, rows)

@@ -21,6 +21,7 @@ from dcp_jax.config import ModelConfig
 from dcp_jax.model import fp8_linear
 from dcp_jax.model.attention import cache_formats, projections
 from dcp_jax.model.attention.params import AttentionParams
+from dcp_jax.model.moe import MoE
 from dcp_jax.model.rope import cos_sin, rope_tables
 from pallas_kernels import reference
 
@@ -145,8 +146,11 @@ def causal_attention(p: AttentionParams, x, cos, sin, *, cfg: ModelConfig, mode:
 
 
 def feed_forward(layer, hidden):
-    """`DecoderLayer.feed_forward` on one device: the MLP or MoE whole (its output not summed over ranks)."""
-    return hidden + layer.mlp.partial(layer.mlp_input(hidden))
+    """`DecoderLayer.feed_forward` on one device: the MLP or MoE whole (its output not summed over ranks). The MoE
+    runs its dense reference experts: differentiable (the Pallas grouped matmul has no VJP)."""
+    x = layer.mlp_input(hidden)
+    out = layer.mlp.partial(x, backend="reference") if isinstance(layer.mlp, MoE) else layer.mlp.partial(x)
+    return hidden + out
 
 
 class SequenceOutput(NamedTuple):

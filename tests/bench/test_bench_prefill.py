@@ -20,15 +20,17 @@ def test_prefill_bench_reports_ttft_against_its_roofline_and_the_mixed_load(tmp_
         rc = cli.main(["bench", "prefill", "--preset", "tiny", "--num-layers", "1", "--contexts", "40,70",
                        "--repeats", "1", "--max-num-batched-tokens", "32", "--buckets", "1,4", "--decodes", "2",
                        "--mixed-context", "150", "--itl-tokens", "5", "--dtype", "float32", "--kernels",
-                       "reference", "--page-size", "4", "--matmul-size", "256", "--out", str(out)])
+                       "reference", "--page-size", "4", "--matmul-size", "256", "--profile", "5", "--out", str(out)])
     assert rc == 0, stdout.getvalue()
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["kind"] for r in rows] == ["run", "ceiling", "ttft", "ttft", "mixed"]
+    assert [r["kind"] for r in rows] == ["run", "ceiling", "ttft", "ttft", "profile", "mixed"]
+    profile = rows[4]  # a traced TTFT of the last context; off the GPU the trace has no kernels
+    assert profile["context"] == 70 and profile["ttft_ms"] > 0 and profile["kernels"] == []
     for row, context in zip(rows[2:4], (40, 70)):
         assert row["context"] == context and row["ttft_ms"] > 0 and row["roofline_ms"] > 0
         assert row["flops"] == prefill_flops(preset("tiny", num_layers=1), context)
         assert row["compiles_after_warmup"] == 0
-    mixed = rows[4]
+    mixed = rows[5]
     assert mixed["context"] == 150 and mixed["budget"] == 32 and mixed["prefill_s"] > 0  # 5 steps or more
     assert mixed["itl_alone"]["n"] > 0 and mixed["itl_during_prefill"]["n"] > 0
     assert mixed["compiles_after_warmup"] == 0

@@ -106,7 +106,7 @@ def test_grouped_experts_through_the_pallas_grouped_matmul_equal_dense():
     """The Pallas kernel (interpreted) as the grouped matmul, on every expert and on one rank's whole experts (the
     other ranks' assignments sort past its groups and add nothing)."""
     x, experts, weights, gate, up, down = inputs(9, jnp.float32, seed=3)
-    pallas_matmul = functools.partial(pallas_kernels.grouped_matmul, backend="pallas")
+    pallas_matmul = functools.partial(fp8_linear.grouped_matmul, backend="pallas")
     assert_grouped_equals_dense((x, experts, weights, gate, up, down), jnp.float32, first_expert=0,
                                 matmul=pallas_matmul)
     half = slice(X // 2, X)
@@ -118,6 +118,7 @@ def test_the_kernels_backend_picks_the_routed_experts_computation():
     x, _, _, gate, up, down = inputs(2, jnp.bfloat16)
     grouped = moe.routed_experts("pallas", x, gate, up, down)
     assert grouped.func is moe.grouped_experts and grouped.keywords["matmul"].keywords == {"backend": "pallas"}
+    assert grouped.keywords["matmul"].func is fp8_linear.grouped_matmul
     assert moe.routed_experts("reference", x, gate, up, down) is moe.dense_experts
     assert moe.routed_experts("pallas", x.astype(jnp.float32), gate, up, down) is moe.dense_experts  # dtypes differ
     narrow = [w[..., :8] for w in (gate, up)] + [down[:, :8]]  # F = 8: no Triton dot that narrow
@@ -129,7 +130,8 @@ def test_the_kernels_backend_picks_the_routed_experts_computation():
 def test_the_layer_with_pallas_kernels_equals_it_with_the_references():
     m = layer(jnp.float32)
     x = jax.random.normal(jax.random.key(4), (6, TINY.hidden_size))
-    np.testing.assert_allclose(np.asarray(m.partial(x, backend="pallas")), np.asarray(m.partial(x)), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(m.partial(x, backend="pallas")),
+                               np.asarray(m.partial(x, backend="reference")), atol=1e-5)
 
 
 # ---- the whole model -----------------------------------------------------------------------------------------------
@@ -140,11 +142,11 @@ PROMPTS = [[5, 9, 17, 3, 88, 41, 7, 250, 13, 2, 64], [300, 12, 6, 77, 19, 1, 45]
 
 
 @functools.cache
-def model_logits(tp: int, dcp: int, expert_parallel: bool) -> np.ndarray:
+def model_logits(tp: int, dcp: int, expert_parallel: bool, kernels: str = "reference") -> np.ndarray:
     """Every position's logits of the two prompts (prefilled in one step each) through the tiny model of seed 0."""
     parallel = ParallelConfig(tp=tp, dcp=dcp, enable_expert_parallel=expert_parallel)
     mesh = make_mesh(parallel)
-    runner = ModelRunner(TINY, init_params(TINY, seed=0), parallel, ENGINE, mesh, "reference")
+    runner = ModelRunner(TINY, init_params(TINY, seed=0), parallel, ENGINE, mesh, kernels)
     blocks = ENGINE.max_blocks_per_seq(dcp)
     tables = [list(range(blocks)), list(range(blocks, 2 * blocks))]
     logits, _, _ = runner.prefill(PROMPTS, tables, all_logits=True)
@@ -160,3 +162,11 @@ def test_model_with_expert_parallelism_equals_without_and_one_device(tp, dcp):
     assert valid.sum() == sum(map(len, PROMPTS)) * TINY.vocab_size
     np.testing.assert_allclose(with_ep[valid], without[valid], atol=1e-4, rtol=0)
     np.testing.assert_allclose(with_ep[valid], one_device[valid], atol=1e-4, rtol=0)
+
+
+def test_expert_parallelism_with_the_pallas_kernels_equals_the_references():
+    """Each rank's whole experts through the grouped matmul kernel inside shard_map (its first expert from its
+    axis index), the attention kernels interpreted: the reference kernels' logits."""
+    with_kernels, reference = model_logits(2, 1, True, "pallas"), model_logits(2, 1, True)
+    valid = ~np.isnan(reference)
+    np.testing.assert_allclose(with_kernels[valid], reference[valid], atol=1e-4, rtol=0)
