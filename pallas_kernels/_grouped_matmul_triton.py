@@ -4,6 +4,10 @@ Contract (`pallas_kernels.grouped_matmul`): x [A, K] rows sorted by group, w [G,
 same dtype as x: bf16 or f32), group_sizes [G] int32 (sum <= A): rows offset_g .. offset_g + group_sizes[g] - 1
 (offset_g the sum of the sizes before g) are multiplied by w[g], f32 accumulation, out [A, N] in x's dtype. Rows
 past the last group are left unspecified (as `jax.lax.ragged_dot` leaves them).
+Block fp8 (`pallas_kernels.grouped_matmul_fp8`, DeepSeek's fine-grained fp8 GEMM): x e4m3 with f32 scales
+[A, ceil(K / bk)] (a row's bk channels share one), w e4m3 with f32 scales [G, ceil(K / bk), ceil(N / bn)] (a
+[bk, bn] block shares one); each block_k slice (block_k divides bk, block_n divides bn) is one fp8 tensor-core dot whose f32 result is
+scaled by the row's and the block's scales before it joins the accumulator, as DeepGEMM does.
 
 Work items (vLLM's fused-MoE schedule): each group's rows are cut into blocks of block_m; the wrapper lists the
 blocks of every group in order (`work_items`, computed in the program from group_sizes: the item's group, first
@@ -16,6 +20,7 @@ block of its rows: at decode (a few rows an expert) the layer reads only the cho
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import jax
@@ -24,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._fp8_dot import MIN_IMPRECISE_ACC, fp8_dot_nt
 from pallas_kernels._platform import default_interpret
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
@@ -49,8 +55,8 @@ def work_items(group_sizes, num_rows: int, block_m: int):
     return group, offsets[group] + within * block_m, rows
 
 
-def _kernel(groups_ref, starts_ref, rows_ref, x_ref, w_ref, out_ref, *, block_m: int, block_n: int, block_k: int,
-            precision):
+def _kernel(groups_ref, starts_ref, rows_ref, x_ref, w_ref, x_scales_ref, w_scales_ref, out_ref, *, block_m: int,
+            block_n: int, block_k: int, scale_block: tuple[int, int] | None, precision, fp8_imprecise_acc: int):
     item, n_block = pl.program_id(0), pl.program_id(1)
     num_rows = rows_ref[item]
 
@@ -65,7 +71,13 @@ def _kernel(groups_ref, starts_ref, rows_ref, x_ref, w_ref, out_ref, *, block_m:
             rows = plgpu.load(x_ref.at[pl.ds(start, block_m), depth],
                               mask=jnp.broadcast_to(is_row[:, None], (block_m, block_k)), other=0)
             weights = w_ref[group, depth, columns]
-            return acc + lax.dot(rows, weights, precision=precision, preferred_element_type=jnp.float32)
+            if scale_block is None:
+                return acc + lax.dot(rows, weights, precision=precision, preferred_element_type=jnp.float32)
+            products = fp8_dot_nt(rows, weights.T, max_num_imprecise_acc=fp8_imprecise_acc)  # [block_m, block_n]
+            k_block = k * block_k // scale_block[0]
+            row_scales = plgpu.load(x_scales_ref.at[pl.ds(start, block_m), k_block], mask=is_row, other=0.0)
+            block_scale = w_scales_ref[group, k_block, n_block * block_n // scale_block[1]]
+            return acc + products * (row_scales[:, None] * block_scale)
 
         acc = lax.fori_loop(0, x_ref.shape[1] // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
         plgpu.store(out_ref.at[pl.ds(start, block_m), columns], acc.astype(out_ref.dtype),
@@ -86,33 +98,60 @@ def unsupported(x, w) -> list[str]:
     return reasons
 
 
-def grouped_matmul(x, w, group_sizes, *, interpret=None, block_m=None, block_n=128, block_k=64, num_warps=4,
+def grouped_matmul(x, w, group_sizes, *, interpret=None, block_m=None, block_n=None, block_k=None, num_warps=4,
                    num_stages=3):
     """The contract of the module docstring. Knobs: block_m rows a block (None: 16 when the rows average at most 16
-    a group, the decode case, else 64), block_n and block_k (powers of two >= 16, shrunk to divide N and K),
-    num_warps and num_stages for Triton."""
+    a group, the decode case, else 64), block_n and block_k (powers of two >= 16 dividing N and K; None: the
+    largest such of at most 128 and 64), num_warps and num_stages for Triton."""
+    return _grouped(x, w, group_sizes, None, None, None, x.dtype, interpret=interpret, block_m=block_m,
+                    block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                    fp8_imprecise_acc=MIN_IMPRECISE_ACC)
+
+
+def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, interpret=None, block_m=None,
+                       block_n=None, block_k=None, num_warps=4, num_stages=3, fp8_imprecise_acc=128):
+    """The block-fp8 contract of the module docstring, scale blocks `block` = (bk, bn) (edge blocks partial).
+    Knobs as `grouped_matmul`'s (block_k must divide bk and K, block_n bn and N; None: the largest such of at most
+    128), and fp8_imprecise_acc (>= 32: products accumulated in the tensor core's reduced-precision accumulator,
+    `_fp8_dot`)."""
+    depth, width = w.shape[1:]
+    block_k = block_k or _largest_block(math.gcd(depth, block[0]), 128)
+    block_n = block_n or _largest_block(math.gcd(width, block[1]), 128)
+    return _grouped(x, w, group_sizes, x_scales, w_scales, tuple(block), out_dtype, interpret=interpret,
+                    block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                    fp8_imprecise_acc=fp8_imprecise_acc)
+
+
+def _grouped(x, w, group_sizes, x_scales, w_scales, scale_block, out_dtype, *, interpret, block_m, block_n,
+             block_k, num_warps, num_stages, fp8_imprecise_acc):
     interpret = default_interpret(interpret)
     num_rows, depth = x.shape
     num_groups, _, width = w.shape
     if block_m is None:
         block_m = 16 if num_rows <= 16 * num_groups else 64
-    block_n, block_k = _largest_block(width, block_n), _largest_block(depth, block_k)
-    if block_m < MIN_DOT_DIM or block_m & (block_m - 1) or block_n is None or block_k is None:
-        raise ValueError(f"need block_m a power of two >= {MIN_DOT_DIM} and blocks dividing K and N; got "
+    block_n, block_k = block_n or _largest_block(width, 128), block_k or _largest_block(depth, 64)
+    if any(b is None or b < MIN_DOT_DIM or b & (b - 1) for b in (block_m, block_n, block_k)) or width % block_n or \
+            depth % block_k:
+        raise ValueError(f"need powers of two >= {MIN_DOT_DIM}, block_n dividing N and block_k dividing K; got "
                          f"{block_m=} {block_n=} {block_k=} for {x.shape=} {w.shape=}")
+    if scale_block is not None and (scale_block[0] % block_k or scale_block[1] % block_n):
+        raise ValueError(f"the blocks must divide the scale blocks {scale_block}; got {block_k=} {block_n=}")
     groups, starts, rows = work_items(group_sizes, num_rows, block_m)
     # One block of pad rows: a block's row slice never runs past the arrays (masked rows are not read or written).
     padded = jnp.pad(x, ((0, block_m), (0, 0)))
+    padded_scales = None if x_scales is None else jnp.pad(x_scales, ((0, block_m), (0, 0)))
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
-    kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, precision=precision)
+    kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, scale_block=scale_block,
+                               precision=precision, fp8_imprecise_acc=fp8_imprecise_acc)
+    fp8 = "" if scale_block is None else "_fp8"
     out = pl.pallas_call(
         kernel,
         grid=(groups.shape[0], width // block_n),
-        in_specs=[pl.no_block_spec] * 5,
+        in_specs=[pl.no_block_spec] * 5 + [None if x_scales is None else pl.no_block_spec] * 2,
         out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((num_rows + block_m, width), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_rows + block_m, width), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"grouped_matmul_{block_m=}_{block_n=}_{block_k=}",
-    )(groups, starts, rows, padded, w)
+        name=f"grouped_matmul{fp8}_{block_m=}_{block_n=}_{block_k=}",
+    )(groups, starts, rows, padded, w, padded_scales, w_scales)
     return out[:num_rows]

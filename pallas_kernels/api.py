@@ -151,6 +151,19 @@ def _grouped_matmul_triton_unsupported(x, w, group_sizes, *, interpret=None, **_
     return _grouped_matmul_triton.unsupported(x, w)
 
 
+def _check_grouped_matmul_fp8_inputs(x, x_scales, w, w_scales, group_sizes, block):
+    _check_grouped_matmul_inputs(x, w, group_sizes)
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    if x.dtype != fp8 or w.dtype != fp8 or x_scales.dtype != jnp.float32 or w_scales.dtype != jnp.float32:
+        raise ValueError(f"need e4m3 x and w with f32 scales; got {x.dtype=} {w.dtype=} {x_scales.dtype=} "
+                         f"{w_scales.dtype=}")
+    (rows, depth), (groups, _, width) = x.shape, w.shape
+    k_blocks, n_blocks = -(-depth // block[0]), -(-width // block[1])
+    if x_scales.shape != (rows, k_blocks) or w_scales.shape != (groups, k_blocks, n_blocks):
+        raise ValueError(f"need x_scales [A, ceil(K / bk)] and w_scales [G, ceil(K / bk), ceil(N / bn)] for "
+                         f"{block=}; got {x_scales.shape=} {w_scales.shape=} for {x.shape=} {w.shape=}")
+
+
 def _reference_run(fn):
     def run(*args, interpret=None, **kwargs):
         return fn(*args, **kwargs)
@@ -176,6 +189,10 @@ IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
     "grouped_matmul": {
         "reference": Implementation(_reference_run(reference.grouped_matmul), _never),
         "triton": Implementation(_grouped_matmul_triton.grouped_matmul, _grouped_matmul_triton_unsupported),
+    },
+    "grouped_matmul_fp8": {
+        "reference": Implementation(_reference_run(reference.grouped_matmul_fp8), _never),
+        "triton": Implementation(_grouped_matmul_triton.grouped_matmul_fp8, _never),
     },
     "sparse_mla_decode": {
         "reference": Implementation(_reference_run(reference.sparse_mla_decode), _never),
@@ -292,3 +309,16 @@ def grouped_matmul(x, w, group_sizes, *, backend="pallas", interpret=None, **kno
     Knobs: `_grouped_matmul_triton.grouped_matmul`."""
     _check_grouped_matmul_inputs(x, w, group_sizes)
     return _run("grouped_matmul", backend, (x, w, group_sizes), {}, interpret, knobs)
+
+
+def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, backend="pallas", interpret=None,
+                       **knobs):
+    """`grouped_matmul` of block-fp8 operands, DeepSeek's fine-grained fp8 GEMM, scale blocks `block` = (bk, bn):
+    x e4m3 [A, K] with f32 scales [A, ceil(K / bk)] (`act_quant`: bk channels of a row share one), w e4m3
+    [G, K, N] with f32 scales [G, ceil(K / bk), ceil(N / bn)] (a [bk, bn] block shares one: HF's
+    weight_block_size is (bn, bk)); each block's product is scaled by its row's and its block's scales, f32
+    accumulation, out [A, N] in out_dtype. Knobs: `_grouped_matmul_triton.grouped_matmul_fp8`."""
+    block = tuple(block)
+    _check_grouped_matmul_fp8_inputs(x, x_scales, w, w_scales, group_sizes, block)
+    return _run("grouped_matmul_fp8", backend, (x, x_scales, w, w_scales, group_sizes),
+                dict(block=block, out_dtype=out_dtype), interpret, knobs)

@@ -99,3 +99,13 @@ def grouped_matmul(x, w, group_sizes):
     past the last group unspecified."""
     out = jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), group_sizes, precision=HIGHEST)
     return out.astype(x.dtype)
+
+
+def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype):
+    """`grouped_matmul` of block-fp8 operands (DeepSeek's fine-grained fp8 GEMM), scale blocks block = (bk, bn):
+    x e4m3 [A, K] times its scales f32 [A, ceil(K / bk)] (bk channels of a row share one), w e4m3 [G, K, N] times
+    its scales f32 [G, ceil(K / bk), ceil(N / bn)] (a [bk, bn] block shares one); out [A, N] in out_dtype."""
+    (bk, bn), (depth, width) = block, w.shape[1:]
+    x32 = x.astype(jnp.float32) * jnp.repeat(x_scales, bk, axis=1)[:, :depth]
+    w32 = w.astype(jnp.float32) * jnp.repeat(jnp.repeat(w_scales, bk, axis=1), bn, axis=2)[:, :depth, :width]
+    return grouped_matmul(x32, w32, group_sizes).astype(out_dtype)

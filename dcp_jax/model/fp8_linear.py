@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels
 from pallas_kernels.formats import AMAX_FLOOR, E4M3_MAX
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -171,6 +172,20 @@ def ragged_dot(x, w, group_sizes):
     if isinstance(w, Fp8BlockWeight):
         return _fp8_ragged_dot(x, w, group_sizes)
     return jax.lax.ragged_dot(x, w, group_sizes, precision=HIGHEST)
+
+
+def grouped_matmul(x, w, group_sizes, *, backend: str, **knobs):
+    """`ragged_dot(x, w, group_sizes)` through the Pallas kernels of `backend` (`pallas_kernels.grouped_matmul`; an
+    `Fp8BlockWeight` with x quantized by `act_quant` per its input blocks: `pallas_kernels.grouped_matmul_fp8`, whose
+    scaling of each block's product equals the dequantized product's sum); x's dtype. `knobs` go to the kernel."""
+    if not isinstance(w, Fp8BlockWeight):
+        return pallas_kernels.grouped_matmul(x, w, group_sizes, backend=backend, **knobs)
+    if w.in_axes != (-2,) or w.out_axes != (-1,) or w.values.ndim != 3:
+        raise ValueError(f"a grouped fp8 weight is [G, K, N] with K its input axis; got {w.shape} {w.in_axes=}")
+    values, scales = act_quant(x, w.block[1])
+    bm, bn = w.block  # output rows by input columns: scale blocks (bn, bm) along (K, N)
+    return pallas_kernels.grouped_matmul_fp8(values, scales, w.values, w.scales, group_sizes, block=(bn, bm),
+                                             out_dtype=x.dtype, backend=backend, **knobs)
 
 
 def _fp8_ragged_dot(x, w: Fp8BlockWeight, group_sizes):

@@ -36,9 +36,20 @@ def test_moe_bench_reports_each_computation_against_the_ceilings(tmp_path):
     assert "| ragged_dot |" in table and "skipped" in table
 
 
+def test_moe_bench_times_block_fp8_experts(tmp_path):
+    out = tmp_path / "moe.jsonl"
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = cli.main(["bench", "moe", "--preset", "tiny", "--decode", "4", "--prefill", "", "--weight-format", "fp8",
+                       "--runs", "1", "--copy-bytes", "4M", "--matmul-size", "128", "--json-out", str(out)])
+    assert rc == 0
+    point = [json.loads(line) for line in out.read_text().splitlines()][-1]
+    assert point["pallas_ms"] > 0 and point["dense_ms"] > 0 and not point["notes"]
+
+
 def test_ceilings_count_the_activated_experts():
     """DeepSeek-V3.2: 3 x 7168 x 2048 weights an expert; 8 routed and 1 shared a token."""
     expert = 3 * 7168 * 2048
     assert activated_flops(DEEPSEEK_V32, 2) == 2 * 2 * (9 * expert + 7168 * 256)
     assert activated_weight_bytes(DEEPSEEK_V32, 8, 2) == 9 * expert * 2 + 7168 * 256 * 4
     assert activated_weight_bytes(DEEPSEEK_V32, 8, 2) / 1e6 == pytest.approx(800, rel=0.01)
+    assert activated_weight_bytes(DEEPSEEK_V32, 8, 1, 2) == 8 * expert + expert * 2 + 7168 * 256 * 4  # fp8 routed

@@ -31,7 +31,7 @@ def _check(args, *, rtol, backend="triton", **knobs):
                          ids=["small-groups", "several-blocks", "no-rows"])
 def test_grouped_matmul_matches_reference(sizes, block_m, dtype, rtol):
     args = _case(0, sizes, rows=max(sum(sizes), 1) + 5, depth=48, width=32, dtype=dtype)  # 5 rows past the groups
-    _check(args, rtol=rtol, block_m=block_m, block_k=16)
+    _check(args, rtol=rtol, block_m=block_m, block_n=32, block_k=16)
     _check(args, rtol=rtol, backend="pallas")
 
 
@@ -53,14 +53,71 @@ def test_grouped_matmul_refuses_what_it_cannot_run():
         pallas_kernels.grouped_matmul(x, w, sizes[:1])
     with pytest.raises(ValueError, match="block_m"):
         pallas_kernels.grouped_matmul(x[:, :16], w[:, :16], sizes, backend="triton", block_m=24)
+    with pytest.raises(ValueError, match="block_n dividing N"):  # a knob is run as given or refused
+        pallas_kernels.grouped_matmul(x[:, :16], w[:, :16], sizes, backend="triton", block_n=64)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [64 * 8, 4096])
 def test_grouped_matmul_compiled_deepseek_experts(rows):
-    """DeepSeek-V3.2's routed experts (256 of hidden 7168 and width 2048, bf16) with a decode's or a prefill's
-    rows routed at random, compiled."""
+    """DeepSeek-V3.2's routed experts (256 of hidden 7168; 256 output columns of the width, bf16) with a decode's
+    or a prefill's rows routed at random, compiled."""
     rng = np.random.default_rng(2)
     sizes = np.bincount(rng.integers(0, 256, rows), minlength=256).astype(np.int32)
     x, w, _ = _case(3, [0] * 256, rows=rows, depth=7168, width=256, dtype=jnp.bfloat16)
     _check((x, w, jnp.asarray(sizes)), rtol=2e-2, interpret=False)
+
+
+def _fp8_case(seed, sizes, *, rows, depth, width, block):
+    """Block-fp8 operands as DeepSeek's act_quant and weight format make them (blocks of `block` channels)."""
+    from dcp_jax.model import fp8_linear
+
+    x, w, sizes = _case(seed, sizes, rows=rows, depth=depth, width=width, dtype=jnp.float32)
+    x_values, x_scales = fp8_linear.act_quant(x, block)
+    weight = fp8_linear.quantize(w, (block, block), (-2,), (-1,))
+    return x_values, x_scales, weight.values, weight.scales, sizes
+
+
+@pytest.mark.parametrize("sizes", [[7, 0, 20, 1, 0, 15], [0, 0, 0]], ids=["groups", "no-rows"])
+def test_grouped_matmul_fp8_matches_reference_and_the_models_fp8_product(sizes):
+    """Each block's fp8 product scaled by its row's and its block's scales equals the dequantized product, the
+    model's `fp8_linear.ragged_dot` of the same activations and block-fp8 weights."""
+    from dcp_jax.model import fp8_linear
+
+    args = _fp8_case(4, sizes, rows=sum(sizes) + 3, depth=64, width=48, block=16)
+    covered = sum(sizes)
+    out = np.asarray(pallas_kernels.grouped_matmul_fp8(*args, block=(16, 16), out_dtype=jnp.float32, backend="triton",
+                                                       block_m=16))
+    ref = np.asarray(reference.grouped_matmul_fp8(*args, block=(16, 16), out_dtype=jnp.float32))
+    np.testing.assert_allclose(out[:covered], ref[:covered], rtol=1e-5, atol=1e-5)
+    x, _, w, w_scales, group_sizes = args
+    weight = fp8_linear.Fp8BlockWeight(w, w_scales, (16, 16), (-2,), (-1,))
+    x_plain = _case(4, sizes, rows=sum(sizes) + 3, depth=64, width=48, dtype=jnp.float32)[0]
+    model = np.asarray(fp8_linear.ragged_dot(x_plain, weight, group_sizes))
+    np.testing.assert_allclose(out[:covered], model[:covered], rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_matmul_fp8_refuses_malformed_scales():
+    x, x_scales, w, w_scales, sizes = _fp8_case(5, [2, 3], rows=5, depth=32, width=32, block=16)
+    with pytest.raises(ValueError, match="e4m3"):
+        pallas_kernels.grouped_matmul_fp8(x.astype(jnp.bfloat16), x_scales, w, w_scales, sizes, block=(16, 16),
+                                          out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="x_scales"):
+        pallas_kernels.grouped_matmul_fp8(x, x_scales[:, :1], w, w_scales, sizes, block=(16, 16),
+                                          out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="divide the scale blocks"):
+        pallas_kernels.grouped_matmul_fp8(x, x_scales, w, w_scales, sizes, block=(16, 16), out_dtype=jnp.bfloat16,
+                                          backend="triton", block_k=32)
+
+
+@pytest.mark.gpu
+def test_grouped_matmul_fp8_compiled_deepseek_experts():
+    """DeepSeek-V3.2's block-fp8 experts (blocks of 128) at a decode's routed rows, compiled: within fp8 tensor-core
+    accumulation of the dequantized reference."""
+    rng = np.random.default_rng(6)
+    sizes = np.bincount(rng.integers(0, 256, 512), minlength=256).tolist()
+    args = _fp8_case(7, sizes, rows=512, depth=7168, width=256, block=128)
+    out = np.asarray(pallas_kernels.grouped_matmul_fp8(*args, block=(128, 128), out_dtype=jnp.float32,
+                                                       interpret=False))
+    ref = np.asarray(reference.grouped_matmul_fp8(*args, block=(128, 128), out_dtype=jnp.float32))
+    assert np.linalg.norm(out - ref) <= 2e-3 * np.linalg.norm(ref)

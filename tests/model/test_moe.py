@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import pallas_kernels
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
 from dcp_jax.model import fp8_linear, moe
 from dcp_jax.model.deepseek_v32 import init_params
