@@ -32,7 +32,12 @@ def _check(args, *, rtol, backend="triton", **knobs):
 def test_grouped_matmul_matches_reference(sizes, block_m, dtype, rtol):
     args = _case(0, sizes, rows=max(sum(sizes), 1) + 5, depth=48, width=32, dtype=dtype)  # 5 rows past the groups
     _check(args, rtol=rtol, block_m=block_m, block_n=32, block_k=16)
-    _check(args, rtol=rtol, backend="pallas")
+
+
+def test_the_default_backend_runs_the_kernel_with_its_default_blocks():
+    args = _case(1, [3, 0, 9], rows=14, depth=48, width=32, dtype=jnp.float32)
+    assert pallas_kernels.choose("grouped_matmul", "pallas", *args) == "triton"
+    _check(args, rtol=1e-5, backend="pallas")
 
 
 def test_work_items_list_each_groups_blocks_in_order():
