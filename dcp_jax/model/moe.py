@@ -32,6 +32,7 @@ Letters: R rows, D hidden, X experts (x a rank's), F expert width, k experts per
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ from dcp_jax.model import fp8_linear
 from dcp_jax.model.mesh import HEADS
 from dcp_jax.model.mlp import MLP, dense_param
 
+log = logging.getLogger(__name__)
 HIGHEST = jax.lax.Precision.HIGHEST
 NEG_INF = float("-inf")
 
@@ -118,16 +120,28 @@ def dense_experts(x, experts, weights, gate, up, down, *, first_expert):
 def routed_experts(backend: str, x, gate, up, down):
     """The routed experts' computation for a kernels backend (`pallas_kernels.BACKENDS`) and these (local)
     weights: `grouped_experts` through `pallas_kernels.grouped_matmul` where that backend's kernel takes them
-    (plain weights of x's dtype), else `dense_experts`."""
-    def runs(w):  # block-fp8 experts: `grouped_matmul_fp8` is not yet measured on a GPU, so not chosen
-        return not fp8_linear.is_fp8(w) and not pallas_kernels.unsupported(
-            "grouped_matmul", backend, jax.ShapeDtypeStruct((1, w.shape[1]), x.dtype), w,
-            jax.ShapeDtypeStruct((w.shape[0],), jnp.int32))
-
-    if backend != "reference" and all(map(runs, (gate, up, down))):
+    (plain weights of x's dtype), else `dense_experts` (said once in the log with the reason, unless the backend
+    is "reference")."""
+    if backend == "reference":
+        return dense_experts
+    reasons = []
+    for w in (gate, up, down):
+        if fp8_linear.is_fp8(w):  # `grouped_matmul_fp8` is not yet measured on a GPU, so not chosen
+            reasons.append("block-fp8 experts run densely until the fp8 grouped matmul is measured on a GPU")
+        else:
+            reasons += pallas_kernels.unsupported("grouped_matmul", backend, jax.ShapeDtypeStruct((1, w.shape[1]),
+                                                                                               x.dtype), w,
+                                                  jax.ShapeDtypeStruct((w.shape[0],), jnp.int32))
+    if not reasons:
         return functools.partial(grouped_experts, matmul=functools.partial(fp8_linear.grouped_matmul,
                                                                            backend=backend))
+    _log_dense_once("; ".join(dict.fromkeys(reasons)))
     return dense_experts
+
+
+@functools.cache
+def _log_dense_once(reason: str) -> None:
+    log.info("MoE routed experts run densely (every expert on every token): %s", reason)
 
 
 class MoE(nnx.Module):

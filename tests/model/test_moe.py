@@ -113,7 +113,7 @@ def test_grouped_experts_through_the_pallas_grouped_matmul_equal_dense():
                                 first_expert=X // 2, matmul=pallas_matmul)
 
 
-def test_the_kernels_backend_picks_the_routed_experts_computation():
+def test_the_kernels_backend_picks_the_routed_experts_computation(caplog):
     x, _, _, gate, up, down = inputs(2, jnp.bfloat16)
     grouped = moe.routed_experts("pallas", x, gate, up, down)
     assert grouped.func is moe.grouped_experts and grouped.keywords["matmul"].keywords == {"backend": "pallas"}
@@ -123,7 +123,9 @@ def test_the_kernels_backend_picks_the_routed_experts_computation():
     narrow = [w[..., :8] for w in (gate, up)] + [down[:, :8]]  # F = 8: no Triton dot that narrow
     assert moe.routed_experts("pallas", x, *narrow) is moe.dense_experts
     block_fp8 = [fp8_linear.quantize(w, (16, 16), (1,), (2,)) for w in (gate, up)]
-    assert moe.routed_experts("pallas", x, *block_fp8, down) is moe.dense_experts
+    with caplog.at_level("INFO", logger="dcp_jax.model.moe"):
+        assert moe.routed_experts("pallas", x, *block_fp8, down) is moe.dense_experts
+    assert "block-fp8 experts run densely" in caplog.text  # not silently
 
 
 # ---- the whole model -----------------------------------------------------------------------------------------------
