@@ -91,8 +91,8 @@ def layer(experts_fn, cfg: ModelConfig):
     return run
 
 
-def activated_weight_bytes(cfg: ModelConfig, distinct_experts: int, itemsize: int, shared_itemsize: int | None = None,
-                           ) -> int:
+def activated_weight_bytes(cfg: ModelConfig, distinct_experts: int, itemsize: int,
+                           shared_itemsize: int | None = None) -> int:
     """Bytes a decode step must read: the chosen routed experts' gate, up and down (`itemsize` bytes a weight; the
     scales of block fp8 are 1/16384 of that, left out), the shared experts' (`shared_itemsize`, default the same)
     and the f32 router."""

@@ -124,19 +124,21 @@ def routed_experts(backend: str, x, gate, up, down):
     is "reference")."""
     if backend == "reference":
         return dense_experts
-    reasons = []
-    for w in (gate, up, down):
-        if fp8_linear.is_fp8(w):  # `grouped_matmul_fp8` is not yet measured on a GPU, so not chosen
-            reasons.append("block-fp8 experts run densely until the fp8 grouped matmul is measured on a GPU")
-        else:
-            reasons += pallas_kernels.unsupported("grouped_matmul", backend, jax.ShapeDtypeStruct((1, w.shape[1]),
-                                                                                               x.dtype), w,
-                                                  jax.ShapeDtypeStruct((w.shape[0],), jnp.int32))
+    reasons = [reason for w in (gate, up, down) for reason in _kernel_refusals(backend, x.dtype, w)]
     if not reasons:
         return functools.partial(grouped_experts, matmul=functools.partial(fp8_linear.grouped_matmul,
                                                                            backend=backend))
     _log_dense_once("; ".join(dict.fromkeys(reasons)))
     return dense_experts
+
+
+def _kernel_refusals(backend: str, dtype, w) -> list[str]:
+    """Why the grouped matmul of `backend` does not take rows of `dtype` times the expert weights w (empty: it
+    does)."""
+    if fp8_linear.is_fp8(w):  # `grouped_matmul_fp8` is not yet measured on a GPU, so not chosen
+        return ["block-fp8 experts run densely until the fp8 grouped matmul is measured on a GPU"]
+    rows, sizes = jax.ShapeDtypeStruct((1, w.shape[1]), dtype), jax.ShapeDtypeStruct((w.shape[0],), jnp.int32)
+    return pallas_kernels.unsupported("grouped_matmul", backend, rows, w, sizes)
 
 
 @functools.cache
