@@ -11,14 +11,18 @@ by default, "reference", "triton", "mosaic"):
 `lse_merge_weights` (plain jnp) merges partial attention results by log-sum-exp. The cache formats (`formats.py`):
 `Fp8IndexKeys` and `Fp8LatentCache`, passed to the ops in place of a plain cache, and their quantizers.
 `unsupported` / `choose` / `IMPLEMENTATIONS` are the backend table. Modules named with a leading underscore are
-the implementations.
+the implementations. Importing the package fixes the Triton lowering's offsets for large fp8 arrays
+(`_triton_offsets`).
 """
 
 from pallas_kernels import formats, reference
 from pallas_kernels._lse import lse_merge_weights
+from pallas_kernels._triton_offsets import widen_one_byte_offsets
 from pallas_kernels.api import (BACKENDS, IMPLEMENTATIONS, choose, grouped_matmul, grouped_matmul_fp8,
                                 indexer_logits, indexer_top_k, sparse_mla_decode, topk, unsupported)
 from pallas_kernels.formats import Fp8IndexKeys, Fp8LatentCache
+
+widen_one_byte_offsets()  # before any kernel is lowered
 
 __all__ = ["BACKENDS", "IMPLEMENTATIONS", "Fp8IndexKeys", "Fp8LatentCache", "choose", "formats", "grouped_matmul",
            "grouped_matmul_fp8", "indexer_logits", "indexer_top_k", "lse_merge_weights", "reference",

@@ -6,8 +6,9 @@ same dtype as x: bf16 or f32), group_sizes [G] int32 (sum <= A): rows offset_g .
 past the last group are left unspecified (as `jax.lax.ragged_dot` leaves them).
 Block fp8 (`pallas_kernels.grouped_matmul_fp8`, DeepSeek's fine-grained fp8 GEMM): x e4m3 with f32 scales
 [A, ceil(K / bk)] (a row's bk channels share one), w e4m3 with f32 scales [G, ceil(K / bk), ceil(N / bn)] (a
-[bk, bn] block shares one); each block_k slice (block_k divides bk, block_n divides bn) is one fp8 tensor-core dot whose f32 result is
-scaled by the row's and the block's scales before it joins the accumulator, as DeepGEMM does.
+[bk, bn] block shares one); each block_k slice (block_k divides bk, block_n divides bn) is one fp8 tensor-core
+dot whose f32 result is scaled by the row's and the block's scales before it joins the accumulator, as DeepGEMM
+does.
 
 Work items (vLLM's fused-MoE schedule): each group's rows are cut into blocks of block_m; the wrapper lists the
 blocks of every group in order (`work_items`, computed in the program from group_sizes: the item's group, first
@@ -68,8 +69,8 @@ def _kernel(groups_ref, starts_ref, rows_ref, x_ref, w_ref, x_scales_ref, w_scal
 
         def step(k, acc):
             depth = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
-            rows = plgpu.load(x_ref.at[pl.ds(start, block_m), depth],
-                              mask=jnp.broadcast_to(is_row[:, None], (block_m, block_k)), other=0)
+            rows = plgpu.load(x_ref.at[pl.ds(start, block_m), depth], other=jnp.zeros((), x_ref.dtype),
+                              mask=jnp.broadcast_to(is_row[:, None], (block_m, block_k)))
             weights = w_ref[group, depth, columns]
             if scale_block is None:
                 return acc + lax.dot(rows, weights, precision=precision, preferred_element_type=jnp.float32)

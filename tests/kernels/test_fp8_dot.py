@@ -5,10 +5,10 @@ import pytest
 
 import jax
 import jax.numpy as jnp
-from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
 import pallas_kernels
 from pallas_kernels._fp8_dot import fp8_dot_nt
+from tests.kernels.triton_ir import triton_modules
 
 FP8 = jnp.float8_e4m3fn
 
@@ -34,23 +34,11 @@ def test_fp8_dot_nt_rejects_bad_inputs(a, b, acc, match):
 
 def _triton_ir(monkeypatch, **knobs):
     """The indexer kernel's Triton IR, lowered for an H200 on this CPU machine."""
-    modules = []
-    lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
-
-    def keep(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        modules.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", keep)
     shapes = (jax.ShapeDtypeStruct((2, 64, 128), FP8), jax.ShapeDtypeStruct((2, 64), jnp.float32),
               jax.ShapeDtypeStruct((64, 64, 128), FP8), jax.ShapeDtypeStruct((2, 16), jnp.int32),
               jax.ShapeDtypeStruct((2,), jnp.int32))
-    run = jax.jit(lambda *args: pallas_kernels.indexer_logits(*args, backend="triton", interpret=False, **knobs))
-    run.trace(*shapes).lower(lowering_platforms=("cuda",))
-    [module] = modules
+    [module] = triton_modules(monkeypatch, lambda *args: pallas_kernels.indexer_logits(
+        *args, backend="triton", interpret=False, **knobs), *shapes)
     return module
 
 

@@ -1,0 +1,90 @@
+"""pallas_kernels/_triton_offsets.py: the Triton kernels address fp8 arrays past 2**31 elements with 64-bit offsets
+(JAX's lowering alone gives them 32-bit offsets up to 4 GiB, which wrap), and smaller arrays keep 32-bit ones."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.pallas.triton import lowering as triton_lowering
+
+import pallas_kernels
+from pallas_kernels._triton_offsets import MAX_INT32_OFFSET, _needs_wider_offsets
+from tests.kernels.triton_ir import triton_modules
+
+FP8 = jnp.float8_e4m3fn
+S = jax.ShapeDtypeStruct
+ROWS, PAGE = 8, 16
+
+
+def _indexer(pages):
+    keys = pallas_kernels.Fp8IndexKeys(S((pages, PAGE, 32), FP8), S((pages, PAGE), jnp.float32))
+    shapes = (S((ROWS, 8, 32), FP8), S((ROWS, 8), jnp.float32), keys, S((ROWS, 64), jnp.int32), S((ROWS,), jnp.int32))
+    return lambda *args: pallas_kernels.indexer_logits(*args, backend="triton", interpret=False), shapes
+
+
+def _sparse_mla(pages):
+    cache = pallas_kernels.Fp8LatentCache(S((pages, PAGE, 128), FP8), S((pages, PAGE, 1), jnp.float32),
+                                          S((pages, PAGE, 16), jnp.bfloat16))
+    shapes = (S((ROWS, 8, 144), jnp.bfloat16), cache, S((ROWS, 64), jnp.int32), S((ROWS,), jnp.int32))
+    return (lambda *args: pallas_kernels.sparse_mla_decode(*args, 0.1, value_dim=128, backend="triton",
+                                                           interpret=False), shapes)
+
+
+def _grouped_matmul(experts):
+    depth, width = 7168, 2048  # DeepSeek-V3.2's experts' gate/up: 256 of them are 3.5 GiB of e4m3
+    shapes = (S((64, depth), FP8), S((64, depth // 128), jnp.float32), S((experts, depth, width), FP8),
+              S((experts, depth // 128, width // 128), jnp.float32), S((experts,), jnp.int32))
+    return (lambda *args: pallas_kernels.grouped_matmul_fp8(*args, block=(128, 128), out_dtype=jnp.bfloat16,
+                                                            backend="triton", interpret=False), shapes)
+
+
+# (kernel, a size whose fp8 operand holds 2**31 to 2**32 elements (under 4 GiB), a small size)
+KERNELS = {"indexer": (_indexer, 6_000_000, 64), "sparse_mla": (_sparse_mla, 1_500_000, 64),
+           "grouped_matmul": (_grouped_matmul, 256, 8)}
+
+
+def _offset_widths(monkeypatch, kernel, size) -> dict[tuple, set[str]]:
+    """(shape, dtype) of each array the kernel loads or stores -> the widths of its offsets in the Triton IR."""
+    fn, shapes = kernel(size)
+    widths = {}
+    offsets = triton_lowering._compute_offsets_from_indices
+
+    def spy(block_info, nd_indexer):
+        result = offsets(block_info, nd_indexer)
+        aval = block_info.full_shape_dtype
+        widths.setdefault((aval.shape, str(aval.dtype)), set()).add(str(result.type).rstrip(">").split("x")[-1])
+        return result
+
+    monkeypatch.setattr(triton_lowering, "_compute_offsets_from_indices", spy)
+    triton_modules(monkeypatch, fn, *shapes)
+    return widths
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_fp8_arrays_past_2g_elements_get_64_bit_offsets(monkeypatch, name):
+    kernel, large, small = KERNELS[name]
+    for size in large, small:
+        widths = _offset_widths(monkeypatch, kernel, size)
+        fp8 = {shape: width for (shape, dtype), width in widths.items() if dtype == "float8_e4m3fn"}
+        assert fp8 and all(width == ({"i64"} if math.prod(shape) > 2**31 else {"i32"}) for shape, width in fp8.items())
+        assert any(math.prod(shape) > 2**31 for shape in fp8) == (size == large)
+
+
+def test_without_the_fix_the_lowering_gives_those_arrays_32_bit_offsets(monkeypatch):
+    """What the fix is for: JAX's own rule counts bytes (64-bit over 2**32), the offsets count elements."""
+    monkeypatch.setattr(triton_lowering, "_compute_offsets_from_indices",
+                        triton_lowering._compute_offsets_from_indices.__wrapped__)
+    kernel, large, _ = KERNELS["indexer"]
+    widths = _offset_widths(monkeypatch, kernel, large)
+    assert widths[((large * PAGE, 32), "float8_e4m3fn")] == {"i32"}  # the kernel's folded [slots, Di] keys
+
+
+def test_only_one_byte_arrays_whose_offsets_pass_int32_are_widened():
+    def aval(size, dtype):
+        return jax.core.ShapedArray((size,), dtype)
+
+    assert not _needs_wider_offsets(aval(MAX_INT32_OFFSET + 1, FP8))  # last offset 2**31 - 1
+    assert _needs_wider_offsets(aval(MAX_INT32_OFFSET + 2, FP8))
+    assert _needs_wider_offsets(aval(MAX_INT32_OFFSET + 2, jnp.uint8))
+    assert not _needs_wider_offsets(aval(MAX_INT32_OFFSET + 2, jnp.bfloat16))  # the lowering's rule holds
