@@ -5,10 +5,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax._src.pallas.triton import lowering as triton_lowering
 
 import pallas_kernels
+from pallas_kernels import formats
 from pallas_kernels._triton_offsets import MAX_INT32_OFFSET, _needs_wider_offsets
 from tests.kernels.triton_ir import triton_modules
 
@@ -88,3 +90,49 @@ def test_only_one_byte_arrays_whose_offsets_pass_int32_are_widened():
     assert _needs_wider_offsets(aval(MAX_INT32_OFFSET + 2, FP8))
     assert _needs_wider_offsets(aval(MAX_INT32_OFFSET + 2, jnp.uint8))
     assert not _needs_wider_offsets(aval(MAX_INT32_OFFSET + 2, jnp.bfloat16))  # the lowering's rule holds
+
+
+def _scatter_pages(pool, pages, values):
+    return pool.at[jnp.asarray(pages)].set(values)
+
+
+@pytest.mark.gpu
+def test_fp8_index_keys_of_3_gib_are_read_right_past_element_2g_compiled():
+    """6M pages of [16, 32] e4m3 keys (3.1 GB): pages from 4,194,304 (element 2**31) on were read 4 GiB early."""
+    rng = np.random.default_rng(0)
+    num_pages, pages = 6_000_000, [1000, 4_100_000, 4_300_000, 5_999_999]
+    keys = formats.quantize_index_keys(jnp.asarray(rng.standard_normal((len(pages), PAGE, 32)), jnp.float32))
+    pool = pallas_kernels.Fp8IndexKeys(
+        _scatter_pages(jnp.zeros((num_pages, PAGE, 32), FP8), pages, keys.keys),
+        _scatter_pages(jnp.zeros((num_pages, PAGE), jnp.float32), pages, keys.scales))
+    q, weights = formats.quantize_index_queries(jnp.asarray(rng.standard_normal((len(pages), 8, 32)), jnp.float32),
+                                                jnp.asarray(rng.standard_normal((len(pages), 8)), jnp.float32))
+    lens = jnp.full((len(pages),), PAGE, jnp.int32)
+    out = pallas_kernels.indexer_logits(q, weights, pool, jnp.asarray(pages, jnp.int32)[:, None], lens,
+                                        backend="triton")
+    # The reference reads the same keys from a pool of just those pages.
+    want = pallas_kernels.reference.indexer_logits(q, weights, keys, jnp.arange(len(pages), dtype=jnp.int32)[:, None],
+                                                   lens)
+    np.testing.assert_allclose(out, want, rtol=2e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_fp8_latent_cache_of_3_gib_is_read_right_past_element_2g_compiled():
+    """1.5M pages of [16, 128] e4m3 latents (3.1 GB): pages from 1,048,576 (element 2**31) on were read 4 GiB
+    early."""
+    rng = np.random.default_rng(1)
+    num_pages, pages = 1_500_000, [10, 1_100_000, 1_499_999]
+    filled = formats.quantize_latent_cache(
+        jnp.asarray(rng.standard_normal((len(pages), PAGE, 144)), jnp.float32), value_dim=128)
+    cache = pallas_kernels.Fp8LatentCache(*(
+        _scatter_pages(jnp.zeros((num_pages, *part.shape[1:]), part.dtype), pages, part)
+        for part in (filled.latent, filled.scales, filled.rope)))
+    q = jnp.asarray(rng.standard_normal((len(pages), 8, 144)), jnp.bfloat16)
+    offsets, counts = jnp.arange(PAGE, dtype=jnp.int32), jnp.full((len(pages),), PAGE, jnp.int32)
+    slots = jnp.asarray(pages, jnp.int32)[:, None] * PAGE + offsets
+    out, lse = pallas_kernels.sparse_mla_decode(q, cache, slots, counts, 0.1, value_dim=128, backend="triton")
+    # The reference reads the same tokens from a cache of just those pages.
+    own_slots = jnp.arange(len(pages), dtype=jnp.int32)[:, None] * PAGE + offsets
+    want, want_lse = pallas_kernels.reference.sparse_mla_decode(q, filled, own_slots, counts, 0.1, value_dim=128)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-3, atol=1e-3)
