@@ -2,7 +2,6 @@
 lifecycle as a process: a bad address fails before any loading, SIGTERM drains the streams in flight."""
 
 import json
-import os
 import re
 import signal
 import socket
@@ -16,6 +15,7 @@ import pytest
 
 from dcp_jax import cli
 from dcp_jax.config import shipped_checkpoints
+from tests.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_DEMO_ARGS = ["--dcp", "2", "--interleave", "2", "--max-model-len", "352", "--page-size", "4",
@@ -37,8 +37,7 @@ def test_demo_compares_the_sharded_stack_with_the_single_device_one(capsys):
 
 
 def test_readme_serve_demo_answers_the_retrieval_question_right(xla_cache):
-    env = dict(os.environ, DCP_JAX_CACHE=str(xla_cache))
-    env.pop("XLA_FLAGS", None)  # the server picks its own simulated devices
+    env = child_env(DCP_JAX_CACHE=str(xla_cache))
     done = subprocess.run(["bash", str(ROOT / "scripts" / "serve_demo.sh")], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -50,8 +49,7 @@ def test_readme_serve_demo_answers_the_retrieval_question_right(xla_cache):
 
 
 def serve_process(*args, env=None):
-    env = dict(os.environ, **(env or {}))
-    env.pop("XLA_FLAGS", None)  # the server picks its own simulated devices
+    env = child_env(**(env or {}))
     return subprocess.Popen([sys.executable, "-m", "dcp_jax.cli", "serve", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -14,6 +14,7 @@ import pytest
 
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.serving.llm import LLM
+from tests.child_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [[5, 6, 7, 8, 9], list(range(3, 23))]  # 5 and 20 tokens: below and past index_topk 16
@@ -37,7 +38,7 @@ def free_port_pair() -> int:
 
 def start(num_processes: int, dcp: int, max_tokens: int = 8, max_model_len: int = 64) -> list[subprocess.Popen]:
     port = free_port_pair()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each process: dcp / num_processes devices
+    env = child_env()  # each process: dcp / num_processes devices
     return [subprocess.Popen(
         [sys.executable, "-m", "tests.multihost.worker", "--coordinator-address", f"127.0.0.1:{port}",
          "--num-processes", str(num_processes), "--process-id", str(i), "--dcp", str(dcp), "--max-tokens",
@@ -111,7 +112,7 @@ def free_port() -> int:
 def start_serving(num_processes: int, dcp: int) -> tuple[list[subprocess.Popen], int]:
     """`dcp-jax serve` as a deployment; returns the processes and process 0's HTTP port once it is ready."""
     port, http_port = free_port_pair(), free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     common = ["--model", "tiny", "--dcp", str(dcp), "--max-model-len", "128", "--max-num-seqs", "4", "--page-size",
               "4", "--dtype", "float32", "--kernels", "reference", "--no-prompt-logprobs", "--buckets", "4",
               "--max-num-batched-tokens", "16", "--coordinator-address", f"127.0.0.1:{port}", "--num-processes",
