@@ -71,6 +71,20 @@ def test_dsa_tiny_answers_with_the_pallas_kernels():
     assert answers(llm, cases) == [answer for _, answer in cases]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_pages", [2_000_000, 400_000], ids=["index-keys", "latents"])
+def test_dsa_tiny_answers_with_fp8_caches_of_2g_to_4g_elements(num_pages):
+    """fp8 pools whose one-byte arrays (every layer's pages in one) hold 2**31 to 2**32 elements: the index keys at
+    2M pages a layer, the latents at 400K. JAX's Triton lowering addressed those with 32-bit offsets, which wrapped
+    past element 2**31 (pallas_kernels/_triton_offsets.py; docs/training.md)."""
+    from dcp_jax.serving.llm import LLM
+
+    cases = examples_for(1024, 4, seed=HIDDEN_SEED)
+    llm = LLM("dsa-tiny", index_cache="fp8", latent_cache="fp8", num_pages=num_pages, max_model_len=1024,
+              max_num_seqs=4, kernels="pallas")
+    assert answers(llm, cases) == [answer for _, answer in cases]
+
+
 def test_a_random_selection_of_the_same_size_answers_none():
     from dcp_jax.model.deepseek_v32 import abstract_model, merge
     from dcp_jax.model.weights import load_hf_params
