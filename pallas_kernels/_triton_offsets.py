@@ -2,9 +2,10 @@
 elements past 2**31 of them.
 
 The lowering (`_compute_offsets_from_indices`) counts a load's or store's offsets in elements but takes 64 bits
-only when the whole array is over 2**32 *bytes*, and Triton sign-extends a 32-bit offset: past element 2**31 of
-an fp8 array of 2 to 4 GiB, a kernel reads and writes 4 GiB before the array. Such arrays are ordinary here: an
-fp8 KV pool sized from part of a GPU's memory (every layer's pages are one array), the fp8 weights of 256 experts.
+only when the whole array is over 2**32 *bytes*, and Triton sign-extends a 32-bit offset: in an fp8 array of 2 to
+4 GiB, element e past 2**31 is read and written at e - 2**32, in the 2 GiB below the array's start. Such arrays
+are ordinary here: an fp8 KV pool sized from part of a GPU's memory (every layer's pages are one array), the fp8
+weights of 256 experts. Not reported upstream yet (no network here).
 `widen_one_byte_offsets` makes the offsets 64-bit whenever an element offset can pass 2**31 - 1; for elements of
 two bytes or more that is already the lowering's rule, which is left as it is. pallas_kernels installs it on
 import, before any kernel is lowered.
@@ -36,11 +37,11 @@ def widen_one_byte_offsets() -> None:
         return
 
     @functools.wraps(lowering_offsets)
-    def offsets(block_info, nd_indexer):
+    def compute_offsets(block_info, nd_indexer):
         aval = block_info.full_shape_dtype
         if _needs_wider_offsets(aval):
             block_info = dataclasses.replace(block_info, full_shape_dtype=aval.update(dtype=jnp.dtype(jnp.int16)))
         return lowering_offsets(block_info, nd_indexer)
 
-    offsets.widens_one_byte_offsets = True
-    triton_lowering._compute_offsets_from_indices = offsets
+    compute_offsets.widens_one_byte_offsets = True
+    triton_lowering._compute_offsets_from_indices = compute_offsets

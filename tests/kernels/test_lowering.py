@@ -1,6 +1,6 @@
-"""Every Triton kernel lowers for CUDA (an H200) from abstract shapes, for each dtype its contract takes, at the
-shapes the models run: the interpreter never runs Triton's lowering, so a kernel that only interprets (an fp8 load
-whose `other` the lowering cannot cast, say) would pass the rest of the CPU suite."""
+"""Every Triton kernel lowers to Triton IR for CUDA (an H200) from abstract shapes, for each dtype its contract
+takes, at the shapes the models run: the interpreter never runs Triton's lowering, so a kernel that only interprets
+(an fp8 load whose `other` the lowering cannot cast, say) would pass the rest of the CPU suite."""
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +14,8 @@ S = jax.ShapeDtypeStruct
 ROWS = 8
 # (index heads, index dim, page) of DeepSeek-V3.2 and of dsa-tiny.
 INDEXER_SHAPES = {"deepseek": (64, 128, 64), "dsa_tiny": (8, 32, 16)}
-# (heads, latent width, rope width) likewise.
-MLA_SHAPES = {"deepseek": (128, 512, 64), "dsa_tiny": (8, 128, 16)}
+# (heads, latent width, rope width, page) likewise.
+MLA_SHAPES = {"deepseek": (128, 512, 64, 64), "dsa_tiny": (8, 128, 16, 16)}
 
 
 def _index_keys(pages, page, dim, dtype):
@@ -49,11 +49,11 @@ def test_indexer_lowers(monkeypatch, shape, dtype):
             *_indexer_args(shape, dtype))
 
 
-@pytest.mark.parametrize("sorted_", [True, False], ids=["sorted", "column-order"])
-def test_indexer_top_k_and_topk_lower(monkeypatch, sorted_):
-    _lowers(monkeypatch, lambda *args: pallas_kernels.indexer_top_k(*args, k=2048, sorted=sorted_, backend="triton",
+@pytest.mark.parametrize("is_sorted", [True, False], ids=["sorted", "column-order"])
+def test_indexer_top_k_and_topk_lower(monkeypatch, is_sorted):
+    _lowers(monkeypatch, lambda *args: pallas_kernels.indexer_top_k(*args, k=2048, sorted=is_sorted, backend="triton",
                                                                     interpret=False), *_indexer_args("deepseek", FP8))
-    _lowers(monkeypatch, lambda scores, lens: pallas_kernels.topk(scores, lens, k=2048, sorted=sorted_,
+    _lowers(monkeypatch, lambda scores, lens: pallas_kernels.topk(scores, lens, k=2048, sorted=is_sorted,
                                                                   backend="triton", interpret=False),
             S((ROWS, 65536), jnp.float32), S((ROWS,), jnp.int32))
 
@@ -61,9 +61,9 @@ def test_indexer_top_k_and_topk_lower(monkeypatch, sorted_):
 @pytest.mark.parametrize("shape", MLA_SHAPES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, FP8], ids=["f32", "bf16", "fp8"])
 def test_sparse_mla_lowers(monkeypatch, shape, dtype):
-    heads, value_dim, rope_dim = MLA_SHAPES[shape]
+    heads, value_dim, rope_dim, page = MLA_SHAPES[shape]
     q_dtype = jnp.bfloat16 if dtype == FP8 else dtype
-    shapes = (S((ROWS, heads, value_dim + rope_dim), q_dtype), _latent_cache(1024, 64, value_dim, rope_dim, dtype),
+    shapes = (S((ROWS, heads, value_dim + rope_dim), q_dtype), _latent_cache(1024, page, value_dim, rope_dim, dtype),
               S((ROWS, 2048), jnp.int32), S((ROWS,), jnp.int32))
     _lowers(monkeypatch, lambda *args: pallas_kernels.sparse_mla_decode(*args, 0.1, value_dim=value_dim,
                                                                          backend="triton", interpret=False), *shapes)

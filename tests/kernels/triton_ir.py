@@ -1,5 +1,5 @@
 """The Triton IR of Pallas kernels, lowered for an H200 on this CPU machine from abstract shapes (nothing is
-allocated, so operands of any size lower)."""
+allocated, so operands of any size lower) and verified; Triton's own passes and ptxas run only on a GPU."""
 
 import jax
 from jax._src.pallas.triton import gpu_info, pallas_call_registration
@@ -12,6 +12,7 @@ def triton_modules(monkeypatch, fn, *shapes) -> list[str]:
 
     def keep(*args, **kwargs):
         result = lower(*args, **kwargs)
+        assert result.module.operation.verify()
         modules.append(result.module.operation.get_asm(enable_debug_info=False))
         return result
 

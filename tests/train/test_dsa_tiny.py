@@ -72,11 +72,12 @@ def test_dsa_tiny_answers_with_the_pallas_kernels():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_pages", [2_000_000, 400_000], ids=["index-keys", "latents"])
+@pytest.mark.parametrize("num_pages", [2_000_000, 400_000, 100_000], ids=["index-keys", "latents", "both-under"])
 def test_dsa_tiny_answers_with_fp8_caches_of_2g_to_4g_elements(num_pages):
     """fp8 pools whose one-byte arrays (every layer's pages in one) hold 2**31 to 2**32 elements: the index keys at
-    2M pages a layer, the latents at 400K. JAX's Triton lowering addressed those with 32-bit offsets, which wrapped
-    past element 2**31 (pallas_kernels/_triton_offsets.py; docs/training.md)."""
+    2M pages a layer, the latents at 400K (100K: both under 2**31, the control). JAX's Triton lowering addressed
+    those with 32-bit offsets, which wrapped past element 2**31 (pallas_kernels/_triton_offsets.py;
+    docs/training.md); pages are handed out from the low ids, so the last layer's reads are the ones past it."""
     from dcp_jax.serving.llm import LLM
 
     cases = examples_for(1024, 4, seed=HIDDEN_SEED)
