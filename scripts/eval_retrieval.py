@@ -27,7 +27,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":
     sys.path.insert(0, REPO)
 
-CONFIG_KEYS = {"dcp": int, "interleave": int, "index_cache": str, "latent_cache": str, "dtype": str}
+# num_pages: the KV pool's pages (default: what the device's memory holds, as the engine sizes it).
+CONFIG_KEYS = {"dcp": int, "interleave": int, "index_cache": str, "latent_cache": str, "dtype": str, "num_pages": int}
 # lm-eval's two clients against the server, and the offline API in this process (for a machine without lm-eval or
 # the server's packages).
 CLIENTS = ("completions", "chat", "llm")
@@ -101,6 +102,8 @@ class Server:
                "--no-prompt-logprobs", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
         if config.get("dense"):
             cmd += ["--hf-overrides", json.dumps({"index_topk": max_model_len})]
+        if "num_pages" in config:
+            cmd += ["--num-pages", str(config["num_pages"])]
         self.url, self.log_path = f"http://127.0.0.1:{port}", log
         with open(log, "w") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
@@ -157,11 +160,11 @@ def read_task(task_dir: str, task: str, field: str) -> list[str]:
 
 
 def run_llm(model: str, config: dict, tasks: list[str], task_dir: str, *, max_model_len: int,
-            max_num_seqs: int, num_speculative_tokens: int = 0) -> tuple[dict, dict]:
+            max_num_seqs: int, num_speculative_tokens: int = 0) -> tuple[dict, dict, int]:
     """The offline API (`LLM.generate`, greedy, lm-eval's generation: up to 8 tokens, stopped at ';') on the tasks'
     prompts with the configuration's settings, in this process: ({task: [the answer of each example, in order]},
     {task: the MTP drafts' acceptance (kept / drafted, from the engine's metrics)} when `num_speculative_tokens`
-    drafts a step, else {})."""
+    drafts a step, else {}, the KV pool's pages)."""
     import gc
 
     from dcp_jax.host.sampling import SamplingParams
@@ -174,7 +177,8 @@ def run_llm(model: str, config: dict, tasks: list[str], task_dir: str, *, max_mo
               index_cache=config.get("index_cache", "exact"), latent_cache=config.get("latent_cache", "exact"),
               dtype=config.get("dtype", "auto"), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               hf_overrides={"index_topk": max_model_len} if config.get("dense") else None,
-              speculative_config=speculative)
+              speculative_config=speculative, num_pages=config.get("num_pages"))
+    num_pages = llm.engine_config.num_pages
     params = SamplingParams(max_tokens=8, temperature=0, stop=[";"])
 
     metrics = llm.core.metrics
@@ -192,7 +196,7 @@ def run_llm(model: str, config: dict, tasks: list[str], task_dir: str, *, max_mo
             acceptance[task] = kept / drafted if drafted else None  # None: no step drafted
     del llm
     gc.collect()  # the next configuration's pool takes the device memory this one held
-    return answers, acceptance
+    return answers, acceptance, num_pages
 
 
 def summarize(results: dict, contexts: list[int]) -> str:
@@ -278,7 +282,8 @@ def main(argv=None) -> int:
     cfg = ModelConfig.from_hf(directory) if directory else preset(args.model)
     if max_model_len > cfg.max_position_embeddings:
         parser.error(f"--contexts: {max_model_len} tokens exceed the model's {cfg.max_position_embeddings}")
-    results = {"model": args.model, "examples": args.examples, "seed": args.seed, "configs": {}}
+    results = {"model": args.model, "examples": args.examples, "seed": args.seed, "configs": {},
+               "llm_num_pages": {}}  # client llm: each configuration's KV pool
     for config in args.configs:
         started, answers, acceptance = time.perf_counter(), {}, {}
         if set(clients) & set(SERVER_CLIENTS):
@@ -292,9 +297,9 @@ def main(argv=None) -> int:
             finally:
                 server.stop()
         if "llm" in clients:
-            answers["llm"], acceptance = run_llm(args.model, config, tasks, task_dir, max_model_len=max_model_len,
-                                                 max_num_seqs=args.max_num_seqs,
-                                                 num_speculative_tokens=args.num_speculative_tokens)
+            answers["llm"], acceptance, results["llm_num_pages"][config["name"]] = run_llm(
+                args.model, config, tasks, task_dir, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+                num_speculative_tokens=args.num_speculative_tokens)
         per_client = {}
         for client in clients:
             per_client[client] = {}

@@ -23,6 +23,7 @@ def test_the_tasks_hold_the_evaluation_prompts(tmp_path):
 def test_configurations_are_parsed_and_bad_ones_refused():
     assert parse_config("dcp=2,interleave=2,index_cache=fp8") == {"name": "dcp=2,interleave=2,index_cache=fp8",
                                                                   "dcp": 2, "interleave": 2, "index_cache": "fp8"}
+    assert parse_config("dcp=1,num_pages=4096")["num_pages"] == 4096
     assert parse_config("dense") == {"name": "dense", "dense": True}
     with pytest.raises(Exception, match="key=value"):
         parse_config("tp=2")
@@ -56,16 +57,17 @@ def test_lm_eval_answers_the_task_through_both_clients(tmp_path_factory, tmp_pat
 
 def test_the_llm_client_answers_in_process_per_configuration(tmp_path):
     """Client `llm` (no server, no lm-eval): each configuration's LLM answers every prompt, greedy, stopped at ';'
-    as lm-eval's generation is; the table and results name it."""
+    as lm-eval's generation is; the table and results name it, and each configuration's KV pool is recorded."""
     from scripts.eval_retrieval import main
 
     assert main(["--model", "tiny", "--out", str(tmp_path), "--contexts", "64", "--examples", "2", "--clients", "llm",
-                 "--configs", "dcp=2,interleave=2", "dense", "--max-num-seqs", "2"]) == 0
+                 "--configs", "dcp=2,interleave=2,num_pages=40", "dense", "--max-num-seqs", "2"]) == 0
     results = json.load(open(tmp_path / "results.json"))
-    for name in ("dcp=2,interleave=2", "dense"):
+    assert results["llm_num_pages"]["dcp=2,interleave=2,num_pages=40"] == 40 and results["llm_num_pages"]["dense"] > 0
+    for name in ("dcp=2,interleave=2,num_pages=40", "dense"):
         answers = results["configs"][name]["llm"]["64"]["answers"]
         assert len(answers) == 2 and all(";" not in answer and len(answer) <= 8 for answer in answers), answers
-    assert "| dcp=2,interleave=2 | llm |" in (tmp_path / "results.md").read_text()
+    assert "| dcp=2,interleave=2,num_pages=40 | llm |" in (tmp_path / "results.md").read_text()
 
 
 def test_the_llm_client_records_the_mtp_drafts_acceptance(tmp_path, capsys):
