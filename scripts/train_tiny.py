@@ -4,7 +4,8 @@ growing contexts (the main model attends to the indexer's top-64 only). Writes t
 safetensors) and the loss log (`train_log.jsonl`, and `loss.png` with matplotlib) under --out. With
 --max-seconds a run stops in time (a device call's limit) and leaves its state there; --resume goes on from it.
 A finished run then measures its retrieval accuracy (`train/evaluate.evaluate_checkpoint`: served, and teacher forced
-with the indexer's and a random selection) into eval.json.
+with the indexer's and a random selection) into eval.json. --index-cache / --latent-cache fp8 train through the fp8
+caches' rounding (quantization-aware training: what those caches serve).
 
   python scripts/train_tiny.py --out /tmp/dsa-tiny                      # the full schedule (an H200)
   python scripts/train_tiny.py --out /tmp/t --stages dense:20:128:4 --eval-every 10   # a smoke run (CPU)
@@ -108,6 +109,8 @@ def initial_params_from(cfg, path: str) -> dict:
 
 
 def main(argv=None) -> int:
+    from dcp_jax.config import INDEX_CACHE_FORMATS, LATENT_CACHE_FORMATS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for the checkpoint and the log")
     parser.add_argument("--stages", type=parse_stages, default=DEFAULT_STAGES)
@@ -128,6 +131,10 @@ def main(argv=None) -> int:
     parser.add_argument("--init-from", default=None,
                         help="start from this checkpoint's weights (a trained dsa-tiny, with its MTP layer) instead of "
                              "random ones; the optimizer starts afresh on --stages")
+    parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact",
+                        help="train through this index-key cache's rounding (fp8: quantization-aware training)")
+    parser.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact",
+                        help="train through this latent cache's rounding (fp8: quantization-aware training)")
     parser.add_argument("--eval-contexts", default="1024,4096,16384",
                         help="after training, the served accuracy (LLM, greedy) at these prompt lengths ('' none)")
     parser.add_argument("--eval-examples", type=int, default=100)
@@ -140,6 +147,7 @@ def main(argv=None) -> int:
 
     from dcp_jax.model.weights import save_hf
     from dcp_jax.serving.tokenizer import ByteTokenizer
+    from dcp_jax.train.forward import CacheFormats
     from dcp_jax.train.loop import DSA_TINY, MTP_WEIGHT, Trainer, batches, init_train_params
 
     cfg = DSA_TINY
@@ -150,12 +158,13 @@ def main(argv=None) -> int:
         params = initial_params_from(cfg, args.init_from)
     else:
         params = init_train_params(cfg, args.seed)
+    caches = CacheFormats(index=args.index_cache, latent=args.latent_cache)
     trainer = Trainer(cfg, params, learning_rate=args.learning_rate, total_steps=total, kl_weight=args.kl_weight,
-                      mtp_weight=mtp_weight)
+                      mtp_weight=mtp_weight, caches=caches)
     os.makedirs(args.out, exist_ok=True)
     run = dict(model=cfg.to_hf_dict(), stages=[vars(stage) for stage in args.stages],
                learning_rate=args.learning_rate, kl_weight=args.kl_weight, mtp_weight=mtp_weight,
-               chat_fraction=args.chat_fraction, seed=args.seed, init_from=args.init_from)
+               chat_fraction=args.chat_fraction, seed=args.seed, init_from=args.init_from, caches=caches._asdict())
     rng, step, spent = np.random.default_rng(args.seed), 0, 0.0
     state_path = os.path.join(args.out, "train_state.npz")
     if args.resume:

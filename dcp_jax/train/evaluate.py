@@ -58,9 +58,9 @@ def forced_accuracy(model, tokenizer, *, context: int, examples: int, seed: int 
 
 def evaluate_checkpoint(path: str, *, contexts: list[int], examples: int, seed: int = 0) -> dict:
     """A trained checkpoint's accuracy per context: served (`LLM`, greedy, the checkpoint's dtype; the prompts
-    bare and in the chat template), and teacher forced in float32 attending to the indexer's selection and to a
-    random one of the same size (the contrast that shows the selection matters):
-    {"served"|"served_chat"|"sparse"|"random": {context: accuracy}}."""
+    bare and in the chat template, and bare with the fp8 index and latent caches), and teacher forced in float32
+    attending to the indexer's selection and to a random one of the same size (the contrast that shows the
+    selection matters): {"served"|"served_chat"|"served_fp8"|"sparse"|"random": {context: accuracy}}."""
     from dcp_jax.config import ModelConfig
     from dcp_jax.model.deepseek_v32 import abstract_model, merge
     from dcp_jax.model.weights import load_hf_params
@@ -68,11 +68,14 @@ def evaluate_checkpoint(path: str, *, contexts: list[int], examples: int, seed: 
     from dcp_jax.serving.tokenizer import ByteTokenizer
     from dcp_jax.train.forward import RANDOM, SPARSE
 
-    llm = LLM(path, max_model_len=max(contexts), max_num_seqs=min(examples, 64))  # prompts leave EVAL_ROOM
-    result = {name: {context: served_accuracy(llm, context=context, examples=examples, seed=seed, chat=chat)
-                     for context in contexts}
-              for name, chat in (("served", False), ("served_chat", True))}
-    del llm
+    result = {}
+    for caches, runs in (("exact", (("served", False), ("served_chat", True))), ("fp8", (("served_fp8", False),))):
+        llm = LLM(path, max_model_len=max(contexts), max_num_seqs=min(examples, 64), index_cache=caches,
+                  latent_cache=caches)  # prompts leave EVAL_ROOM
+        for name, chat in runs:
+            result[name] = {context: served_accuracy(llm, context=context, examples=examples, seed=seed, chat=chat)
+                            for context in contexts}
+        del llm
     cfg = ModelConfig.from_hf(path)
     model = merge(*abstract_model(cfg), load_hf_params(cfg, path))
     tokenizer = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)

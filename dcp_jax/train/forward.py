@@ -5,9 +5,10 @@ memory grows with T K, the selection's with T times a chunk, so 16K-token sequen
 loss toward the main attention (DeepSeek-V3.2's dense warm-up and sparse stages).
 
 Same weights and projections (`attention/projections.py`) as the serving programs, so a sparse forward's logits are
-the serving prefill's (tested). The indexer reads its inputs detached from the main model's graph: the LM loss
-never trains the indexer and the KL loss trains nothing else (the paper's separate optimization). Letters as in
-`attention/params.py`; S query positions, T key positions (S = T: one sequence).
+the serving prefill's (tested), with either cache format: `CacheFormats` rounds the index keys and queries and the
+latents as the fp8 caches store them (quantization-aware training). The indexer reads its inputs detached from the
+main model's graph: the LM loss never trains the indexer and the KL loss trains nothing else (the paper's separate
+optimization). Letters as in `attention/params.py`; S query positions, T key positions (S = T: one sequence).
 """
 
 from __future__ import annotations
@@ -17,19 +18,51 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dcp_jax.config import ModelConfig
+from dcp_jax.config import ModelConfig, check_index_cache
 from dcp_jax.model import fp8_linear
 from dcp_jax.model.attention import cache_formats, projections
 from dcp_jax.model.attention.params import AttentionParams
 from dcp_jax.model.moe import MoE
 from dcp_jax.model.rope import cos_sin, rope_tables
-from pallas_kernels import reference
+from pallas_kernels import formats, reference
 
 HIGHEST = jax.lax.Precision.HIGHEST
 DENSE, SPARSE = "dense", "sparse"
 # Evaluation only: index_topk keys drawn at random among the earlier ones (the contrast that shows the indexer's
 # selection matters).
 RANDOM = "random"
+
+
+class CacheFormats(NamedTuple):
+    """The serving caches' formats a forward reads through (`config.INDEX_CACHE_FORMATS`, `LATENT_CACHE_FORMATS`):
+    'fp8' rounds the indexer's keys and queries, or the latents, to what that cache stores and scores, the gradient
+    passing straight through the rounding."""
+
+    index: str = "exact"
+    latent: str = "exact"
+
+
+def straight_through(x, rounded):
+    """`rounded`'s values with `x`'s gradient (the rounding's gradient taken as the identity)."""
+    return x + jax.lax.stop_gradient(rounded.astype(x.dtype) - x)
+
+
+def through_fp8_index_cache(x):
+    """Index queries [..., I, J] or keys [..., J] as the fp8 index cache scores them: Hadamard-rotated, then e4m3
+    with a power-of-two scale per vector (`formats`); their dot products are the unrotated ones up to the
+    rounding."""
+    rotated = formats.hadamard(x)
+    x8, scales = formats.quantize_e4m3_ue8m0(rotated)
+    return straight_through(rotated, x8.astype(jnp.float32) * scales[..., None])
+
+
+def through_latent_cache(latent, cfg: ModelConfig, latent_cache: str):
+    """Latents [T, C+E] as a `latent_cache` cache holds them: unchanged ('exact') or the fp8 format's values."""
+    cache_formats.check_latent_format(latent_cache, cfg)
+    if latent_cache == "exact":
+        return latent
+    cache = formats.quantize_latent_cache(latent, value_dim=cfg.kv_lora_rank)
+    return straight_through(latent, formats.dequantize_latent_cache(cache))
 
 
 class IndexerInputs(NamedTuple):
@@ -41,10 +74,14 @@ class IndexerInputs(NamedTuple):
     keys: jax.Array
 
 
-def indexer_inputs(p: AttentionParams, x, q_resid, cos, sin, cfg: ModelConfig) -> IndexerInputs:
+def indexer_inputs(p: AttentionParams, x, q_resid, cos, sin, cfg: ModelConfig,
+                   index_cache: str = "exact") -> IndexerInputs:
+    check_index_cache(index_cache)
     x, q_resid = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_resid)
-    return IndexerInputs(projections.index_query(p, q_resid, cos, sin, cfg), projections.index_weights(p, x, cfg),
-                         projections.index_key(p, x, cos, sin, cfg))
+    queries, keys = projections.index_query(p, q_resid, cos, sin, cfg), projections.index_key(p, x, cos, sin, cfg)
+    if index_cache == "fp8":
+        queries, keys = through_fp8_index_cache(queries), through_fp8_index_cache(keys)
+    return IndexerInputs(queries, projections.index_weights(p, x, cfg), keys)
 
 
 def index_scores(indexer: IndexerInputs):
@@ -129,14 +166,16 @@ def sparse_attention(p: AttentionParams, q_nope, q_pe, latent, indexer: IndexerI
     return projections.output_projection(p, latent_out), indexer_kl(scores, probs, keep)
 
 
-def causal_attention(p: AttentionParams, x, cos, sin, *, cfg: ModelConfig, mode: str, key=None):
+def causal_attention(p: AttentionParams, x, cos, sin, *, cfg: ModelConfig, mode: str, key=None,
+                     caches: CacheFormats = CacheFormats()):
     """x [T, D] one sequence's normed hidden states -> (attention output [T, D], the indexer's KL loss, the keys
-    each position attended [T, K], -1 padded; K = 0 for DENSE, where every earlier key is)."""
+    each position attended [T, K], -1 padded; K = 0 for DENSE, where every earlier key is), the keys and latents
+    read through `caches`."""
     if mode not in (DENSE, SPARSE, RANDOM):
         raise ValueError(f"mode must be {DENSE!r}, {SPARSE!r} or {RANDOM!r}, got {mode!r}")
     q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
-    latent = projections.mla_latent(p, x, cos, sin, cfg)
-    indexer = indexer_inputs(p, x, q_resid, cos, sin, cfg)
+    latent = through_latent_cache(projections.mla_latent(p, x, cos, sin, cfg), cfg, caches.latent)
+    indexer = indexer_inputs(p, x, q_resid, cos, sin, cfg, caches.index)
     if mode == DENSE:
         out, kl = dense_attention(p, q_nope, q_pe, latent, indexer, cfg)
         return out, kl, jnp.zeros((x.shape[0], 0), jnp.int32)
@@ -161,23 +200,24 @@ class SequenceOutput(NamedTuple):
     # DENSE, every earlier key)
 
 
-def decoder_layer_forward(layer, hidden, cos, sin, *, cfg: ModelConfig, mode: str, key=None):
+def decoder_layer_forward(layer, hidden, cos, sin, *, cfg: ModelConfig, mode: str, key=None,
+                          caches: CacheFormats = CacheFormats()):
     """One `DecoderLayer` over a sequence: (hidden [T, D] out, the indexer's KL, the selected keys [T, K])."""
     out, kl, selected = causal_attention(layer.attention.params(), layer.attention_input(hidden), cos, sin, cfg=cfg,
-                                         mode=mode, key=key)
+                                         mode=mode, key=key, caches=caches)
     return feed_forward(layer, hidden + out), kl, selected
 
 
-def sequence_forward(model, tokens, *, mode: str, key=None) -> SequenceOutput:
+def sequence_forward(model, tokens, *, mode: str, key=None, caches: CacheFormats = CacheFormats()) -> SequenceOutput:
     """tokens [T] int32 through `model` (a `DeepseekV32`, unsharded, outside shard_map), attending as `mode`
-    (RANDOM draws each layer's keys from `key`)."""
+    (RANDOM draws each layer's keys from `key`) through `caches`."""
     cfg = model.cfg
     cos, sin = cos_sin(jnp.arange(tokens.shape[0]), *rope_tables(cfg))
     hidden, kl, selected = model.embed_tokens(tokens), 0.0, []
     for index in range(cfg.num_hidden_layers):
         hidden, layer_kl, layer_selected = decoder_layer_forward(
             model.decoder_layer(index), hidden, cos, sin, cfg=cfg, mode=mode,
-            key=None if key is None else jax.random.fold_in(key, index))
+            key=None if key is None else jax.random.fold_in(key, index), caches=caches)
         kl = kl + layer_kl
         selected.append(layer_selected)
     return SequenceOutput(model.logits(hidden), hidden, kl / cfg.num_hidden_layers, jnp.stack(selected))
@@ -189,7 +229,7 @@ class MtpOutput(NamedTuple):
     selected: jax.Array  # [T-1, K] int32, as SequenceOutput's
 
 
-def mtp_forward(model, mtp, tokens, hidden, *, mode: str) -> MtpOutput:
+def mtp_forward(model, mtp, tokens, hidden, *, mode: str, caches: CacheFormats = CacheFormats()) -> MtpOutput:
     """The MTP layer (`model/mtp.py`, an `MtpLayer`) over tokens [T] given the main model's `hidden` [T, D]
     (`SequenceOutput.hidden`): row r (position r) reads the main model's state of r and token r + 1's embedding
     and predicts token r + 2, for r in 0..T-2; the embedding and the head are `model`'s."""
@@ -197,5 +237,5 @@ def mtp_forward(model, mtp, tokens, hidden, *, mode: str) -> MtpOutput:
     positions = jnp.arange(tokens.shape[0] - 1)
     cos, sin = cos_sin(positions, *rope_tables(cfg))
     h = mtp.layer_input(model.embed_tokens(tokens[1:]), model.final_hidden(hidden[:-1]), positions == 0)
-    h, kl, selected = decoder_layer_forward(mtp.layer, h, cos, sin, cfg=cfg, mode=mode)
+    h, kl, selected = decoder_layer_forward(mtp.layer, h, cos, sin, cfg=cfg, mode=mode, caches=caches)
     return MtpOutput(model.head(mtp.head_input(h)), kl, selected)

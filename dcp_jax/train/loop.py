@@ -23,7 +23,7 @@ import optax
 from dcp_jax.config import TINY, ModelConfig
 from dcp_jax.model.deepseek_v32 import abstract_model, init_params, merge
 from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
-from dcp_jax.train.forward import DENSE, SPARSE, mtp_forward, sequence_forward
+from dcp_jax.train.forward import DENSE, SPARSE, CacheFormats, mtp_forward, sequence_forward
 from dcp_jax.train.retrieval import (CHAT_BYTES, chat_prompt, encode_batch, make_example, mixed_example,
                                      records_for)
 
@@ -101,21 +101,23 @@ def _answer_terms(logits, tokens, mask):
     return jnp.sum(nll * answer) / jnp.sum(answer), right, predicted
 
 
-def batch_loss(params, tokens, mask, *, graphdefs, abstracts, mode: str, kl_weight: float, mtp_weight: float):
-    """(loss, metrics) of a batch: the mean answer cross-entropy, plus kl_weight times the indexers' KL (averaged
-    over the attention layers, the MTP layer's included), plus mtp_weight times the MTP layer's answer
-    cross-entropy (DeepSeek-V3's MTP loss, one depth). The MTP metrics: its accuracy on the answer tokens and its
-    acceptance on the value's digits (its argmax there equal to the main model's, as a greedy draft is verified)."""
+def batch_loss(params, tokens, mask, *, graphdefs, abstracts, mode: str, kl_weight: float, mtp_weight: float,
+               caches: CacheFormats = CacheFormats()):
+    """(loss, metrics) of a batch read through `caches`: the mean answer cross-entropy, plus kl_weight times the
+    indexers' KL (averaged over the attention layers, the MTP layer's included), plus mtp_weight times the MTP
+    layer's answer cross-entropy (DeepSeek-V3's MTP loss, one depth). The MTP metrics: its accuracy on the answer
+    tokens and its acceptance on the value's digits (its argmax there equal to the main model's, as a greedy draft
+    is verified)."""
     model = merge(graphdefs["model"], abstracts["model"], params["model"])
     mtp = merge(graphdefs["mtp"], abstracts["mtp"], params["mtp"]) if "mtp" in params else None
     layers = model.cfg.num_hidden_layers
 
     def one(row_tokens, row_mask):
-        out = sequence_forward(model, row_tokens, mode=mode)
+        out = sequence_forward(model, row_tokens, mode=mode, caches=caches)
         lm, right, predicted = _answer_terms(out.logits, row_tokens, row_mask)
         row = dict(lm=lm, indexer_kl=out.indexer_kl, accuracy=right)
         if mtp is not None:
-            drafted = mtp_forward(model, mtp, row_tokens, out.hidden, mode=mode)
+            drafted = mtp_forward(model, mtp, row_tokens, out.hidden, mode=mode, caches=caches)
             # Aligned with the main model's: position q's of token q + 1 (MTP row q - 1); position 0 has none.
             aligned = jnp.concatenate([jnp.zeros_like(drafted.logits[:1]), drafted.logits])
             mtp_lm, mtp_right, draft = _answer_terms(aligned, row_tokens, row_mask)
@@ -132,10 +134,12 @@ def batch_loss(params, tokens, mask, *, graphdefs, abstracts, mode: str, kl_weig
 
 class Trainer:
     """The parameters, an AdamW optimizer (a warm-up of at most a tenth of the steps, then cosine decay to a tenth
-    of the rate; gradients clipped to norm 1) and a jitted step per attention mode."""
+    of the rate; gradients clipped to norm 1) and a jitted step per attention mode; the forward reads through
+    `caches` (fp8: quantization-aware training for the fp8 caches)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, *, learning_rate: float, total_steps: int,
-                 kl_weight: float = 1.0, mtp_weight: float = MTP_WEIGHT, warmup_steps: int = 100):
+                 kl_weight: float = 1.0, mtp_weight: float = MTP_WEIGHT, warmup_steps: int = 100,
+                 caches: CacheFormats = CacheFormats()):
         self.params = params
         dtype = jax.tree.leaves(params)[0].dtype
         graphdefs, abstracts = {}, {}
@@ -143,7 +147,7 @@ class Trainer:
         if "mtp" in params:
             graphdefs["mtp"], abstracts["mtp"] = abstract_mtp(cfg, dtype)
         loss = functools.partial(batch_loss, graphdefs=graphdefs, abstracts=abstracts, kl_weight=kl_weight,
-                                 mtp_weight=mtp_weight)
+                                 mtp_weight=mtp_weight, caches=caches)
         warmup = max(1, min(warmup_steps, total_steps // 10))
         schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(total_steps, warmup + 1),
                                                       learning_rate / 10)

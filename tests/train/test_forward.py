@@ -12,9 +12,12 @@ import pytest
 
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
 from dcp_jax.model.deepseek_v32 import abstract_model, init_params, merge
+from dcp_jax.model.attention import cache_formats
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.runtime.runner import ModelRunner
-from dcp_jax.train.forward import DENSE, SPARSE, indexer_kl, sequence_forward
+from dcp_jax.train.forward import (DENSE, SPARSE, CacheFormats, indexer_kl, sequence_forward,
+                                   through_fp8_index_cache, through_latent_cache)
+from pallas_kernels import formats
 
 ENGINE = EngineConfig(page_size=4, num_pages=32, max_num_seqs=2, max_model_len=64, bucket_ladder=(2, 16),
                       max_num_batched_tokens=16)
@@ -22,26 +25,31 @@ INDEXER_FIELDS = {"index_wq", "index_wk", "index_k_norm", "index_k_norm_bias", "
 PROMPTS = [list(np.random.default_rng(0).integers(2, TINY.vocab_size, 41)), [7, 300, 12, 6, 77]]
 
 
-def forward(params, tokens, mode):
+def forward(params, tokens, mode, caches=CacheFormats()):
     """The training forward of TINY, jitted (one compile a mode and length; module constants such as
     SELECTION_CHUNK are read when it traces)."""
     graphdef, abstract = abstract_model(TINY)
-    run = jax.jit(lambda params, tokens: sequence_forward(merge(graphdef, abstract, params), tokens, mode=mode))
+    run = jax.jit(lambda params, tokens: sequence_forward(merge(graphdef, abstract, params), tokens, mode=mode,
+                                                          caches=caches))
     return run(params, jnp.asarray(tokens, jnp.int32))
 
 
+@pytest.mark.parametrize("caches", [CacheFormats(), CacheFormats("fp8", "fp8"), CacheFormats("exact", "fp8")],
+                         ids=["exact", "fp8", "fp8-latent"])
 @pytest.mark.parametrize("dcp", [1, 2])
-def test_the_sparse_forward_is_the_serving_prefill(dcp):
+def test_the_sparse_forward_is_the_serving_prefill(dcp, caches):
     """A prompt past index_topk (41 > 16) and a short one: every position's logits and each layer's selected set
-    equal the serving step's (reference kernels, chunks of 16, DCP 1 and 2)."""
+    equal the serving step's (reference kernels, chunks of 16, DCP 1 and 2), the serving caches in the formats the
+    forward reads through."""
     params = init_params(TINY, seed=5)
     parallel = ParallelConfig(tp=dcp, dcp=dcp)
-    runner = ModelRunner(TINY, params, parallel, ENGINE, make_mesh(parallel), "reference")
-    blocks = ENGINE.max_blocks_per_seq(dcp)
+    engine = dataclasses.replace(ENGINE, index_cache=caches.index, latent_cache=caches.latent)
+    runner = ModelRunner(TINY, params, parallel, engine, make_mesh(parallel), "reference")
+    blocks = engine.max_blocks_per_seq(dcp)
     served, selected, _ = runner.prefill(PROMPTS, [list(range(blocks)), list(range(blocks, 2 * blocks))],
                                          all_logits=True, return_selected=True)
     for i, prompt in enumerate(PROMPTS):
-        out = forward(params, prompt, SPARSE)
+        out = forward(params, prompt, SPARSE, caches)
         np.testing.assert_allclose(np.asarray(out.logits), served[i, : len(prompt)], atol=2e-4, rtol=0)
         for layer in range(TINY.num_hidden_layers):
             for row, ids in enumerate(selected[layer, i, : len(prompt)]):  # -1 padded, any order
@@ -146,3 +154,35 @@ def test_the_selection_by_chunks_of_queries_is_the_whole_selection(monkeypatch):
     chunked = forward(params, PROMPTS[0], SPARSE)
     np.testing.assert_array_equal(np.asarray(chunked.selected), np.asarray(whole.selected))
     np.testing.assert_array_equal(np.asarray(chunked.logits), np.asarray(whole.logits))
+
+
+def test_the_fp8_roundings_score_and_read_as_the_fp8_caches_and_pass_the_gradient_straight_through():
+    """Index scores through `through_fp8_index_cache` are the fp8 index cache's (keys and queries quantized as the
+    serving step quantizes them), latents through `through_latent_cache` are the fp8 latent cache's values, and the
+    gradient of either rounding is the identity."""
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((5, TINY.index_n_heads, TINY.index_head_dim)), jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((5, TINY.index_n_heads)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((9, TINY.index_head_dim)) * 3, jnp.float32)
+    fp8_keys = cache_formats.zero_index_keys(keys.shape, "fp8", jnp.float32)
+    served_q, served_weights = cache_formats.encode_index_queries(q, weights, fp8_keys)
+    served_keys = jax.tree.map(lambda a: a[None], cache_formats.encode_index_keys(keys, fp8_keys))
+    served = cache_formats.dense_index_scores(served_q[None], served_weights[None], served_keys)
+    trained = cache_formats.dense_index_scores(through_fp8_index_cache(q)[None], weights[None],
+                                               through_fp8_index_cache(keys)[None])
+    exact = cache_formats.dense_index_scores(q[None], weights[None], keys[None])
+    np.testing.assert_allclose(trained, served, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(trained, exact, rtol=1e-3, atol=1e-3)  # the rounding is there
+
+    latents = jnp.asarray(rng.standard_normal((9, TINY.latent_dim)), jnp.float32)
+    cache = cache_formats.encode_latents(latents, cache_formats.zero_latents((9,), TINY, "fp8", jnp.float32))
+    rounded = through_latent_cache(latents, TINY, "fp8")
+    np.testing.assert_array_equal(rounded, cache_formats.latent_values(cache))
+    assert through_latent_cache(latents, TINY, "exact") is latents
+
+    cotangent = jnp.asarray(rng.standard_normal(latents.shape), jnp.float32)
+    grad = jax.grad(lambda x: jnp.sum(through_latent_cache(x, TINY, "fp8") * cotangent))(latents)
+    np.testing.assert_array_equal(grad, cotangent)
+    hadamard_cotangent = jnp.asarray(rng.standard_normal(keys.shape), jnp.float32)
+    grad = jax.grad(lambda k: jnp.sum(through_fp8_index_cache(k) * hadamard_cotangent))(keys)
+    np.testing.assert_allclose(grad, formats.hadamard(hadamard_cotangent), rtol=1e-5, atol=1e-6)  # symmetric H

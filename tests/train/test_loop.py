@@ -43,6 +43,23 @@ def test_a_fixed_batch_is_fitted_in_both_modes():
     assert 0 <= first["mtp_acceptance"] <= 1 and last["mtp_acceptance"] > first["mtp_acceptance"], (first, last)
 
 
+def test_quantization_aware_training_reads_the_main_and_mtp_layers_through_the_fp8_caches():
+    """A Trainer with fp8 CacheFormats scores the same batch differently from the exact one (the main model's loss
+    and the MTP layer's alike) and steps to finite weights; the rounding's gradient passes straight through."""
+    from dcp_jax.train.forward import CacheFormats
+
+    tokens, mask = next(batches(ByteTokenizer(SMALL.vocab_size), np.random.default_rng(6), context=64, batch=2))
+    metrics = {}
+    for caches in (CacheFormats(), CacheFormats("fp8", "fp8")):
+        trainer = Trainer(SMALL, init_train_params(SMALL, 3), learning_rate=1e-3, total_steps=2, caches=caches)
+        metrics[caches] = trainer.evaluate(tokens, mask, SPARSE)
+        trainer.step(tokens, mask, SPARSE)
+        assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(trainer.params))
+    exact, fp8 = metrics.values()
+    assert exact["lm"] != fp8["lm"] and exact["mtp_lm"] != fp8["mtp_lm"], (exact, fp8)
+    assert abs(exact["lm"] - fp8["lm"]) < 0.1 * exact["lm"], (exact, fp8)  # a rounding, not another model
+
+
 def test_the_mtp_loss_is_its_logits_of_the_token_two_past_each_row():
     """batch_loss's MTP terms by hand: MTP row r predicts token r + 2, taken where token r + 2 is an answer token
     (mask[r + 1]); its acceptance compares row r's argmax with the main model's at position r + 1."""
@@ -124,9 +141,10 @@ def test_stages_are_parsed_and_bad_ones_refused():
             parse_stages(bad)
 
 
-# One shape a stage (no chat-wrapped batches: each would compile a second one); --eval-contexts last.
-STAGES = ["--stages", "dense:2:64:2,sparse:2:96:2", "--chat-fraction", "0", "--eval-every", "1", "--eval-contexts",
-          ""]
+# One shape a stage (no chat-wrapped batches: each would compile a second one), through the fp8 caches' rounding;
+# --eval-contexts last.
+STAGES = ["--stages", "dense:2:64:2,sparse:2:96:2", "--chat-fraction", "0", "--eval-every", "1", "--index-cache",
+          "fp8", "--latent-cache", "fp8", "--eval-contexts", ""]
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +168,13 @@ def test_the_script_writes_a_checkpoint_llm_serves_as_trained(trained, trained_l
     from dcp_jax.model.weights import load_hf_params
 
     evaluation = json.load(open(trained / "eval.json"))
-    assert evaluation["examples"] == 2 and set(evaluation["accuracy"]) == {"served", "served_chat", SPARSE, RANDOM}
+    assert evaluation["examples"] == 2 and set(evaluation["accuracy"]) == {"served", "served_chat", "served_fp8", SPARSE,
+                                                                     RANDOM}
     assert all(set(per_context) == {"96"} for per_context in evaluation["accuracy"].values())
     log = [json.loads(line) for line in open(trained / "train_log.jsonl")]
     assert [row["step"] for row in log] == [1, 2, 3, 4] and log[-1]["mode"] == "sparse"
+    with np.load(trained / "train_state.npz") as saved:
+        assert json.loads(str(saved["meta"]))["run"]["caches"] == {"index": "fp8", "latent": "fp8"}
     prompt = next(batches(ByteTokenizer(DSA_TINY.vocab_size), np.random.default_rng(5), context=96, batch=1))[0][0]
     out = trained_llm.generate(prompt_token_ids=[prompt[:-6].tolist()],
                        sampling_params=SamplingParams(max_tokens=1, temperature=0))
