@@ -36,7 +36,13 @@ from pallas_kernels._platform import default_interpret
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
 
 MIN_DOT_DIM = 16  # smallest M, N, K of a Triton tensor-core dot
-_BLOCKS = (128, 64, 32, 16)  # block_n / block_k candidates, largest first
+_BLOCKS = (256, 128, 64, 32, 16)  # block_n / block_k candidates, largest first
+# Groups averaging at least this many rows take the prefill tiles (`default_knobs`). On an H100 at DeepSeek-V3.2's
+# experts (docs/performance.md, 2026-12-06), bf16: 128 x 256 tiles, 8 warps, 4 stages ran prefill 4K / 16K in 0.74x /
+# 0.69x the time of 64 x 128 tiles with 4 warps and 3 stages, and decode B = 256 (8 rows a group) in 0.90x, while 16-row
+# tiles stayed faster at B = 64 (2 rows a group). Block fp8 (block_n at most its scale block, 128): 128 x 128, 8 warps,
+# 4 stages ran prefill in 0.78x-0.89x but decode B = 256 in 3.5x, so fp8 takes them only past 16 rows a group.
+PREFILL_ROWS_PER_GROUP = {"plain": 8, "fp8": 17}
 
 
 def work_items(group_sizes, num_rows: int, block_m: int):
@@ -99,38 +105,63 @@ def unsupported(x, w) -> list[str]:
     return reasons
 
 
-def grouped_matmul(x, w, group_sizes, *, interpret=None, block_m=None, block_n=None, block_k=None, num_warps=4,
-                   num_stages=3):
-    """The contract of the module docstring. Knobs: block_m rows a block (None: 16 when the rows average at most 16
-    a group, the decode case, else 64), block_n and block_k (powers of two >= 16 dividing N and K; None: the
-    largest such of at most 128 and 64), num_warps and num_stages for Triton."""
-    return _grouped(x, w, group_sizes, None, None, None, x.dtype, interpret=interpret, block_m=block_m,
-                    block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                    fp8_imprecise_acc=MIN_IMPRECISE_ACC)
-
-
-def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, interpret=None, block_m=None,
-                       block_n=None, block_k=None, num_warps=4, num_stages=3, fp8_imprecise_acc=128):
-    """The block-fp8 contract of the module docstring, scale blocks `block` = (bk, bn) (edge blocks partial).
-    Knobs as `grouped_matmul`'s (block_k must divide bk and K, block_n bn and N; None: the largest such of at most
-    128), and fp8_imprecise_acc (>= 32: products accumulated in the tensor core's reduced-precision accumulator,
-    `_fp8_dot`)."""
+def unsupported_fp8(w, block) -> list[str]:
+    """Why this kernel does not take block-fp8 weights w [G, K, N] of scale blocks `block` (empty: it does)."""
     depth, width = w.shape[1:]
-    block_k = block_k or _largest_block(math.gcd(depth, block[0]), 128)
-    block_n = block_n or _largest_block(math.gcd(width, block[1]), 128)
-    return _grouped(x, w, group_sizes, x_scales, w_scales, tuple(block), out_dtype, interpret=interpret,
-                    block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                    fp8_imprecise_acc=fp8_imprecise_acc)
+    if _largest_block(math.gcd(depth, block[0]), 128) is None or _largest_block(math.gcd(width, block[1]), 128) is None:
+        return [f"it needs K, N and the scale block {tuple(block)} multiples of {MIN_DOT_DIM}; got w {w.shape}"]
+    return []
+
+
+def default_knobs(num_rows: int, w_shape, scale_block: tuple[int, int] | None = None) -> dict:
+    """The tiles the kernel runs unless told, for x [num_rows, K] and w [G, K, N] (block fp8 when `scale_block`):
+    groups averaging PREFILL_ROWS_PER_GROUP rows or more take block_m 128, 8 warps, 4 stages; fewer (decode: a few
+    rows an expert) block_m 16, 4 warps, 3 stages. block_n and block_k: the largest powers of two dividing N and K
+    (and the scale block) of at most 256 / 64 (prefill, plain), 128 / 64 (decode, plain) or 128 / 128 (fp8)."""
+    num_groups, depth, width = w_shape
+    prefill = num_rows >= PREFILL_ROWS_PER_GROUP["plain" if scale_block is None else "fp8"] * num_groups
+    if scale_block is None:
+        blocks = dict(block_n=_largest_block(width, 256 if prefill else 128), block_k=_largest_block(depth, 64))
+    else:
+        blocks = dict(block_n=_largest_block(math.gcd(width, scale_block[1]), 128),
+                      block_k=_largest_block(math.gcd(depth, scale_block[0]), 128))
+    if prefill:
+        return dict(block_m=128, num_warps=8, num_stages=4, **blocks)
+    return dict(block_m=16, num_warps=4, num_stages=3, **blocks)
+
+
+def _knobs(num_rows: int, w_shape, scale_block, given: dict) -> dict:
+    """`default_knobs` with the `given` ones that are not None in their place; refuses a knob it does not know."""
+    chosen = default_knobs(num_rows, w_shape, scale_block)
+    unknown = set(given) - set(chosen)
+    if unknown:
+        raise TypeError(f"unknown grouped matmul knobs {sorted(unknown)}; the kernel takes {sorted(chosen)}")
+    chosen.update((name, value) for name, value in given.items() if value is not None)
+    return chosen
+
+
+def grouped_matmul(x, w, group_sizes, *, interpret=None, **knobs):
+    """The contract of the module docstring. Knobs (left out or None: `default_knobs`'): block_m rows a block,
+    block_n and block_k (powers of two >= 16 dividing N and K), num_warps and num_stages for Triton."""
+    return _grouped(x, w, group_sizes, None, None, None, x.dtype, interpret=interpret,
+                    fp8_imprecise_acc=MIN_IMPRECISE_ACC, **_knobs(x.shape[0], w.shape, None, knobs))
+
+
+def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, interpret=None,
+                       fp8_imprecise_acc=128, **knobs):
+    """The block-fp8 contract of the module docstring, scale blocks `block` = (bk, bn) (edge blocks partial).
+    Knobs as `grouped_matmul`'s (block_k must divide bk and K, block_n bn and N), and fp8_imprecise_acc (>= 32:
+    products accumulated in the tensor core's reduced-precision accumulator, `_fp8_dot`)."""
+    block = tuple(block)
+    return _grouped(x, w, group_sizes, x_scales, w_scales, block, out_dtype, interpret=interpret,
+                    fp8_imprecise_acc=fp8_imprecise_acc, **_knobs(x.shape[0], w.shape, block, knobs))
 
 
 def _grouped(x, w, group_sizes, x_scales, w_scales, scale_block, out_dtype, *, interpret, block_m, block_n,
              block_k, num_warps, num_stages, fp8_imprecise_acc):
     interpret = default_interpret(interpret)
     num_rows, depth = x.shape
-    num_groups, _, width = w.shape
-    if block_m is None:
-        block_m = 16 if num_rows <= 16 * num_groups else 64
-    block_n, block_k = block_n or _largest_block(width, 128), block_k or _largest_block(depth, 64)
+    width = w.shape[2]
     if any(b is None or b < MIN_DOT_DIM or b & (b - 1) for b in (block_m, block_n, block_k)) or width % block_n or \
             depth % block_k:
         raise ValueError(f"need powers of two >= {MIN_DOT_DIM}, block_n dividing N and block_k dividing K; got "

@@ -151,6 +151,10 @@ def _grouped_matmul_triton_unsupported(x, w, group_sizes, *, interpret=None, **_
     return _grouped_matmul_triton.unsupported(x, w)
 
 
+def _grouped_matmul_fp8_triton_unsupported(x, x_scales, w, w_scales, group_sizes, *, block, interpret=None, **_):
+    return _grouped_matmul_triton.unsupported_fp8(w, block)
+
+
 def _check_grouped_matmul_fp8_inputs(x, x_scales, w, w_scales, group_sizes, block):
     _check_grouped_matmul_inputs(x, w, group_sizes)
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -192,7 +196,7 @@ IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
     },
     "grouped_matmul_fp8": {
         "reference": Implementation(_reference_run(reference.grouped_matmul_fp8), _never),
-        "triton": Implementation(_grouped_matmul_triton.grouped_matmul_fp8, _never),
+        "triton": Implementation(_grouped_matmul_triton.grouped_matmul_fp8, _grouped_matmul_fp8_triton_unsupported),
     },
     "sparse_mla_decode": {
         "reference": Implementation(_reference_run(reference.sparse_mla_decode), _never),

@@ -119,9 +119,9 @@ def dense_experts(x, experts, weights, gate, up, down, *, first_expert):
 
 def routed_experts(backend: str, x, gate, up, down):
     """The routed experts' computation for a kernels backend (`pallas_kernels.BACKENDS`) and these (local)
-    weights: `grouped_experts` through `pallas_kernels.grouped_matmul` where that backend's kernel takes them
-    (plain weights of x's dtype), else `dense_experts` (said once in the log with the reason, unless the backend
-    is "reference")."""
+    weights: `grouped_experts` through `fp8_linear.grouped_matmul` where that backend's kernel takes them (plain
+    weights of x's dtype: `pallas_kernels.grouped_matmul`; block fp8: `grouped_matmul_fp8`), else `dense_experts`
+    (said once in the log with the reason, unless the backend is "reference")."""
     if backend == "reference":
         return dense_experts
     reasons = [reason for w in (gate, up, down) for reason in _kernel_refusals(backend, x.dtype, w)]
@@ -135,9 +135,14 @@ def routed_experts(backend: str, x, gate, up, down):
 def _kernel_refusals(backend: str, dtype, w) -> list[str]:
     """Why the grouped matmul of `backend` does not take rows of `dtype` times the expert weights w (empty: it
     does)."""
-    if fp8_linear.is_fp8(w):  # `grouped_matmul_fp8` is not yet measured on a GPU, so not chosen
-        return ["block-fp8 experts run densely until the fp8 grouped matmul is measured on a GPU"]
-    rows, sizes = jax.ShapeDtypeStruct((1, w.shape[1]), dtype), jax.ShapeDtypeStruct((w.shape[0],), jnp.int32)
+    sizes = jax.ShapeDtypeStruct((w.shape[0],), jnp.int32)
+    if fp8_linear.is_fp8(w):  # rows quantized by `act_quant` per the weight's input blocks
+        bm, bn = w.block  # output rows by input columns: scale blocks (bn, bm) along (K, N)
+        rows = jax.ShapeDtypeStruct((1, w.shape[1]), jnp.float8_e4m3fn)
+        row_scales = jax.ShapeDtypeStruct((1, -(-w.shape[1] // bn)), jnp.float32)
+        return pallas_kernels.unsupported("grouped_matmul_fp8", backend, rows, row_scales, w.values, w.scales, sizes,
+                                          block=(bn, bm))
+    rows = jax.ShapeDtypeStruct((1, w.shape[1]), dtype)
     return pallas_kernels.unsupported("grouped_matmul", backend, rows, w, sizes)
 
 

@@ -40,6 +40,25 @@ def test_the_default_backend_runs_the_kernel_with_its_default_blocks():
     _check(args, rtol=1e-5, backend="pallas")
 
 
+def test_default_tiles_follow_the_rows_a_group_and_run_as_given_knobs_would():
+    """Decode tiles below PREFILL_ROWS_PER_GROUP rows a group, prefill tiles at it (the measured choice,
+    `default_knobs`); fp8 keeps block_n within its scale block. A prefill-shaped call with the defaults matches the
+    reference; an unknown knob is refused."""
+    experts = (256, 7168, 2048)
+    assert kernel.default_knobs(64 * 8, experts) == dict(block_m=16, block_n=128, block_k=64, num_warps=4,
+                                                         num_stages=3)
+    assert kernel.default_knobs(256 * 8, experts) == dict(block_m=128, block_n=256, block_k=64, num_warps=8,
+                                                          num_stages=4)
+    assert kernel.default_knobs(256 * 8, experts, (128, 128))["block_m"] == 16  # fp8: decode tiles at 8 a group
+    assert kernel.default_knobs(4096 * 8, experts, (128, 128)) == dict(block_m=128, block_n=128, block_k=128,
+                                                                       num_warps=8, num_stages=4)
+    args = _case(2, [40, 3, 0, 30], rows=80, depth=48, width=32, dtype=jnp.float32)  # 20 rows a group
+    assert kernel.default_knobs(80, args[1].shape)["block_m"] == 128
+    _check(args, rtol=1e-5)
+    with pytest.raises(TypeError, match="unknown grouped matmul knobs"):
+        pallas_kernels.grouped_matmul(*args, backend="triton", block_rows=16)
+
+
 def test_work_items_list_each_groups_blocks_in_order():
     groups, starts, rows = (np.asarray(a) for a in kernel.work_items(jnp.asarray([7, 0, 20, 1], jnp.int32), 30, 16))
     assert len(groups) == 2 + 4  # ceil(30 / 16) + G
