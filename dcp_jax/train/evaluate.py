@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from dcp_jax.host.sampling import SamplingParams
-from dcp_jax.train.forward import sequence_forward
+from dcp_jax.train.forward import CacheFormats, sequence_forward
 from dcp_jax.train.retrieval import ANSWER_BYTES, CHAT_BYTES, chat_prompt, encode_batch, make_example, records_for
 
 # Room an evaluation prompt of `context` tokens leaves: the chat template's bytes and a generation of 8 tokens (a
@@ -36,16 +36,16 @@ def served_accuracy(llm, *, context: int, examples: int, seed: int = 0, chat: bo
 
 
 def forced_accuracy(model, tokenizer, *, context: int, examples: int, seed: int = 0, mode: str,
-                    key: jax.Array | None = None) -> float:
+                    key: jax.Array | None = None, caches: CacheFormats = CacheFormats()) -> float:
     """The share of `examples_for(context, examples, seed)` whose answer tokens are all the argmax of `model` (a
     `DeepseekV32`) attending as `mode` (the training forward's; RANDOM draws each prompt's keys from its own
-    fold of `key`)."""
+    fold of `key`) through `caches` (fp8: as served with those caches)."""
     tokens, _ = encode_batch(tokenizer, examples_for(context, examples, seed))
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def answer_logits(state, row, row_key):
-        out = sequence_forward(nnx.merge(graphdef, state), row, mode=mode, key=row_key)
+        out = sequence_forward(nnx.merge(graphdef, state), row, mode=mode, key=row_key, caches=caches)
         return out.logits[-ANSWER_BYTES - 1:-1]
 
     right = 0

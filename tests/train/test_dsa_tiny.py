@@ -72,18 +72,24 @@ def test_dsa_tiny_answers_with_the_pallas_kernels():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_pages", [2_000_000, 400_000, 100_000], ids=["index-keys", "latents", "both-under"])
-def test_dsa_tiny_answers_with_fp8_caches_of_2g_to_4g_elements(num_pages):
-    """fp8 pools whose one-byte arrays (every layer's pages in one) hold 2**31 to 2**32 elements: the index keys at
-    2M pages a layer, the latents at 400K (100K: both under 2**31, the control). JAX's Triton lowering addressed
-    those with 32-bit offsets, which wrapped past element 2**31 (pallas_kernels/_triton_offsets.py;
-    docs/training.md); pages are handed out from the low ids, so the last layer's reads are the ones past it."""
+def test_dsa_tiny_answers_alike_with_fp8_caches_of_2g_to_4g_elements():
+    """fp8 pools whose one-byte arrays (every layer's pages in one) hold 2**31 to 2**32 elements, the index keys at
+    2M pages a layer and the latents at 400K, answer as a 100K-page pool (both arrays under 2**31) does: pages are
+    handed out from the low ids, so the caches hold the same values at the same places and only the offsets past
+    element 2**31 differ. JAX's Triton lowering addressed those with 32-bit offsets, which wrapped
+    (pallas_kernels/_triton_offsets.py; docs/training.md): 2% of answers right. Whether fp8 answers are right is
+    the evaluation's question (docs/training.md); on an H100, 3 of these 4 were, at every pool size."""
     from dcp_jax.serving.llm import LLM
 
     cases = examples_for(1024, 4, seed=HIDDEN_SEED)
-    llm = LLM("dsa-tiny", index_cache="fp8", latent_cache="fp8", num_pages=num_pages, max_model_len=1024,
-              max_num_seqs=4, kernels="pallas")
-    assert answers(llm, cases) == [answer for _, answer in cases]
+    served = {}
+    for num_pages in (100_000, 400_000, 2_000_000):
+        llm = LLM("dsa-tiny", index_cache="fp8", latent_cache="fp8", num_pages=num_pages, max_model_len=1024,
+                  max_num_seqs=4, kernels="pallas")
+        served[num_pages] = answers(llm, cases)
+        del llm
+    assert served[400_000] == served[100_000] and served[2_000_000] == served[100_000], served
+    assert sum(got == answer for got, (_, answer) in zip(served[100_000], cases)) >= 3, served
 
 
 def test_a_random_selection_of_the_same_size_answers_none():
