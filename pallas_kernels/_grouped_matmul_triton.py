@@ -39,9 +39,11 @@ MIN_DOT_DIM = 16  # smallest M, N, K of a Triton tensor-core dot
 _BLOCKS = (256, 128, 64, 32, 16)  # block_n / block_k candidates, largest first
 # Groups averaging at least this many rows take the prefill tiles (`default_knobs`). On an H100 at DeepSeek-V3.2's
 # experts (docs/performance.md, 2026-12-06), bf16: 128 x 256 tiles, 8 warps, 4 stages ran prefill 4K / 16K in 0.74x /
-# 0.69x the time of 64 x 128 tiles with 4 warps and 3 stages, and decode B = 256 (8 rows a group) in 0.90x, while 16-row
-# tiles stayed faster at B = 64 (2 rows a group). Block fp8 (block_n at most its scale block, 128): 128 x 128, 8 warps,
-# 4 stages ran prefill in 0.78x-0.89x but decode B = 256 in 3.5x, so fp8 takes them only past 16 rows a group.
+# 0.69x the time of 64 x 128 tiles with 4 warps and 3 stages, and decode B = 256 (8 rows a group) in 0.90x that of
+# 16 x 128 tiles, which stayed faster at B = 64 (2 rows a group). Block fp8 (block_n at most its scale block, 128):
+# 128 x 128, 8 warps, 4 stages ran prefill (128 and 512 rows a group) in 0.78x-0.89x but decode B = 256 in 3.5x, so
+# fp8 keeps the old boundary, past 16 rows a group. f32 keeps the old 64 x 128 tiles (128 x 256 f32 stages would not
+# fit in shared memory).
 PREFILL_ROWS_PER_GROUP = {"plain": 8, "fp8": 17}
 
 
@@ -113,38 +115,46 @@ def unsupported_fp8(w, block) -> list[str]:
     return []
 
 
-def default_knobs(num_rows: int, w_shape, scale_block: tuple[int, int] | None = None) -> dict:
-    """The tiles the kernel runs unless told, for x [num_rows, K] and w [G, K, N] (block fp8 when `scale_block`):
-    groups averaging PREFILL_ROWS_PER_GROUP rows or more take block_m 128, 8 warps, 4 stages; fewer (decode: a few
-    rows an expert) block_m 16, 4 warps, 3 stages. block_n and block_k: the largest powers of two dividing N and K
-    (and the scale block) of at most 256 / 64 (prefill, plain), 128 / 64 (decode, plain) or 128 / 128 (fp8)."""
-    num_groups, depth, width = w_shape
-    prefill = num_rows >= PREFILL_ROWS_PER_GROUP["plain" if scale_block is None else "fp8"] * num_groups
-    if scale_block is None:
-        blocks = dict(block_n=_largest_block(width, 256 if prefill else 128), block_k=_largest_block(depth, 64))
+def default_knobs(rows_per_group: float, w, scale_block: tuple[int, int] | None = None) -> dict:
+    """The tiles the kernel runs unless told, for groups averaging `rows_per_group` rows times w [G, K, N] (block fp8
+    when `scale_block`), by PREFILL_ROWS_PER_GROUP. block_n and block_k: the largest powers of two of at most the
+    table's dividing N and K (and the scale block); None where none >= 16 does (the kernel refuses those shapes)."""
+    depth, width = w.shape[1:]
+    fp8 = scale_block is not None
+    prefill = rows_per_group >= PREFILL_ROWS_PER_GROUP["fp8" if fp8 else "plain"]
+    if fp8:  # (block_m, block_n at most, block_k at most, warps, stages)
+        tile = (128, 128, 128, 8, 4) if prefill else (16, 128, 128, 4, 3)
+        width, depth = math.gcd(width, scale_block[1]), math.gcd(depth, scale_block[0])
+    elif not prefill:
+        tile = (16, 128, 64, 4, 3)
     else:
-        blocks = dict(block_n=_largest_block(math.gcd(width, scale_block[1]), 128),
-                      block_k=_largest_block(math.gcd(depth, scale_block[0]), 128))
-    if prefill:
-        return dict(block_m=128, num_warps=8, num_stages=4, **blocks)
-    return dict(block_m=16, num_warps=4, num_stages=3, **blocks)
+        tile = (128, 256, 64, 8, 4) if jnp.dtype(w.dtype).itemsize == 2 else (64, 128, 64, 4, 3)
+    block_m, most_n, most_k, num_warps, num_stages = tile
+    return dict(block_m=block_m, block_n=_largest_block(width, most_n), block_k=_largest_block(depth, most_k),
+                num_warps=num_warps, num_stages=num_stages)
 
 
-def _knobs(num_rows: int, w_shape, scale_block, given: dict) -> dict:
-    """`default_knobs` with the `given` ones that are not None in their place; refuses a knob it does not know."""
-    chosen = default_knobs(num_rows, w_shape, scale_block)
+def _knobs(num_rows: int, w, scale_block, given: dict) -> dict:
+    """`default_knobs` for the `rows_per_group` given (None: the rows over the groups) with the other `given` knobs
+    that are not None in their place; refuses a knob it does not know."""
+    given = dict(given)
+    rows_per_group = given.pop("rows_per_group", None)
+    chosen = default_knobs(num_rows / w.shape[0] if rows_per_group is None else rows_per_group, w, scale_block)
     unknown = set(given) - set(chosen)
     if unknown:
-        raise TypeError(f"unknown grouped matmul knobs {sorted(unknown)}; the kernel takes {sorted(chosen)}")
+        raise TypeError(f"unknown grouped matmul knobs {sorted(unknown)}; the kernel takes rows_per_group and "
+                        f"{sorted(chosen)}")
     chosen.update((name, value) for name, value in given.items() if value is not None)
     return chosen
 
 
 def grouped_matmul(x, w, group_sizes, *, interpret=None, **knobs):
     """The contract of the module docstring. Knobs (left out or None: `default_knobs`'): block_m rows a block,
-    block_n and block_k (powers of two >= 16 dividing N and K), num_warps and num_stages for Triton."""
+    block_n and block_k (powers of two >= 16 dividing N and K), num_warps and num_stages for Triton; and
+    rows_per_group, the rows a group averages, which picks the default tiles (None: A / G; a caller whose rows
+    include some of no group, as expert parallelism's other ranks' assignments, knows better)."""
     return _grouped(x, w, group_sizes, None, None, None, x.dtype, interpret=interpret,
-                    fp8_imprecise_acc=MIN_IMPRECISE_ACC, **_knobs(x.shape[0], w.shape, None, knobs))
+                    fp8_imprecise_acc=MIN_IMPRECISE_ACC, **_knobs(x.shape[0], w, None, knobs))
 
 
 def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, interpret=None,
@@ -154,7 +164,7 @@ def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtyp
     products accumulated in the tensor core's reduced-precision accumulator, `_fp8_dot`)."""
     block = tuple(block)
     return _grouped(x, w, group_sizes, x_scales, w_scales, block, out_dtype, interpret=interpret,
-                    fp8_imprecise_acc=fp8_imprecise_acc, **_knobs(x.shape[0], w.shape, block, knobs))
+                    fp8_imprecise_acc=fp8_imprecise_acc, **_knobs(x.shape[0], w, block, knobs))
 
 
 def _grouped(x, w, group_sizes, x_scales, w_scales, scale_block, out_dtype, *, interpret, block_m, block_n,

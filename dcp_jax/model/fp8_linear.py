@@ -180,12 +180,25 @@ def grouped_matmul(x, w, group_sizes, *, backend: str, **knobs):
     scaling of each block's product equals the dequantized product's sum); x's dtype. `knobs` go to the kernel."""
     if not isinstance(w, Fp8BlockWeight):
         return pallas_kernels.grouped_matmul(x, w, group_sizes, backend=backend, **knobs)
-    if w.in_axes != (-2,) or w.out_axes != (-1,) or w.values.ndim != 3:
-        raise ValueError(f"a grouped fp8 weight is [G, K, N] with K its input axis; got {w.shape} {w.in_axes=}")
+    problem = grouped_layout_problem(w)
+    if problem:
+        raise ValueError(problem)
     values, scales = act_quant(x, w.block[1])
-    bm, bn = w.block  # output rows by input columns: scale blocks (bn, bm) along (K, N)
-    return pallas_kernels.grouped_matmul_fp8(values, scales, w.values, w.scales, group_sizes, block=(bn, bm),
-                                             out_dtype=x.dtype, backend=backend, **knobs)
+    return pallas_kernels.grouped_matmul_fp8(values, scales, w.values, w.scales, group_sizes,
+                                             block=grouped_scale_block(w), out_dtype=x.dtype, backend=backend, **knobs)
+
+
+def grouped_layout_problem(w: Fp8BlockWeight) -> str | None:
+    """Why `grouped_matmul` cannot take this fp8 weight as [G, K, N] (None: it can)."""
+    if w.in_axes != (-2,) or w.out_axes != (-1,) or w.values.ndim != 3:
+        return f"a grouped fp8 weight is [G, K, N] with K its input axis; got {w.shape} {w.in_axes=} {w.out_axes=}"
+    return None
+
+
+def grouped_scale_block(w: Fp8BlockWeight) -> tuple[int, int]:
+    """The scale block (bk, bn) along (K, N) of a [G, K, N] weight: HF's block is (bm output rows, bn input columns)."""
+    bm, bn = w.block
+    return bn, bm
 
 
 def _fp8_ragged_dot(x, w: Fp8BlockWeight, group_sizes):

@@ -9,10 +9,10 @@ Routed experts, grouped (`grouped_experts`): a step's R * k (row, expert) assign
 expert multiplies only the rows routed to it (a grouped matmul: gate, up, silu(gate) * up, down) and the weighted
 results are summed back into their rows. Shapes are static (R * k assignments whatever the routing); the group
 sizes are traced counts. `dense_experts` is the reference: every expert on every row. Which one the model runs is
-`MoE.partial`'s `backend`: grouped through `pallas_kernels.grouped_matmul` with the Pallas kernels where it takes
-the weights, else dense (jax 0.11.2 lowers `jax.lax.ragged_dot` to a masked dense product on the GPU as on CPU: no
-faster than dense at decode, 3.4x slower at 256 rows, and out of memory at prefill rows; bench_moe,
-docs/performance.md).
+`MoE.partial`'s `backend`: grouped through `pallas_kernels.grouped_matmul` (block-fp8 experts: `grouped_matmul_fp8`)
+with the Pallas kernels where it takes the weights, else dense (jax 0.11.2 lowers `jax.lax.ragged_dot` to a masked
+dense product on the GPU as on CPU: no faster than dense at decode, 3.4x slower at 256 rows, and out of memory at
+prefill rows; bench_moe, docs/performance.md).
 
 Parallelism, inside shard_map over the TP ranks (`mesh.HEADS`). The hidden state is replicated on every rank (the
 attention block ends in a psum), so each rank routes every row itself: the dispatch is a local selection, and the
@@ -117,33 +117,48 @@ def dense_experts(x, experts, weights, gate, up, down, *, first_expert):
     return jnp.einsum("rx,rxd->rd", combine, per_expert.astype(jnp.float32), precision=HIGHEST).astype(x.dtype)
 
 
-def routed_experts(backend: str, x, gate, up, down):
+def routed_experts(backend: str, x, gate, up, down, *, rows_per_expert: float):
     """The routed experts' computation for a kernels backend (`pallas_kernels.BACKENDS`) and these (local)
     weights: `grouped_experts` through `fp8_linear.grouped_matmul` where that backend's kernel takes them (plain
-    weights of x's dtype: `pallas_kernels.grouped_matmul`; block fp8: `grouped_matmul_fp8`), else `dense_experts`
-    (said once in the log with the reason, unless the backend is "reference")."""
+    weights of x's dtype: `pallas_kernels.grouped_matmul`; block fp8: `grouped_matmul_fp8`), its tiles chosen for
+    `rows_per_expert` (the assignments over all the experts: under expert parallelism the rows the kernel sees
+    include other ranks'), else `dense_experts` (said once in the log with the reason, unless the backend is
+    "reference")."""
     if backend == "reference":
         return dense_experts
     reasons = [reason for w in (gate, up, down) for reason in _kernel_refusals(backend, x.dtype, w)]
-    if not reasons:
-        return functools.partial(grouped_experts, matmul=functools.partial(fp8_linear.grouped_matmul,
-                                                                           backend=backend))
-    _log_dense_once("; ".join(dict.fromkeys(reasons)))
-    return dense_experts
+    if reasons:
+        _log_dense_once("; ".join(dict.fromkeys(reasons)))
+        return dense_experts
+    # The implementation the backend names: the tiles' hint is a knob, which only an explicit one takes.
+    names = {pallas_kernels.choose(op, backend, *args, **kwargs)
+             for op, args, kwargs in (_kernel_call(x.dtype, w) for w in (gate, up, down))}
+    if len(names) != 1:
+        raise ValueError(f"the routed experts' weights would run on different kernels {sorted(names)}")
+    matmul = functools.partial(fp8_linear.grouped_matmul, backend=names.pop(), rows_per_group=rows_per_expert)
+    return functools.partial(grouped_experts, matmul=matmul)
 
 
 def _kernel_refusals(backend: str, dtype, w) -> list[str]:
     """Why the grouped matmul of `backend` does not take rows of `dtype` times the expert weights w (empty: it
     does)."""
+    problem = fp8_linear.grouped_layout_problem(w) if fp8_linear.is_fp8(w) else None
+    if problem:
+        return [problem]
+    op, args, kwargs = _kernel_call(dtype, w)
+    return pallas_kernels.unsupported(op, backend, *args, **kwargs)
+
+
+def _kernel_call(dtype, w) -> tuple[str, tuple, dict]:
+    """(op, abstract arguments, keywords) of the grouped matmul that multiplies rows of `dtype` by the expert
+    weights w (block fp8: of the grouped layout)."""
     sizes = jax.ShapeDtypeStruct((w.shape[0],), jnp.int32)
-    if fp8_linear.is_fp8(w):  # rows quantized by `act_quant` per the weight's input blocks
-        bm, bn = w.block  # output rows by input columns: scale blocks (bn, bm) along (K, N)
-        rows = jax.ShapeDtypeStruct((1, w.shape[1]), jnp.float8_e4m3fn)
-        row_scales = jax.ShapeDtypeStruct((1, -(-w.shape[1] // bn)), jnp.float32)
-        return pallas_kernels.unsupported("grouped_matmul_fp8", backend, rows, row_scales, w.values, w.scales, sizes,
-                                          block=(bn, bm))
-    rows = jax.ShapeDtypeStruct((1, w.shape[1]), dtype)
-    return pallas_kernels.unsupported("grouped_matmul", backend, rows, w, sizes)
+    if not fp8_linear.is_fp8(w):
+        return "grouped_matmul", (jax.ShapeDtypeStruct((1, w.shape[1]), dtype), w, sizes), {}
+    block = fp8_linear.grouped_scale_block(w)  # rows quantized by `act_quant` per the weight's input blocks
+    rows = jax.ShapeDtypeStruct((1, w.shape[1]), jnp.float8_e4m3fn)
+    row_scales = jax.ShapeDtypeStruct((1, -(-w.shape[1] // block[0])), jnp.float32)
+    return "grouped_matmul_fp8", (rows, row_scales, w.values, w.scales, sizes), dict(block=block)
 
 
 @functools.cache
@@ -182,7 +197,9 @@ class MoE(nnx.Module):
         the kernels `backend`: "reference" runs them densely) and its slice of the shared experts'."""
         experts, weights = self.route(x)
         gate, up, down = (w.get_value() for w in (self.experts_gate, self.experts_up, self.experts_down))
-        run = routed_experts(backend, x, gate, up, down)
+        cfg = self.cfg
+        run = routed_experts(backend, x, gate, up, down,
+                             rows_per_expert=x.shape[0] * cfg.num_experts_per_tok / cfg.n_routed_experts)
         return run(x, experts, weights, gate, up, down, first_expert=self.first_expert()) + self.shared.partial(x)
 
     def __call__(self, x, *, backend: str):

@@ -69,9 +69,10 @@ def evaluate_checkpoint(path: str, *, contexts: list[int], examples: int, seed: 
     from dcp_jax.train.forward import RANDOM, SPARSE
 
     result = {}
-    for caches, runs in (("exact", (("served", False), ("served_chat", True))), ("fp8", (("served_fp8", False),))):
-        llm = LLM(path, max_model_len=max(contexts), max_num_seqs=min(examples, 64), index_cache=caches,
-                  latent_cache=caches)  # prompts leave EVAL_ROOM
+    for cache_format, runs in (("exact", (("served", False), ("served_chat", True))),
+                               ("fp8", (("served_fp8", False),))):
+        llm = LLM(path, max_model_len=max(contexts), max_num_seqs=min(examples, 64), index_cache=cache_format,
+                  latent_cache=cache_format)  # prompts leave EVAL_ROOM
         for name, chat in runs:
             result[name] = {context: served_accuracy(llm, context=context, examples=examples, seed=seed, chat=chat)
                             for context in contexts}

@@ -36,7 +36,8 @@ RANDOM = "random"
 class CacheFormats(NamedTuple):
     """The serving caches' formats a forward reads through (`config.INDEX_CACHE_FORMATS`, `LATENT_CACHE_FORMATS`):
     'fp8' rounds the indexer's keys and queries, or the latents, to what that cache stores and scores, the gradient
-    passing straight through the rounding."""
+    passing straight through the rounding. As the reference kernels compute: the GPU sparse MLA kernel also rounds
+    the queries and probabilities to bf16, which is not modelled."""
 
     index: str = "exact"
     latent: str = "exact"
@@ -49,11 +50,9 @@ def straight_through(x, rounded):
 
 def through_fp8_index_cache(x):
     """Index queries [..., I, J] or keys [..., J] as the fp8 index cache scores them: Hadamard-rotated, then e4m3
-    with a power-of-two scale per vector (`formats`); their dot products are the unrotated ones up to the
-    rounding."""
-    rotated = formats.hadamard(x)
-    x8, scales = formats.quantize_e4m3_ue8m0(rotated)
-    return straight_through(rotated, x8.astype(jnp.float32) * scales[..., None])
+    with a power-of-two scale per vector (`formats.quantize_index_keys`, which also quantizes the queries per
+    head); their dot products are the unrotated ones up to the rounding."""
+    return straight_through(formats.hadamard(x), formats.dequantize_index_keys(formats.quantize_index_keys(x)))
 
 
 def through_latent_cache(latent, cfg: ModelConfig, latent_cache: str):

@@ -1,9 +1,12 @@
 """pallas_kernels.grouped_matmul (the Triton kernel) against reference.grouped_matmul: interpreted on CPU,
 compiled on GPU. Groups of no rows, of fewer rows than a block, of several blocks, rows past the last group."""
 
+import re
+
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 
 import pallas_kernels
@@ -40,21 +43,28 @@ def test_the_default_backend_runs_the_kernel_with_its_default_blocks():
     _check(args, rtol=1e-5, backend="pallas")
 
 
-def test_default_tiles_follow_the_rows_a_group_and_run_as_given_knobs_would():
-    """Decode tiles below PREFILL_ROWS_PER_GROUP rows a group, prefill tiles at it (the measured choice,
-    `default_knobs`); fp8 keeps block_n within its scale block. A prefill-shaped call with the defaults matches the
+def test_default_tiles_follow_the_rows_a_group_given_or_counted():
+    """Decode tiles below PREFILL_ROWS_PER_GROUP rows a group, prefill tiles from it (the measured choice,
+    `default_knobs`; f32 keeps 64-row tiles, fp8 keeps block_n within its scale block). The rows a group are A / G
+    unless `rows_per_group` says (expert parallelism); a prefill-shaped call with the defaults matches the
     reference; an unknown knob is refused."""
-    experts = (256, 7168, 2048)
-    assert kernel.default_knobs(64 * 8, experts) == dict(block_m=16, block_n=128, block_k=64, num_warps=4,
-                                                         num_stages=3)
-    assert kernel.default_knobs(256 * 8, experts) == dict(block_m=128, block_n=256, block_k=64, num_warps=8,
-                                                          num_stages=4)
-    assert kernel.default_knobs(256 * 8, experts, (128, 128))["block_m"] == 16  # fp8: decode tiles at 8 a group
-    assert kernel.default_knobs(4096 * 8, experts, (128, 128)) == dict(block_m=128, block_n=128, block_k=128,
-                                                                       num_warps=8, num_stages=4)
-    args = _case(2, [40, 3, 0, 30], rows=80, depth=48, width=32, dtype=jnp.float32)  # 20 rows a group
-    assert kernel.default_knobs(80, args[1].shape)["block_m"] == 128
-    _check(args, rtol=1e-5)
+    experts = jax.ShapeDtypeStruct((256, 7168, 2048), jnp.bfloat16)
+    fp8_experts = jax.ShapeDtypeStruct(experts.shape, jnp.float8_e4m3fn)
+    assert kernel.default_knobs(2, experts) == dict(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=3)
+    assert kernel.default_knobs(8, experts) == dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
+    assert kernel.default_knobs(8, jax.ShapeDtypeStruct(experts.shape, jnp.float32))["block_m"] == 64
+    assert kernel.default_knobs(8, fp8_experts, (128, 128))["block_m"] == 16  # fp8: decode tiles at 8 a group
+    assert kernel.default_knobs(128, fp8_experts, (128, 128)) == dict(block_m=128, block_n=128, block_k=128,
+                                                                      num_warps=8, num_stages=4)
+    args = _case(2, [40, 3, 0, 30], rows=80, depth=48, width=32, dtype=jnp.bfloat16)  # 20 rows a group
+
+    def kernel_name(**knobs):
+        jaxpr = str(jax.make_jaxpr(lambda *a: pallas_kernels.grouped_matmul(*a, backend="triton", **knobs))(*args))
+        return re.search(r"grouped_matmul_block_m=\d+", jaxpr).group()
+
+    assert kernel_name() == "grouped_matmul_block_m=128"
+    assert kernel_name(rows_per_group=2.5) == "grouped_matmul_block_m=16"  # most rows another rank's
+    _check(args, rtol=2e-2)
     with pytest.raises(TypeError, match="unknown grouped matmul knobs"):
         pallas_kernels.grouped_matmul(*args, backend="triton", block_rows=16)
 
@@ -135,12 +145,13 @@ def test_grouped_matmul_fp8_refuses_malformed_scales():
 
 
 @pytest.mark.gpu
-def test_grouped_matmul_fp8_compiled_deepseek_experts():
-    """DeepSeek-V3.2's block-fp8 experts (blocks of 128) at a decode's routed rows, compiled: within fp8 tensor-core
-    accumulation of the dequantized reference."""
+@pytest.mark.parametrize("rows", [64 * 8, 4096 * 8])
+def test_grouped_matmul_fp8_compiled_deepseek_experts(rows):
+    """DeepSeek-V3.2's block-fp8 experts (blocks of 128) at a decode's or a prefill's routed rows (the decode and
+    the prefill tiles), compiled: within fp8 tensor-core accumulation of the dequantized reference."""
     rng = np.random.default_rng(6)
-    sizes = np.bincount(rng.integers(0, 256, 512), minlength=256).tolist()
-    args = _fp8_case(7, sizes, rows=512, depth=7168, width=256, block=128)
+    sizes = np.bincount(rng.integers(0, 256, rows), minlength=256).tolist()
+    args = _fp8_case(7, sizes, rows=rows, depth=7168, width=256, block=128)
     out = np.asarray(pallas_kernels.grouped_matmul_fp8(*args, block=(128, 128), out_dtype=jnp.float32,
                                                        interpret=False))
     ref = np.asarray(reference.grouped_matmul_fp8(*args, block=(128, 128), out_dtype=jnp.float32))

@@ -115,26 +115,31 @@ def test_grouped_experts_through_the_pallas_grouped_matmul_equal_dense():
 
 def test_the_kernels_backend_picks_the_routed_experts_computation(caplog):
     x, _, _, gate, up, down = inputs(2, jnp.bfloat16)
-    grouped = moe.routed_experts("pallas", x, gate, up, down)
-    assert grouped.func is moe.grouped_experts and grouped.keywords["matmul"].keywords == {"backend": "pallas"}
+    grouped = moe.routed_experts("pallas", x, gate, up, down, rows_per_expert=0.5)
+    assert grouped.func is moe.grouped_experts
+    assert grouped.keywords["matmul"].keywords == {"backend": "triton", "rows_per_group": 0.5}
     assert grouped.keywords["matmul"].func is fp8_linear.grouped_matmul
-    assert moe.routed_experts("reference", x, gate, up, down) is moe.dense_experts
-    assert moe.routed_experts("pallas", x.astype(jnp.float32), gate, up, down) is moe.dense_experts  # dtypes differ
+    assert moe.routed_experts("reference", x, gate, up, down, rows_per_expert=0.5) is moe.dense_experts
+    assert moe.routed_experts("pallas", x.astype(jnp.float32), gate, up, down,  # dtypes differ
+                              rows_per_expert=0.5) is moe.dense_experts
     narrow = [w[..., :8] for w in (gate, up)] + [down[:, :8]]  # F = 8: no Triton dot that narrow
-    assert moe.routed_experts("pallas", x, *narrow) is moe.dense_experts
+    assert moe.routed_experts("pallas", x, *narrow, rows_per_expert=0.5) is moe.dense_experts
     untileable = [fp8_linear.quantize(w, (8, 8), (-2,), (-1,)) for w in (gate, up, down)]  # no 16-wide block
     moe._log_dense_once.cache_clear()  # said once a process: an earlier test may have said it
     with caplog.at_level("INFO", logger="dcp_jax.model.moe"):
-        assert moe.routed_experts("pallas", x, *untileable) is moe.dense_experts
-    assert "multiples of 16" in caplog.text  # not silently
+        assert moe.routed_experts("pallas", x, *untileable, rows_per_expert=0.5) is moe.dense_experts
+        other_axes = [fp8_linear.quantize(w, (16, 16), (1,), (2,)) for w in (gate, up, down)]
+        assert moe.routed_experts("pallas", x, *other_axes, rows_per_expert=0.5) is moe.dense_experts
+    assert "multiples of 16" in caplog.text and "K its input axis" in caplog.text  # not silently
 
 
 def test_block_fp8_experts_run_grouped_through_the_fp8_kernel_as_dense():
-    """Block-fp8 experts (the model's axes) are chosen for the fp8 grouped matmul, whose result (interpreted) is
-    the dense experts' of the same fp8 weights: both quantize the rows per input block."""
+    """Block-fp8 experts (the model's axes; a block of 32 output rows by 16 input columns, so the two sides of the
+    scale block are not confused) are chosen for the fp8 grouped matmul, whose result (interpreted) is the dense
+    experts' of the same fp8 weights: both quantize the rows per input block."""
     x, experts, weights, gate, up, down = inputs(13, jnp.float32, seed=4)
-    block_fp8 = [fp8_linear.quantize(w, (16, 16), (-2,), (-1,)) for w in (gate, up, down)]
-    grouped = moe.routed_experts("pallas", x, *block_fp8)
+    block_fp8 = [fp8_linear.quantize(w, (32, 16), (-2,), (-1,)) for w in (gate, up, down)]
+    grouped = moe.routed_experts("pallas", x, *block_fp8, rows_per_expert=13 * TINY.num_experts_per_tok / X)
     assert grouped.func is moe.grouped_experts
     assert_grouped_equals_dense((x, experts, weights, *block_fp8), jnp.float32, first_expert=0,
                                 matmul=grouped.keywords["matmul"])
