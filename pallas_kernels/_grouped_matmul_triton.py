@@ -134,37 +134,35 @@ def default_knobs(rows_per_group: float, w, scale_block: tuple[int, int] | None 
                 num_warps=num_warps, num_stages=num_stages)
 
 
-def _knobs(num_rows: int, w, scale_block, given: dict) -> dict:
-    """`default_knobs` for the `rows_per_group` given (None: the rows over the groups) with the other `given` knobs
-    that are not None in their place; refuses a knob it does not know."""
-    given = dict(given)
-    rows_per_group = given.pop("rows_per_group", None)
-    chosen = default_knobs(num_rows / w.shape[0] if rows_per_group is None else rows_per_group, w, scale_block)
+def _knobs(rows_per_group: float, w, scale_block, given: dict) -> dict:
+    """`default_knobs` with the `given` knobs that are not None in their place; refuses a knob it does not know."""
+    chosen = default_knobs(rows_per_group, w, scale_block)
     unknown = set(given) - set(chosen)
     if unknown:
-        raise TypeError(f"unknown grouped matmul knobs {sorted(unknown)}; the kernel takes rows_per_group and "
-                        f"{sorted(chosen)}")
+        raise TypeError(f"unknown grouped matmul knobs {sorted(unknown)}; the kernel takes {sorted(chosen)}")
     chosen.update((name, value) for name, value in given.items() if value is not None)
     return chosen
 
 
-def grouped_matmul(x, w, group_sizes, *, interpret=None, **knobs):
-    """The contract of the module docstring. Knobs (left out or None: `default_knobs`'): block_m rows a block,
-    block_n and block_k (powers of two >= 16 dividing N and K), num_warps and num_stages for Triton; and
-    rows_per_group, the rows a group averages, which picks the default tiles (None: A / G; a caller whose rows
-    include some of no group, as expert parallelism's other ranks' assignments, knows better)."""
+def grouped_matmul(x, w, group_sizes, *, rows_per_group=None, interpret=None, **knobs):
+    """The contract of the module docstring; rows_per_group picks the default tiles (`pallas_kernels.
+    grouped_matmul`; None: A / G). Knobs (left out or None: `default_knobs`'): block_m rows a block, block_n and
+    block_k (powers of two >= 16 dividing N and K), num_warps and num_stages for Triton."""
+    rows_per_group = x.shape[0] / w.shape[0] if rows_per_group is None else rows_per_group
     return _grouped(x, w, group_sizes, None, None, None, x.dtype, interpret=interpret,
-                    fp8_imprecise_acc=MIN_IMPRECISE_ACC, **_knobs(x.shape[0], w, None, knobs))
+                    fp8_imprecise_acc=MIN_IMPRECISE_ACC, **_knobs(rows_per_group, w, None, knobs))
 
 
-def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, interpret=None,
-                       fp8_imprecise_acc=128, **knobs):
+def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, rows_per_group=None,
+                       interpret=None, fp8_imprecise_acc=128, **knobs):
     """The block-fp8 contract of the module docstring, scale blocks `block` = (bk, bn) (edge blocks partial).
-    Knobs as `grouped_matmul`'s (block_k must divide bk and K, block_n bn and N), and fp8_imprecise_acc (>= 32:
-    products accumulated in the tensor core's reduced-precision accumulator, `_fp8_dot`)."""
+    rows_per_group and knobs as `grouped_matmul`'s (block_k must divide bk and K, block_n bn and N), and
+    fp8_imprecise_acc (>= 32: products accumulated in the tensor core's reduced-precision accumulator,
+    `_fp8_dot`)."""
     block = tuple(block)
+    rows_per_group = x.shape[0] / w.shape[0] if rows_per_group is None else rows_per_group
     return _grouped(x, w, group_sizes, x_scales, w_scales, block, out_dtype, interpret=interpret,
-                    fp8_imprecise_acc=fp8_imprecise_acc, **_knobs(x.shape[0], w, block, knobs))
+                    fp8_imprecise_acc=fp8_imprecise_acc, **_knobs(rows_per_group, w, block, knobs))
 
 
 def _grouped(x, w, group_sizes, x_scales, w_scales, scale_block, out_dtype, *, interpret, block_m, block_n,

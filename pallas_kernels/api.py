@@ -304,25 +304,28 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, ba
                 interpret, knobs)
 
 
-def grouped_matmul(x, w, group_sizes, *, backend="pallas", interpret=None, **knobs):
+def grouped_matmul(x, w, group_sizes, *, rows_per_group=None, backend="pallas", interpret=None, **knobs):
     """Grouped matmul, an MoE layer's routed experts: x [A, K] rows sorted by group, w [G, K, N] (the Triton kernel:
     x's dtype, bf16 or f32; K and N multiples of 16), group_sizes [G] int32 with sum <= A. Rows offset_g ..
     offset_g + group_sizes[g] - 1 (offset_g the sizes before g summed) are multiplied by w[g] with f32
     accumulation; out [A, N] in x's dtype, rows past the last group unspecified (`jax.lax.ragged_dot`'s
     contract). The kernel multiplies only the rows each group has: a group of none reads none of its weights.
-    Knobs: `_grouped_matmul_triton.grouped_matmul`."""
+    rows_per_group: the rows a group averages, which picks the kernel's default tiles (None: A / G; a caller whose
+    rows include some of no group, as expert parallelism's other ranks' assignments, knows better). Knobs:
+    `_grouped_matmul_triton.grouped_matmul`."""
     _check_grouped_matmul_inputs(x, w, group_sizes)
-    return _run("grouped_matmul", backend, (x, w, group_sizes), {}, interpret, knobs)
+    return _run("grouped_matmul", backend, (x, w, group_sizes), dict(rows_per_group=rows_per_group), interpret, knobs)
 
 
-def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, backend="pallas", interpret=None,
-                       **knobs):
+def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, rows_per_group=None,
+                       backend="pallas", interpret=None, **knobs):
     """`grouped_matmul` of block-fp8 operands, DeepSeek's fine-grained fp8 GEMM, scale blocks `block` = (bk, bn):
     x e4m3 [A, K] with f32 scales [A, ceil(K / bk)] (`act_quant`: bk channels of a row share one), w e4m3
     [G, K, N] with f32 scales [G, ceil(K / bk), ceil(N / bn)] (a [bk, bn] block shares one: HF's
     weight_block_size is (bn, bk)); each block's product is scaled by its row's and its block's scales, f32
-    accumulation, out [A, N] in out_dtype. Knobs: `_grouped_matmul_triton.grouped_matmul_fp8`."""
+    accumulation, out [A, N] in out_dtype; rows_per_group as `grouped_matmul`'s. Knobs:
+    `_grouped_matmul_triton.grouped_matmul_fp8`."""
     block = tuple(block)
     _check_grouped_matmul_fp8_inputs(x, x_scales, w, w_scales, group_sizes, block)
     return _run("grouped_matmul_fp8", backend, (x, x_scales, w, w_scales, group_sizes),
-                dict(block=block, out_dtype=out_dtype), interpret, knobs)
+                dict(block=block, out_dtype=out_dtype, rows_per_group=rows_per_group), interpret, knobs)

@@ -93,18 +93,19 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512):
     return out, lse
 
 
-def grouped_matmul(x, w, group_sizes):
+def grouped_matmul(x, w, group_sizes, *, rows_per_group=None):
     """Grouped matmul (an MoE's routed experts): x [A, K] rows sorted by group, w [G, K, N], group_sizes [G] int32
     (sum <= A). Rows offset_g .. offset_g + group_sizes[g] - 1 times w[g] (f32), out [A, N] in x's dtype; rows
-    past the last group unspecified."""
+    past the last group unspecified. rows_per_group: the kernels' tile hint, no effect here."""
     out = jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), group_sizes, precision=HIGHEST)
     return out.astype(x.dtype)
 
 
-def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype):
+def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, rows_per_group=None):
     """`grouped_matmul` of block-fp8 operands (DeepSeek's fine-grained fp8 GEMM), scale blocks block = (bk, bn):
     x e4m3 [A, K] times its scales f32 [A, ceil(K / bk)] (bk channels of a row share one), w e4m3 [G, K, N] times
-    its scales f32 [G, ceil(K / bk), ceil(N / bn)] (a [bk, bn] block shares one); out [A, N] in out_dtype."""
+    its scales f32 [G, ceil(K / bk), ceil(N / bn)] (a [bk, bn] block shares one); out [A, N] in out_dtype.
+    rows_per_group: the kernels' tile hint, no effect here."""
     (bk, bn), (depth, width) = block, w.shape[1:]
     x32 = x.astype(jnp.float32) * jnp.repeat(x_scales, bk, axis=1)[:, :depth]
     w32 = w.astype(jnp.float32) * jnp.repeat(jnp.repeat(w_scales, bk, axis=1), bn, axis=2)[:, :depth, :width]

@@ -174,18 +174,20 @@ def ragged_dot(x, w, group_sizes):
     return jax.lax.ragged_dot(x, w, group_sizes, precision=HIGHEST)
 
 
-def grouped_matmul(x, w, group_sizes, *, backend: str, **knobs):
+def grouped_matmul(x, w, group_sizes, *, backend: str, rows_per_group=None, **knobs):
     """`ragged_dot(x, w, group_sizes)` through the Pallas kernels of `backend` (`pallas_kernels.grouped_matmul`; an
     `Fp8BlockWeight` with x quantized by `act_quant` per its input blocks: `pallas_kernels.grouped_matmul_fp8`, whose
     scaling of each block's product equals the dequantized product's sum); x's dtype. `knobs` go to the kernel."""
     if not isinstance(w, Fp8BlockWeight):
-        return pallas_kernels.grouped_matmul(x, w, group_sizes, backend=backend, **knobs)
+        return pallas_kernels.grouped_matmul(x, w, group_sizes, rows_per_group=rows_per_group, backend=backend,
+                                             **knobs)
     problem = grouped_layout_problem(w)
     if problem:
         raise ValueError(problem)
     values, scales = act_quant(x, w.block[1])
     return pallas_kernels.grouped_matmul_fp8(values, scales, w.values, w.scales, group_sizes,
-                                             block=grouped_scale_block(w), out_dtype=x.dtype, backend=backend, **knobs)
+                                             block=grouped_scale_block(w), out_dtype=x.dtype,
+                                             rows_per_group=rows_per_group, backend=backend, **knobs)
 
 
 def grouped_layout_problem(w: Fp8BlockWeight) -> str | None:

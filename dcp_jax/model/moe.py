@@ -130,35 +130,25 @@ def routed_experts(backend: str, x, gate, up, down, *, rows_per_expert: float):
     if reasons:
         _log_dense_once("; ".join(dict.fromkeys(reasons)))
         return dense_experts
-    # The implementation the backend names: the tiles' hint is a knob, which only an explicit one takes.
-    names = {pallas_kernels.choose(op, backend, *args, **kwargs)
-             for op, args, kwargs in (_kernel_call(x.dtype, w) for w in (gate, up, down))}
-    if len(names) != 1:
-        raise ValueError(f"the routed experts' weights would run on different kernels {sorted(names)}")
-    matmul = functools.partial(fp8_linear.grouped_matmul, backend=names.pop(), rows_per_group=rows_per_expert)
+    matmul = functools.partial(fp8_linear.grouped_matmul, backend=backend, rows_per_group=rows_per_expert)
     return functools.partial(grouped_experts, matmul=matmul)
 
 
 def _kernel_refusals(backend: str, dtype, w) -> list[str]:
     """Why the grouped matmul of `backend` does not take rows of `dtype` times the expert weights w (empty: it
     does)."""
-    problem = fp8_linear.grouped_layout_problem(w) if fp8_linear.is_fp8(w) else None
-    if problem:
-        return [problem]
-    op, args, kwargs = _kernel_call(dtype, w)
-    return pallas_kernels.unsupported(op, backend, *args, **kwargs)
-
-
-def _kernel_call(dtype, w) -> tuple[str, tuple, dict]:
-    """(op, abstract arguments, keywords) of the grouped matmul that multiplies rows of `dtype` by the expert
-    weights w (block fp8: of the grouped layout)."""
     sizes = jax.ShapeDtypeStruct((w.shape[0],), jnp.int32)
     if not fp8_linear.is_fp8(w):
-        return "grouped_matmul", (jax.ShapeDtypeStruct((1, w.shape[1]), dtype), w, sizes), {}
+        rows = jax.ShapeDtypeStruct((1, w.shape[1]), dtype)
+        return pallas_kernels.unsupported("grouped_matmul", backend, rows, w, sizes)
+    problem = fp8_linear.grouped_layout_problem(w)
+    if problem:
+        return [problem]
     block = fp8_linear.grouped_scale_block(w)  # rows quantized by `act_quant` per the weight's input blocks
     rows = jax.ShapeDtypeStruct((1, w.shape[1]), jnp.float8_e4m3fn)
     row_scales = jax.ShapeDtypeStruct((1, -(-w.shape[1] // block[0])), jnp.float32)
-    return "grouped_matmul_fp8", (rows, row_scales, w.values, w.scales, sizes), dict(block=block)
+    return pallas_kernels.unsupported("grouped_matmul_fp8", backend, rows, row_scales, w.values, w.scales, sizes,
+                                      block=block)
 
 
 @functools.cache

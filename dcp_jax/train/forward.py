@@ -50,8 +50,8 @@ def straight_through(x, rounded):
 
 def through_fp8_index_cache(x):
     """Index queries [..., I, J] or keys [..., J] as the fp8 index cache scores them: Hadamard-rotated, then e4m3
-    with a power-of-two scale per vector (`formats.quantize_index_keys`, which also quantizes the queries per
-    head); their dot products are the unrotated ones up to the rounding."""
+    with a power-of-two scale per vector (`formats.quantize_index_keys`: per token for keys, per (row, head) for
+    queries, as `quantize_index_queries`); their dot products are the unrotated ones up to the rounding."""
     return straight_through(formats.hadamard(x), formats.dequantize_index_keys(formats.quantize_index_keys(x)))
 
 

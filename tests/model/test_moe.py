@@ -117,7 +117,7 @@ def test_the_kernels_backend_picks_the_routed_experts_computation(caplog):
     x, _, _, gate, up, down = inputs(2, jnp.bfloat16)
     grouped = moe.routed_experts("pallas", x, gate, up, down, rows_per_expert=0.5)
     assert grouped.func is moe.grouped_experts
-    assert grouped.keywords["matmul"].keywords == {"backend": "triton", "rows_per_group": 0.5}
+    assert grouped.keywords["matmul"].keywords == {"backend": "pallas", "rows_per_group": 0.5}
     assert grouped.keywords["matmul"].func is fp8_linear.grouped_matmul
     assert moe.routed_experts("reference", x, gate, up, down, rows_per_expert=0.5) is moe.dense_experts
     assert moe.routed_experts("pallas", x.astype(jnp.float32), gate, up, down,  # dtypes differ
