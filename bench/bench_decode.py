@@ -70,6 +70,7 @@ from pallas_kernels import Fp8IndexKeys, Fp8LatentCache, formats
 # A truncated layer adds this times the per-row mean of its dangling outputs to the residual stream, so XLA cannot
 # drop the work and the next layer depends on this one, as in the real step; small enough to keep values tame.
 SINK_SCALE = 1e-3
+FP8_WEIGHT_BLOCK = (128, 128)  # DeepSeek-V3.2's weight_block_size (--weight-format fp8)
 
 
 def _row_mean(x):
@@ -205,6 +206,7 @@ class Grid:
     page_size: int = 64
     interleave: int = 1
     dtype: str = "bfloat16"
+    weight_format: str = "plain"
     index_cache: str = "exact"
     latent_cache: str = "exact"
     fallback: bool = True
@@ -429,8 +431,9 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
     once per point and once for the compile phase (progress bars)."""
     cfg, dtype = grid.cfg, jnp.dtype(grid.dtype)
     sizes, _ = plan(grid)
-    graphdef, abstract = abstract_model(cfg, dtype)
-    host_params = init_params(cfg, grid.seed, dtype)
+    fp8_block = FP8_WEIGHT_BLOCK if grid.weight_format == "fp8" else None
+    graphdef, abstract = abstract_model(cfg, dtype, fp8_block)
+    host_params = init_params(cfg, grid.seed, dtype, fp8_block)
     memory, memory_source = device_memory(grid)
     rng = np.random.default_rng(grid.seed)
     for w in sizes:
@@ -457,6 +460,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
         kv_cache = fresh_pool()
         pool = kv_bytes_per_rank(kv_cache.kv_cache)
         common = dict(preset=grid.preset, layers=cfg.num_hidden_layers, dtype=grid.dtype,
+                      weight_format=grid.weight_format,
                       index_cache=grid.index_cache, latent_cache=grid.latent_cache, dcp=w, page_size=grid.page_size,
                       interleave=grid.interleave)
         items = work_items(grid)
@@ -581,6 +585,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=d.page_size)
     parser.add_argument("--interleave", type=int, default=d.interleave)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=d.dtype, help="weights and KV cache")
+    parser.add_argument("--weight-format", choices=["plain", "fp8"], default=d.weight_format,
+                        help="fp8: the linear layers' weights in DeepSeek's block fp8 (128 x 128 blocks)")
     parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default=d.index_cache, help=INDEX_CACHE_HELP)
     parser.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default=d.latent_cache,
                         help=LATENT_CACHE_HELP)
@@ -604,8 +610,8 @@ def grid_from_args(args: argparse.Namespace) -> Grid:
     return Grid(preset=args.preset, num_layers=args.num_layers or None, dcp_sizes=args.dcp, contexts=args.contexts,
                 batches=args.batches, kernels=args.kernels, breakdown_batches=args.breakdown_batches,
                 steps=args.steps, warmup=args.warmup, page_size=args.page_size, interleave=args.interleave,
-                dtype=args.dtype, index_cache=args.index_cache, latent_cache=args.latent_cache, fallback=args.fallback,
-                tbo=args.tbo,
+                dtype=args.dtype, weight_format=args.weight_format, index_cache=args.index_cache,
+                latent_cache=args.latent_cache, fallback=args.fallback, tbo=args.tbo,
                 expert_parallel=args.expert_parallel, device_memory_gb=args.device_memory_gb, seed=args.seed)
 
 

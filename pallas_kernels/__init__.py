@@ -7,7 +7,8 @@ by default, "reference", "triton", "mosaic"):
 - `indexer_top_k`: the two, fused where the Mosaic indexer allows;
 - `sparse_mla_decode`: absorbed sparse MLA over compacted physical slots, with the log-sum-exp of each row;
 - `grouped_matmul`: rows sorted by group times their group's matrix (an MoE layer's routed experts), and
-  `grouped_matmul_fp8` of block-fp8 operands.
+  `grouped_matmul_fp8` of block-fp8 operands;
+- `fp8_gemm`: DeepSeek's fine-grained fp8 GEMM (a linear layer of block-fp8 weights).
 `lse_merge_weights` (plain jnp) merges partial attention results by log-sum-exp. The cache formats (`formats.py`):
 `Fp8IndexKeys` and `Fp8LatentCache`, passed to the ops in place of a plain cache, and their quantizers.
 `unsupported` / `choose` / `IMPLEMENTATIONS` are the backend table. Modules named with a leading underscore are
@@ -18,12 +19,12 @@ the implementations. Importing the package fixes the Triton lowering's offsets f
 from pallas_kernels import formats, reference
 from pallas_kernels._lse import lse_merge_weights
 from pallas_kernels._triton_offsets import widen_one_byte_offsets
-from pallas_kernels.api import (BACKENDS, IMPLEMENTATIONS, choose, grouped_matmul, grouped_matmul_fp8,
+from pallas_kernels.api import (BACKENDS, IMPLEMENTATIONS, choose, fp8_gemm, grouped_matmul, grouped_matmul_fp8,
                                 indexer_logits, indexer_top_k, sparse_mla_decode, topk, unsupported)
 from pallas_kernels.formats import Fp8IndexKeys, Fp8LatentCache
 
 widen_one_byte_offsets()  # before any kernel is lowered
 
-__all__ = ["BACKENDS", "IMPLEMENTATIONS", "Fp8IndexKeys", "Fp8LatentCache", "choose", "formats", "grouped_matmul",
-           "grouped_matmul_fp8", "indexer_logits", "indexer_top_k", "lse_merge_weights", "reference",
+__all__ = ["BACKENDS", "IMPLEMENTATIONS", "Fp8IndexKeys", "Fp8LatentCache", "choose", "formats", "fp8_gemm",
+           "grouped_matmul", "grouped_matmul_fp8", "indexer_logits", "indexer_top_k", "lse_merge_weights", "reference",
            "sparse_mla_decode", "topk", "unsupported"]

@@ -4,11 +4,11 @@ Contract (`pallas_kernels.grouped_matmul`): x [A, K] rows sorted by group, w [G,
 same dtype as x: bf16 or f32), group_sizes [G] int32 (sum <= A): rows offset_g .. offset_g + group_sizes[g] - 1
 (offset_g the sum of the sizes before g) are multiplied by w[g], f32 accumulation, out [A, N] in x's dtype. Rows
 past the last group are left unspecified (as `jax.lax.ragged_dot` leaves them).
-Block fp8 (`pallas_kernels.grouped_matmul_fp8`, DeepSeek's fine-grained fp8 GEMM): x e4m3 with f32 scales
-[A, ceil(K / bk)] (a row's bk channels share one), w e4m3 with f32 scales [G, ceil(K / bk), ceil(N / bn)] (a
-[bk, bn] block shares one); each block_k slice (block_k divides bk, block_n divides bn) is one fp8 tensor-core
-dot whose f32 result is scaled by the row's and the block's scales before it joins the accumulator, as DeepGEMM
-does.
+Block fp8 (`pallas_kernels.grouped_matmul_fp8`, DeepSeek's fine-grained fp8 GEMM, scale blocks (bn, bk)): x e4m3
+with f32 scales [A, ceil(K / bk)] (a row's bk channels share one), w e4m3 [G, N, K] (K-major, as fp8 tensor cores
+read both operands) with f32 scales [G, ceil(N / bn), ceil(K / bk)] (a [bn, bk] block shares one); each block_k
+slice (block_k divides bk, block_n divides bn) is one fp8 tensor-core dot whose f32 result is scaled by the row's
+and the block's scales before it joins the accumulator, as DeepGEMM does.
 
 Work items (vLLM's fused-MoE schedule): each group's rows are cut into blocks of block_m; the wrapper lists the
 blocks of every group in order (`work_items`, computed in the program from group_sizes: the item's group, first
@@ -79,13 +79,14 @@ def _kernel(groups_ref, starts_ref, rows_ref, x_ref, w_ref, x_scales_ref, w_scal
             depth = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
             rows = plgpu.load(x_ref.at[pl.ds(start, block_m), depth], other=jnp.zeros((), x_ref.dtype),
                               mask=jnp.broadcast_to(is_row[:, None], (block_m, block_k)))
-            weights = w_ref[group, depth, columns]
             if scale_block is None:
+                weights = w_ref[group, depth, columns]
                 return acc + lax.dot(rows, weights, precision=precision, preferred_element_type=jnp.float32)
-            products = fp8_dot_nt(rows, weights.T, max_num_imprecise_acc=fp8_imprecise_acc)  # [block_m, block_n]
-            k_block = k * block_k // scale_block[0]
+            weights = w_ref[group, columns, depth]  # [block_n, block_k], K-major
+            products = fp8_dot_nt(rows, weights, max_num_imprecise_acc=fp8_imprecise_acc)  # [block_m, block_n]
+            k_block = k * block_k // scale_block[1]
             row_scales = plgpu.load(x_scales_ref.at[pl.ds(start, block_m), k_block], mask=is_row, other=0.0)
-            block_scale = w_scales_ref[group, k_block, n_block * block_n // scale_block[1]]
+            block_scale = w_scales_ref[group, n_block * block_n // scale_block[0], k_block]
             return acc + products * (row_scales[:, None] * block_scale)
 
         acc = lax.fori_loop(0, x_ref.shape[1] // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
@@ -108,23 +109,25 @@ def unsupported(x, w) -> list[str]:
 
 
 def unsupported_fp8(w, block) -> list[str]:
-    """Why this kernel does not take block-fp8 weights w [G, K, N] of scale blocks `block` (empty: it does)."""
-    depth, width = w.shape[1:]
-    if _largest_block(math.gcd(depth, block[0]), 128) is None or _largest_block(math.gcd(width, block[1]), 128) is None:
+    """Why this kernel does not take block-fp8 weights w [G, N, K] of scale blocks `block` = (bn, bk) (empty: it
+    does)."""
+    width, depth = w.shape[1:]
+    if _largest_block(math.gcd(depth, block[1]), 128) is None or _largest_block(math.gcd(width, block[0]), 128) is None:
         return [f"it needs K, N and the scale block {tuple(block)} multiples of {MIN_DOT_DIM}; got w {w.shape}"]
     return []
 
 
 def default_knobs(rows_per_group: float, w, scale_block: tuple[int, int] | None = None) -> dict:
-    """The tiles the kernel runs unless told, for groups averaging `rows_per_group` rows times w [G, K, N] (block fp8
-    when `scale_block`), by PREFILL_ROWS_PER_GROUP. block_n and block_k: the largest powers of two of at most the
-    table's dividing N and K (and the scale block); None where none >= 16 does (the kernel refuses those shapes)."""
-    depth, width = w.shape[1:]
+    """The tiles the kernel runs unless told, for groups averaging `rows_per_group` rows times w ([G, K, N]; block
+    fp8 [G, N, K] of scale blocks `scale_block` (bn, bk)), by PREFILL_ROWS_PER_GROUP. block_n and block_k: the
+    largest powers of two of at most the table's dividing N and K (and the scale block); None where none >= 16 does
+    (the kernel refuses those shapes)."""
     fp8 = scale_block is not None
+    depth, width = w.shape[:0:-1] if fp8 else w.shape[1:]
     prefill = rows_per_group >= PREFILL_ROWS_PER_GROUP["fp8" if fp8 else "plain"]
     if fp8:  # (block_m, block_n at most, block_k at most, warps, stages)
         tile = (128, 128, 128, 8, 4) if prefill else (16, 128, 128, 4, 3)
-        width, depth = math.gcd(width, scale_block[1]), math.gcd(depth, scale_block[0])
+        width, depth = math.gcd(width, scale_block[0]), math.gcd(depth, scale_block[1])
     elif not prefill:
         tile = (16, 128, 64, 4, 3)
     else:
@@ -155,7 +158,7 @@ def grouped_matmul(x, w, group_sizes, *, rows_per_group=None, interpret=None, **
 
 def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, rows_per_group=None,
                        interpret=None, fp8_imprecise_acc=128, **knobs):
-    """The block-fp8 contract of the module docstring, scale blocks `block` = (bk, bn) (edge blocks partial).
+    """The block-fp8 contract of the module docstring, scale blocks `block` = (bn, bk) (edge blocks partial).
     rows_per_group and knobs as `grouped_matmul`'s (block_k must divide bk and K, block_n bn and N), and
     fp8_imprecise_acc (>= 32: products accumulated in the tensor core's reduced-precision accumulator,
     `_fp8_dot`)."""
@@ -169,12 +172,12 @@ def _grouped(x, w, group_sizes, x_scales, w_scales, scale_block, out_dtype, *, i
              block_k, num_warps, num_stages, fp8_imprecise_acc):
     interpret = default_interpret(interpret)
     num_rows, depth = x.shape
-    width = w.shape[2]
+    width = w.shape[2] if scale_block is None else w.shape[1]
     if any(b is None or b < MIN_DOT_DIM or b & (b - 1) for b in (block_m, block_n, block_k)) or width % block_n or \
             depth % block_k:
         raise ValueError(f"need powers of two >= {MIN_DOT_DIM}, block_n dividing N and block_k dividing K; got "
                          f"{block_m=} {block_n=} {block_k=} for {x.shape=} {w.shape=}")
-    if scale_block is not None and (scale_block[0] % block_k or scale_block[1] % block_n):
+    if scale_block is not None and (scale_block[1] % block_k or scale_block[0] % block_n):
         raise ValueError(f"the blocks must divide the scale blocks {scale_block}; got {block_k=} {block_n=}")
     groups, starts, rows = work_items(group_sizes, num_rows, block_m)
     # One block of pad rows: a block's row slice never runs past the arrays (masked rows are not read or written).

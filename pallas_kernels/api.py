@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
-from pallas_kernels import (_grouped_matmul_triton, _indexer_mosaic, _indexer_triton, _sparse_mla_mosaic,
-                            _sparse_mla_triton, _topk_triton, reference)
+from pallas_kernels import (_fp8_gemm_mosaic, _grouped_matmul_triton, _indexer_mosaic, _indexer_triton,
+                            _sparse_mla_mosaic, _sparse_mla_triton, _topk_triton, reference)
 from pallas_kernels.formats import Fp8IndexKeys, Fp8LatentCache
 
 BACKENDS = ("pallas", "reference", "triton", "mosaic")
@@ -139,9 +139,10 @@ def _sparse_mla_mosaic_run(q, kv_cache, slots, counts, sm_scale, value_dim=512, 
 # ---- grouped_matmul ---------------------------------------------------------------------------------------------
 
 
-def _check_grouped_matmul_inputs(x, w, group_sizes):
-    if x.ndim != 2 or w.ndim != 3 or group_sizes.shape != (w.shape[0],) or x.shape[1] != w.shape[1]:
-        raise ValueError(f"need x [A, K], w [G, K, N], group_sizes [G]; got {x.shape=} {w.shape=} "
+def _check_grouped_matmul_inputs(x, w, group_sizes, *, k_major=False):
+    depth_axis, layout = (2, "[G, N, K]") if k_major else (1, "[G, K, N]")
+    if x.ndim != 2 or w.ndim != 3 or group_sizes.shape != (w.shape[0],) or x.shape[1] != w.shape[depth_axis]:
+        raise ValueError(f"need x [A, K], w {layout}, group_sizes [G]; got {x.shape=} {w.shape=} "
                          f"{group_sizes.shape=}")
     if group_sizes.dtype != jnp.int32:
         raise ValueError(f"group_sizes must be int32; got {group_sizes.dtype}")
@@ -155,17 +156,50 @@ def _grouped_matmul_fp8_triton_unsupported(x, x_scales, w, w_scales, group_sizes
     return _grouped_matmul_triton.unsupported_fp8(w, block)
 
 
-def _check_grouped_matmul_fp8_inputs(x, x_scales, w, w_scales, group_sizes, block):
-    _check_grouped_matmul_inputs(x, w, group_sizes)
+def _check_block_fp8(x, x_scales, w, w_scales, block):
+    """x [A, K] and w [G, N, K] of e4m3 with f32 scales of blocks (bn, bk): [A, ceil(K / bk)], [G, ceil(N / bn),
+    ceil(K / bk)]."""
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     if x.dtype != fp8 or w.dtype != fp8 or x_scales.dtype != jnp.float32 or w_scales.dtype != jnp.float32:
         raise ValueError(f"need e4m3 x and w with f32 scales; got {x.dtype=} {w.dtype=} {x_scales.dtype=} "
                          f"{w_scales.dtype=}")
-    (rows, depth), (groups, _, width) = x.shape, w.shape
-    k_blocks, n_blocks = -(-depth // block[0]), -(-width // block[1])
-    if x_scales.shape != (rows, k_blocks) or w_scales.shape != (groups, k_blocks, n_blocks):
-        raise ValueError(f"need x_scales [A, ceil(K / bk)] and w_scales [G, ceil(K / bk), ceil(N / bn)] for "
-                         f"{block=}; got {x_scales.shape=} {w_scales.shape=} for {x.shape=} {w.shape=}")
+    if len(block) != 2 or min(block) < 1:
+        raise ValueError(f"block must be (bn, bk) >= 1; got {block}")
+    (rows, depth), (groups, width, _) = x.shape, w.shape
+    n_blocks, k_blocks = -(-width // block[0]), -(-depth // block[1])
+    if x_scales.shape != (rows, k_blocks) or w_scales.shape != (groups, n_blocks, k_blocks):
+        raise ValueError(f"need x_scales [A, ceil(K / bk)] and w scales [ceil(N / bn), ceil(K / bk)] for "
+                         f"block (bn, bk) = {block}; got {x_scales.shape=} {w_scales.shape=} for {x.shape=} "
+                         f"{w.shape=}")
+
+
+def _check_grouped_matmul_fp8_inputs(x, x_scales, w, w_scales, group_sizes, block):
+    _check_grouped_matmul_inputs(x, w, group_sizes, k_major=True)
+    _check_block_fp8(x, x_scales, w, w_scales, block)
+
+
+# ---- fp8_gemm ---------------------------------------------------------------------------------------------------
+
+
+def _check_fp8_gemm_inputs(x, x_scales, w, w_scales, block):
+    if x.ndim != 2 or w.ndim != 2 or w_scales.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"need x [M, K], w [N, K], w_scales [ceil(N / bn), ceil(K / bk)]; got {x.shape=} "
+                         f"{w.shape=} {w_scales.shape=}")
+    _check_block_fp8(x, x_scales, w[None], w_scales[None], block)
+
+
+def _fp8_gemm_triton_run(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **knobs):
+    sizes = jnp.array([x.shape[0]], jnp.int32)
+    return _grouped_matmul_triton.grouped_matmul_fp8(x, x_scales, w[None], w_scales[None], sizes, block=block,
+                                                     out_dtype=out_dtype, interpret=interpret, **knobs)
+
+
+def _fp8_gemm_triton_unsupported(x, x_scales, w, w_scales, *, block, interpret=None, **_):
+    return _grouped_matmul_triton.unsupported_fp8(w[None], block)
+
+
+def _fp8_gemm_mosaic_unsupported(x, x_scales, w, w_scales, *, block, interpret=None, **_):
+    return _fp8_gemm_mosaic.unsupported(x, w, block, interpret)
 
 
 def _reference_run(fn):
@@ -197,6 +231,11 @@ IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
     "grouped_matmul_fp8": {
         "reference": Implementation(_reference_run(reference.grouped_matmul_fp8), _never),
         "triton": Implementation(_grouped_matmul_triton.grouped_matmul_fp8, _grouped_matmul_fp8_triton_unsupported),
+    },
+    "fp8_gemm": {
+        "reference": Implementation(_reference_run(reference.fp8_gemm), _never),
+        "triton": Implementation(_fp8_gemm_triton_run, _fp8_gemm_triton_unsupported),
+        "mosaic": Implementation(_fp8_gemm_mosaic.fp8_gemm, _fp8_gemm_mosaic_unsupported),
     },
     "sparse_mla_decode": {
         "reference": Implementation(_reference_run(reference.sparse_mla_decode), _never),
@@ -319,13 +358,25 @@ def grouped_matmul(x, w, group_sizes, *, rows_per_group=None, backend="pallas", 
 
 def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, rows_per_group=None,
                        backend="pallas", interpret=None, **knobs):
-    """`grouped_matmul` of block-fp8 operands, DeepSeek's fine-grained fp8 GEMM, scale blocks `block` = (bk, bn):
-    x e4m3 [A, K] with f32 scales [A, ceil(K / bk)] (`act_quant`: bk channels of a row share one), w e4m3
-    [G, K, N] with f32 scales [G, ceil(K / bk), ceil(N / bn)] (a [bk, bn] block shares one: HF's
-    weight_block_size is (bn, bk)); each block's product is scaled by its row's and its block's scales, f32
-    accumulation, out [A, N] in out_dtype; rows_per_group as `grouped_matmul`'s. Knobs:
-    `_grouped_matmul_triton.grouped_matmul_fp8`."""
+    """`grouped_matmul` of block-fp8 operands, DeepSeek's fine-grained fp8 GEMM, scale blocks `block` = (bn, bk)
+    (HF's weight_block_size): x e4m3 [A, K] with f32 scales [A, ceil(K / bk)] (`act_quant`: bk channels of a row
+    share one), w e4m3 [G, N, K] (K-major, the checkpoint's [out, in] per group: fp8 tensor cores read both
+    operands so) with f32 scales [G, ceil(N / bn), ceil(K / bk)] (a [bn, bk] block shares one); rows times
+    w[g]^T, each block's product scaled by its row's and its block's scales, f32 accumulation, out [A, N] in
+    out_dtype; rows_per_group as `grouped_matmul`'s. Knobs: `_grouped_matmul_triton.grouped_matmul_fp8`."""
     block = tuple(block)
     _check_grouped_matmul_fp8_inputs(x, x_scales, w, w_scales, group_sizes, block)
     return _run("grouped_matmul_fp8", backend, (x, x_scales, w, w_scales, group_sizes),
                 dict(block=block, out_dtype=out_dtype, rows_per_group=rows_per_group), interpret, knobs)
+
+
+def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, backend="pallas", interpret=None, **knobs):
+    """DeepSeek's fine-grained fp8 GEMM (a linear layer of block-fp8 weights), scale blocks `block` = (bn, bk) (HF's
+    weight_block_size): x e4m3 [M, K] with f32 scales [M, ceil(K / bk)] (`act_quant`), w e4m3 [N, K] (K-major,
+    the checkpoint's [out, in]) with f32 scales [ceil(N / bn), ceil(K / bk)]; out [M, N] = x . w^T in out_dtype,
+    each block's product scaled by its row's and its block's scales, f32 accumulation. Knobs:
+    `_fp8_gemm_mosaic.fp8_gemm`, `_grouped_matmul_triton.grouped_matmul_fp8` (one group)."""
+    block = tuple(block)
+    _check_fp8_gemm_inputs(x, x_scales, w, w_scales, block)
+    return _run("fp8_gemm", backend, (x, x_scales, w, w_scales), dict(block=block, out_dtype=out_dtype), interpret,
+                knobs)

@@ -102,11 +102,19 @@ def grouped_matmul(x, w, group_sizes, *, rows_per_group=None):
 
 
 def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, rows_per_group=None):
-    """`grouped_matmul` of block-fp8 operands (DeepSeek's fine-grained fp8 GEMM), scale blocks block = (bk, bn):
-    x e4m3 [A, K] times its scales f32 [A, ceil(K / bk)] (bk channels of a row share one), w e4m3 [G, K, N] times
-    its scales f32 [G, ceil(K / bk), ceil(N / bn)] (a [bk, bn] block shares one); out [A, N] in out_dtype.
-    rows_per_group: the kernels' tile hint, no effect here."""
-    (bk, bn), (depth, width) = block, w.shape[1:]
+    """`grouped_matmul` of block-fp8 operands (DeepSeek's fine-grained fp8 GEMM), scale blocks block = (bn, bk)
+    (HF's weight_block_size): x e4m3 [A, K] times its scales f32 [A, ceil(K / bk)] (bk channels of a row share one),
+    w e4m3 [G, N, K] (K-major) times its scales f32 [G, ceil(N / bn), ceil(K / bk)] (a [bn, bk] block shares one);
+    out [A, N] = x . w[g]^T in out_dtype. rows_per_group: the kernels' tile hint, no effect here."""
+    (bn, bk), (width, depth) = block, w.shape[1:]
     x32 = x.astype(jnp.float32) * jnp.repeat(x_scales, bk, axis=1)[:, :depth]
-    w32 = w.astype(jnp.float32) * jnp.repeat(jnp.repeat(w_scales, bk, axis=1), bn, axis=2)[:, :depth, :width]
-    return grouped_matmul(x32, w32, group_sizes).astype(out_dtype)
+    w32 = w.astype(jnp.float32) * jnp.repeat(jnp.repeat(w_scales, bn, axis=1), bk, axis=2)[:, :width, :depth]
+    return grouped_matmul(x32, jnp.swapaxes(w32, 1, 2), group_sizes).astype(out_dtype)
+
+
+def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype):
+    """DeepSeek's fine-grained fp8 GEMM, scale blocks block = (bn, bk) (HF's weight_block_size): x e4m3 [M, K] times
+    its scales f32 [M, ceil(K / bk)], w e4m3 [N, K] (K-major, the checkpoint's [out, in]) times its scales f32
+    [ceil(N / bn), ceil(K / bk)]; out [M, N] = x . w^T in out_dtype."""
+    sizes = jnp.array([x.shape[0]], jnp.int32)
+    return grouped_matmul_fp8(x, x_scales, w[None], w_scales[None], sizes, block=block, out_dtype=out_dtype)

@@ -1,27 +1,31 @@
 """Block-fp8 weights kept in fp8 (DeepSeek's release format) and the one place a linear layer multiplies.
 
-Format (`Fp8BlockWeight`): `values` float8_e4m3fn in our layout (the plain weight's: `deepseek_v32.py`) and
-`scales` f32 [*batch, ceil(K / bn), ceil(N / bm)], the checkpoint's `weight_scale_inv` grid transposed to
-[input blocks, output blocks]. K is the product of the weight's input axes (`in_axes`, contracted by x @ W), N
-that of its output axes (`out_axes`), batch the leading other axes (the experts X; the heads H of w_uk / w_uv,
-whose rows are blocks of kv_b_proj's). (bm, bn) = `block` is HF's weight_block_size: bm output rows by bn input
-columns; edge blocks are partial. A weight element is its e4m3 value times its block's scale.
+Format (`Fp8BlockWeight`): `values` float8_e4m3fn holding the plain weight (our layout: `deepseek_v32.py`) with
+its axes reordered batch, output, input (`in_axes` / `out_axes` name them in our layout; the leading others are
+batch axes: the experts X, the heads H of w_uk / w_uv, whose rows are blocks of kv_b_proj's). So each matrix is
+[N, K], K-major, the checkpoint's own [out, in]: fp8 tensor cores read both operands K-major. `scales` f32
+[*batch, ceil(N / bm), ceil(K / bn)], the checkpoint's `weight_scale_inv` grid. K is the product of the input
+axes, N of the output axes; (bm, bn) = `block` is HF's weight_block_size: bm output rows by bn input columns; edge
+blocks are partial. A weight element is its e4m3 value times its block's scale. `shape` is the plain weight's.
 
-Sharding (`weight_spec`): the scales split like the values: their batch axes as the values', the input-block axis
-as the first input axis, the output-block axis as the first output axis. A rank's slice must be whole blocks
-(`check_shardable`).
+Sharding (`weight_spec`): the values split as the plain weight's axes they hold; the scales' batch axes as the
+values', their output-block axis as the first output axis, their input-block axis as the first input axis. A
+rank's slice must be whole blocks (`check_shardable`).
 
-Multiplying (`einsum`, `ragged_dot`: plain weights multiply in full precision as before). With an
+Multiplying (`einsum`, `ragged_dot`, `grouped_matmul`: plain weights multiply in full precision as before). With an
 `Fp8BlockWeight` it is DeepSeek's fine-grained fp8 GEMM: the activations are quantized at run time per token per
 bn channels of K (`act_quant`: e4m3, f32 scale amax / 448; DeepSeek's group of 128 is its weights' block), the
-products are accumulated in f32 and the output has the activations' dtype. This module is its pure-jnp reference:
-it multiplies the dequantized operands in f32, the same sum since a block's two scales factor out of it. The GPU
-kernel (Mosaic GPU wgmma) plugs in at `_fp8_einsum` and `_fp8_ragged_dot`.
+products are accumulated in f32 and the output has the activations' dtype. `einsum` of a weight with no batch axis
+runs `pallas_kernels.fp8_gemm`'s Mosaic GPU kernel where it applies (compiled on an sm_90 GPU, K a multiple of 128,
+N of 64); elsewhere, and for batched weights, this module's pure-jnp reference computes the same sum: the
+dequantized operands multiplied in f32 (a block's two scales factor out of it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 
 import jax
@@ -31,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 from pallas_kernels.formats import AMAX_FLOOR, E4M3_MAX
 
+log = logging.getLogger(__name__)
 HIGHEST = jax.lax.Precision.HIGHEST
 
 # (in_axes, out_axes) of each leaf DeepSeek's release stores in block fp8 (`memory_plan.BLOCK_FP8_LEAVES`), counted
@@ -53,50 +58,58 @@ FP8_AXES = {
 }
 
 
+def _axes_order(ndim: int, in_axes, out_axes) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(batch, output, input) axes of a plain weight of `ndim` axes, non-negative."""
+    ins, outs = (tuple(a % ndim for a in axes) for axes in (in_axes, out_axes))
+    return tuple(range(ndim - len(ins) - len(outs))), outs, ins
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Fp8BlockWeight:
-    """A block-fp8 weight (module docstring); `shape` is the plain weight's."""
+    """A block-fp8 weight (module docstring)."""
 
-    # float8_e4m3fn in the plain weight's layout, sharded as it is.
+    # float8_e4m3fn: the plain weight's axes reordered batch, output, input (K-major).
     values: jax.Array
-    # f32 [*batch, ceil(K / bn), ceil(N / bm)]: one scale per block, split as `weight_spec` says.
+    # f32 [*batch, ceil(N / bm), ceil(K / bn)]: one scale per block, split as `weight_spec` says.
     scales: jax.Array
     # HF's weight_block_size (bm output rows, bn input columns).
     block: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
-    # The axes of `values` that x @ W contracts (K, flattened in order) and those it produces (N), negative (from
-    # the last); the leading others are batch axes.
+    # The axes of the plain weight that x @ W contracts (K, flattened in order) and those it produces (N),
+    # negative (from the last); the leading others are batch axes.
     in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     out_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
     @property
+    def order(self) -> tuple[int, ...]:
+        """The plain weight's axes in the order `values` holds them."""
+        return sum(_axes_order(self.values.ndim, self.in_axes, self.out_axes), ())
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return self.values.shape
+        """The plain weight's shape."""
+        order = self.order
+        return tuple(self.values.shape[order.index(a)] for a in range(len(order)))
 
     @property
     def batch_axes(self) -> tuple[int, ...]:
-        return tuple(range(self.values.ndim - len(self.in_axes) - len(self.out_axes)))
+        return _axes_order(self.values.ndim, self.in_axes, self.out_axes)[0]
+
+    def matrices(self):
+        """`values` as [*batch, N, K]."""
+        batch = len(self.batch_axes)
+        width = math.prod(self.values.shape[batch: batch + len(self.out_axes)])
+        return self.values.reshape(*self.values.shape[:batch], width, -1)
+
+
+def from_plain_layout(values, scales, block: tuple[int, int], in_axes, out_axes) -> Fp8BlockWeight:
+    """An Fp8BlockWeight of e4m3 `values` in the plain weight's layout (numpy or jax) and its scales."""
+    return Fp8BlockWeight(values.transpose(sum(_axes_order(values.ndim, in_axes, out_axes), ())), scales,
+                          tuple(block), tuple(in_axes), tuple(out_axes))
 
 
 def is_fp8(x) -> bool:
     return isinstance(x, Fp8BlockWeight)
-
-
-def _to_matrix(x, in_axes, out_axes):
-    """x in our layout -> [*batch, K, N]."""
-    in_axes, out_axes = (tuple(a % x.ndim for a in axes) for axes in (in_axes, out_axes))
-    batch = tuple(range(x.ndim - len(in_axes) - len(out_axes)))
-    k = math.prod(x.shape[a] for a in in_axes)
-    n = math.prod(x.shape[a] for a in out_axes)
-    return jnp.transpose(x, batch + in_axes + out_axes).reshape(*x.shape[: len(batch)], k, n)
-
-
-def _from_matrix(m, shape, in_axes, out_axes):
-    """Inverse of `_to_matrix`: [*batch, K, N] -> our layout of `shape`."""
-    in_axes, out_axes = (tuple(a % len(shape) for a in axes) for axes in (in_axes, out_axes))
-    batch = tuple(range(len(shape) - len(in_axes) - len(out_axes)))
-    order = batch + in_axes + out_axes
-    return jnp.transpose(m.reshape([shape[a] for a in order]), [order.index(a) for a in range(len(shape))])
 
 
 def _expand(scales, rows: int, cols: int, block_rows: int, block_cols: int):
@@ -108,20 +121,22 @@ def quantize(w, block: tuple[int, int], in_axes: tuple[int, ...], out_axes: tupl
     """A weight in our layout -> its block fp8 form: per block, scale = amax / 448 (amax floored at 1e-4, so an
     all-zero block keeps a finite scale) and values e4m3(w / scale), as DeepSeek's release was made."""
     bm, bn = block
-    m = _to_matrix(w.astype(jnp.float32), in_axes, out_axes)
-    k, n = m.shape[-2:]
-    padded = jnp.pad(jnp.abs(m), [(0, 0)] * (m.ndim - 2) + [(0, -k % bn), (0, -n % bm)])
-    blocks = padded.reshape(*m.shape[:-2], padded.shape[-2] // bn, bn, padded.shape[-1] // bm, bm)
+    batch, outs, ins = _axes_order(w.ndim, in_axes, out_axes)
+    reordered = jnp.transpose(w.astype(jnp.float32), batch + outs + ins)
+    m = reordered.reshape(*reordered.shape[: len(batch)], math.prod(w.shape[a] for a in outs), -1)  # [.., N, K]
+    n, k = m.shape[-2:]
+    padded = jnp.pad(jnp.abs(m), [(0, 0)] * (m.ndim - 2) + [(0, -n % bm), (0, -k % bn)])
+    blocks = padded.reshape(*m.shape[:-2], padded.shape[-2] // bm, bm, padded.shape[-1] // bn, bn)
     scales = jnp.maximum(blocks.max(axis=(-3, -1)), AMAX_FLOOR) / E4M3_MAX
-    values = (m / _expand(scales, k, n, bn, bm)).astype(jnp.float8_e4m3fn)
-    return Fp8BlockWeight(_from_matrix(values, w.shape, in_axes, out_axes), scales, tuple(block), in_axes, out_axes)
+    values = (m / _expand(scales, n, k, bm, bn)).astype(jnp.float8_e4m3fn).reshape(reordered.shape)
+    return Fp8BlockWeight(values, scales, tuple(block), tuple(in_axes), tuple(out_axes))
 
 
 def dequantize(w: Fp8BlockWeight):
     """f32 weight in our layout: each e4m3 value times its block's scale."""
-    m = _to_matrix(w.values.astype(jnp.float32), w.in_axes, w.out_axes)
-    bm, bn = w.block
-    return _from_matrix(m * _expand(w.scales, *m.shape[-2:], bn, bm), w.shape, w.in_axes, w.out_axes)
+    m = w.matrices().astype(jnp.float32)
+    m = m * _expand(w.scales, *m.shape[-2:], *w.block)
+    return jnp.transpose(m.reshape(w.values.shape), [w.order.index(a) for a in range(w.values.ndim)])
 
 
 def weight_values(w, dtype):
@@ -163,8 +178,33 @@ def _fp8_einsum(equation: str, x, w: Fp8BlockWeight):
     contracted = "".join(rhs[a] for a in w.in_axes)
     if set(contracted) != set(lhs) & set(rhs) - set(output) or not lhs.endswith(contracted):
         raise ValueError(f"{equation=}: an fp8 weight contracts its input axes {contracted!r}, the activations' last")
+    produced = "".join(rhs[a] for a in w.out_axes)
+    depth = math.prod(w.shape[a] for a in w.in_axes)
+    rows = x.reshape(-1, depth)
+    if not w.batch_axes and output == lhs[: len(lhs) - len(contracted)] + produced and _gemm_applies(rows, w):
+        values, scales = act_quant(rows, w.block[1])
+        out = pallas_kernels.fp8_gemm(values, scales, w.matrices(), w.scales, block=w.block, out_dtype=x.dtype,
+                                      backend="mosaic")
+        return out.reshape(*x.shape[: x.ndim - len(contracted)], *(w.shape[a] for a in w.out_axes))
     x32 = _quantized_activations(x, len(contracted), w.block[1])
     return jnp.einsum(equation, x32, dequantize(w), precision=HIGHEST).astype(x.dtype)
+
+
+def _gemm_applies(rows, w: Fp8BlockWeight) -> bool:
+    """Whether `pallas_kernels.fp8_gemm`'s Mosaic kernel takes rows [M, K] times w (said once in the log when a GPU
+    run falls back to the reference, with the reasons)."""
+    scales = jax.ShapeDtypeStruct((rows.shape[0], w.scales.shape[-1]), jnp.float32)
+    values = jax.ShapeDtypeStruct(rows.shape, jnp.float8_e4m3fn)
+    reasons = pallas_kernels.unsupported("fp8_gemm", "mosaic", values, scales, w.matrices(), w.scales,
+                                         block=w.block)
+    if reasons and jax.default_backend() == "gpu":
+        _log_reference_once(f"{w.shape} {w.block}: " + "; ".join(reasons))
+    return not reasons
+
+
+@functools.cache
+def _log_reference_once(reason: str) -> None:
+    log.info("an fp8 linear layer multiplies through XLA's dequantized product, not the fp8 GEMM kernel: %s", reason)
 
 
 def ragged_dot(x, w, group_sizes):
@@ -185,22 +225,16 @@ def grouped_matmul(x, w, group_sizes, *, backend: str, rows_per_group=None, **kn
     if problem:
         raise ValueError(problem)
     values, scales = act_quant(x, w.block[1])
-    return pallas_kernels.grouped_matmul_fp8(values, scales, w.values, w.scales, group_sizes,
-                                             block=grouped_scale_block(w), out_dtype=x.dtype,
-                                             rows_per_group=rows_per_group, backend=backend, **knobs)
+    return pallas_kernels.grouped_matmul_fp8(values, scales, w.values, w.scales, group_sizes, block=w.block,
+                                             out_dtype=x.dtype, rows_per_group=rows_per_group, backend=backend,
+                                             **knobs)
 
 
 def grouped_layout_problem(w: Fp8BlockWeight) -> str | None:
-    """Why `grouped_matmul` cannot take this fp8 weight as [G, K, N] (None: it can)."""
+    """Why `grouped_matmul` cannot take this fp8 weight as [G, K, N] (its values [G, N, K]) (None: it can)."""
     if w.in_axes != (-2,) or w.out_axes != (-1,) or w.values.ndim != 3:
         return f"a grouped fp8 weight is [G, K, N] with K its input axis; got {w.shape} {w.in_axes=} {w.out_axes=}"
     return None
-
-
-def grouped_scale_block(w: Fp8BlockWeight) -> tuple[int, int]:
-    """The scale block (bk, bn) along (K, N) of a [G, K, N] weight: HF's block is (bm output rows, bn input columns)."""
-    bm, bn = w.block
-    return bn, bm
 
 
 def _fp8_ragged_dot(x, w: Fp8BlockWeight, group_sizes):
@@ -232,13 +266,21 @@ def _padded(spec: P, ndim: int) -> tuple:
 
 
 def weight_spec(w: Fp8BlockWeight, spec: P) -> Fp8BlockWeight:
-    """The specs of w's values (`spec`, the plain weight's) and scales (module docstring), as an Fp8BlockWeight."""
+    """The specs of w's values and scales (module docstring) for `spec`, the plain weight's, as an Fp8BlockWeight."""
     axes = _padded(spec, len(w.shape))
-    for group in (w.in_axes, w.out_axes):
+    batch, outs, ins = _axes_order(len(w.shape), w.in_axes, w.out_axes)
+    for group in (ins, outs):
         if any(axes[a] is not None for a in group[1:]):
             raise ValueError(f"{spec=} splits an inner axis of {group}: its blocks would not follow the split")
-    scales = P(*(axes[a] for a in w.batch_axes), axes[w.in_axes[0]], axes[w.out_axes[0]])
-    return Fp8BlockWeight(spec, scales, w.block, w.in_axes, w.out_axes)
+    values = P(*(axes[a] for a in batch + outs + ins))
+    scales = P(*(axes[a] for a in batch), axes[outs[0]], axes[ins[0]])
+    return Fp8BlockWeight(values, scales, w.block, w.in_axes, w.out_axes)
+
+
+def plain_spec(w: Fp8BlockWeight, values_spec: P) -> P:
+    """The plain weight's spec from that of w's values (`weight_spec`'s inverse)."""
+    axes, order = _padded(values_spec, len(w.shape)), w.order
+    return P(*(axes[order.index(a)] for a in range(len(order))))
 
 
 def check_shardable(name: str, w: Fp8BlockWeight, spec: P, mesh_shape: dict[str, int]) -> None:

@@ -144,11 +144,10 @@ def _kernel_refusals(backend: str, dtype, w) -> list[str]:
     problem = fp8_linear.grouped_layout_problem(w)
     if problem:
         return [problem]
-    block = fp8_linear.grouped_scale_block(w)  # rows quantized by `act_quant` per the weight's input blocks
     rows = jax.ShapeDtypeStruct((1, w.shape[1]), jnp.float8_e4m3fn)
-    row_scales = jax.ShapeDtypeStruct((1, -(-w.shape[1] // block[0])), jnp.float32)
+    row_scales = jax.ShapeDtypeStruct((1, w.scales.shape[-1]), jnp.float32)  # `act_quant` per the input blocks
     return pallas_kernels.unsupported("grouped_matmul_fp8", backend, rows, row_scales, w.values, w.scales, sizes,
-                                      block=block)
+                                      block=w.block)
 
 
 @functools.cache

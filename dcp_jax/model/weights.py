@@ -261,31 +261,35 @@ def kept_fp8_block(path: str, quantization: str) -> tuple[int, int] | None:
 def _layer_scales_to_ours(cfg: ModelConfig, scales: dict[str, np.ndarray], block: tuple[int, int],
                           is_moe: bool) -> dict:
     """One layer's weight_scale_inv grids (HF [out blocks, in blocks], keyed by their weight's name relative to the
-    layer) -> the scales of its fp8 leaves, [*batch, in blocks, out blocks] (`fp8_linear`), nested as our params."""
+    layer) -> the scales of its fp8 leaves, [*batch, out blocks, in blocks] (`fp8_linear`), nested as our params."""
     a = _ATTENTION
     kv_b = scales[a + "kv_b_proj.weight"]
-    kv_b = kv_b.reshape(cfg.num_attention_heads, -1, kv_b.shape[1]).transpose(0, 2, 1)  # [H, C/bn, (N+V)/bm]
+    kv_b = kv_b.reshape(cfg.num_attention_heads, -1, kv_b.shape[1])  # [H, (N+V)/bm, C/bn]
     nope_blocks = cfg.qk_nope_head_dim // block[0]
-    attention = {"wq_a": scales[a + "q_a_proj.weight"].T, "wq_b": scales[a + "q_b_proj.weight"].T,
-                 "wkv_a": scales[a + "kv_a_proj_with_mqa.weight"].T, "w_uk": kv_b[..., :nope_blocks],
-                 "w_uv": kv_b[..., nope_blocks:], "wo": scales[a + "o_proj.weight"].T,
-                 "index_wq": scales[a + "indexer.wq_b.weight"].T, "index_wk": scales[a + "indexer.wk.weight"].T}
+    attention = {"wq_a": scales[a + "q_a_proj.weight"], "wq_b": scales[a + "q_b_proj.weight"],
+                 "wkv_a": scales[a + "kv_a_proj_with_mqa.weight"], "w_uk": kv_b[:, :nope_blocks],
+                 "w_uv": kv_b[:, nope_blocks:], "wo": scales[a + "o_proj.weight"],
+                 "index_wq": scales[a + "indexer.wq_b.weight"], "index_wk": scales[a + "indexer.wk.weight"]}
+    def mlp_scales(prefix):
+        return {kind: scales[f"{prefix}{kind}_proj.weight"] for kind in ("gate", "up", "down")}
+
     if is_moe:
         experts = range(cfg.n_routed_experts)
-        mlp = {f"experts_{kind}": np.stack([scales[f"mlp.experts.{x}.{kind}_proj.weight"].T for x in experts])
+        mlp = {f"experts_{kind}": np.stack([scales[f"mlp.experts.{x}.{kind}_proj.weight"] for x in experts])
                for kind in ("gate", "up", "down")}
-        mlp["shared"] = _mlp_to_ours(scales, "mlp.shared_experts.")
+        mlp["shared"] = mlp_scales("mlp.shared_experts.")
     else:
-        mlp = _mlp_to_ours(scales, "mlp.")
+        mlp = mlp_scales("mlp.")
     return {"attention": attention, "mlp": mlp}
 
 
 def _with_scales(ours: dict, scales: dict, block: tuple[int, int]) -> dict:
-    """`ours` with each leaf that `scales` (nested alike) names an Fp8BlockWeight of its e4m3 values and scales."""
+    """`ours` with each leaf that `scales` (nested alike) names an Fp8BlockWeight of its e4m3 values (our layout,
+    reordered K-major) and scales."""
     out = dict(ours)
     for key, s in scales.items():
         out[key] = (_with_scales(ours[key], s, block) if isinstance(s, dict)
-                    else fp8_linear.Fp8BlockWeight(ours[key], s, block, *fp8_linear.FP8_AXES[key]))
+                    else fp8_linear.from_plain_layout(ours[key], s, block, *fp8_linear.FP8_AXES[key]))
     return out
 
 
@@ -415,7 +419,8 @@ def _check_fp8_shardable(abstract: dict, specs: dict, mesh: Mesh) -> None:
     flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=fp8_linear.is_fp8)[0]
     for (path, leaf), spec in zip(flat, jax.tree.leaves(specs, is_leaf=fp8_linear.is_fp8)):
         if fp8_linear.is_fp8(leaf):
-            fp8_linear.check_shardable(jax.tree_util.keystr(path), leaf, spec.values, dict(mesh.shape))
+            fp8_linear.check_shardable(jax.tree_util.keystr(path), leaf, fp8_linear.plain_spec(leaf, spec.values),
+                                       dict(mesh.shape))
 
 
 def _check_filled(abstract: dict, params: dict) -> None:

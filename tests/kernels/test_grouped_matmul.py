@@ -103,29 +103,32 @@ def test_grouped_matmul_compiled_deepseek_experts(rows):
 
 
 def _fp8_case(seed, sizes, *, rows, depth, width, block):
-    """Block-fp8 operands as DeepSeek's act_quant and weight format make them (blocks of `block` channels)."""
+    """Block-fp8 operands as DeepSeek's act_quant and weight format make them: blocks `block` = (bn, bk) (an int:
+    square), the weights K-major [G, N, K]."""
     from dcp_jax.model import fp8_linear
 
+    block = (block, block) if isinstance(block, int) else block
     x, w, sizes = _case(seed, sizes, rows=rows, depth=depth, width=width, dtype=jnp.float32)
-    x_values, x_scales = fp8_linear.act_quant(x, block)
-    weight = fp8_linear.quantize(w, (block, block), (-2,), (-1,))
+    x_values, x_scales = fp8_linear.act_quant(x, block[1])
+    weight = fp8_linear.quantize(w, block, (-2,), (-1,))
     return x_values, x_scales, weight.values, weight.scales, sizes
 
 
-@pytest.mark.parametrize("sizes", [[7, 0, 20, 1, 0, 15], [0, 0, 0]], ids=["groups", "no-rows"])
-def test_grouped_matmul_fp8_matches_reference_and_the_models_fp8_product(sizes):
+@pytest.mark.parametrize("sizes, block", [([7, 0, 20, 1, 0, 15], (16, 16)), ([0, 0, 0], (16, 16)),
+                                         ([5, 0, 9], (16, 32))], ids=["groups", "no-rows", "non-square-blocks"])
+def test_grouped_matmul_fp8_matches_reference_and_the_models_fp8_product(sizes, block):
     """Each block's fp8 product scaled by its row's and its block's scales equals the dequantized product, the
     model's `fp8_linear.ragged_dot` of the same activations and block-fp8 weights."""
     from dcp_jax.model import fp8_linear
 
-    args = _fp8_case(4, sizes, rows=sum(sizes) + 3, depth=64, width=48, block=16)
+    args = _fp8_case(4, sizes, rows=sum(sizes) + 3, depth=64, width=48, block=block)
     covered = sum(sizes)
-    out = np.asarray(pallas_kernels.grouped_matmul_fp8(*args, block=(16, 16), out_dtype=jnp.float32, backend="triton",
+    out = np.asarray(pallas_kernels.grouped_matmul_fp8(*args, block=block, out_dtype=jnp.float32, backend="triton",
                                                        block_m=16))
-    ref = np.asarray(reference.grouped_matmul_fp8(*args, block=(16, 16), out_dtype=jnp.float32))
+    ref = np.asarray(reference.grouped_matmul_fp8(*args, block=block, out_dtype=jnp.float32))
     np.testing.assert_allclose(out[:covered], ref[:covered], rtol=1e-5, atol=1e-5)
     x, _, w, w_scales, group_sizes = args
-    weight = fp8_linear.Fp8BlockWeight(w, w_scales, (16, 16), (-2,), (-1,))
+    weight = fp8_linear.Fp8BlockWeight(w, w_scales, block, (-2,), (-1,))
     x_plain = _case(4, sizes, rows=sum(sizes) + 3, depth=64, width=48, dtype=jnp.float32)[0]
     model = np.asarray(fp8_linear.ragged_dot(x_plain, weight, group_sizes))
     np.testing.assert_allclose(out[:covered], model[:covered], rtol=1e-5, atol=1e-5)

@@ -74,8 +74,8 @@ def test_sparse_mla_lowers(monkeypatch, shape, dtype):
 def test_grouped_matmul_lowers(monkeypatch, rows, dtype):
     experts, depth, width = 32, 7168, 2048
     if dtype == FP8:
-        shapes = (S((rows, depth), FP8), S((rows, depth // 128), jnp.float32), S((experts, depth, width), FP8),
-                  S((experts, depth // 128, width // 128), jnp.float32), S((experts,), jnp.int32))
+        shapes = (S((rows, depth), FP8), S((rows, depth // 128), jnp.float32), S((experts, width, depth), FP8),
+                  S((experts, width // 128, depth // 128), jnp.float32), S((experts,), jnp.int32))
         _lowers(monkeypatch, lambda *args: pallas_kernels.grouped_matmul_fp8(
             *args, block=(128, 128), out_dtype=jnp.bfloat16, backend="triton", interpret=False), *shapes)
     else:

@@ -35,8 +35,8 @@ def _sparse_mla(pages):
 
 def _grouped_matmul(experts):
     depth, width = 7168, 2048  # DeepSeek-V3.2's experts' gate/up: 256 of them are 3.5 GiB of e4m3
-    shapes = (S((64, depth), FP8), S((64, depth // 128), jnp.float32), S((experts, depth, width), FP8),
-              S((experts, depth // 128, width // 128), jnp.float32), S((experts,), jnp.int32))
+    shapes = (S((64, depth), FP8), S((64, depth // 128), jnp.float32), S((experts, width, depth), FP8),
+              S((experts, width // 128, depth // 128), jnp.float32), S((experts,), jnp.int32))
     return (lambda *args: pallas_kernels.grouped_matmul_fp8(*args, block=(128, 128), out_dtype=jnp.bfloat16,
                                                             backend="triton", interpret=False), shapes)
 

@@ -2,12 +2,14 @@
 float64 numpy of the blockwise sum (per (token, input block) activation scale times per block weight scale times
 the e4m3 products), partial edge blocks and one-row inputs included; quantize / dequantize; scale specs."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels
 from dcp_jax.model import fp8_linear
 from dcp_jax.model.memory_plan import BLOCK_FP8_LEAVES
 from dcp_jax.model.mesh import HEADS
@@ -26,16 +28,16 @@ def _act_quant_numpy(x, group):
 
 
 def _blockwise_gemm_numpy(x, w: fp8_linear.Fp8BlockWeight):
-    """x [M, K] @ w [K, N] as DeepSeek's fp8 GEMM sums it, in float64: out[m, n] = sum over input blocks b of
-    x_scale[m, b] * w_scale[b, n // bm] * sum_{k in b} x8[m, k] * w8[k, n]."""
+    """x [M, K] @ w [K, N] (values [N, K]) as DeepSeek's fp8 GEMM sums it, in float64: out[m, n] = sum over input
+    blocks b of x_scale[m, b] * w_scale[n // bm, b] * sum_{k in b} x8[m, k] * w8[n, k]."""
     bm, bn = w.block
     x8, xs = _act_quant_numpy(np.asarray(x, np.float32), bn)
     w8, ws = np.asarray(w.values).astype(np.float64), np.asarray(w.scales, np.float64)
-    out = np.zeros((x.shape[0], w8.shape[1]))
-    for b in range(ws.shape[0]):
+    out = np.zeros((x.shape[0], w8.shape[0]))
+    for b in range(ws.shape[1]):
         rows = slice(b * bn, (b + 1) * bn)
-        partial = x8[:, rows].astype(np.float64) @ w8[rows]
-        per_column = np.repeat(ws[b], bm)[: w8.shape[1]]
+        partial = x8[:, rows].astype(np.float64) @ w8[:, rows].T
+        per_column = np.repeat(ws[:, b], bm)[: w8.shape[0]]
         out += xs[:, b : b + 1].astype(np.float64) * per_column * partial
     return out
 
@@ -61,7 +63,8 @@ def test_output_has_the_activations_dtype_and_fp8_error_is_small():
     plain = jnp.asarray(rng.standard_normal((64, 48)) / 8, jnp.float32)
     w = fp8_linear.quantize(plain, (16, 16), (0,), (1,))
     got = fp8_linear.einsum("rk,kn->rn", x, w)
-    assert got.dtype == jnp.bfloat16 and w.values.dtype == jnp.float8_e4m3fn and w.scales.shape == (4, 3)
+    assert got.dtype == jnp.bfloat16 and w.values.dtype == jnp.float8_e4m3fn and w.scales.shape == (3, 4)
+    assert w.values.shape == (48, 64) and w.shape == (64, 48)  # K-major: [N, K]
     exact = np.asarray(x, np.float32) @ np.asarray(plain)
     assert np.linalg.norm(np.asarray(got, np.float32) - exact) / np.linalg.norm(exact) < 0.06
 
@@ -72,15 +75,15 @@ def test_multi_axis_layouts_round_trip_through_the_matrix_form():
     rng = np.random.default_rng(1)
     wo = jnp.asarray(rng.standard_normal((4, 8, 24)), jnp.float32)
     q = fp8_linear.quantize(wo, (8, 16), (0, 1), (2,))
-    assert q.scales.shape == (2, 3)
+    assert q.scales.shape == (3, 2) and q.values.shape == (24, 4, 8) and q.shape == wo.shape
     np.testing.assert_allclose(fp8_linear.dequantize(q), wo, atol=np.abs(wo).max() * 2**-4)
     x = jnp.asarray(rng.standard_normal((3, 4, 8)), jnp.float32)
     want = _blockwise_gemm_numpy(x.reshape(3, 32), fp8_linear.Fp8BlockWeight(
-        q.values.reshape(32, 24), q.scales, q.block, (0,), (1,)))
+        q.values.reshape(24, 32), q.scales, q.block, (0,), (1,)))
     np.testing.assert_allclose(fp8_linear.einsum("rhv,hvd->rd", x, q), want, rtol=1e-5, atol=1e-5)
     w_uk = jnp.asarray(rng.standard_normal((2, 16, 24)), jnp.float32)
     q = fp8_linear.quantize(w_uk, (8, 12), (2,), (1,))
-    assert q.scales.shape == (2, 2, 2)
+    assert q.scales.shape == (2, 2, 2) and q.values.shape == (2, 16, 24)
     np.testing.assert_allclose(fp8_linear.weight_values(q, jnp.float32), w_uk, atol=np.abs(w_uk).max() * 2**-4)
 
 
@@ -92,11 +95,17 @@ def test_contracting_an_output_axis_is_refused():
 
 def test_scale_specs_follow_the_split_axes():
     wq_b = fp8_linear.quantize(jnp.ones((16, 4, 12)), (16, 16), *fp8_linear.FP8_AXES["wq_b"])
-    assert fp8_linear.weight_spec(wq_b, P(None, HEADS, None)).scales == P(None, HEADS)
+    spec = fp8_linear.weight_spec(wq_b, P(None, HEADS, None))  # values [H, N+E, Q], scales [out, in]
+    assert spec.values == P(HEADS, None, None) and spec.scales == P(HEADS, None)
     wo = fp8_linear.quantize(jnp.ones((4, 8, 16)), (16, 16), *fp8_linear.FP8_AXES["wo"])
-    assert fp8_linear.weight_spec(wo, P(HEADS, None, None)).scales == P(HEADS, None)
+    spec = fp8_linear.weight_spec(wo, P(HEADS, None, None))  # values [D, H, V]
+    assert spec.values == P(None, HEADS, None) and spec.scales == P(None, HEADS)
     experts = fp8_linear.quantize(jnp.ones((4, 16, 32)), (16, 16), *fp8_linear.FP8_AXES["experts_down"])
+    spec = fp8_linear.weight_spec(experts, P(None, HEADS, None))  # values [X, D, F]: F split
+    assert spec.values == P(None, None, HEADS) and spec.scales == P(None, None, HEADS)
     assert fp8_linear.weight_spec(experts, P(HEADS, None, None)).scales == P(HEADS, None, None)
+    for w, plain in ((wq_b, P(None, HEADS, None)), (wo, P(HEADS, None, None)), (experts, P(None, None, HEADS))):
+        assert fp8_linear.plain_spec(w, fp8_linear.weight_spec(w, plain).values) == plain
     fp8_linear.check_shardable("wo", wo, P(HEADS, None, None), {"dcp_group": 1, "dcp": 2})
     with pytest.raises(ValueError, match="wo: a rank's input slice of 8 is not a whole number of fp8 blocks"):
         fp8_linear.check_shardable("wo", wo, P(HEADS, None, None), {"dcp_group": 2, "dcp": 2})
@@ -104,3 +113,50 @@ def test_scale_specs_follow_the_split_axes():
 
 def test_fp8_leaves_are_the_memory_plans():
     assert set(fp8_linear.FP8_AXES) == BLOCK_FP8_LEAVES
+
+
+@pytest.mark.parametrize("equation, x_shape, w_shape, leaf", [
+    ("rq,qhk->rhk", (5, 32), (32, 4, 24), "wq_b"),
+    ("rhv,hvd->rd", (3, 4, 8), (4, 8, 48), "wo"),
+    ("...d,df->...f", (2, 3, 64), (64, 40), "gate"),
+])
+def test_the_gemm_path_equals_the_reference_path(monkeypatch, equation, x_shape, w_shape, leaf):
+    """einsum through `pallas_kernels.fp8_gemm` (its reference standing in for the GPU kernel: the rows, the
+    K-major matrices and the output's axes as the kernel gets and gives them) equals the dequantized einsum."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
+    plain = jnp.asarray(rng.standard_normal(w_shape), jnp.float32)
+    w = fp8_linear.quantize(plain, (16, 16), *fp8_linear.FP8_AXES[leaf])
+    want = fp8_linear.einsum(equation, x, w)  # on CPU the Mosaic kernel does not apply: the reference
+    calls, kernel_op = [], pallas_kernels.fp8_gemm
+
+    def reference_gemm(*args, backend, **kwargs):
+        calls.append(backend)
+        return kernel_op(*args, backend="reference", **kwargs)
+
+    monkeypatch.setattr(fp8_linear, "_gemm_applies", lambda rows, w: True)
+    monkeypatch.setattr(fp8_linear.pallas_kernels, "fp8_gemm", reference_gemm)
+    got = fp8_linear.einsum(equation, x, w)
+    assert calls == ["mosaic"] and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("equation, x_shape, w_shape, leaf", [
+    ("rq,qhk->rhk", (40, 1536), (1536, 4, 192), "wq_b"),
+    ("rhv,hvd->rd", (300, 4, 128), (4, 128, 512), "wo"),
+    ("...d,df->...f", (2, 3, 512), (512, 576), "gate"),
+])
+def test_einsum_runs_the_fp8_gemm_kernel_on_the_gpu(monkeypatch, equation, x_shape, w_shape, leaf):
+    """On an H100 / H200 an fp8 linear layer runs the Mosaic fp8 GEMM, within fp8 tensor-core accumulation of the
+    dequantized product (bf16 activations)."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal(x_shape), jnp.bfloat16)
+    plain = jnp.asarray(rng.standard_normal(w_shape) / np.sqrt(np.prod(x_shape[1:])), jnp.float32)
+    w = fp8_linear.quantize(plain, (128, 128), *fp8_linear.FP8_AXES[leaf])
+    rows = x.reshape(-1, int(np.prod([w.shape[a] for a in w.in_axes])))
+    assert fp8_linear._gemm_applies(rows, w)
+    got = np.asarray(jax.jit(lambda x, w: fp8_linear.einsum(equation, x, w))(x, w), np.float32)
+    monkeypatch.setattr(fp8_linear, "_gemm_applies", lambda rows, w: False)
+    want = np.asarray(jax.jit(lambda x, w: fp8_linear.einsum(equation, x, w))(x, w), np.float32)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)

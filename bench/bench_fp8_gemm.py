@@ -1,0 +1,133 @@
+"""DeepSeek's fine-grained fp8 GEMM alone (`pallas_kernels.fp8_gemm`: a linear layer of block-fp8 weights) at
+DeepSeek-V3.2's linear shapes, against the same-run bf16 matmul of the same shape (XLA), XLA's per-tensor fp8 GEMM
+of the same operands (cuBLAS on the GPU: the fp8 rate without block scaling) and the fp8 weights read once at the
+copy rate.
+
+Operands: x e4m3 [M, K] with one f32 scale a row per 128 channels, w e4m3 [N, K] with one f32 scale per 128 x 128
+block (random normal values before quantization); the activations' quantization (`act_quant`) is not timed. The
+kernel's output is checked against `pallas_kernels.reference.fp8_gemm` (relative Frobenius error). Each timed call
+rotates over weight copies of at least 256 MB so no call finds its weights in L2.
+
+Usage (repository root):
+  python3 bench/bench_fp8_gemm.py --json-out $OUT/fp8_gemm.jsonl     # H200 / H100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pallas_kernels  # noqa: E402
+from bench.common import copy_tbps, matmul_tflops, median_seconds, run_info, warm_up_clocks  # noqa: E402
+
+# DeepSeek-V3.2's block-fp8 linear layers at TP 1, (N, K) = (out, in).
+SHAPES = {"wq_b": (24576, 1536), "wkv_a": (576, 7168), "wo": (7168, 16384), "mlp_gate": (18432, 7168),
+          "mlp_down": (7168, 18432)}
+ROTATION_BYTES = 256 << 20
+BLOCK = (128, 128)
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(int(t) for t in text.split(",") if t)
+
+
+def _block_fp8(key, rows: int, cols: int, block: tuple[int, int]):
+    """e4m3 values [rows, cols] with one f32 scale per block (amax / 448), of a random normal matrix."""
+    plain = jax.random.normal(key, (rows, cols), jnp.float32)
+    blocks = jnp.abs(plain).reshape(rows // block[0], block[0], cols // block[1], block[1]).max(axis=(1, 3))
+    scales = blocks / 448.0
+    per_element = jnp.repeat(jnp.repeat(scales, block[0], axis=0), block[1], axis=1)
+    return (plain / per_element).astype(jnp.float8_e4m3fn), scales
+
+
+@jax.jit
+def _bf16_matmul(x, w):
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+
+
+@jax.jit
+def _fp8_per_tensor(x, w, scale):
+    out = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (out * scale).astype(jnp.bfloat16)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dcp-jax bench fp8-gemm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=_sizes, default=(64, 256, 4096, 16384), help="M values")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {sorted(SHAPES)}")
+    parser.add_argument("--backends", default="mosaic,triton", help="fp8_gemm implementations timed")
+    parser.add_argument("--knobs", default="{}", help="JSON: backend -> knobs")
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args(argv)
+    knobs = json.loads(args.knobs)
+    out = open(args.json_out, "w") if args.json_out else None
+
+    def record(row):
+        if out:
+            out.write(json.dumps(row, default=str) + "\n")
+            out.flush()
+
+    def seconds(fn, arg_sets):
+        return median_seconds(fn, arg_sets, args.runs)
+
+    warm_up_clocks()
+    info = dict(run_info(), kind="run", args=vars(args))
+    tbps, tflops = copy_tbps(2 << 30, seconds), matmul_tflops(seconds)
+    record(info | dict(copy_tbps=tbps, matmul_tflops=tflops))
+    print(f"{info['device']}, commit {info['commit']}; same-run copy {tbps:.2f} TB/s, bf16 matmul 8192^3 "
+          f"{tflops:.0f} TFLOP/s", flush=True)
+    print("| layer | M | N x K | bf16 XLA us (TFLOP/s) | fp8 per-tensor XLA us (TFLOP/s) | fp8 weights read us | "
+          "backend | us | TFLOP/s | / bf16 rate | / weight read | rel. error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for name in args.shapes.split(","):
+        width, depth = SHAPES[name]
+        weight_bytes = width * depth + 4 * math.prod(-(-d // b) for d, b in zip((width, depth), BLOCK))
+        copies = max(1, math.ceil(ROTATION_BYTES / weight_bytes))
+        weights = [_block_fp8(jax.random.key(i), width, depth, BLOCK) for i in range(copies)]
+        plain = [w.astype(jnp.bfloat16) for w, _ in weights]
+        read_us = 1e6 * weight_bytes / (tbps * 1e12)
+        for rows in args.rows:
+            x, x_scales = _block_fp8(jax.random.key(rows), rows, depth, (1, BLOCK[1]))
+            x_bf16 = x.astype(jnp.bfloat16)
+            flops = 2 * rows * width * depth
+            bf16_us = 1e6 * seconds(_bf16_matmul, [(x_bf16, w) for w in plain])
+            fp8_us = 1e6 * seconds(_fp8_per_tensor, [(x, w, jnp.float32(1.0)) for w, _ in weights])
+            want = np.asarray(pallas_kernels.reference.fp8_gemm(x, x_scales, *weights[0], block=BLOCK,
+                                                                out_dtype=jnp.float32))
+            row = dict(kind="point", layer=name, rows=rows, width=width, depth=depth, bf16_us=bf16_us,
+                       fp8_per_tensor_us=fp8_us, weight_read_us=read_us, backends={})
+            for backend in args.backends.split(","):
+                run = jax.jit(lambda x, xs, w, ws, b=backend: pallas_kernels.fp8_gemm(
+                    x, xs, w, ws, block=BLOCK, out_dtype=jnp.bfloat16, backend=b, **knobs.get(b, {})))
+                try:
+                    got = np.asarray(run(x, x_scales, *weights[0]).astype(jnp.float32))
+                    error = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+                    us = 1e6 * seconds(run, [(x, x_scales, w, ws) for w, ws in weights])
+                except Exception as failure:  # a lowering or a shape the backend lacks: record it, go on
+                    row["backends"][backend] = dict(failed=f"{type(failure).__name__}: {str(failure)[:300]}")
+                    print(f"| {name} | {rows} | {width} x {depth} | | | | {backend} | failed: "
+                          f"{type(failure).__name__}: {str(failure)[:150]} |", flush=True)
+                    continue
+                row["backends"][backend] = dict(us=us, rel_error=error)
+                print(f"| {name} | {rows} | {width} x {depth} | {bf16_us:.1f} ({flops / bf16_us / 1e6:.0f}) | "
+                      f"{fp8_us:.1f} ({flops / fp8_us / 1e6:.0f}) | {read_us:.1f} | {backend} | {us:.1f} | "
+                      f"{flops / us / 1e6:.0f} | {bf16_us / us:.2f}x | {us / read_us:.2f}x | {error:.1e} |",
+                      flush=True)
+            record(row)
+    if out:
+        out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""Block-fp8 GEMM for Hopper (sm_90) in Mosaic GPU: the kernel of `pallas_kernels.fp8_gemm` (DeepSeek's
+fine-grained fp8 GEMM, as DeepGEMM runs it).
+
+Contract: x e4m3 [M, K] with f32 scales [M, K / 128] (a row's 128 channels share one), w e4m3 [N, K] (K-major: the
+checkpoint's [out, in], as fp8 tensor cores read both operands) with f32 scales [ceil(N / bn), K / 128] (a block of
+bn rows by 128 columns shares one); out [M, N] = sum over k blocks of (x_k . w_k^T) * x_scale * w_scale, in
+out_dtype.
+
+Each CTA owns a [cta_m, cta_n] output tile and runs three warpgroups: one streams the tile's x and w slices of 128
+channels (and their scales) through `stages` SMEM buffers by TMA; two compute, each a [64, tile_n] half of the tile
+(split along M, or along N when the tile has 64 rows): per slice one fp8 wgmma into a fresh accumulator, whose f32
+result is scaled by its rows' and columns' scales and added to the running sum in registers (DeepGEMM's promotion:
+the tensor core's reduced-precision fp8 accumulation never spans more than one block). The tile leaves through SMEM
+by TMA in out_dtype. The w scales travel expanded to one per column ([K / 128, N], made by the wrapper) so each step
+loads two scale vectors; M is padded to the tile by the wrapper.
+Mosaic GPU has no interpreter: this runs compiled on an sm_90 GPU; on CPU it can be lowered for CUDA (the tests do).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._platform import on_hopper_compiled
+
+BLOCK_K = 128  # channels a step: one scale block, one 128-byte swizzled fp8 row
+WG_ROWS = 64  # rows of one compute warpgroup's wgmma
+TILE_N = (128, 64)  # a compute warpgroup's columns, largest first
+_MEMORY_REGISTERS = 40
+
+
+def _fp8_tiled():
+    return plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(BLOCK_K)
+
+
+def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int, split_m: bool, stages: int):
+    wg = lax.axis_index("wg")
+    cta_m = WG_ROWS * (2 if split_m else 1)
+    cta_n = tile_n * (1 if split_m else 2)
+    rows = pl.ds(lax.axis_index("m") * cta_m, cta_m)
+    columns = pl.ds(lax.axis_index("n") * cta_n, cta_n)
+    wg_rows = pl.ds(wg * WG_ROWS, WG_ROWS) if split_m else pl.ds(0, WG_ROWS)
+    wg_columns = pl.ds(0, tile_n) if split_m else pl.ds(wg * tile_n, tile_n)
+    row_layout, column_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+    def step(_, x_smem, w_smem, xs_smem, ws_smem, acc):
+        def dot(partial_ref):
+            plgpu.wgmma(partial_ref, x_smem.at[wg_rows], w_smem.at[wg_columns].transpose((1, 0)))
+            return partial_ref[...]
+
+        partial = pl.run_scoped(dot, plgpu.ACC((WG_ROWS, tile_n), jnp.float32))
+        row_scales = plgpu.load(xs_smem.at[0, wg_rows], layout=row_layout)
+        column_scales = plgpu.load(ws_smem.at[0, wg_columns], layout=column_layout)
+        scales = (lax.broadcast_in_dim(row_scales, (WG_ROWS, tile_n), [0])
+                  * lax.broadcast_in_dim(column_scales, (WG_ROWS, tile_n), [1]))
+        return acc + partial * scales
+
+    def compute(run_pipeline):
+        zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, tile_n), jnp.float32), plgpu.Layout.WGMMA)
+        acc = run_pipeline(zeros)
+        out_smem[wg] = acc.astype(out_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, columns].at[wg_rows, wg_columns])
+        plgpu.wait_smem_to_gmem(0)
+
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        step,
+        grid=(x_gmem.shape[1] // BLOCK_K,),
+        memory_registers=_MEMORY_REGISTERS,
+        in_specs=[
+            plgpu.BlockSpec((cta_m, BLOCK_K), lambda k: (0, k), transforms=_fp8_tiled()),
+            plgpu.BlockSpec((cta_n, BLOCK_K), lambda k: (0, k), transforms=_fp8_tiled()),
+            plgpu.BlockSpec((1, cta_m), lambda k: (k, 0)),
+            plgpu.BlockSpec((1, cta_n), lambda k: (k, 0)),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=stages,
+        compute_context=compute,
+    )
+    pipeline(x_gmem.at[rows], w_gmem.at[columns], xs_gmem.at[:, rows], ws_gmem.at[:, columns])
+
+
+@functools.partial(jax.jit, static_argnames=("tile_n", "split_m", "stages", "out_dtype"))
+def fp8_gemm_tiles(x, xs_t, w, ws_columns, *, tile_n: int, split_m: bool, stages: int, out_dtype):
+    """The kernel on prepared inputs: x e4m3 [M, K] (M a multiple of the CTA's rows), xs_t f32 [K / 128, M] (x's
+    scales transposed), w e4m3 [N, K] (N a multiple of the CTA's columns), ws_columns f32 [K / 128, N] (w's block
+    scales, one per column). Returns out [M, N] in out_dtype."""
+    num_rows, depth = x.shape
+    width = w.shape[0]
+    cta_m = WG_ROWS * (2 if split_m else 1)
+    cta_n = tile_n * (1 if split_m else 2)
+    out_swizzle = min(128, tile_n * jnp.dtype(out_dtype).itemsize)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
+                      plgpu.SwizzleTransform(out_swizzle))
+
+    def fp8_gemm_mosaic(*refs):  # the kernel's name in profiles
+        _kernel(*refs, tile_n=tile_n, split_m=split_m, stages=stages)
+
+    return plgpu.kernel(
+        fp8_gemm_mosaic,
+        out_type=jax.ShapeDtypeStruct((num_rows, width), out_dtype),
+        scratch_types=[plgpu.SMEM((2, WG_ROWS, tile_n), out_dtype, transforms=out_transforms)],
+        grid=(num_rows // cta_m, width // cta_n), grid_names=("m", "n"),
+        num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(x, xs_t, w, ws_columns)
+
+
+def _tile_n(width: int, split_m: bool) -> int | None:
+    return next((t for t in TILE_N if width % (t * (1 if split_m else 2)) == 0), None)
+
+
+def default_split_m(num_rows: int, width: int) -> bool:
+    """Two warpgroups split a [128, tile_n] tile along M, unless the rows fit one warpgroup (decode) and N allows a
+    [64, 2 tile_n] tile."""
+    return num_rows > WG_ROWS or _tile_n(width, split_m=False) is None
+
+
+def unsupported(x, w, block, interpret: bool | None) -> list[str]:
+    """Why this kernel does not take these inputs (empty: it does): e4m3 operands, scale blocks of (bn, 128) with bn
+    a multiple of the warpgroup's columns, K a multiple of 128, N of 64; compiled on an sm_90 GPU."""
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    reasons = []
+    if x.dtype != fp8 or w.dtype != fp8:
+        reasons.append(f"it needs e4m3 x and w; got {x.dtype} and {w.dtype}")
+    width, depth = w.shape
+    if depth % BLOCK_K or block[1] != BLOCK_K or width % TILE_N[-1] or block[0] % TILE_N[-1]:
+        reasons.append(f"it needs K a multiple of {BLOCK_K}, N and bn of {TILE_N[-1]}, scale blocks (bn, "
+                       f"{BLOCK_K}); got w {w.shape}, block {tuple(block)}")
+    return reasons + on_hopper_compiled(interpret)
+
+
+def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, split_m=None, tile_n=None, stages=4, interpret=None):
+    """The contract of the module docstring (`unsupported` lists what it takes). Knobs: split_m (None:
+    `default_split_m`), tile_n (a compute warpgroup's columns, None: the largest of TILE_N the tile fits in N and
+    the scale block), stages (TMA buffers of 128 channels)."""
+    del interpret  # compiled only (`unsupported`)
+    num_rows = x.shape[0]
+    width = w.shape[0]
+    split_m = default_split_m(num_rows, width) if split_m is None else split_m
+    tile_n = _tile_n(width, split_m) if tile_n is None else tile_n
+    if tile_n is None or block[0] % tile_n and tile_n % block[0] or width % (tile_n * (1 if split_m else 2)):
+        raise ValueError(f"no column tile for N = {width} and scale block {tuple(block)} ({split_m=}, {tile_n=})")
+    cta_m = WG_ROWS * (2 if split_m else 1)
+    pad = -num_rows % cta_m
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    xs_t = jnp.pad(x_scales.astype(jnp.float32), ((0, pad), (0, 0))).T
+    ws_columns = jnp.repeat(w_scales.astype(jnp.float32).T, block[0], axis=1)[:, :width]
+    out = fp8_gemm_tiles(x, xs_t, w, ws_columns, tile_n=tile_n, split_m=split_m, stages=stages,
+                         out_dtype=jnp.dtype(out_dtype))
+    return out[:num_rows]

@@ -1,0 +1,112 @@
+"""pallas_kernels.fp8_gemm (DeepSeek's fine-grained fp8 GEMM) against reference.fp8_gemm and against an
+independent numpy sum of scaled block products: the Triton kernel (one group of the grouped kernel) interpreted on
+CPU; the Mosaic GPU kernel lowered for CUDA on CPU and compiled on a GPU (`gpu` marker)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import _fp8_gemm_mosaic as fp8_gemm_mosaic
+from pallas_kernels import reference
+
+FP8 = jnp.float8_e4m3fn
+
+
+def _block_fp8(rng, rows, cols, block):
+    """e4m3 values [rows, cols] and f32 scales [ceil(rows / b0), ceil(cols / b1)] (amax / 448 per block, edge
+    blocks partial) of a random normal matrix with blocks of different magnitudes."""
+    plain = rng.standard_normal((rows, cols)) * np.exp(rng.standard_normal((rows, cols)))
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = np.zeros((grid[0] * block[0], grid[1] * block[1]))
+    padded[:rows, :cols] = np.abs(plain)
+    scales = np.maximum(padded.reshape(grid[0], block[0], grid[1], block[1]).max(axis=(1, 3)), 1e-4) / 448
+    per_element = np.repeat(np.repeat(scales, block[0], axis=0), block[1], axis=1)[:rows, :cols]
+    return jnp.asarray(plain / per_element, FP8), jnp.asarray(scales, jnp.float32)
+
+
+def _case(seed, rows, width, depth, block):
+    rng = np.random.default_rng(seed)
+    x, x_scales = _block_fp8(rng, rows, depth, (1, block[1]))
+    w, w_scales = _block_fp8(rng, width, depth, block)
+    return x, x_scales, w, w_scales
+
+
+def _numpy_fp8_gemm(x, x_scales, w, w_scales, block):
+    """sum over k blocks of (x_k . w_k^T) * x_scale[:, k] * w_scale[n block, k], in float64."""
+    bn, bk = block
+    x, w = np.asarray(x.astype(jnp.float32), np.float64), np.asarray(w.astype(jnp.float32), np.float64)
+    xs, ws = np.asarray(x_scales, np.float64), np.asarray(w_scales, np.float64)
+    out = np.zeros((x.shape[0], w.shape[0]))
+    for k in range(xs.shape[1]):
+        depth = slice(k * bk, (k + 1) * bk)
+        column_scales = np.repeat(ws[:, k], bn)[: w.shape[0]]
+        out += (x[:, depth] @ w[:, depth].T) * xs[:, k:k + 1] * column_scales[None, :]
+    return out
+
+
+@pytest.mark.parametrize("rows, width, depth, block", [
+    (5, 48, 64, (16, 32)),  # non-square blocks
+    (33, 40, 80, (16, 32)),  # N and K not multiples of their blocks: partial edge blocks (the reference)
+    (1, 64, 128, (32, 64)),
+    (0, 32, 32, (16, 16)),  # no rows
+], ids=["blocks", "partial-edges", "one-row", "no-rows"])
+def test_reference_is_the_sum_of_scaled_block_products(rows, width, depth, block):
+    args = _case(1, rows, width, depth, block)
+    got = np.asarray(reference.fp8_gemm(*args, block=block, out_dtype=jnp.float32))
+    want = _numpy_fp8_gemm(*args, block)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(initial=1.0))
+
+
+@pytest.mark.parametrize("rows, width, depth, block", [(5, 48, 64, (16, 32)), (37, 64, 96, (32, 32)),
+                                                      (1, 32, 128, (16, 64))],
+                         ids=["non-square", "rows-past-a-block", "one-row"])
+def test_triton_equals_reference(rows, width, depth, block):
+    args = _case(2, rows, width, depth, block)
+    got = np.asarray(pallas_kernels.fp8_gemm(*args, block=block, out_dtype=jnp.float32, backend="triton"))
+    want = np.asarray(reference.fp8_gemm(*args, block=block, out_dtype=jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_refuses_malformed_inputs_and_says_why_a_backend_does_not_apply():
+    x, x_scales, w, w_scales = _case(3, 4, 32, 64, (16, 32))
+    with pytest.raises(ValueError, match="x_scales"):
+        pallas_kernels.fp8_gemm(x, x_scales[:, :1], w, w_scales, block=(16, 32), out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"w \[N, K\]"):
+        pallas_kernels.fp8_gemm(x, x_scales, w[:, :32], w_scales, block=(16, 32), out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="e4m3"):
+        pallas_kernels.fp8_gemm(x.astype(jnp.bfloat16), x_scales, w, w_scales, block=(16, 32),
+                                out_dtype=jnp.bfloat16)
+    reasons = pallas_kernels.unsupported("fp8_gemm", "mosaic", x, x_scales, w, w_scales, block=(16, 32))
+    assert any("multiple of 128" in r for r in reasons) and any("sm_90" in r for r in reasons)
+
+
+# (M, N, K) of DeepSeek-V3.2's fp8 linear layers: decode and prefill rows, N a multiple of 128 or of 64 only.
+MOSAIC_SHAPES = [(64, 24576, 1536), (4096, 7168, 16384), (200, 576, 7168), (1, 2048, 7168)]
+
+
+@pytest.mark.parametrize("rows, width, depth", MOSAIC_SHAPES)
+def test_mosaic_kernel_lowers_for_cuda(rows, width, depth):
+    """No interpreter runs the Mosaic GPU kernel; lowering it for CUDA checks its layouts and SMEM plan."""
+    split_m = fp8_gemm_mosaic.default_split_m(rows, width)
+    tile_n = next(t for t in fp8_gemm_mosaic.TILE_N if width % (t * (1 if split_m else 2)) == 0)
+    cta_m = fp8_gemm_mosaic.WG_ROWS * (2 if split_m else 1)
+    padded = -(-rows // cta_m) * cta_m
+    S = jax.ShapeDtypeStruct
+    args = (S((padded, depth), FP8), S((depth // 128, padded), jnp.float32), S((width, depth), FP8),
+            S((depth // 128, width), jnp.float32))
+    fp8_gemm_mosaic.fp8_gemm_tiles.trace(*args, tile_n=tile_n, split_m=split_m, stages=4,
+                                         out_dtype=jnp.dtype(jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, width, depth", MOSAIC_SHAPES + [(300, 1536, 7168)])
+def test_mosaic_compiled_equals_reference(rows, width, depth):
+    """Within the fp8 tensor cores' reduced-precision accumulation (one 128-channel block at a time) of the
+    reference, bf16 output."""
+    args = _case(4, rows, width, depth, (128, 128))
+    assert pallas_kernels.choose("fp8_gemm", "pallas", *args, block=(128, 128)) == "mosaic"
+    got = np.asarray(pallas_kernels.fp8_gemm(*args, block=(128, 128), out_dtype=jnp.bfloat16).astype(jnp.float32))
+    want = np.asarray(reference.fp8_gemm(*args, block=(128, 128), out_dtype=jnp.float32))
+    assert np.linalg.norm(got - want) <= 5e-3 * np.linalg.norm(want)
