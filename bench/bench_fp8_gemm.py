@@ -9,6 +9,8 @@ kernel's output is checked against `pallas_kernels.reference.fp8_gemm` (relative
 rotates over weight copies of at least 256 MB so no call finds its weights in L2.
 
 Usage (repository root):
+  python bench/bench_fp8_gemm.py --shapes 256x256 --rows 4 --backends triton --runs 1 --copy-bytes 8M \
+      --matmul-size 256                                              # CPU smoke
   python3 bench/bench_fp8_gemm.py --json-out $OUT/fp8_gemm.jsonl     # H200 / H100
 """
 
@@ -40,6 +42,21 @@ def _sizes(text: str) -> tuple[int, ...]:
     return tuple(int(t) for t in text.split(",") if t)
 
 
+def _bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def _shape(name: str) -> tuple[int, int]:
+    """A layer of SHAPES, or "NxK"."""
+    if name in SHAPES:
+        return SHAPES[name]
+    width, _, depth = name.partition("x")
+    if not (width.isdigit() and depth.isdigit()):
+        raise ValueError(f"--shapes: {name!r} is neither one of {sorted(SHAPES)} nor NxK")
+    return int(width), int(depth)
+
+
 def _block_fp8(key, rows: int, cols: int, block: tuple[int, int]):
     """e4m3 values [rows, cols] with one f32 scale per block (amax / 448), of a random normal matrix."""
     plain = jax.random.normal(key, (rows, cols), jnp.float32)
@@ -61,12 +78,14 @@ def _fp8_per_tensor(x, w, scale):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dcp-jax bench fp8-gemm", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="dcp-jax bench fp8_gemm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=_sizes, default=(64, 256, 4096, 16384), help="M values")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {sorted(SHAPES)}")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {sorted(SHAPES)}, or NxK (multiples of 128)")
     parser.add_argument("--backends", default="mosaic,triton", help="fp8_gemm implementations timed")
     parser.add_argument("--knobs", default="{}", help="JSON: backend -> knobs")
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--copy-bytes", type=_bytes, default=2 << 30, help="the copy ceiling's array (8M, 2G, ...)")
+    parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n x n x n bf16 matmul ceiling")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     knobs = json.loads(args.knobs)
@@ -80,19 +99,20 @@ def main(argv: list[str] | None = None) -> int:
     def seconds(fn, arg_sets):
         return median_seconds(fn, arg_sets, args.runs)
 
-    warm_up_clocks()
+    if jax.default_backend() == "gpu":
+        warm_up_clocks()
     info = dict(run_info(), kind="run", args=vars(args))
-    tbps, tflops = copy_tbps(2 << 30, seconds), matmul_tflops(seconds)
+    tbps, tflops = copy_tbps(args.copy_bytes, seconds), matmul_tflops(seconds, n=args.matmul_size)
     record(info | dict(copy_tbps=tbps, matmul_tflops=tflops))
-    print(f"{info['device']}, commit {info['commit']}; same-run copy {tbps:.2f} TB/s, bf16 matmul 8192^3 "
+    print(f"{info['device']}, commit {info['commit']}; same-run copy {tbps:.2f} TB/s, bf16 matmul {args.matmul_size}^3 "
           f"{tflops:.0f} TFLOP/s", flush=True)
     print("| layer | M | N x K | bf16 XLA us (TFLOP/s) | fp8 per-tensor XLA us (TFLOP/s) | fp8 weights read us | "
           "backend | us | TFLOP/s | / bf16 rate | / weight read | rel. error |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.shapes.split(","):
-        width, depth = SHAPES[name]
+        width, depth = _shape(name)
         weight_bytes = width * depth + 4 * math.prod(-(-d // b) for d, b in zip((width, depth), BLOCK))
-        copies = max(1, math.ceil(ROTATION_BYTES / weight_bytes))
+        copies = min(64, max(1, math.ceil(ROTATION_BYTES / weight_bytes)))
         weights = [_block_fp8(jax.random.key(i), width, depth, BLOCK) for i in range(copies)]
         plain = [w.astype(jnp.bfloat16) for w, _ in weights]
         read_us = 1e6 * weight_bytes / (tbps * 1e12)
