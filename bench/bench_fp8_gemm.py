@@ -58,11 +58,13 @@ def _shape(name: str) -> tuple[int, int]:
 
 
 def _block_fp8(key, rows: int, cols: int, block: tuple[int, int]):
-    """e4m3 values [rows, cols] with one f32 scale per block (amax / 448), of a random normal matrix."""
+    """e4m3 values [rows, cols] with one f32 scale per block (amax / 448; edge blocks partial), of a random normal
+    matrix."""
     plain = jax.random.normal(key, (rows, cols), jnp.float32)
-    blocks = jnp.abs(plain).reshape(rows // block[0], block[0], cols // block[1], block[1]).max(axis=(1, 3))
-    scales = blocks / 448.0
-    per_element = jnp.repeat(jnp.repeat(scales, block[0], axis=0), block[1], axis=1)
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = jnp.pad(jnp.abs(plain), ((0, grid[0] * block[0] - rows), (0, grid[1] * block[1] - cols)))
+    scales = padded.reshape(grid[0], block[0], grid[1], block[1]).max(axis=(1, 3)) / 448.0
+    per_element = jnp.repeat(jnp.repeat(scales, block[0], axis=0), block[1], axis=1)[:rows, :cols]
     return (plain / per_element).astype(jnp.float8_e4m3fn), scales
 
 
@@ -80,7 +82,7 @@ def _fp8_per_tensor(x, w, scale):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-jax bench fp8_gemm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=_sizes, default=(64, 256, 4096, 16384), help="M values")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {sorted(SHAPES)}, or NxK (multiples of 128)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {sorted(SHAPES)}, or NxK")
     parser.add_argument("--backends", default="mosaic,triton", help="fp8_gemm implementations timed")
     parser.add_argument("--knobs", default="{}", help="JSON: backend -> knobs")
     parser.add_argument("--runs", type=int, default=20)

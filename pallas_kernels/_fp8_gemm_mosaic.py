@@ -31,7 +31,7 @@ from pallas_kernels._platform import on_hopper_compiled
 BLOCK_K = 128  # channels a step: one scale block, one 128-byte swizzled fp8 row
 WG_ROWS = 64  # rows of one compute warpgroup's wgmma
 TILE_N = (128, 64)  # a compute warpgroup's columns, largest first
-_MEMORY_REGISTERS = 40
+_MEMORY_REGISTERS = 40  # the TMA warpgroup's (JAX's Hopper matmul example's value; the knobs are not yet tuned)
 
 
 def _fp8_tiled():
@@ -116,42 +116,54 @@ def _tile_n(width: int, split_m: bool) -> int | None:
     return next((t for t in TILE_N if width % (t * (1 if split_m else 2)) == 0), None)
 
 
-def default_split_m(num_rows: int, width: int) -> bool:
-    """Two warpgroups split a [128, tile_n] tile along M, unless the rows fit one warpgroup (decode) and N allows a
-    [64, 2 tile_n] tile."""
-    return num_rows > WG_ROWS or _tile_n(width, split_m=False) is None
+def default_knobs(num_rows: int, width: int, out_dtype) -> dict:
+    """The tiles for M = num_rows, N = width: two warpgroups split a [128, tile_n] tile along M, unless the rows fit
+    one warpgroup (decode) and N allows a [64, 2 tile_n] tile; tile_n the largest of TILE_N whose tile divides N;
+    4 stages, 3 for a 4-byte output (its epilogue tile takes the fourth's shared memory)."""
+    split_m = num_rows > WG_ROWS or _tile_n(width, split_m=False) is None
+    stages = 4 if jnp.dtype(out_dtype).itemsize <= 2 else 3
+    return dict(split_m=split_m, tile_n=_tile_n(width, split_m), stages=stages)
 
 
-def unsupported(x, w, block, interpret: bool | None) -> list[str]:
-    """Why this kernel does not take these inputs (empty: it does): e4m3 operands, scale blocks of (bn, 128) with bn
-    a multiple of the warpgroup's columns, K a multiple of 128, N of 64; compiled on an sm_90 GPU."""
+def unsupported(x, w, interpret: bool | None) -> list[str]:
+    """Why this kernel does not take these inputs (empty: it does): e4m3 operands, K a multiple of 128 and N of 64
+    (scale blocks of 128 input columns, any output rows); compiled on an sm_90 GPU."""
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     reasons = []
     if x.dtype != fp8 or w.dtype != fp8:
         reasons.append(f"it needs e4m3 x and w; got {x.dtype} and {w.dtype}")
     width, depth = w.shape
-    if depth % BLOCK_K or block[1] != BLOCK_K or width % TILE_N[-1] or block[0] % TILE_N[-1]:
-        reasons.append(f"it needs K a multiple of {BLOCK_K}, N and bn of {TILE_N[-1]}, scale blocks (bn, "
-                       f"{BLOCK_K}); got w {w.shape}, block {tuple(block)}")
+    if depth % BLOCK_K or width % TILE_N[-1]:
+        reasons.append(f"it needs K a multiple of {BLOCK_K} and N of {TILE_N[-1]}; got w {w.shape}")
     return reasons + on_hopper_compiled(interpret)
 
 
-def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, split_m=None, tile_n=None, stages=4, interpret=None):
-    """The contract of the module docstring (`unsupported` lists what it takes). Knobs: split_m (None:
-    `default_split_m`), tile_n (a compute warpgroup's columns, None: the largest of TILE_N the tile fits in N and
-    the scale block), stages (TMA buffers of 128 channels)."""
+def unsupported_block(block) -> list[str]:
+    """Why this kernel does not take scale blocks `block` = (bn, bk) (empty: it does): bk is its step, 128."""
+    return [] if block[1] == BLOCK_K else [f"it needs scale blocks of {BLOCK_K} input columns; got {tuple(block)}"]
+
+
+def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **knobs):
+    """The contract of the module docstring (`unsupported` lists what it takes). Knobs (left out or None:
+    `default_knobs`'): split_m (the two compute warpgroups split the tile along M, else along N), tile_n (a compute
+    warpgroup's columns, of TILE_N), stages (TMA buffers of 128 channels)."""
     del interpret  # compiled only (`unsupported`)
-    num_rows = x.shape[0]
-    width = w.shape[0]
-    split_m = default_split_m(num_rows, width) if split_m is None else split_m
-    tile_n = _tile_n(width, split_m) if tile_n is None else tile_n
-    if tile_n is None or block[0] % tile_n and tile_n % block[0] or width % (tile_n * (1 if split_m else 2)):
-        raise ValueError(f"no column tile for N = {width} and scale block {tuple(block)} ({split_m=}, {tile_n=})")
+    num_rows, width = x.shape[0], w.shape[0]
+    out_dtype = jnp.dtype(out_dtype)
+    if num_rows == 0:
+        return jnp.zeros((0, width), out_dtype)
+    chosen = default_knobs(num_rows, width, out_dtype)
+    unknown = set(knobs) - set(chosen)
+    if unknown:
+        raise TypeError(f"unknown fp8 GEMM knobs {sorted(unknown)}; the kernel takes {sorted(chosen)}")
+    chosen.update((name, value) for name, value in knobs.items() if value is not None)
+    split_m, tile_n = chosen["split_m"], chosen["tile_n"]
+    if tile_n not in TILE_N or width % (tile_n * (1 if split_m else 2)):
+        raise ValueError(f"no column tile for N = {width}: {split_m=}, {tile_n=} (of {TILE_N})")
     cta_m = WG_ROWS * (2 if split_m else 1)
     pad = -num_rows % cta_m
     x = jnp.pad(x, ((0, pad), (0, 0)))
     xs_t = jnp.pad(x_scales.astype(jnp.float32), ((0, pad), (0, 0))).T
     ws_columns = jnp.repeat(w_scales.astype(jnp.float32).T, block[0], axis=1)[:, :width]
-    out = fp8_gemm_tiles(x, xs_t, w, ws_columns, tile_n=tile_n, split_m=split_m, stages=stages,
-                         out_dtype=jnp.dtype(out_dtype))
+    out = fp8_gemm_tiles(x, xs_t, w, ws_columns, **chosen, out_dtype=out_dtype)
     return out[:num_rows]

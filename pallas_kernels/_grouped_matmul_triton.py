@@ -13,9 +13,9 @@ and the block's scales before it joins the accumulator, as DeepGEMM does.
 Work items (vLLM's fused-MoE schedule): each group's rows are cut into blocks of block_m; the wrapper lists the
 blocks of every group in order (`work_items`, computed in the program from group_sizes: the item's group, first
 row and row count), at most ceil(A / block_m) + G of them. Grid (items, N / block_n): a program multiplies its
-block's rows [block_m, K] by its group's [K, block_n] slice, block_k at a time, and stores its rows; programs
-past the last item exit at once. So a group with no rows costs nothing and each group's weights are read once per
-block of its rows: at decode (a few rows an expert) the layer reads only the chosen experts' weights.
+block's rows [block_m, K] by its group's [K, block_n] slice (fp8: [block_n, K]), block_k at a time, and stores its
+rows; programs past the last item exit at once. So a group with no rows costs nothing and each group's weights are
+read once per block of its rows: at decode (a few rows an expert) the layer reads only the chosen experts' weights.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def default_knobs(rows_per_group: float, w, scale_block: tuple[int, int] | None 
     largest powers of two of at most the table's dividing N and K (and the scale block); None where none >= 16 does
     (the kernel refuses those shapes)."""
     fp8 = scale_block is not None
-    depth, width = w.shape[:0:-1] if fp8 else w.shape[1:]
+    width, depth = (w.shape[1], w.shape[2]) if fp8 else (w.shape[2], w.shape[1])
     prefill = rows_per_group >= PREFILL_ROWS_PER_GROUP["fp8" if fp8 else "plain"]
     if fp8:  # (block_m, block_n at most, block_k at most, warps, stages)
         tile = (128, 128, 128, 8, 4) if prefill else (16, 128, 128, 4, 3)

@@ -8,7 +8,8 @@ index_weights [D, I], MLP gate/up [D, F] and down [F, D], experts [X, D, F] / [X
 with w_uv applied C -> V (`projections.output_projection`); embed is [A, D]. The router, its bias
 (e_score_correction_bias) and index_weights (the indexer's weights_proj) are always f32, as HF keeps them; every
 other weight has the model's dtype, or, for a block fp8 model, is an `fp8_linear.Fp8BlockWeight` (the leaves of
-`fp8_linear.FP8_AXES`: e4m3 values in the layout above and their block scales).
+`fp8_linear.FP8_AXES`: e4m3 values of the layout above with their axes reordered batch, output, input, and their
+block scales; its `shape` is the layout above).
 The attention module holds exactly the fields of `AttentionParams`, so the shared projections, the sparse DCP
 attention layer and the kernels read it unchanged. The modules run inside `shard_map` (`runtime/forward.py`):
 attention heads, the MLP widths and the routed experts (along F, or along X with expert parallelism: `moe.py`)

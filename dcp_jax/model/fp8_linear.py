@@ -4,8 +4,8 @@ Format (`Fp8BlockWeight`): `values` float8_e4m3fn holding the plain weight (our 
 its axes reordered batch, output, input (`in_axes` / `out_axes` name them in our layout; the leading others are
 batch axes: the experts X, the heads H of w_uk / w_uv, whose rows are blocks of kv_b_proj's). So each matrix is
 [N, K], K-major, the checkpoint's own [out, in]: fp8 tensor cores read both operands K-major. `scales` f32
-[*batch, ceil(N / bm), ceil(K / bn)], the checkpoint's `weight_scale_inv` grid. K is the product of the input
-axes, N of the output axes; (bm, bn) = `block` is HF's weight_block_size: bm output rows by bn input columns; edge
+[*batch, ceil(N / bn), ceil(K / bk)], the checkpoint's `weight_scale_inv` grid. K is the product of the input
+axes, N of the output axes; (bn, bk) = `block` is HF's weight_block_size: bn output rows by bk input columns; edge
 blocks are partial. A weight element is its e4m3 value times its block's scale. `shape` is the plain weight's.
 
 Sharding (`weight_spec`): the values split as the plain weight's axes they hold; the scales' batch axes as the
@@ -14,7 +14,7 @@ rank's slice must be whole blocks (`check_shardable`).
 
 Multiplying (`einsum`, `ragged_dot`, `grouped_matmul`: plain weights multiply in full precision as before). With an
 `Fp8BlockWeight` it is DeepSeek's fine-grained fp8 GEMM: the activations are quantized at run time per token per
-bn channels of K (`act_quant`: e4m3, f32 scale amax / 448; DeepSeek's group of 128 is its weights' block), the
+bk channels of K (`act_quant`: e4m3, f32 scale amax / 448; DeepSeek's group of 128 is its weights' block), the
 products are accumulated in f32 and the output has the activations' dtype. `einsum` of a weight with no batch axis
 runs `pallas_kernels.fp8_gemm`'s Mosaic GPU kernel where it applies (compiled on an sm_90 GPU, K a multiple of 128,
 N of 64); elsewhere, and for batched weights, this module's pure-jnp reference computes the same sum: the
@@ -71,9 +71,9 @@ class Fp8BlockWeight:
 
     # float8_e4m3fn: the plain weight's axes reordered batch, output, input (K-major).
     values: jax.Array
-    # f32 [*batch, ceil(N / bm), ceil(K / bn)]: one scale per block, split as `weight_spec` says.
+    # f32 [*batch, ceil(N / bn), ceil(K / bk)]: one scale per block, split as `weight_spec` says.
     scales: jax.Array
-    # HF's weight_block_size (bm output rows, bn input columns).
+    # HF's weight_block_size (bn output rows, bk input columns).
     block: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     # The axes of the plain weight that x @ W contracts (K, flattened in order) and those it produces (N),
     # negative (from the last); the leading others are batch axes.
@@ -120,15 +120,15 @@ def _expand(scales, rows: int, cols: int, block_rows: int, block_cols: int):
 def quantize(w, block: tuple[int, int], in_axes: tuple[int, ...], out_axes: tuple[int, ...]) -> Fp8BlockWeight:
     """A weight in our layout -> its block fp8 form: per block, scale = amax / 448 (amax floored at 1e-4, so an
     all-zero block keeps a finite scale) and values e4m3(w / scale), as DeepSeek's release was made."""
-    bm, bn = block
+    bn, bk = block
     batch, outs, ins = _axes_order(w.ndim, in_axes, out_axes)
     reordered = jnp.transpose(w.astype(jnp.float32), batch + outs + ins)
     m = reordered.reshape(*reordered.shape[: len(batch)], math.prod(w.shape[a] for a in outs), -1)  # [.., N, K]
     n, k = m.shape[-2:]
-    padded = jnp.pad(jnp.abs(m), [(0, 0)] * (m.ndim - 2) + [(0, -n % bm), (0, -k % bn)])
-    blocks = padded.reshape(*m.shape[:-2], padded.shape[-2] // bm, bm, padded.shape[-1] // bn, bn)
+    padded = jnp.pad(jnp.abs(m), [(0, 0)] * (m.ndim - 2) + [(0, -n % bn), (0, -k % bk)])
+    blocks = padded.reshape(*m.shape[:-2], padded.shape[-2] // bn, bn, padded.shape[-1] // bk, bk)
     scales = jnp.maximum(blocks.max(axis=(-3, -1)), AMAX_FLOOR) / E4M3_MAX
-    values = (m / _expand(scales, n, k, bm, bn)).astype(jnp.float8_e4m3fn).reshape(reordered.shape)
+    values = (m / _expand(scales, n, k, bn, bk)).astype(jnp.float8_e4m3fn).reshape(reordered.shape)
     return Fp8BlockWeight(values, scales, tuple(block), tuple(in_axes), tuple(out_axes))
 
 
@@ -286,8 +286,8 @@ def plain_spec(w: Fp8BlockWeight, values_spec: P) -> P:
 def check_shardable(name: str, w: Fp8BlockWeight, spec: P, mesh_shape: dict[str, int]) -> None:
     """ValueError naming the leaf unless every rank's slice of its split input / output axes is whole blocks."""
     axes = _padded(spec, len(w.shape))
-    bm, bn = w.block
-    for group, size, kind in ((w.in_axes, bn, "input"), (w.out_axes, bm, "output")):
+    bn, bk = w.block
+    for group, size, kind in ((w.in_axes, bk, "input"), (w.out_axes, bn, "output")):
         split = axes[group[0]]
         if split is None:
             continue

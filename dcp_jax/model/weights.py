@@ -8,7 +8,7 @@ shape mismatch, is a ValueError naming them), converts one layer at a time and p
 with the step's sharding (`model.param_specs`: heads, MLP widths and routed experts split, the rest replicated).
 
 Block-fp8 checkpoints (DeepSeek's release format: `quantization_config` {"quant_method": "fp8", "fmt": "e4m3",
-"weight_block_size": [bm, bn]}, e4m3 `X.weight` beside an f32 `X.weight_scale_inv` of one scale per bm x bn block)
+"weight_block_size": [bn, bk]}, e4m3 `X.weight` beside an f32 `X.weight_scale_inv` of one scale per bn x bk block)
 load by `quantization` (vLLM's word): "auto" keeps the projections DeepSeek stores in fp8 (`fp8_linear.FP8_AXES`)
 in fp8, as `fp8_linear.Fp8BlockWeight`s of their e4m3 values and scales; "none" dequantizes them (weight = e4m3
 value x its block's scale) into the load dtype. Malformed scales (a wrong grid, a missing one, a non-finite or
@@ -230,7 +230,7 @@ class _Reader:
 
 
 def fp8_block_size(path: str) -> tuple[int, int] | None:
-    """(bm, bn) of a block-fp8 checkpoint directory's `quantization_config`, None when it has none; ValueError for
+    """(bn, bk) of a block-fp8 checkpoint directory's `quantization_config`, None when it has none; ValueError for
     any other quantization."""
     with open(os.path.join(path, "config.json")) as f:
         quantization = json.load(f).get("quantization_config")
@@ -240,12 +240,12 @@ def fp8_block_size(path: str) -> tuple[int, int] | None:
     if (quantization.get("quant_method") != "fp8" or quantization.get("fmt", "e4m3") != "e4m3"
             or not isinstance(block, list) or len(block) != 2 or min(block) < 1):
         raise ValueError(f"unsupported quantization_config {quantization}: only block fp8 (quant_method 'fp8', "
-                         "fmt 'e4m3', weight_block_size [bm, bn]) is read")
+                         "fmt 'e4m3', weight_block_size [bn, bk]) is read")
     return int(block[0]), int(block[1])
 
 
 def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """f32 weight [out, in] from e4m3 values and one f32 scale per block of bm x bn (edge blocks partial)."""
+    """f32 weight [out, in] from e4m3 values and one f32 scale per block of bn x bk (edge blocks partial)."""
     scales = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), block[0], axis=0), block[1], axis=1)
     return weight.astype(np.float32) * scales[: weight.shape[0], : weight.shape[1]]
 
@@ -264,7 +264,7 @@ def _layer_scales_to_ours(cfg: ModelConfig, scales: dict[str, np.ndarray], block
     layer) -> the scales of its fp8 leaves, [*batch, out blocks, in blocks] (`fp8_linear`), nested as our params."""
     a = _ATTENTION
     kv_b = scales[a + "kv_b_proj.weight"]
-    kv_b = kv_b.reshape(cfg.num_attention_heads, -1, kv_b.shape[1])  # [H, (N+V)/bm, C/bn]
+    kv_b = kv_b.reshape(cfg.num_attention_heads, -1, kv_b.shape[1])  # [H, (N+V)/bn, C/bk]
     nope_blocks = cfg.qk_nope_head_dim // block[0]
     attention = {"wq_a": scales[a + "q_a_proj.weight"], "wq_b": scales[a + "q_b_proj.weight"],
                  "wkv_a": scales[a + "kv_a_proj_with_mqa.weight"], "w_uk": kv_b[:, :nope_blocks],

@@ -87,17 +87,18 @@ MOSAIC_SHAPES = [(64, 24576, 1536), (4096, 7168, 16384), (200, 576, 7168), (1, 2
 
 
 @pytest.mark.parametrize("rows, width, depth", MOSAIC_SHAPES)
-def test_mosaic_kernel_lowers_for_cuda(rows, width, depth):
-    """No interpreter runs the Mosaic GPU kernel; lowering it for CUDA checks its layouts and SMEM plan."""
-    split_m = fp8_gemm_mosaic.default_split_m(rows, width)
-    tile_n = next(t for t in fp8_gemm_mosaic.TILE_N if width % (t * (1 if split_m else 2)) == 0)
-    cta_m = fp8_gemm_mosaic.WG_ROWS * (2 if split_m else 1)
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype):
+    """No interpreter runs the Mosaic GPU kernel; lowering it for CUDA checks its layouts and SMEM plan (an f32
+    output's epilogue tile included)."""
+    knobs = fp8_gemm_mosaic.default_knobs(rows, width, out_dtype)
+    cta_m = fp8_gemm_mosaic.WG_ROWS * (2 if knobs["split_m"] else 1)
     padded = -(-rows // cta_m) * cta_m
     S = jax.ShapeDtypeStruct
     args = (S((padded, depth), FP8), S((depth // 128, padded), jnp.float32), S((width, depth), FP8),
             S((depth // 128, width), jnp.float32))
-    fp8_gemm_mosaic.fp8_gemm_tiles.trace(*args, tile_n=tile_n, split_m=split_m, stages=4,
-                                         out_dtype=jnp.dtype(jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    fp8_gemm_mosaic.fp8_gemm_tiles.trace(*args, **knobs, out_dtype=jnp.dtype(out_dtype)).lower(
+        lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu

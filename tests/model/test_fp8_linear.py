@@ -29,15 +29,15 @@ def _act_quant_numpy(x, group):
 
 def _blockwise_gemm_numpy(x, w: fp8_linear.Fp8BlockWeight):
     """x [M, K] @ w [K, N] (values [N, K]) as DeepSeek's fp8 GEMM sums it, in float64: out[m, n] = sum over input
-    blocks b of x_scale[m, b] * w_scale[n // bm, b] * sum_{k in b} x8[m, k] * w8[n, k]."""
-    bm, bn = w.block
-    x8, xs = _act_quant_numpy(np.asarray(x, np.float32), bn)
+    blocks b of x_scale[m, b] * w_scale[n // bn, b] * sum_{k in b} x8[m, k] * w8[n, k]."""
+    bn, bk = w.block
+    x8, xs = _act_quant_numpy(np.asarray(x, np.float32), bk)
     w8, ws = np.asarray(w.values).astype(np.float64), np.asarray(w.scales, np.float64)
     out = np.zeros((x.shape[0], w8.shape[0]))
     for b in range(ws.shape[1]):
-        rows = slice(b * bn, (b + 1) * bn)
+        rows = slice(b * bk, (b + 1) * bk)
         partial = x8[:, rows].astype(np.float64) @ w8[:, rows].T
-        per_column = np.repeat(ws[:, b], bm)[: w8.shape[0]]
+        per_column = np.repeat(ws[:, b], bn)[: w8.shape[0]]
         out += xs[:, b : b + 1].astype(np.float64) * per_column * partial
     return out
 

@@ -4,8 +4,8 @@ Letters: D hidden, Q q_lora rank, H heads, N nope dim, E rope dim, V v dim, C kv
 I index heads, J index head dim. HF stores `[out, in]`; here every projection applied as `x @ W` is `[in, out...]`,
 while w_uk / w_uv keep HF's per-head `[out, in]` order ([H, N, C], [H, V, C]; w_uv is applied C -> V).
 index_weights (HF's weights_proj, which HF keeps in fp32) is f32 whatever the dtype of the rest.
-The projections of `fp8_linear.FP8_AXES` may instead be `fp8_linear.Fp8BlockWeight`s of the same layout (a block
-fp8 checkpoint kept in fp8); `projections.py` multiplies either.
+The projections of `fp8_linear.FP8_AXES` may instead be `fp8_linear.Fp8BlockWeight`s of the same shape (a block
+fp8 checkpoint kept in fp8, values stored K-major); `projections.py` multiplies either.
 """
 
 from __future__ import annotations
