@@ -89,7 +89,7 @@ def attention_through(p, x, kv_cache, index_cache, rope, md, *, cfg: ModelConfig
     if through not in STAGES[1:]:
         raise ValueError(f"unknown stage {through!r}; choose from {STAGES[1:]}")
     queries, kv_cache, index_cache = sparse_dcp.project_and_write(p, x, kv_cache, index_cache, rope, md.slot_mapping,
-                                                              cfg=cfg)
+                                                              cfg=cfg, backend=backend)
 
     def sunk(*values, has_dangling_query=True):
         """q_nope and q_pe are consumed only in step 6; until then they dangle too."""
@@ -110,7 +110,7 @@ def attention_through(p, x, kv_cache, index_cache, rope, md, *, cfg: ModelConfig
     out, lse = sparse_dcp.attend(p, queries, kv_cache, owned_slots, counts, cfg=cfg, backend=backend)
     if through == "sparse_mla":
         return sunk(out, lse, has_dangling_query=False)
-    return sparse_dcp.merge_heads(p, out, lse, x.dtype), kv_cache, index_cache
+    return sparse_dcp.merge_heads(p, out, lse, x.dtype, backend=backend), kv_cache, index_cache
 
 
 def staged_decode_body(params, state: DeviceState, inputs, md, *, graphdef, abstract, cfg: ModelConfig,

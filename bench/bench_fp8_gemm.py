@@ -83,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-jax bench fp8_gemm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=_sizes, default=(64, 256, 4096, 16384), help="M values")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {sorted(SHAPES)}, or NxK")
-    parser.add_argument("--backends", default="mosaic,triton", help="fp8_gemm implementations timed")
-    parser.add_argument("--knobs", default="{}", help="JSON: backend -> knobs")
+    parser.add_argument("--backends", default="mosaic,triton",
+                        help="fp8_gemm implementations timed; NAME+LABEL times NAME with the knobs --knobs gives LABEL")
+    parser.add_argument("--knobs", default="{}", help='JSON: label -> knobs, e.g. {"k8": {"k_splits": 8}}')
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--copy-bytes", type=_bytes, default=2 << 30, help="the copy ceiling's array (8M, 2G, ...)")
     parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n x n x n bf16 matmul ceiling")
@@ -129,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             row = dict(kind="point", layer=name, rows=rows, width=width, depth=depth, bf16_us=bf16_us,
                        fp8_per_tensor_us=fp8_us, weight_read_us=read_us, backends={})
             for backend in args.backends.split(","):
-                run = jax.jit(lambda x, xs, w, ws, b=backend: pallas_kernels.fp8_gemm(
-                    x, xs, w, ws, block=BLOCK, out_dtype=jnp.bfloat16, backend=b, **knobs.get(b, {})))
+                name, _, label = backend.partition("+")
+                run = jax.jit(lambda x, xs, w, ws, b=name, k=knobs.get(label, {}): pallas_kernels.fp8_gemm(
+                    x, xs, w, ws, block=BLOCK, out_dtype=jnp.bfloat16, backend=b, **k))
                 try:
                     got = np.asarray(run(x, x_scales, *weights[0]).astype(jnp.float32))
                     error = float(np.linalg.norm(got - want) / np.linalg.norm(want))

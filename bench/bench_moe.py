@@ -80,13 +80,15 @@ def random_weights(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
 
 
 def layer(experts_fn, cfg: ModelConfig):
-    """The jitted layer: (weights, x [R, D]) -> routed + shared output [R, D]."""
+    """The jitted layer: (weights, x [R, D]) -> routed + shared output [R, D] (the shared experts as the model runs
+    them under the Pallas kernels; the shared weights are plain)."""
 
     @jax.jit
     def run(weights, x):
         experts, combine = moe.route(x, weights["router"], weights["router_bias"], cfg)
         routed = experts_fn(x, experts, combine, weights["gate"], weights["up"], weights["down"], first_expert=0)
-        return routed + gated_mlp(x, weights["shared_gate"], weights["shared_up"], weights["shared_down"])
+        shared = gated_mlp(x, weights["shared_gate"], weights["shared_up"], weights["shared_down"], backend="pallas")
+        return routed + shared
 
     return run
 

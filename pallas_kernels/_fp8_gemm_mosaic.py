@@ -38,8 +38,11 @@ def _fp8_tiled():
     return plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(BLOCK_K)
 
 
-def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int, split_m: bool, stages: int):
-    wg = lax.axis_index("wg")
+def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int, split_m: bool, stages: int,
+            k_splits: int):
+    wg, part = lax.axis_index("wg"), lax.axis_index("k")
+    steps = x_gmem.shape[1] // BLOCK_K // k_splits  # this CTA's share of K, in steps of 128 channels
+    depth, depth_blocks = pl.ds(part * steps * BLOCK_K, steps * BLOCK_K), pl.ds(part * steps, steps)
     cta_m = WG_ROWS * (2 if split_m else 1)
     cta_n = tile_n * (1 if split_m else 2)
     rows = pl.ds(lax.axis_index("m") * cta_m, cta_m)
@@ -65,12 +68,12 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
         acc = run_pipeline(zeros)
         out_smem[wg] = acc.astype(out_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, columns].at[wg_rows, wg_columns])
+        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[part].at[rows, columns].at[wg_rows, wg_columns])
         plgpu.wait_smem_to_gmem(0)
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
         step,
-        grid=(x_gmem.shape[1] // BLOCK_K,),
+        grid=(steps,),
         memory_registers=_MEMORY_REGISTERS,
         in_specs=[
             plgpu.BlockSpec((cta_m, BLOCK_K), lambda k: (0, k), transforms=_fp8_tiled()),
@@ -83,14 +86,16 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
         max_concurrent_steps=stages,
         compute_context=compute,
     )
-    pipeline(x_gmem.at[rows], w_gmem.at[columns], xs_gmem.at[:, rows], ws_gmem.at[:, columns])
+    pipeline(x_gmem.at[rows, depth], w_gmem.at[columns, depth], xs_gmem.at[depth_blocks, rows],
+             ws_gmem.at[depth_blocks, columns])
 
 
-@functools.partial(jax.jit, static_argnames=("tile_n", "split_m", "stages", "out_dtype"))
-def fp8_gemm_tiles(x, xs_t, w, ws_columns, *, tile_n: int, split_m: bool, stages: int, out_dtype):
+@functools.partial(jax.jit, static_argnames=("tile_n", "split_m", "stages", "k_splits", "out_dtype"))
+def fp8_gemm_tiles(x, xs_t, w, ws_columns, *, tile_n: int, split_m: bool, stages: int, k_splits: int, out_dtype):
     """The kernel on prepared inputs: x e4m3 [M, K] (M a multiple of the CTA's rows), xs_t f32 [K / 128, M] (x's
     scales transposed), w e4m3 [N, K] (N a multiple of the CTA's columns), ws_columns f32 [K / 128, N] (w's block
-    scales, one per column). Returns out [M, N] in out_dtype."""
+    scales, one per column). Returns out [k_splits, M, N] in out_dtype: the products over each k_splits-th of K
+    (K / 128 a multiple of k_splits), whose sum is x . w^T."""
     num_rows, depth = x.shape
     width = w.shape[0]
     cta_m = WG_ROWS * (2 if split_m else 1)
@@ -100,13 +105,13 @@ def fp8_gemm_tiles(x, xs_t, w, ws_columns, *, tile_n: int, split_m: bool, stages
                       plgpu.SwizzleTransform(out_swizzle))
 
     def fp8_gemm_mosaic(*refs):  # the kernel's name in profiles
-        _kernel(*refs, tile_n=tile_n, split_m=split_m, stages=stages)
+        _kernel(*refs, tile_n=tile_n, split_m=split_m, stages=stages, k_splits=k_splits)
 
     return plgpu.kernel(
         fp8_gemm_mosaic,
-        out_type=jax.ShapeDtypeStruct((num_rows, width), out_dtype),
+        out_type=jax.ShapeDtypeStruct((k_splits, num_rows, width), out_dtype),
         scratch_types=[plgpu.SMEM((2, WG_ROWS, tile_n), out_dtype, transforms=out_transforms)],
-        grid=(num_rows // cta_m, width // cta_n), grid_names=("m", "n"),
+        grid=(num_rows // cta_m, width // cta_n, k_splits), grid_names=("m", "n", "k"),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(x, xs_t, w, ws_columns)
@@ -119,10 +124,11 @@ def _tile_n(width: int, split_m: bool) -> int | None:
 def default_knobs(num_rows: int, width: int, out_dtype) -> dict:
     """The tiles for M = num_rows, N = width: two warpgroups split a [128, tile_n] tile along M, unless the rows fit
     one warpgroup (decode) and N allows a [64, 2 tile_n] tile; tile_n the largest of TILE_N whose tile divides N;
-    4 stages, 3 for a 4-byte output (its epilogue tile takes the fourth's shared memory)."""
+    K whole in each CTA (k_splits 1); 4 stages, 3 for a 4-byte output (its epilogue tile takes the fourth's shared
+    memory)."""
     split_m = num_rows > WG_ROWS or _tile_n(width, split_m=False) is None
     stages = 4 if jnp.dtype(out_dtype).itemsize <= 2 else 3
-    return dict(split_m=split_m, tile_n=_tile_n(width, split_m), stages=stages)
+    return dict(split_m=split_m, tile_n=_tile_n(width, split_m), stages=stages, k_splits=1)
 
 
 def unsupported(x, w, interpret: bool | None) -> list[str]:
@@ -146,24 +152,30 @@ def unsupported_block(block) -> list[str]:
 def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **knobs):
     """The contract of the module docstring (`unsupported` lists what it takes). Knobs (left out or None:
     `default_knobs`'): split_m (the two compute warpgroups split the tile along M, else along N), tile_n (a compute
-    warpgroup's columns, of TILE_N), stages (TMA buffers of 128 channels)."""
+    warpgroup's columns, of TILE_N), stages (TMA buffers of 128 channels), k_splits (CTAs sharing a tile's K, each
+    writing its f32 partial product, summed after: more CTAs when the tiles are few, as at decode)."""
     del interpret  # compiled only (`unsupported`)
     num_rows, width = x.shape[0], w.shape[0]
     out_dtype = jnp.dtype(out_dtype)
     if num_rows == 0:
         return jnp.zeros((0, width), out_dtype)
-    chosen = default_knobs(num_rows, width, out_dtype)
+    given = {name: value for name, value in knobs.items() if value is not None}
+    k_splits = given.get("k_splits", 1)
+    kernel_out = out_dtype if k_splits == 1 else jnp.dtype(jnp.float32)
+    chosen = default_knobs(num_rows, width, kernel_out)
     unknown = set(knobs) - set(chosen)
     if unknown:
         raise TypeError(f"unknown fp8 GEMM knobs {sorted(unknown)}; the kernel takes {sorted(chosen)}")
-    chosen.update((name, value) for name, value in knobs.items() if value is not None)
+    chosen.update(given)
     split_m, tile_n = chosen["split_m"], chosen["tile_n"]
     if tile_n not in TILE_N or width % (tile_n * (1 if split_m else 2)):
         raise ValueError(f"no column tile for N = {width}: {split_m=}, {tile_n=} (of {TILE_N})")
+    if k_splits < 1 or (x.shape[1] // BLOCK_K) % k_splits:
+        raise ValueError(f"k_splits must divide K / {BLOCK_K} = {x.shape[1] // BLOCK_K}; got {k_splits}")
     cta_m = WG_ROWS * (2 if split_m else 1)
     pad = -num_rows % cta_m
     x = jnp.pad(x, ((0, pad), (0, 0)))
     xs_t = jnp.pad(x_scales.astype(jnp.float32), ((0, pad), (0, 0))).T
     ws_columns = jnp.repeat(w_scales.astype(jnp.float32).T, block[0], axis=1)[:, :width]
-    out = fp8_gemm_tiles(x, xs_t, w, ws_columns, **chosen, out_dtype=out_dtype)
-    return out[:num_rows]
+    parts = fp8_gemm_tiles(x, xs_t, w, ws_columns, **chosen, out_dtype=kernel_out)
+    return (parts[0] if k_splits == 1 else parts.sum(axis=0)).astype(out_dtype)[:num_rows]

@@ -91,7 +91,7 @@ class DecoderLayer(nnx.Module):
     def feed_forward(self, h, *, backend: str):
         """h + MLP/MoE(post-attention norm of h); `backend` the kernels' (the MoE's routed experts: `MoE.partial`)."""
         x = self.mlp_input(h)
-        return h + (self.mlp(x, backend=backend) if isinstance(self.mlp, MoE) else self.mlp(x))
+        return h + self.mlp(x, backend=backend)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,9 +16,10 @@ Multiplying (`einsum`, `ragged_dot`, `grouped_matmul`: plain weights multiply in
 `Fp8BlockWeight` it is DeepSeek's fine-grained fp8 GEMM: the activations are quantized at run time per token per
 bk channels of K (`act_quant`: e4m3, f32 scale amax / 448; DeepSeek's group of 128 is its weights' block), the
 products are accumulated in f32 and the output has the activations' dtype. `einsum` of a weight with no batch axis
-runs `pallas_kernels.fp8_gemm`'s Mosaic GPU kernel where it applies (compiled on an sm_90 GPU, K a multiple of 128,
-N of 64); elsewhere, and for batched weights, this module's pure-jnp reference computes the same sum: the
-dequantized operands multiplied in f32 (a block's two scales factor out of it).
+under the kernels backend "pallas" or "mosaic" runs `pallas_kernels.fp8_gemm`'s Mosaic GPU kernel where it applies
+(compiled on an sm_90 GPU, K a multiple of 128, N of 64); otherwise ("reference", "triton", batched weights, the
+CPU) this module's pure-jnp reference computes the same sum: the dequantized operands multiplied in f32 (a block's
+two scales factor out of it).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from pallas_kernels.formats import AMAX_FLOOR, E4M3_MAX
 
 log = logging.getLogger(__name__)
 HIGHEST = jax.lax.Precision.HIGHEST
+# The kernels backends under which a linear layer runs the Mosaic fp8 GEMM (where it applies).
+GEMM_KERNEL_BACKENDS = ("pallas", "mosaic")
 
 # (in_axes, out_axes) of each leaf DeepSeek's release stores in block fp8 (`memory_plan.BLOCK_FP8_LEAVES`), counted
 # from the last axis, so a weight stacked over layers (`deepseek_v32.LayerStack`) keeps them.
@@ -164,15 +167,16 @@ def _quantized_activations(x, axes: int, group: int):
     return (values.astype(jnp.float32) * per_channel).reshape(x.shape)
 
 
-def einsum(equation: str, x, w):
+def einsum(equation: str, x, w, *, backend: str):
     """`jnp.einsum(equation, x, w)` for activations x and a weight w, plain or `Fp8BlockWeight`; output in x's
-    dtype. With fp8 the contracted letters must be w's input axes, in order, and x's last axes."""
+    dtype. With fp8 the contracted letters must be w's input axes, in order, and x's last axes; `backend` (the
+    kernels', `pallas_kernels.BACKENDS`) says whether the fp8 GEMM kernel may run (module docstring)."""
     if isinstance(w, Fp8BlockWeight):
-        return _fp8_einsum(equation, x, w)
+        return _fp8_einsum(equation, x, w, backend)
     return jnp.einsum(equation, x, w, precision=HIGHEST)
 
 
-def _fp8_einsum(equation: str, x, w: Fp8BlockWeight):
+def _fp8_einsum(equation: str, x, w: Fp8BlockWeight, backend: str):
     inputs, output = equation.replace("...", "").split("->")
     lhs, rhs = inputs.split(",")
     contracted = "".join(rhs[a] for a in w.in_axes)
@@ -181,7 +185,8 @@ def _fp8_einsum(equation: str, x, w: Fp8BlockWeight):
     produced = "".join(rhs[a] for a in w.out_axes)
     depth = math.prod(w.shape[a] for a in w.in_axes)
     rows = x.reshape(-1, depth)
-    if not w.batch_axes and output == lhs[: len(lhs) - len(contracted)] + produced and _gemm_applies(rows, w):
+    if (backend in GEMM_KERNEL_BACKENDS and not w.batch_axes and output == lhs[: len(lhs) - len(contracted)] + produced
+            and _gemm_applies(rows, w)):
         values, scales = act_quant(rows, w.block[1])
         out = pallas_kernels.fp8_gemm(values, scales, w.matrices(), w.scales, block=w.block, out_dtype=x.dtype,
                                       backend="mosaic")

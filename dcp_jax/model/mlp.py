@@ -19,12 +19,12 @@ def dense_param(rngs: nnx.Rngs, shape, fan_in: int, dtype) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype))
 
 
-def gated_mlp(x, gate, up, down):
+def gated_mlp(x, gate, up, down, *, backend: str):
     """x [..., D], gate and up [D, F], down [F, D] (plain or block fp8) -> down(silu(x gate) * x up) [..., D] in
-    x's dtype."""
-    gated = jax.nn.silu(fp8_linear.einsum("...d,df->...f", x, gate))
-    gated = gated * fp8_linear.einsum("...d,df->...f", x, up)
-    return fp8_linear.einsum("...f,fd->...d", gated, down)
+    x's dtype; `backend` the kernels' (`fp8_linear.einsum`)."""
+    gated = jax.nn.silu(fp8_linear.einsum("...d,df->...f", x, gate, backend=backend))
+    gated = gated * fp8_linear.einsum("...d,df->...f", x, up, backend=backend)
+    return fp8_linear.einsum("...f,fd->...d", gated, down, backend=backend)
 
 
 class MLP(nnx.Module):
@@ -35,10 +35,10 @@ class MLP(nnx.Module):
         self.up = dense_param(rngs, (hidden, width), hidden, dtype)
         self.down = dense_param(rngs, (width, hidden), width, dtype)
 
-    def partial(self, x):
+    def partial(self, x, *, backend: str):
         """Per rank, width F split over TP ranks: x [..., D] -> this rank's share [..., D] of the output."""
-        return gated_mlp(x, self.gate.get_value(), self.up.get_value(), self.down.get_value())
+        return gated_mlp(x, self.gate.get_value(), self.up.get_value(), self.down.get_value(), backend=backend)
 
-    def __call__(self, x):
-        """Per rank: x [..., D] -> [..., D], summed over the TP ranks."""
-        return jax.lax.psum(self.partial(x), HEADS)
+    def __call__(self, x, *, backend: str):
+        """Per rank: x [..., D] -> [..., D], summed over the TP ranks; `backend` the kernels'."""
+        return jax.lax.psum(self.partial(x, backend=backend), HEADS)

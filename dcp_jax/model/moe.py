@@ -111,9 +111,9 @@ def dense_experts(x, experts, weights, gate, up, down, *, first_expert):
     local_experts = gate.shape[0]
     ids = first_expert + jnp.arange(local_experts)
     combine = jnp.sum(jnp.where(experts[:, :, None] == ids, weights[:, :, None], 0.0), axis=1)  # [R, x] f32
-    hidden = jax.nn.silu(fp8_linear.einsum("rd,xdf->rxf", x, gate))
-    hidden = hidden * fp8_linear.einsum("rd,xdf->rxf", x, up)
-    per_expert = fp8_linear.einsum("rxf,xfd->rxd", hidden, down)
+    hidden = jax.nn.silu(fp8_linear.einsum("rd,xdf->rxf", x, gate, backend="reference"))
+    hidden = hidden * fp8_linear.einsum("rd,xdf->rxf", x, up, backend="reference")
+    per_expert = fp8_linear.einsum("rxf,xfd->rxd", hidden, down, backend="reference")
     return jnp.einsum("rx,rxd->rd", combine, per_expert.astype(jnp.float32), precision=HIGHEST).astype(x.dtype)
 
 
@@ -189,7 +189,8 @@ class MoE(nnx.Module):
         cfg = self.cfg
         run = routed_experts(backend, x, gate, up, down,
                              rows_per_expert=x.shape[0] * cfg.num_experts_per_tok / cfg.n_routed_experts)
-        return run(x, experts, weights, gate, up, down, first_expert=self.first_expert()) + self.shared.partial(x)
+        routed = run(x, experts, weights, gate, up, down, first_expert=self.first_expert())
+        return routed + self.shared.partial(x, backend=backend)
 
     def __call__(self, x, *, backend: str):
         """Per rank: x [..., D] -> [..., D], summed over the TP ranks."""

@@ -22,7 +22,6 @@ from dcp_jax.config import ModelConfig, check_index_cache
 from dcp_jax.model import fp8_linear
 from dcp_jax.model.attention import cache_formats, projections
 from dcp_jax.model.attention.params import AttentionParams
-from dcp_jax.model.moe import MoE
 from dcp_jax.model.rope import cos_sin, rope_tables
 from pallas_kernels import formats, reference
 
@@ -31,6 +30,8 @@ DENSE, SPARSE = "dense", "sparse"
 # Evaluation only: index_topk keys drawn at random among the earlier ones (the contrast that shows the indexer's
 # selection matters).
 RANDOM = "random"
+# The kernels backend of the training forward: the references, differentiable (the Pallas kernels have no VJP).
+FORWARD_BACKEND = "reference"
 
 
 class CacheFormats(NamedTuple):
@@ -77,7 +78,8 @@ def indexer_inputs(p: AttentionParams, x, q_resid, cos, sin, cfg: ModelConfig,
                    index_cache: str = "exact") -> IndexerInputs:
     check_index_cache(index_cache)
     x, q_resid = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_resid)
-    queries, keys = projections.index_query(p, q_resid, cos, sin, cfg), projections.index_key(p, x, cos, sin, cfg)
+    queries = projections.index_query(p, q_resid, cos, sin, cfg, backend=FORWARD_BACKEND)
+    keys = projections.index_key(p, x, cos, sin, cfg, backend=FORWARD_BACKEND)
     if index_cache == "fp8":
         queries, keys = through_fp8_index_cache(queries), through_fp8_index_cache(keys)
     return IndexerInputs(queries, projections.index_weights(p, x, cfg), keys)
@@ -142,7 +144,8 @@ def dense_attention(p: AttentionParams, q_nope, q_pe, latent, indexer: IndexerIn
     causal = jnp.arange(t)[None, :] <= jnp.arange(s)[:, None]
     probs = jax.nn.softmax(jnp.where(causal[None], logits.astype(jnp.float32), -jnp.inf), axis=-1)
     per_head = jnp.einsum("hst,thv->shv", probs.astype(values.dtype), values, precision=HIGHEST)
-    return fp8_linear.einsum("shv,hvd->sd", per_head, p.wo), indexer_kl(index_scores(indexer), probs, causal)
+    out = fp8_linear.einsum("shv,hvd->sd", per_head, p.wo, backend=FORWARD_BACKEND)
+    return out, indexer_kl(index_scores(indexer), probs, causal)
 
 
 def sparse_attention(p: AttentionParams, q_nope, q_pe, latent, indexer: IndexerInputs, selected,
@@ -162,7 +165,7 @@ def sparse_attention(p: AttentionParams, q_nope, q_pe, latent, indexer: IndexerI
                       preferred_element_type=jnp.float32)
     scores = jnp.einsum("si,sik->sk", indexer.weights, jax.nn.relu(dots), precision=HIGHEST,
                         preferred_element_type=jnp.float32)
-    return projections.output_projection(p, latent_out), indexer_kl(scores, probs, keep)
+    return projections.output_projection(p, latent_out, backend=FORWARD_BACKEND), indexer_kl(scores, probs, keep)
 
 
 def causal_attention(p: AttentionParams, x, cos, sin, *, cfg: ModelConfig, mode: str, key=None,
@@ -172,8 +175,9 @@ def causal_attention(p: AttentionParams, x, cos, sin, *, cfg: ModelConfig, mode:
     read through `caches`."""
     if mode not in (DENSE, SPARSE, RANDOM):
         raise ValueError(f"mode must be {DENSE!r}, {SPARSE!r} or {RANDOM!r}, got {mode!r}")
-    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
-    latent = through_latent_cache(projections.mla_latent(p, x, cos, sin, cfg), cfg, caches.latent)
+    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg, backend=FORWARD_BACKEND)
+    latent = projections.mla_latent(p, x, cos, sin, cfg, backend=FORWARD_BACKEND)
+    latent = through_latent_cache(latent, cfg, caches.latent)
     indexer = indexer_inputs(p, x, q_resid, cos, sin, cfg, caches.index)
     if mode == DENSE:
         out, kl = dense_attention(p, q_nope, q_pe, latent, indexer, cfg)
@@ -184,11 +188,9 @@ def causal_attention(p: AttentionParams, x, cos, sin, *, cfg: ModelConfig, mode:
 
 
 def feed_forward(layer, hidden):
-    """`DecoderLayer.feed_forward` on one device: the MLP or MoE whole (its output not summed over ranks). The MoE
-    runs its dense reference experts: differentiable (the Pallas grouped matmul has no VJP)."""
-    x = layer.mlp_input(hidden)
-    out = layer.mlp.partial(x, backend="reference") if isinstance(layer.mlp, MoE) else layer.mlp.partial(x)
-    return hidden + out
+    """`DecoderLayer.feed_forward` on one device: the MLP or MoE whole (its output not summed over ranks), on the
+    references (the MoE's dense experts): differentiable."""
+    return hidden + layer.mlp.partial(layer.mlp_input(hidden), backend=FORWARD_BACKEND)
 
 
 class SequenceOutput(NamedTuple):

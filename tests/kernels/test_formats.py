@@ -104,11 +104,11 @@ def test_fp8_scores_match_bf16_scores_with_model_weights():
     p = init_attention_params(TINY, jax.random.key(6))
     x = jax.random.normal(jax.random.key(7), (rows + tokens, TINY.hidden_size))
     cos, sin = cos_sin(jnp.arange(rows + tokens, dtype=jnp.int32), *rope_tables(TINY))
-    q_resid, _, _ = projections.mla_query(p, x[:rows], cos[:rows], sin[:rows], TINY)
-    q = projections.index_query(p, q_resid, cos[:rows], sin[:rows], TINY)
+    q_resid, _, _ = projections.mla_query(p, x[:rows], cos[:rows], sin[:rows], TINY, backend="reference")
+    q = projections.index_query(p, q_resid, cos[:rows], sin[:rows], TINY, backend="reference")
     weights = projections.index_weights(p, x[:rows], TINY)
-    k_cache = projections.index_key(p, x[rows:], cos[rows:], sin[rows:], TINY).reshape(-1, page_size,
-                                                                                        TINY.index_head_dim)
+    k_cache = projections.index_key(p, x[rows:], cos[rows:], sin[rows:], TINY, backend="reference")
+    k_cache = k_cache.reshape(-1, page_size, TINY.index_head_dim)
     block_tables = jnp.tile(jnp.arange(tokens // page_size, dtype=jnp.int32), (rows, 1))
     lens = jnp.full((rows,), tokens, jnp.int32)
 

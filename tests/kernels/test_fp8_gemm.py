@@ -99,15 +99,21 @@ def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype):
             S((depth // 128, width), jnp.float32))
     fp8_gemm_mosaic.fp8_gemm_tiles.trace(*args, **knobs, out_dtype=jnp.dtype(out_dtype)).lower(
         lowering_platforms=("cuda",))
+    if rows <= fp8_gemm_mosaic.WG_ROWS:  # decode: K split over 4 CTAs a tile, f32 partial products
+        split = dict(knobs, k_splits=4, stages=3)
+        fp8_gemm_mosaic.fp8_gemm_tiles.trace(*args, **split, out_dtype=jnp.dtype(jnp.float32)).lower(
+            lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows, width, depth", MOSAIC_SHAPES + [(300, 1536, 7168)])
-def test_mosaic_compiled_equals_reference(rows, width, depth):
+@pytest.mark.parametrize("rows, width, depth, knobs", [(*shape, {}) for shape in MOSAIC_SHAPES]
+                         + [(300, 1536, 7168, {}), (64, 1536, 7168, {"k_splits": 8})])
+def test_mosaic_compiled_equals_reference(rows, width, depth, knobs):
     """Within the fp8 tensor cores' reduced-precision accumulation (one 128-channel block at a time) of the
     reference, bf16 output."""
     args = _case(4, rows, width, depth, (128, 128))
     assert pallas_kernels.choose("fp8_gemm", "pallas", *args, block=(128, 128)) == "mosaic"
-    got = np.asarray(pallas_kernels.fp8_gemm(*args, block=(128, 128), out_dtype=jnp.bfloat16).astype(jnp.float32))
+    got = pallas_kernels.fp8_gemm(*args, block=(128, 128), out_dtype=jnp.bfloat16, backend="mosaic", **knobs)
+    got = np.asarray(got.astype(jnp.float32))
     want = np.asarray(reference.fp8_gemm(*args, block=(128, 128), out_dtype=jnp.float32))
     assert np.linalg.norm(got - want) <= 5e-3 * np.linalg.norm(want)

@@ -48,7 +48,7 @@ def test_reference_gemm_equals_blockwise_float64(m, k, n, block):
     rng = np.random.default_rng(m * 1000 + k + n)
     x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.standard_normal((1, k))), jnp.float32)  # outliers
     w = fp8_linear.quantize(jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32), block, (0,), (1,))
-    got = np.asarray(fp8_linear.einsum("mk,kn->mn", x, w))
+    got = np.asarray(fp8_linear.einsum("mk,kn->mn", x, w, backend="pallas"))
     want = _blockwise_gemm_numpy(x, w)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # Through the grouped form too: one group of all rows.
@@ -62,7 +62,7 @@ def test_output_has_the_activations_dtype_and_fp8_error_is_small():
     x = jnp.asarray(rng.standard_normal((4, 64)), jnp.bfloat16)
     plain = jnp.asarray(rng.standard_normal((64, 48)) / 8, jnp.float32)
     w = fp8_linear.quantize(plain, (16, 16), (0,), (1,))
-    got = fp8_linear.einsum("rk,kn->rn", x, w)
+    got = fp8_linear.einsum("rk,kn->rn", x, w, backend="pallas")
     assert got.dtype == jnp.bfloat16 and w.values.dtype == jnp.float8_e4m3fn and w.scales.shape == (3, 4)
     assert w.values.shape == (48, 64) and w.shape == (64, 48)  # K-major: [N, K]
     exact = np.asarray(x, np.float32) @ np.asarray(plain)
@@ -80,7 +80,7 @@ def test_multi_axis_layouts_round_trip_through_the_matrix_form():
     x = jnp.asarray(rng.standard_normal((3, 4, 8)), jnp.float32)
     want = _blockwise_gemm_numpy(x.reshape(3, 32), fp8_linear.Fp8BlockWeight(
         q.values.reshape(24, 32), q.scales, q.block, (0,), (1,)))
-    np.testing.assert_allclose(fp8_linear.einsum("rhv,hvd->rd", x, q), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fp8_linear.einsum("rhv,hvd->rd", x, q, backend="pallas"), want, rtol=1e-5, atol=1e-5)
     w_uk = jnp.asarray(rng.standard_normal((2, 16, 24)), jnp.float32)
     q = fp8_linear.quantize(w_uk, (8, 12), (2,), (1,))
     assert q.scales.shape == (2, 2, 2) and q.values.shape == (2, 16, 24)
@@ -90,7 +90,7 @@ def test_multi_axis_layouts_round_trip_through_the_matrix_form():
 def test_contracting_an_output_axis_is_refused():
     w = fp8_linear.quantize(jnp.ones((2, 16, 24)), (8, 12), (2,), (1,))
     with pytest.raises(ValueError, match="contracts its input axes"):
-        fp8_linear.einsum("rhn,hnc->rhc", jnp.ones((1, 2, 16)), w)
+        fp8_linear.einsum("rhn,hnc->rhc", jnp.ones((1, 2, 16)), w, backend="pallas")
 
 
 def test_scale_specs_follow_the_split_axes():
@@ -127,7 +127,7 @@ def test_the_gemm_path_equals_the_reference_path(monkeypatch, equation, x_shape,
     x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
     plain = jnp.asarray(rng.standard_normal(w_shape), jnp.float32)
     w = fp8_linear.quantize(plain, (16, 16), *fp8_linear.FP8_AXES[leaf])
-    want = fp8_linear.einsum(equation, x, w)  # on CPU the Mosaic kernel does not apply: the reference
+    want = fp8_linear.einsum(equation, x, w, backend="reference")
     calls, kernel_op = [], pallas_kernels.fp8_gemm
 
     def reference_gemm(*args, backend, **kwargs):
@@ -136,7 +136,8 @@ def test_the_gemm_path_equals_the_reference_path(monkeypatch, equation, x_shape,
 
     monkeypatch.setattr(fp8_linear, "_gemm_applies", lambda rows, w: True)
     monkeypatch.setattr(fp8_linear.pallas_kernels, "fp8_gemm", reference_gemm)
-    got = fp8_linear.einsum(equation, x, w)
+    assert fp8_linear.einsum(equation, x, w, backend="reference") is not None and not calls  # no kernel asked
+    got = fp8_linear.einsum(equation, x, w, backend="pallas")
     assert calls == ["mosaic"] and got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
@@ -147,7 +148,7 @@ def test_the_gemm_path_equals_the_reference_path(monkeypatch, equation, x_shape,
     ("rhv,hvd->rd", (300, 4, 128), (4, 128, 512), "wo"),
     ("...d,df->...f", (2, 3, 512), (512, 576), "gate"),
 ])
-def test_einsum_runs_the_fp8_gemm_kernel_on_the_gpu(monkeypatch, equation, x_shape, w_shape, leaf):
+def test_einsum_runs_the_fp8_gemm_kernel_on_the_gpu(equation, x_shape, w_shape, leaf):
     """On an H100 / H200 an fp8 linear layer runs the Mosaic fp8 GEMM, within fp8 tensor-core accumulation of the
     dequantized product (bf16 activations)."""
     rng = np.random.default_rng(4)
@@ -156,7 +157,6 @@ def test_einsum_runs_the_fp8_gemm_kernel_on_the_gpu(monkeypatch, equation, x_sha
     w = fp8_linear.quantize(plain, (128, 128), *fp8_linear.FP8_AXES[leaf])
     rows = x.reshape(-1, int(np.prod([w.shape[a] for a in w.in_axes])))
     assert fp8_linear._gemm_applies(rows, w)
-    got = np.asarray(jax.jit(lambda x, w: fp8_linear.einsum(equation, x, w))(x, w), np.float32)
-    monkeypatch.setattr(fp8_linear, "_gemm_applies", lambda rows, w: False)
-    want = np.asarray(jax.jit(lambda x, w: fp8_linear.einsum(equation, x, w))(x, w), np.float32)
+    got = np.asarray(jax.jit(lambda x, w: fp8_linear.einsum(equation, x, w, backend="pallas"))(x, w), np.float32)
+    want = np.asarray(jax.jit(lambda x, w: fp8_linear.einsum(equation, x, w, backend="reference"))(x, w), np.float32)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)

@@ -35,17 +35,17 @@ def layer_norm(x, weight, bias, eps):
     return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def mla_query(p: AttentionParams, x, cos, sin, cfg: ModelConfig):
+def mla_query(p: AttentionParams, x, cos, sin, cfg: ModelConfig, *, backend: str):
     """x [R, D] -> (q_resid [R, Q], q_nope [R, H, N], roped q_pe [R, H, E]) for the heads in `p`."""
-    q_resid = rms_norm(einsum("rd,dq->rq", x, p.wq_a), p.q_a_norm, LATENT_NORM_EPS)
-    q = einsum("rq,qhk->rhk", q_resid, p.wq_b)
+    q_resid = rms_norm(einsum("rd,dq->rq", x, p.wq_a, backend=backend), p.q_a_norm, LATENT_NORM_EPS)
+    q = einsum("rq,qhk->rhk", q_resid, p.wq_b, backend=backend)
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
     return q_resid, q_nope, apply_rope(q_pe, cos, sin, interleaved=True)
 
 
-def mla_latent(p: AttentionParams, x, cos, sin, cfg: ModelConfig):
+def mla_latent(p: AttentionParams, x, cos, sin, cfg: ModelConfig, *, backend: str):
     """x [R, D] -> the cached MLA entry [R, C+E]: normed latent c, then the roped shared key k_pe."""
-    ckv = einsum("rd,dc->rc", x, p.wkv_a)
+    ckv = einsum("rd,dc->rc", x, p.wkv_a, backend=backend)
     c = rms_norm(ckv[..., : cfg.kv_lora_rank], p.kv_a_norm, LATENT_NORM_EPS)
     k_pe = apply_rope(ckv[..., None, cfg.kv_lora_rank :], cos, sin, interleaved=True)[..., 0, :]
     return jnp.concatenate([c, k_pe], axis=-1)
@@ -68,24 +68,25 @@ def absorb_query(p: AttentionParams, q_nope, q_pe):
     return jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)
 
 
-def output_projection(p: AttentionParams, latent_out):
+def output_projection(p: AttentionParams, latent_out, *, backend: str):
     """Attention output in latent space [R, H, C] -> partial hidden [R, D] of the heads in `p`. A block fp8
     W_UV is dequantized, as W_UK (`absorb_query`)."""
     w_uv = fp8_linear.weight_values(p.w_uv, latent_out.dtype)
     per_head = jnp.einsum("rhc,hvc->rhv", latent_out, w_uv, precision=HIGHEST)
-    return einsum("rhv,hvd->rd", per_head, p.wo)
+    return einsum("rhv,hvd->rd", per_head, p.wo, backend=backend)
 
 
-def index_query(p: AttentionParams, q_resid, cos, sin, cfg: ModelConfig):
+def index_query(p: AttentionParams, q_resid, cos, sin, cfg: ModelConfig, *, backend: str):
     """q_resid [R, Q] -> indexer queries [R, I, J]; layout [rope | nope], half-split RoPE."""
-    q = einsum("rq,qij->rij", q_resid, p.index_wq)
+    q = einsum("rq,qij->rij", q_resid, p.index_wq, backend=backend)
     e = cfg.qk_rope_head_dim
     return jnp.concatenate([apply_rope(q[..., :e], cos, sin, interleaved=False), q[..., e:]], axis=-1)
 
 
-def index_key(p: AttentionParams, x, cos, sin, cfg: ModelConfig):
+def index_key(p: AttentionParams, x, cos, sin, cfg: ModelConfig, *, backend: str):
     """x [R, D] -> indexer key [R, J]: LayerNorm (with bias), [rope | nope], half-split RoPE."""
-    k = layer_norm(einsum("rd,dj->rj", x, p.index_wk), p.index_k_norm, p.index_k_norm_bias, INDEX_NORM_EPS)
+    k = einsum("rd,dj->rj", x, p.index_wk, backend=backend)
+    k = layer_norm(k, p.index_k_norm, p.index_k_norm_bias, INDEX_NORM_EPS)
     e = cfg.qk_rope_head_dim
     k_pe = apply_rope(k[..., None, :e], cos, sin, interleaved=False)[..., 0, :]
     return jnp.concatenate([k_pe, k[..., e:]], axis=-1)

@@ -65,16 +65,18 @@ class Queries(NamedTuple):
 # The stages of one layer, in data-flow order; `sparse_dcp_attention` runs them all, benchmarks run prefixes.
 
 
-def project_and_write(p, x, kv_cache, index_cache, rope, slots, *, cfg: ModelConfig):
-    """1. Projections for every row on every rank; the new token's latent and index key (each in its cache's
-    format) are written by its owner only (slot -1 elsewhere). Returns (Queries, kv_cache, index_cache)."""
+def project_and_write(p, x, kv_cache, index_cache, rope, slots, *, cfg: ModelConfig, backend: str):
+    """1. Projections for every row on every rank (`backend` the kernels': the fp8 GEMM's, `fp8_linear.einsum`);
+    the new token's latent and index key (each in its cache's format) are written by its owner only (slot -1
+    elsewhere). Returns (Queries, kv_cache, index_cache)."""
     cos, sin = rope
-    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
-    queries = Queries(q_nope, q_pe, projections.index_query(p, q_resid, cos, sin, cfg),
+    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg, backend=backend)
+    queries = Queries(q_nope, q_pe, projections.index_query(p, q_resid, cos, sin, cfg, backend=backend),
                       projections.index_weights(p, x, cfg))
-    latents = cache_formats.encode_latents(projections.mla_latent(p, x, cos, sin, cfg), kv_cache)
+    latents = cache_formats.encode_latents(projections.mla_latent(p, x, cos, sin, cfg, backend=backend), kv_cache)
     kv_cache = write_slots(kv_cache, slots, latents)
-    index_keys = cache_formats.encode_index_keys(projections.index_key(p, x, cos, sin, cfg), index_cache)
+    index_keys = cache_formats.encode_index_keys(projections.index_key(p, x, cos, sin, cfg, backend=backend),
+                                                 index_cache)
     index_cache = write_slots(index_cache, slots, index_keys)
     return queries, kv_cache, index_cache
 
@@ -115,10 +117,10 @@ def attend(p, queries: Queries, kv_cache, owned_slots, counts, *, cfg: ModelConf
                                             cfg.softmax_scale, value_dim=cfg.kv_lora_rank, backend=backend)
 
 
-def merge_heads(p, out, lse, dtype):
+def merge_heads(p, out, lse, dtype, *, backend: str):
     """7. LSE merge back to this rank's h heads, W_UV, o_proj and the TP all-reduce: [R, D]."""
     latent_out = exchange.merge_partial_attention(out, lse).astype(dtype)
-    return jax.lax.psum(projections.output_projection(p, latent_out), HEADS)
+    return jax.lax.psum(projections.output_projection(p, latent_out, backend=backend), HEADS)
 
 
 def rows_view(md: StepMetadata, rows: slice) -> StepMetadata:
@@ -148,7 +150,7 @@ def _attend_rows(p, queries: Queries, kv_cache, index_cache, md: StepMetadata, *
     with jax.named_scope("sparse_mla"):
         out, lse = attend(p, queries, kv_cache, owned_slots, counts, cfg=cfg, backend=backend)
     with jax.named_scope("merge"):
-        return merge_heads(p, out, lse, dtype), selected
+        return merge_heads(p, out, lse, dtype, backend=backend), selected
 
 
 def sparse_dcp_attention(p: AttentionParams, x, kv_cache, index_cache, rope, md: StepMetadata, *,
@@ -160,7 +162,7 @@ def sparse_dcp_attention(p: AttentionParams, x, kv_cache, index_cache, rope, md:
     candidate exchange, the query all-gather, the TP all-reduce) beside the other's compute."""
     with jax.named_scope("projections"):
         queries, kv_cache, index_cache = project_and_write(p, x, kv_cache, index_cache, rope, md.slot_mapping,
-                                                           cfg=cfg)
+                                                           cfg=cfg, backend=backend)
     outputs, ranges = [], micro_batch_rows(x.shape[0], micro_batches)
     for index, rows in enumerate(ranges):
         with jax.named_scope(f"micro_batch_{index}") if len(ranges) > 1 else contextlib.nullcontext():

@@ -23,8 +23,9 @@ def sparse_attention_unsharded(p: AttentionParams, x, latents, index_keys, cos_s
     row's history with the new token already written at context_lens-1. Returns (output [R, D], selected top-k
     positions [R, K], -1 padded)."""
     cos, sin = cos_sin
-    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg)
-    index_q, weights = cache_formats.encode_index_queries(projections.index_query(p, q_resid, cos, sin, cfg),
+    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg, backend="reference")
+    index_q, weights = cache_formats.encode_index_queries(projections.index_query(p, q_resid, cos, sin, cfg,
+                                                                                  backend="reference"),
                                                    projections.index_weights(p, x, cfg), index_keys)
     scores = cache_formats.dense_index_scores(index_q[:, None], weights[:, None], index_keys)[:, 0]  # one query a row
     _, selected = reference.topk(scores, context_lens, k=cfg.index_topk)
@@ -40,4 +41,4 @@ def sparse_attention_unsharded(p: AttentionParams, x, latents, index_keys, cos_s
     probs = jax.nn.softmax(logits, axis=-1)
     probs = jnp.where(is_selected[:, None, :], probs, 0.0)  # rows with nothing selected: NaN -> 0
     per_head = jnp.einsum("rht,rthv->rhv", probs, values, precision=HIGHEST)
-    return fp8_linear.einsum("rhv,hvd->rd", per_head, p.wo), selected
+    return fp8_linear.einsum("rhv,hvd->rd", per_head, p.wo, backend="reference"), selected
