@@ -16,10 +16,10 @@ Multiplying (`einsum`, `ragged_dot`, `grouped_matmul`: plain weights multiply in
 `Fp8BlockWeight` it is DeepSeek's fine-grained fp8 GEMM: the activations are quantized at run time per token per
 bk channels of K (`act_quant`: e4m3, f32 scale amax / 448; DeepSeek's group of 128 is its weights' block), the
 products are accumulated in f32 and the output has the activations' dtype. `einsum` of a weight with no batch axis
-under the kernels backend "pallas" or "mosaic" runs `pallas_kernels.fp8_gemm`'s Mosaic GPU kernel where it applies
-(compiled on an sm_90 GPU, K a multiple of 128, N of 64); otherwise ("reference", "triton", batched weights, the
-CPU) this module's pure-jnp reference computes the same sum: the dequantized operands multiplied in f32 (a block's
-two scales factor out of it).
+under a kernels backend of GEMM_KERNEL_BACKENDS runs `pallas_kernels.fp8_gemm`'s Mosaic GPU kernel where it applies
+(compiled on an sm_90 GPU, K a multiple of 128, N of 64); otherwise (other backends, batched weights, the CPU) this
+module's pure-jnp reference computes the same sum: the dequantized operands multiplied in f32 (a block's two scales
+factor out of it).
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ from pallas_kernels.formats import AMAX_FLOOR, E4M3_MAX
 
 log = logging.getLogger(__name__)
 HIGHEST = jax.lax.Precision.HIGHEST
-# The kernels backends under which a linear layer runs the Mosaic fp8 GEMM (where it applies).
-GEMM_KERNEL_BACKENDS = ("pallas", "mosaic")
+# The kernels backends under which a linear layer runs the Mosaic fp8 GEMM (where it applies): "mosaic" only until
+# the kernel has run on a GPU (written 2026-12-06, lowered for CUDA on CPU; no GPU was lent to run it), so the
+# engine's default ("pallas") keeps XLA's dequantized product.
+GEMM_KERNEL_BACKENDS = ("mosaic",)
 
 # (in_axes, out_axes) of each leaf DeepSeek's release stores in block fp8 (`memory_plan.BLOCK_FP8_LEAVES`), counted
 # from the last axis, so a weight stacked over layers (`deepseek_v32.LayerStack`) keeps them.
