@@ -161,3 +161,21 @@ def test_einsum_runs_the_fp8_gemm_kernel_on_the_gpu(equation, x_shape, w_shape, 
     got = np.asarray(jax.jit(lambda x, w: fp8_linear.einsum(equation, x, w, backend=kernel))(x, w), np.float32)
     want = np.asarray(jax.jit(lambda x, w: fp8_linear.einsum(equation, x, w, backend="reference"))(x, w), np.float32)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("leaf, shape, spec", [
+    ("wq_b", (3, 32, 2, 24), P(None, None, HEADS, None)), ("wo", (3, 2, 16, 48), P(None, HEADS, None, None)),
+    ("w_uk", (3, 2, 16, 32), P(None, HEADS, None, None)), ("experts_down", (3, 4, 32, 16), P(None, None, HEADS, None))])
+def test_a_leaf_stacked_over_layers_is_its_layers_quantized_alone(leaf, shape, spec):
+    """Weights stacked over layers (`deepseek_v32.LayerStack`: a leading L axis, the FP8_AXES counted from the last)
+    keep the plain shape, and each layer's values and scales are those of quantizing it alone."""
+    plain = jnp.asarray(np.random.default_rng(5).standard_normal(shape), jnp.float32)
+    stacked = fp8_linear.quantize(plain, (16, 16), *fp8_linear.FP8_AXES[leaf])
+    assert stacked.shape == shape and stacked.batch_axes[0] == 0
+    for layer in range(shape[0]):
+        alone = fp8_linear.quantize(plain[layer], (16, 16), *fp8_linear.FP8_AXES[leaf])
+        np.testing.assert_array_equal(np.asarray(stacked.values[layer], np.float32),
+                                      np.asarray(alone.values, np.float32))
+        np.testing.assert_array_equal(stacked.scales[layer], alone.scales)
+    np.testing.assert_allclose(fp8_linear.dequantize(stacked), plain, atol=np.abs(plain).max() * 2**-4)
+    assert fp8_linear.plain_spec(stacked, fp8_linear.weight_spec(stacked, spec).values) == spec
