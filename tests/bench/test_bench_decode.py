@@ -236,3 +236,18 @@ def test_plots_are_written(smoke, tmp_path):
     _, rows, _ = smoke
     paths = decode_bench_results.plot(rows, str(tmp_path))
     assert [p.rsplit("/", 1)[-1] for p in paths] == ["decode_latency_vs_context.png", "decode_capacity_vs_dcp.png"]
+
+
+def test_fp8_weights_run_the_step_and_halve_the_linear_layers_bytes():
+    """`--weight-format fp8`: the step runs with the block-fp8 linear layers (e4m3 values and f32 block scales), the
+    rows say so, and a rank holds fewer weight bytes than with bf16 weights."""
+    grids = {fmt: decode_bench.Grid(preset="tiny", num_layers=1, dcp_sizes=(1,), contexts=(64,), batches=(2,),
+                                    kernels=("reference",), breakdown_batches=(), steps=1, warmup=1, page_size=4,
+                                    fallback=False, weight_format=fmt) for fmt in ("plain", "fp8")}
+    programs = {}
+    for fmt, grid in grids.items():
+        rows = list(decode_bench.run_grid(grid))
+        assert not [r for r in rows if r["kind"] == "error"], rows
+        assert {r["weight_format"] for r in rows if r["kind"] == "point"} == {fmt}
+        programs[fmt] = next(r for r in rows if r["kind"] == "program")
+    assert programs["fp8"]["weights_bytes_per_rank"] < 0.75 * programs["plain"]["weights_bytes_per_rank"]
