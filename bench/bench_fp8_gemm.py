@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     knobs = json.loads(args.knobs)
+    labels = {backend.partition("+")[2] for backend in args.backends.split(",")} - {""}
+    if labels != set(knobs):
+        parser.error(f"--backends labels {sorted(labels)} and --knobs labels {sorted(knobs)} differ")
     out = open(args.json_out, "w") if args.json_out else None
 
     def record(row):
@@ -130,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             row = dict(kind="point", layer=name, rows=rows, width=width, depth=depth, bf16_us=bf16_us,
                        fp8_per_tensor_us=fp8_us, weight_read_us=read_us, backends={})
             for backend in args.backends.split(","):
-                name, _, label = backend.partition("+")
-                run = jax.jit(lambda x, xs, w, ws, b=name, k=knobs.get(label, {}): pallas_kernels.fp8_gemm(
+                implementation, _, label = backend.partition("+")
+                run = jax.jit(lambda x, xs, w, ws, b=implementation, k=knobs.get(label, {}): pallas_kernels.fp8_gemm(
                     x, xs, w, ws, block=BLOCK, out_dtype=jnp.bfloat16, backend=b, **k))
                 try:
                     got = np.asarray(run(x, x_scales, *weights[0]).astype(jnp.float32))

@@ -178,4 +178,4 @@ def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **kn
     xs_t = jnp.pad(x_scales.astype(jnp.float32), ((0, pad), (0, 0))).T
     ws_columns = jnp.repeat(w_scales.astype(jnp.float32).T, block[0], axis=1)[:, :width]
     parts = fp8_gemm_tiles(x, xs_t, w, ws_columns, **chosen, out_dtype=kernel_out)
-    return (parts[0] if k_splits == 1 else parts.sum(axis=0)).astype(out_dtype)[:num_rows]
+    return (parts[0, :num_rows] if k_splits == 1 else parts[:, :num_rows].sum(axis=0)).astype(out_dtype)

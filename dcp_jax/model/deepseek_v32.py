@@ -89,7 +89,8 @@ class DecoderLayer(nnx.Module):
         return rms_norm(h, self.post_attention_norm[...], self.cfg.rms_norm_eps)
 
     def feed_forward(self, h, *, backend: str):
-        """h + MLP/MoE(post-attention norm of h); `backend` the kernels' (the MoE's routed experts: `MoE.partial`)."""
+        """h + MLP/MoE(post-attention norm of h); `backend` the kernels' (the MoE's routed experts: `MoE.partial`;
+        fp8 linear layers: `fp8_linear.einsum`)."""
         x = self.mlp_input(h)
         return h + self.mlp(x, backend=backend)
 

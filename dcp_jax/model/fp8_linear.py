@@ -38,9 +38,8 @@ from pallas_kernels.formats import AMAX_FLOOR, E4M3_MAX
 
 log = logging.getLogger(__name__)
 HIGHEST = jax.lax.Precision.HIGHEST
-# The kernels backends under which a linear layer runs the Mosaic fp8 GEMM (where it applies): "mosaic" only until
-# the kernel has run on a GPU (written 2026-12-06, lowered for CUDA on CPU; no GPU was lent to run it), so the
-# engine's default ("pallas") keeps XLA's dequantized product.
+# The kernels backends under which a linear layer runs the Mosaic fp8 GEMM (where it applies): "mosaic" only, which
+# no engine setting selects, until the kernel has run on a GPU (docs/performance.md).
 GEMM_KERNEL_BACKENDS = ("mosaic",)
 
 # (in_axes, out_axes) of each leaf DeepSeek's release stores in block fp8 (`memory_plan.BLOCK_FP8_LEAVES`), counted
@@ -173,6 +172,8 @@ def einsum(equation: str, x, w, *, backend: str):
     """`jnp.einsum(equation, x, w)` for activations x and a weight w, plain or `Fp8BlockWeight`; output in x's
     dtype. With fp8 the contracted letters must be w's input axes, in order, and x's last axes; `backend` (the
     kernels', `pallas_kernels.BACKENDS`) says whether the fp8 GEMM kernel may run (module docstring)."""
+    if backend not in pallas_kernels.BACKENDS:
+        raise ValueError(f"backend must be one of {pallas_kernels.BACKENDS}; got {backend!r}")
     if isinstance(w, Fp8BlockWeight):
         return _fp8_einsum(equation, x, w, backend)
     return jnp.einsum(equation, x, w, precision=HIGHEST)

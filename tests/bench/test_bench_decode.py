@@ -238,7 +238,7 @@ def test_plots_are_written(smoke, tmp_path):
     assert [p.rsplit("/", 1)[-1] for p in paths] == ["decode_latency_vs_context.png", "decode_capacity_vs_dcp.png"]
 
 
-def test_fp8_weights_run_the_step_and_halve_the_linear_layers_bytes():
+def test_fp8_weights_run_the_step_and_shrink_the_weight_bytes():
     """`--weight-format fp8`: the step runs with the block-fp8 linear layers (e4m3 values and f32 block scales), the
     rows say so, and a rank holds fewer weight bytes than with bf16 weights."""
     grids = {fmt: decode_bench.Grid(preset="tiny", num_layers=1, dcp_sizes=(1,), contexts=(64,), batches=(2,),

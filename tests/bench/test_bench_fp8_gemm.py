@@ -6,6 +6,8 @@ import contextlib
 import io
 import json
 
+import pytest
+
 from dcp_jax import cli
 
 
@@ -13,14 +15,21 @@ def test_fp8_gemm_bench_reports_each_backend_against_the_ceilings(tmp_path):
     out = tmp_path / "fp8_gemm.jsonl"
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        rc = cli.main(["bench", "fp8_gemm", "--shapes", "256x128", "--rows", "3", "--backends",
-                       "triton,reference,mosaic", "--runs", "1", "--copy-bytes", "4M", "--matmul-size", "128",
-                       "--json-out", str(out)])
+        rc = cli.main(["bench", "fp8_gemm", "--shapes", "256x128", "--rows", "3,5", "--backends",
+                       "triton,reference,mosaic,triton+m32", "--knobs", '{"m32": {"block_m": 32}}', "--runs", "1",
+                       "--copy-bytes", "4M", "--matmul-size", "128", "--json-out", str(out)])
     assert rc == 0, stdout.getvalue()
-    run, point = [json.loads(line) for line in out.read_text().splitlines()]
+    run, *points = [json.loads(line) for line in out.read_text().splitlines()]
     assert run["copy_tbps"] > 0 and run["matmul_tflops"] > 0
-    assert (point["rows"], point["width"], point["depth"]) == (3, 256, 128)
-    assert point["bf16_us"] > 0 and point["fp8_per_tensor_us"] > 0 and point["weight_read_us"] > 0
-    for backend in ("triton", "reference"):
-        assert point["backends"][backend]["us"] > 0 and point["backends"][backend]["rel_error"] < 1e-2
-    assert "sm_90" in point["backends"]["mosaic"]["failed"]  # no Mosaic GPU kernel on CPU: said, not hidden
+    assert [(p["layer"], p["rows"], p["width"], p["depth"]) for p in points] == [("256x128", 3, 256, 128),
+                                                                                 ("256x128", 5, 256, 128)]
+    for point in points:
+        assert point["bf16_us"] > 0 and point["fp8_per_tensor_us"] > 0 and point["weight_read_us"] > 0
+        for backend in ("triton", "reference", "triton+m32"):
+            assert point["backends"][backend]["us"] > 0 and point["backends"][backend]["rel_error"] < 1e-2
+        assert "sm_90" in point["backends"]["mosaic"]["failed"]  # no Mosaic GPU kernel on CPU: said, not hidden
+
+
+def test_fp8_gemm_bench_refuses_knob_labels_that_do_not_match():
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):
+        cli.main(["bench", "fp8_gemm", "--backends", "mosaic+k8", "--knobs", '{"mosaic": {"k_splits": 8}}'])

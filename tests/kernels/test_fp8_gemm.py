@@ -82,6 +82,17 @@ def test_refuses_malformed_inputs_and_says_why_a_backend_does_not_apply():
     assert any("multiple of 128" in r for r in reasons) and any("sm_90" in r for r in reasons)
 
 
+def test_mosaic_knobs_are_checked_before_anything_is_traced():
+    """k_splits must divide K / 128; unknown knobs are refused; a split K's f32 partial products take 3 stages."""
+    x, x_scales, w, w_scales = _case(3, 4, 128, 768, (128, 128))  # K / 128 = 6
+    with pytest.raises(ValueError, match="k_splits must divide K / 128 = 6"):
+        fp8_gemm_mosaic.fp8_gemm(x, x_scales, w, w_scales, block=(128, 128), out_dtype=jnp.bfloat16, k_splits=4)
+    with pytest.raises(TypeError, match="unknown fp8 GEMM knobs"):
+        fp8_gemm_mosaic.fp8_gemm(x, x_scales, w, w_scales, block=(128, 128), out_dtype=jnp.bfloat16, block_m=64)
+    assert fp8_gemm_mosaic.default_knobs(4, 128, jnp.bfloat16)["stages"] == 4
+    assert fp8_gemm_mosaic.default_knobs(4, 128, jnp.float32)["stages"] == 3
+
+
 # (M, N, K) of DeepSeek-V3.2's fp8 linear layers: decode and prefill rows, N a multiple of 128 or of 64 only.
 MOSAIC_SHAPES = [(64, 24576, 1536), (4096, 7168, 16384), (200, 576, 7168), (1, 2048, 7168)]
 
@@ -99,7 +110,7 @@ def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype):
             S((depth // 128, width), jnp.float32))
     fp8_gemm_mosaic.fp8_gemm_tiles.trace(*args, **knobs, out_dtype=jnp.dtype(out_dtype)).lower(
         lowering_platforms=("cuda",))
-    if rows <= fp8_gemm_mosaic.WG_ROWS:  # decode: K split over 4 CTAs a tile, f32 partial products
+    if rows <= fp8_gemm_mosaic.WG_ROWS and out_dtype == jnp.bfloat16:  # decode: K split over 4 CTAs, f32 parts
         split = dict(knobs, k_splits=4, stages=3)
         fp8_gemm_mosaic.fp8_gemm_tiles.trace(*args, **split, out_dtype=jnp.dtype(jnp.float32)).lower(
             lowering_platforms=("cuda",))

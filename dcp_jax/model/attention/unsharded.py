@@ -24,9 +24,8 @@ def sparse_attention_unsharded(p: AttentionParams, x, latents, index_keys, cos_s
     positions [R, K], -1 padded)."""
     cos, sin = cos_sin
     q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg, backend="reference")
-    index_q, weights = cache_formats.encode_index_queries(projections.index_query(p, q_resid, cos, sin, cfg,
-                                                                                  backend="reference"),
-                                                   projections.index_weights(p, x, cfg), index_keys)
+    index_q = projections.index_query(p, q_resid, cos, sin, cfg, backend="reference")
+    index_q, weights = cache_formats.encode_index_queries(index_q, projections.index_weights(p, x, cfg), index_keys)
     scores = cache_formats.dense_index_scores(index_q[:, None], weights[:, None], index_keys)[:, 0]  # one query a row
     _, selected = reference.topk(scores, context_lens, k=cfg.index_topk)
     t = latents.shape[1]
