@@ -105,22 +105,29 @@ def _mlp_to_hf(p: dict, prefix: str) -> dict:
             prefix + "down_proj.weight": p["down"].T}
 
 
+def _stacked_experts(t: dict[str, np.ndarray], kind: str, experts) -> np.ndarray:
+    """The routed experts' `kind` projections, HF [out, in] each, as ours [X, in, out]: one stacked copy, viewed."""
+    return np.stack([t[f"mlp.experts.{x}.{kind}_proj.weight"] for x in experts]).transpose(0, 2, 1)
+
+
 def layer_to_ours(cfg: ModelConfig, layer: int, t: dict[str, np.ndarray]) -> dict:
-    """One decoder layer: HF tensors (names relative to `model.layers.{layer}.`) -> our pure-dict params."""
-    h, n = cfg.num_attention_heads, cfg.qk_nope_head_dim
+    """One decoder layer: HF tensors (names relative to `model.layers.{layer}.`) -> our pure-dict params. The
+    projections are views of the HF [out, in] tensors (the routed experts one stacked copy), so the block-fp8 values
+    kept K-major (`fp8_linear.from_plain_layout`) are the checkpoint's bytes in their own order."""
+    h, n, d = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.hidden_size
     q, i = cfg.q_lora_rank, cfg.index_n_heads
     a = _ATTENTION
     kv_b = t[a + "kv_b_proj.weight"].reshape(h, n + cfg.v_head_dim, cfg.kv_lora_rank)
     attention = {
         "wq_a": t[a + "q_a_proj.weight"].T,
         "q_a_norm": t[a + "q_a_layernorm.weight"],
-        "wq_b": t[a + "q_b_proj.weight"].T.reshape(q, h, cfg.qk_head_dim),
+        "wq_b": t[a + "q_b_proj.weight"].reshape(h, cfg.qk_head_dim, q).transpose(2, 0, 1),
         "wkv_a": t[a + "kv_a_proj_with_mqa.weight"].T,
         "kv_a_norm": t[a + "kv_a_layernorm.weight"],
         "w_uk": kv_b[:, :n],
         "w_uv": kv_b[:, n:],
-        "wo": t[a + "o_proj.weight"].T.reshape(h, cfg.v_head_dim, cfg.hidden_size),
-        "index_wq": t[a + "indexer.wq_b.weight"].T.reshape(q, i, cfg.index_head_dim),
+        "wo": t[a + "o_proj.weight"].reshape(d, h, cfg.v_head_dim).transpose(1, 2, 0),
+        "index_wq": t[a + "indexer.wq_b.weight"].reshape(i, cfg.index_head_dim, q).transpose(2, 0, 1),
         "index_wk": t[a + "indexer.wk.weight"].T,
         "index_k_norm": t[a + "indexer.k_norm.weight"],
         "index_k_norm_bias": t[a + "indexer.k_norm.bias"],
@@ -131,9 +138,7 @@ def layer_to_ours(cfg: ModelConfig, layer: int, t: dict[str, np.ndarray]) -> dic
         mlp = {
             "router": t["mlp.gate.weight"].T,
             "router_bias": t["mlp.gate.e_score_correction_bias"],
-            "experts_gate": np.stack([t[f"mlp.experts.{x}.gate_proj.weight"].T for x in experts]),
-            "experts_up": np.stack([t[f"mlp.experts.{x}.up_proj.weight"].T for x in experts]),
-            "experts_down": np.stack([t[f"mlp.experts.{x}.down_proj.weight"].T for x in experts]),
+            **{f"experts_{kind}": _stacked_experts(t, kind, experts) for kind in ("gate", "up", "down")},
             "shared": _mlp_to_ours(t, "mlp.shared_experts."),
         }
     else:

@@ -51,6 +51,26 @@ def test_layer_converters_are_inverse(tensors):
             np.testing.assert_array_equal(back[name], hf[name], err_msg=name)
 
 
+def test_fp8_values_kept_k_major_are_the_checkpoints_bytes(tensors):
+    """The K-major values of the fp8 leaves are views of the HF [out, in] tensors (no host copy), the routed
+    experts one stacked copy in the checkpoint's order (contiguous: placing them copies nothing more)."""
+    for layer in range(CFG.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
+        hf = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        ours = layer_to_ours(CFG, layer, hf)
+        attention = ours["attention"]
+        for leaf, name in (("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"),
+                           ("wo", "o_proj"), ("index_wq", "indexer.wq_b"), ("index_wk", "indexer.wk")):
+            values = fp8_linear.from_plain_layout(attention[leaf], None, BLOCK, *fp8_linear.FP8_AXES[leaf]).values
+            assert np.shares_memory(values, hf[f"self_attn.{name}.weight"]), leaf
+            assert values.flags.c_contiguous, leaf
+        if "experts_gate" in ours["mlp"]:
+            for kind in ("gate", "up", "down"):
+                leaf = f"experts_{kind}"
+                values = fp8_linear.from_plain_layout(ours["mlp"][leaf], None, BLOCK, *fp8_linear.FP8_AXES[leaf])
+                assert values.values.flags.c_contiguous, leaf
+
+
 def _spec(placed: jax.Array) -> P:
     """The PartitionSpec of an array, with the trailing Nones a jit output's spec may drop written out."""
     spec = tuple(placed.sharding.spec)
