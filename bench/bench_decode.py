@@ -56,6 +56,7 @@ from dcp_jax.model.attention import cache_formats, sparse_dcp
 from dcp_jax.model.attention.sparse_dcp import kernel_backend
 from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, merge, param_specs
 from dcp_jax.model.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_rank, on_layer
+from dcp_jax.model.memory_plan import FP8_BLOCK
 from dcp_jax.model.mesh import DCP, make_mesh
 from dcp_jax.model.rope import cos_sin, rope_tables
 from dcp_jax.runtime import sampler
@@ -70,7 +71,6 @@ from pallas_kernels import Fp8IndexKeys, Fp8LatentCache, formats
 # A truncated layer adds this times the per-row mean of its dangling outputs to the residual stream, so XLA cannot
 # drop the work and the next layer depends on this one, as in the real step; small enough to keep values tame.
 SINK_SCALE = 1e-3
-FP8_WEIGHT_BLOCK = (128, 128)  # DeepSeek-V3.2's weight_block_size (--weight-format fp8)
 
 
 def _row_mean(x):
@@ -431,7 +431,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
     once per point and once for the compile phase (progress bars)."""
     cfg, dtype = grid.cfg, jnp.dtype(grid.dtype)
     sizes, _ = plan(grid)
-    fp8_block = FP8_WEIGHT_BLOCK if grid.weight_format == "fp8" else None
+    fp8_block = (FP8_BLOCK, FP8_BLOCK) if grid.weight_format == "fp8" else None
     graphdef, abstract = abstract_model(cfg, dtype, fp8_block)
     host_params = init_params(cfg, grid.seed, dtype, fp8_block)
     memory, memory_source = device_memory(grid)

@@ -29,22 +29,15 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pallas_kernels  # noqa: E402
-from bench.common import copy_tbps, matmul_tflops, median_seconds, run_info, warm_up_clocks  # noqa: E402
+from bench.common import copy_tbps, matmul_tflops, median_seconds, run_info, sizes, warm_up_clocks  # noqa: E402
+from dcp_jax.model import fp8_linear  # noqa: E402
+from dcp_jax.model.memory_plan import FP8_BLOCK  # noqa: E402
 
 # DeepSeek-V3.2's block-fp8 linear layers at TP 1, (N, K) = (out, in).
 SHAPES = {"wq_b": (24576, 1536), "wkv_a": (576, 7168), "wo": (7168, 16384), "mlp_gate": (18432, 7168),
           "mlp_down": (7168, 18432)}
 ROTATION_BYTES = 256 << 20
-BLOCK = (128, 128)
-
-
-def _sizes(text: str) -> tuple[int, ...]:
-    return tuple(int(t) for t in text.split(",") if t)
-
-
-def _bytes(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+BLOCK = (FP8_BLOCK, FP8_BLOCK)  # DeepSeek-V3.2's weight_block_size
 
 
 def _shape(name: str) -> tuple[int, int]:
@@ -57,15 +50,11 @@ def _shape(name: str) -> tuple[int, int]:
     return int(width), int(depth)
 
 
-def _block_fp8(key, rows: int, cols: int, block: tuple[int, int]):
-    """e4m3 values [rows, cols] with one f32 scale per block (amax / 448; edge blocks partial), of a random normal
-    matrix."""
-    plain = jax.random.normal(key, (rows, cols), jnp.float32)
-    grid = (-(-rows // block[0]), -(-cols // block[1]))
-    padded = jnp.pad(jnp.abs(plain), ((0, grid[0] * block[0] - rows), (0, grid[1] * block[1] - cols)))
-    scales = padded.reshape(grid[0], block[0], grid[1], block[1]).max(axis=(1, 3)) / 448.0
-    per_element = jnp.repeat(jnp.repeat(scales, block[0], axis=0), block[1], axis=1)[:rows, :cols]
-    return (plain / per_element).astype(jnp.float8_e4m3fn), scales
+def _block_fp8_weight(key, width: int, depth: int):
+    """A random normal [N, K] weight in block fp8 (`fp8_linear.quantize`): e4m3 [N, K] and scales by BLOCK."""
+    plain = jax.random.normal(key, (depth, width), jnp.float32)  # our layout, [K, N]
+    weight = fp8_linear.quantize(plain, BLOCK, (-2,), (-1,))
+    return weight.values, weight.scales
 
 
 @jax.jit
@@ -81,13 +70,14 @@ def _fp8_per_tensor(x, w, scale):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-jax bench fp8_gemm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=_sizes, default=(64, 256, 4096, 16384), help="M values")
+    parser.add_argument("--rows", type=sizes, default=(64, 256, 4096, 16384), help="M values")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {sorted(SHAPES)}, or NxK")
     parser.add_argument("--backends", default="mosaic,triton",
                         help="fp8_gemm implementations timed; NAME+LABEL times NAME with the knobs --knobs gives LABEL")
     parser.add_argument("--knobs", default="{}", help='JSON: label -> knobs, e.g. {"k8": {"k_splits": 8}}')
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--copy-bytes", type=_bytes, default=2 << 30, help="the copy ceiling's array (8M, 2G, ...)")
+    parser.add_argument("--copy-bytes", type=lambda t: sizes(t)[0], default=2 << 30,
+                        help="the copy ceiling's array (8M, 2G, ...)")
     parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n x n x n bf16 matmul ceiling")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
@@ -119,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         width, depth = _shape(name)
         weight_bytes = width * depth + 4 * math.prod(-(-d // b) for d, b in zip((width, depth), BLOCK))
         copies = min(64, max(1, math.ceil(ROTATION_BYTES / weight_bytes)))
-        weights = [_block_fp8(jax.random.key(i), width, depth, BLOCK) for i in range(copies)]
+        weights = [_block_fp8_weight(jax.random.key(i), width, depth) for i in range(copies)]
         plain = [w.astype(jnp.bfloat16) for w, _ in weights]
         read_us = 1e6 * weight_bytes / (tbps * 1e12)
         for rows in args.rows:
-            x, x_scales = _block_fp8(jax.random.key(rows), rows, depth, (1, BLOCK[1]))
+            x, x_scales = fp8_linear.act_quant(jax.random.normal(jax.random.key(rows), (rows, depth)), BLOCK[1])
             x_bf16 = x.astype(jnp.bfloat16)
             flops = 2 * rows * width * depth
             bf16_us = 1e6 * seconds(_bf16_matmul, [(x_bf16, w) for w in plain])

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import copy_tbps, matmul_tflops, median_seconds, run_info
+from bench.common import copy_tbps, matmul_tflops, median_seconds, run_info, sizes
 from dcp_jax.config import ModelConfig, preset
 from dcp_jax.model import fp8_linear, moe
 from dcp_jax.model.mlp import gated_mlp
@@ -47,16 +47,6 @@ from dcp_jax.model.mlp import gated_mlp
 EXPERTS = {"pallas": functools.partial(moe.grouped_experts, matmul=functools.partial(fp8_linear.grouped_matmul,
                                                                                    backend="pallas")),
            "ragged_dot": moe.grouped_experts, "dense": moe.dense_experts}
-
-
-def _sizes(text: str) -> tuple[int, ...]:
-    """'1,8,4K' -> (1, 8, 4096); 'M' and 'G' are 2**20 and 2**30."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    out = []
-    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
-        scale = units.get(part[-1], 1)
-        out.append(int(part[:-1] if scale > 1 else part) * scale)
-    return tuple(out)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -113,8 +103,8 @@ def activated_flops(cfg: ModelConfig, tokens: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-jax bench moe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="deepseek-v3.2", help="the MoE shapes of this preset")
-    parser.add_argument("--decode", type=_sizes, default=(1, 8, 64, 256), help="decode batches B (rows)")
-    parser.add_argument("--prefill", type=_sizes, default=(4096, 16384), help="prefill lengths T (rows)")
+    parser.add_argument("--decode", type=sizes, default=(1, 8, 64, 256), help="decode batches B (rows)")
+    parser.add_argument("--prefill", type=sizes, default=(4096, 16384), help="prefill lengths T (rows)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="expert weights, rows")
     parser.add_argument("--weight-format", choices=["plain", "fp8"], default="plain",
                         help="fp8: the routed experts in DeepSeek's block fp8 (blocks of 128), as its release")
@@ -124,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dense-max-rows", type=int, default=4096,
                         help="the dense reference runs up to this many rows (skipped past it)")
     parser.add_argument("--runs", type=int, default=10, help="timed calls per point (median)")
-    parser.add_argument("--copy-bytes", type=lambda t: _sizes(t)[0], default=2 << 30,
+    parser.add_argument("--copy-bytes", type=lambda t: sizes(t)[0], default=2 << 30,
                         help="buffer of the copy ceiling (4K, 8M, 2G)")
     parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n x n x n bf16 matmul ceiling")
     parser.add_argument("--json-out", default=None, help="JSON lines: the run, its ceilings, one row per point")

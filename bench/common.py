@@ -46,6 +46,16 @@ def commit() -> str:
     return "unknown"
 
 
+def sizes(text: str) -> tuple[int, ...]:
+    """A command line's sizes: '1,8,4K' -> (1, 8, 4096); 'M' and 'G' are 2**20 and 2**30."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    out = []
+    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
+        scale = units.get(part[-1], 1)
+        out.append(int(part[:-1] if scale > 1 else part) * scale)
+    return tuple(out)
+
+
 def run_info() -> dict:
     """Date, commit, backend, device kind and count, jax version and XLA flags of this run. Starts the backend,
     with the GPU flags the engine sets at load (`xla_flags`), so what a benchmark runs is what users run."""
