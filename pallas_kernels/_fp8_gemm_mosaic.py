@@ -26,12 +26,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._knobs import with_defaults
 from pallas_kernels._platform import on_hopper_compiled
 
 BLOCK_K = 128  # channels a step: one scale block, one 128-byte swizzled fp8 row
 WG_ROWS = 64  # rows of one compute warpgroup's wgmma
 TILE_N = (128, 64)  # a compute warpgroup's columns, largest first
 _MEMORY_REGISTERS = 40  # the TMA warpgroup's (JAX's Hopper matmul example's value; the knobs are not yet tuned)
+
+
+def _cta_tile(split_m: bool, tile_n: int) -> tuple[int, int]:
+    """A CTA's output tile [rows, columns]: two warpgroups' [64, tile_n] halves, side by side along M or N."""
+    return (2 * WG_ROWS, tile_n) if split_m else (WG_ROWS, 2 * tile_n)
 
 
 def _fp8_tiled():
@@ -43,8 +49,7 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
     wg, part = lax.axis_index("wg"), lax.axis_index("k")
     steps = x_gmem.shape[1] // BLOCK_K // k_splits  # this CTA's share of K, in steps of 128 channels
     depth, depth_blocks = pl.ds(part * steps * BLOCK_K, steps * BLOCK_K), pl.ds(part * steps, steps)
-    cta_m = WG_ROWS * (2 if split_m else 1)
-    cta_n = tile_n * (1 if split_m else 2)
+    cta_m, cta_n = _cta_tile(split_m, tile_n)
     rows = pl.ds(lax.axis_index("m") * cta_m, cta_m)
     columns = pl.ds(lax.axis_index("n") * cta_n, cta_n)
     wg_rows = pl.ds(wg * WG_ROWS, WG_ROWS) if split_m else pl.ds(0, WG_ROWS)
@@ -98,8 +103,7 @@ def fp8_gemm_tiles(x, xs_t, w, ws_columns, *, tile_n: int, split_m: bool, stages
     (K / 128 a multiple of k_splits), whose sum is x . w^T."""
     num_rows, depth = x.shape
     width = w.shape[0]
-    cta_m = WG_ROWS * (2 if split_m else 1)
-    cta_n = tile_n * (1 if split_m else 2)
+    cta_m, cta_n = _cta_tile(split_m, tile_n)
     out_swizzle = min(128, tile_n * jnp.dtype(out_dtype).itemsize)
     out_transforms = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
                       plgpu.SwizzleTransform(out_swizzle))
@@ -118,7 +122,7 @@ def fp8_gemm_tiles(x, xs_t, w, ws_columns, *, tile_n: int, split_m: bool, stages
 
 
 def _tile_n(width: int, split_m: bool) -> int | None:
-    return next((t for t in TILE_N if width % (t * (1 if split_m else 2)) == 0), None)
+    return next((t for t in TILE_N if width % _cta_tile(split_m, t)[1] == 0), None)
 
 
 def default_knobs(num_rows: int, width: int, out_dtype) -> dict:
@@ -131,9 +135,9 @@ def default_knobs(num_rows: int, width: int, out_dtype) -> dict:
     return dict(split_m=split_m, tile_n=_tile_n(width, split_m), stages=stages, k_splits=1)
 
 
-def unsupported(x, w, interpret: bool | None) -> list[str]:
-    """Why this kernel does not take these inputs (empty: it does): e4m3 operands, K a multiple of 128 and N of 64
-    (scale blocks of 128 input columns, any output rows); compiled on an sm_90 GPU."""
+def unsupported(x, w, block, interpret: bool | None) -> list[str]:
+    """Why this kernel does not take these inputs (empty: it does): e4m3 operands, K a multiple of 128 and N of 64,
+    scale blocks `block` = (bn, bk) of bk = 128 (its step; any bn); compiled on an sm_90 GPU."""
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     reasons = []
     if x.dtype != fp8 or w.dtype != fp8:
@@ -141,12 +145,9 @@ def unsupported(x, w, interpret: bool | None) -> list[str]:
     width, depth = w.shape
     if depth % BLOCK_K or width % TILE_N[-1]:
         reasons.append(f"it needs K a multiple of {BLOCK_K} and N of {TILE_N[-1]}; got w {w.shape}")
+    if block[1] != BLOCK_K:
+        reasons.append(f"it needs scale blocks of {BLOCK_K} input columns; got {tuple(block)}")
     return reasons + on_hopper_compiled(interpret)
-
-
-def unsupported_block(block) -> list[str]:
-    """Why this kernel does not take scale blocks `block` = (bn, bk) (empty: it does): bk is its step, 128."""
-    return [] if block[1] == BLOCK_K else [f"it needs scale blocks of {BLOCK_K} input columns; got {tuple(block)}"]
 
 
 def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **knobs):
@@ -159,21 +160,15 @@ def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **kn
     out_dtype = jnp.dtype(out_dtype)
     if num_rows == 0:
         return jnp.zeros((0, width), out_dtype)
-    given = {name: value for name, value in knobs.items() if value is not None}
-    k_splits = given.get("k_splits", 1)
-    kernel_out = out_dtype if k_splits == 1 else jnp.dtype(jnp.float32)
-    chosen = default_knobs(num_rows, width, kernel_out)
-    unknown = set(knobs) - set(chosen)
-    if unknown:
-        raise TypeError(f"unknown fp8 GEMM knobs {sorted(unknown)}; the kernel takes {sorted(chosen)}")
-    chosen.update(given)
+    k_splits = 1 if knobs.get("k_splits") is None else knobs["k_splits"]
+    kernel_out = out_dtype if k_splits == 1 else jnp.dtype(jnp.float32)  # partial products summed after
+    chosen = with_defaults(default_knobs(num_rows, width, kernel_out), knobs, "fp8 GEMM")
     split_m, tile_n = chosen["split_m"], chosen["tile_n"]
-    if tile_n not in TILE_N or width % (tile_n * (1 if split_m else 2)):
+    if tile_n not in TILE_N or width % _cta_tile(split_m, tile_n)[1]:
         raise ValueError(f"no column tile for N = {width}: {split_m=}, {tile_n=} (of {TILE_N})")
     if k_splits < 1 or (x.shape[1] // BLOCK_K) % k_splits:
         raise ValueError(f"k_splits must divide K / {BLOCK_K} = {x.shape[1] // BLOCK_K}; got {k_splits}")
-    cta_m = WG_ROWS * (2 if split_m else 1)
-    pad = -num_rows % cta_m
+    pad = -num_rows % _cta_tile(split_m, tile_n)[0]
     x = jnp.pad(x, ((0, pad), (0, 0)))
     xs_t = jnp.pad(x_scales.astype(jnp.float32), ((0, pad), (0, 0))).T
     ws_columns = jnp.repeat(w_scales.astype(jnp.float32).T, block[0], axis=1)[:, :width]

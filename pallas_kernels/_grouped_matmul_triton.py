@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._fp8_dot import MIN_IMPRECISE_ACC, fp8_dot_nt
+from pallas_kernels._knobs import with_defaults
 from pallas_kernels._platform import default_interpret
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
@@ -137,23 +138,14 @@ def default_knobs(rows_per_group: float, w, scale_block: tuple[int, int] | None 
                 num_warps=num_warps, num_stages=num_stages)
 
 
-def _knobs(rows_per_group: float, w, scale_block, given: dict) -> dict:
-    """`default_knobs` with the `given` knobs that are not None in their place; refuses a knob it does not know."""
-    chosen = default_knobs(rows_per_group, w, scale_block)
-    unknown = set(given) - set(chosen)
-    if unknown:
-        raise TypeError(f"unknown grouped matmul knobs {sorted(unknown)}; the kernel takes {sorted(chosen)}")
-    chosen.update((name, value) for name, value in given.items() if value is not None)
-    return chosen
-
-
 def grouped_matmul(x, w, group_sizes, *, rows_per_group=None, interpret=None, **knobs):
     """The contract of the module docstring; rows_per_group picks the default tiles (`pallas_kernels.
     grouped_matmul`; None: A / G). Knobs (left out or None: `default_knobs`'): block_m rows a block, block_n and
     block_k (powers of two >= 16 dividing N and K), num_warps and num_stages for Triton."""
     rows_per_group = x.shape[0] / w.shape[0] if rows_per_group is None else rows_per_group
     return _grouped(x, w, group_sizes, None, None, None, x.dtype, interpret=interpret,
-                    fp8_imprecise_acc=MIN_IMPRECISE_ACC, **_knobs(rows_per_group, w, None, knobs))
+                    fp8_imprecise_acc=MIN_IMPRECISE_ACC,
+                    **with_defaults(default_knobs(rows_per_group, w), knobs, "grouped matmul"))
 
 
 def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, rows_per_group=None,
@@ -165,7 +157,8 @@ def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtyp
     block = tuple(block)
     rows_per_group = x.shape[0] / w.shape[0] if rows_per_group is None else rows_per_group
     return _grouped(x, w, group_sizes, x_scales, w_scales, block, out_dtype, interpret=interpret,
-                    fp8_imprecise_acc=fp8_imprecise_acc, **_knobs(rows_per_group, w, block, knobs))
+                    fp8_imprecise_acc=fp8_imprecise_acc,
+                    **with_defaults(default_knobs(rows_per_group, w, block), knobs, "grouped matmul"))
 
 
 def _grouped(x, w, group_sizes, x_scales, w_scales, scale_block, out_dtype, *, interpret, block_m, block_n,

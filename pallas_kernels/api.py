@@ -199,7 +199,7 @@ def _fp8_gemm_triton_unsupported(x, x_scales, w, w_scales, *, block, interpret=N
 
 
 def _fp8_gemm_mosaic_unsupported(x, x_scales, w, w_scales, *, block, interpret=None, **_):
-    return _fp8_gemm_mosaic.unsupported(x, w, interpret) + _fp8_gemm_mosaic.unsupported_block(block)
+    return _fp8_gemm_mosaic.unsupported(x, w, block, interpret)
 
 
 def _reference_run(fn):

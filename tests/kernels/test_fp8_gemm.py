@@ -103,7 +103,7 @@ def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype):
     """No interpreter runs the Mosaic GPU kernel; lowering it for CUDA checks its layouts and SMEM plan (an f32
     output's epilogue tile included)."""
     knobs = fp8_gemm_mosaic.default_knobs(rows, width, out_dtype)
-    cta_m = fp8_gemm_mosaic.WG_ROWS * (2 if knobs["split_m"] else 1)
+    cta_m = fp8_gemm_mosaic._cta_tile(knobs["split_m"], knobs["tile_n"])[0]
     padded = -(-rows // cta_m) * cta_m
     S = jax.ShapeDtypeStruct
     args = (S((padded, depth), FP8), S((depth // 128, padded), jnp.float32), S((width, depth), FP8),
