@@ -41,9 +41,10 @@ _BLOCKS = (256, 128, 64, 32, 16)  # block_n / block_k candidates, largest first
 # Groups averaging at least this many rows take the prefill tiles (`default_knobs`). On an H100 at DeepSeek-V3.2's
 # experts (docs/performance.md, 2026-12-06), bf16: 128 x 256 tiles, 8 warps, 4 stages ran prefill 4K / 16K in 0.74x /
 # 0.69x the time of 64 x 128 tiles with 4 warps and 3 stages, and decode B = 256 (8 rows a group) in 0.90x that of
-# 16 x 128 tiles, which stayed faster at B = 64 (2 rows a group). Block fp8 (block_n at most its scale block, 128):
-# 128 x 128, 8 warps, 4 stages ran prefill (128 and 512 rows a group) in 0.78x-0.89x but decode B = 256 in 3.5x, so
-# fp8 keeps the old boundary, past 16 rows a group. f32 keeps the old 64 x 128 tiles (128 x 256 f32 stages would not
+# 16 x 128 tiles, which stayed faster at B = 64 (2 rows a group). Block fp8 (block_n at most its scale block, 128;
+# measured with the weights [K, N], before they were stored K-major): 128 x 128, 8 warps, 4 stages ran prefill (128
+# and 512 rows a group) in 0.78x-0.89x but decode B = 256 in 3.5x, so fp8 keeps the old boundary, past 16 rows a
+# group. f32 keeps the old 64 x 128 tiles (128 x 256 f32 stages would not
 # fit in shared memory).
 PREFILL_ROWS_PER_GROUP = {"plain": 8, "fp8": 17}
 

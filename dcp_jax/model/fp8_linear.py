@@ -198,13 +198,19 @@ def _fp8_einsum(equation: str, x, w: Fp8BlockWeight, backend: str):
     return jnp.einsum(equation, x32, dequantize(w), precision=HIGHEST).astype(x.dtype)
 
 
+def quantized_rows(num_rows: int, w: Fp8BlockWeight) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The abstract `act_quant` of num_rows activation rows for w: e4m3 [num_rows, K] and f32 scales [num_rows, K
+    blocks] (what the fp8 kernels' `unsupported` checks)."""
+    depth = math.prod(w.shape[a] for a in w.in_axes)
+    return (jax.ShapeDtypeStruct((num_rows, depth), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((num_rows, w.scales.shape[-1]), jnp.float32))
+
+
 def _gemm_applies(rows, w: Fp8BlockWeight) -> bool:
     """Whether `pallas_kernels.fp8_gemm`'s Mosaic kernel takes rows [M, K] times w (said once in the log when a GPU
     run falls back to the reference, with the reasons)."""
-    scales = jax.ShapeDtypeStruct((rows.shape[0], w.scales.shape[-1]), jnp.float32)
-    values = jax.ShapeDtypeStruct(rows.shape, jnp.float8_e4m3fn)
-    reasons = pallas_kernels.unsupported("fp8_gemm", "mosaic", values, scales, w.matrices(), w.scales,
-                                         block=w.block)
+    reasons = pallas_kernels.unsupported("fp8_gemm", "mosaic", *quantized_rows(rows.shape[0], w), w.matrices(),
+                                         w.scales, block=w.block)
     if reasons and jax.default_backend() == "gpu":
         _log_reference_once(f"{w.shape} {w.block}: " + "; ".join(reasons))
     return not reasons

@@ -144,10 +144,8 @@ def _kernel_refusals(backend: str, dtype, w) -> list[str]:
     problem = fp8_linear.grouped_layout_problem(w)
     if problem:
         return [problem]
-    rows = jax.ShapeDtypeStruct((1, w.shape[1]), jnp.float8_e4m3fn)
-    row_scales = jax.ShapeDtypeStruct((1, w.scales.shape[-1]), jnp.float32)  # `act_quant` per the input blocks
-    return pallas_kernels.unsupported("grouped_matmul_fp8", backend, rows, row_scales, w.values, w.scales, sizes,
-                                      block=w.block)
+    return pallas_kernels.unsupported("grouped_matmul_fp8", backend, *fp8_linear.quantized_rows(1, w), w.values,
+                                      w.scales, sizes, block=w.block)
 
 
 @functools.cache
