@@ -310,8 +310,8 @@ WEIGHT_FORMATS = ("model_dtype", "fp8")
 # fp8, `model/fp8_linear.py`), none dequantizes into the model dtype.
 QUANTIZATION_CHOICES = ("auto", "none")
 
-# Which kernels the attention layers run: auto (Pallas on a GPU, the pure-jnp references elsewhere), pallas (the
-# Pallas kernels; interpreted on CPU) or reference.
+# Which kernels the model runs (attention, the MoE's grouped matmul, block-fp8 linear layers): auto (Pallas on a GPU,
+# the pure-jnp references elsewhere), pallas (the Pallas kernels; interpreted on CPU) or reference.
 KERNEL_CHOICES = ("auto", "pallas", "reference")
 # Formats of the indexer key cache. exact: keys in the model dtype, scored as HF does. fp8: Hadamard-rotated e4m3
 # keys with a power-of-two f32 scale per token (index_head_dim + 4 bytes a token), scored with fp8 queries.

@@ -28,11 +28,11 @@ def _act_quant_numpy(x, group):
 
 
 def _blockwise_gemm_numpy(x, w: fp8_linear.Fp8BlockWeight):
-    """x [M, K] @ w [K, N] (values [N, K]) as DeepSeek's fp8 GEMM sums it, in float64: out[m, n] = sum over input
-    blocks b of x_scale[m, b] * w_scale[n // bn, b] * sum_{k in b} x8[m, k] * w8[n, k]."""
+    """x [M, K] times an unbatched w (matrices [N, K]) as DeepSeek's fp8 GEMM sums it, in float64: out[m, n] = sum
+    over input blocks b of x_scale[m, b] * w_scale[n // bn, b] * sum_{k in b} x8[m, k] * w8[n, k]."""
     bn, bk = w.block
     x8, xs = _act_quant_numpy(np.asarray(x, np.float32), bk)
-    w8, ws = np.asarray(w.values).astype(np.float64), np.asarray(w.scales, np.float64)
+    w8, ws = np.asarray(w.matrices()).astype(np.float64), np.asarray(w.scales, np.float64)
     out = np.zeros((x.shape[0], w8.shape[0]))
     for b in range(ws.shape[1]):
         rows = slice(b * bk, (b + 1) * bk)
@@ -149,8 +149,10 @@ def test_the_gemm_path_equals_the_reference_path(monkeypatch, equation, x_shape,
     ("...d,df->...f", (2, 3, 512), (512, 576), "gate"),
 ])
 def test_einsum_runs_the_fp8_gemm_kernel_on_the_gpu(equation, x_shape, w_shape, leaf):
-    """On an H100 / H200 an fp8 linear layer runs the Mosaic fp8 GEMM, within fp8 tensor-core accumulation of the
-    dequantized product (bf16 activations)."""
+    """On an H100 / H200 an fp8 linear layer runs the Mosaic fp8 GEMM: within fp8 tensor-core accumulation and a
+    bf16 output of DeepSeek's blockwise sum of the fp8 activations (bf16 activations). Judged in numpy, not against
+    the reference backend under jit: XLA's GPU compiler may drop act_quant's f32 -> e4m3 -> f32 round trip as
+    excess precision, so that path can miss the activations' quantization (about 2.6% here)."""
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal(x_shape), jnp.bfloat16)
     plain = jnp.asarray(rng.standard_normal(w_shape) / np.sqrt(np.prod(x_shape[1:])), jnp.float32)
@@ -159,8 +161,8 @@ def test_einsum_runs_the_fp8_gemm_kernel_on_the_gpu(equation, x_shape, w_shape, 
     assert fp8_linear._gemm_applies(rows, w)
     kernel = fp8_linear.GEMM_KERNEL_BACKENDS[0]
     got = np.asarray(jax.jit(lambda x, w: fp8_linear.einsum(equation, x, w, backend=kernel))(x, w), np.float32)
-    want = np.asarray(jax.jit(lambda x, w: fp8_linear.einsum(equation, x, w, backend="reference"))(x, w), np.float32)
-    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+    want = _blockwise_gemm_numpy(rows, w).reshape(got.shape)
+    assert np.linalg.norm(got - want) <= 5e-3 * np.linalg.norm(want)
 
 
 @pytest.mark.parametrize("leaf, shape, spec", [
