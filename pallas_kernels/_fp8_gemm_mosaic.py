@@ -32,6 +32,8 @@ from pallas_kernels._platform import on_hopper_compiled
 BLOCK_K = 128  # channels a step: one scale block, one 128-byte swizzled fp8 row
 WG_ROWS = 64  # rows of one compute warpgroup's wgmma
 TILE_N = (128, 64)  # a compute warpgroup's columns, largest first
+HOPPER_SMS = 132  # the H100's and the H200's (SXM): CTAs of one wave, one a SM (the pipeline fills its SMEM)
+K_SPLITS = (8, 4, 2)  # split-K factors the default tries, largest first
 _MEMORY_REGISTERS = 40  # the TMA warpgroup's (JAX's Hopper matmul example's value; the knobs are not yet tuned)
 
 
@@ -125,14 +127,20 @@ def _tile_n(width: int, split_m: bool) -> int | None:
     return next((t for t in TILE_N if width % _cta_tile(split_m, t)[1] == 0), None)
 
 
-def default_knobs(num_rows: int, width: int, out_dtype) -> dict:
-    """The tiles for M = num_rows, N = width: two warpgroups split a [128, tile_n] tile along M, unless the rows fit
-    one warpgroup (decode) and N allows a [64, 2 tile_n] tile; tile_n the largest of TILE_N whose tile divides N;
-    K whole in each CTA (k_splits 1); 4 stages, 3 for a 4-byte output (its epilogue tile takes the fourth's shared
-    memory)."""
+def default_knobs(num_rows: int, width: int, depth: int, out_dtype, k_splits: int | None = None) -> dict:
+    """The tiles for M = num_rows, N = width, K = depth: two warpgroups split a [128, tile_n] tile along M, unless
+    the rows fit one warpgroup (decode) and N allows a [64, 2 tile_n] tile; tile_n the largest of TILE_N whose tile
+    divides N. k_splits (None: chosen) the largest of K_SPLITS that divides K / 128 and keeps the CTAs within one
+    wave of HOPPER_SMS, else 1: a decode's few tiles then stream the weights from more SMs. 4 stages, 3 for a
+    4-byte output (an f32 output or split K's f32 partial products: its epilogue tile takes the fourth's SMEM)."""
     split_m = num_rows > WG_ROWS or _tile_n(width, split_m=False) is None
-    stages = 4 if jnp.dtype(out_dtype).itemsize <= 2 else 3
-    return dict(split_m=split_m, tile_n=_tile_n(width, split_m), stages=stages, k_splits=1)
+    tile_n = _tile_n(width, split_m)
+    if k_splits is None:
+        cta_m, cta_n = _cta_tile(split_m, tile_n or TILE_N[-1])
+        tiles = -(-num_rows // cta_m) * -(-width // cta_n)
+        k_splits = next((k for k in K_SPLITS if (depth // BLOCK_K) % k == 0 and tiles * k <= HOPPER_SMS), 1)
+    out_bytes = jnp.dtype(out_dtype).itemsize if k_splits == 1 else 4
+    return dict(split_m=split_m, tile_n=tile_n, stages=4 if out_bytes <= 2 else 3, k_splits=k_splits)
 
 
 def unsupported(x, w, block, interpret: bool | None) -> list[str]:
@@ -160,14 +168,15 @@ def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **kn
     out_dtype = jnp.dtype(out_dtype)
     if num_rows == 0:
         return jnp.zeros((0, width), out_dtype)
-    k_splits = 1 if knobs.get("k_splits") is None else knobs["k_splits"]
+    depth = x.shape[1]
+    chosen = with_defaults(default_knobs(num_rows, width, depth, out_dtype, knobs.get("k_splits")), knobs,
+                           "fp8 GEMM")
+    split_m, tile_n, k_splits = chosen["split_m"], chosen["tile_n"], chosen["k_splits"]
     kernel_out = out_dtype if k_splits == 1 else jnp.dtype(jnp.float32)  # partial products summed after
-    chosen = with_defaults(default_knobs(num_rows, width, kernel_out), knobs, "fp8 GEMM")
-    split_m, tile_n = chosen["split_m"], chosen["tile_n"]
     if tile_n not in TILE_N or width % _cta_tile(split_m, tile_n)[1]:
         raise ValueError(f"no column tile for N = {width}: {split_m=}, {tile_n=} (of {TILE_N})")
-    if k_splits < 1 or (x.shape[1] // BLOCK_K) % k_splits:
-        raise ValueError(f"k_splits must divide K / {BLOCK_K} = {x.shape[1] // BLOCK_K}; got {k_splits}")
+    if k_splits < 1 or (depth // BLOCK_K) % k_splits:
+        raise ValueError(f"k_splits must divide K / {BLOCK_K} = {depth // BLOCK_K}; got {k_splits}")
     pad = -num_rows % _cta_tile(split_m, tile_n)[0]
     x = jnp.pad(x, ((0, pad), (0, 0)))
     xs_t = jnp.pad(x_scales.astype(jnp.float32), ((0, pad), (0, 0))).T

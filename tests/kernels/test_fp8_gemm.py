@@ -83,14 +83,27 @@ def test_refuses_malformed_inputs_and_says_why_a_backend_does_not_apply():
 
 
 def test_mosaic_knobs_are_checked_before_anything_is_traced():
-    """k_splits must divide K / 128; unknown knobs are refused; a split K's f32 partial products take 3 stages."""
+    """k_splits must divide K / 128; unknown knobs are refused; an f32 output or a split K's f32 partial products
+    take 3 stages."""
     x, x_scales, w, w_scales = _case(3, 4, 128, 768, (128, 128))  # K / 128 = 6
     with pytest.raises(ValueError, match="k_splits must divide K / 128 = 6"):
         fp8_gemm_mosaic.fp8_gemm(x, x_scales, w, w_scales, block=(128, 128), out_dtype=jnp.bfloat16, k_splits=4)
     with pytest.raises(TypeError, match="unknown fp8 GEMM knobs"):
         fp8_gemm_mosaic.fp8_gemm(x, x_scales, w, w_scales, block=(128, 128), out_dtype=jnp.bfloat16, block_m=64)
-    assert fp8_gemm_mosaic.default_knobs(4, 128, jnp.bfloat16)["stages"] == 4
-    assert fp8_gemm_mosaic.default_knobs(4, 128, jnp.float32)["stages"] == 3
+    assert fp8_gemm_mosaic.default_knobs(4, 128, 768, jnp.bfloat16, k_splits=1)["stages"] == 4
+    assert fp8_gemm_mosaic.default_knobs(4, 128, 768, jnp.float32, k_splits=1)["stages"] == 3
+    assert fp8_gemm_mosaic.default_knobs(4, 128, 768, jnp.bfloat16, k_splits=2)["stages"] == 3
+
+
+@pytest.mark.parametrize("rows, width, depth, k_splits", [
+    (64, 7168, 16384, 4),  # wo at decode: 28 tiles, 4 x 28 CTAs fill one wave of 132 SMs
+    (1, 576, 7168, 8),  # wkv_a: 9 tiles (N = 576 takes 128 x 64 ones), 56 K blocks
+    (64, 24576, 1536, 1),  # wq_b: 96 tiles, a split would pass one wave
+    (4096, 7168, 16384, 1),  # prefill: 1792 tiles
+    (64, 7168, 384, 1),  # 3 K blocks: no factor of K_SPLITS divides them
+])
+def test_mosaic_splits_k_while_the_ctas_fit_one_wave(rows, width, depth, k_splits):
+    assert fp8_gemm_mosaic.default_knobs(rows, width, depth, jnp.bfloat16)["k_splits"] == k_splits
 
 
 # (M, N, K) of DeepSeek-V3.2's fp8 linear layers: decode and prefill rows, N a multiple of 128 or of 64 only.
@@ -102,7 +115,7 @@ MOSAIC_SHAPES = [(64, 24576, 1536), (4096, 7168, 16384), (200, 576, 7168), (1, 2
 def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype):
     """No interpreter runs the Mosaic GPU kernel; lowering it for CUDA checks its layouts and SMEM plan (an f32
     output's epilogue tile included)."""
-    knobs = fp8_gemm_mosaic.default_knobs(rows, width, out_dtype)
+    knobs = fp8_gemm_mosaic.default_knobs(rows, width, depth, out_dtype, k_splits=1)
     cta_m = fp8_gemm_mosaic._cta_tile(knobs["split_m"], knobs["tile_n"])[0]
     padded = -(-rows // cta_m) * cta_m
     S = jax.ShapeDtypeStruct
