@@ -1,15 +1,18 @@
 """DeepSeek's fine-grained fp8 GEMM alone (`pallas_kernels.fp8_gemm`: a linear layer of block-fp8 weights) at
 DeepSeek-V3.2's linear shapes, against the same-run bf16 matmul of the same shape (XLA), XLA's per-tensor fp8 GEMM
-of the same operands (cuBLAS on the GPU: the fp8 rate without block scaling) and the fp8 weights read once at the
-copy rate.
+of the same operands (cuBLAS on the GPU: the fp8 rate without block scaling), the engine's fp8 product without the
+kernel (`fp8_linear.einsum` under the reference backend: activations through act_quant, weights dequantized, an f32
+product, all in XLA) and the fp8 weights read once at the copy rate.
 
 Operands: x e4m3 [M, K] with one f32 scale a row per 128 channels, w e4m3 [N, K] with one f32 scale per 128 x 128
 block (random normal values before quantization); the activations' quantization (`act_quant`) is not timed. The
 kernel's output is checked against `pallas_kernels.reference.fp8_gemm` (relative Frobenius error). Each timed call
-rotates over weight copies of at least 256 MB so no call finds its weights in L2.
+rotates over weight copies of at least 256 MB so no call finds its weights in L2. On a GPU a time is the device time
+of one call: the summed durations of its kernels in a profiler trace (the wrapper's small ops included, the host's
+dispatch not: small products are dispatched slower than they run); elsewhere the wall time of back-to-back calls.
 
 Usage (repository root):
-  python bench/bench_fp8_gemm.py --shapes 256x256 --rows 4 --backends triton --runs 1 --copy-bytes 8M \
+  python bench/bench_fp8_gemm.py --shapes 256x256 --rows 4 --backends triton --copy-bytes 8M \
       --matmul-size 256                                              # CPU smoke
   python3 bench/bench_fp8_gemm.py --json-out $OUT/fp8_gemm.jsonl     # H200 / H100
 """
@@ -17,6 +20,7 @@ Usage (repository root):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -29,7 +33,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pallas_kernels  # noqa: E402
-from bench.common import copy_tbps, matmul_tflops, median_seconds, run_info, sizes, warm_up_clocks  # noqa: E402
+from bench.common import (copy_tbps, kernel_durations_us, matmul_tflops, median_seconds, run_info, sizes,  # noqa: E402
+                          throughput_seconds, traced_device_events, warm_up_clocks)
 from dcp_jax.model import fp8_linear  # noqa: E402
 from dcp_jax.model.memory_plan import FP8_BLOCK  # noqa: E402
 
@@ -50,11 +55,10 @@ def _shape(name: str) -> tuple[int, int]:
     return int(width), int(depth)
 
 
-def _block_fp8_weight(key, width: int, depth: int):
-    """A random normal [N, K] weight in block fp8 (`fp8_linear.quantize`): e4m3 [N, K] and scales by BLOCK."""
-    plain = jax.random.normal(key, (depth, width), jnp.float32)  # our layout, [K, N]
-    weight = fp8_linear.quantize(plain, BLOCK, (-2,), (-1,))
-    return weight.values, weight.scales
+def _block_fp8_weight(key, width: int, depth: int) -> fp8_linear.Fp8BlockWeight:
+    """A random normal weight in block fp8 (`fp8_linear.quantize`), our layout [K, N]: values e4m3 [N, K], scales
+    by BLOCK."""
+    return fp8_linear.quantize(jax.random.normal(key, (depth, width), jnp.float32), BLOCK, (-2,), (-1,))
 
 
 @jax.jit
@@ -68,6 +72,23 @@ def _fp8_per_tensor(x, w, scale):
     return (out * scale).astype(jnp.bfloat16)
 
 
+@jax.jit
+def _engine_fp8_xla(x, weight):
+    return fp8_linear.einsum("mk,kn->mn", x, weight, backend="reference")
+
+
+def _device_seconds(fn, arg_sets: list[tuple], calls: int) -> float:
+    """Seconds of one call of fn rotating over arg_sets: on a GPU its kernels' summed durations over `calls`
+    traced calls (each call compiled and warmed first), elsewhere `throughput_seconds`."""
+    if jax.default_backend() != "gpu":
+        return throughput_seconds(fn, arg_sets, min_seconds=0.0, reps=1)
+    for arg_set in arg_sets:
+        jax.block_until_ready(fn(*arg_set))
+    rotation = itertools.cycle(arg_sets)
+    lines = traced_device_events(lambda: fn(*next(rotation)), (), calls)
+    return sum(map(sum, kernel_durations_us(lines, line_prefix="Stream").values())) / calls / 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-jax bench fp8_gemm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=sizes, default=(64, 256, 4096, 16384), help="M values")
@@ -75,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="mosaic,triton",
                         help="fp8_gemm implementations timed; NAME+LABEL times NAME with the knobs --knobs gives LABEL")
     parser.add_argument("--knobs", default="{}", help='JSON: label -> knobs, e.g. {"k8": {"k_splits": 8}}')
-    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=20, help="traced calls per timing (a GPU's device time)")
     parser.add_argument("--copy-bytes", type=lambda t: sizes(t)[0], default=2 << 30,
                         help="the copy ceiling's array (8M, 2G, ...)")
     parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n x n x n bf16 matmul ceiling")
@@ -93,53 +114,57 @@ def main(argv: list[str] | None = None) -> int:
             out.flush()
 
     def seconds(fn, arg_sets):
-        return median_seconds(fn, arg_sets, args.runs)
+        return _device_seconds(fn, arg_sets, args.calls)
 
     if jax.default_backend() == "gpu":
         warm_up_clocks()
     info = dict(run_info(), kind="run", args=vars(args))
-    tbps, tflops = copy_tbps(args.copy_bytes, seconds), matmul_tflops(seconds, n=args.matmul_size)
+    def wall_seconds(fn, arg_sets):  # the ceilings: large single ops, their dispatch negligible
+        return median_seconds(fn, arg_sets, 5)
+
+    tbps, tflops = copy_tbps(args.copy_bytes, wall_seconds), matmul_tflops(wall_seconds, n=args.matmul_size)
     record(info | dict(copy_tbps=tbps, matmul_tflops=tflops))
     print(f"{info['device']}, commit {info['commit']}; same-run copy {tbps:.2f} TB/s, bf16 matmul {args.matmul_size}^3 "
           f"{tflops:.0f} TFLOP/s", flush=True)
-    print("| layer | M | N x K | bf16 XLA us (TFLOP/s) | fp8 per-tensor XLA us (TFLOP/s) | fp8 weights read us | "
-          "backend | us | TFLOP/s | / bf16 rate | / weight read | rel. error |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| layer | M | N x K | bf16 XLA us (TFLOP/s) | fp8 per-tensor XLA us (TFLOP/s) | engine's fp8 XLA us | "
+          "fp8 weights read us | backend | us | TFLOP/s | / bf16 rate | engine XLA / kernel | / weight read | "
+          "rel. error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.shapes.split(","):
         width, depth = _shape(name)
         weight_bytes = width * depth + 4 * math.prod(-(-d // b) for d, b in zip((width, depth), BLOCK))
         copies = min(64, max(1, math.ceil(ROTATION_BYTES / weight_bytes)))
         weights = [_block_fp8_weight(jax.random.key(i), width, depth) for i in range(copies)]
-        plain = [w.astype(jnp.bfloat16) for w, _ in weights]
+        plain = [w.values.astype(jnp.bfloat16) for w in weights]
         read_us = 1e6 * weight_bytes / (tbps * 1e12)
         for rows in args.rows:
             x, x_scales = fp8_linear.act_quant(jax.random.normal(jax.random.key(rows), (rows, depth)), BLOCK[1])
             x_bf16 = x.astype(jnp.bfloat16)
             flops = 2 * rows * width * depth
             bf16_us = 1e6 * seconds(_bf16_matmul, [(x_bf16, w) for w in plain])
-            fp8_us = 1e6 * seconds(_fp8_per_tensor, [(x, w, jnp.float32(1.0)) for w, _ in weights])
-            want = np.asarray(pallas_kernels.reference.fp8_gemm(x, x_scales, *weights[0], block=BLOCK,
-                                                                out_dtype=jnp.float32))
+            fp8_us = 1e6 * seconds(_fp8_per_tensor, [(x, w.values, jnp.float32(1.0)) for w in weights])
+            engine_us = 1e6 * seconds(_engine_fp8_xla, [(x_bf16, w) for w in weights])
+            want = np.asarray(pallas_kernels.reference.fp8_gemm(x, x_scales, weights[0].values, weights[0].scales,
+                                                                block=BLOCK, out_dtype=jnp.float32))
             row = dict(kind="point", layer=name, rows=rows, width=width, depth=depth, bf16_us=bf16_us,
-                       fp8_per_tensor_us=fp8_us, weight_read_us=read_us, backends={})
+                       fp8_per_tensor_us=fp8_us, engine_fp8_xla_us=engine_us, weight_read_us=read_us, backends={})
+            shared = (f"| {name} | {rows} | {width} x {depth} | {bf16_us:.1f} ({flops / bf16_us / 1e6:.0f}) | "
+                      f"{fp8_us:.1f} ({flops / fp8_us / 1e6:.0f}) | {engine_us:.1f} | {read_us:.1f} |")
             for backend in args.backends.split(","):
                 implementation, _, label = backend.partition("+")
                 run = jax.jit(lambda x, xs, w, ws, b=implementation, k=knobs.get(label, {}): pallas_kernels.fp8_gemm(
                     x, xs, w, ws, block=BLOCK, out_dtype=jnp.bfloat16, backend=b, **k))
                 try:
-                    got = np.asarray(run(x, x_scales, *weights[0]).astype(jnp.float32))
+                    got = np.asarray(run(x, x_scales, weights[0].values, weights[0].scales).astype(jnp.float32))
                     error = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-                    us = 1e6 * seconds(run, [(x, x_scales, w, ws) for w, ws in weights])
+                    us = 1e6 * seconds(run, [(x, x_scales, w.values, w.scales) for w in weights])
                 except Exception as failure:  # a lowering or a shape the backend lacks: record it, go on
                     row["backends"][backend] = dict(failed=f"{type(failure).__name__}: {str(failure)[:300]}")
-                    print(f"| {name} | {rows} | {width} x {depth} | | | | {backend} | failed: "
-                          f"{type(failure).__name__}: {str(failure)[:150]} |", flush=True)
+                    print(f"{shared} {backend} | failed: {type(failure).__name__}: {str(failure)[:150]} |", flush=True)
                     continue
                 row["backends"][backend] = dict(us=us, rel_error=error)
-                print(f"| {name} | {rows} | {width} x {depth} | {bf16_us:.1f} ({flops / bf16_us / 1e6:.0f}) | "
-                      f"{fp8_us:.1f} ({flops / fp8_us / 1e6:.0f}) | {read_us:.1f} | {backend} | {us:.1f} | "
-                      f"{flops / us / 1e6:.0f} | {bf16_us / us:.2f}x | {us / read_us:.2f}x | {error:.1e} |",
-                      flush=True)
+                print(f"{shared} {backend} | {us:.1f} | {flops / us / 1e6:.0f} | {bf16_us / us:.2f}x | "
+                      f"{engine_us / us:.2f}x | {us / read_us:.2f}x | {error:.1e} |", flush=True)
             record(row)
     if out:
         out.close()
