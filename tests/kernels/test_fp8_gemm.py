@@ -83,11 +83,14 @@ def test_refuses_malformed_inputs_and_says_why_a_backend_does_not_apply():
 
 
 def test_mosaic_knobs_are_checked_before_anything_is_traced():
-    """k_splits must divide K / 128; unknown knobs are refused; an f32 output or a split K's f32 partial products
-    take 3 stages."""
+    """k_splits must divide K / 128; overlap_promotion needs a warpgroup's columns in one scale block; unknown knobs
+    are refused; an f32 output or a split K's f32 partial products take 3 stages."""
     x, x_scales, w, w_scales = _case(3, 4, 128, 768, (128, 128))  # K / 128 = 6
     with pytest.raises(ValueError, match="k_splits must divide K / 128 = 6"):
         fp8_gemm_mosaic.fp8_gemm(x, x_scales, w, w_scales, block=(128, 128), out_dtype=jnp.bfloat16, k_splits=4)
+    with pytest.raises(ValueError, match="overlap_promotion needs tile_n to divide the scale block's 64 rows"):
+        fp8_gemm_mosaic.fp8_gemm(x, x_scales, w, w_scales, block=(64, 128), out_dtype=jnp.bfloat16, tile_n=128,
+                                 split_m=True, overlap_promotion=True)
     with pytest.raises(TypeError, match="unknown fp8 GEMM knobs"):
         fp8_gemm_mosaic.fp8_gemm(x, x_scales, w, w_scales, block=(128, 128), out_dtype=jnp.bfloat16, block_m=64)
     assert fp8_gemm_mosaic.default_knobs(4, 128, 768, jnp.bfloat16, k_splits=1)["stages"] == 4
@@ -112,10 +115,12 @@ MOSAIC_SHAPES = [(64, 24576, 1536), (4096, 7168, 16384), (200, 576, 7168), (1, 2
 
 @pytest.mark.parametrize("rows, width, depth", MOSAIC_SHAPES)
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype):
+@pytest.mark.parametrize("overlap_promotion", [False, True], ids=["promote-after", "promote-overlapped"])
+def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype, overlap_promotion):
     """No interpreter runs the Mosaic GPU kernel; lowering it for CUDA checks its layouts and SMEM plan (an f32
-    output's epilogue tile included)."""
+    output's epilogue tile included), with the promotion after each wgmma or overlapping the next."""
     knobs = fp8_gemm_mosaic.default_knobs(rows, width, depth, out_dtype, k_splits=1)
+    knobs["overlap_promotion"] = overlap_promotion
     cta_m = fp8_gemm_mosaic._cta_tile(knobs["split_m"], knobs["tile_n"])[0]
     padded = -(-rows // cta_m) * cta_m
     S = jax.ShapeDtypeStruct
@@ -131,7 +136,8 @@ def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, width, depth, knobs", [(*shape, {}) for shape in MOSAIC_SHAPES]
-                         + [(300, 1536, 7168, {}), (64, 1536, 7168, {"k_splits": 8})])
+                         + [(300, 1536, 7168, {}), (64, 1536, 7168, {"k_splits": 8})]
+                         + [(*shape, {"overlap_promotion": True}) for shape in MOSAIC_SHAPES])
 def test_mosaic_compiled_equals_reference(rows, width, depth, knobs):
     """Within the fp8 tensor cores' reduced-precision accumulation (one 128-channel block at a time) of the
     reference, bf16 output."""
