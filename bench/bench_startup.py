@@ -45,18 +45,19 @@ from dcp_jax.host.metadata import build_step_metadata  # noqa: E402
 from dcp_jax.model.attention.sparse_dcp import kernel_backend  # noqa: E402
 from dcp_jax.model.deepseek_v32 import abstract_model, init_params  # noqa: E402
 from dcp_jax.model.kv_cache import kv_bytes_per_rank  # noqa: E402
+from dcp_jax.model.memory_plan import FP8_BLOCK  # noqa: E402
 from dcp_jax.model.mesh import make_mesh  # noqa: E402
 from dcp_jax.runtime import sampler  # noqa: E402
 from dcp_jax.runtime.forward import GREEDY, SAMPLED, DeviceState  # noqa: E402
 from dcp_jax.runtime.runner import compile_programs, state_allocator, step_programs  # noqa: E402
 
-FP8_BLOCK = (128, 128)
+WEIGHT_BLOCK = (FP8_BLOCK, FP8_BLOCK)  # DeepSeek-V3.2's weight_block_size
 
 
 def _model(args, layers: int):
     cfg = preset(args.preset, num_layers=layers)
     dtype = jnp.dtype(args.dtype)
-    graphdef, abstract = abstract_model(cfg, dtype, FP8_BLOCK if args.weights == "fp8" else None)
+    graphdef, abstract = abstract_model(cfg, dtype, WEIGHT_BLOCK if args.weights == "fp8" else None)
     return cfg, dtype, graphdef, abstract
 
 
@@ -121,7 +122,7 @@ def decode_step(args) -> list[dict]:
     engine = _engine(args, num_pages=num_pages, max_num_seqs=args.batch, max_model_len=args.context,
                      bucket_ladder=(args.batch,), max_num_batched_tokens=args.batch)
     mesh = make_mesh(parallel)
-    host_params = init_params(cfg, args.seed, dtype, FP8_BLOCK if args.weights == "fp8" else None)
+    host_params = init_params(cfg, args.seed, dtype, WEIGHT_BLOCK if args.weights == "fp8" else None)
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(host_params))
     warm_up_clocks()
     copy = copy_tbps(1 << 30, lambda fn, a: throughput_seconds(fn, a))
