@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
+from dcp_jax.model import fp8_linear
 from dcp_jax.model.deepseek_v32 import init_params
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.runtime.runner import ModelRunner
@@ -89,13 +90,13 @@ MEDIAN_RATIO = 2.0
 SAME_SETS = 0.98
 
 
-def mosaic_run(cfg, kernels: str, dtype=jnp.bfloat16):
-    """Prefill the MOSAIC_PROMPT_LENS prompts, then decode MOSAIC_DECODE_STEPS tokens fed the same fixed ids.
-    Returns (logits [rows, vocab] f32 of every prefill position and decode step, the first layer's selected
-    token ids [rows, K], -1 padded)."""
+def mosaic_run(cfg, kernels: str, dtype=jnp.bfloat16, fp8_block=None):
+    """Prefill the MOSAIC_PROMPT_LENS prompts, then decode MOSAIC_DECODE_STEPS tokens fed the same fixed ids, the
+    linear weights in block fp8 when fp8_block is given. Returns (logits [rows, vocab] f32 of every prefill position
+    and decode step, the first layer's selected token ids [rows, K], -1 padded)."""
     parallel = ParallelConfig(tp=1, dcp=1)
     mesh = make_mesh(parallel)
-    params = init_params(cfg, seed=0, dtype=dtype)
+    params = init_params(cfg, seed=0, dtype=dtype, fp8_block=fp8_block)
     runner = ModelRunner(cfg, params, parallel, MOSAIC_ENGINE, mesh, kernels, dtype=dtype)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in MOSAIC_PROMPT_LENS]
@@ -172,3 +173,21 @@ def test_bf16_model_on_mosaic_kernels_as_close_to_f32_as_reference_kernels(recor
     record_property("same_sets", same)
     assert same >= SAME_SETS
     assert pallas_err <= MEDIAN_RATIO * reference_err
+
+
+@pytest.mark.gpu
+def test_fp8_weights_first_layer_on_the_fp8_gemm_equals_the_dequantized_product(record_property):
+    """One layer with DeepSeek's block-fp8 linear weights (128 x 128 blocks), bf16: the Pallas kernels (the Mosaic
+    fp8 GEMM for every projection whose K is a multiple of 128: wq_a, wkv_a, wo, the MLP, the indexer's keys)
+    against the reference kernels (the dequantized product, the activations quantized alike): the same tokens
+    selected and logprobs within BF16_TOL."""
+    assert "pallas" in fp8_linear.GEMM_KERNEL_BACKENDS
+    block = (128, 128)
+    (pallas, pallas_sets), (reference, reference_sets) = (mosaic_run(ONE_LAYER_CFG, k, fp8_block=block)
+                                                          for k in ("pallas", "reference"))
+    assert np.isfinite(pallas).all() and np.isfinite(reference).all()
+    worst, same = float(row_errors(pallas, reference).max()), same_sets(pallas_sets, reference_sets)
+    record_property("max_logprob_err", worst)
+    record_property("same_sets", same)
+    assert same >= SAME_SETS
+    assert worst < BF16_TOL
