@@ -155,14 +155,18 @@ def _tile_n(width: int, split_m: bool) -> int | None:
     return next((t for t in TILE_N if width % _cta_tile(split_m, t)[1] == 0), None)
 
 
-def default_knobs(num_rows: int, width: int, depth: int, out_dtype, k_splits: int | None = None) -> dict:
-    """The tiles for M = num_rows, N = width, K = depth: two warpgroups split a [128, tile_n] tile along M, unless
-    the rows fit one warpgroup (decode) and N allows a [64, 2 tile_n] tile; tile_n the largest of TILE_N whose tile
-    divides N. k_splits (None: chosen) the largest of K_SPLITS that divides K / 128 and keeps the CTAs within one
-    wave of HOPPER_SMS, else 1: a decode's few tiles then stream the weights from more SMs. 4 stages, 3 for a
-    4-byte output (an f32 output or split K's f32 partial products: its epilogue tile takes the fourth's SMEM)."""
-    split_m = num_rows > WG_ROWS or _tile_n(width, split_m=False) is None
-    tile_n = _tile_n(width, split_m)
+def default_knobs(num_rows: int, width: int, depth: int, out_dtype, *, split_m: bool | None = None,
+                  tile_n: int | None = None, k_splits: int | None = None) -> dict:
+    """The knobs for M = num_rows, N = width, K = depth, each one given (not None) kept: two warpgroups split a
+    [128, tile_n] tile along M, unless the rows fit one warpgroup (decode) and N allows a [64, 2 tile_n] tile; tile_n
+    the largest of TILE_N whose tile divides N. k_splits the largest of K_SPLITS that divides K / 128 and keeps the
+    tile's CTAs within one wave of HOPPER_SMS, else 1: a decode's few tiles then stream the weights from more SMs.
+    4 stages, 3 for a 4-byte output (an f32 output or split K's f32 partial products: its epilogue tile takes the
+    fourth's SMEM)."""
+    if split_m is None:
+        split_m = num_rows > WG_ROWS or _tile_n(width, split_m=False) is None
+    if tile_n is None:
+        tile_n = _tile_n(width, split_m)
     if k_splits is None:
         cta_m, cta_n = _cta_tile(split_m, tile_n or TILE_N[-1])
         tiles = -(-num_rows // cta_m) * -(-width // cta_n)
@@ -200,8 +204,8 @@ def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **kn
     if num_rows == 0:
         return jnp.zeros((0, width), out_dtype)
     depth = x.shape[1]
-    chosen = with_defaults(default_knobs(num_rows, width, depth, out_dtype, knobs.get("k_splits")), knobs,
-                           "fp8 GEMM")
+    tile_knobs = {name: knobs.get(name) for name in ("split_m", "tile_n", "k_splits")}
+    chosen = with_defaults(default_knobs(num_rows, width, depth, out_dtype, **tile_knobs), knobs, "fp8 GEMM")
     split_m, tile_n, k_splits = chosen["split_m"], chosen["tile_n"], chosen["k_splits"]
     kernel_out = out_dtype if k_splits == 1 else jnp.dtype(jnp.float32)  # partial products summed after
     if tile_n not in TILE_N or width % _cta_tile(split_m, tile_n)[1]:

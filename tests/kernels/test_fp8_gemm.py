@@ -99,7 +99,7 @@ def test_mosaic_knobs_are_checked_before_anything_is_traced():
 
 
 @pytest.mark.parametrize("rows, width, depth, k_splits", [
-    (64, 7168, 16384, 4),  # wo at decode: 28 tiles, 4 x 28 CTAs fill one wave of 132 SMs
+    (64, 7168, 16384, 4),  # wo at decode: 28 tiles, 4 x 28 CTAs fit one wave of 132 SMs
     (1, 576, 7168, 8),  # wkv_a: 9 tiles (N = 576 takes 128 x 64 ones), 56 K blocks
     (64, 24576, 1536, 1),  # wq_b: 96 tiles, a split would pass one wave
     (4096, 7168, 16384, 1),  # prefill: 1792 tiles
@@ -107,6 +107,13 @@ def test_mosaic_knobs_are_checked_before_anything_is_traced():
 ])
 def test_mosaic_splits_k_while_the_ctas_fit_one_wave(rows, width, depth, k_splits):
     assert fp8_gemm_mosaic.default_knobs(rows, width, depth, jnp.bfloat16)["k_splits"] == k_splits
+
+
+def test_mosaic_splits_k_by_the_tile_it_is_given():
+    """wq_b at 64 rows: its default [64, 256] tiles are 96, one wave; [128, 64] tiles given are 384, so no split."""
+    assert fp8_gemm_mosaic.default_knobs(64, 24576, 1536, jnp.bfloat16, split_m=True, tile_n=64)["k_splits"] == 1
+    assert fp8_gemm_mosaic.default_knobs(64, 7168, 16384, jnp.bfloat16, split_m=True, tile_n=64) == dict(
+        split_m=True, tile_n=64, stages=4, k_splits=1, overlap_promotion=False)  # 112 tiles
 
 
 # (M, N, K) of DeepSeek-V3.2's fp8 linear layers: decode and prefill rows, N a multiple of 128 or of 64 only.
@@ -136,7 +143,7 @@ def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype, overlap_pr
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, width, depth, knobs", [(*shape, {}) for shape in MOSAIC_SHAPES]
-                         + [(300, 1536, 7168, {}), (64, 1536, 7168, {"k_splits": 8})]
+                         + [(300, 1536, 7168, {}), (64, 1536, 7168, {"k_splits": 2})]
                          + [(*shape, {"overlap_promotion": True}) for shape in MOSAIC_SHAPES])
 def test_mosaic_compiled_equals_reference(rows, width, depth, knobs):
     """Within the fp8 tensor cores' reduced-precision accumulation (one 128-channel block at a time) of the
