@@ -99,7 +99,8 @@ def quantize_index_queries(q, weights):
     if q.ndim != 3 or weights.shape != q.shape[:2]:
         raise ValueError(f"need q [R, Hi, Di] and weights [R, Hi], got {q.shape=} {weights.shape=}")
     q8, q_scale = quantize_e4m3_ue8m0(hadamard(q), axis=-1)
-    return q8, weights.astype(jnp.float32) * q_scale
+    # Kept in e4m3 for a jnp reference too: XLA's GPU compiler drops f32 -> e4m3 -> f32 as excess precision.
+    return jax.lax.optimization_barrier(q8), weights.astype(jnp.float32) * q_scale
 
 
 @jax.tree_util.register_dataclass
