@@ -176,15 +176,24 @@ def test_bf16_model_on_mosaic_kernels_as_close_to_f32_as_reference_kernels(recor
 
 
 @pytest.mark.gpu
-def test_fp8_weights_first_layer_on_the_fp8_gemm_equals_the_dequantized_product(record_property):
+def test_fp8_weights_first_layer_on_the_fp8_gemm_equals_the_dequantized_product(monkeypatch, record_property):
     """One layer with DeepSeek's block-fp8 linear weights (128 x 128 blocks), bf16: the Pallas kernels (the Mosaic
     fp8 GEMM for every projection whose K is a multiple of 128: wq_a, wkv_a, wo, the MLP, the indexer's keys)
     against the reference kernels (the dequantized product, the activations quantized alike): the same tokens
     selected and logprobs within BF16_TOL."""
-    assert "pallas" in fp8_linear.GEMM_KERNEL_BACKENDS
+    kernel_op, kernel_calls = fp8_linear.pallas_kernels.fp8_gemm, []
+
+    def counted(*args, **kwargs):  # traced once a program: counts the projections that run the kernel
+        kernel_calls.append(args[2].shape)
+        return kernel_op(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_linear.pallas_kernels, "fp8_gemm", counted)
     block = (128, 128)
-    (pallas, pallas_sets), (reference, reference_sets) = (mosaic_run(ONE_LAYER_CFG, k, fp8_block=block)
-                                                          for k in ("pallas", "reference"))
+    pallas, pallas_sets = mosaic_run(ONE_LAYER_CFG, "pallas", fp8_block=block)
+    assert kernel_calls, "no projection ran the fp8 GEMM kernel"
+    calls = len(kernel_calls)
+    reference, reference_sets = mosaic_run(ONE_LAYER_CFG, "reference", fp8_block=block)
+    assert len(kernel_calls) == calls  # the reference kernels multiply the dequantized weights
     assert np.isfinite(pallas).all() and np.isfinite(reference).all()
     worst, same = float(row_errors(pallas, reference).max()), same_sets(pallas_sets, reference_sets)
     record_property("max_logprob_err", worst)
