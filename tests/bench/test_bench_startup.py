@@ -1,6 +1,6 @@
 """The start-up benchmark (bench/bench_startup.py, `dcp-jax bench startup`) on CPU through the CLI: `compile` lowers
-and compiles the serving programs from abstract block-fp8 weights, scanned and unrolled; `step` times the real decode
-step both ways. No timing is asserted."""
+and compiles the serving programs from abstract block-fp8 weights; `step` times the real decode step with the layers
+scanned and unrolled. No timing is asserted."""
 
 import contextlib
 import io
@@ -23,11 +23,11 @@ def _run(tmp_path, what: str, *extra: str) -> list[dict]:
     return rows
 
 
-def test_compile_counts_the_serving_programs_scanned_and_unrolled(tmp_path):
-    rows = _run(tmp_path, "compile", "--layers", "1", "--unrolled-layers", "1", "--workers", "2")
-    assert [(r["layers"], r["layers_mode"]) for r in rows] == [(1, "scan"), (1, "unrolled")]
-    for row in rows:
-        assert row["weights"] == "fp8" and row["programs"] > 0 and row["seconds"] > 0 and not row["cache"]
+def test_compile_counts_the_serving_programs(tmp_path):
+    """Scanned layers only (the step test below compiles the unrolled form too)."""
+    rows = _run(tmp_path, "compile", "--layers", "1", "--unrolled-layers", "--workers", "2")
+    assert [(r["layers"], r["layers_mode"]) for r in rows] == [(1, "scan")]
+    assert rows[0]["weights"] == "fp8" and rows[0]["programs"] > 0 and rows[0]["seconds"] > 0 and not rows[0]["cache"]
 
 
 def test_step_times_the_decode_step_both_ways_without_recompiles(tmp_path):
