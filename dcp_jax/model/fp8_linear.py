@@ -40,8 +40,8 @@ from pallas_kernels.formats import AMAX_FLOOR, E4M3_MAX
 log = logging.getLogger(__name__)
 HIGHEST = jax.lax.Precision.HIGHEST
 # The kernels backends under which a linear layer runs the Mosaic fp8 GEMM where it applies: the engine's GPU default
-# ("pallas") among them. Measured 3-16x faster than the dequantized product from 64 rows up, about as fast at one
-# row (docs/performance.md).
+# ("pallas") among them. Measured 3-16x faster than the dequantized product from 64 rows up; at one row that
+# product takes 0.6-2.1x the kernel's time (docs/performance.md).
 GEMM_KERNEL_BACKENDS = ("pallas", "mosaic")
 
 # (in_axes, out_axes) of each leaf DeepSeek's release stores in block fp8 (`memory_plan.BLOCK_FP8_LEAVES`), counted
