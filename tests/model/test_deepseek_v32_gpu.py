@@ -147,8 +147,13 @@ def test_mosaic_config_runs_the_mosaic_kernels():
 def test_bf16_first_layer_on_mosaic_kernels_equals_reference_kernels(record_property):
     """One layer, bf16, the Pallas kernels (Mosaic sparse MLA and fp8 indexer) against the reference kernels:
     the same tokens selected and logprobs within BF16_TOL on every prefill position and decode step."""
-    (pallas, pallas_sets), (reference, reference_sets) = (mosaic_run(ONE_LAYER_CFG, k) for k in ("pallas",
-                                                                                               "reference"))
+    assert_first_layer_agrees(mosaic_run(ONE_LAYER_CFG, "pallas"), mosaic_run(ONE_LAYER_CFG, "reference"),
+                              record_property)
+
+
+def assert_first_layer_agrees(pallas_run, reference_run, record_property):
+    """Two one-layer `mosaic_run`s: the same tokens selected and logprobs within BF16_TOL."""
+    (pallas, pallas_sets), (reference, reference_sets) = pallas_run, reference_run
     assert np.isfinite(pallas).all() and np.isfinite(reference).all()
     worst, same = float(row_errors(pallas, reference).max()), same_sets(pallas_sets, reference_sets)
     record_property("max_logprob_err", worst)
@@ -189,14 +194,9 @@ def test_fp8_weights_first_layer_on_the_fp8_gemm_equals_the_dequantized_product(
 
     monkeypatch.setattr(fp8_linear.pallas_kernels, "fp8_gemm", counted)
     block = (128, 128)
-    pallas, pallas_sets = mosaic_run(ONE_LAYER_CFG, "pallas", fp8_block=block)
+    pallas_run = mosaic_run(ONE_LAYER_CFG, "pallas", fp8_block=block)
     assert kernel_calls, "no projection ran the fp8 GEMM kernel"
     calls = len(kernel_calls)
-    reference, reference_sets = mosaic_run(ONE_LAYER_CFG, "reference", fp8_block=block)
+    reference_run = mosaic_run(ONE_LAYER_CFG, "reference", fp8_block=block)
     assert len(kernel_calls) == calls  # the reference kernels multiply the dequantized weights
-    assert np.isfinite(pallas).all() and np.isfinite(reference).all()
-    worst, same = float(row_errors(pallas, reference).max()), same_sets(pallas_sets, reference_sets)
-    record_property("max_logprob_err", worst)
-    record_property("same_sets", same)
-    assert same >= SAME_SETS
-    assert worst < BF16_TOL
+    assert_first_layer_agrees(pallas_run, reference_run, record_property)
