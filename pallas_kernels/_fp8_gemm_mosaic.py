@@ -11,7 +11,8 @@ channels (and their scales) through `stages` SMEM buffers by TMA; two compute, e
 (split along M, or along N when the tile has 64 rows): per slice one fp8 wgmma into a fresh accumulator, whose f32
 result is scaled by its rows' and columns' scales and added to the running sum in registers (DeepGEMM's promotion:
 the tensor core's reduced-precision fp8 accumulation never spans more than one block); with overlap_promotion a
-step's product is scaled and added while the next step's wgmma runs. The tile leaves through SMEM
+step's product is scaled and added while the next step's wgmma runs. With persistent, one CTA a SM loops over
+the tiles (consecutive ones along M), each tile's store overlapping the next one's loads. The tile leaves through SMEM
 by TMA in out_dtype. The w scales travel expanded to one per column ([K / 128, N], made by the wrapper) so each step
 loads two scale vectors; M is padded to the tile by the wrapper.
 Mosaic GPU has no interpreter: this runs compiled on an sm_90 GPU; on CPU it can be lowered for CUDA (the tests do).
@@ -48,13 +49,10 @@ def _fp8_tiled():
 
 
 def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int, split_m: bool, stages: int,
-            k_splits: int, overlap_promotion: bool):
-    wg, part = lax.axis_index("wg"), lax.axis_index("k")
-    steps = x_gmem.shape[1] // BLOCK_K // k_splits  # this CTA's share of K, in steps of 128 channels
-    depth, depth_blocks = pl.ds(part * steps * BLOCK_K, steps * BLOCK_K), pl.ds(part * steps, steps)
+            k_splits: int, overlap_promotion: bool, persistent: bool):
+    wg = lax.axis_index("wg")
+    steps = x_gmem.shape[1] // BLOCK_K // k_splits  # a tile's share of K, in steps of 128 channels
     cta_m, cta_n = _cta_tile(split_m, tile_n)
-    rows = pl.ds(lax.axis_index("m") * cta_m, cta_m)
-    columns = pl.ds(lax.axis_index("n") * cta_n, cta_n)
     wg_rows = pl.ds(wg * WG_ROWS, WG_ROWS) if split_m else pl.ds(0, WG_ROWS)
     wg_columns = pl.ds(0, tile_n) if split_m else pl.ds(wg * tile_n, tile_n)
     row_layout, column_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
@@ -90,41 +88,72 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
         row_scales = plgpu.load(xs_smem.at[0, wg_rows], layout=row_layout)
         return acc, pending, row_scales * ws_smem[0, wg_columns.start]
 
-    def compute(run_pipeline):
+    def accumulate(run_pipeline):
         zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, tile_n), jnp.float32), plgpu.Layout.WGMMA)
         if overlap_promotion:
             no_factors = plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), row_layout)
-            acc = promoted(*run_pipeline((zeros, zeros, no_factors)))
-        else:
-            acc = run_pipeline(zeros)
-        out_smem[wg] = acc.astype(out_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[part].at[rows, columns].at[wg_rows, wg_columns])
-        plgpu.wait_smem_to_gmem(0)
+            return promoted(*run_pipeline((zeros, zeros, no_factors)))
+        return run_pipeline(zeros)
 
-    pipeline = plgpu.emit_pipeline_warp_specialized(
-        overlapped_step if overlap_promotion else step,
-        grid=(steps,),
-        memory_registers=_MEMORY_REGISTERS,
-        in_specs=[
-            plgpu.BlockSpec((cta_m, BLOCK_K), lambda k: (0, k), transforms=_fp8_tiled()),
-            plgpu.BlockSpec((cta_n, BLOCK_K), lambda k: (0, k), transforms=_fp8_tiled()),
-            plgpu.BlockSpec((1, cta_m), lambda k: (k, 0)),
-            plgpu.BlockSpec((1, cta_n), lambda k: (k, 0)),
-        ],
-        wg_axis="wg",
-        num_compute_wgs=2,
-        max_concurrent_steps=stages,
-        compute_context=compute,
-    )
-    pipeline(x_gmem.at[rows, depth], w_gmem.at[columns, depth], xs_gmem.at[depth_blocks, rows],
-             ws_gmem.at[depth_blocks, columns])
+    def pipeline(compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            overlapped_step if overlap_promotion else step,
+            grid=(steps,),
+            memory_registers=_MEMORY_REGISTERS,
+            in_specs=[
+                plgpu.BlockSpec((cta_m, BLOCK_K), lambda k: (0, k), transforms=_fp8_tiled()),
+                plgpu.BlockSpec((cta_n, BLOCK_K), lambda k: (0, k), transforms=_fp8_tiled()),
+                plgpu.BlockSpec((1, cta_m), lambda k: (k, 0)),
+                plgpu.BlockSpec((1, cta_n), lambda k: (k, 0)),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=stages,
+            compute_context=compute_context,
+        )
+
+    def tile(m, n, part, allocations=None):
+        """Output tile (m, n) over the part-th k_splits-th of K. Persistent, its store is left in flight (the next
+        tile's loads overlap it) and waited for before this warpgroup writes its SMEM again."""
+        rows, columns = pl.ds(m * cta_m, cta_m), pl.ds(n * cta_n, cta_n)
+        depth, depth_blocks = pl.ds(part * steps * BLOCK_K, steps * BLOCK_K), pl.ds(part * steps, steps)
+
+        def compute(run_pipeline):
+            acc = accumulate(run_pipeline)
+            if persistent:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            out_smem[wg] = acc.astype(out_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[part].at[rows, columns].at[wg_rows, wg_columns])
+            if not persistent:
+                plgpu.wait_smem_to_gmem(0)
+
+        pipeline(compute)(x_gmem.at[rows, depth], w_gmem.at[columns, depth], xs_gmem.at[depth_blocks, rows],
+                          ws_gmem.at[depth_blocks, columns], allocations=allocations)
+
+    if not persistent:
+        tile(lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("k"))
+        return
+    first = pl.ds(0, cta_m), pl.ds(0, cta_n), pl.ds(0, steps * BLOCK_K), pl.ds(0, steps)
+    allocations = pipeline(lambda *_: None).get_allocations(
+        x_gmem.at[first[0], first[2]], w_gmem.at[first[1], first[2]], xs_gmem.at[first[3], first[0]],
+        ws_gmem.at[first[3], first[1]])
+
+    @functools.partial(pl.run_scoped, allocations=allocations, collective_axes="wg")
+    def _(allocations):
+        # Consecutive tiles along M share w's columns: the SMs working at once read the same weights.
+        @plgpu.nd_loop((k_splits, out_gmem.shape[2] // cta_n, out_gmem.shape[1] // cta_m), collective_axes="sm")
+        def _(loop):
+            part, n, m = loop.index
+            tile(m, n, part, allocations)
+
+    plgpu.wait_smem_to_gmem(0)
 
 
 @functools.partial(jax.jit, static_argnames=("tile_n", "split_m", "stages", "k_splits", "overlap_promotion",
-                                             "out_dtype"))
+                                             "persistent", "out_dtype"))
 def fp8_gemm_tiles(x, xs_t, w, ws_columns, *, tile_n: int, split_m: bool, stages: int, k_splits: int,
-                   overlap_promotion: bool, out_dtype):
+                   overlap_promotion: bool, persistent: bool, out_dtype):
     """The kernel on prepared inputs: x e4m3 [M, K] (M a multiple of the CTA's rows), xs_t f32 [K / 128, M] (x's
     scales transposed), w e4m3 [N, K] (N a multiple of the CTA's columns), ws_columns f32 [K / 128, N] (w's block
     scales, one per column; with overlap_promotion constant over each warpgroup's tile_n columns). Returns out
@@ -139,13 +168,14 @@ def fp8_gemm_tiles(x, xs_t, w, ws_columns, *, tile_n: int, split_m: bool, stages
 
     def fp8_gemm_mosaic(*refs):  # the kernel's name in profiles
         _kernel(*refs, tile_n=tile_n, split_m=split_m, stages=stages, k_splits=k_splits,
-                overlap_promotion=overlap_promotion)
+                overlap_promotion=overlap_promotion, persistent=persistent)
 
     return plgpu.kernel(
         fp8_gemm_mosaic,
         out_type=jax.ShapeDtypeStruct((k_splits, num_rows, width), out_dtype),
         scratch_types=[plgpu.SMEM((2, WG_ROWS, tile_n), out_dtype, transforms=out_transforms)],
-        grid=(num_rows // cta_m, width // cta_n, k_splits), grid_names=("m", "n", "k"),
+        **(dict(grid=(HOPPER_SMS,), grid_names=("sm",)) if persistent
+           else dict(grid=(num_rows // cta_m, width // cta_n, k_splits), grid_names=("m", "n", "k"))),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(x, xs_t, w, ws_columns)
@@ -173,7 +203,7 @@ def default_knobs(num_rows: int, width: int, depth: int, out_dtype, *, split_m: 
         k_splits = next((k for k in K_SPLITS if (depth // BLOCK_K) % k == 0 and tiles * k <= HOPPER_SMS), 1)
     out_bytes = jnp.dtype(out_dtype).itemsize if k_splits == 1 else 4
     return dict(split_m=split_m, tile_n=tile_n, stages=4 if out_bytes <= 2 else 3, k_splits=k_splits,
-                overlap_promotion=False)
+                overlap_promotion=False, persistent=False)
 
 
 def unsupported(x, w, block, interpret: bool | None) -> list[str]:
@@ -197,7 +227,8 @@ def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **kn
     warpgroup's columns, of TILE_N), stages (TMA buffers of 128 channels), k_splits (CTAs sharing a tile's K, each
     writing its f32 partial product, summed after: more CTAs when the tiles are few, as at decode),
     overlap_promotion (scale and add a step's product while the next step's wgmma runs, with one scale a row: tile_n
-    must divide the scale block's bn; not yet run on a GPU, so off by default)."""
+    must divide the scale block's bn), persistent (one CTA a SM loops over the tiles, a tile's store overlapping the
+    next tile's loads). The last two have not yet run on a GPU, so they are off by default."""
     del interpret  # compiled only (`unsupported`)
     num_rows, width = x.shape[0], w.shape[0]
     out_dtype = jnp.dtype(out_dtype)

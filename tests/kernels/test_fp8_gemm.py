@@ -113,7 +113,7 @@ def test_mosaic_splits_k_by_the_tile_it_is_given():
     """wq_b at 64 rows: its default [64, 256] tiles are 96, one wave; [128, 64] tiles given are 384, so no split."""
     assert fp8_gemm_mosaic.default_knobs(64, 24576, 1536, jnp.bfloat16, split_m=True, tile_n=64)["k_splits"] == 1
     assert fp8_gemm_mosaic.default_knobs(64, 7168, 16384, jnp.bfloat16, split_m=True, tile_n=64) == dict(
-        split_m=True, tile_n=64, stages=4, k_splits=1, overlap_promotion=False)  # 112 tiles
+        split_m=True, tile_n=64, stages=4, k_splits=1, overlap_promotion=False, persistent=False)  # 112 tiles
 
 
 # (M, N, K) of DeepSeek-V3.2's fp8 linear layers: decode and prefill rows, N a multiple of 128 or of 64 only.
@@ -122,12 +122,14 @@ MOSAIC_SHAPES = [(64, 24576, 1536), (4096, 7168, 16384), (200, 576, 7168), (1, 2
 
 @pytest.mark.parametrize("rows, width, depth", MOSAIC_SHAPES)
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("overlap_promotion", [False, True], ids=["promote-after", "promote-overlapped"])
-def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype, overlap_promotion):
+@pytest.mark.parametrize("overlap_promotion, persistent", [(False, False), (True, False), (True, True)],
+                         ids=["default", "promote-overlapped", "promote-overlapped-persistent"])
+def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype, overlap_promotion, persistent):
     """No interpreter runs the Mosaic GPU kernel; lowering it for CUDA checks its layouts and SMEM plan (an f32
-    output's epilogue tile included), with the promotion after each wgmma or overlapping the next."""
+    output's epilogue tile included): a CTA a tile or persistent, the promotion after each wgmma or overlapping the
+    next."""
     knobs = fp8_gemm_mosaic.default_knobs(rows, width, depth, out_dtype, k_splits=1)
-    knobs["overlap_promotion"] = overlap_promotion
+    knobs.update(overlap_promotion=overlap_promotion, persistent=persistent)
     cta_m = fp8_gemm_mosaic._cta_tile(knobs["split_m"], knobs["tile_n"])[0]
     padded = -(-rows // cta_m) * cta_m
     S = jax.ShapeDtypeStruct
@@ -144,7 +146,9 @@ def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype, overlap_pr
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, width, depth, knobs", [(*shape, {}) for shape in MOSAIC_SHAPES]
                          + [(300, 1536, 7168, {}), (64, 1536, 7168, {"k_splits": 2})]
-                         + [(*shape, {"overlap_promotion": True}) for shape in MOSAIC_SHAPES])
+                         + [(*shape, knobs) for shape in MOSAIC_SHAPES for knobs in (
+                             {"overlap_promotion": True}, {"persistent": True},
+                             {"overlap_promotion": True, "persistent": True})])
 def test_mosaic_compiled_equals_reference(rows, width, depth, knobs):
     """Within the fp8 tensor cores' reduced-precision accumulation (one 128-channel block at a time) of the
     reference, bf16 output."""
