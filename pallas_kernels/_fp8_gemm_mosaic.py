@@ -10,11 +10,12 @@ Each CTA owns a [cta_m, cta_n] output tile and runs three warpgroups: one stream
 channels (and their scales) through `stages` SMEM buffers by TMA; two compute, each a [64, tile_n] half of the tile
 (split along M, or along N when the tile has 64 rows): per slice one fp8 wgmma into a fresh accumulator, whose f32
 result is scaled by its rows' and columns' scales and added to the running sum in registers (DeepGEMM's promotion:
-the tensor core's reduced-precision fp8 accumulation never spans more than one block); with overlap_promotion a
-step's product is scaled and added while the next step's wgmma runs. With persistent, one CTA a SM loops over
-the tiles (consecutive ones along M), each tile's store overlapping the next one's loads. The tile leaves through SMEM
-by TMA in out_dtype. The w scales travel expanded to one per column ([K / 128, N], made by the wrapper) so each step
-loads two scale vectors; M is padded to the tile by the wrapper.
+the tensor core's reduced-precision fp8 accumulation never spans more than one block). The w scales travel expanded
+to one per column ([K / 128, N], made by the wrapper each call) so each step loads two scale vectors. With
+overlap_promotion a step's product is scaled and added while the next step's wgmma runs, by one factor a row: the
+row's scale times the warpgroup's one w scale, a scalar read from w's compact scales in GMEM (no expansion). With
+persistent, one CTA a SM loops over the tiles (consecutive ones along M), each tile's store overlapping the next
+one's loads. The tile leaves through SMEM by TMA in out_dtype; M is padded to the tile by the wrapper.
 Mosaic GPU has no interpreter: this runs compiled on an sm_90 GPU; on CPU it can be lowered for CUDA (the tests do).
 """
 
@@ -49,7 +50,7 @@ def _fp8_tiled():
 
 
 def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int, split_m: bool, stages: int,
-            k_splits: int, overlap_promotion: bool, persistent: bool):
+            k_splits: int, overlap_promotion: bool, persistent: bool, scale_block_rows: int):
     wg = lax.axis_index("wg")
     steps = x_gmem.shape[1] // BLOCK_K // k_splits  # a tile's share of K, in steps of 128 channels
     cta_m, cta_n = _cta_tile(split_m, tile_n)
@@ -75,9 +76,9 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
     def promoted(acc, pending, row_factors):
         return acc + pending * lax.broadcast_in_dim(row_factors, (WG_ROWS, tile_n), [0])
 
-    def overlapped_step(_, x_smem, w_smem, xs_smem, ws_smem, carry):
-        # The previous step's product is scaled and added while this step's wgmma runs; the warpgroup's columns lie
-        # in one scale block (the wrapper checks), so a row's scale times one column scale scales the whole row.
+    def overlapped_step(scale_block, k, x_smem, w_smem, xs_smem, carry):
+        # The previous step's product is scaled and added while this step's wgmma runs. The warpgroup's columns lie
+        # in one scale block (the wrapper checks): one scale, read from w's compact scales in GMEM, scales them all.
         acc, pending, row_factors = carry
 
         def dot(partial_ref):
@@ -86,7 +87,7 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
 
         acc, pending = pl.run_scoped(dot, plgpu.ACC((WG_ROWS, tile_n), jnp.float32))
         row_scales = plgpu.load(xs_smem.at[0, wg_rows], layout=row_layout)
-        return acc, pending, row_scales * ws_smem[0, wg_columns.start]
+        return acc, pending, row_scales * ws_gmem[scale_block, k]
 
     def accumulate(run_pipeline):
         zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, tile_n), jnp.float32), plgpu.Layout.WGMMA)
@@ -95,17 +96,17 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
             return promoted(*run_pipeline((zeros, zeros, no_factors)))
         return run_pipeline(zeros)
 
-    def pipeline(compute_context):
+    def pipeline(body, compute_context):
+        in_specs = [plgpu.BlockSpec((cta_m, BLOCK_K), lambda k: (0, k), transforms=_fp8_tiled()),
+                    plgpu.BlockSpec((cta_n, BLOCK_K), lambda k: (0, k), transforms=_fp8_tiled()),
+                    plgpu.BlockSpec((1, cta_m), lambda k: (k, 0))]
+        if not overlap_promotion:  # the expanded column scales travel with the step's operands
+            in_specs.append(plgpu.BlockSpec((1, cta_n), lambda k: (k, 0)))
         return plgpu.emit_pipeline_warp_specialized(
-            overlapped_step if overlap_promotion else step,
+            body,
             grid=(steps,),
             memory_registers=_MEMORY_REGISTERS,
-            in_specs=[
-                plgpu.BlockSpec((cta_m, BLOCK_K), lambda k: (0, k), transforms=_fp8_tiled()),
-                plgpu.BlockSpec((cta_n, BLOCK_K), lambda k: (0, k), transforms=_fp8_tiled()),
-                plgpu.BlockSpec((1, cta_m), lambda k: (k, 0)),
-                plgpu.BlockSpec((1, cta_n), lambda k: (k, 0)),
-            ],
+            in_specs=in_specs,
             wg_axis="wg",
             num_compute_wgs=2,
             max_concurrent_steps=stages,
@@ -128,16 +129,25 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
             if not persistent:
                 plgpu.wait_smem_to_gmem(0)
 
-        pipeline(compute)(x_gmem.at[rows, depth], w_gmem.at[columns, depth], xs_gmem.at[depth_blocks, rows],
-                          ws_gmem.at[depth_blocks, columns], allocations=allocations)
+        operands = [x_gmem.at[rows, depth], w_gmem.at[columns, depth], xs_gmem.at[depth_blocks, rows]]
+        if not overlap_promotion:
+            pipeline(step, compute)(*operands, ws_gmem.at[depth_blocks, columns], allocations=allocations)
+            return
+        scale_block = lax.div(n * cta_n + wg_columns.start, scale_block_rows)
+
+        def body(indices, *refs):
+            return overlapped_step(scale_block, part * steps + indices[0], *refs)
+
+        pipeline(body, compute)(*operands, allocations=allocations)
 
     if not persistent:
         tile(lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("k"))
         return
-    first = pl.ds(0, cta_m), pl.ds(0, cta_n), pl.ds(0, steps * BLOCK_K), pl.ds(0, steps)
-    allocations = pipeline(lambda *_: None).get_allocations(
-        x_gmem.at[first[0], first[2]], w_gmem.at[first[1], first[2]], xs_gmem.at[first[3], first[0]],
-        ws_gmem.at[first[3], first[1]])
+    rows, columns, depth, depth_blocks = pl.ds(0, cta_m), pl.ds(0, cta_n), pl.ds(0, steps * BLOCK_K), pl.ds(0, steps)
+    operands = [x_gmem.at[rows, depth], w_gmem.at[columns, depth], xs_gmem.at[depth_blocks, rows]]
+    if not overlap_promotion:
+        operands.append(ws_gmem.at[depth_blocks, columns])
+    allocations = pipeline(lambda *_: None, lambda *_: None).get_allocations(*operands)
 
     @functools.partial(pl.run_scoped, allocations=allocations, collective_axes="wg")
     def _(allocations):
@@ -151,14 +161,14 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
 
 
 @functools.partial(jax.jit, static_argnames=("tile_n", "split_m", "stages", "k_splits", "overlap_promotion",
-                                             "persistent", "out_dtype"))
-def fp8_gemm_tiles(x, xs_t, w, ws_columns, *, tile_n: int, split_m: bool, stages: int, k_splits: int,
-                   overlap_promotion: bool, persistent: bool, out_dtype):
+                                             "persistent", "scale_block_rows", "out_dtype"))
+def fp8_gemm_tiles(x, xs_t, w, w_scales, *, tile_n: int, split_m: bool, stages: int, k_splits: int,
+                   overlap_promotion: bool, persistent: bool, scale_block_rows: int, out_dtype):
     """The kernel on prepared inputs: x e4m3 [M, K] (M a multiple of the CTA's rows), xs_t f32 [K / 128, M] (x's
-    scales transposed), w e4m3 [N, K] (N a multiple of the CTA's columns), ws_columns f32 [K / 128, N] (w's block
-    scales, one per column; with overlap_promotion constant over each warpgroup's tile_n columns). Returns out
-    [k_splits, M, N] in out_dtype: the products over each k_splits-th of K (K / 128 a multiple of k_splits), whose
-    sum is x . w^T."""
+    scales transposed), w e4m3 [N, K] (N a multiple of the CTA's columns), w_scales f32: with overlap_promotion
+    w's compact block scales [ceil(N / scale_block_rows), K / 128] (tile_n dividing scale_block_rows), else
+    expanded to one per column, [K / 128, N]. Returns out [k_splits, M, N] in out_dtype: the products over each
+    k_splits-th of K (K / 128 a multiple of k_splits), whose sum is x . w^T."""
     num_rows, depth = x.shape
     width = w.shape[0]
     cta_m, cta_n = _cta_tile(split_m, tile_n)
@@ -168,7 +178,7 @@ def fp8_gemm_tiles(x, xs_t, w, ws_columns, *, tile_n: int, split_m: bool, stages
 
     def fp8_gemm_mosaic(*refs):  # the kernel's name in profiles
         _kernel(*refs, tile_n=tile_n, split_m=split_m, stages=stages, k_splits=k_splits,
-                overlap_promotion=overlap_promotion, persistent=persistent)
+                overlap_promotion=overlap_promotion, persistent=persistent, scale_block_rows=scale_block_rows)
 
     return plgpu.kernel(
         fp8_gemm_mosaic,
@@ -178,7 +188,7 @@ def fp8_gemm_tiles(x, xs_t, w, ws_columns, *, tile_n: int, split_m: bool, stages
            else dict(grid=(num_rows // cta_m, width // cta_n, k_splits), grid_names=("m", "n", "k"))),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(x, xs_t, w, ws_columns)
+    )(x, xs_t, w, w_scales)
 
 
 def _tile_n(width: int, split_m: bool) -> int | None:
@@ -248,6 +258,8 @@ def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **kn
     pad = -num_rows % _cta_tile(split_m, tile_n)[0]
     x = jnp.pad(x, ((0, pad), (0, 0)))
     xs_t = jnp.pad(x_scales.astype(jnp.float32), ((0, pad), (0, 0))).T
-    ws_columns = jnp.repeat(w_scales.astype(jnp.float32).T, block[0], axis=1)[:, :width]
-    parts = fp8_gemm_tiles(x, xs_t, w, ws_columns, **chosen, out_dtype=kernel_out)
+    w_scales = w_scales.astype(jnp.float32)
+    if not chosen["overlap_promotion"]:  # one scale per column, a step's slice loaded with its operands
+        w_scales = jnp.repeat(w_scales.T, block[0], axis=1)[:, :width]
+    parts = fp8_gemm_tiles(x, xs_t, w, w_scales, **chosen, scale_block_rows=block[0], out_dtype=kernel_out)
     return (parts[0, :num_rows] if k_splits == 1 else parts[:, :num_rows].sum(axis=0)).astype(out_dtype)

@@ -2,6 +2,8 @@
 independent numpy sum of scaled block products: the Triton kernel (one group of the grouped kernel) interpreted on
 CPU; the Mosaic GPU kernel lowered for CUDA on CPU and compiled on a GPU (`gpu` marker)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,14 +135,27 @@ def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype, overlap_pr
     cta_m = fp8_gemm_mosaic._cta_tile(knobs["split_m"], knobs["tile_n"])[0]
     padded = -(-rows // cta_m) * cta_m
     S = jax.ShapeDtypeStruct
-    args = (S((padded, depth), FP8), S((depth // 128, padded), jnp.float32), S((width, depth), FP8),
-            S((depth // 128, width), jnp.float32))
-    fp8_gemm_mosaic.fp8_gemm_tiles.trace(*args, **knobs, out_dtype=jnp.dtype(out_dtype)).lower(
+    # w's scales: compact (HF's grid) with overlap_promotion, else one per column
+    w_scales = S((-(-width // 128), depth // 128) if overlap_promotion else (depth // 128, width), jnp.float32)
+    args = (S((padded, depth), FP8), S((depth // 128, padded), jnp.float32), S((width, depth), FP8), w_scales)
+    fp8_gemm_mosaic.fp8_gemm_tiles.trace(*args, **knobs, scale_block_rows=128, out_dtype=jnp.dtype(out_dtype)).lower(
         lowering_platforms=("cuda",))
     if rows <= fp8_gemm_mosaic.WG_ROWS and out_dtype == jnp.bfloat16:  # decode: K split over 4 CTAs, f32 parts
         split = dict(knobs, k_splits=4, stages=3)
-        fp8_gemm_mosaic.fp8_gemm_tiles.trace(*args, **split, out_dtype=jnp.dtype(jnp.float32)).lower(
-            lowering_platforms=("cuda",))
+        fp8_gemm_mosaic.fp8_gemm_tiles.trace(*args, **split, scale_block_rows=128,
+                                             out_dtype=jnp.dtype(jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("rows, width, depth", [(1, 576, 7168), (4096, 7168, 16384)])
+@pytest.mark.parametrize("knobs", [{}, {"overlap_promotion": True, "persistent": True}], ids=["default", "new"])
+def test_mosaic_wrapper_lowers_for_cuda(rows, width, depth, knobs):
+    """The whole op (padding, the scales as each mode takes them, split K's sum) lowers for CUDA from the
+    contract's inputs: compact w scales in HF's grid."""
+    S = jax.ShapeDtypeStruct
+    args = (S((rows, depth), FP8), S((rows, depth // 128), jnp.float32), S((width, depth), FP8),
+            S((-(-width // 128), depth // 128), jnp.float32))
+    jax.jit(functools.partial(fp8_gemm_mosaic.fp8_gemm, block=(128, 128), out_dtype=jnp.bfloat16, **knobs)).trace(
+        *args).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu
