@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dcp_jax.config import ModelConfig
+from dcp_jax.model import fp8_linear
 from dcp_jax.model.attention.projections import rms_norm
 from dcp_jax.model.deepseek_v32 import DecoderLayer, norm_param
 from dcp_jax.model.mlp import dense_param
@@ -54,6 +55,11 @@ def init_mtp_params(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> dict:
     return nnx.to_pure_dict(nnx.state(MtpLayer(cfg, rngs=nnx.Rngs(seed), dtype=dtype)))
 
 
-def abstract_mtp(cfg: ModelConfig, dtype=jnp.float32):
-    """(graphdef, abstract state) of `MtpLayer` without allocating."""
-    return nnx.split(nnx.eval_shape(lambda: MtpLayer(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+def abstract_mtp(cfg: ModelConfig, dtype=jnp.float32, fp8_block: tuple[int, int] | None = None):
+    """(graphdef, abstract state) of `MtpLayer` without allocating; with `fp8_block` its decoder layer's
+    `fp8_linear.FP8_AXES` leaves are abstract `Fp8BlockWeight`s of that block (a block fp8 checkpoint's)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: MtpLayer(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+    if fp8_block is not None:
+        nnx.replace_by_pure_dict(state, jax.eval_shape(
+            lambda params: fp8_linear.quantize_params(params, fp8_block), nnx.to_pure_dict(state)))
+    return graphdef, state

@@ -298,8 +298,32 @@ def _with_scales(ours: dict, scales: dict, block: tuple[int, int]) -> dict:
     return out
 
 
-def _fp8_problems(cfg: ModelConfig, reader: _Reader, scales: dict[str, str], scale_values: dict[str, np.ndarray],
-                  block: tuple[int, int], is_kept: bool) -> list[str]:
+def _checked_fp8_scales(path: str, cfg: ModelConfig, reader: _Reader, expected: dict[str, tuple[int, ...]],
+                        block: tuple[int, int] | None, is_kept: bool) -> dict[str, np.ndarray]:
+    """The weight_scale_inv grid of each tensor of `expected` (name -> shape) stored in block fp8 (none without a
+    block). ValueError, before anything is converted, for a scale of the wrong shape, an e4m3 tensor without a
+    scale or a scale beside a tensor of another dtype, and what `_fp8_problems` finds."""
+    scales = {n: n + "_scale_inv" for n, shape in expected.items()
+              if block and len(shape) == 2 and n + "_scale_inv" in reader.location}
+    wrong = []
+    for name, scale in scales.items():
+        rows, cols = expected[name]
+        want = (-(-rows // block[0]), -(-cols // block[1]))
+        if reader.shape(scale) != want:
+            wrong.append(f"{scale}: file {reader.shape(scale)} != expected {want} (blocks of {block})")
+    wrong += [f"{n}: {reader.dtype(n)} " + ("without a weight_scale_inv" if n not in scales else "with a scale")
+              for n in expected if (reader.dtype(n) == FP8) != (n in scales)]
+    if wrong:
+        raise ValueError(f"checkpoint {path} has tensors of the wrong shape or type: {wrong[:20]}")
+    scale_values = {n: reader.get(s) for n, s in scales.items()}
+    wrong = _fp8_problems(cfg, reader, expected, scales, scale_values, block, is_kept)
+    if wrong:
+        raise ValueError(f"checkpoint {path} has malformed fp8 weights: {wrong[:20]}")
+    return scale_values
+
+
+def _fp8_problems(cfg: ModelConfig, reader: _Reader, expected, scales: dict[str, str],
+                  scale_values: dict[str, np.ndarray], block: tuple[int, int], is_kept: bool) -> list[str]:
     """What stops a block fp8 checkpoint from loading: scales that are not finite and positive (the weight would
     be NaN or zero), and when kept in fp8, an fp8 leaf's tensor stored without a scale or kv_b_proj blocks that
     straddle the k_nope / v rows of a head."""
@@ -307,7 +331,7 @@ def _fp8_problems(cfg: ModelConfig, reader: _Reader, scales: dict[str, str], sca
                 if not np.all(np.isfinite(s) & (s > 0))]
     if is_kept:
         problems += [f"{n}: {reader.dtype(n)} without a weight_scale_inv; load with quantization='none'"
-                     for n in hf_tensor_shapes(cfg) if n.endswith(_FP8_TENSORS) and n not in scales]
+                     for n in expected if n.endswith(_FP8_TENSORS) and n not in scales]
         if cfg.qk_nope_head_dim % block[0] or cfg.v_head_dim % block[0]:
             problems.append(f"kv_b_proj: blocks of {block[0]} rows straddle a head's {cfg.qk_nope_head_dim} k_nope "
                             f"and {cfg.v_head_dim} v rows; load with quantization='none'")
@@ -364,36 +388,19 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     expected = hf_tensor_shapes(cfg)
     block = fp8_block_size(path)
     kept_block = kept_fp8_block(path, quantization)
-    scales = {n: n + "_scale_inv" for n, shape in expected.items()
-              if block and len(shape) == 2 and n + "_scale_inv" in reader.location}
+    scale_names = {n + "_scale_inv" for n, shape in expected.items() if len(shape) == 2} if block else set()
     ignored = _unused_layer_names(path, cfg, reader.location)
     missing = sorted(set(expected) - set(reader.location))
-    unexpected = sorted(set(reader.location) - set(expected) - set(scales.values()) - ignored)
+    unexpected = sorted(set(reader.location) - set(expected) - scale_names - ignored)
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the config: missing tensors {missing[:20]}"
                          f"{' ...' if len(missing) > 20 else ''}, unexpected tensors {unexpected[:20]}"
                          f"{' ...' if len(unexpected) > 20 else ''}")
     wrong = [f"{n}: file {reader.shape(n)} != expected {s}" for n, s in expected.items() if reader.shape(n) != s]
-    for name, scale in scales.items():
-        rows, cols = expected[name]
-        want = (-(-rows // block[0]), -(-cols // block[1]))
-        if reader.shape(scale) != want:
-            wrong.append(f"{scale}: file {reader.shape(scale)} != expected {want} (blocks of {block})")
-    wrong += [f"{n}: {reader.dtype(n)} " + ("without a weight_scale_inv" if n not in scales else "with a scale")
-              for n in expected if (reader.dtype(n) == FP8) != (n in scales)]
     if wrong:
         raise ValueError(f"checkpoint {path} has tensors of the wrong shape or type: {wrong[:20]}")
-    scale_values = {n: reader.get(s) for n, s in scales.items()}
-    wrong = _fp8_problems(cfg, reader, scales, scale_values, block, kept_block is not None)
-    if wrong:
-        raise ValueError(f"checkpoint {path} has malformed fp8 weights: {wrong[:20]}")
-    kept_names = {n for n in scales if kept_block and n.endswith(_FP8_TENSORS)}
-
-    def read(name: str) -> np.ndarray:
-        """The tensor as stored, or dequantized from fp8 unless it is kept."""
-        if name in scales and name not in kept_names:
-            return dequantize_fp8(reader.get(name), scale_values[name], block)
-        return reader.get(name)
+    scale_values = _checked_fp8_scales(path, cfg, reader, expected, block, kept_block is not None)
+    read = _fp8_reader(reader, scale_values, block, kept_block)
 
     _, abstract = abstract_model(cfg, dtype, kept_block)
     abstract = nnx.to_pure_dict(abstract)
@@ -403,13 +410,7 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     stacks = {stack.name: _zero_stack(abstract[stack.name], specs[stack.name], mesh) for stack in layer_stacks(cfg)}
     layers = range(cfg.num_hidden_layers)
     for layer in progress(layers) if progress else layers:
-        prefix = f"model.layers.{layer}."
-        names = [n for n in expected if n.startswith(prefix)]
-        ours = layer_to_ours(cfg, layer, {n[len(prefix):]: read(n) for n in names})
-        if kept_block:
-            layer_scales = {n[len(prefix):]: scale_values[n] for n in names if n in kept_names}
-            ours = _with_scales(ours, _layer_scales_to_ours(cfg, layer_scales, kept_block, cfg.is_moe_layer(layer)),
-                                kept_block)
+        ours = _read_layer(cfg, layer, expected, read, scale_values, kept_block)
         stack = stack_of(cfg, layer)
         placed = _place(jax.tree.map(lambda x: x[None], ours), specs[stack.name], abstract[stack.name], mesh)
         stacks[stack.name] = _write_layer(stacks[stack.name], placed, layer - stack.first)
@@ -418,6 +419,35 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     params = stacks | {k: _place(v, specs[k], abstract[k], mesh) for k, v in top.items()}
     _check_filled(abstract, params)
     return params
+
+
+def _kept(name: str, kept_block) -> bool:
+    """Whether the tensor `name` of a block fp8 checkpoint stays fp8: one of the leaves DeepSeek stores in fp8, with
+    kept_block set."""
+    return kept_block is not None and name.endswith(_FP8_TENSORS)
+
+
+def _fp8_reader(reader: _Reader, scale_values: dict[str, np.ndarray], block, kept_block):
+    """read(name): the tensor as stored, dequantized from fp8 unless it is kept (`_kept`)."""
+
+    def read(name: str) -> np.ndarray:
+        if name in scale_values and not _kept(name, kept_block):
+            return dequantize_fp8(reader.get(name), scale_values[name], block)
+        return reader.get(name)
+
+    return read
+
+
+def _read_layer(cfg: ModelConfig, layer: int, expected, read, scale_values: dict[str, np.ndarray], kept_block):
+    """Decoder layer `layer` (a main one or the MTP layer) as our params: its kept fp8 leaves `Fp8BlockWeight`s."""
+    prefix, layer_names = f"model.layers.{layer}.", layer_tensor_shapes(cfg, layer)
+    names = [n for n in expected if n.startswith(prefix) and n[len(prefix):] in layer_names]
+    ours = layer_to_ours(cfg, layer, {n[len(prefix):]: read(n) for n in names})
+    if not kept_block:
+        return ours
+    layer_scales = {n[len(prefix):]: scale_values[n] for n in names if n in scale_values and _kept(n, kept_block)}
+    return _with_scales(ours, _layer_scales_to_ours(cfg, layer_scales, kept_block, cfg.is_moe_layer(layer)),
+                        kept_block)
 
 
 def _check_fp8_shardable(abstract: dict, specs: dict, mesh: Mesh) -> None:
@@ -490,13 +520,12 @@ def mtp_to_hf(cfg: ModelConfig, mtp: dict, params: dict) -> dict[str, np.ndarray
     return {_mtp_prefix(cfg) + name: value for name, value in (layer | own).items()}
 
 
-def load_mtp_params(cfg: ModelConfig, path: str | os.PathLike) -> dict:
-    """The MTP layer of a HF checkpoint directory (unquantized) as an `MtpLayer`'s pure dict of numpy arrays, f32.
-    Strict: ValueError naming missing tensors or wrong shapes; its copies of the embedding and the head must equal
-    the main model's. A block fp8 checkpoint's MTP layer is not read yet (ValueError)."""
+def load_mtp_params(cfg: ModelConfig, path: str | os.PathLike, quantization: str = "auto") -> dict:
+    """The MTP layer of a HF checkpoint directory as an `MtpLayer`'s pure dict of numpy arrays, f32; a block fp8
+    checkpoint's as `load_hf_params` reads its layers: its decoder layer's fp8 leaves stay fp8 under quantization
+    "auto", the rest (eh_proj among them, if stored in fp8) dequantized. Strict: ValueError naming missing tensors,
+    wrong shapes or malformed fp8 scales; its copies of the embedding and the head must equal the main model's."""
     path = os.fspath(path)
-    if fp8_block_size(path):
-        raise ValueError(f"checkpoint {path}: reading a block fp8 MTP layer is not supported yet")
     reader = _Reader(_safetensors_files(path))
     expected = mtp_tensor_shapes(cfg)
     missing = sorted(set(expected) - set(reader.location))
@@ -504,11 +533,20 @@ def load_mtp_params(cfg: ModelConfig, path: str | os.PathLike) -> dict:
              if n in reader.location and reader.shape(n) != s]
     if missing or wrong:
         raise ValueError(f"checkpoint {path}: MTP layer missing tensors {missing[:20]}, wrong shapes {wrong[:20]}")
+    block, kept_block = fp8_block_size(path), kept_fp8_block(path, quantization)
+    scale_values = _checked_fp8_scales(path, cfg, reader, expected, block, kept_block is not None)
+    read = _fp8_reader(reader, scale_values, block, kept_block)
     prefix = _mtp_prefix(cfg)
-    t = {n[len(prefix):]: np.asarray(reader.get(n), np.float32) for n in expected}
+
+    def own(name: str) -> np.ndarray:
+        return np.asarray(read(prefix + name), np.float32)
+
     for copy, main in (("embed_tokens.weight", "model.embed_tokens.weight"),
                        ("shared_head.head.weight", "lm_head.weight")):
-        if not np.array_equal(t[copy], np.asarray(reader.get(main), np.float32)):
+        if not np.array_equal(own(copy), np.asarray(reader.get(main), np.float32)):
             raise ValueError(f"checkpoint {path}: {prefix}{copy} differs from {main} (the MTP layer shares it)")
-    return {"enorm": t["enorm.weight"], "hnorm": t["hnorm.weight"], "eh_proj": t["eh_proj.weight"].T,
-            "head_norm": t["shared_head.norm.weight"], "layer": layer_to_ours(cfg, cfg.num_hidden_layers, t)}
+    layer = _read_layer(cfg, cfg.num_hidden_layers, expected, read, scale_values, kept_block)
+    return {"enorm": own("enorm.weight"), "hnorm": own("hnorm.weight"), "eh_proj": own("eh_proj.weight").T,
+            "head_norm": own("shared_head.norm.weight"),
+            "layer": jax.tree.map(lambda x: x if fp8_linear.is_fp8(x) else np.asarray(x, np.float32), layer,
+                                  is_leaf=fp8_linear.is_fp8)}

@@ -156,7 +156,7 @@ class ModelRunner:
         if bool(engine.num_speculative_tokens) != (mtp_params is not None):
             raise ValueError(f"num_speculative_tokens={engine.num_speculative_tokens} needs the MTP layer's params "
                              f"exactly when it is > 0")
-        mtp = abstract_mtp(cfg, dtype) if mtp_params is not None else None
+        mtp = abstract_mtp(cfg, dtype, fp8_linear.weight_block(mtp_params)) if mtp_params is not None else None
         # Keyed by variant (`forward.VARIANTS`), one program per bucket each.
         self.steps = step_programs(cfg, parallel, engine, mesh, backend, graphdef=graphdef, abstract=abstract,
                                    mtp=mtp, unroll_layers=unroll_layers, enable_tbo=enable_tbo)

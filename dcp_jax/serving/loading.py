@@ -222,14 +222,12 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     from dcp_jax.model.attention.cache_formats import check_latent_format
     from dcp_jax.model.attention.sparse_dcp import kernel_backend
     from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, param_specs
-    from dcp_jax.model.fp8_linear import weight_block
+    from dcp_jax.model.fp8_linear import is_fp8, weight_block
     from dcp_jax.model.mesh import make_mesh, sharding
     from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
-    from dcp_jax.model.weights import fp8_block_size, load_hf_params, load_mtp_params
+    from dcp_jax.model.weights import load_hf_params, load_mtp_params
     from dcp_jax.runtime.runner import ModelRunner
 
-    if drafts and is_dir and fp8_block_size(directory):
-        raise ValueError("speculative_config: reading a block fp8 checkpoint's MTP layer is not supported yet")
     check_divisible(cfg, parallel.tp, expert_parallel=enable_expert_parallel)
     check_latent_format(latent_cache, cfg)
     mesh = make_mesh(parallel, deployment_devices(parallel.tp, processes) if processes > 1 else None)
@@ -245,12 +243,13 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     params = jax.device_put(params, jax.tree.map(lambda spec: sharding(mesh, spec), specs))
     mtp_params = None
     if drafts:  # placed split as the decoder layers are, before the pool is sized by what is left
-        mtp_params = load_mtp_params(cfg, directory) if is_dir else init_mtp_params(cfg, seed + 1, jnp.dtype(dtype))
-        mtp_params = jax.tree.map(np.asarray, mtp_params)
-        mtp_specs = param_specs(nnx.to_pure_dict(abstract_mtp(cfg, jnp.dtype(dtype))[1]),
+        mtp_params = (load_mtp_params(cfg, directory, quantization) if is_dir
+                      else init_mtp_params(cfg, seed + 1, jnp.dtype(dtype)))
+        mtp_params = jax.tree.map(  # fp8 weights as they are, the rest in the model dtype
+            lambda a: a if is_fp8(a) else np.asarray(a).astype(jnp.dtype(dtype)), mtp_params, is_leaf=is_fp8)
+        mtp_specs = param_specs(nnx.to_pure_dict(abstract_mtp(cfg, jnp.dtype(dtype), weight_block(mtp_params))[1]),
                                 expert_parallel=enable_expert_parallel)
-        mtp_params = jax.device_put(jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), mtp_params),
-                                    jax.tree.map(lambda spec: sharding(mesh, spec), mtp_specs))
+        mtp_params = jax.device_put(mtp_params, jax.tree.map(lambda spec: sharding(mesh, spec), mtp_specs))
     if num_pages is None:
         num_pages = pool_pages_from_memory(cfg, layout, dtype=dtype, index_cache=index_cache,
                                            latent_cache=latent_cache, gpu_memory_utilization=gpu_memory_utilization,

@@ -15,7 +15,9 @@ from dcp_jax.model import fp8_linear
 from dcp_jax.model.mesh import HEADS, make_mesh
 from dcp_jax.model.deepseek_v32 import (abstract_model, check_divisible, init_params, layer_params,
                                          layer_stacks, stack_of)
-from dcp_jax.model.weights import hf_tensor_shapes, layer_to_hf, layer_to_ours, load_hf_params, save_hf
+from dcp_jax.model.mtp import init_mtp_params
+from dcp_jax.model.weights import (hf_tensor_shapes, layer_to_hf, layer_to_ours, load_hf_params, load_mtp_params,
+                                   mtp_to_hf, save_hf)
 from dcp_jax.runtime.runner import ModelRunner
 
 from tests.oracle import hf_tiny
@@ -180,14 +182,15 @@ def _is_quantized(name: str, shape) -> bool:
         ("weights_proj.weight", "mlp.gate.weight"))
 
 
-def _block_fp8(tensors, block=BLOCK):
-    """(fp8 tensors with their *_scale_inv, the f32 weights they stand for), in blocks of `block`."""
+def _block_fp8(tensors, block=BLOCK, is_quantized=_is_quantized):
+    """(fp8 tensors with their *_scale_inv, the f32 weights they stand for), in blocks of `block`, of the tensors
+    `is_quantized(name, shape)` picks."""
     import ml_dtypes
 
     BLOCK = block  # noqa: N806
     quantized, dequantized = {}, dict(tensors)
     for name, w in tensors.items():
-        if not _is_quantized(name, w.shape):
+        if not is_quantized(name, w.shape):
             continue
         rows, cols = -(-w.shape[0] // BLOCK[0]), -(-w.shape[1] // BLOCK[1])
         padded = np.zeros((rows * BLOCK[0], cols * BLOCK[1]), np.float32)
@@ -360,3 +363,52 @@ def test_malformed_fp8_weights_are_refused_before_placing(tensors, tmp_path, cha
     with pytest.raises(ValueError, match=message):
         load_hf_params(CFG, tmp_path, mesh)
     assert len(jax.live_arrays()) == len(placed)
+
+
+MTP_CFG = dataclasses.replace(CFG, num_nextn_predict_layers=1)
+MTP_LAYER = f"model.layers.{CFG.num_hidden_layers}."
+
+
+def _with_mtp_layer(tensors) -> dict:
+    """`tensors` and a random MTP layer's (`mtp_to_hf`; its copies of the embedding and head are the model's)."""
+    main = {"embed": tensors["model.embed_tokens.weight"], "lm_head": tensors["lm_head.weight"].T}
+    return tensors | mtp_to_hf(MTP_CFG, jax.tree.map(np.asarray, init_mtp_params(MTP_CFG, seed=7)), main)
+
+
+def _mtp_leaves(mtp: dict) -> dict:
+    flat = jax.tree_util.tree_flatten_with_path(mtp, is_leaf=fp8_linear.is_fp8)[0]
+    return {jax.tree_util.keystr(path): leaf for path, leaf in flat}
+
+
+def test_block_fp8_mtp_layer_loads_as_the_decoder_layers_do(tensors, tmp_path):
+    """The MTP layer of DeepSeek's release format, its decoder layer in block fp8 (and eh_proj too here, should a
+    checkpoint store it so): "auto" keeps the decoder layer's fp8 leaves e4m3, each dequantizing to the "none"
+    load's weight; "none" equals the MTP layer of an f32 checkpoint holding the dequantized tensors."""
+    full = _with_mtp_layer(tensors)
+    quantized, dequantized = _block_fp8(full, is_quantized=lambda name, shape: _is_quantized(name, shape) or (
+        name == MTP_LAYER + "eh_proj.weight"))
+    assert MTP_LAYER + "eh_proj.weight_scale_inv" in quantized
+    _write_fp8(tmp_path / "fp8", full | quantized, FP8_CONFIG)
+    hf_tiny.write_checkpoint(HF_CONFIG | {"num_nextn_predict_layers": 1}, dequantized, tmp_path / "f32")
+    kept = _mtp_leaves(load_mtp_params(MTP_CFG, tmp_path / "fp8"))
+    none = _mtp_leaves(load_mtp_params(MTP_CFG, tmp_path / "fp8", quantization="none"))
+    want = _mtp_leaves(load_mtp_params(MTP_CFG, tmp_path / "f32"))
+    assert none.keys() == want.keys() == kept.keys()
+    fp8_leaves = {name for name, leaf in kept.items() if fp8_linear.is_fp8(leaf)}
+    assert {name.split("'")[-2] for name in fp8_leaves} >= {"wq_a", "wq_b", "wkv_a", "wo"}
+    assert all(name.startswith("['layer']") for name in fp8_leaves)  # eh_proj dequantized: a plain einsum takes it
+    for name, leaf in kept.items():
+        np.testing.assert_array_equal(none[name], want[name], err_msg=name)
+        if fp8_linear.is_fp8(leaf):
+            assert leaf.values.dtype == jnp.float8_e4m3fn and leaf.block == BLOCK
+            leaf = fp8_linear.dequantize(leaf)
+        np.testing.assert_array_equal(np.asarray(leaf), none[name], err_msg=name)
+
+
+def test_block_fp8_mtp_layer_without_a_scale_is_refused(tensors, tmp_path):
+    full = _with_mtp_layer(tensors)
+    quantized, _ = _block_fp8(full)
+    del quantized[MTP_LAYER + "self_attn.o_proj.weight_scale_inv"]
+    _write_fp8(tmp_path, full | quantized, FP8_CONFIG)
+    with pytest.raises(ValueError, match="o_proj.weight: F8_E4M3 without a weight_scale_inv"):
+        load_mtp_params(MTP_CFG, tmp_path)
