@@ -105,7 +105,8 @@ def initial_params_from(cfg, path: str) -> dict:
     saved = ModelConfig.from_hf(path)
     if dataclasses.replace(saved, torch_dtype=cfg.torch_dtype) != cfg:
         raise SystemExit(f"--init-from: {path} holds another architecture than the one trained here")
-    return {"model": load_hf_params(cfg, path), "mtp": jax.tree.map(jnp.asarray, load_mtp_params(cfg, path))}
+    return {"model": load_hf_params(cfg, path, quantization="none"),  # f32 params to train, fp8 dequantized
+            "mtp": jax.tree.map(jnp.asarray, load_mtp_params(cfg, path, quantization="none"))}
 
 
 def main(argv=None) -> int:

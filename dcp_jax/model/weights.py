@@ -13,9 +13,9 @@ load by `quantization` (vLLM's word): "auto" keeps the projections DeepSeek stor
 in fp8, as `fp8_linear.Fp8BlockWeight`s of their e4m3 values and scales; "none" dequantizes them (weight = e4m3
 value x its block's scale) into the load dtype. Malformed scales (a wrong grid, a missing one, a non-finite or
 non-positive value) and a rank's slice of a split fp8 weight that is not whole blocks are ValueErrors naming the
-tensor, raised before anything is placed. Layers the config does not use are not read: the multi-token-prediction
-layers (`num_nextn_predict_layers`, numbered after the decoder layers), and decoder layers past a
-`num_hidden_layers` lowered to load only the first ones.
+tensor, raised before anything is placed. `load_hf_params` does not read layers the config does not use: the
+multi-token-prediction layer (`num_nextn_predict_layers`, numbered after the decoder layers; `load_mtp_params`
+reads it, in fp8 alike), and decoder layers past a `num_hidden_layers` lowered to load only the first ones.
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ def _checked_fp8_scales(path: str, cfg: ModelConfig, reader: _Reader, expected: 
     return scale_values
 
 
-def _fp8_problems(cfg: ModelConfig, reader: _Reader, expected, scales: dict[str, str],
+def _fp8_problems(cfg: ModelConfig, reader: _Reader, expected: dict[str, tuple[int, ...]], scales: dict[str, str],
                   scale_values: dict[str, np.ndarray], block: tuple[int, int], is_kept: bool) -> list[str]:
     """What stops a block fp8 checkpoint from loading: scales that are not finite and positive (the weight would
     be NaN or zero), and when kept in fp8, an fp8 leaf's tensor stored without a scale or kv_b_proj blocks that
@@ -406,11 +406,11 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     abstract = nnx.to_pure_dict(abstract)
     specs = param_specs(abstract, expert_parallel=expert_parallel)
     if mesh is not None:
-        _check_fp8_shardable(abstract, specs, mesh)
+        check_fp8_shardable(abstract, specs, mesh)
     stacks = {stack.name: _zero_stack(abstract[stack.name], specs[stack.name], mesh) for stack in layer_stacks(cfg)}
     layers = range(cfg.num_hidden_layers)
     for layer in progress(layers) if progress else layers:
-        ours = _read_layer(cfg, layer, expected, read, scale_values, kept_block)
+        ours = _read_layer(cfg, layer, read, scale_values, kept_block)
         stack = stack_of(cfg, layer)
         placed = _place(jax.tree.map(lambda x: x[None], ours), specs[stack.name], abstract[stack.name], mesh)
         stacks[stack.name] = _write_layer(stacks[stack.name], placed, layer - stack.first)
@@ -421,13 +421,14 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     return params
 
 
-def _kept(name: str, kept_block) -> bool:
+def _kept(name: str, kept_block: tuple[int, int] | None) -> bool:
     """Whether the tensor `name` of a block fp8 checkpoint stays fp8: one of the leaves DeepSeek stores in fp8, with
     kept_block set."""
     return kept_block is not None and name.endswith(_FP8_TENSORS)
 
 
-def _fp8_reader(reader: _Reader, scale_values: dict[str, np.ndarray], block, kept_block):
+def _fp8_reader(reader: _Reader, scale_values: dict[str, np.ndarray], block: tuple[int, int] | None,
+                kept_block: tuple[int, int] | None) -> Callable[[str], np.ndarray]:
     """read(name): the tensor as stored, dequantized from fp8 unless it is kept (`_kept`)."""
 
     def read(name: str) -> np.ndarray:
@@ -438,10 +439,11 @@ def _fp8_reader(reader: _Reader, scale_values: dict[str, np.ndarray], block, kep
     return read
 
 
-def _read_layer(cfg: ModelConfig, layer: int, expected, read, scale_values: dict[str, np.ndarray], kept_block):
+def _read_layer(cfg: ModelConfig, layer: int, read: Callable[[str], np.ndarray], scale_values: dict[str, np.ndarray],
+                kept_block: tuple[int, int] | None) -> dict:
     """Decoder layer `layer` (a main one or the MTP layer) as our params: its kept fp8 leaves `Fp8BlockWeight`s."""
-    prefix, layer_names = f"model.layers.{layer}.", layer_tensor_shapes(cfg, layer)
-    names = [n for n in expected if n.startswith(prefix) and n[len(prefix):] in layer_names]
+    prefix = f"model.layers.{layer}."
+    names = [prefix + name for name in layer_tensor_shapes(cfg, layer)]
     ours = layer_to_ours(cfg, layer, {n[len(prefix):]: read(n) for n in names})
     if not kept_block:
         return ours
@@ -450,7 +452,9 @@ def _read_layer(cfg: ModelConfig, layer: int, expected, read, scale_values: dict
                         kept_block)
 
 
-def _check_fp8_shardable(abstract: dict, specs: dict, mesh: Mesh) -> None:
+def check_fp8_shardable(abstract: dict, specs: dict, mesh: Mesh) -> None:
+    """ValueError naming the first fp8 leaf of `abstract` whose rank slice under `specs` on `mesh` is not whole
+    blocks (`fp8_linear.check_shardable`)."""
     flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=fp8_linear.is_fp8)[0]
     for (path, leaf), spec in zip(flat, jax.tree.leaves(specs, is_leaf=fp8_linear.is_fp8)):
         if fp8_linear.is_fp8(leaf):
@@ -543,10 +547,15 @@ def load_mtp_params(cfg: ModelConfig, path: str | os.PathLike, quantization: str
 
     for copy, main in (("embed_tokens.weight", "model.embed_tokens.weight"),
                        ("shared_head.head.weight", "lm_head.weight")):
-        if not np.array_equal(own(copy), np.asarray(reader.get(main), np.float32)):
+        if not np.array_equal(np.asarray(reader.get(prefix + copy), np.float32),
+                              np.asarray(reader.get(main), np.float32)):
             raise ValueError(f"checkpoint {path}: {prefix}{copy} differs from {main} (the MTP layer shares it)")
-    layer = _read_layer(cfg, cfg.num_hidden_layers, expected, read, scale_values, kept_block)
+
+    def f32(x):  # an fp8 leaf keeps its e4m3 values, its scales f32 as the model's
+        if fp8_linear.is_fp8(x):
+            return dataclasses.replace(x, scales=np.asarray(x.scales, np.float32))
+        return np.asarray(x, np.float32)
+
+    layer = _read_layer(cfg, cfg.num_hidden_layers, read, scale_values, kept_block)
     return {"enorm": own("enorm.weight"), "hnorm": own("hnorm.weight"), "eh_proj": own("eh_proj.weight").T,
-            "head_norm": own("shared_head.norm.weight"),
-            "layer": jax.tree.map(lambda x: x if fp8_linear.is_fp8(x) else np.asarray(x, np.float32), layer,
-                                  is_leaf=fp8_linear.is_fp8)}
+            "head_norm": own("shared_head.norm.weight"), "layer": jax.tree.map(f32, layer, is_leaf=fp8_linear.is_fp8)}

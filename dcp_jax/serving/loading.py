@@ -225,7 +225,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     from dcp_jax.model.fp8_linear import is_fp8, weight_block
     from dcp_jax.model.mesh import make_mesh, sharding
     from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
-    from dcp_jax.model.weights import load_hf_params, load_mtp_params
+    from dcp_jax.model.weights import check_fp8_shardable, load_hf_params, load_mtp_params
     from dcp_jax.runtime.runner import ModelRunner
 
     check_divisible(cfg, parallel.tp, expert_parallel=enable_expert_parallel)
@@ -245,10 +245,12 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     if drafts:  # placed split as the decoder layers are, before the pool is sized by what is left
         mtp_params = (load_mtp_params(cfg, directory, quantization) if is_dir
                       else init_mtp_params(cfg, seed + 1, jnp.dtype(dtype)))
-        mtp_params = jax.tree.map(  # fp8 weights as they are, the rest in the model dtype
-            lambda a: a if is_fp8(a) else np.asarray(a).astype(jnp.dtype(dtype)), mtp_params, is_leaf=is_fp8)
-        mtp_specs = param_specs(nnx.to_pure_dict(abstract_mtp(cfg, jnp.dtype(dtype), weight_block(mtp_params))[1]),
-                                expert_parallel=enable_expert_parallel)
+        mtp_abstract = nnx.to_pure_dict(abstract_mtp(cfg, jnp.dtype(dtype), weight_block(mtp_params))[1])
+        mtp_params = jax.tree.map(  # fp8 weights as they are, each other leaf in its abstract leaf's dtype
+            lambda a, want: a if is_fp8(a) else np.asarray(a).astype(want.dtype), mtp_params, mtp_abstract,
+            is_leaf=is_fp8)
+        mtp_specs = param_specs(mtp_abstract, expert_parallel=enable_expert_parallel)
+        check_fp8_shardable(mtp_abstract, mtp_specs, mesh)
         mtp_params = jax.device_put(mtp_params, jax.tree.map(lambda spec: sharding(mesh, spec), mtp_specs))
     if num_pages is None:
         num_pages = pool_pages_from_memory(cfg, layout, dtype=dtype, index_cache=index_cache,

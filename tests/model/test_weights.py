@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dcp_jax.config import TINY, EngineConfig, ModelConfig, ParallelConfig
@@ -15,7 +16,7 @@ from dcp_jax.model import fp8_linear
 from dcp_jax.model.mesh import HEADS, make_mesh
 from dcp_jax.model.deepseek_v32 import (abstract_model, check_divisible, init_params, layer_params,
                                          layer_stacks, stack_of)
-from dcp_jax.model.mtp import init_mtp_params
+from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
 from dcp_jax.model.weights import (hf_tensor_shapes, layer_to_hf, layer_to_ours, load_hf_params, load_mtp_params,
                                    mtp_to_hf, save_hf)
 from dcp_jax.runtime.runner import ModelRunner
@@ -390,7 +391,12 @@ def test_block_fp8_mtp_layer_loads_as_the_decoder_layers_do(tensors, tmp_path):
     assert MTP_LAYER + "eh_proj.weight_scale_inv" in quantized
     _write_fp8(tmp_path / "fp8", full | quantized, FP8_CONFIG)
     hf_tiny.write_checkpoint(HF_CONFIG | {"num_nextn_predict_layers": 1}, dequantized, tmp_path / "f32")
-    kept = _mtp_leaves(load_mtp_params(MTP_CFG, tmp_path / "fp8"))
+    loaded = load_mtp_params(MTP_CFG, tmp_path / "fp8")
+    abstract = nnx.to_pure_dict(abstract_mtp(MTP_CFG, jnp.float32, BLOCK)[1])  # what the runner builds it as
+    assert jax.tree.structure(loaded) == jax.tree.structure(abstract)
+    assert all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(jax.tree.leaves(loaded),
+                                                                            jax.tree.leaves(abstract)))
+    kept = _mtp_leaves(loaded)
     none = _mtp_leaves(load_mtp_params(MTP_CFG, tmp_path / "fp8", quantization="none"))
     want = _mtp_leaves(load_mtp_params(MTP_CFG, tmp_path / "f32"))
     assert none.keys() == want.keys() == kept.keys()

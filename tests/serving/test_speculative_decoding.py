@@ -202,8 +202,8 @@ def test_a_checkpoints_mtp_layer_drafts_and_a_cut_checkpoint_is_refused(tmp_path
 
 
 def test_a_block_fp8_checkpoints_mtp_layer_drafts_in_fp8(tmp_path):
-    """DeepSeek's release format with its MTP layer in block fp8 (blocks of 16): the layer loads with its fp8
-    weights kept (`quantization` auto) and drafting leaves the fp8 model's greedy output unchanged."""
+    """DeepSeek's release format with its MTP layer in block fp8 (blocks of 16): the layer the engine drafts with
+    holds its fp8 weights (`quantization` auto) and drafting leaves the fp8 model's greedy output unchanged."""
     import json
 
     from safetensors.numpy import load_file, save_file
@@ -211,7 +211,7 @@ def test_a_block_fp8_checkpoints_mtp_layer_drafts_in_fp8(tmp_path):
     from dcp_jax.model import fp8_linear
     from dcp_jax.model.deepseek_v32 import init_params
     from dcp_jax.model.mtp import init_mtp_params
-    from dcp_jax.model.weights import load_mtp_params, save_hf
+    from dcp_jax.model.weights import save_hf
     from tests.model.test_weights import BLOCK16, FP8_16_CONFIG, _block_fp8
 
     save_hf(TINY, init_params(TINY, seed=0), tmp_path / "f32", mtp=init_mtp_params(TINY, seed=1))
@@ -221,8 +221,9 @@ def test_a_block_fp8_checkpoints_mtp_layer_drafts_in_fp8(tmp_path):
     config = json.loads((tmp_path / "f32" / "config.json").read_text())
     config["quantization_config"] = FP8_16_CONFIG["quantization_config"]
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
-    mtp = load_mtp_params(TINY, tmp_path / "fp8")
-    assert fp8_linear.weight_block(mtp) == BLOCK16
     kw = dict(max_model_len=64, max_num_seqs=4, page_size=4, dtype="float32", kernels="reference")
     plain = token_ids(LLM(str(tmp_path / "fp8"), **kw))
-    assert token_ids(LLM(str(tmp_path / "fp8"), speculative_config=MTP3, **kw)) == plain
+    drafting = LLM(str(tmp_path / "fp8"), speculative_config=MTP3, **kw)
+    _, mtp = drafting.runner.params  # (the model's, the MTP layer's), as the step programs take them
+    assert fp8_linear.weight_block(mtp) == BLOCK16
+    assert token_ids(drafting) == plain
