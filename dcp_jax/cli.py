@@ -319,8 +319,8 @@ def bench(args: argparse.Namespace) -> int:
 
 def plan(args: argparse.Namespace) -> int:
     """Print the memory plan (`model/memory_plan.py`) of a preset or a checkpoint's config on a mesh."""
-    from dcp_jax.config import (PRESETS, ModelConfig, ParallelConfig, model_directory, preset, resolve_dtype,
-                                unknown_model)
+    from dcp_jax.config import (PRESETS, ModelConfig, ParallelConfig, model_directory, num_speculative_tokens, preset,
+                                resolve_dtype, unknown_model)
     from dcp_jax.model.memory_plan import format_plan, make_plan
     from dcp_jax.model.weights import fp8_block_size
 
@@ -338,7 +338,7 @@ def plan(args: argparse.Namespace) -> int:
         result = make_plan(cfg, parallel, dtype=resolve_dtype(args.dtype, cfg), weight_format=weight_format,
                            device_bytes=int(args.device_memory_gib * 2**30),
                            gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size,
-                           max_num_seqs=args.max_num_seqs)
+                           max_num_seqs=args.max_num_seqs, mtp=num_speculative_tokens(args.speculative_config) > 0)
     except ValueError as e:
         print(f"dcp-jax plan: {e}", file=sys.stderr)
         return 2
@@ -412,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=GPU_MEMORY_HELP)
     m.add_argument("--page-size", type=int, default=64)
     m.add_argument("--max-num-seqs", type=int, default=256)
+    m.add_argument("--speculative-config", type=_json_object, default=None,
+                   help="as serve's: drafting with the MTP layer adds its weights and its layer of KV")
     m.set_defaults(run=plan)
     b = commands.add_parser("bench", help="a benchmark of bench/ (source checkout): dcp-jax bench decode --help",
                             add_help=False)

@@ -15,7 +15,7 @@ import math
 import jax
 import numpy as np
 
-from dcp_jax.config import WEIGHT_FORMATS, ModelConfig, ParallelConfig
+from dcp_jax.config import WEIGHT_FORMATS, ModelConfig, ParallelConfig, kv_layers
 from dcp_jax.model.attention.cache_formats import index_key_bytes, latent_bytes
 
 FP8_BLOCK = 128
@@ -97,36 +97,49 @@ class MemoryPlan:
     gpu_memory_utilization: float
     # (latent format, index format) -> tokens of context the pool holds (over a DCP group: W times one rank's).
     pool_tokens: dict[tuple[str, str], int]
+    # Whether the MTP layer drafts (speculative decoding): its weights and its layer of KV counted.
+    mtp: bool = False
 
 
 CACHE_FORMAT_PAIRS = (("exact", "exact"), ("exact", "fp8"), ("fp8", "fp8"))
 
 
 def make_plan(cfg: ModelConfig, parallel: ParallelConfig, *, dtype: str, weight_format: str, device_bytes: int,
-              gpu_memory_utilization: float, page_size: int = 64, max_num_seqs: int = 256) -> MemoryPlan:
+              gpu_memory_utilization: float, page_size: int = 64, max_num_seqs: int = 256,
+              mtp: bool = False) -> MemoryPlan:
     """The plan of `cfg` on `parallel` in model dtype `dtype` ('bfloat16' / 'float32') with weights in
-    `weight_format`, for devices of `device_bytes`; the pool at gpu_memory_utilization as the engine sizes it."""
+    `weight_format`, for devices of `device_bytes`; the pool at gpu_memory_utilization as the engine sizes it. With
+    `mtp` the MTP layer drafts: its weights (split as the decoder layers') and its layer of KV are counted."""
     import jax.numpy as jnp
     from flax import nnx
 
     from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, param_specs
+    from dcp_jax.model.mtp import abstract_mtp
 
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+    if mtp and cfg.num_nextn_predict_layers < 1:
+        raise ValueError("speculative_config: the model has no MTP layer (num_nextn_predict_layers is 0)")
     check_divisible(cfg, parallel.tp, expert_parallel=parallel.enable_expert_parallel)
-    abstract = nnx.to_pure_dict(abstract_model(cfg, jnp.dtype(dtype))[1])
-    weights = weight_bytes_per_rank(abstract, param_specs(abstract, expert_parallel=parallel.enable_expert_parallel),
-                                     parallel, weight_format)
-    itemsize = np.dtype(dtype).itemsize
+    weights, abstracts = 0, [abstract_model(cfg, jnp.dtype(dtype))[1]]
+    if mtp:
+        abstracts.append(abstract_mtp(cfg, jnp.dtype(dtype))[1])
+    for abstract in abstracts:
+        abstract = nnx.to_pure_dict(abstract)
+        specs = param_specs(abstract, expert_parallel=parallel.enable_expert_parallel)
+        weights += weight_bytes_per_rank(abstract, specs, parallel, weight_format)
+    itemsize, layers = np.dtype(dtype).itemsize, kv_layers(cfg, int(mtp))
     per_token, tokens = {}, {}
     for latent, index in CACHE_FORMAT_PAIRS:
         if latent == "fp8" and cfg.kv_lora_rank % FP8_BLOCK:
             continue
-        per_token[latent, index] = kv_bytes_per_token(cfg, latent_cache=latent, index_cache=index, itemsize=itemsize)
+        per_token[latent, index] = kv_bytes_per_token(cfg, latent_cache=latent, index_cache=index, itemsize=itemsize,
+                                                      layers=layers)
         pages = pool_pages(device_bytes * gpu_memory_utilization - weights, cfg, page_size=page_size,
-                           latent_cache=latent, index_cache=index, itemsize=itemsize, max_num_seqs=max_num_seqs)
+                           latent_cache=latent, index_cache=index, itemsize=itemsize, max_num_seqs=max_num_seqs,
+                           layers=layers)
         tokens[latent, index] = max(pages, 0) * page_size * parallel.dcp
-    return MemoryPlan(parallel, weight_format, weights, per_token, device_bytes, gpu_memory_utilization, tokens)
+    return MemoryPlan(parallel, weight_format, weights, per_token, device_bytes, gpu_memory_utilization, tokens, mtp)
 
 
 def _size(n: float) -> str:
@@ -137,7 +150,7 @@ def format_plan(plan: MemoryPlan, name: str) -> str:
     """The plan as the CLI prints it."""
     p = plan.parallel
     lines = [f"{name} on tp={p.tp}{' (expert parallel)' if p.enable_expert_parallel else ''} dcp={p.dcp}, "
-             f"weights in {plan.weight_format}",
+             f"weights in {plan.weight_format}{', with the MTP layer (drafting)' if plan.mtp else ''}",
              f"  weights per rank: {_size(plan.weight_bytes)}",
              f"  device memory: {_size(plan.device_bytes)} x gpu_memory_utilization {plan.gpu_memory_utilization}",
              f"  {'latent/index cache':<20}{'B/token on its rank':>22}{'(latent + index)':>22}"

@@ -79,6 +79,23 @@ def test_deepseek_v32_in_fp8_on_eight_h200s_at_dcp_8():
     assert bf16.weight_bytes > 150 * 2**30 and set(bf16.pool_tokens.values()) == {0}  # bf16 does not fit
 
 
+def test_drafting_with_the_mtp_layer_counts_its_weights_and_its_layer_of_kv(capsys):
+    """speculative_config: the MTP layer's weights (a MoE decoder layer, split as the others) and a 62nd layer of
+    KV a token; a model without an MTP layer is refused."""
+    kw = dict(dtype="bfloat16", weight_format="fp8", device_bytes=143771 * 2**20, gpu_memory_utilization=0.9)
+    plain = make_plan(DEEPSEEK_V32, ParallelConfig(tp=8, dcp=8), **kw)
+    drafting = make_plan(DEEPSEEK_V32, ParallelConfig(tp=8, dcp=8), mtp=True, **kw)
+    assert 1 * 2**30 < drafting.weight_bytes - plain.weight_bytes < 2 * 2**30  # ~11.5B parameters in e4m3 over 8
+    assert drafting.kv_bytes_per_token["fp8", "fp8"] == {"latent": 62 * 656, "index_k": 62 * 132}
+    assert 0 < drafting.pool_tokens["fp8", "fp8"] < plain.pool_tokens["fp8", "fp8"]
+    with pytest.raises(ValueError, match="no MTP layer"):
+        make_plan(dataclasses.replace(DEEPSEEK_V32, num_nextn_predict_layers=0), ParallelConfig(tp=8, dcp=8),
+                  mtp=True, **kw)
+    mtp = '{"method": "mtp", "num_speculative_tokens": 2}'
+    assert cli.main(["plan", "--model", "deepseek-v3.2", "--tp", "8", "--dcp", "8", "--speculative-config", mtp]) == 0
+    assert "with the MTP layer (drafting)" in capsys.readouterr().out
+
+
 def test_plan_command_prints_the_plan_and_refuses_bad_input(capsys):
     assert cli.main(["plan", "--model", "deepseek-v3.2", "--tp", "8", "--dcp", "8", "--weight-format", "fp8"]) == 0
     out = capsys.readouterr().out
