@@ -113,6 +113,12 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
             compute_context=compute_context,
         )
 
+    def operands(rows, columns, depth, depth_blocks):
+        """The pipeline's GMEM operands for a tile: x, w and x's scales, and unless overlap_promotion (which reads
+        w's compact scales itself) the expanded column scales."""
+        refs = [x_gmem.at[rows, depth], w_gmem.at[columns, depth], xs_gmem.at[depth_blocks, rows]]
+        return refs if overlap_promotion else refs + [ws_gmem.at[depth_blocks, columns]]
+
     def tile(m, n, part, allocations=None):
         """Output tile (m, n) over the part-th k_splits-th of K. Persistent, its store is left in flight (the next
         tile's loads overlap it) and waited for before this warpgroup writes its SMEM again."""
@@ -129,25 +135,18 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
             if not persistent:
                 plgpu.wait_smem_to_gmem(0)
 
-        operands = [x_gmem.at[rows, depth], w_gmem.at[columns, depth], xs_gmem.at[depth_blocks, rows]]
-        if not overlap_promotion:
-            pipeline(step, compute)(*operands, ws_gmem.at[depth_blocks, columns], allocations=allocations)
-            return
-        scale_block = lax.div(n * cta_n + wg_columns.start, scale_block_rows)
-
-        def body(indices, *refs):
+        def overlapped_body(indices, *refs):
+            scale_block = lax.div(n * cta_n + wg_columns.start, scale_block_rows)
             return overlapped_step(scale_block, part * steps + indices[0], *refs)
 
-        pipeline(body, compute)(*operands, allocations=allocations)
+        pipeline(overlapped_body if overlap_promotion else step, compute)(
+            *operands(rows, columns, depth, depth_blocks), allocations=allocations)
 
     if not persistent:
         tile(lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("k"))
         return
-    rows, columns, depth, depth_blocks = pl.ds(0, cta_m), pl.ds(0, cta_n), pl.ds(0, steps * BLOCK_K), pl.ds(0, steps)
-    operands = [x_gmem.at[rows, depth], w_gmem.at[columns, depth], xs_gmem.at[depth_blocks, rows]]
-    if not overlap_promotion:
-        operands.append(ws_gmem.at[depth_blocks, columns])
-    allocations = pipeline(lambda *_: None, lambda *_: None).get_allocations(*operands)
+    first_tile = operands(pl.ds(0, cta_m), pl.ds(0, cta_n), pl.ds(0, steps * BLOCK_K), pl.ds(0, steps))
+    allocations = pipeline(lambda *_: None, lambda *_: None).get_allocations(*first_tile)
 
     @functools.partial(pl.run_scoped, allocations=allocations, collective_axes="wg")
     def _(allocations):
