@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="fp8_gemm implementations timed; NAME+LABEL times NAME with the knobs --knobs gives LABEL")
     parser.add_argument("--knobs", default="{}", help='JSON: label -> knobs, e.g. {"k8": {"k_splits": 8}}')
     parser.add_argument("--calls", type=int, default=20, help="traced calls per timing (a GPU's device time)")
+    parser.add_argument("--kernels-only", action="store_true",
+                        help="time the bf16 product and the kernels, not XLA's per-tensor fp8 or the engine's XLA "
+                             "path (fewer compiles: a knob sweep)")
     parser.add_argument("--copy-bytes", type=lambda t: sizes(t)[0], default=2 << 30,
                         help="the copy ceiling's array (8M, 2G, ...)")
     parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n x n x n bf16 matmul ceiling")
@@ -142,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             x_bf16 = x.astype(jnp.bfloat16)
             flops = 2 * rows * width * depth
             bf16_us = 1e6 * seconds(_bf16_matmul, [(x_bf16, w) for w in plain])
-            fp8_us = 1e6 * seconds(_fp8_per_tensor, [(x, w.values, jnp.float32(1.0)) for w in weights])
-            engine_us = 1e6 * seconds(_engine_fp8_xla, [(x_bf16, w) for w in weights])
+            fp8_us = engine_us = math.nan
+            if not args.kernels_only:
+                fp8_us = 1e6 * seconds(_fp8_per_tensor, [(x, w.values, jnp.float32(1.0)) for w in weights])
+                engine_us = 1e6 * seconds(_engine_fp8_xla, [(x_bf16, w) for w in weights])
             want = np.asarray(pallas_kernels.reference.fp8_gemm(x, x_scales, weights[0].values, weights[0].scales,
                                                                 block=BLOCK, out_dtype=jnp.float32))
             row = dict(kind="point", layer=name, rows=rows, width=width, depth=depth, bf16_us=bf16_us,

@@ -5,6 +5,7 @@ and the weight read, its error against the reference). No timing is asserted."""
 import contextlib
 import io
 import json
+import math
 
 import pytest
 
@@ -28,6 +29,18 @@ def test_fp8_gemm_bench_reports_each_backend_against_the_ceilings(tmp_path):
         for backend in ("triton", "reference", "triton+m32"):
             assert point["backends"][backend]["us"] > 0 and point["backends"][backend]["rel_error"] < 1e-2
         assert "sm_90" in point["backends"]["mosaic"]["failed"]  # no Mosaic GPU kernel on CPU: said, not hidden
+
+
+def test_fp8_gemm_bench_times_only_the_kernels_when_asked(tmp_path):
+    out = tmp_path / "fp8_gemm.jsonl"
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = cli.main(["bench", "fp8_gemm", "--shapes", "256x128", "--rows", "3", "--backends", "reference",
+                       "--kernels-only", "--calls", "1", "--copy-bytes", "4M", "--matmul-size", "128",
+                       "--json-out", str(out)])
+    assert rc == 0
+    _, point = [json.loads(line) for line in out.read_text().splitlines()]
+    assert point["bf16_us"] > 0 and point["backends"]["reference"]["us"] > 0
+    assert math.isnan(point["fp8_per_tensor_us"]) and math.isnan(point["engine_fp8_xla_us"])
 
 
 def test_fp8_gemm_bench_refuses_knob_labels_that_do_not_match():
