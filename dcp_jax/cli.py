@@ -19,7 +19,8 @@ from dcp_jax.serving.loading import use_cpu_devices
 
 DTYPE_HELP = "weights, activations and exact caches: auto (the checkpoint's; bfloat16 for presets)"
 QUANTIZATION_HELP = ("auto: the checkpoint's (a block fp8 checkpoint's linear weights stay fp8); none: dequantize "
-                     "them into --dtype")
+                     "them into --dtype; fp8: also quantize an unquantized checkpoint's or a preset's linear weights "
+                     "to DeepSeek's block fp8 (128 x 128) on load")
 BATCHED_TOKENS_HELP = "rows of one step at most: its decode rows and prefill-chunk tokens (long prompts run in chunks)"
 PREFIX_CACHING_HELP = "reuse the KV pages of full virtual blocks a prompt shares with earlier requests"
 UNROLL_LAYERS_HELP = ("compile one copy of every decoder layer instead of one scan over each stack of layers: start-up "

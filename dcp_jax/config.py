@@ -307,8 +307,10 @@ def resolve_dtype(dtype: str, cfg: ModelConfig) -> str:
 # scale per 128 x 128 block; embeddings, norms, the router and lm_head in the model dtype).
 WEIGHT_FORMATS = ("model_dtype", "fp8")
 # How a checkpoint's weights load (vLLM's `quantization`): auto is the checkpoint's format (a block fp8 one stays in
-# fp8, `model/fp8_linear.py`), none dequantizes into the model dtype.
-QUANTIZATION_CHOICES = ("auto", "none")
+# fp8, `model/fp8_linear.py`), none dequantizes into the model dtype, fp8 quantizes an unquantized checkpoint's (or a
+# preset's) linear weights to DeepSeek's block fp8 on load (ONLINE_FP8_BLOCK; a block fp8 checkpoint stays as it is).
+QUANTIZATION_CHOICES = ("auto", "none", "fp8")
+ONLINE_FP8_BLOCK = (128, 128)  # DeepSeek-V3.2's weight_block_size
 
 # Which kernels the model runs (attention, the MoE's grouped matmul, block-fp8 linear layers): auto (Pallas on a GPU,
 # the pure-jnp references elsewhere), pallas (the Pallas kernels; interpreted on CPU) or reference.

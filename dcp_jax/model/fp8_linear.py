@@ -301,14 +301,16 @@ def plain_spec(w: Fp8BlockWeight, values_spec: P) -> P:
 
 
 def check_shardable(name: str, w: Fp8BlockWeight, spec: P, mesh_shape: dict[str, int]) -> None:
-    """ValueError naming the leaf unless every rank's slice of its split input / output axes is whole blocks."""
+    """ValueError naming the leaf unless every rank's slice of its split input / output axes is whole blocks (one
+    rank's slice is the whole axis: its edge block may be partial)."""
     axes = _padded(spec, len(w.shape))
     bn, bk = w.block
     for group, size, kind in ((w.in_axes, bk, "input"), (w.out_axes, bn, "output")):
         split = axes[group[0]]
-        if split is None:
+        names = () if split is None else split if isinstance(split, tuple) else (split,)
+        ranks = math.prod(mesh_shape[a] for a in names)
+        if ranks == 1:
             continue
-        ranks = math.prod(mesh_shape[a] for a in (split if isinstance(split, tuple) else (split,)))
         per_rank = math.prod(w.shape[a] for a in group) // ranks
         if per_rank % size:
             raise ValueError(f"{name}: a rank's {kind} slice of {per_rank} is not a whole number of fp8 blocks of "

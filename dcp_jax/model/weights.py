@@ -33,7 +33,7 @@ from flax import nnx
 import numpy as np
 from jax.sharding import Mesh
 
-from dcp_jax.config import QUANTIZATION_CHOICES, ModelConfig
+from dcp_jax.config import ONLINE_FP8_BLOCK, QUANTIZATION_CHOICES, ModelConfig
 from dcp_jax.model import fp8_linear
 from dcp_jax.model.mesh import sharding
 from dcp_jax.model.deepseek_v32 import abstract_model, layer_params, layer_stacks, param_specs, stack_of
@@ -257,10 +257,16 @@ def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, 
 
 def kept_fp8_block(path: str, quantization: str) -> tuple[int, int] | None:
     """The block of the fp8 weights `load_hf_params` keeps for `quantization` (`config.QUANTIZATION_CHOICES`): the
-    checkpoint's under "auto" when it is block fp8; None when the weights load in the load dtype."""
+    checkpoint's under "auto" or "fp8" when it is block fp8; None when the weights load in the load dtype."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization={quantization!r} must be one of {QUANTIZATION_CHOICES}")
-    return fp8_block_size(path) if quantization == "auto" else None
+    return fp8_block_size(path) if quantization != "none" else None
+
+
+def online_fp8_block(path: str, quantization: str) -> tuple[int, int] | None:
+    """The block `quantization` "fp8" quantizes an unquantized checkpoint's fp8 leaves to on load (None otherwise:
+    a block fp8 checkpoint's are kept as they are)."""
+    return ONLINE_FP8_BLOCK if quantization == "fp8" and not fp8_block_size(path) else None
 
 
 def _layer_scales_to_ours(cfg: ModelConfig, scales: dict[str, np.ndarray], block: tuple[int, int],
@@ -380,7 +386,8 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
                    quantization: str = "auto") -> dict:
     """Read a HF checkpoint directory into our pure-dict params, placed on `mesh` with `model.param_specs` (routed
     experts split along X when `expert_parallel`, else along F; default device when `mesh` is None). A block fp8
-    checkpoint's fp8 weights stay fp8 under `quantization` "auto" and load in `dtype` under "none". Raises
+    checkpoint's fp8 weights stay fp8 under `quantization` "auto" (or "fp8") and load in `dtype` under "none"; an
+    unquantized checkpoint's `fp8_linear.FP8_AXES` leaves are quantized to `config.ONLINE_FP8_BLOCK` under "fp8". Raises
     ValueError listing missing / unexpected tensors, shape mismatches or malformed fp8 scales before any
     conversion. `progress(iterable)` may wrap the per-layer loop (e.g. tqdm)."""
     path = os.fspath(path)
@@ -401,8 +408,9 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
         raise ValueError(f"checkpoint {path} has tensors of the wrong shape or type: {wrong[:20]}")
     scale_values = _checked_fp8_scales(path, cfg, reader, expected, block, kept_block is not None)
     read = _fp8_reader(reader, scale_values, block, kept_block)
+    online_block = online_fp8_block(path, quantization)
 
-    _, abstract = abstract_model(cfg, dtype, kept_block)
+    _, abstract = abstract_model(cfg, dtype, kept_block or online_block)
     abstract = nnx.to_pure_dict(abstract)
     specs = param_specs(abstract, expert_parallel=expert_parallel)
     if mesh is not None:
@@ -410,7 +418,7 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     stacks = {stack.name: _zero_stack(abstract[stack.name], specs[stack.name], mesh) for stack in layer_stacks(cfg)}
     layers = range(cfg.num_hidden_layers)
     for layer in progress(layers) if progress else layers:
-        ours = _read_layer(cfg, layer, read, scale_values, kept_block)
+        ours = _read_layer(cfg, layer, read, scale_values, kept_block, online_block)
         stack = stack_of(cfg, layer)
         placed = _place(jax.tree.map(lambda x: x[None], ours), specs[stack.name], abstract[stack.name], mesh)
         stacks[stack.name] = _write_layer(stacks[stack.name], placed, layer - stack.first)
@@ -440,11 +448,14 @@ def _fp8_reader(reader: _Reader, scale_values: dict[str, np.ndarray], block: tup
 
 
 def _read_layer(cfg: ModelConfig, layer: int, read: Callable[[str], np.ndarray], scale_values: dict[str, np.ndarray],
-                kept_block: tuple[int, int] | None) -> dict:
-    """Decoder layer `layer` (a main one or the MTP layer) as our params: its kept fp8 leaves `Fp8BlockWeight`s."""
+                kept_block: tuple[int, int] | None, online_block: tuple[int, int] | None = None) -> dict:
+    """Decoder layer `layer` (a main one or the MTP layer) as our params: its kept fp8 leaves `Fp8BlockWeight`s, or
+    with `online_block` its fp8 leaves quantized to that block here."""
     prefix = f"model.layers.{layer}."
     names = [prefix + name for name in layer_tensor_shapes(cfg, layer)]
     ours = layer_to_ours(cfg, layer, {n[len(prefix):]: read(n) for n in names})
+    if online_block:
+        return jax.tree.map(np.asarray, fp8_linear.quantize_params(ours, online_block))
     if not kept_block:
         return ours
     layer_scales = {n[len(prefix):]: scale_values[n] for n in names if n in scale_values and _kept(n, kept_block)}
@@ -527,7 +538,8 @@ def mtp_to_hf(cfg: ModelConfig, mtp: dict, params: dict) -> dict[str, np.ndarray
 def load_mtp_params(cfg: ModelConfig, path: str | os.PathLike, quantization: str = "auto") -> dict:
     """The MTP layer of a HF checkpoint directory as an `MtpLayer`'s pure dict of numpy arrays, f32; a block fp8
     checkpoint's as `load_hf_params` reads its layers: its decoder layer's fp8 leaves stay fp8 under quantization
-    "auto", the rest (eh_proj among them, if stored in fp8) dequantized. Strict: ValueError naming missing tensors,
+    "auto" or "fp8", the rest (eh_proj among them, if stored in fp8) dequantized; an unquantized checkpoint's
+    decoder-layer fp8 leaves quantized under "fp8". Strict: ValueError naming missing tensors,
     wrong shapes or malformed fp8 scales; its copies of the embedding and the head must equal the main model's."""
     path = os.fspath(path)
     reader = _Reader(_safetensors_files(path))
@@ -540,6 +552,7 @@ def load_mtp_params(cfg: ModelConfig, path: str | os.PathLike, quantization: str
     block, kept_block = fp8_block_size(path), kept_fp8_block(path, quantization)
     scale_values = _checked_fp8_scales(path, cfg, reader, expected, block, kept_block is not None)
     read = _fp8_reader(reader, scale_values, block, kept_block)
+    online_block = online_fp8_block(path, quantization)
     prefix = _mtp_prefix(cfg)
 
     def own(name: str) -> np.ndarray:
@@ -556,6 +569,6 @@ def load_mtp_params(cfg: ModelConfig, path: str | os.PathLike, quantization: str
             return dataclasses.replace(x, scales=np.asarray(x.scales, np.float32))
         return np.asarray(x, np.float32)
 
-    layer = _read_layer(cfg, cfg.num_hidden_layers, read, scale_values, kept_block)
+    layer = _read_layer(cfg, cfg.num_hidden_layers, read, scale_values, kept_block, online_block)
     return {"enorm": own("enorm.weight"), "hnorm": own("hnorm.weight"), "eh_proj": own("eh_proj.weight").T,
             "head_norm": own("shared_head.norm.weight"), "layer": jax.tree.map(f32, layer, is_leaf=fp8_linear.is_fp8)}

@@ -85,7 +85,8 @@ class Engine:
     dtype: "auto" (the checkpoint's; bfloat16 for presets), "bfloat16" or "float32": the activations' and the
     weights' not kept in fp8.
     quantization: "auto" (the checkpoint's: a block fp8 checkpoint's linear weights stay e4m3 with their block
-    scales, multiplied by a fine-grained fp8 GEMM) or "none" (dequantized into dtype on load).
+    scales, multiplied by a fine-grained fp8 GEMM), "none" (dequantized into dtype on load) or "fp8" (also an
+    unquantized checkpoint's or a preset's linear weights quantized to block fp8 on load).
     num_pages None: what fits gpu_memory_utilization of the GPU's memory after the weights (CPU: max_num_seqs
     requests of max_model_len).
     async_scheduling: dispatch each step before reading the previous one's tokens (`core.py`).

@@ -8,7 +8,7 @@ import logging
 import os
 from collections.abc import Sequence
 
-from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, KERNEL_CHOICES, PRESETS,
+from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, KERNEL_CHOICES, ONLINE_FP8_BLOCK, PRESETS,
                             QUANTIZATION_CHOICES, EngineConfig, ModelConfig, ParallelConfig, kv_layers,
                             model_directory, num_speculative_tokens, preset, resolve_dtype, unknown_model)
 from dcp_jax.host.layout import DcpLayout
@@ -165,7 +165,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     rows and prefill-chunk tokens) of a step at most (`EngineConfig`); `enable_expert_parallel` splits the routed
     experts whole over the tp ranks instead of along their width (`ParallelConfig`). `quantization`
     (`config.QUANTIZATION_CHOICES`): auto keeps a block fp8 checkpoint's fp8 weights in fp8 (`dtype` stays the
-    activations' and the rest's), none dequantizes them into `dtype`. `hf_overrides` (vLLM's name): config.json
+    activations' and the rest's), none dequantizes them into `dtype`, fp8 also quantizes an unquantized checkpoint's
+    or a preset's linear weights to block fp8 on load. `hf_overrides` (vLLM's name): config.json
     fields replaced before anything loads (`apply_hf_overrides`), e.g. {"index_topk": 16384} attends densely up
     to 16K tokens. `speculative_config` (vLLM's): {"method": "mtp", "num_speculative_tokens": N} drafts with the
     model's MTP layer (`config.num_speculative_tokens`; a checkpoint's, or a preset's random one). `enable_tbo`
@@ -222,29 +223,39 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     from dcp_jax.model.attention.cache_formats import check_latent_format
     from dcp_jax.model.attention.sparse_dcp import kernel_backend
     from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, param_specs
-    from dcp_jax.model.fp8_linear import is_fp8, weight_block
+    from dcp_jax.model.fp8_linear import is_fp8, quantize_params, weight_block
     from dcp_jax.model.mesh import make_mesh, sharding
     from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
-    from dcp_jax.model.weights import check_fp8_shardable, load_hf_params, load_mtp_params
+    from dcp_jax.model.weights import (check_fp8_shardable, kept_fp8_block, load_hf_params, load_mtp_params,
+                                       online_fp8_block)
     from dcp_jax.runtime.runner import ModelRunner
 
     check_divisible(cfg, parallel.tp, expert_parallel=enable_expert_parallel)
     check_latent_format(latent_cache, cfg)
+    preset_block = ONLINE_FP8_BLOCK if quantization == "fp8" else None  # a preset's random weights, quantized
+    if is_dir:  # the block of the fp8 weights the load gives
+        block = kept_fp8_block(directory, quantization) or online_fp8_block(directory, quantization)
+    else:
+        block = preset_block
     mesh = make_mesh(parallel, deployment_devices(parallel.tp, processes) if processes > 1 else None)
+    abstract = nnx.to_pure_dict(abstract_model(cfg, jnp.dtype(dtype), block)[1])
+    specs = param_specs(abstract, expert_parallel=enable_expert_parallel)
+    check_fp8_shardable(abstract, specs, mesh)  # before anything is read or drawn
     if is_dir:
         params = load_hf_params(cfg, directory, mesh, dtype=jnp.dtype(dtype), expert_parallel=enable_expert_parallel,
                                 quantization=quantization)
     else:
-        params = init_params(cfg, seed, jnp.dtype(dtype))
+        params = init_params(cfg, seed, jnp.dtype(dtype), preset_block)
         if processes > 1:  # host values, each process placing its own shards of them
             params = jax.tree.map(np.asarray, params)
-    specs = param_specs(nnx.to_pure_dict(abstract_model(cfg, jnp.dtype(dtype), weight_block(params))[1]),
-                        expert_parallel=enable_expert_parallel)
     params = jax.device_put(params, jax.tree.map(lambda spec: sharding(mesh, spec), specs))
     mtp_params = None
     if drafts:  # placed split as the decoder layers are, before the pool is sized by what is left
-        mtp_params = (load_mtp_params(cfg, directory, quantization) if is_dir
-                      else init_mtp_params(cfg, seed + 1, jnp.dtype(dtype)))
+        if is_dir:
+            mtp_params = load_mtp_params(cfg, directory, quantization)
+        else:
+            mtp_params = init_mtp_params(cfg, seed + 1, jnp.dtype(dtype))
+            mtp_params = mtp_params if preset_block is None else quantize_params(mtp_params, preset_block)
         mtp_abstract = nnx.to_pure_dict(abstract_mtp(cfg, jnp.dtype(dtype), weight_block(mtp_params))[1])
         mtp_params = jax.tree.map(  # fp8 weights as they are, each other leaf in its abstract leaf's dtype
             lambda a, want: a if is_fp8(a) else np.asarray(a).astype(want.dtype), mtp_params, mtp_abstract,

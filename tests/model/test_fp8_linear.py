@@ -107,6 +107,8 @@ def test_scale_specs_follow_the_split_axes():
     for w, plain in ((wq_b, P(None, HEADS, None)), (wo, P(HEADS, None, None)), (experts, P(None, None, HEADS))):
         assert fp8_linear.plain_spec(w, fp8_linear.weight_spec(w, plain).values) == plain
     fp8_linear.check_shardable("wo", wo, P(HEADS, None, None), {"dcp_group": 1, "dcp": 2})
+    edge = fp8_linear.quantize(jnp.ones((4, 6, 16)), (16, 16), *fp8_linear.FP8_AXES["wo"])  # 24 inputs: 1.5 blocks
+    fp8_linear.check_shardable("wo", edge, P(HEADS, None, None), {"dcp_group": 1, "dcp": 1})  # one rank: the whole
     with pytest.raises(ValueError, match="wo: a rank's input slice of 8 is not a whole number of fp8 blocks"):
         fp8_linear.check_shardable("wo", wo, P(HEADS, None, None), {"dcp_group": 2, "dcp": 2})
 

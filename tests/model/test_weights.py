@@ -418,3 +418,28 @@ def test_block_fp8_mtp_layer_without_a_scale_is_refused(tensors, tmp_path):
     _write_fp8(tmp_path, full | quantized, FP8_CONFIG)
     with pytest.raises(ValueError, match="o_proj.weight: F8_E4M3 without a weight_scale_inv"):
         load_mtp_params(MTP_CFG, tmp_path)
+
+
+def test_quantization_fp8_quantizes_an_unquantized_checkpoint_on_load(tensors, checkpoint, tmp_path):
+    """quantization "fp8" (vLLM's online fp8): an f32 checkpoint's FP8_AXES leaves, the MTP layer's too, become block
+    fp8 of ONLINE_FP8_BLOCK, each the `fp8_linear.quantize` of the plain load's weight; the rest is the plain load's.
+    A block fp8 checkpoint loads under "fp8" exactly as under "auto"."""
+    from dcp_jax.config import ONLINE_FP8_BLOCK
+
+    plain, online = load_hf_params(CFG, checkpoint), load_hf_params(CFG, checkpoint, quantization="fp8")
+    assert fp8_linear.weight_block(online) == ONLINE_FP8_BLOCK
+    flat = jax.tree_util.tree_flatten_with_path(online, is_leaf=fp8_linear.is_fp8)[0]
+    for (path, got), want in zip(flat, jax.tree.leaves(plain)):
+        name = path[-1].key
+        if fp8_linear.is_fp8(got):
+            want = fp8_linear.quantize(want, ONLINE_FP8_BLOCK, *fp8_linear.FP8_AXES[name])
+            np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales), err_msg=name)
+            got, want = got.values.astype(jnp.float32), want.values.astype(jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
+    hf_tiny.write_checkpoint(HF_CONFIG | {"num_nextn_predict_layers": 1}, _with_mtp_layer(tensors), tmp_path / "mtp")
+    assert fp8_linear.weight_block(load_mtp_params(MTP_CFG, tmp_path / "mtp", "fp8")) == ONLINE_FP8_BLOCK
+    quantized, _ = _block_fp8(tensors)
+    _write_fp8(tmp_path / "fp8", tensors | quantized | MTP, FP8_CONFIG)
+    for a, b in zip(jax.tree.leaves(load_hf_params(CFG, tmp_path / "fp8", quantization="fp8")),
+                    jax.tree.leaves(load_hf_params(CFG, tmp_path / "fp8"))):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
