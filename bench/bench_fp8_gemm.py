@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=20, help="traced calls per timing (a GPU's device time)")
     parser.add_argument("--kernels-only", action="store_true",
                         help="time the bf16 product and the kernels, not XLA's per-tensor fp8 or the engine's XLA "
-                             "path (fewer compiles: a knob sweep)")
+                             "path (null in the JSON; fewer compiles: a knob sweep)")
     parser.add_argument("--copy-bytes", type=lambda t: sizes(t)[0], default=2 << 30,
                         help="the copy ceiling's array (8M, 2G, ...)")
     parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n x n x n bf16 matmul ceiling")
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             x_bf16 = x.astype(jnp.bfloat16)
             flops = 2 * rows * width * depth
             bf16_us = 1e6 * seconds(_bf16_matmul, [(x_bf16, w) for w in plain])
-            fp8_us = engine_us = math.nan
+            fp8_us = engine_us = None
             if not args.kernels_only:
                 fp8_us = 1e6 * seconds(_fp8_per_tensor, [(x, w.values, jnp.float32(1.0)) for w in weights])
                 engine_us = 1e6 * seconds(_engine_fp8_xla, [(x_bf16, w) for w in weights])
@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             row = dict(kind="point", layer=name, rows=rows, width=width, depth=depth, bf16_us=bf16_us,
                        fp8_per_tensor_us=fp8_us, engine_fp8_xla_us=engine_us, weight_read_us=read_us, backends={})
             shared = (f"| {name} | {rows} | {width} x {depth} | {bf16_us:.1f} ({flops / bf16_us / 1e6:.0f}) | "
-                      f"{fp8_us:.1f} ({flops / fp8_us / 1e6:.0f}) | {engine_us:.1f} | {read_us:.1f} |")
+                      f"{'-' if fp8_us is None else f'{fp8_us:.1f} ({flops / fp8_us / 1e6:.0f})'} | "
+                      f"{'-' if engine_us is None else f'{engine_us:.1f}'} | {read_us:.1f} |")
             for backend in args.backends.split(","):
                 implementation, _, label = backend.partition("+")
                 run = jax.jit(lambda x, xs, w, ws, b=implementation, k=knobs.get(label, {}): pallas_kernels.fp8_gemm(
@@ -169,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 row["backends"][backend] = dict(us=us, rel_error=error)
                 print(f"{shared} {backend} | {us:.1f} | {flops / us / 1e6:.0f} | {bf16_us / us:.2f}x | "
-                      f"{engine_us / us:.2f}x | {us / read_us:.2f}x | {error:.1e} |", flush=True)
+                      f"{'-' if engine_us is None else f'{engine_us / us:.2f}x'} | {us / read_us:.2f}x | {error:.1e} |",
+                      flush=True)
             record(row)
     if out:
         out.close()

@@ -407,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--enable-expert-parallel", action="store_true", help=EXPERT_PARALLEL_HELP)
     m.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     m.add_argument("--weight-format", choices=("auto",) + WEIGHT_FORMATS, default="auto",
-                   help="auto: the checkpoint's (fp8 for a block-fp8 checkpoint; the model dtype for presets)")
+                   help="auto: the checkpoint's (fp8 for a block-fp8 checkpoint; the model dtype for presets); fp8 "
+                        "also plans a load under --quantization fp8")
     m.add_argument("--device-memory-gib", type=float, default=H200_MEMORY_GIB,
                    help="memory of one device (default: an H200's, as nvidia-smi reports it)")
     m.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=GPU_MEMORY_HELP)

@@ -9,13 +9,15 @@ with the step's sharding (`model.param_specs`: heads, MLP widths and routed expe
 
 Block-fp8 checkpoints (DeepSeek's release format: `quantization_config` {"quant_method": "fp8", "fmt": "e4m3",
 "weight_block_size": [bn, bk]}, e4m3 `X.weight` beside an f32 `X.weight_scale_inv` of one scale per bn x bk block)
-load by `quantization` (vLLM's word): "auto" keeps the projections DeepSeek stores in fp8 (`fp8_linear.FP8_AXES`)
-in fp8, as `fp8_linear.Fp8BlockWeight`s of their e4m3 values and scales; "none" dequantizes them (weight = e4m3
-value x its block's scale) into the load dtype. Malformed scales (a wrong grid, a missing one, a non-finite or
-non-positive value) and a rank's slice of a split fp8 weight that is not whole blocks are ValueErrors naming the
-tensor, raised before anything is placed. `load_hf_params` does not read layers the config does not use: the
-multi-token-prediction layer (`num_nextn_predict_layers`, numbered after the decoder layers; `load_mtp_params`
-reads it, in fp8 alike), and decoder layers past a `num_hidden_layers` lowered to load only the first ones.
+load by `quantization` (vLLM's word): "auto" (and "fp8") keeps the projections DeepSeek stores in fp8
+(`fp8_linear.FP8_AXES`) in fp8, as `fp8_linear.Fp8BlockWeight`s of their e4m3 values and scales; "none" dequantizes
+them (weight = e4m3 value x its block's scale) into the load dtype. "fp8" quantizes an unquantized checkpoint's
+projections to block fp8 (`config.ONLINE_FP8_BLOCK`) as each layer loads, on the host. Malformed scales (a wrong
+grid, a missing one, a non-finite or non-positive value) and a rank's slice of a split fp8 weight that is not whole
+blocks are ValueErrors naming the tensor, raised before anything is placed. `load_hf_params` does not read layers
+the config does not use: the multi-token-prediction layer (`num_nextn_predict_layers`, numbered after the decoder
+layers; `load_mtp_params` reads it, in fp8 alike), and decoder layers past a `num_hidden_layers` lowered to load
+only the first ones.
 """
 
 from __future__ import annotations
@@ -264,9 +266,21 @@ def kept_fp8_block(path: str, quantization: str) -> tuple[int, int] | None:
 
 
 def online_fp8_block(path: str, quantization: str) -> tuple[int, int] | None:
-    """The block `quantization` "fp8" quantizes an unquantized checkpoint's fp8 leaves to on load (None otherwise:
-    a block fp8 checkpoint's are kept as they are)."""
+    """The block `quantization` "fp8" quantizes an unquantized checkpoint's `fp8_linear.FP8_AXES` leaves to on load
+    (None otherwise: a block fp8 checkpoint's are kept as they are)."""
     return ONLINE_FP8_BLOCK if quantization == "fp8" and not fp8_block_size(path) else None
+
+
+def loaded_fp8_block(path: str, quantization: str) -> tuple[int, int] | None:
+    """The block of the fp8 weights a load under `quantization` gives: kept or quantized on load (None: plain)."""
+    return kept_fp8_block(path, quantization) or online_fp8_block(path, quantization)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantized_on_host(params: dict, block: tuple[int, int]) -> dict:
+    """`fp8_linear.quantize_params` compiled (fused, so without eager full-size temporaries); the caller runs it on
+    the host's CPU device, so a layer's f32 copy never lands on an accelerator."""
+    return fp8_linear.quantize_params(params, block)
 
 
 def _layer_scales_to_ours(cfg: ModelConfig, scales: dict[str, np.ndarray], block: tuple[int, int],
@@ -410,7 +424,7 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     read = _fp8_reader(reader, scale_values, block, kept_block)
     online_block = online_fp8_block(path, quantization)
 
-    _, abstract = abstract_model(cfg, dtype, kept_block or online_block)
+    _, abstract = abstract_model(cfg, dtype, loaded_fp8_block(path, quantization))
     abstract = nnx.to_pure_dict(abstract)
     specs = param_specs(abstract, expert_parallel=expert_parallel)
     if mesh is not None:
@@ -455,7 +469,8 @@ def _read_layer(cfg: ModelConfig, layer: int, read: Callable[[str], np.ndarray],
     names = [prefix + name for name in layer_tensor_shapes(cfg, layer)]
     ours = layer_to_ours(cfg, layer, {n[len(prefix):]: read(n) for n in names})
     if online_block:
-        return jax.tree.map(np.asarray, fp8_linear.quantize_params(ours, online_block))
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            return jax.tree.map(np.asarray, _quantized_on_host(ours, online_block))
     if not kept_block:
         return ours
     layer_scales = {n[len(prefix):]: scale_values[n] for n in names if n in scale_values and _kept(n, kept_block)}

@@ -7,7 +7,8 @@ The drafts come from a greedy draft layer (MTP), so the draft distribution q_i i
 sampling reads: keep d_i with probability p_i(d_i); at the first draft rejected, draw from p_i without d_i
 (max(0, p_i - q_i) renormalized); when all N are kept, draw a bonus token from p_N. Every emitted token is then
 distributed as the target's own draw (Leviathan et al. 2023), and a greedy row (temperature 0) keeps d_i exactly
-while it is p_i's argmax, then emits the argmax: token for token the output of greedy decoding without drafts.
+while it is p_i's argmax, then emits the argmax: token for token the output of greedy decoding without drafts (in
+f32; in bf16 a verify row may round otherwise than the decode row it stands for and flip a near-tie).
 Draws are counter-based as the sampler's: row i's uniform and Gumbel noise come from its request's seed and the
 position of the token it decides, so a request's output depends on nothing else (with drafting on, not the same
 draws as without: a seeded request's sampled output differs, each distributed as the target's).

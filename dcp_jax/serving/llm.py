@@ -74,8 +74,8 @@ class LLM:
     routed to its experts (vLLM's name); by default every rank runs every expert on its slice of their width.
     hf_overrides: config.json fields to replace (vLLM's name), e.g. {"index_topk": 4096}.
     speculative_config: {"method": "mtp", "num_speculative_tokens": N} (vLLM's; N in 1..3): the model's MTP layer
-    drafts N tokens per request and step, verified in the next (greedy outputs unchanged; sampled ones distributed
-    as the model's); steps then run synchronously.
+    drafts N tokens per request and step, verified in the next (greedy outputs unchanged in f32, a near-tie may flip
+    in bf16; sampled ones distributed as the model's); steps then run synchronously.
     enable_tbo: two-batch overlap: each layer's attention runs as two micro-batches of the step's rows, so one's
     collectives can run beside the other's compute (same outputs).
     coordinator_address, num_processes, process_id: one process of a multi-host deployment (`runtime/multihost.py`;

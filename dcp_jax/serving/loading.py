@@ -226,17 +226,13 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     from dcp_jax.model.fp8_linear import is_fp8, quantize_params, weight_block
     from dcp_jax.model.mesh import make_mesh, sharding
     from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
-    from dcp_jax.model.weights import (check_fp8_shardable, kept_fp8_block, load_hf_params, load_mtp_params,
-                                       online_fp8_block)
+    from dcp_jax.model.weights import check_fp8_shardable, load_hf_params, load_mtp_params, loaded_fp8_block
     from dcp_jax.runtime.runner import ModelRunner
 
     check_divisible(cfg, parallel.tp, expert_parallel=enable_expert_parallel)
     check_latent_format(latent_cache, cfg)
     preset_block = ONLINE_FP8_BLOCK if quantization == "fp8" else None  # a preset's random weights, quantized
-    if is_dir:  # the block of the fp8 weights the load gives
-        block = kept_fp8_block(directory, quantization) or online_fp8_block(directory, quantization)
-    else:
-        block = preset_block
+    block = loaded_fp8_block(directory, quantization) if is_dir else preset_block
     mesh = make_mesh(parallel, deployment_devices(parallel.tp, processes) if processes > 1 else None)
     abstract = nnx.to_pure_dict(abstract_model(cfg, jnp.dtype(dtype), block)[1])
     specs = param_specs(abstract, expert_parallel=enable_expert_parallel)

@@ -426,20 +426,24 @@ def test_quantization_fp8_quantizes_an_unquantized_checkpoint_on_load(tensors, c
     A block fp8 checkpoint loads under "fp8" exactly as under "auto"."""
     from dcp_jax.config import ONLINE_FP8_BLOCK
 
-    plain, online = load_hf_params(CFG, checkpoint), load_hf_params(CFG, checkpoint, quantization="fp8")
-    assert fp8_linear.weight_block(online) == ONLINE_FP8_BLOCK
-    flat = jax.tree_util.tree_flatten_with_path(online, is_leaf=fp8_linear.is_fp8)[0]
-    for (path, got), want in zip(flat, jax.tree.leaves(plain)):
-        name = path[-1].key
-        if fp8_linear.is_fp8(got):
-            want = fp8_linear.quantize(want, ONLINE_FP8_BLOCK, *fp8_linear.FP8_AXES[name])
-            np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales), err_msg=name)
-            got, want = got.values.astype(jnp.float32), want.values.astype(jnp.float32)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
+    def assert_quantized(online, plain):
+        """online's fp8 leaves are the quantized plain ones, the rest plain's; the same leaves either way."""
+        flat = jax.tree_util.tree_flatten_with_path(online, is_leaf=fp8_linear.is_fp8)[0]
+        plain_leaves = jax.tree.leaves(plain)
+        assert len(flat) == len(plain_leaves) and fp8_linear.weight_block(online) == ONLINE_FP8_BLOCK
+        for (path, got), want in zip(flat, plain_leaves):
+            if fp8_linear.is_fp8(got):
+                want = fp8_linear.quantize(want, ONLINE_FP8_BLOCK, *fp8_linear.FP8_AXES[path[-1].key])
+                np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
+                got, want = got.values.astype(jnp.float32), want.values.astype(jnp.float32)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
+
+    assert_quantized(load_hf_params(CFG, checkpoint, quantization="fp8"), load_hf_params(CFG, checkpoint))
     hf_tiny.write_checkpoint(HF_CONFIG | {"num_nextn_predict_layers": 1}, _with_mtp_layer(tensors), tmp_path / "mtp")
-    assert fp8_linear.weight_block(load_mtp_params(MTP_CFG, tmp_path / "mtp", "fp8")) == ONLINE_FP8_BLOCK
+    assert_quantized(load_mtp_params(MTP_CFG, tmp_path / "mtp", "fp8"), load_mtp_params(MTP_CFG, tmp_path / "mtp"))
     quantized, _ = _block_fp8(tensors)
     _write_fp8(tmp_path / "fp8", tensors | quantized | MTP, FP8_CONFIG)
-    for a, b in zip(jax.tree.leaves(load_hf_params(CFG, tmp_path / "fp8", quantization="fp8")),
-                    jax.tree.leaves(load_hf_params(CFG, tmp_path / "fp8"))):
+    as_fp8, as_auto = (load_hf_params(CFG, tmp_path / "fp8", quantization=q) for q in ("fp8", "auto"))
+    assert jax.tree.structure(as_fp8) == jax.tree.structure(as_auto)  # the blocks (pytree metadata) included
+    for a, b in zip(jax.tree.leaves(as_fp8), jax.tree.leaves(as_auto)):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))

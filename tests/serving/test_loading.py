@@ -153,3 +153,24 @@ def test_quantization_fp8_serves_a_preset_in_block_fp8_and_refuses_slices_of_par
     assert len(llm.generate(prompt_token_ids=[[5, 9, 17]])[0].outputs[0].token_ids) > 0
     with pytest.raises(ValueError, match="wq_b'\\]: a rank's output slice of 192 is not a whole number of fp8 blocks"):
         load_model("tiny", dcp=2, quantization="fp8", **kw)
+
+
+def test_quantization_fp8_loads_an_unquantized_checkpoint_in_block_fp8(tmp_path):
+    """The checkpoint branch: an f32 checkpoint of the tiny preset served under "fp8" holds block-fp8 weights whose
+    greedy tokens follow the f32 model's closely (fp8 weights and activations)."""
+    from dcp_jax.config import ONLINE_FP8_BLOCK
+    from dcp_jax.host.sampling import SamplingParams
+    from dcp_jax.model import fp8_linear
+    from dcp_jax.model.deepseek_v32 import init_params
+    from dcp_jax.model.weights import save_hf
+    from dcp_jax.serving.llm import LLM
+
+    save_hf(TINY, init_params(TINY, seed=0), tmp_path)
+    kw = dict(max_model_len=64, max_num_seqs=2, page_size=4, dtype="float32", kernels="reference")
+    online = LLM(str(tmp_path), quantization="fp8", **kw)
+    assert fp8_linear.weight_block(online.runner.params) == ONLINE_FP8_BLOCK
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    prompts = [[5, 9, 17, 3, 88], [300, 12, 6]]
+    for got, want in zip(*(llm.generate(prompt_token_ids=prompts, sampling_params=params)
+                           for llm in (online, LLM(str(tmp_path), **kw)))):
+        assert got.outputs[0].token_ids[0] in want.outputs[0].logprobs[0]  # within the f32 model's top 5
