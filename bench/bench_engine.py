@@ -11,6 +11,7 @@ time per step (streams included) minus its wait for the device's tokens, with it
 Usage (repository root):
   python bench/bench_engine.py --preset tiny --batches 1,4 --contexts 64 --steps 8 --out /tmp/engine.jsonl  # CPU
   python3 bench/bench_engine.py --out $OUT/engine.jsonl     # H200: DeepSeek-V3.2 shapes, 2 layers, bf16
+  python3 bench/bench_engine.py --quantization fp8 --out $OUT/engine_fp8.jsonl   # the same, block-fp8 weights
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 
 from bench.common import run_info
 from bench.gpu_trace import busy_fraction, trace_events
+from dcp_jax.config import QUANTIZATION_CHOICES
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.serving.loading import use_cpu_devices
 
@@ -229,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="rows of one step at most (decode rows and prefill-chunk tokens)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
+                        help="fp8: the preset's linear weights in DeepSeek's block fp8 (the fp8 GEMM on a GPU)")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--num-pages", type=int, default=None,
                         help="KV pages (default: the largest batch of full-length requests; 0: from GPU memory)")
@@ -266,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         num_pages = (max(args.batches) * -(-max_len // (args.page_size * args.dcp)) if args.num_pages is None
                      else args.num_pages or None)
         engine = Engine(args.preset, num_layers=args.num_layers, dcp=args.dcp, dtype=args.dtype, kernels=args.kernels,
+                        quantization=args.quantization,
                         page_size=args.page_size, num_pages=num_pages,
                         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(args.batches),
                         bucket_ladder=args.batches, max_model_len=max_len,
