@@ -141,15 +141,16 @@ def test_hf_overrides_replace_config_fields_and_bad_ones_are_refused_before_load
 
 
 def test_quantization_fp8_serves_a_preset_in_block_fp8_and_refuses_slices_of_partial_blocks():
-    """A preset's random weights quantized to block fp8 on load; at tp 2 the tiny preset's head slices are not whole
-    blocks of 128: refused, naming the leaf, before any weight is drawn."""
+    """A preset's random weights, its MTP layer's too, quantized to block fp8 on load; at tp 2 the tiny preset's
+    head slices are not whole blocks of 128: refused, naming the leaf, before any weight is drawn."""
     from dcp_jax.config import ONLINE_FP8_BLOCK
     from dcp_jax.model import fp8_linear
     from dcp_jax.serving.llm import LLM
 
     kw = dict(max_model_len=64, max_num_seqs=2, page_size=4, dtype="float32", kernels="reference")
-    llm = LLM("tiny", quantization="fp8", **kw)
-    assert fp8_linear.weight_block(llm.runner.params) == ONLINE_FP8_BLOCK
+    llm = LLM("tiny", quantization="fp8", speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **kw)
+    model, mtp = llm.runner.params
+    assert fp8_linear.weight_block(model) == fp8_linear.weight_block(mtp) == ONLINE_FP8_BLOCK
     assert len(llm.generate(prompt_token_ids=[[5, 9, 17]])[0].outputs[0].token_ids) > 0
     with pytest.raises(ValueError, match="wq_b'\\]: a rank's output slice of 192 is not a whole number of fp8 blocks"):
         load_model("tiny", dcp=2, quantization="fp8", **kw)
