@@ -6,6 +6,7 @@ each draft kept with probability a (independently), a verify step emits (1 - a^(
 
   python bench/bench_mtp.py --model tiny --batch 8 --context 1024 --out /tmp/mtp.json
   python bench/bench_mtp.py --model deepseek-v3.2 --num-layers 4 --batch 32 --context 16384   # an H200
+  (add --quantization fp8 for the block-fp8 weights the release serves in)
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def step_seconds(runner, rows, steps: int) -> float:
 
 
 def main(argv=None) -> int:
+    from dcp_jax.config import QUANTIZATION_CHOICES
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--num-layers", type=int, default=None)
@@ -63,6 +66,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dcp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--num-speculative-tokens", default="1,2,3", help="the draft counts N to time")
+    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
+                        help="fp8: the preset's linear weights, the MTP layer's too, in DeepSeek's block fp8")
     parser.add_argument("--out", default=None, help="a JSON file for the results")
     args = parser.parse_args(argv)
 
@@ -81,7 +86,7 @@ def main(argv=None) -> int:
         spec = {"method": "mtp", "num_speculative_tokens": drafts} if drafts else None
         loaded = load_model(args.model, dcp=args.dcp, num_layers=args.num_layers, max_num_seqs=args.batch,
                             max_model_len=args.context + room, max_num_batched_tokens=(drafts + 1) * args.batch,
-                            speculative_config=spec)
+                            speculative_config=spec, quantization=args.quantization)
         runner = loaded.runner
         blocks = runner.layout.virtual_blocks(args.context + room)
         if args.batch * blocks > runner.engine.num_pages:
@@ -112,7 +117,7 @@ def main(argv=None) -> int:
               f"acceptance rate of {row['breakeven_acceptance']:.2f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(run=info, rows=rows), f, indent=1)
+            json.dump(dict(run=info, args=vars(args), rows=rows), f, indent=1)
     return 0
 
 

@@ -20,6 +20,14 @@ def test_it_times_the_steps_and_writes_the_break_even(tmp_path, capsys):
     assert "pays off above an acceptance rate" in capsys.readouterr().out
 
 
+def test_it_times_block_fp8_weights_when_asked(tmp_path):
+    out = tmp_path / "mtp.json"
+    assert main(["--batch", "1", "--context", "24", "--steps", "1", "--num-speculative-tokens", "1",
+                 "--quantization", "fp8", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["args"]["quantization"] == "fp8" and result["rows"][0]["verify_ms"] > 0
+
+
 def test_the_break_even_acceptance():
     assert breakeven_acceptance(1.5, 1) == pytest.approx(0.5)  # 1 + a = 1.5
     assert breakeven_acceptance(1.0, 3) == pytest.approx(0.0, abs=1e-9)
