@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from pallas_kernels import formats
 from pallas_kernels.formats import AMAX_FLOOR, E4M3_MAX
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ def _quantized_activations(x, axes: int, group: int):
     lead = x.shape[: x.ndim - axes]
     flat = x.reshape(*lead, -1)
     values, scales = act_quant(flat, group)
-    values = jax.lax.optimization_barrier(values)  # else XLA on GPU drops f32 -> e4m3 -> f32 as excess precision
+    values = formats.kept_e4m3(values)
     per_channel = jnp.repeat(scales, group, axis=-1)[..., : flat.shape[-1]]
     return (values.astype(jnp.float32) * per_channel).reshape(x.shape)
 

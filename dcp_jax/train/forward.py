@@ -49,17 +49,11 @@ def straight_through(x, rounded):
     return x + jax.lax.stop_gradient(rounded.astype(x.dtype) - x)
 
 
-def as_stored(quantized):
-    """The e4m3 arrays a cache stores, kept as such: XLA's GPU compiler drops an f32 -> e4m3 -> f32 round trip as
-    excess precision (measured on an H100, 2026-12-06), which would train on unrounded values."""
-    return jax.lax.optimization_barrier(quantized)
-
-
 def through_fp8_index_cache(x):
     """Index queries [..., I, J] or keys [..., J] as the fp8 index cache scores them: Hadamard-rotated, then e4m3
     with a power-of-two scale per vector (`formats.quantize_index_keys`: per token for keys, per (row, head) for
     queries, as `quantize_index_queries`); their dot products are the unrotated ones up to the rounding."""
-    stored = as_stored(formats.quantize_index_keys(x))
+    stored = formats.kept_e4m3(formats.quantize_index_keys(x))
     return straight_through(formats.hadamard(x), formats.dequantize_index_keys(stored))
 
 
@@ -68,7 +62,7 @@ def through_latent_cache(latent, cfg: ModelConfig, latent_cache: str):
     cache_formats.check_latent_format(latent_cache, cfg)
     if latent_cache == "exact":
         return latent
-    cache = as_stored(formats.quantize_latent_cache(latent, value_dim=cfg.kv_lora_rank))
+    cache = formats.kept_e4m3(formats.quantize_latent_cache(latent, value_dim=cfg.kv_lora_rank))
     return straight_through(latent, formats.dequantize_latent_cache(cache))
 
 
