@@ -221,8 +221,14 @@ def check_divisible(cfg: ModelConfig, tp: int, *, expert_parallel: bool) -> None
 def abstract_model(cfg: ModelConfig, dtype=jnp.float32, fp8_block: tuple[int, int] | None = None):
     """(graphdef, abstract state of ShapeDtypeStructs) without allocating anything; with `fp8_block` the
     `fp8_linear.FP8_AXES` leaves are abstract `Fp8BlockWeight`s of that block."""
-    model = nnx.eval_shape(lambda: DeepseekV32(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-    graphdef, state = nnx.split(model)
+    return with_fp8_leaves(nnx.split(nnx.eval_shape(lambda: DeepseekV32(cfg, rngs=nnx.Rngs(0), dtype=dtype))),
+                           fp8_block)
+
+
+def with_fp8_leaves(split, fp8_block: tuple[int, int] | None):
+    """(graphdef, abstract state) with the `fp8_linear.FP8_AXES` leaves abstract `Fp8BlockWeight`s of `fp8_block`
+    (unchanged when it is None)."""
+    graphdef, state = split
     if fp8_block is not None:
         nnx.replace_by_pure_dict(state, jax.eval_shape(
             lambda params: fp8_linear.quantize_params(params, fp8_block), nnx.to_pure_dict(state)))

@@ -17,9 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dcp_jax.config import ModelConfig
-from dcp_jax.model import fp8_linear
 from dcp_jax.model.attention.projections import rms_norm
-from dcp_jax.model.deepseek_v32 import DecoderLayer, norm_param
+from dcp_jax.model.deepseek_v32 import DecoderLayer, norm_param, with_fp8_leaves
 from dcp_jax.model.mlp import dense_param
 
 
@@ -58,8 +57,4 @@ def init_mtp_params(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> dict:
 def abstract_mtp(cfg: ModelConfig, dtype=jnp.float32, fp8_block: tuple[int, int] | None = None):
     """(graphdef, abstract state) of `MtpLayer` without allocating; with `fp8_block` its decoder layer's
     `fp8_linear.FP8_AXES` leaves are abstract `Fp8BlockWeight`s of that block (a block fp8 checkpoint's)."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: MtpLayer(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
-    if fp8_block is not None:
-        nnx.replace_by_pure_dict(state, jax.eval_shape(
-            lambda params: fp8_linear.quantize_params(params, fp8_block), nnx.to_pure_dict(state)))
-    return graphdef, state
+    return with_fp8_leaves(nnx.split(nnx.eval_shape(lambda: MtpLayer(cfg, rngs=nnx.Rngs(0), dtype=dtype))), fp8_block)

@@ -223,7 +223,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
     from dcp_jax.model.attention.cache_formats import check_latent_format
     from dcp_jax.model.attention.sparse_dcp import kernel_backend
     from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, param_specs
-    from dcp_jax.model.fp8_linear import is_fp8, quantize_params, weight_block
+    from dcp_jax.model.fp8_linear import is_fp8, quantize_params
     from dcp_jax.model.mesh import make_mesh, sharding
     from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
     from dcp_jax.model.weights import check_fp8_shardable, load_hf_params, load_mtp_params, loaded_fp8_block
@@ -231,8 +231,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
 
     check_divisible(cfg, parallel.tp, expert_parallel=enable_expert_parallel)
     check_latent_format(latent_cache, cfg)
-    preset_block = ONLINE_FP8_BLOCK if quantization == "fp8" else None  # a preset's random weights, quantized
-    block = loaded_fp8_block(directory, quantization) if is_dir else preset_block
+    # The block of the fp8 weights the load gives (a preset's random weights are quantized under "fp8").
+    block = loaded_fp8_block(directory, quantization) if is_dir else ONLINE_FP8_BLOCK if quantization == "fp8" else None
     mesh = make_mesh(parallel, deployment_devices(parallel.tp, processes) if processes > 1 else None)
     abstract = nnx.to_pure_dict(abstract_model(cfg, jnp.dtype(dtype), block)[1])
     specs = param_specs(abstract, expert_parallel=enable_expert_parallel)
@@ -241,7 +241,7 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
         params = load_hf_params(cfg, directory, mesh, dtype=jnp.dtype(dtype), expert_parallel=enable_expert_parallel,
                                 quantization=quantization)
     else:
-        params = init_params(cfg, seed, jnp.dtype(dtype), preset_block)
+        params = init_params(cfg, seed, jnp.dtype(dtype), block)
         if processes > 1:  # host values, each process placing its own shards of them
             params = jax.tree.map(np.asarray, params)
     params = jax.device_put(params, jax.tree.map(lambda spec: sharding(mesh, spec), specs))
@@ -251,8 +251,8 @@ def load_model(model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: in
             mtp_params = load_mtp_params(cfg, directory, quantization)
         else:
             mtp_params = init_mtp_params(cfg, seed + 1, jnp.dtype(dtype))
-            mtp_params = mtp_params if preset_block is None else quantize_params(mtp_params, preset_block)
-        mtp_abstract = nnx.to_pure_dict(abstract_mtp(cfg, jnp.dtype(dtype), weight_block(mtp_params))[1])
+            mtp_params = mtp_params if block is None else quantize_params(mtp_params, block)
+        mtp_abstract = nnx.to_pure_dict(abstract_mtp(cfg, jnp.dtype(dtype), block)[1])
         mtp_params = jax.tree.map(  # fp8 weights as they are, each other leaf in its abstract leaf's dtype
             lambda a, want: a if is_fp8(a) else np.asarray(a).astype(want.dtype), mtp_params, mtp_abstract,
             is_leaf=is_fp8)
