@@ -408,7 +408,6 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     reader = _Reader(_safetensors_files(path))
     expected = hf_tensor_shapes(cfg)
     block = fp8_block_size(path)
-    kept_block = kept_fp8_block(path, quantization)
     scale_names = {n + "_scale_inv" for n, shape in expected.items() if len(shape) == 2} if block else set()
     ignored = _unused_layer_names(path, cfg, reader.location)
     missing = sorted(set(expected) - set(reader.location))
@@ -420,9 +419,7 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     wrong = [f"{n}: file {reader.shape(n)} != expected {s}" for n, s in expected.items() if reader.shape(n) != s]
     if wrong:
         raise ValueError(f"checkpoint {path} has tensors of the wrong shape or type: {wrong[:20]}")
-    scale_values = _checked_fp8_scales(path, cfg, reader, expected, block, kept_block is not None)
-    read = _fp8_reader(reader, scale_values, block, kept_block)
-    online_block = online_fp8_block(path, quantization)
+    read, read_layer = _readers(path, cfg, reader, expected, quantization)
 
     _, abstract = abstract_model(cfg, dtype, loaded_fp8_block(path, quantization))
     abstract = nnx.to_pure_dict(abstract)
@@ -432,7 +429,7 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     stacks = {stack.name: _zero_stack(abstract[stack.name], specs[stack.name], mesh) for stack in layer_stacks(cfg)}
     layers = range(cfg.num_hidden_layers)
     for layer in progress(layers) if progress else layers:
-        ours = _read_layer(cfg, layer, read, scale_values, kept_block, online_block)
+        ours = read_layer(layer)
         stack = stack_of(cfg, layer)
         placed = _place(jax.tree.map(lambda x: x[None], ours), specs[stack.name], abstract[stack.name], mesh)
         stacks[stack.name] = _write_layer(stacks[stack.name], placed, layer - stack.first)
@@ -441,6 +438,17 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     params = stacks | {k: _place(v, specs[k], abstract[k], mesh) for k, v in top.items()}
     _check_filled(abstract, params)
     return params
+
+
+def _readers(path: str, cfg: ModelConfig, reader: _Reader, expected: dict[str, tuple[int, ...]],
+             quantization: str) -> tuple[Callable[[str], np.ndarray], Callable[[int], dict]]:
+    """(read(name), read_layer(layer)) of the checkpoint under `quantization` (`_fp8_reader`, `_read_layer`), once
+    its fp8 scales pass `_checked_fp8_scales`."""
+    block, kept_block = fp8_block_size(path), kept_fp8_block(path, quantization)
+    scale_values = _checked_fp8_scales(path, cfg, reader, expected, block, kept_block is not None)
+    read = _fp8_reader(reader, scale_values, block, kept_block)
+    return read, functools.partial(_read_layer, cfg, read=read, scale_values=scale_values, kept_block=kept_block,
+                                   online_block=online_fp8_block(path, quantization))
 
 
 def _kept(name: str, kept_block: tuple[int, int] | None) -> bool:
@@ -462,7 +470,7 @@ def _fp8_reader(reader: _Reader, scale_values: dict[str, np.ndarray], block: tup
 
 
 def _read_layer(cfg: ModelConfig, layer: int, read: Callable[[str], np.ndarray], scale_values: dict[str, np.ndarray],
-                kept_block: tuple[int, int] | None, online_block: tuple[int, int] | None = None) -> dict:
+                kept_block: tuple[int, int] | None, online_block: tuple[int, int] | None) -> dict:
     """Decoder layer `layer` (a main one or the MTP layer) as our params: its kept fp8 leaves `Fp8BlockWeight`s, or
     with `online_block` its fp8 leaves quantized to that block here."""
     prefix = f"model.layers.{layer}."
@@ -564,10 +572,7 @@ def load_mtp_params(cfg: ModelConfig, path: str | os.PathLike, quantization: str
              if n in reader.location and reader.shape(n) != s]
     if missing or wrong:
         raise ValueError(f"checkpoint {path}: MTP layer missing tensors {missing[:20]}, wrong shapes {wrong[:20]}")
-    block, kept_block = fp8_block_size(path), kept_fp8_block(path, quantization)
-    scale_values = _checked_fp8_scales(path, cfg, reader, expected, block, kept_block is not None)
-    read = _fp8_reader(reader, scale_values, block, kept_block)
-    online_block = online_fp8_block(path, quantization)
+    read, read_layer = _readers(path, cfg, reader, expected, quantization)
     prefix = _mtp_prefix(cfg)
 
     def own(name: str) -> np.ndarray:
@@ -584,6 +589,6 @@ def load_mtp_params(cfg: ModelConfig, path: str | os.PathLike, quantization: str
             return dataclasses.replace(x, scales=np.asarray(x.scales, np.float32))
         return np.asarray(x, np.float32)
 
-    layer = _read_layer(cfg, cfg.num_hidden_layers, read, scale_values, kept_block, online_block)
+    layer = read_layer(cfg.num_hidden_layers)
     return {"enorm": own("enorm.weight"), "hnorm": own("hnorm.weight"), "eh_proj": own("eh_proj.weight").T,
             "head_norm": own("shared_head.norm.weight"), "layer": jax.tree.map(f32, layer, is_leaf=fp8_linear.is_fp8)}
