@@ -13,9 +13,10 @@ result is scaled by its rows' and columns' scales and added to the running sum i
 the tensor core's reduced-precision fp8 accumulation never spans more than one block). The w scales travel expanded
 to one per column ([K / 128, N], made by the wrapper each call) so each step loads two scale vectors. With
 overlap_promotion a step's product is scaled and added while the next step's wgmma runs, by one factor a row: the
-row's scale times the warpgroup's one w scale, a scalar read from w's compact scales in GMEM (no expansion). With
-persistent, one CTA a SM loops over the tiles (consecutive ones along M), each tile's store overlapping the next
-one's loads. The tile leaves through SMEM by TMA in out_dtype; M is padded to the tile by the wrapper.
+row's scale times the warpgroup's one w scale, a scalar read from w's compact scales in GMEM (no expansion). Tiles
+run in bands of grid_tile_width along M, each band walked along N, so the CTAs at work share both x's rows and w's
+columns in L2. With persistent, one CTA a SM loops over the tiles in that order, each tile's store overlapping the
+next one's loads. The tile leaves through SMEM by TMA in out_dtype; M is padded to the tile by the wrapper.
 Mosaic GPU has no interpreter: this runs compiled on an sm_90 GPU; on CPU it can be lowered for CUDA (the tests do).
 """
 
@@ -37,6 +38,7 @@ WG_ROWS = 64  # rows of one compute warpgroup's wgmma
 TILE_N = (128, 64)  # a compute warpgroup's columns, largest first
 HOPPER_SMS = 132  # the H100's and the H200's (SXM): CTAs of one wave, one a SM (the pipeline fills its SMEM)
 K_SPLITS = (8, 4, 2)  # split-K factors the default tries, largest first
+GRID_TILE_WIDTH = 8  # M tiles a band of the tile order (`_kernel`)
 _MEMORY_REGISTERS = 40  # the TMA warpgroup's (JAX's Hopper matmul example's value; the knobs are not yet tuned)
 
 
@@ -50,7 +52,7 @@ def _fp8_tiled():
 
 
 def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int, split_m: bool, stages: int,
-            k_splits: int, overlap_promotion: bool, persistent: bool, scale_block_rows: int):
+            k_splits: int, overlap_promotion: bool, persistent: bool, grid_tile_width: int, scale_block_rows: int):
     wg = lax.axis_index("wg")
     steps = x_gmem.shape[1] // BLOCK_K // k_splits  # a tile's share of K, in steps of 128 channels
     cta_m, cta_n = _cta_tile(split_m, tile_n)
@@ -142,27 +144,34 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
         pipeline(overlapped_body if overlap_promotion else step, compute)(
             *operands(rows, columns, depth, depth_blocks), allocations=allocations)
 
+    tiles = (out_gmem.shape[1] // cta_m, out_gmem.shape[2] // cta_n)
+
+    def ordered_tile(index, part, allocations=None):
+        # Bands of grid_tile_width tiles along M, each walked along N: the CTAs running at once share x's rows and
+        # w's columns in L2 (x read once per wave's N span, not once per column tile).
+        m, n = plgpu.planar_snake(index, tiles, 0, grid_tile_width)
+        tile(m, n, part, allocations)
+
     if not persistent:
-        tile(lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("k"))
+        ordered_tile(lax.axis_index("tile"), lax.axis_index("k"))
         return
     first_tile = operands(pl.ds(0, cta_m), pl.ds(0, cta_n), pl.ds(0, steps * BLOCK_K), pl.ds(0, steps))
     allocations = pipeline(lambda *_: None, lambda *_: None).get_allocations(*first_tile)
 
     @functools.partial(pl.run_scoped, allocations=allocations, collective_axes="wg")
     def _(allocations):
-        # Consecutive tiles along M share w's columns: the SMs working at once read the same weights.
-        @plgpu.nd_loop((k_splits, out_gmem.shape[2] // cta_n, out_gmem.shape[1] // cta_m), collective_axes="sm")
+        @plgpu.nd_loop((k_splits, tiles[0] * tiles[1]), collective_axes="sm")
         def _(loop):
-            part, n, m = loop.index
-            tile(m, n, part, allocations)
+            part, index = loop.index
+            ordered_tile(index, part, allocations)
 
     plgpu.wait_smem_to_gmem(0)
 
 
 @functools.partial(jax.jit, static_argnames=("tile_n", "split_m", "stages", "k_splits", "overlap_promotion",
-                                             "persistent", "scale_block_rows", "out_dtype"))
+                                             "persistent", "grid_tile_width", "scale_block_rows", "out_dtype"))
 def fp8_gemm_tiles(x, xs_t, w, w_scales, *, tile_n: int, split_m: bool, stages: int, k_splits: int,
-                   overlap_promotion: bool, persistent: bool, scale_block_rows: int, out_dtype):
+                   overlap_promotion: bool, persistent: bool, grid_tile_width: int, scale_block_rows: int, out_dtype):
     """The kernel on prepared inputs: x e4m3 [M, K] (M a multiple of the CTA's rows), xs_t f32 [K / 128, M] (x's
     scales transposed), w e4m3 [N, K] (N a multiple of the CTA's columns), w_scales f32: with overlap_promotion
     w's compact block scales [ceil(N / scale_block_rows), K / 128] (tile_n dividing scale_block_rows), else
@@ -177,14 +186,15 @@ def fp8_gemm_tiles(x, xs_t, w, w_scales, *, tile_n: int, split_m: bool, stages: 
 
     def fp8_gemm_mosaic(*refs):  # the kernel's name in profiles
         _kernel(*refs, tile_n=tile_n, split_m=split_m, stages=stages, k_splits=k_splits,
-                overlap_promotion=overlap_promotion, persistent=persistent, scale_block_rows=scale_block_rows)
+                overlap_promotion=overlap_promotion, persistent=persistent, grid_tile_width=grid_tile_width,
+                scale_block_rows=scale_block_rows)
 
     return plgpu.kernel(
         fp8_gemm_mosaic,
         out_type=jax.ShapeDtypeStruct((k_splits, num_rows, width), out_dtype),
         scratch_types=[plgpu.SMEM((2, WG_ROWS, tile_n), out_dtype, transforms=out_transforms)],
         **(dict(grid=(HOPPER_SMS,), grid_names=("sm",)) if persistent
-           else dict(grid=(num_rows // cta_m, width // cta_n, k_splits), grid_names=("m", "n", "k"))),
+           else dict(grid=(num_rows // cta_m * (width // cta_n), k_splits), grid_names=("tile", "k"))),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(x, xs_t, w, w_scales)
@@ -195,24 +205,27 @@ def _tile_n(width: int, split_m: bool) -> int | None:
 
 
 def default_knobs(num_rows: int, width: int, depth: int, out_dtype, *, split_m: bool | None = None,
-                  tile_n: int | None = None, k_splits: int | None = None) -> dict:
+                  tile_n: int | None = None, k_splits: int | None = None, scale_block_rows: int | None = None) -> dict:
     """The knobs for M = num_rows, N = width, K = depth, each one given (not None) kept: two warpgroups split a
     [128, tile_n] tile along M, unless the rows fit one warpgroup (decode) and N allows a [64, 2 tile_n] tile; tile_n
     the largest of TILE_N whose tile divides N. k_splits the largest of K_SPLITS that divides K / 128 and keeps the
     tile's CTAs within one wave of HOPPER_SMS, else 1: a decode's few tiles then stream the weights from more SMs.
     4 stages, 3 for a 4-byte output (an f32 output or split K's f32 partial products: its epilogue tile takes the
-    fourth's SMEM)."""
+    fourth's SMEM). overlap_promotion wherever a warpgroup's columns lie in one of w's scale blocks of
+    scale_block_rows rows; persistent CTAs where the tiles' CTAs pass one wave; the tile order in bands of
+    GRID_TILE_WIDTH tiles along M."""
     if split_m is None:
         split_m = num_rows > WG_ROWS or _tile_n(width, split_m=False) is None
     if tile_n is None:
         tile_n = _tile_n(width, split_m)
+    cta_m, cta_n = _cta_tile(split_m, tile_n or TILE_N[-1])
+    tiles = -(-num_rows // cta_m) * -(-width // cta_n)
     if k_splits is None:
-        cta_m, cta_n = _cta_tile(split_m, tile_n or TILE_N[-1])
-        tiles = -(-num_rows // cta_m) * -(-width // cta_n)
         k_splits = next((k for k in K_SPLITS if (depth // BLOCK_K) % k == 0 and tiles * k <= HOPPER_SMS), 1)
     out_bytes = jnp.dtype(out_dtype).itemsize if k_splits == 1 else 4
     return dict(split_m=split_m, tile_n=tile_n, stages=4 if out_bytes <= 2 else 3, k_splits=k_splits,
-                overlap_promotion=False, persistent=False)
+                overlap_promotion=bool(scale_block_rows and tile_n and scale_block_rows % tile_n == 0),
+                persistent=tiles * k_splits > HOPPER_SMS, grid_tile_width=GRID_TILE_WIDTH)
 
 
 def unsupported(x, w, block, interpret: bool | None) -> list[str]:
@@ -237,7 +250,7 @@ def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **kn
     writing its f32 partial product, summed after: more CTAs when the tiles are few, as at decode),
     overlap_promotion (scale and add a step's product while the next step's wgmma runs, with one scale a row: tile_n
     must divide the scale block's bn), persistent (one CTA a SM loops over the tiles, a tile's store overlapping the
-    next tile's loads). The last two have not yet run on a GPU, so they are off by default."""
+    next tile's loads), grid_tile_width (M tiles a band of the tile order, walked along N)."""
     del interpret  # compiled only (`unsupported`)
     num_rows, width = x.shape[0], w.shape[0]
     out_dtype = jnp.dtype(out_dtype)
@@ -245,7 +258,8 @@ def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **kn
         return jnp.zeros((0, width), out_dtype)
     depth = x.shape[1]
     tile_knobs = {name: knobs.get(name) for name in ("split_m", "tile_n", "k_splits")}
-    chosen = with_defaults(default_knobs(num_rows, width, depth, out_dtype, **tile_knobs), knobs, "fp8 GEMM")
+    defaults = default_knobs(num_rows, width, depth, out_dtype, **tile_knobs, scale_block_rows=block[0])
+    chosen = with_defaults(defaults, knobs, "fp8 GEMM")
     split_m, tile_n, k_splits = chosen["split_m"], chosen["tile_n"], chosen["k_splits"]
     kernel_out = out_dtype if k_splits == 1 else jnp.dtype(jnp.float32)  # partial products summed after
     if tile_n not in TILE_N or width % _cta_tile(split_m, tile_n)[1]:

@@ -115,7 +115,25 @@ def test_mosaic_splits_k_by_the_tile_it_is_given():
     """wq_b at 64 rows: its default [64, 256] tiles are 96, one wave; [128, 64] tiles given are 384, so no split."""
     assert fp8_gemm_mosaic.default_knobs(64, 24576, 1536, jnp.bfloat16, split_m=True, tile_n=64)["k_splits"] == 1
     assert fp8_gemm_mosaic.default_knobs(64, 7168, 16384, jnp.bfloat16, split_m=True, tile_n=64) == dict(
-        split_m=True, tile_n=64, stages=4, k_splits=1, overlap_promotion=False, persistent=False)  # 112 tiles
+        split_m=True, tile_n=64, stages=4, k_splits=1, overlap_promotion=False, persistent=False,
+        grid_tile_width=fp8_gemm_mosaic.GRID_TILE_WIDTH)  # 112 tiles
+
+
+@pytest.mark.parametrize("scale_block_rows, tile_n, overlapped", [(128, None, True), (128, 64, True),
+                                                                   (64, 128, False), (None, None, False)])
+def test_mosaic_overlaps_the_promotion_where_a_warpgroup_has_one_w_scale(scale_block_rows, tile_n, overlapped):
+    knobs = fp8_gemm_mosaic.default_knobs(4096, 7168, 16384, jnp.bfloat16, tile_n=tile_n,
+                                          scale_block_rows=scale_block_rows)
+    assert knobs["overlap_promotion"] is overlapped
+
+
+@pytest.mark.parametrize("rows, width, depth, persistent", [
+    (4096, 7168, 16384, True),  # 1792 tiles
+    (64, 7168, 16384, False),  # 28 tiles, K split over 4: 112 CTAs, one wave
+    (256, 24576, 1536, True),  # 192 tiles of [128, 128]
+])
+def test_mosaic_is_persistent_past_one_wave(rows, width, depth, persistent):
+    assert fp8_gemm_mosaic.default_knobs(rows, width, depth, jnp.bfloat16)["persistent"] is persistent
 
 
 # (M, N, K) of DeepSeek-V3.2's fp8 linear layers: decode and prefill rows, N a multiple of 128 or of 64 only.
@@ -124,14 +142,15 @@ MOSAIC_SHAPES = [(64, 24576, 1536), (4096, 7168, 16384), (200, 576, 7168), (1, 2
 
 @pytest.mark.parametrize("rows, width, depth", MOSAIC_SHAPES)
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("overlap_promotion, persistent", [(False, False), (True, False), (True, True)],
-                         ids=["default", "promote-overlapped", "promote-overlapped-persistent"])
-def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype, overlap_promotion, persistent):
+@pytest.mark.parametrize("overlap_promotion, persistent, grid_tile_width", [
+    (False, False, 8), (True, False, 3), (True, True, 8), (False, True, 3)],
+    ids=["promote-after", "promote-overlapped", "promote-overlapped-persistent", "persistent-bands-of-3"])
+def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype, overlap_promotion, persistent, grid_tile_width):
     """No interpreter runs the Mosaic GPU kernel; lowering it for CUDA checks its layouts and SMEM plan (an f32
     output's epilogue tile included): a CTA a tile or persistent, the promotion after each wgmma or overlapping the
-    next."""
+    next, the tile order in bands of M tiles (3: a last band partly filled)."""
     knobs = fp8_gemm_mosaic.default_knobs(rows, width, depth, out_dtype, k_splits=1)
-    knobs.update(overlap_promotion=overlap_promotion, persistent=persistent)
+    knobs.update(overlap_promotion=overlap_promotion, persistent=persistent, grid_tile_width=grid_tile_width)
     cta_m = fp8_gemm_mosaic._cta_tile(knobs["split_m"], knobs["tile_n"])[0]
     padded = -(-rows // cta_m) * cta_m
     S = jax.ShapeDtypeStruct
@@ -147,7 +166,8 @@ def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype, overlap_pr
 
 
 @pytest.mark.parametrize("rows, width, depth", [(1, 576, 7168), (4096, 7168, 16384)])
-@pytest.mark.parametrize("knobs", [{}, {"overlap_promotion": True, "persistent": True}], ids=["default", "new"])
+@pytest.mark.parametrize("knobs", [{}, {"overlap_promotion": False}, {"persistent": True}],
+                         ids=["default", "promote-after", "persistent"])
 def test_mosaic_wrapper_lowers_for_cuda(rows, width, depth, knobs):
     """The whole op (padding, the scales as each mode takes them, split K's sum) lowers for CUDA from the
     contract's inputs: compact w scales in HF's grid."""
@@ -162,8 +182,8 @@ def test_mosaic_wrapper_lowers_for_cuda(rows, width, depth, knobs):
 @pytest.mark.parametrize("rows, width, depth, knobs", [(*shape, {}) for shape in MOSAIC_SHAPES]
                          + [(300, 1536, 7168, {}), (64, 1536, 7168, {"k_splits": 2})]
                          + [(*shape, knobs) for shape in MOSAIC_SHAPES for knobs in (
-                             {"overlap_promotion": True}, {"persistent": True},
-                             {"overlap_promotion": True, "persistent": True})])
+                             {"overlap_promotion": False}, {"persistent": True}, {"grid_tile_width": 3},
+                             {"overlap_promotion": False, "persistent": True, "grid_tile_width": 3})])
 def test_mosaic_compiled_equals_reference(rows, width, depth, knobs):
     """Within the fp8 tensor cores' reduced-precision accumulation (one 128-channel block at a time) of the
     reference, bf16 output."""
