@@ -16,6 +16,8 @@ trace has no GPU events); XLA reference time = median wall time minus the same e
 compile per shape: XLA compiles a Triton kernel in seconds, far longer than it runs.
 Effective TB/s counts key and scale bytes of the valid tokens; the copy ceiling (x -> x + 1 on 4 GB, read +
 write) is measured in the same run.
+`--modes fp8-chunk` (or bf16-chunk) times a prefill chunk instead: B consecutive query tokens of one sequence of
+L tokens, causal, one block table (`--knobs '[{}, {"rows_per_cta": 4}]'` compares the Mosaic kernel's rows a CTA).
 `--modes fp8+topk` times the indexer followed by the top-k (k=2048, column order, as the decode layer runs it)
 in one program: the sum of its kernels, the logits read back from L2. With the default knobs that is
 `pallas_kernels.indexer_top_k`, which fuses the top-k's maxima pass into the Mosaic indexer where it can (three
@@ -113,15 +115,23 @@ def fuses_top_k(q, weights, index_cache, block_tables, lens) -> bool:
             and _indexer_mosaic.fuses_group_maxima(keys, block_tables, TOP_K))
 
 
-def time_kernel(index_cache, mode, rows, length, seed=0, *, with_reference=False, with_topk=False, **knobs):
+def time_kernel(index_cache, mode, rows, length, seed=0, *, with_reference=False, with_topk=False, chunk=False,
+                **knobs):
     """Wall-clock timings of one shape; kernel_us is filled from the profiler trace by kernel_times().
 
     with_topk: time the indexer followed by the top-k (k=TOP_K, column order, as the decode layer runs it) in
     one program instead, the logits still in L2 when the top-k reads them.
+    chunk: the rows are one prefill chunk, `rows` consecutive query tokens of one sequence of `length` tokens
+    (causal lengths length - rows + 1 ... length, one block table).
     """
     q, weights = make_queries(mode, rows, jax.random.key(seed))
-    lens = jnp.full((rows,), length, jnp.int32)
-    args = [(q, weights, index_cache, block_tables_for(rows, length, seed * 100 + i), lens) for i in range(ROTATE)]
+    if chunk:
+        lens = jnp.arange(length - rows + 1, length + 1, dtype=jnp.int32)
+        tables = [jnp.repeat(block_tables_for(1, length, seed * 100 + i), rows, axis=0) for i in range(ROTATE)]
+    else:
+        lens = jnp.full((rows,), length, jnp.int32)
+        tables = [block_tables_for(rows, length, seed * 100 + i) for i in range(ROTATE)]
+    args = [(q, weights, index_cache, t, lens) for t in tables]
 
     fused = with_topk and not knobs and fuses_top_k(*args[0])
     run_knobs = knobs_with_backend("indexer_logits", knobs, *args[0])
@@ -133,8 +143,9 @@ def time_kernel(index_cache, mode, rows, length, seed=0, *, with_reference=False
         return pallas_kernels.topk(logits, a[-1], k=TOP_K, sorted=False, interpret=False) if with_topk else logits
 
     kernels_per_call = 1 + (KERNELS_PER_TOPK - fused if with_topk else 0)
-    result = dict(mode=mode + "+topk" if with_topk else mode, B=rows, L=length, knobs=knobs, fused=fused,
-                  bytes=rows * length * KEY_BYTES[mode], kernels_per_call=kernels_per_call,
+    result = dict(mode=mode + ("-chunk" if chunk else "") + ("+topk" if with_topk else ""), B=rows, L=length,
+                  knobs=knobs, fused=fused, bytes=rows * length * KEY_BYTES[mode], kernels_per_call=kernels_per_call,
+                  flops=2 * INDEX_HEADS * INDEX_HEAD_DIM * int(lens.sum()),
                   wall_us=(timed(jax.jit(run), args) - overhead_seconds()) * 1e6, xla_us=float("nan"))
     if with_reference:
         def ref(*a):
@@ -228,8 +239,9 @@ def table(pools, modes, knob_sets, batches, lengths, budget, reference_budget):
                     if log.elapsed() > budget:
                         log(f"budget reached before {mode} B={rows} L={length} {knobs}")
                         break
-                    key_mode, with_topk = mode.removesuffix("+topk"), mode.endswith("+topk")
-                    r = time_kernel(pools[key_mode], key_mode, rows, length, with_topk=with_topk,
+                    with_topk, chunk = mode.endswith("+topk"), "-chunk" in mode
+                    key_mode = mode.removesuffix("+topk").removesuffix("-chunk")
+                    r = time_kernel(pools[key_mode], key_mode, rows, length, with_topk=with_topk, chunk=chunk,
                                     with_reference=i == 0 and log.elapsed() < reference_budget, **knobs)
                     log(f"{mode} B={rows} L={length} {knobs}{' fused' if r['fused'] else ''}: wall "
                         f"{r['wall_us']:.1f} us, xla {r['xla_us']:.1f} us   [{log.elapsed():.0f} s]")
@@ -244,6 +256,7 @@ def table(pools, modes, knob_sets, batches, lengths, budget, reference_budget):
         r["kernel_us"] = statistics.median(timed_calls) if timed_calls else float("nan")
         r["us"] = r["kernel_us"] if timed_calls else r["wall_us"]
         r["tbps"] = r["bytes"] / (r["us"] * 1e-6) / 1e12
+        r["tflops"] = r["flops"] / (r["us"] * 1e-6) / 1e12
     return results
 
 
@@ -270,7 +283,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--modes", default="fp8,bf16",
-                        help="key modes of the table, comma-separated; MODE+topk times the indexer then the top-k")
+                        help="key modes of the table, comma-separated; MODE+topk times the indexer then the top-k, "
+                             "MODE-chunk a prefill chunk of B query tokens")
     parser.add_argument("--knobs", default="{}",
                         help="JSON keyword knobs for indexer_logits (may name a backend), or a list of them (each "
                              "timed per shape)")
@@ -306,13 +320,14 @@ def main():
     if report.get("table"):
         log(f"== indexer logits, {report['device']}, Hi={INDEX_HEADS} Di={INDEX_HEAD_DIM} page={PAGE_SIZE}, "
             f"knobs {knobs or 'default'}; copy {copy:.2f} TB/s ==")
-        log(f"{'mode':<9}{'B':>4}{'L':>8}{'kernel us':>11}{'XLA us':>10}{'speedup':>9}{'TB/s':>7}{'% copy':>8}"
-            + ("  knobs" if len(knob_sets) > 1 else ""))
+        log(f"{'mode':<11}{'B':>5}{'L':>8}{'kernel us':>11}{'XLA us':>10}{'speedup':>9}{'TB/s':>7}{'% copy':>8}"
+            f"{'TFLOP/s':>9}" + ("  knobs" if len(knob_sets) > 1 else ""))
         for r in report["table"]:
             mode = r["mode"] + ("*" if r["fused"] else "")
-            log(f"{mode:<9}{r['B']:>4}{r['L']:>8}{r['us']:>11.1f}{r['xla_us']:>10.1f}"
-                f"{r['xla_us'] / r['us']:>9.1f}{r['tbps']:>7.2f}{100 * r['tbps'] / copy:>8.0f}"
+            log(f"{mode:<11}{r['B']:>5}{r['L']:>8}{r['us']:>11.1f}{r['xla_us']:>10.1f}"
+                f"{r['xla_us'] / r['us']:>9.1f}{r['tbps']:>7.2f}{100 * r['tbps'] / copy:>8.0f}{r['tflops']:>9.0f}"
                 + (f"  {json.dumps(r['knobs'])}" if len(knob_sets) > 1 else ""))
+        log("TB/s: the keys each row reads (a chunk's rows share theirs); TFLOP/s: the rows' q.k products")
         if any(r["fused"] for r in report["table"]):
             log("* the top-k's maxima pass fused into the indexer (pallas_kernels.indexer_top_k)")
     log(f"done in {log.elapsed():.0f} s")

@@ -2,13 +2,16 @@
 `pallas_kernels.indexer_top_k` with the top-k's first pass fused in.
 
 Same contract as the Triton kernel for fp8 (e4m3) queries and keys with per-token f32 key scales, pages of 64 tokens
-and Di = 128. Each CTA (one warpgroup) owns `pages_per_cta` consecutive block-table entries of one row:
-- it copies its block-table entries, the row's length, q and the weights to SMEM by TMA;
-- then it streams its valid pages (each one contiguous [64, 128] fp8 key tile and its 64 scales) through
+and Di = 128. Each CTA (one warpgroup) owns `pages_per_cta` consecutive block-table entries of `rows_per_cta`
+consecutive rows (1 by default):
+- it copies the rows' block-table entries, lengths, queries and weights to SMEM by TMA;
+- then it streams the valid pages (each one contiguous [64, 128] fp8 key tile and its 64 scales) through
   `stages` TMA buffers; a page is one wgmma [64 tokens, 128] x [128, Hi] on fp8 tensor cores (f32 accumulator,
   the tensor core's reduced-precision fp8 accumulation, as DeepGEMM's indexer and the Triton kernel's default);
-- relu, the weights, the head sum and the key scale stay in registers; the CTA's logits (-inf past the row's
-  length) leave by one TMA store.
+  where the rows' block tables agree on the CTA's pages (a prefill chunk's rows: DeepGEMM's `fp8_mqa_logits`
+  idea), each page is loaded once and its wgmma's N holds all the rows' heads; otherwise row by row;
+- relu, the weights, each row's head sum and the key scale stay in registers; the CTA's logits (-inf past each
+  row's length) leave by one TMA store.
 Optionally (`with_maxima`) it also stores the top-k keys of the maxima of each group of 16 tokens, which the top-k
 (`_topk_triton.topk(group_maxima=)`) takes in place of its own maxima pass: a read of the whole logits row, 6 us at
 B=64 L=64K on an H200 (`indexer_top_k`). That needs N / 16 groups (N = the row's token width) to be a power of two
@@ -41,7 +44,6 @@ LENS_COLUMNS = 16  # lens travel as [R, 16] int32: a TMA copies at least 16 byte
 MAX_HEADS = 256  # a wgmma N
 MAX_GROUPS = 8192  # group maxima the top-k loads into each of its candidates programs
 GROUP_TOKENS = 16  # tokens per group of the fused group maxima: one warp's rows of a page's wgmma tile
-_META_WIDTH = 32  # int32 per SMEM metadata row: 128 bytes keep the next row's TMA destination aligned
 
 
 def _tiled():
@@ -79,102 +81,131 @@ def _store_group_maxima(logits, maxima_ref):
 
 
 def _kernel(q_ref, weights_ref, keys_ref, scales_ref, tables_ref, lens_ref, out_ref, maxima_ref, scratch, *,
-            pages_per_cta: int, stages: int, with_maxima: bool):
-    (q_smem, weights_smem, keys_smem, scales_smem, meta_smem, out_smem, maxima_smem,
+            pages_per_cta: int, stages: int, rows_per_cta: int, with_maxima: bool):
+    (q_smem, weights_smem, keys_smem, scales_smem, tables_smem, lens_smem, out_smem, maxima_smem,
      meta_barrier, query_barrier, page_barriers) = scratch
-    split, row = lax.axis_index("split"), lax.axis_index("row")
-    first_page = split * pages_per_cta
-    plgpu.copy_gmem_to_smem(tables_ref.at[pl.ds(row, 1), pl.ds(first_page, pages_per_cta)],
-                            meta_smem.at[pl.ds(0, 1), pl.ds(0, pages_per_cta)], meta_barrier.at[0])
-    plgpu.copy_gmem_to_smem(lens_ref.at[pl.ds(row, 1)], meta_smem.at[pl.ds(1, 1), pl.ds(0, LENS_COLUMNS)],
-                            meta_barrier.at[0])
-    plgpu.copy_gmem_to_smem(q_ref.at[row], q_smem, query_barrier.at[0])
-    plgpu.copy_gmem_to_smem(weights_ref.at[pl.ds(row, 1)], weights_smem, query_barrier.at[0])
+    split, group = lax.axis_index("split"), lax.axis_index("group")
+    first_page, first_row = split * pages_per_cta, group * rows_per_cta
+    heads = q_smem.shape[0] // rows_per_cta  # a row's (padded) heads
+    plgpu.copy_gmem_to_smem(tables_ref.at[pl.ds(first_row, rows_per_cta), pl.ds(first_page, pages_per_cta)],
+                            tables_smem, meta_barrier.at[0])
+    plgpu.copy_gmem_to_smem(lens_ref.at[pl.ds(first_row, rows_per_cta)], lens_smem, meta_barrier.at[0])
+    plgpu.copy_gmem_to_smem(q_ref.at[group], q_smem, query_barrier.at[0])
+    plgpu.copy_gmem_to_smem(weights_ref.at[pl.ds(group, 1)], weights_smem, query_barrier.at[0])
     plgpu.barrier_wait(meta_barrier.at[0])
-    remaining = meta_smem[1, 0] - first_page * PAGE  # tokens of the row from this CTA's first one on
-    num_valid = jnp.clip(lax.div(remaining + PAGE - 1, PAGE), 0, pages_per_cta)
-
-    def fetch(i):  # page i of the CTA into stage i % stages
-        stage = lax.rem(i, stages)
-        page = meta_smem[0, i]
-        plgpu.copy_gmem_to_smem(keys_ref.at[page], keys_smem.at[stage], page_barriers.at[stage])
-        plgpu.copy_gmem_to_smem(scales_ref.at[pl.ds(page, 1)], scales_smem.at[pl.ds(stage, 1)],
-                                page_barriers.at[stage])
-
-    for i in range(stages):
-        pl.when(i < num_valid)(functools.partial(fetch, i))
-
-    plgpu.barrier_wait(query_barrier.at[0])
-    heads = q_smem.shape[0]
-    weights = plgpu.load(weights_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-    weights = lax.broadcast_in_dim(weights, (PAGE, heads), [1])
+    # Tokens of each row from this CTA's first one on, and the pages holding any of them.
+    remaining = [lens_smem[g, 0] - first_page * PAGE for g in range(rows_per_cta)]
+    valid_pages = [jnp.clip(lax.div(r + PAGE - 1, PAGE), 0, pages_per_cta) for r in remaining]
     token_layout = plgpu.Layout.WGMMA.reduce(1)
+    plgpu.barrier_wait(query_barrier.at[0])
 
-    @pl.loop(0, num_valid)
-    def _score_page(i):
-        stage = lax.rem(i, stages)
-        plgpu.barrier_wait(page_barriers.at[stage])
+    def score_pages(table_row: int, rows: list[int]):
+        """Streams the pages of tables_smem[table_row] that hold tokens of any of `rows` (group rows whose
+        block tables equal it here) and stores those rows' logits: one wgmma [64 tokens, 128] x [128, heads of
+        the rows], their q stacked in q_smem."""
+        num_valid = functools.reduce(jnp.maximum, [valid_pages[g] for g in rows])
+        columns = pl.ds(rows[0] * heads, len(rows) * heads)  # the rows are consecutive
+        weights = plgpu.load(weights_smem.at[0, columns], layout=plgpu.Layout.WGMMA.reduce(0))
+        weights = lax.broadcast_in_dim(weights, (PAGE, len(rows) * heads), [1])
 
-        def dot(acc_ref):
-            plgpu.wgmma(acc_ref, keys_smem.at[stage], q_smem.transpose((1, 0)))
-            return acc_ref[...]
+        def fetch(i):  # page i of the CTA into stage i % stages
+            stage = lax.rem(i, stages)
+            page = tables_smem[table_row, i]
+            plgpu.copy_gmem_to_smem(keys_ref.at[page], keys_smem.at[stage], page_barriers.at[stage])
+            plgpu.copy_gmem_to_smem(scales_ref.at[pl.ds(page, 1)], scales_smem.at[pl.ds(stage, 1)],
+                                    page_barriers.at[stage])
 
-        dots = pl.run_scoped(dot, plgpu.ACC((PAGE, heads), jnp.float32))  # [tokens, heads]
-        scales = plgpu.load(scales_smem.at[stage], layout=token_layout)
-        logits = jnp.sum(jnp.maximum(dots, 0.0) * weights, axis=1) * scales
-        tokens = plgpu.broadcasted_iota(jnp.int32, (PAGE,), 0, layout=token_layout)
-        logits = jnp.where(i * PAGE + tokens < remaining, logits, -jnp.inf)
-        out_smem[i] = logits
-        if with_maxima:
-            _store_group_maxima(logits, maxima_smem.at[i])
-        # Every thread has read the stage (keys by the awaited wgmma, scales above): refill it.
-        plgpu.commit_smem()
-        pl.when(i + stages < num_valid)(lambda: fetch(i + stages))
+        for i in range(stages):
+            pl.when(i < num_valid)(functools.partial(fetch, i))
 
-    @pl.loop(num_valid, pages_per_cta)
-    def _empty_page(i):
-        empty = plgpu.layout_cast(jnp.full((PAGE,), -jnp.inf, jnp.float32), token_layout)
-        out_smem[i] = empty
-        if with_maxima:
-            _store_group_maxima(empty, maxima_smem.at[i])
+        @pl.loop(0, num_valid)
+        def _score_page(i):
+            stage = lax.rem(i, stages)
+            plgpu.barrier_wait(page_barriers.at[stage])
+
+            def dot(acc_ref):
+                plgpu.wgmma(acc_ref, keys_smem.at[stage], q_smem.at[columns].transpose((1, 0)))
+                return acc_ref[...]
+
+            dots = pl.run_scoped(dot, plgpu.ACC((PAGE, len(rows) * heads), jnp.float32))  # [tokens, heads]
+            weighted = jnp.maximum(dots, 0.0) * weights
+            scales = plgpu.load(scales_smem.at[stage], layout=token_layout)
+            tokens = plgpu.broadcasted_iota(jnp.int32, (PAGE,), 0, layout=token_layout)
+            for j, g in enumerate(rows):
+                logits = jnp.sum(weighted[:, j * heads:(j + 1) * heads], axis=1) * scales
+                logits = jnp.where(i * PAGE + tokens < remaining[g], logits, -jnp.inf)
+                out_smem[g, i] = logits
+                if with_maxima:
+                    _store_group_maxima(logits, maxima_smem.at[g, i])
+            # Every thread has read the stage (keys by the awaited wgmma, scales above): refill it.
+            plgpu.commit_smem()
+            pl.when(i + stages < num_valid)(lambda: fetch(i + stages))
+
+        @pl.loop(num_valid, pages_per_cta)
+        def _empty_page(i):
+            empty = plgpu.layout_cast(jnp.full((PAGE,), -jnp.inf, jnp.float32), token_layout)
+            for g in rows:
+                out_smem[g, i] = empty
+                if with_maxima:
+                    _store_group_maxima(empty, maxima_smem.at[g, i])
+
+    # Rows whose block tables agree on this CTA's pages (a prefill chunk's rows) share each page's load and wgmma;
+    # otherwise (decode rows of different sequences) each row streams its own pages.
+    shared = functools.reduce(jnp.logical_and, [tables_smem[g, i] == tables_smem[0, i]
+                                                 for g in range(1, rows_per_cta) for i in range(pages_per_cta)],
+                              jnp.bool_(True))
+    if rows_per_cta == 1:
+        score_pages(0, [0])
+    else:
+        pl.when(shared)(lambda: score_pages(0, list(range(rows_per_cta))))
+
+        @pl.when(jnp.logical_not(shared))
+        def _row_by_row():
+            for g in range(rows_per_cta):
+                score_pages(g, [g])
 
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[row, pl.ds(first_page, pages_per_cta)])
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(first_row, rows_per_cta), pl.ds(first_page, pages_per_cta)])
     if with_maxima:
-        plgpu.copy_smem_to_gmem(maxima_smem, maxima_ref.at[row, pl.ds(first_page, pages_per_cta)])
+        plgpu.copy_smem_to_gmem(maxima_smem,
+                                maxima_ref.at[pl.ds(first_row, rows_per_cta), pl.ds(first_page, pages_per_cta)])
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("pages_per_cta", "stages", "with_maxima"))
+@functools.partial(jax.jit, static_argnames=("pages_per_cta", "stages", "rows_per_cta", "with_maxima"))
 def indexer_logits_pages(q, weights, keys, scales, tables, lens, *, pages_per_cta: int, stages: int,
-                         with_maxima: bool = False):
+                         rows_per_cta: int = 1, with_maxima: bool = False):
     """The kernel on prepared inputs: q fp8 [R, Hi, 128], weights f32 [R, Hi], keys fp8 [pages, 64, 128],
     scales f32 [pages, 64], tables int32 [R, P] (P a multiple of pages_per_cta), lens int32 [R, 16] (the
-    length in column 0, at most P * 64). Returns the logits f32 [R, P, 64]; with_maxima also the top-k keys
-    (`_topk_triton._to_key`) of the maxima of each row's groups of 16 consecutive tokens, int32 [R, P, 4] (the key
-    of -inf for groups past the length)."""
+    length in column 0, at most P * 64); R a multiple of rows_per_cta, rows_per_cta * Hi at most MAX_HEADS.
+    Returns the logits f32 [R, P, 64]; with_maxima also the top-k keys (`_topk_triton._to_key`) of the maxima of
+    each row's groups of 16 consecutive tokens, int32 [R, P, 4] (the key of -inf for groups past the length)."""
     rows, heads, _ = q.shape
     num_blocks = tables.shape[1]
     logits_type = jax.ShapeDtypeStruct((rows, num_blocks, PAGE), jnp.float32)
     groups_per_page = PAGE // GROUP_TOKENS
     if with_maxima:
         out_type = (logits_type, jax.ShapeDtypeStruct((rows, num_blocks, groups_per_page), jnp.int32))
-        maxima_scratch = plgpu.SMEM((pages_per_cta, groups_per_page), jnp.int32)
+        maxima_scratch = plgpu.SMEM((rows_per_cta, pages_per_cta, groups_per_page), jnp.int32)
     else:
         out_type, maxima_scratch = logits_type, None
+    group_heads = rows_per_cta * heads
+    q = q.reshape(rows // rows_per_cta, group_heads, DIM)  # a group's queries stacked: one wgmma's N
+    weights = weights.reshape(rows // rows_per_cta, group_heads)
 
     def indexer_logits_mosaic(*refs):  # the kernel's name in profiles
         if not with_maxima:
             refs = (*refs, None)
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, pages_per_cta=pages_per_cta, stages=stages,
-                                     with_maxima=with_maxima),
-            plgpu.SMEM((heads, DIM), jnp.float8_e4m3fn, transforms=_tiled()),
-            plgpu.SMEM((1, heads), jnp.float32),
+                                     rows_per_cta=rows_per_cta, with_maxima=with_maxima),
+            plgpu.SMEM((group_heads, DIM), jnp.float8_e4m3fn, transforms=_tiled()),
+            plgpu.SMEM((1, group_heads), jnp.float32),
             plgpu.SMEM((stages, PAGE, DIM), jnp.float8_e4m3fn, transforms=_tiled()),
             plgpu.SMEM((stages, PAGE), jnp.float32),
-            plgpu.SMEM((2, max(_META_WIDTH, pages_per_cta)), jnp.int32),  # block-table entries; the length
-            plgpu.SMEM((pages_per_cta, PAGE), jnp.float32),
+            plgpu.SMEM((rows_per_cta, pages_per_cta), jnp.int32),  # block-table entries
+            plgpu.SMEM((rows_per_cta, LENS_COLUMNS), jnp.int32),
+            plgpu.SMEM((rows_per_cta, pages_per_cta, PAGE), jnp.float32),
             maxima_scratch,
             plgpu.Barrier(num_arrivals=2, num_barriers=1),
             plgpu.Barrier(num_arrivals=2, num_barriers=1),
@@ -184,7 +215,7 @@ def indexer_logits_pages(q, weights, keys, scales, tables, lens, *, pages_per_ct
     return plgpu.kernel(
         indexer_logits_mosaic,
         out_type=out_type,
-        grid=(num_blocks // pages_per_cta, rows), grid_names=("split", "row"),
+        grid=(num_blocks // pages_per_cta, rows // rows_per_cta), grid_names=("split", "group"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(q, weights, keys, scales, tables, lens)
 
@@ -217,36 +248,50 @@ def prepare(weights, block_tables, lens, pages_per_cta: int):
 _MAX_PAGES_PER_CTA, _MIN_CTAS = 16, 1024
 
 
-def _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, with_maxima):
+def _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, rows_per_cta, with_maxima):
     rows, heads, _ = q.shape
     max_blocks = block_tables.shape[1]
+    padded_heads = max(pow2_at_least(heads), MIN_DOT_DIM)  # zero-weight heads add nothing
+    if rows_per_cta < 1 or rows_per_cta * padded_heads > MAX_HEADS:
+        raise ValueError(f"need rows_per_cta >= 1 with rows_per_cta x {padded_heads} padded heads <= {MAX_HEADS}; "
+                         f"got {rows_per_cta=}")
+    groups = pl.cdiv(rows, rows_per_cta)
     if pages_per_cta is None:
         pages_per_cta = _MAX_PAGES_PER_CTA
-        while pages_per_cta > 4 and rows * pl.cdiv(max_blocks, pages_per_cta) < _MIN_CTAS:
+        while pages_per_cta > 4 and groups * pl.cdiv(max_blocks, pages_per_cta) < _MIN_CTAS:
             pages_per_cta //= 2
     if pages_per_cta < 4 or pages_per_cta & (pages_per_cta - 1) or stages < 1:
         raise ValueError(f"need pages_per_cta a power of two >= 4 and stages >= 1; got {pages_per_cta=} {stages=}")
-    padded_heads = max(pow2_at_least(heads), MIN_DOT_DIM)  # zero-weight heads add nothing
-    q = jnp.pad(q, ((0, 0), (0, padded_heads - heads), (0, 0)))
-    weights = jnp.pad(weights, ((0, 0), (0, padded_heads - heads)))
+    extra_rows = groups * rows_per_cta - rows  # zero queries of length 0; the last row's table keeps it shared
+    q = jnp.pad(q, ((0, extra_rows), (0, padded_heads - heads), (0, 0)))
+    weights = jnp.pad(weights, ((0, extra_rows), (0, padded_heads - heads)))
+    block_tables = jnp.pad(block_tables, ((0, extra_rows), (0, 0)), mode="edge")
+    lens = jnp.pad(lens, (0, extra_rows))
     weights, tables, lens = prepare(weights, block_tables, lens, pages_per_cta)
     outs = indexer_logits_pages(q, weights, k_cache, k_scale, tables, lens, pages_per_cta=pages_per_cta,
-                                stages=stages, with_maxima=with_maxima)
-    # Rows of whole pages (groups), minus the block-table padding.
-    return tuple(out.reshape(rows, -1)[:, :max_blocks * out.shape[2]] for out in (outs if with_maxima else (outs,)))
+                                stages=stages, rows_per_cta=rows_per_cta, with_maxima=with_maxima)
+    # Rows of whole pages (groups), minus the row and block-table padding.
+    return tuple(out[:rows].reshape(rows, -1)[:, :max_blocks * out.shape[2]]
+                 for out in (outs if with_maxima else (outs,)))
 
 
-def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale, pages_per_cta=None, stages=4):
+def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale, pages_per_cta=None, stages=4,
+                   rows_per_cta=1):
     """The contract of the Triton kernel on this one (`unsupported` lists what it needs). Knobs: pages_per_cta
-    (None: the largest power of two <= 16 that still gives 1024 CTAs), stages (TMA page buffers per CTA)."""
-    return _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, with_maxima=False)[0]
+    (None: the largest power of two <= 16 that still gives 1024 CTAs), stages (TMA page buffers per CTA),
+    rows_per_cta (consecutive rows a CTA scores: where their block tables agree on its pages, as a prefill
+    chunk's rows do, each page is loaded once and one wgmma scores all of them, their heads side by side in N;
+    elsewhere row by row)."""
+    return _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, rows_per_cta,
+                   with_maxima=False)[0]
 
 
 def indexer_logits_and_group_maxima(q, weights, k_cache, block_tables, lens, *, k_scale, pages_per_cta=None,
-                                    stages=4):
+                                    stages=4, rows_per_cta=1):
     """(indexer_logits(...), the top-k keys of the maxima of each row's groups of 16 consecutive tokens int32
     [R, max_blocks * 4]): the top-k's `group_maxima`; groups past a row's length hold the key of -inf."""
-    return _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, with_maxima=True)
+    return _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, rows_per_cta,
+                   with_maxima=True)
 
 
 def fuses_group_maxima(k_cache, block_tables, k: int) -> bool:
@@ -256,13 +301,12 @@ def fuses_group_maxima(k_cache, block_tables, k: int) -> bool:
 
 
 def indexer_top_k(q, weights, k_cache, block_tables, lens, *, k: int, k_scale, sorted=True, pages_per_cta=None,
-                  stages=4):
+                  stages=4, rows_per_cta=1):
     """Top-k of this kernel's logits: the top-k's maxima pass fused in where `fuses_group_maxima`, else this
     kernel's logits through the whole Triton top-k."""
+    knobs = dict(k_scale=k_scale, pages_per_cta=pages_per_cta, stages=stages, rows_per_cta=rows_per_cta)
     if fuses_group_maxima(k_cache, block_tables, k):
-        logits, maxima = indexer_logits_and_group_maxima(q, weights, k_cache, block_tables, lens, k_scale=k_scale,
-                                                         pages_per_cta=pages_per_cta, stages=stages)
+        logits, maxima = indexer_logits_and_group_maxima(q, weights, k_cache, block_tables, lens, **knobs)
         return _topk_triton.topk(logits, lens, k, sorted=sorted, interpret=False, group_maxima=maxima)
-    logits = indexer_logits(q, weights, k_cache, block_tables, lens, k_scale=k_scale, pages_per_cta=pages_per_cta,
-                            stages=stages)
+    logits = indexer_logits(q, weights, k_cache, block_tables, lens, **knobs)
     return _topk_triton.topk(logits, lens, k, sorted=sorted, interpret=False)

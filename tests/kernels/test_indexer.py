@@ -138,11 +138,14 @@ def test_backend_table_says_why_mosaic_does_not_apply():
         pallas_kernels.indexer_logits(*bad)
 
 
-@pytest.mark.parametrize("rows, heads, max_blocks, pages_per_cta, stages",
-                         [(4, 64, 64, 16, 4), (3, 16, 8, 4, 2), (1, 128, 256, 32, 6)])
+@pytest.mark.parametrize("rows, heads, max_blocks, pages_per_cta, stages, rows_per_cta",
+                         [(4, 64, 64, 16, 4, 1), (3, 16, 8, 4, 2, 1), (1, 128, 256, 32, 6, 1), (8, 64, 64, 16, 4, 4),
+                          (4, 128, 32, 8, 3, 2), (6, 16, 8, 4, 2, 3)])
 @pytest.mark.parametrize("with_maxima", [False, True], ids=["logits", "with-maxima"])
-def test_mosaic_kernel_lowers_for_cuda(rows, heads, max_blocks, pages_per_cta, stages, with_maxima):
-    """No interpreter runs the Mosaic GPU kernel; lowering it for CUDA checks its layouts and SMEM plan."""
+def test_mosaic_kernel_lowers_for_cuda(rows, heads, max_blocks, pages_per_cta, stages, rows_per_cta, with_maxima):
+    """No interpreter runs the Mosaic GPU kernel; lowering it for CUDA checks its layouts and SMEM plan: a row a
+    CTA, or rows_per_cta rows (one wgmma of their heads side by side where their tables agree, else row by
+    row)."""
     fp8 = jnp.float8_e4m3fn
     args = (jax.ShapeDtypeStruct((rows, heads, indexer_mosaic.DIM), fp8),
             jax.ShapeDtypeStruct((rows, heads), jnp.float32),
@@ -151,7 +154,18 @@ def test_mosaic_kernel_lowers_for_cuda(rows, heads, max_blocks, pages_per_cta, s
             jax.ShapeDtypeStruct((rows, max_blocks), jnp.int32),
             jax.ShapeDtypeStruct((rows, indexer_mosaic.LENS_COLUMNS), jnp.int32))
     indexer_mosaic.indexer_logits_pages.trace(*args, pages_per_cta=pages_per_cta, stages=stages,
-                                              with_maxima=with_maxima).lower(lowering_platforms=("cuda",))
+                                              rows_per_cta=rows_per_cta, with_maxima=with_maxima).lower(
+        lowering_platforms=("cuda",))
+
+
+def test_mosaic_rows_per_cta_is_checked_before_anything_is_traced():
+    """rows_per_cta x the padded heads fill at most one wgmma N (256)."""
+    q, weights, cache, tables, lens = _case(1, rows=4, heads=64, dim=128, page_size=64, max_blocks=2,
+                                            lens=[1, 2, 3, 4], dtype=FP8)
+    with pytest.raises(ValueError, match="rows_per_cta x 64 padded heads <= 256"):
+        indexer_mosaic.indexer_logits(q, weights, cache.keys, tables, lens, k_scale=cache.scales, rows_per_cta=8)
+    with pytest.raises(ValueError, match="need rows_per_cta >= 1"):
+        indexer_mosaic.indexer_logits(q, weights, cache.keys, tables, lens, k_scale=cache.scales, rows_per_cta=0)
 
 
 def test_mosaic_prepare_pads_to_the_kernel():
@@ -208,6 +222,47 @@ def test_mosaic_kernel_on_gpu(heads, max_blocks, pages_per_cta, stages):
                 nan_scales[page][valid[b] >= n] = np.nan
     args = (q, weights, Fp8IndexKeys(jnp.asarray(nan_keys, FP8), jnp.asarray(nan_scales)), tables, lens_)
     _check(args, rtol=2e-3, interpret=False, backend="mosaic", pages_per_cta=pages_per_cta, stages=stages)
+
+
+def _chunk_case(seed, *, heads, max_blocks, chunk_lens, decode_lens):
+    """fp8 inputs of a mixed step: prefill chunks (each a run of consecutive rows of one sequence, causal lengths
+    over one block table) then decode rows (each its own sequence), with NaN keys and scales behind each page's
+    last token that any row reading it may score (never read, or masked)."""
+    lens = [n for chunk in chunk_lens for n in chunk] + list(decode_lens)
+    q, weights, cache, _, lens_ = _case(seed, rows=len(lens), heads=heads, dim=128, page_size=64,
+                                        max_blocks=max_blocks, lens=lens, dtype=FP8)
+    rng = np.random.default_rng(seed + 1)
+    sequences = [max(chunk) for chunk in chunk_lens] + list(decode_lens)
+    pages = rng.permutation(cache.keys.shape[0])
+    tables, scored = [], np.zeros(cache.keys.shape[:2], bool)
+    for s, n in enumerate(sequences):
+        table = np.full(max_blocks, -1, np.int32)
+        used = -(-n // 64)
+        table[:used] = pages[s * max_blocks:s * max_blocks + used]
+        scored[table[:used]] = True
+        if used:
+            scored[table[used - 1], n - 64 * (used - 1):] = False
+        tables.append(table)
+    rows_of = [s for s, chunk in enumerate(chunk_lens) for _ in chunk] + [len(chunk_lens) + d
+                                                                          for d in range(len(decode_lens))]
+    keys, scales = np.array(cache.keys.astype(jnp.float32)), np.array(cache.scales)
+    keys[~scored], scales[~scored] = np.nan, np.nan
+    cache = Fp8IndexKeys(jnp.asarray(keys, FP8), jnp.asarray(scales))
+    return q, weights, cache, jnp.asarray(np.stack(tables)[rows_of]), lens_
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_cta", [1, 2, 4])
+def test_mosaic_rows_of_a_chunk_share_pages_on_gpu(rows_per_cta):
+    """rows_per_cta rows a CTA: chunks whose rows end mid-group and groups mixing a chunk's last rows with decode
+    rows (row by row), causal lengths from 0 to a full table, rows not a multiple of the group: equal to the
+    reference, and to one row a CTA."""
+    chunk_lens = [[0, 1, 2, 63, 64, 65], list(range(4000, 4007)), [4096 - 2, 4096 - 1, 4096]]
+    args = _chunk_case(7, heads=64, max_blocks=64, chunk_lens=chunk_lens, decode_lens=[5, 4096, 300])
+    _check(args, rtol=2e-3, interpret=False, backend="mosaic", rows_per_cta=rows_per_cta)
+    one_row = pallas_kernels.indexer_logits(*args, backend="mosaic")
+    grouped = pallas_kernels.indexer_logits(*args, backend="mosaic", rows_per_cta=rows_per_cta)
+    np.testing.assert_allclose(np.asarray(grouped), np.asarray(one_row), rtol=1e-6)
 
 
 @pytest.mark.gpu
