@@ -126,6 +126,8 @@ def time_kernel(index_cache, mode, rows, length, seed=0, *, with_reference=False
     """
     q, weights = make_queries(mode, rows, jax.random.key(seed))
     if chunk:
+        if rows > length:
+            raise ValueError(f"a chunk of {rows} query tokens needs a sequence of as many; got {length}")
         lens = jnp.arange(length - rows + 1, length + 1, dtype=jnp.int32)
         tables = [jnp.repeat(block_tables_for(1, length, seed * 100 + i), rows, axis=0) for i in range(ROTATE)]
     else:
@@ -144,7 +146,7 @@ def time_kernel(index_cache, mode, rows, length, seed=0, *, with_reference=False
 
     kernels_per_call = 1 + (KERNELS_PER_TOPK - fused if with_topk else 0)
     result = dict(mode=mode + ("-chunk" if chunk else "") + ("+topk" if with_topk else ""), B=rows, L=length,
-                  knobs=knobs, fused=fused, bytes=rows * length * KEY_BYTES[mode], kernels_per_call=kernels_per_call,
+                  knobs=knobs, fused=fused, bytes=int(lens.sum()) * KEY_BYTES[mode], kernels_per_call=kernels_per_call,
                   flops=2 * INDEX_HEADS * INDEX_HEAD_DIM * int(lens.sum()),
                   wall_us=(timed(jax.jit(run), args) - overhead_seconds()) * 1e6, xla_us=float("nan"))
     if with_reference:

@@ -250,7 +250,7 @@ def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **kn
     writing its f32 partial product, summed after: more CTAs when the tiles are few, as at decode),
     overlap_promotion (scale and add a step's product while the next step's wgmma runs, with one scale a row: tile_n
     must divide the scale block's bn), persistent (one CTA a SM loops over the tiles, a tile's store overlapping the
-    next tile's loads), grid_tile_width (M tiles a band of the tile order, walked along N)."""
+    next tile's loads), grid_tile_width (M tiles a band of the tile order, walked along N; a power of two)."""
     del interpret  # compiled only (`unsupported`)
     num_rows, width = x.shape[0], w.shape[0]
     out_dtype = jnp.dtype(out_dtype)
@@ -266,6 +266,9 @@ def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **kn
         raise ValueError(f"no column tile for N = {width}: {split_m=}, {tile_n=} (of {TILE_N})")
     if chosen["overlap_promotion"] and block[0] % tile_n:
         raise ValueError(f"overlap_promotion needs tile_n to divide the scale block's {block[0]} rows; got {tile_n=}")
+    width_of_band = chosen["grid_tile_width"]
+    if width_of_band < 1 or width_of_band & (width_of_band - 1):
+        raise ValueError(f"grid_tile_width must be a power of two; got {width_of_band}")
     if k_splits < 1 or (depth // BLOCK_K) % k_splits:
         raise ValueError(f"k_splits must divide K / {BLOCK_K} = {depth // BLOCK_K}; got {k_splits}")
     pad = -num_rows % _cta_tile(split_m, tile_n)[0]

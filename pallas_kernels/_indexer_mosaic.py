@@ -17,8 +17,8 @@ Optionally (`with_maxima`) it also stores the top-k keys of the maxima of each g
 B=64 L=64K on an H200 (`indexer_top_k`). That needs N / 16 groups (N = the row's token width) to be a power of two
 from k's next power of two (a floor from fewer groups would not bound the k-th score) up to MAX_GROUPS (the
 top-k loads them all into each candidates program).
-Pages past a row's length are never read. Mosaic GPU has no interpreter for TMA, so this kernel runs on the GPU
-only; on CPU it can be lowered for CUDA (the tests do).
+Pages past every length of a CTA's rows are never read. Mosaic GPU has no interpreter for TMA, so this kernel runs
+on the GPU only; on CPU it can be lowered for CUDA (the tests do).
 """
 
 from __future__ import annotations
@@ -151,12 +151,11 @@ def _kernel(q_ref, weights_ref, keys_ref, scales_ref, tables_ref, lens_ref, out_
 
     # Rows whose block tables agree on this CTA's pages (a prefill chunk's rows) share each page's load and wgmma;
     # otherwise (decode rows of different sequences) each row streams its own pages.
-    shared = functools.reduce(jnp.logical_and, [tables_smem[g, i] == tables_smem[0, i]
-                                                 for g in range(1, rows_per_cta) for i in range(pages_per_cta)],
-                              jnp.bool_(True))
     if rows_per_cta == 1:
         score_pages(0, [0])
     else:
+        shared = functools.reduce(jnp.logical_and, [tables_smem[g, i] == tables_smem[0, i]
+                                                     for g in range(1, rows_per_cta) for i in range(pages_per_cta)])
         pl.when(shared)(lambda: score_pages(0, list(range(rows_per_cta))))
 
         @pl.when(jnp.logical_not(shared))

@@ -85,14 +85,17 @@ def test_refuses_malformed_inputs_and_says_why_a_backend_does_not_apply():
 
 
 def test_mosaic_knobs_are_checked_before_anything_is_traced():
-    """k_splits must divide K / 128; overlap_promotion needs a warpgroup's columns in one scale block; unknown knobs
-    are refused; an f32 output or a split K's f32 partial products take 3 stages."""
+    """k_splits must divide K / 128; overlap_promotion needs a warpgroup's columns in one scale block; bands are a
+    power of two M tiles; unknown knobs are refused; an f32 output or a split K's f32 partial products take 3 stages."""
     x, x_scales, w, w_scales = _case(3, 4, 128, 768, (128, 128))  # K / 128 = 6
     with pytest.raises(ValueError, match="k_splits must divide K / 128 = 6"):
         fp8_gemm_mosaic.fp8_gemm(x, x_scales, w, w_scales, block=(128, 128), out_dtype=jnp.bfloat16, k_splits=4)
     with pytest.raises(ValueError, match="overlap_promotion needs tile_n to divide the scale block's 64 rows"):
         fp8_gemm_mosaic.fp8_gemm(x, x_scales, w, w_scales, block=(64, 128), out_dtype=jnp.bfloat16, tile_n=128,
                                  split_m=True, overlap_promotion=True)
+    with pytest.raises(ValueError, match="grid_tile_width must be a power of two; got 3"):
+        fp8_gemm_mosaic.fp8_gemm(x, x_scales, w, w_scales, block=(128, 128), out_dtype=jnp.bfloat16,
+                                 grid_tile_width=3)
     with pytest.raises(TypeError, match="unknown fp8 GEMM knobs"):
         fp8_gemm_mosaic.fp8_gemm(x, x_scales, w, w_scales, block=(128, 128), out_dtype=jnp.bfloat16, block_m=64)
     assert fp8_gemm_mosaic.default_knobs(4, 128, 768, jnp.bfloat16, k_splits=1)["stages"] == 4
@@ -130,7 +133,7 @@ def test_mosaic_overlaps_the_promotion_where_a_warpgroup_has_one_w_scale(scale_b
 @pytest.mark.parametrize("rows, width, depth, persistent", [
     (4096, 7168, 16384, True),  # 1792 tiles
     (64, 7168, 16384, False),  # 28 tiles, K split over 4: 112 CTAs, one wave
-    (256, 24576, 1536, True),  # 192 tiles of [128, 128]
+    (256, 24576, 1536, True),  # 384 tiles of [128, 128]
 ])
 def test_mosaic_is_persistent_past_one_wave(rows, width, depth, persistent):
     assert fp8_gemm_mosaic.default_knobs(rows, width, depth, jnp.bfloat16)["persistent"] is persistent
@@ -143,12 +146,12 @@ MOSAIC_SHAPES = [(64, 24576, 1536), (4096, 7168, 16384), (200, 576, 7168), (1, 2
 @pytest.mark.parametrize("rows, width, depth", MOSAIC_SHAPES)
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("overlap_promotion, persistent, grid_tile_width", [
-    (False, False, 8), (True, False, 3), (True, True, 8), (False, True, 3)],
-    ids=["promote-after", "promote-overlapped", "promote-overlapped-persistent", "persistent-bands-of-3"])
+    (False, False, 8), (True, False, 2), (True, True, 8), (False, True, 2)],
+    ids=["promote-after", "promote-overlapped", "promote-overlapped-persistent", "persistent-bands-of-2"])
 def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype, overlap_promotion, persistent, grid_tile_width):
     """No interpreter runs the Mosaic GPU kernel; lowering it for CUDA checks its layouts and SMEM plan (an f32
     output's epilogue tile included): a CTA a tile or persistent, the promotion after each wgmma or overlapping the
-    next, the tile order in bands of M tiles (3: a last band partly filled)."""
+    next, the tile order in bands of M tiles (2: a last band partly filled at one M tile)."""
     knobs = fp8_gemm_mosaic.default_knobs(rows, width, depth, out_dtype, k_splits=1)
     knobs.update(overlap_promotion=overlap_promotion, persistent=persistent, grid_tile_width=grid_tile_width)
     cta_m = fp8_gemm_mosaic._cta_tile(knobs["split_m"], knobs["tile_n"])[0]
@@ -182,8 +185,8 @@ def test_mosaic_wrapper_lowers_for_cuda(rows, width, depth, knobs):
 @pytest.mark.parametrize("rows, width, depth, knobs", [(*shape, {}) for shape in MOSAIC_SHAPES]
                          + [(300, 1536, 7168, {}), (64, 1536, 7168, {"k_splits": 2})]
                          + [(*shape, knobs) for shape in MOSAIC_SHAPES for knobs in (
-                             {"overlap_promotion": False}, {"persistent": True}, {"grid_tile_width": 3},
-                             {"overlap_promotion": False, "persistent": True, "grid_tile_width": 3})])
+                             {"overlap_promotion": False}, {"persistent": True}, {"grid_tile_width": 2},
+                             {"overlap_promotion": False, "persistent": True, "grid_tile_width": 2})])
 def test_mosaic_compiled_equals_reference(rows, width, depth, knobs):
     """Within the fp8 tensor cores' reduced-precision accumulation (one 128-channel block at a time) of the
     reference, bf16 output."""

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from pallas_kernels import _indexer_mosaic as indexer_mosaic
+from pallas_kernels import _topk_triton
 from pallas_kernels import formats, reference
 from pallas_kernels.formats import Fp8IndexKeys
 
@@ -252,17 +253,23 @@ def _chunk_case(seed, *, heads, max_blocks, chunk_lens, decode_lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows_per_cta", [1, 2, 4])
-def test_mosaic_rows_of_a_chunk_share_pages_on_gpu(rows_per_cta):
+@pytest.mark.parametrize("rows_per_cta, pages_per_cta, stages", [(1, None, 4), (2, None, 4), (3, 16, 3), (4, None, 4),
+                                                                  (4, 16, 3), (4, 8, 1)])
+def test_mosaic_rows_of_a_chunk_share_pages_on_gpu(rows_per_cta, pages_per_cta, stages):
     """rows_per_cta rows a CTA: chunks whose rows end mid-group and groups mixing a chunk's last rows with decode
-    rows (row by row), causal lengths from 0 to a full table, rows not a multiple of the group: equal to the
-    reference, and to one row a CTA."""
+    rows (row by row), causal lengths from 0 to a full table, rows not a multiple of the group, stages refilled
+    within a row or not dividing its pages: equal to the reference, and to one row a CTA, the fused top-k's group
+    maxima too."""
     chunk_lens = [[0, 1, 2, 63, 64, 65], list(range(4000, 4007)), [4096 - 2, 4096 - 1, 4096]]
     args = _chunk_case(7, heads=64, max_blocks=64, chunk_lens=chunk_lens, decode_lens=[5, 4096, 300])
-    _check(args, rtol=2e-3, interpret=False, backend="mosaic", rows_per_cta=rows_per_cta)
-    one_row = pallas_kernels.indexer_logits(*args, backend="mosaic")
-    grouped = pallas_kernels.indexer_logits(*args, backend="mosaic", rows_per_cta=rows_per_cta)
-    np.testing.assert_allclose(np.asarray(grouped), np.asarray(one_row), rtol=1e-6)
+    knobs = dict(pages_per_cta=pages_per_cta, stages=stages)
+    _check(args, rtol=2e-3, interpret=False, backend="mosaic", rows_per_cta=rows_per_cta, **knobs)
+    q, weights, cache, tables, lens = args
+    (one_row, _), (logits, maxima) = (indexer_mosaic.indexer_logits_and_group_maxima(
+        q, weights, cache.keys, tables, lens, k_scale=cache.scales, rows_per_cta=g, **knobs) for g in (1, rows_per_cta))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(one_row), rtol=1e-6)
+    group_max = jnp.asarray(logits).reshape(logits.shape[0], -1, indexer_mosaic.GROUP_TOKENS).max(axis=-1)
+    np.testing.assert_array_equal(np.asarray(maxima), np.asarray(_topk_triton._to_key(group_max)))
 
 
 @pytest.mark.gpu
