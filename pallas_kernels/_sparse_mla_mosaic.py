@@ -1,4 +1,5 @@
-"""Sparse MLA decode for Hopper (sm_90) in Mosaic GPU: the bf16 fast path of `pallas_kernels.sparse_mla_decode`.
+"""Sparse MLA decode for Hopper (sm_90) in Mosaic GPU: the fast path of `pallas_kernels.sparse_mla_decode` for bf16
+and fp8 latent caches.
 
 Same contract as the Triton kernel for a bf16 cache of 512 latent + 64 rope columns (q is cast to bf16). Per CTA,
 one row, one split of its valid slots and 64 heads, with three warpgroups:
@@ -11,8 +12,11 @@ one row, one split of its valid slots and 64 heads, with three warpgroups:
 - the second warpgroup multiplies the same probabilities, from SMEM, by the other value slabs.
 Each score is computed once: both warpgroups computing them was 1.5x the tensor work (docs/perf_sparse_mla.md).
 The output is rounded to bf16 in the kernel (as FlashMLA does); split-K partial results are merged by
-`_lse.merge_splits`. Mosaic GPU has no interpreter for this kernel, so it runs on the GPU
-only; on CPU it can be lowered for CUDA (the tests do).
+`_lse.merge_splits`. An fp8 latent cache (`formats.Fp8LatentCache`; ue8m0 scales, so its values are exact in
+bf16) is first gathered at each row's slots and dequantized into bf16 rows by XLA (`dequantized_selection`),
+which the kernel reads as a bf16 cache: the bf16 cache's products, for one read of the 656-byte fp8 rows and a
+write and read of 1152-byte bf16 ones (FlashMLA dequantizes inside its kernel instead). Mosaic GPU has no
+interpreter for this kernel, so it runs on the GPU only; on CPU it can be lowered for CUDA (the tests do).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import formats
 from pallas_kernels._lse import merge_splits
 from pallas_kernels._platform import on_hopper_compiled
-from pallas_kernels._sparse_mla_triton import default_num_splits
+from pallas_kernels._sparse_mla_triton import default_num_splits, fp8_cache_rows
 
 VALUE_DIM, ROPE_DIM = 512, 64
 WIDTH = VALUE_DIM + ROPE_DIM
@@ -45,6 +49,7 @@ LEFT_SLABS = 3  # value slabs of the scorer; the second warpgroup takes the othe
 ROW_BYTES = WIDTH * 2
 CHUNK = 16  # bytes per cp.async
 COUNT_COLUMNS = 16  # counts travel as [R, 16] int32: a TMA row must be 16-byte aligned and 64 bytes suit it
+MAX_SELECTION_BYTES = 1 << 30  # an fp8 cache's dequantized selection [R * S, 576] bf16 is at most this
 LOG2E = math.log2(math.e)
 COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40  # 2 * 232 + 40 warpgroup registers per thread fill 64K
 
@@ -274,19 +279,39 @@ def sparse_mla_partials(q, kv_rows, slots, counts, *, sm_scale: float, num_split
     )(q, kv_rows, slots, counts)
 
 
-def unsupported(q, kv_cache, value_dim: int, interpret: bool) -> list[str]:
-    """Why this kernel does not take these inputs (empty: it does): it needs a bf16 cache of 512 + 64 columns,
-    compiled on an sm_90 GPU."""
+def unsupported(q, kv_cache, slots, value_dim: int, interpret: bool) -> list[str]:
+    """Why this kernel does not take these inputs (empty: it does): it needs a bf16 cache of 512 + 64 columns, or
+    an fp8 latent cache of those widths whose dequantized selection fits MAX_SELECTION_BYTES, compiled on an sm_90
+    GPU."""
     reasons = []
-    if isinstance(kv_cache, formats.Fp8LatentCache) or kv_cache.dtype != jnp.bfloat16:
-        reasons.append(f"it needs a bf16 latent cache, got {_cache_kind(kv_cache)}")
+    if isinstance(kv_cache, formats.Fp8LatentCache):
+        try:
+            fp8_cache_rows(kv_cache, value_dim)
+        except ValueError as e:
+            reasons.append(str(e))
+        selection = slots.shape[0] * slots.shape[1] * ROW_BYTES
+        if selection > MAX_SELECTION_BYTES:
+            reasons.append(f"an fp8 latent cache's dequantized selection takes {selection / 2**30:.1f} GiB (R x S "
+                           f"= {slots.shape[0]} x {slots.shape[1]} bf16 rows), above {MAX_SELECTION_BYTES / 2**30:.0f}")
+    elif kv_cache.dtype != jnp.bfloat16:
+        reasons.append(f"it needs a bf16 latent cache or an Fp8LatentCache, got {kv_cache.dtype}")
     if value_dim != VALUE_DIM or q.shape[-1] != WIDTH:
         reasons.append(f"it needs {VALUE_DIM} + {ROPE_DIM} columns, got {value_dim=} and q width {q.shape[-1]}")
     return reasons + on_hopper_compiled(interpret)
 
 
-def _cache_kind(cache) -> str:
-    return "an fp8 latent cache" if isinstance(cache, formats.Fp8LatentCache) else f"{cache.dtype}"
+def dequantized_selection(cache: formats.Fp8LatentCache, slots, counts):
+    """The bf16 rows [R * S, 576] of each row's slots in an fp8 latent cache (exact; past a row's count, slot 0's
+    row, never read) and their slots [R, S]: row r's j-th at r * S + j."""
+    rows, num_slots = slots.shape
+    picked = jnp.where(jnp.arange(num_slots)[None, :] < counts[:, None], slots, 0)
+
+    def gathered(part):  # [pages, B, ...] -> the slots' entries [R, S, ...]
+        return part.reshape(-1, *part.shape[2:])[picked]
+
+    selection = formats.Fp8LatentCache(*(gathered(part) for part in (cache.latent, cache.scales, cache.rope)))
+    kv_rows = formats.dequantize_latent_cache(selection).astype(jnp.bfloat16).reshape(rows * num_slots, WIDTH)
+    return kv_rows, jnp.arange(rows * num_slots, dtype=jnp.int32).reshape(rows, num_slots)
 
 
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_DIM, num_splits=None):
@@ -294,6 +319,8 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_D
     out is rounded to bf16 in the kernel. num_splits: split-K programs per row (None: `default_num_splits`)."""
     del value_dim  # always VALUE_DIM here (`unsupported`)
     num_heads = q.shape[1]
+    if isinstance(kv_cache, formats.Fp8LatentCache):
+        kv_cache, slots = dequantized_selection(kv_cache, slots, counts)
     q, kv_rows, slots, counts = prepare(q, kv_cache, slots, counts)
     rows, padded_heads, _ = q.shape
     if num_splits is None:

@@ -25,6 +25,9 @@ from pallas_kernels._lse import merge_splits
 def _decode(*args, backend="triton", **kwargs):
     return pallas_kernels.sparse_mla_decode(*args, backend=backend, **kwargs)
 
+
+FP8 = jnp.float8_e4m3fn
+
 # name -> (rows, heads, value_dim, rope_dim, slots, pages, page_size): tiny for the interpreter, real for the GPU.
 SHAPES = {
     "tiny": (3, 16, 64, 16, 40, 8, 16),
@@ -151,8 +154,48 @@ def test_fp8_latent_cache_rejects_bad_parts():
         run(dataclasses.replace(cache, scales=cache.scales[..., :0]))
     with pytest.raises(ValueError, match="needs latent"):
         run(dataclasses.replace(cache, rope=cache.rope[:2]))
-    with pytest.raises(ValueError, match="backend='mosaic' cannot run.*bf16 latent cache, got an fp8"):
+    with pytest.raises(ValueError, match="backend='mosaic' cannot run.*it needs 512 \\+ 64 columns"):
         run(cache, backend="mosaic")
+
+
+def test_mosaic_fp8_latent_cache_is_its_dequantized_selection():
+    """The Mosaic kernel's fp8 path: each row's slots gathered and dequantized exactly (ue8m0 scales) into bf16
+    rows, slot 0's row past a count (never read), the rows' new slots r * S + j."""
+    q, cache, slots, counts = _fp8_inputs(3, SHAPES["deepseek_tiny_s"], [24, 0])
+    kv_rows, new_slots = sparse_mla_mosaic.dequantized_selection(cache, slots, counts)
+    rows, num_slots = slots.shape
+    assert kv_rows.dtype == jnp.bfloat16 and kv_rows.shape == (rows * num_slots, cache.latent.shape[-1]
+                                                               + cache.rope.shape[-1])
+    np.testing.assert_array_equal(new_slots, np.arange(rows * num_slots).reshape(rows, num_slots))
+    exact = np.asarray(formats.dequantize_latent_cache(cache)).reshape(-1, kv_rows.shape[1])
+    picked = np.where(np.arange(num_slots)[None, :] < np.asarray(counts)[:, None], np.asarray(slots), 0)
+    np.testing.assert_array_equal(np.asarray(kv_rows.astype(jnp.float32)), exact[picked.reshape(-1)])
+
+
+def test_mosaic_takes_an_fp8_latent_cache_whose_selection_fits():
+    """The Mosaic kernel takes DeepSeek's fp8 latent cache at decode (its dequantized selection in 1 GiB), not a
+    2048-token prefill chunk's (4.5 GiB: Triton runs it), nor other widths; on CPU it also names the GPU."""
+    S = jax.ShapeDtypeStruct
+    fp8_cache = formats.Fp8LatentCache(S((64, 64, 512), FP8), S((64, 64, 4), jnp.float32),
+                                       S((64, 64, 64), jnp.bfloat16))
+    q = S((64, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16)
+    cpu = sparse_mla_mosaic.unsupported(q, fp8_cache, S((64, 2048), jnp.int32), 512, interpret=None)
+    assert cpu == sparse_mla_mosaic.unsupported(q, S((1, 1, 576), jnp.bfloat16), S((1, 1), jnp.int32), 512, None)
+    chunk = sparse_mla_mosaic.unsupported(q, fp8_cache, S((2048, 2048), jnp.int32), 512, interpret=None)
+    assert "dequantized selection takes 4.5 GiB" in chunk[0]
+    narrow = formats.Fp8LatentCache(S((64, 64, 128), FP8), S((64, 64, 1), jnp.float32), S((64, 64, 16), jnp.bfloat16))
+    assert "512 + 64 columns" in " ".join(sparse_mla_mosaic.unsupported(q, narrow, S((64, 64), jnp.int32), 128, None))
+
+
+def test_mosaic_fp8_latent_path_lowers_for_cuda():
+    """The whole fp8 path (gather, dequantize, the bf16 kernel, the split merge) lowers for CUDA."""
+    S = jax.ShapeDtypeStruct
+    fp8_cache = formats.Fp8LatentCache(S((512, 64, 512), FP8), S((512, 64, 4), jnp.float32),
+                                       S((512, 64, 64), jnp.bfloat16))
+    args = (S((8, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), fp8_cache, S((8, 2048), jnp.int32),
+            S((8,), jnp.int32))
+    jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(*a, 0.1352)).trace(*args).lower(
+        lowering_platforms=("cuda",))
 
 
 def test_counts_past_slots_act_as_slots():
@@ -278,6 +321,17 @@ def test_fp8_latent_cache_on_gpu(num_splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 4, None])
+def test_mosaic_fp8_latent_cache_on_gpu(num_splits):
+    """The Mosaic kernel on DeepSeek's fp8 latent cache (gathered, dequantized, then the bf16 kernel)."""
+    q, cache, slots, counts = _fp8_inputs(4, SHAPES["deepseek"], [2048, 0, 1, 700])
+    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, backend="mosaic"))(q, cache, slots,
+                                                                                                 counts)
+    ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.1352, 512)
+    _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-latent"])
 def test_dsa_tiny_shapes_on_gpu(fp8):
     """The kernel `backend="pallas"` picks at dsa-tiny's shapes (8 heads, latent 128, rope 16), compiled."""
@@ -294,11 +348,17 @@ def test_dsa_tiny_shapes_on_gpu(fp8):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, want", [(jnp.bfloat16, "mosaic"), (jnp.float32, "triton")])
+@pytest.mark.parametrize("dtype, want", [(jnp.bfloat16, "mosaic"), (FP8, "mosaic"), (jnp.float32, "triton")],
+                         ids=["bf16", "fp8-latent", "f32"])
 def test_the_default_backend_on_gpu(dtype, want):
-    """backend="pallas" (what the engine runs) picks the Mosaic kernel for a bf16 cache, the Triton one else."""
-    q, kv_cache, slots, counts = _make_inputs(5, SHAPES["deepseek"], [2048, 0, 1, 700], dtype)
+    """backend="pallas" (what the engine runs) picks the Mosaic kernel for a bf16 or an fp8 latent cache, the
+    Triton one else."""
+    if dtype == FP8:
+        q, kv_cache, slots, counts = _fp8_inputs(5, SHAPES["deepseek"], [2048, 0, 1, 700])
+        ref_out, ref_lse = _fp8_reference(q, kv_cache, slots, counts, 0.1352, 512)
+    else:
+        q, kv_cache, slots, counts = _make_inputs(5, SHAPES["deepseek"], [2048, 0, 1, 700], dtype)
+        ref_out, ref_lse = _reference(q, kv_cache, slots, counts, 0.1352, 512)
     assert pallas_kernels.choose("sparse_mla_decode", "pallas", q, kv_cache, slots, counts, 0.1352) == want
     out, lse = jax.jit(lambda *a: pallas_kernels.sparse_mla_decode(*a, 0.1352))(q, kv_cache, slots, counts)
-    ref_out, ref_lse = _reference(q, kv_cache, slots, counts, 0.1352, 512)
-    _check(out, lse, ref_out, ref_lse, counts, dtype)
+    _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16 if dtype == FP8 else dtype)
