@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 # name | file | sed expression (must change the file)
 MUTATIONS=(
   "sparse-MLA scale without log2(e)|pallas_kernels/_sparse_mla_mosaic.py|s/scale=sm_scale \* LOG2E,/scale=sm_scale,/"
-  "indexer ReLU after the head sum|pallas_kernels/_indexer_mosaic.py|s/jnp.sum(jnp.maximum(dots, 0.0) \* weights, axis=1)/jnp.maximum(jnp.sum(dots * weights, axis=1), 0.0)/"
+  "indexer ReLU after the head sum|pallas_kernels/_indexer_mosaic.py|s/weighted = jnp.maximum(dots, 0.0) \* weights/weighted = dots * weights/;s/logits = jnp.sum(\(weighted\[.*\]\), axis=1) \* scales/logits = jnp.maximum(jnp.sum(\1, axis=1), 0.0) * scales/"
 )
 TEST=tests/model/test_deepseek_v32_gpu.py::test_bf16_first_layer_on_mosaic_kernels_equals_reference_kernels
 
