@@ -15,6 +15,7 @@ Usage (repository root):
   python bench/bench_fp8_gemm.py --shapes 256x256 --rows 4 --backends triton --copy-bytes 8M \
       --matmul-size 256                                              # CPU smoke
   python3 bench/bench_fp8_gemm.py --json-out $OUT/fp8_gemm.jsonl     # H200 / H100
+  python bench/bench_fp8_gemm.py --plot docs/data/fp8_gemm.jsonl docs/img/fp8_gemm.png  # no GPU needed
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pallas_kernels  # noqa: E402
-from bench.common import (copy_tbps, kernel_durations_us, matmul_tflops, median_seconds, run_info, sizes,  # noqa: E402
-                          throughput_seconds, traced_device_events, warm_up_clocks)
+from bench.common import (copy_tbps, kernel_durations_us, matmul_tflops, median_seconds, pyplot,  # noqa: E402
+                          run_info, save_figure, sizes, throughput_seconds, traced_device_events, warm_up_clocks)
 from dcp_jax.model import fp8_linear  # noqa: E402
 from dcp_jax.model.memory_plan import FP8_BLOCK  # noqa: E402
 
@@ -89,8 +90,36 @@ def _device_seconds(fn, arg_sets: list[tuple], calls: int) -> float:
     return sum(map(sum, kernel_durations_us(lines, line_prefix="Stream").values())) / calls / 1e6
 
 
+def plot(jsonl: str, png: str) -> None:
+    """Each timed backend's rate over the same-run bf16 XLA rate, per layer and M, of one run's JSON lines, as
+    grouped bars against 1x and the issue's 1.4x prefill target (a PNG)."""
+    lines = [json.loads(line) for line in open(jsonl)]
+    run = next(line for line in lines if line.get("kind") == "run")
+    points = [line for line in lines if line.get("kind") == "point"]
+    backends = sorted({b for p in points for b, r in p["backends"].items() if "us" in r},
+                      key=lambda b: (b.count("+"), b))
+    fig, ax = pyplot().subplots(figsize=(max(6.4, 0.9 * len(points) * max(1, len(backends)) / 3), 4.2))
+    width = 0.8 / max(1, len(backends))
+    for i, backend in enumerate(backends):
+        ratios = [p["bf16_us"] / p["backends"][backend]["us"] if "us" in p["backends"].get(backend, {}) else 0.0
+                  for p in points]
+        implementation, _, label = backend.partition("+")
+        knobs = json.loads(run["args"]["knobs"]).get(label, {})
+        name = f"{implementation} " + (", ".join(f"{k}={v}" for k, v in knobs.items()) if knobs else "(defaults)")
+        ax.bar([x + (i - (len(backends) - 1) / 2) * width for x in range(len(points))], ratios, width, label=name)
+    ax.axhline(1.0, color="gray", linestyle=":", label="bf16 XLA (same run)")
+    ax.axhline(1.4, color="C3", linestyle="--", label="target 1.4x (M >= 4096)")
+    ax.set_xticks(range(len(points)), [f"{p['layer']}\nM={p['rows']}" for p in points], fontsize=8)
+    ax.set(ylabel="rate / bf16 XLA rate", ylim=(0, None),
+           title=f"block-fp8 GEMM, {run.get('device', '?')}, commit {run.get('commit', '?')}")
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    save_figure(fig, png)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-jax bench fp8_gemm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plot", nargs=2, metavar=("JSONL", "PNG"), default=None,
+                        help="measure nothing: draw a saved run's rates over its bf16 rate")
     parser.add_argument("--rows", type=sizes, default=(64, 256, 4096, 16384), help="M values")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {sorted(SHAPES)}, or NxK")
     parser.add_argument("--backends", default="mosaic,triton",
@@ -105,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n x n x n bf16 matmul ceiling")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
+    if args.plot:
+        plot(*args.plot)
+        return 0
     knobs = json.loads(args.knobs)
     labels = {backend.partition("+")[2] for backend in args.backends.split(",")} - {""}
     if labels != set(knobs):

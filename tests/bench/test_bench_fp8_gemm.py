@@ -45,3 +45,14 @@ def test_fp8_gemm_bench_times_only_the_kernels_when_asked(tmp_path):
 def test_fp8_gemm_bench_refuses_knob_labels_that_do_not_match():
     with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):
         cli.main(["bench", "fp8_gemm", "--backends", "mosaic+k8", "--knobs", '{"mosaic": {"k_splits": 8}}'])
+
+
+def test_fp8_gemm_bench_plots_a_saved_run(tmp_path):
+    """--plot draws each backend's rate over the bf16 rate from a run's JSON lines, failed backends left out."""
+    run = dict(kind="run", device="cpu", commit="abc", args=dict(knobs='{"p": {"persistent": true}}'))
+    point = dict(kind="point", layer="wo", rows=4096, bf16_us=10.0,
+                 backends={"mosaic": dict(us=8.0), "mosaic+p": dict(us=7.5), "triton": dict(failed="no")})
+    saved, png = tmp_path / "run.jsonl", tmp_path / "run.png"
+    saved.write_text("\n".join(json.dumps(line) for line in (run, point)) + "\n")
+    assert cli.main(["bench", "fp8_gemm", "--plot", str(saved), str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
