@@ -15,7 +15,8 @@ Usage (repository root):
   python bench/bench_fp8_gemm.py --shapes 256x256 --rows 4 --backends triton --copy-bytes 8M \
       --matmul-size 256                                              # CPU smoke
   python3 bench/bench_fp8_gemm.py --json-out $OUT/fp8_gemm.jsonl     # H200 / H100
-  python bench/bench_fp8_gemm.py --plot docs/data/fp8_gemm.jsonl docs/img/fp8_gemm.png  # no GPU needed
+  python bench/bench_fp8_gemm.py --plot docs/data/fp8_gemm_prefill_bands_h100_stop47_run2.jsonl \
+      docs/img/fp8_gemm_prefill_knobs_h100.png                      # a saved run drawn, no GPU needed
 """
 
 from __future__ import annotations
@@ -93,12 +94,13 @@ def _device_seconds(fn, arg_sets: list[tuple], calls: int) -> float:
 def plot(jsonl: str, png: str) -> None:
     """Each timed backend's rate over the same-run bf16 XLA rate, per layer and M, of one run's JSON lines, as
     grouped bars against 1x and the issue's 1.4x prefill target (a PNG)."""
-    lines = [json.loads(line) for line in open(jsonl)]
+    with open(jsonl) as saved:
+        lines = [json.loads(line) for line in saved]
     run = next(line for line in lines if line.get("kind") == "run")
     points = [line for line in lines if line.get("kind") == "point"]
     backends = sorted({b for p in points for b, r in p["backends"].items() if "us" in r},
                       key=lambda b: (b.count("+"), b))
-    fig, ax = pyplot().subplots(figsize=(max(6.4, 0.9 * len(points) * max(1, len(backends)) / 3), 4.2))
+    fig, ax = pyplot().subplots(figsize=(max(6.4, 0.9 * len(points) * max(1, len(backends)) / 3) + 3.2, 4.2))
     width = 0.8 / max(1, len(backends))
     for i, backend in enumerate(backends):
         ratios = [p["bf16_us"] / p["backends"][backend]["us"] if "us" in p["backends"].get(backend, {}) else 0.0
@@ -108,11 +110,12 @@ def plot(jsonl: str, png: str) -> None:
         name = f"{implementation} " + (", ".join(f"{k}={v}" for k, v in knobs.items()) if knobs else "(defaults)")
         ax.bar([x + (i - (len(backends) - 1) / 2) * width for x in range(len(points))], ratios, width, label=name)
     ax.axhline(1.0, color="gray", linestyle=":", label="bf16 XLA (same run)")
-    ax.axhline(1.4, color="C3", linestyle="--", label="target 1.4x (M >= 4096)")
+    if any(p["rows"] >= 4096 for p in points):
+        ax.axhline(1.4, color="C3", linestyle="--", label="target 1.4x (M >= 4096)")
     ax.set_xticks(range(len(points)), [f"{p['layer']}\nM={p['rows']}" for p in points], fontsize=8)
     ax.set(ylabel="rate / bf16 XLA rate", ylim=(0, None),
            title=f"block-fp8 GEMM, {run.get('device', '?')}, commit {run.get('commit', '?')}")
-    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     save_figure(fig, png)
 
 

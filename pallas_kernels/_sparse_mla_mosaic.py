@@ -286,13 +286,15 @@ def unsupported(q, kv_cache, slots, value_dim: int, interpret: bool) -> list[str
     reasons = []
     if isinstance(kv_cache, formats.Fp8LatentCache):
         try:
-            fp8_cache_rows(kv_cache, value_dim)
+            if fp8_cache_rows(kv_cache, value_dim).shape[-1] != WIDTH:
+                reasons.append(f"it needs an fp8 latent cache of {VALUE_DIM} + {ROPE_DIM} columns, got "
+                               f"{kv_cache.latent.shape[-1]} + {kv_cache.rope.shape[-1]}")
         except ValueError as e:
             reasons.append(str(e))
         selection = slots.shape[0] * slots.shape[1] * ROW_BYTES
         if selection > MAX_SELECTION_BYTES:
-            reasons.append(f"an fp8 latent cache's dequantized selection takes {selection / 2**30:.1f} GiB (R x S "
-                           f"= {slots.shape[0]} x {slots.shape[1]} bf16 rows), above {MAX_SELECTION_BYTES / 2**30:.0f}")
+            reasons.append(f"an fp8 latent cache's dequantized selection takes {selection / 2**30:.2f} GiB (R x S "
+                           f"= {slots.shape[0]} x {slots.shape[1]} bf16 rows), above {MAX_SELECTION_BYTES >> 30} GiB")
     elif kv_cache.dtype != jnp.bfloat16:
         reasons.append(f"it needs a bf16 latent cache or an Fp8LatentCache, got {kv_cache.dtype}")
     if value_dim != VALUE_DIM or q.shape[-1] != WIDTH:
@@ -309,9 +311,13 @@ def dequantized_selection(cache: formats.Fp8LatentCache, slots, counts):
     def gathered(part):  # [pages, B, ...] -> the slots' entries [R, S, ...]
         return part.reshape(-1, *part.shape[2:])[picked]
 
-    selection = formats.Fp8LatentCache(*(gathered(part) for part in (cache.latent, cache.scales, cache.rope)))
-    kv_rows = formats.dequantize_latent_cache(selection).astype(jnp.bfloat16).reshape(rows * num_slots, WIDTH)
-    return kv_rows, jnp.arange(rows * num_slots, dtype=jnp.int32).reshape(rows, num_slots)
+    # In bf16 throughout, and exact: an e4m3 value's 4 significant bits fit bf16's 8, the scales are powers of two.
+    latent = gathered(cache.latent).astype(jnp.bfloat16)
+    tiles = latent.reshape(rows, num_slots, -1, formats.LATENT_TILE) * gathered(cache.scales).astype(jnp.bfloat16)[
+        ..., None]
+    kv_rows = jnp.concatenate([tiles.reshape(latent.shape), gathered(cache.rope)], axis=-1)
+    return kv_rows.reshape(rows * num_slots, WIDTH), jnp.arange(rows * num_slots, dtype=jnp.int32).reshape(
+        rows, num_slots)
 
 
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_DIM, num_splits=None):

@@ -6,7 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# name | file | sed expression (must change the file)
+# name | file | sed expression (each of its ';'-separated commands must change the file)
 MUTATIONS=(
   "sparse-MLA scale without log2(e)|pallas_kernels/_sparse_mla_mosaic.py|s/scale=sm_scale \* LOG2E,/scale=sm_scale,/"
   "indexer ReLU after the head sum|pallas_kernels/_indexer_mosaic.py|s/weighted = jnp.maximum(dots, 0.0) \* weights/weighted = dots * weights/;s/logits = jnp.sum(\(weighted\[.*\]\), axis=1) \* scales/logits = jnp.maximum(jnp.sum(\1, axis=1), 0.0) * scales/"
@@ -18,7 +18,12 @@ TEST=tests/model/test_deepseek_v32_gpu.py::test_bf16_first_layer_on_mosaic_kerne
 status=0
 for mutation in "${MUTATIONS[@]}"; do
   IFS='|' read -r name file expression <<<"$mutation"
-  if sed "$expression" "$file" | cmp -s "$file" -; then
+  IFS=';' read -ra edits <<<"$expression"
+  stale=0
+  for edit in "${edits[@]}"; do  # each of a mutation's sed commands must change the file
+    sed "$edit" "$file" | cmp -s "$file" - && stale=1
+  done
+  if [ "$stale" = 1 ]; then
     echo "test_gpu_mutations: '$name' no longer applies to $file" >&2
     status=1
     continue

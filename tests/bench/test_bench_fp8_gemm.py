@@ -48,7 +48,7 @@ def test_fp8_gemm_bench_refuses_knob_labels_that_do_not_match():
 
 
 def test_fp8_gemm_bench_plots_a_saved_run(tmp_path):
-    """--plot draws each backend's rate over the bf16 rate from a run's JSON lines, failed backends left out."""
+    """--plot draws each backend's rate over the bf16 rate from a run's JSON lines (a failed backend in it)."""
     run = dict(kind="run", device="cpu", commit="abc", args=dict(knobs='{"p": {"persistent": true}}'))
     point = dict(kind="point", layer="wo", rows=4096, bf16_us=10.0,
                  backends={"mosaic": dict(us=8.0), "mosaic+p": dict(us=7.5), "triton": dict(failed="no")})

@@ -161,15 +161,21 @@ def test_fp8_latent_cache_rejects_bad_parts():
 def test_mosaic_fp8_latent_cache_is_its_dequantized_selection():
     """The Mosaic kernel's fp8 path: each row's slots gathered and dequantized exactly (ue8m0 scales) into bf16
     rows, slot 0's row past a count (never read), the rows' new slots r * S + j."""
-    q, cache, slots, counts = _fp8_inputs(3, SHAPES["deepseek_tiny_s"], [24, 0])
+    q, cache, slots, counts = _fp8_inputs(3, SHAPES["deepseek_tiny_s"], [13, 0])
     kv_rows, new_slots = sparse_mla_mosaic.dequantized_selection(cache, slots, counts)
     rows, num_slots = slots.shape
     assert kv_rows.dtype == jnp.bfloat16 and kv_rows.shape == (rows * num_slots, cache.latent.shape[-1]
                                                                + cache.rope.shape[-1])
     np.testing.assert_array_equal(new_slots, np.arange(rows * num_slots).reshape(rows, num_slots))
     exact = np.asarray(formats.dequantize_latent_cache(cache)).reshape(-1, kv_rows.shape[1])
-    picked = np.where(np.arange(num_slots)[None, :] < np.asarray(counts)[:, None], np.asarray(slots), 0)
-    np.testing.assert_array_equal(np.asarray(kv_rows.astype(jnp.float32)), exact[picked.reshape(-1)])
+    got = np.asarray(kv_rows.astype(jnp.float32)).reshape(rows, num_slots, -1)
+    for r, count in enumerate(np.asarray(counts)):
+        np.testing.assert_array_equal(got[r, :count], exact[np.asarray(slots)[r, :count]])
+        np.testing.assert_array_equal(got[r, count:], np.broadcast_to(exact[0], got[r, count:].shape))
+    # Read as a one-page bf16 cache at the new slots, the selection gives the fp8 cache's attention.
+    out, lse = reference.sparse_mla_decode(q, kv_rows[None], new_slots, counts, 0.3, value_dim=512)
+    ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.3, 512)
+    _check(out, lse, ref_out, ref_lse, counts, jnp.float32)  # the same values in f32 products
 
 
 def test_mosaic_takes_an_fp8_latent_cache_whose_selection_fits():
@@ -182,9 +188,12 @@ def test_mosaic_takes_an_fp8_latent_cache_whose_selection_fits():
     cpu = sparse_mla_mosaic.unsupported(q, fp8_cache, S((64, 2048), jnp.int32), 512, interpret=None)
     assert cpu == sparse_mla_mosaic.unsupported(q, S((1, 1, 576), jnp.bfloat16), S((1, 1), jnp.int32), 512, None)
     chunk = sparse_mla_mosaic.unsupported(q, fp8_cache, S((2048, 2048), jnp.int32), 512, interpret=None)
-    assert "dequantized selection takes 4.5 GiB" in chunk[0]
+    assert "dequantized selection takes 4.50 GiB (R x S = 2048 x 2048 bf16 rows), above 1 GiB" in chunk[0]
     narrow = formats.Fp8LatentCache(S((64, 64, 128), FP8), S((64, 64, 1), jnp.float32), S((64, 64, 16), jnp.bfloat16))
     assert "512 + 64 columns" in " ".join(sparse_mla_mosaic.unsupported(q, narrow, S((64, 64), jnp.int32), 128, None))
+    narrow_rope = dataclasses.replace(fp8_cache, rope=S((64, 64, 32), jnp.bfloat16))
+    assert "an fp8 latent cache of 512 + 64 columns, got 512 + 32" in " ".join(
+        sparse_mla_mosaic.unsupported(q, narrow_rope, S((64, 64), jnp.int32), 512, None))
 
 
 def test_mosaic_fp8_latent_path_lowers_for_cuda():
