@@ -10,10 +10,11 @@ Each CTA owns a [cta_m, cta_n] output tile and runs three warpgroups: one stream
 channels (and their scales) through `stages` SMEM buffers by TMA; two compute, each a [64, tile_n] half of the tile
 (split along M, or along N when the tile has 64 rows): per slice one fp8 wgmma into a fresh accumulator, whose f32
 result is scaled by its rows' and columns' scales and added to the running sum in registers (DeepGEMM's promotion:
-the tensor core's reduced-precision fp8 accumulation never spans more than one block). The w scales travel expanded
-to one per column ([K / 128, N], made by the wrapper each call) so each step loads two scale vectors. With
-overlap_promotion a step's product is scaled and added while the next step's wgmma runs, by one factor a row: the
-row's scale times the warpgroup's one w scale, a scalar read from w's compact scales in GMEM (no expansion). Tiles
+the tensor core's reduced-precision fp8 accumulation never spans more than one block). With overlap_promotion (the
+default wherever a warpgroup's columns lie in one w scale block) a step's product is scaled and added while the
+next step's wgmma runs, by one factor a row: the row's scale times the warpgroup's one w scale, a scalar read from
+w's compact scales in GMEM. Without it the w scales travel expanded to one per column ([K / 128, N], made by the
+wrapper each call) and each step loads two scale vectors. Tiles
 run in bands of grid_tile_width along M, each band walked along N, so the CTAs at work share both x's rows and w's
 columns in L2. With persistent, one CTA a SM loops over the tiles in that order, each tile's store overlapping the
 next one's loads. The tile leaves through SMEM by TMA in out_dtype; M is padded to the tile by the wrapper.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.formats import Fp8IndexKeys, Fp8LatentCache, dequantize_latent_cache
+from pallas_kernels.formats import Fp8IndexKeys, Fp8LatentCache, dequantize_latent_cache, kept_e4m3
 
 HIGHEST = jax.lax.Precision.HIGHEST
 NEG_INF = float("-inf")
@@ -32,6 +32,8 @@ def indexer_logits(q, weights, index_cache, block_tables, lens):
     rows, max_blocks = block_tables.shape
     pages = jnp.clip(block_tables, 0, num_pages - 1)
     keys = k_cache[pages].astype(jnp.float32).reshape(rows, max_blocks * page_size, -1)  # [R, T, Di]
+    if q.dtype == jnp.float8_e4m3fn:  # quantized in this program, perhaps: keep its rounding (`kept_e4m3`)
+        q = kept_e4m3(q)
     dots = jnp.einsum("rhd,rtd->rht", q.astype(jnp.float32), keys, precision=HIGHEST)
     scores = jnp.einsum("rh,rht->rt", weights.astype(jnp.float32), jax.nn.relu(dots), precision=HIGHEST)
     if k_scale is not None:

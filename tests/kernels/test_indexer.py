@@ -38,6 +38,16 @@ def _case(seed, *, rows, heads, dim, page_size, max_blocks, lens, dtype, with_sc
     return q, weights, cache, jnp.asarray(block_tables), jnp.asarray(lens, jnp.int32)
 
 
+def test_reference_keeps_fp8_queries_rounded_under_jit():
+    """The reference reads e4m3 queries through an optimization barrier (`formats.kept_e4m3`): quantized in the same
+    program, XLA's GPU compiler would otherwise drop their rounding; other queries go straight in."""
+    fp8_args = _case(2, rows=2, heads=4, dim=16, page_size=4, max_blocks=2, lens=[3, 8], dtype=FP8)
+    plain_args = _case(2, rows=2, heads=4, dim=16, page_size=4, max_blocks=2, lens=[3, 8], dtype=jnp.bfloat16)
+    barriers = [str(jax.make_jaxpr(reference.indexer_logits)(*args)).count("optimization_barrier")
+                for args in (fp8_args, plain_args)]
+    assert barriers == [1, 0]
+
+
 def _check(args, *, rtol, backend="triton", **knobs):
     out = np.asarray(pallas_kernels.indexer_logits(*args, backend=backend, **knobs))
     ref = np.asarray(reference.indexer_logits(*args))
