@@ -268,7 +268,7 @@ def _chunk_case(seed, *, heads, max_blocks, chunk_lens, decode_lens):
 def test_mosaic_rows_of_a_chunk_share_pages_on_gpu(rows_per_cta, pages_per_cta, stages):
     """rows_per_cta rows a CTA: chunks whose rows end mid-group and groups mixing a chunk's last rows with decode
     rows (row by row), causal lengths from 0 to a full table, rows not a multiple of the group, stages refilled
-    within a row or not dividing its pages: equal to the reference, and to one row a CTA, the fused top-k's group
+    within a row or not dividing its pages: equal to the reference and, within f32 rounding, to one row a CTA; the group
     maxima too."""
     chunk_lens = [[0, 1, 2, 63, 64, 65], list(range(4000, 4007)), [4096 - 2, 4096 - 1, 4096]]
     args = _chunk_case(7, heads=64, max_blocks=64, chunk_lens=chunk_lens, decode_lens=[5, 4096, 300])
@@ -277,7 +277,9 @@ def test_mosaic_rows_of_a_chunk_share_pages_on_gpu(rows_per_cta, pages_per_cta, 
     q, weights, cache, tables, lens = args
     (one_row, _), (logits, maxima) = (indexer_mosaic.indexer_logits_and_group_maxima(
         q, weights, cache.keys, tables, lens, k_scale=cache.scales, rows_per_cta=g, **knobs) for g in (1, rows_per_cta))
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(one_row), rtol=1e-6)
+    # A later row's head sum reads its columns at an offset of the shared accumulator, and Mosaic may add them in
+    # another order (measured on the H100: up to 1.9e-5 apart, on the second row of a pair only).
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(one_row), rtol=1e-5, atol=1e-4)
     group_max = jnp.asarray(logits).reshape(logits.shape[0], -1, indexer_mosaic.GROUP_TOKENS).max(axis=-1)
     np.testing.assert_array_equal(np.asarray(maxima), np.asarray(_topk_triton._to_key(group_max)))
 
