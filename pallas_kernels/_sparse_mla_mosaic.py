@@ -12,11 +12,11 @@ one row, one split of its valid slots and 64 heads, with three warpgroups:
 - the second warpgroup multiplies the same probabilities, from SMEM, by the other value slabs.
 Each score is computed once: both warpgroups computing them was 1.5x the tensor work (docs/perf_sparse_mla.md).
 The output is rounded to bf16 in the kernel (as FlashMLA does); split-K partial results are merged by
-`_lse.merge_splits`. An fp8 latent cache (`formats.Fp8LatentCache`; ue8m0 scales, so its values are exact in
-bf16) is first gathered at each row's slots and dequantized into bf16 rows by XLA (`dequantized_selection`),
-which the kernel reads as a bf16 cache: the bf16 cache's products, for one read of the 656-byte fp8 rows and a
-write and read of 1152-byte bf16 ones (FlashMLA dequantizes inside its kernel instead). Mosaic GPU has no
-interpreter for this kernel, so it runs on the GPU only; on CPU it can be lowered for CUDA (the tests do).
+`_lse.merge_splits`. On an fp8 latent cache (`formats.Fp8LatentCache`: 656 bytes a token) the producer stages
+each block's e4m3 bytes, scales and rope with cp.async and then dequantizes the e4m3 bytes into the stage's bf16
+slabs itself (`_cp_async_gather_fp8`), while the other two warpgroups multiply the previous block, as FlashMLA
+does: exact (ue8m0 scales), so the products are the bf16 cache's. Mosaic GPU has no interpreter for this kernel,
+so it runs on the GPU only; on CPU it can be lowered for CUDA (the tests do).
 """
 
 from __future__ import annotations
@@ -49,9 +49,17 @@ LEFT_SLABS = 3  # value slabs of the scorer; the second warpgroup takes the othe
 ROW_BYTES = WIDTH * 2
 CHUNK = 16  # bytes per cp.async
 COUNT_COLUMNS = 16  # counts travel as [R, 16] int32: a TMA row must be 16-byte aligned and 64 bytes suit it
-MAX_SELECTION_BYTES = 1 << 30  # an fp8 cache's dequantized selection [R * S, 576] bf16 is at most this
 LOG2E = math.log2(math.e)
-COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40  # 2 * 232 + 40 warpgroup registers per thread fill 64K
+# Registers a thread of the compute and of the producer warpgroups, for a bf16 and an fp8 cache. setmaxnreg moves
+# registers between the warpgroups of a CTA: each pair sums to the 3 * 168 a thread it starts with (a larger sum
+# waits forever). The fp8 producer dequantizes: 200 / 104 ran its B = 64 call in 130 us, 232 / 40 in 169 us (H100).
+REGISTERS = {False: (232, 40), True: (200, 104)}
+# The fp8 latent cache (formats.Fp8LatentCache): a token's 512 e4m3 bytes, 4 f32 scales, 64 bf16 rope columns.
+SCALES_PER_ROW = VALUE_DIM // formats.LATENT_TILE
+SLAB_BYTES = BLOCK_S * SLAB * 2  # one bf16 slab of a stage
+FP8_SLAB_BYTES = BLOCK_S * SLAB  # the e4m3 bytes of a slab
+STAGING_SLAB = 4  # a block's e4m3 bytes are staged in its stage's bf16 slabs 4 .. 7 and dequantized in place
+BF16_2_POW_120 = 0x7B80  # 2 ** 120 in bf16: an e4m3 byte moved into bf16's bits is its value times 2 ** -120
 
 
 def _tiled(tile):
@@ -106,8 +114,160 @@ def _cp_async_gather(kv_ref, slots_ref, info_ref, kv_smem):
     gather(kv_ref, slots_ref, info_ref, kv_smem)
 
 
-def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits):
-    (q_smem, kv_smem, meta_smem, row_stats,
+def _dequantized(words, scale_pair):
+    """Four i32 words of 16 e4m3 values -> eight i32 words of their bf16 values times the scale (two bf16 in
+    `scale_pair`): exact, as the scale is a power of two. Each byte s.eeee.mmm moves into bf16's bits as
+    s.0000eeee.mmm0000, which is its value (normal or subnormal) times 2 ** -120; two bf16 products restore it."""
+    i32 = ir.IntegerType.get_signless(32)
+    out = []
+    for word in words:
+        out += mgpu_utils.inline_ptx(
+            "{\n.reg .b32 a, b, c, d, z, p;\n"
+            "mov.b32 z, 0;\n"
+            f"mov.b32 p, {BF16_2_POW_120 << 16 | BF16_2_POW_120};\n"
+            "prmt.b32 a, $2, z, 0x1404;\n"  # [0, byte 0, 0, byte 1]
+            "prmt.b32 b, $2, z, 0x3424;\n"  # [0, byte 2, 0, byte 3]
+            "shr.u32 c, a, 4;\nshr.u32 d, b, 4;\n"
+            "and.b32 a, a, 0x80008000;\nand.b32 b, b, 0x80008000;\n"
+            "and.b32 c, c, 0x07F007F0;\nand.b32 d, d, 0x07F007F0;\n"
+            "or.b32 a, a, c;\nor.b32 b, b, d;\n"
+            "mul.rn.bf16x2 a, a, p;\nmul.rn.bf16x2 b, b, p;\n"
+            "mul.rn.bf16x2 $0, a, $3;\nmul.rn.bf16x2 $1, b, $3;\n}",
+            word, scale_pair, result_types=[i32, i32])
+    return out
+
+
+def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem):
+    """The producer warpgroup's fp8 gather: copies the e4m3 latent, scales and rope of the cache rows named by
+    slots_ref [64] with cp.async (zero-filling rows at or past info_ref[0]): the rope into slab 8 of kv_smem
+    ([9, 64, 64] bf16, (8, 64)-tiled, 128B-swizzled), the scales into scales_smem [64, 4], the e4m3 bytes into
+    slabs 4 .. 7 as staged slabs ([64 tokens, 64 bytes] each); then dequantizes them into slabs 0 .. 7 in place and
+    fences them for the async proxy. The caller arrives on the stage's barrier.
+
+    Lane l of warp w copies 16-byte chunk l of the e4m3 rows of tokens 16w .. 16w + 15 (so a warp instruction reads
+    a whole 512-byte row) into staged slab l // 4; odd staged slabs swap each token pair's rows, so each 8-lane
+    phase of a copy writes all 32 banks. Thread t dequantizes 16 bytes (token t // 4 + 32j, chunk t % 4) of each
+    slab into 32 bf16 bytes, in three phases so that no slab is written before its staged bytes are read."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                                  plgpu.RefType(), plgpu.RefType(transforms=_tiled((8, SLAB))), plgpu.RefType()))
+    def gather(launch_ctx, latent_gmem, scales_gmem, rope_gmem, slots, info, smem, scale_smem):
+        del launch_ctx
+        i32, i64, i8 = (ir.IntegerType.get_signless(n) for n in (32, 64, 8))
+        index = ir.IndexType.get()
+        words = ir.VectorType.get((4,), i32)
+
+        def const(value, ty=i32):
+            return arith.constant(ty, value)
+
+        def global_ptr(ref):
+            return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
+
+        def at(ptr, offset):
+            return mgpu_utils.getelementptr(ptr, [offset], i8)
+
+        limit = memref.load(info, [arith.constant(index, 0)])
+
+        def slot_of(row):  # (valid, the row's slot as i64: 0 past the limit)
+            is_valid = arith.cmpi(arith.CmpIPredicate.slt, row, limit)
+            slot = arith.select(is_valid, memref.load(slots, [arith.index_cast(index, row)]), const(0))
+            return is_valid, arith.extui(i64, slot)
+
+        def copy(dst, src, is_valid, size=CHUNK, cache=nvvm.LoadCacheModifierKind.CG):
+            nvvm.CpAsyncOp(dst, src, size, cache, cpSize=arith.select(is_valid, const(size), const(0)))
+
+        tid = arith.andi(mgpu_utils.thread_idx(), const(127))
+        lane, warp = arith.andi(tid, const(31)), arith.divui(tid, const(32))
+        latent, scales, rope = global_ptr(latent_gmem), global_ptr(scales_gmem), global_ptr(rope_gmem)
+        stage, scale_stage = mgpu_utils.memref_ptr(smem), mgpu_utils.memref_ptr(scale_smem)
+        staged = at(stage, STAGING_SLAB * SLAB_BYTES)
+
+        staged_slab = arith.divui(lane, const(4))
+        staged_column = arith.addi(arith.muli(staged_slab, const(FP8_SLAB_BYTES)),
+                                   arith.muli(arith.andi(lane, const(3)), const(CHUNK)))
+        pair_swap = arith.andi(staged_slab, const(1))
+        for j in range(BLOCK_S // 4):
+            row = arith.addi(arith.muli(warp, const(BLOCK_S // 4)), const(j))
+            is_valid, slot = slot_of(row)
+            staged_row = arith.xori(row, pair_swap)
+            copy(at(staged, arith.addi(arith.muli(staged_row, const(SLAB)), staged_column)),
+                 at(latent, arith.addi(arith.muli(slot, const(VALUE_DIM, i64)),
+                                       arith.extui(i64, arith.muli(lane, const(CHUNK))))), is_valid)
+        # Rope rows: as `_cp_async_gather`, into slab 8.
+        first_row = arith.addi(arith.muli(warp, const(16)), arith.andi(arith.divui(tid, const(8)), const(3)))
+        chunk = arith.andi(tid, const(7))
+        for j in range(BLOCK_S // 16):
+            row = arith.addi(first_row, const(4 * j))
+            is_valid, slot = slot_of(row)
+            swizzled = arith.xori(chunk, arith.andi(row, const(7)))
+            copy(at(stage, arith.addi(const((NUM_SLABS - 1) * SLAB_BYTES),
+                                      arith.addi(arith.muli(row, const(SLAB * 2)), arith.muli(swizzled, const(CHUNK))))),
+                 at(rope, arith.addi(arith.muli(slot, const(ROPE_DIM * 2, i64)),
+                                     arith.extui(i64, arith.muli(chunk, const(CHUNK))))), is_valid)
+        # Scales: 8 bytes (two scales) a thread.
+        row, half = arith.divui(tid, const(2)), arith.andi(tid, const(1))
+        is_valid, slot = slot_of(row)
+        copy(at(scale_stage, arith.muli(tid, const(8))),
+             at(scales, arith.addi(arith.muli(slot, const(SCALES_PER_ROW * 4, i64)),
+                                   arith.extui(i64, arith.muli(half, const(8))))),
+             is_valid, size=8, cache=nvvm.LoadCacheModifierKind.CA)
+        nvvm.cp_async_commit_group()
+        nvvm.cp_async_wait_group(0)
+        mgpu_utils.warpgroup_barrier()  # every thread's copies landed
+
+        token, part = arith.divui(tid, const(4)), arith.andi(tid, const(3))
+
+        def vector_extract(vector, i):
+            return llvm.extractelement(vector, const(i))
+
+        def vector_of(values):
+            vector = llvm.mlir_undef(words)
+            for i, value in enumerate(values):
+                vector = llvm.insertelement(vector, value, const(i))
+            return vector
+
+        def load(slab, j):  # this thread's j-th 16 staged bytes of `slab` and its token's scale pair
+            row = arith.addi(token, const(32 * j))
+            staged_row = arith.xori(row, const(slab & 1))
+            src = at(staged, arith.addi(const(slab * FP8_SLAB_BYTES),
+                                        arith.addi(arith.muli(staged_row, const(SLAB)), arith.muli(part, const(CHUNK)))))
+            vector = llvm.load(words, src)
+            scale_bits = llvm.load(i32, at(scale_stage, arith.addi(arith.muli(row, const(SCALES_PER_ROW * 4)),
+                                                                  const(slab // 2 * 4))))
+            high = arith.shrui(scale_bits, const(16))  # a power of two (or 0) is exact in bf16
+            scale_pair = arith.ori(high, arith.shli(high, const(16)))
+            return row, [vector_extract(vector, i) for i in range(4)], scale_pair
+
+        def store(slab, loaded):
+            row, parts, scale_pair = loaded
+            out = _dequantized(parts, scale_pair)
+            for half in range(2):  # bf16 chunks 2 * part and 2 * part + 1 of the row's line
+                swizzled = arith.xori(arith.addi(arith.muli(part, const(2)), const(half)), arith.andi(row, const(7)))
+                dst = at(stage, arith.addi(const(slab * SLAB_BYTES),
+                                           arith.addi(arith.muli(row, const(SLAB * 2)), arith.muli(swizzled, const(CHUNK)))))
+                llvm.store(vector_of(out[4 * half:4 * half + 4]), dst)
+
+        # Staged slabs 0 .. 3 lie in slabs 4 and 5, 4 and 5 in slab 6, 6 and 7 in slab 7: a barrier before each slab
+        # is written whose staged bytes other threads read.
+        last_slab = VALUE_DIM // SLAB - 1
+        for slab in range(last_slab):
+            if slab in (STAGING_SLAB, STAGING_SLAB + 2):
+                mgpu_utils.warpgroup_barrier()
+            for j in range(2):
+                store(slab, load(slab, j))
+        last = [load(last_slab, j) for j in range(2)]
+        mgpu_utils.warpgroup_barrier()
+        for loaded in last:
+            store(last_slab, loaded)
+        mgpu_utils.commit_shared()  # fence the stores for the async proxy, then a warpgroup barrier
+
+    gather(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem)
+
+
+def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits):
+    """kv_refs: (the bf16 cache rows,), or an fp8 latent cache's (e4m3 bytes, scales, rope) rows."""
+    fp8 = len(kv_refs) == 3
+    (q_smem, kv_smem, meta_smem, row_stats, scales_smem,
      q_barrier, count_barrier, slots_barriers, kv_barriers, probs_barriers, consumed_barriers, done_barrier) = scratch
     # meta_smem rows 0 .. STAGES-1 hold each stage's slots; row STAGES holds the count (16 ints) and then each
     # stage's gather limit. row_stats rows 0 .. STAGES-1 hold each stage's rescale factors, row STAGES the
@@ -164,7 +324,7 @@ def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, 
 
     @pl.when(wg == 0)
     def _score():
-        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        plgpu.set_max_registers(REGISTERS[fp8][0], action="increase")
         plgpu.barrier_wait(q_barrier.at[0])
 
         def block_step(block, carry):
@@ -209,7 +369,7 @@ def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, 
 
     @pl.when(wg == 1)
     def _second():
-        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        plgpu.set_max_registers(REGISTERS[fp8][0], action="increase")
 
         def block_step(block, accs):  # the scorer waited for the stage before it published the probabilities
             stage = lax.rem(block, STAGES)
@@ -224,7 +384,7 @@ def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, 
 
     @pl.when(wg == 2)
     def _produce():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(REGISTERS[fp8][1], action="decrease")
 
         @pl.loop(0, num_blocks)
         def _gather(block):
@@ -238,27 +398,34 @@ def _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, 
                                     slots_smem.at[stage], slots_barriers.at[stage])
             plgpu.barrier_wait(slots_barriers.at[stage])
             meta_smem[STAGES, 16 + stage] = length - block * BLOCK_S
-            _cp_async_gather(kv_ref, slots_smem.at[stage], meta_smem.at[STAGES, pl.ds(16 + stage, 1)],
-                             kv_smem.at[stage])
+            limit = meta_smem.at[STAGES, pl.ds(16 + stage, 1)]
+            if fp8:
+                _cp_async_gather_fp8(*kv_refs, slots_smem.at[stage], limit, kv_smem.at[stage], scales_smem.at[stage])
+            else:
+                _cp_async_gather(*kv_refs, slots_smem.at[stage], limit, kv_smem.at[stage])
             plgpu.barrier_arrive(kv_barriers.at[stage])
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits"))
-def sparse_mla_partials(q, kv_rows, slots, counts, *, sm_scale: float, num_splits: int):
-    """The kernel on prepared inputs: q bf16 [R, H, 576] (H a multiple of 64), kv_rows bf16 [slots, 576],
+def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_splits: int):
+    """The kernel on prepared inputs: q bf16 [R, H, 576] (H a multiple of 64); kv_parts (bf16 rows [slots, 576],)
+    or an fp8 latent cache's (e4m3 bytes as uint8 [slots, 512], f32 scales [slots, 4], bf16 rope [slots, 64]);
     slots int32 [R, S] (S a multiple of 64), counts int32 [R, 16] (the count in column 0). Returns per-split
     out bf16 [R, N, H, 512] and lse f32 [R, N, H]."""
     rows, heads, _ = q.shape
+    num_parts = len(kv_parts)
 
-    def entry(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref):
+    def entry(q_ref, *refs):
+        kv_refs, (slots_ref, counts_ref, out_ref, lse_ref) = refs[:num_parts], refs[num_parts:]
         slabs = (STAGES, NUM_SLABS, BLOCK_S, SLAB)
         pl.run_scoped(
-            lambda *scratch: _kernel(q_ref, kv_ref, slots_ref, counts_ref, out_ref, lse_ref, scratch,
+            lambda *scratch: _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch,
                                      scale=sm_scale * LOG2E, num_splits=num_splits),
             plgpu.SMEM((NUM_SLABS, BLOCK_H, SLAB), jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM((STAGES + 1, BLOCK_S), jnp.int32),
             plgpu.SMEM((STAGES + 2, BLOCK_H), jnp.float32),
+            plgpu.SMEM((STAGES, BLOCK_S * SCALES_PER_ROW), jnp.float32),  # the fp8 cache's scales (bf16: unused)
             plgpu.Barrier(num_arrivals=NUM_SLABS, num_barriers=1),  # one arrival per Q slab copy
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=STAGES),
@@ -276,13 +443,12 @@ def sparse_mla_partials(q, kv_rows, slots, counts, *, sm_scale: float, num_split
         grid=(heads // BLOCK_H, num_splits, rows), grid_names=("head_block", "split", "row"),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-    )(q, kv_rows, slots, counts)
+    )(q, *kv_parts, slots, counts)
 
 
 def unsupported(q, kv_cache, slots, value_dim: int, interpret: bool) -> list[str]:
     """Why this kernel does not take these inputs (empty: it does): it needs a bf16 cache of 512 + 64 columns, or
-    an fp8 latent cache of those widths whose dequantized selection fits MAX_SELECTION_BYTES, compiled on an sm_90
-    GPU."""
+    an fp8 latent cache of those widths, compiled on an sm_90 GPU."""
     reasons = []
     if isinstance(kv_cache, formats.Fp8LatentCache):
         try:
@@ -291,10 +457,6 @@ def unsupported(q, kv_cache, slots, value_dim: int, interpret: bool) -> list[str
                                f"{kv_cache.latent.shape[-1]} + {kv_cache.rope.shape[-1]}")
         except ValueError as e:
             reasons.append(str(e))
-        selection = slots.shape[0] * slots.shape[1] * ROW_BYTES
-        if selection > MAX_SELECTION_BYTES:
-            reasons.append(f"an fp8 latent cache's dequantized selection takes {selection / 2**30:.2f} GiB (R x S "
-                           f"= {slots.shape[0]} x {slots.shape[1]} bf16 rows), above {MAX_SELECTION_BYTES >> 30} GiB")
     elif kv_cache.dtype != jnp.bfloat16:
         reasons.append(f"it needs a bf16 latent cache or an Fp8LatentCache, got {kv_cache.dtype}")
     if value_dim != VALUE_DIM or q.shape[-1] != WIDTH:
@@ -302,38 +464,18 @@ def unsupported(q, kv_cache, slots, value_dim: int, interpret: bool) -> list[str
     return reasons + on_hopper_compiled(interpret)
 
 
-def dequantized_selection(cache: formats.Fp8LatentCache, slots, counts):
-    """The bf16 rows [R * S, 576] of each row's slots in an fp8 latent cache (exact; past a row's count, slot 0's
-    row, never read) and their slots [R, S]: row r's j-th at r * S + j."""
-    rows, num_slots = slots.shape
-    picked = jnp.where(jnp.arange(num_slots)[None, :] < counts[:, None], slots, 0)
-
-    def gathered(part):  # [pages, B, ...] -> the slots' entries [R, S, ...]
-        return part.reshape(-1, *part.shape[2:])[picked]
-
-    # In bf16 throughout, and exact: an e4m3 value's 4 significant bits fit bf16's 8, the scales are powers of two.
-    latent = gathered(cache.latent).astype(jnp.bfloat16)
-    tiles = latent.reshape(rows, num_slots, -1, formats.LATENT_TILE) * gathered(cache.scales).astype(jnp.bfloat16)[
-        ..., None]
-    kv_rows = jnp.concatenate([tiles.reshape(latent.shape), gathered(cache.rope)], axis=-1)
-    return kv_rows.reshape(rows * num_slots, WIDTH), jnp.arange(rows * num_slots, dtype=jnp.int32).reshape(
-        rows, num_slots)
-
-
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_DIM, num_splits=None):
     """The contract of `pallas_kernels.sparse_mla_decode` on this kernel (`unsupported` lists what it needs);
     out is rounded to bf16 in the kernel. num_splits: split-K programs per row (None: `default_num_splits`)."""
     del value_dim  # always VALUE_DIM here (`unsupported`)
     num_heads = q.shape[1]
-    if isinstance(kv_cache, formats.Fp8LatentCache):
-        kv_cache, slots = dequantized_selection(kv_cache, slots, counts)
-    q, kv_rows, slots, counts = prepare(q, kv_cache, slots, counts)
+    q, kv_parts, slots, counts = prepare(q, kv_cache, slots, counts)
     rows, padded_heads, _ = q.shape
     if num_splits is None:
         num_splits = default_num_splits(rows, padded_heads // BLOCK_H, slots.shape[1], BLOCK_S)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits=}")
-    outs, lses = sparse_mla_partials(q, kv_rows, slots, counts, sm_scale=float(sm_scale), num_splits=num_splits)
+    outs, lses = sparse_mla_partials(q, kv_parts, slots, counts, sm_scale=float(sm_scale), num_splits=num_splits)
     out, lse = (outs[:, 0], lses[:, 0]) if num_splits == 1 else merge_splits(outs, lses)
     return out[:, :num_heads].astype(jnp.bfloat16), lse[:, :num_heads]
 
@@ -341,10 +483,16 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_D
 def prepare(q, kv_cache, slots, counts):
     """Pads the contract's inputs to the kernel's: heads to a multiple of 64 (zero queries), slots to a multiple
     of 64 (entries past the count are never read), counts to [R, 16] (clipped to [0, S]); q to bf16, the cache
-    to rows."""
+    to the kernel's parts (`sparse_mla_partials`)."""
     heads, num_slots = q.shape[1], slots.shape[1]
     counts = jnp.clip(counts, 0, num_slots)  # counts above S act as S
     q = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, -heads % BLOCK_H), (0, 0)))
     slots = jnp.pad(slots, ((0, 0), (0, -num_slots % BLOCK_S)))
     counts = jnp.pad(counts[:, None], ((0, 0), (0, COUNT_COLUMNS - 1)))
-    return q, kv_cache.reshape(-1, WIDTH), slots, counts
+    if isinstance(kv_cache, formats.Fp8LatentCache):
+        latent = lax.bitcast_convert_type(kv_cache.latent, jnp.uint8)
+        kv_parts = (latent.reshape(-1, VALUE_DIM), kv_cache.scales.reshape(-1, SCALES_PER_ROW),
+                    kv_cache.rope.reshape(-1, ROPE_DIM))
+    else:
+        kv_parts = (kv_cache.reshape(-1, WIDTH),)
+    return q, kv_parts, slots, counts

@@ -158,37 +158,35 @@ def test_fp8_latent_cache_rejects_bad_parts():
         run(cache, backend="mosaic")
 
 
-def test_mosaic_fp8_latent_cache_is_its_dequantized_selection():
-    """The Mosaic kernel's fp8 path: each row's slots gathered and dequantized exactly (ue8m0 scales) into bf16
-    rows, slot 0's row past a count (never read), the rows' new slots r * S + j."""
-    q, cache, slots, counts = _fp8_inputs(3, SHAPES["deepseek_tiny_s"], [13, 0])
-    kv_rows, new_slots = sparse_mla_mosaic.dequantized_selection(cache, slots, counts)
-    rows, num_slots = slots.shape
-    assert kv_rows.dtype == jnp.bfloat16 and kv_rows.shape == (rows * num_slots, cache.latent.shape[-1]
-                                                               + cache.rope.shape[-1])
-    np.testing.assert_array_equal(new_slots, np.arange(rows * num_slots).reshape(rows, num_slots))
-    exact = np.asarray(formats.dequantize_latent_cache(cache)).reshape(-1, kv_rows.shape[1])
-    got = np.asarray(kv_rows.astype(jnp.float32)).reshape(rows, num_slots, -1)
-    for r, count in enumerate(np.asarray(counts)):
-        np.testing.assert_array_equal(got[r, :count], exact[np.asarray(slots)[r, :count]])
-        np.testing.assert_array_equal(got[r, count:], np.broadcast_to(exact[0], got[r, count:].shape))
-    # Read as a one-page bf16 cache at the new slots, the selection gives the fp8 cache's attention.
-    out, lse = reference.sparse_mla_decode(q, kv_rows[None], new_slots, counts, 0.3, value_dim=512)
-    ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.3, 512)
-    _check(out, lse, ref_out, ref_lse, counts, jnp.float32)  # the same values in f32 products
+def _emulated_dequantize(byte, scale):
+    """The bit steps of `_sparse_mla_mosaic._dequantized` in numpy, on e4m3 bytes (uint16) and f32 scales: the
+    byte moved into bf16's bits, then two bf16 products (exact here, so f32 products give the same values)."""
+    bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 4)
+    as_f32 = lambda b: (b.astype(np.uint32) << 16).view(np.float32)
+    return as_f32(bits) * as_f32(np.uint16(sparse_mla_mosaic.BF16_2_POW_120)) * scale
 
 
-def test_mosaic_takes_an_fp8_latent_cache_whose_selection_fits():
-    """The Mosaic kernel takes DeepSeek's fp8 latent cache at decode (its dequantized selection in 1 GiB), not a
-    2048-token prefill chunk's (4.5 GiB: Triton runs it), nor other widths; on CPU it also names the GPU."""
+def test_mosaic_fp8_dequantization_bits_give_every_e4m3_value_times_its_scale():
+    """Every e4m3 byte but NaN (zeros, subnormals, 448), times ue8m0 scales from 2 ** -100 to 2 ** 100."""
+    byte = np.arange(256, dtype=np.uint16)
+    byte = byte[(byte & 0x7F) != 0x7F]
+    values = byte.astype(np.uint8).view(FP8).astype(np.float32)
+    assert (values[np.abs(values) > 0].min(initial=1) < 2.0 ** -6) and np.abs(values).max() == 448
+    for exponent in (-100, -7, 0, 7, 100):
+        np.testing.assert_array_equal(_emulated_dequantize(byte, np.float32(2.0 ** exponent)),
+                                      values * np.float32(2.0 ** exponent))
+
+
+def test_mosaic_takes_an_fp8_latent_cache_of_deepseek_widths():
+    """The Mosaic kernel takes DeepSeek's fp8 latent cache at decode and for a 2048-token prefill chunk, not other
+    widths; on CPU it also names the GPU."""
     S = jax.ShapeDtypeStruct
     fp8_cache = formats.Fp8LatentCache(S((64, 64, 512), FP8), S((64, 64, 4), jnp.float32),
                                        S((64, 64, 64), jnp.bfloat16))
     q = S((64, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16)
     cpu = sparse_mla_mosaic.unsupported(q, fp8_cache, S((64, 2048), jnp.int32), 512, interpret=None)
     assert cpu == sparse_mla_mosaic.unsupported(q, S((1, 1, 576), jnp.bfloat16), S((1, 1), jnp.int32), 512, None)
-    chunk = sparse_mla_mosaic.unsupported(q, fp8_cache, S((2048, 2048), jnp.int32), 512, interpret=None)
-    assert "dequantized selection takes 4.50 GiB (R x S = 2048 x 2048 bf16 rows), above 1 GiB" in chunk[0]
+    assert cpu == sparse_mla_mosaic.unsupported(q, fp8_cache, S((2048, 2048), jnp.int32), 512, interpret=None)
     narrow = formats.Fp8LatentCache(S((64, 64, 128), FP8), S((64, 64, 1), jnp.float32), S((64, 64, 16), jnp.bfloat16))
     assert "512 + 64 columns" in " ".join(sparse_mla_mosaic.unsupported(q, narrow, S((64, 64), jnp.int32), 128, None))
     narrow_rope = dataclasses.replace(fp8_cache, rope=S((64, 64, 32), jnp.bfloat16))
@@ -197,7 +195,7 @@ def test_mosaic_takes_an_fp8_latent_cache_whose_selection_fits():
 
 
 def test_mosaic_fp8_latent_path_lowers_for_cuda():
-    """The whole fp8 path (gather, dequantize, the bf16 kernel, the split merge) lowers for CUDA."""
+    """The fp8 path (the kernel's cp.async staging and in-place dequantization, the split merge) lowers for CUDA."""
     S = jax.ShapeDtypeStruct
     fp8_cache = formats.Fp8LatentCache(S((512, 64, 512), FP8), S((512, 64, 4), jnp.float32),
                                        S((512, 64, 64), jnp.bfloat16))
@@ -289,7 +287,7 @@ def test_rejects_bad_backend():
                          [(2, 128, 2048, 1), (1, 64, 1024, 4), (3, 64, 64, 16)])
 def test_mosaic_kernel_lowers_for_cuda(rows, heads, num_slots, num_splits):
     args = (jax.ShapeDtypeStruct((rows, heads, sparse_mla_mosaic.WIDTH), jnp.bfloat16),
-            jax.ShapeDtypeStruct((1 << 16, sparse_mla_mosaic.WIDTH), jnp.bfloat16),
+            (jax.ShapeDtypeStruct((1 << 16, sparse_mla_mosaic.WIDTH), jnp.bfloat16),),
             jax.ShapeDtypeStruct((rows, num_slots), jnp.int32),
             jax.ShapeDtypeStruct((rows, sparse_mla_mosaic.COUNT_COLUMNS), jnp.int32))
     sparse_mla_mosaic.sparse_mla_partials.trace(*args, sm_scale=0.1, num_splits=num_splits).lower(
@@ -298,9 +296,12 @@ def test_mosaic_kernel_lowers_for_cuda(rows, heads, num_slots, num_splits):
 
 def test_mosaic_prepare_pads_to_the_kernel():
     q, kv_cache, slots, counts = _make_inputs(0, SHAPES["deepseek_tiny_s"], [24, 0], jnp.float32)
-    q_p, rows_p, slots_p, counts_p = sparse_mla_mosaic.prepare(q, kv_cache, slots, jnp.array([99, -3], jnp.int32))
+    q_p, (rows_p,), slots_p, counts_p = sparse_mla_mosaic.prepare(q, kv_cache, slots, jnp.array([99, -3], jnp.int32))
     assert q_p.shape == (2, 64, 576) and q_p.dtype == jnp.bfloat16 and not q_p[:, 16:].any()
     assert rows_p.shape == (4 * 16, 576)
+    fp8_parts = sparse_mla_mosaic.prepare(q, formats.quantize_latent_cache(kv_cache), slots, counts)[1]
+    assert [(p.shape, p.dtype) for p in fp8_parts] == [((64, 512), jnp.uint8), ((64, 4), jnp.float32),
+                                                       ((64, 64), jnp.bfloat16)]
     assert slots_p.shape == (2, 64) and (slots_p[:, :24] == slots).all()
     np.testing.assert_array_equal(counts_p, [[24] + [0] * 15, [0] * 16])  # clipped to [0, S]
 
@@ -332,10 +333,26 @@ def test_fp8_latent_cache_on_gpu(num_splits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 4, None])
 def test_mosaic_fp8_latent_cache_on_gpu(num_splits):
-    """The Mosaic kernel on DeepSeek's fp8 latent cache (gathered, dequantized, then the bf16 kernel)."""
+    """The Mosaic kernel on DeepSeek's fp8 latent cache (dequantized in the kernel)."""
     q, cache, slots, counts = _fp8_inputs(4, SHAPES["deepseek"], [2048, 0, 1, 700])
     out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, backend="mosaic"))(q, cache, slots,
                                                                                                  counts)
+    ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.1352, 512)
+    _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu():
+    """Every e4m3 byte but NaN (zeros and subnormals among them) under scales from 2 ** -14 to 2 ** -6: the
+    kernel's in-place dequantization equals the exact dequantized cache's attention."""
+    q, cache, slots, counts = _fp8_inputs(9, SHAPES["deepseek"], [2048, 1000, 0, 63])
+    rng = np.random.default_rng(9)
+    byte = (np.arange(cache.latent.size, dtype=np.int64) * 37 % 256).astype(np.uint8)
+    byte[(byte & 0x7F) == 0x7F] = 0
+    latent = jax.lax.bitcast_convert_type(jnp.asarray(byte.reshape(cache.latent.shape)), FP8)
+    scales = jnp.asarray(2.0 ** rng.integers(-14, -5, cache.scales.shape), jnp.float32)
+    cache = formats.Fp8LatentCache(latent, scales, cache.rope)
+    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, backend="mosaic"))(q, cache, slots, counts)
     ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.1352, 512)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
 
