@@ -264,8 +264,9 @@ def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, 
     gather(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem)
 
 
-def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits):
-    """kv_refs: (the bf16 cache rows,), or an fp8 latent cache's (e4m3 bytes, scales, rope) rows."""
+def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits, prefetch_slots):
+    """kv_refs: (the bf16 cache rows,), or an fp8 latent cache's (e4m3 bytes, scales, rope) rows. prefetch_slots:
+    the producer loads a block's slots while it gathers the block before (else after its stage is consumed)."""
     fp8 = len(kv_refs) == 3
     (q_smem, kv_smem, meta_smem, row_stats, scales_smem,
      q_barrier, count_barrier, slots_barriers, kv_barriers, probs_barriers, consumed_barriers, done_barrier) = scratch
@@ -386,6 +387,14 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
     def _produce():
         plgpu.set_max_registers(REGISTERS[fp8][1], action="decrease")
 
+        def load_slots(block):
+            plgpu.copy_gmem_to_smem(slots_ref.at[row, pl.ds(start + block * BLOCK_S, BLOCK_S)],
+                                    slots_smem.at[lax.rem(block, STAGES)], slots_barriers.at[lax.rem(block, STAGES)])
+
+        if prefetch_slots:  # the first stages' slots now, each later block's once its stage's slots are spent
+            for block in range(STAGES):
+                pl.when(block < num_blocks)(functools.partial(load_slots, block))
+
         @pl.loop(0, num_blocks)
         def _gather(block):
             stage = lax.rem(block, STAGES)
@@ -394,8 +403,8 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
             def _wait_consumed():
                 plgpu.barrier_wait(consumed_barriers.at[stage])
 
-            plgpu.copy_gmem_to_smem(slots_ref.at[row, pl.ds(start + block * BLOCK_S, BLOCK_S)],
-                                    slots_smem.at[stage], slots_barriers.at[stage])
+            if not prefetch_slots:
+                load_slots(block)
             plgpu.barrier_wait(slots_barriers.at[stage])
             meta_smem[STAGES, 16 + stage] = length - block * BLOCK_S
             limit = meta_smem.at[STAGES, pl.ds(16 + stage, 1)]
@@ -404,10 +413,12 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
             else:
                 _cp_async_gather(*kv_refs, slots_smem.at[stage], limit, kv_smem.at[stage])
             plgpu.barrier_arrive(kv_barriers.at[stage])
+            if prefetch_slots:  # the gather has read this stage's slots (a warpgroup barrier closes it)
+                pl.when(block + STAGES < num_blocks)(lambda: load_slots(block + STAGES))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits"))
-def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_splits: int):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "prefetch_slots"))
+def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_splits: int, prefetch_slots: bool = False):
     """The kernel on prepared inputs: q bf16 [R, H, 576] (H a multiple of 64); kv_parts (bf16 rows [slots, 576],)
     or an fp8 latent cache's (e4m3 bytes as uint8 [slots, 512], f32 scales [slots, 4], bf16 rope [slots, 64]);
     slots int32 [R, S] (S a multiple of 64), counts int32 [R, 16] (the count in column 0). Returns per-split
@@ -420,7 +431,7 @@ def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_spli
         slabs = (STAGES, NUM_SLABS, BLOCK_S, SLAB)
         pl.run_scoped(
             lambda *scratch: _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch,
-                                     scale=sm_scale * LOG2E, num_splits=num_splits),
+                                     scale=sm_scale * LOG2E, num_splits=num_splits, prefetch_slots=prefetch_slots),
             plgpu.SMEM((NUM_SLABS, BLOCK_H, SLAB), jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM((STAGES + 1, BLOCK_S), jnp.int32),
@@ -464,9 +475,11 @@ def unsupported(q, kv_cache, slots, value_dim: int, interpret: bool) -> list[str
     return reasons + on_hopper_compiled(interpret)
 
 
-def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_DIM, num_splits=None):
+def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_DIM, num_splits=None,
+                      prefetch_slots=False):
     """The contract of `pallas_kernels.sparse_mla_decode` on this kernel (`unsupported` lists what it needs);
-    out is rounded to bf16 in the kernel. num_splits: split-K programs per row (None: `default_num_splits`)."""
+    out is rounded to bf16 in the kernel. num_splits: split-K programs per row (None: `default_num_splits`);
+    prefetch_slots (not yet timed, so off): load each block's slots a block ahead."""
     del value_dim  # always VALUE_DIM here (`unsupported`)
     num_heads = q.shape[1]
     q, kv_parts, slots, counts = prepare(q, kv_cache, slots, counts)
@@ -475,7 +488,8 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_D
         num_splits = default_num_splits(rows, padded_heads // BLOCK_H, slots.shape[1], BLOCK_S)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits=}")
-    outs, lses = sparse_mla_partials(q, kv_parts, slots, counts, sm_scale=float(sm_scale), num_splits=num_splits)
+    outs, lses = sparse_mla_partials(q, kv_parts, slots, counts, sm_scale=float(sm_scale), num_splits=num_splits,
+                                     prefetch_slots=prefetch_slots)
     out, lse = (outs[:, 0], lses[:, 0]) if num_splits == 1 else merge_splits(outs, lses)
     return out[:, :num_heads].astype(jnp.bfloat16), lse[:, :num_heads]
 

@@ -283,15 +283,16 @@ def test_rejects_bad_backend():
         _decode(q, kv_cache, slots, counts, 0.1, value_dim=64, backend="mosaic")
 
 
-@pytest.mark.parametrize(("rows", "heads", "num_slots", "num_splits"),
-                         [(2, 128, 2048, 1), (1, 64, 1024, 4), (3, 64, 64, 16)])
-def test_mosaic_kernel_lowers_for_cuda(rows, heads, num_slots, num_splits):
+@pytest.mark.parametrize(("rows", "heads", "num_slots", "num_splits", "prefetch_slots"),
+                         [(2, 128, 2048, 1, False), (1, 64, 1024, 4, False), (3, 64, 64, 16, False),
+                          (2, 128, 2048, 1, True), (3, 64, 64, 16, True)])
+def test_mosaic_kernel_lowers_for_cuda(rows, heads, num_slots, num_splits, prefetch_slots):
     args = (jax.ShapeDtypeStruct((rows, heads, sparse_mla_mosaic.WIDTH), jnp.bfloat16),
             (jax.ShapeDtypeStruct((1 << 16, sparse_mla_mosaic.WIDTH), jnp.bfloat16),),
             jax.ShapeDtypeStruct((rows, num_slots), jnp.int32),
             jax.ShapeDtypeStruct((rows, sparse_mla_mosaic.COUNT_COLUMNS), jnp.int32))
-    sparse_mla_mosaic.sparse_mla_partials.trace(*args, sm_scale=0.1, num_splits=num_splits).lower(
-        lowering_platforms=("cuda",))
+    sparse_mla_mosaic.sparse_mla_partials.trace(*args, sm_scale=0.1, num_splits=num_splits,
+                                                prefetch_slots=prefetch_slots).lower(lowering_platforms=("cuda",))
 
 
 def test_mosaic_prepare_pads_to_the_kernel():
@@ -338,6 +339,24 @@ def test_mosaic_fp8_latent_cache_on_gpu(num_splits):
     out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, backend="mosaic"))(q, cache, slots,
                                                                                                  counts)
     ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.1352, 512)
+    _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-latent"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mosaic_prefetch_slots_on_gpu(fp8, num_splits):
+    """Slots loaded a block ahead: counts of 0, 1, one block, two (the prefetch's edge), ragged and full."""
+    counts = [0, 1, 64, 128, 129, 2048]
+    shape = (6, 128, 512, 64, 2048, 512, 64)
+    if fp8:
+        q, cache, slots, counts = _fp8_inputs(11, shape, counts)
+        ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.1352, 512)
+    else:
+        q, cache, slots, counts = _make_inputs(11, shape, counts, jnp.bfloat16)
+        ref_out, ref_lse = _reference(q, cache, slots, counts, 0.1352, 512)
+    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, prefetch_slots=True,
+                                          backend="mosaic"))(q, cache, slots, counts)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
 
 
