@@ -50,14 +50,14 @@ ROW_BYTES = WIDTH * 2
 CHUNK = 16  # bytes per cp.async
 COUNT_COLUMNS = 16  # counts travel as [R, 16] int32: a TMA row must be 16-byte aligned and 64 bytes suit it
 LOG2E = math.log2(math.e)
-# Registers a thread of the compute and of the producer warpgroups, for a bf16 and an fp8 cache. setmaxnreg moves
-# registers between the warpgroups of a CTA: each pair sums to the 3 * 168 a thread it starts with (a larger sum
-# waits forever). The fp8 producer dequantizes: 200 / 104 ran its B = 64 call in 130 us, 232 / 40 in 169 us (H100).
-REGISTERS = {False: (232, 40), True: (200, 104)}
+# Registers a thread of each compute and each producer warpgroup, by (fp8 cache, producers). setmaxnreg moves
+# registers between the warpgroups of a CTA: they sum to what the kernel starts with, 3 * 168 a thread with one
+# producer and 4 * 128 with two (a larger sum waits forever). The fp8 producer dequantizes: 200 / 104 ran its
+# B = 64 call in 130 us, 232 / 40 in 169 us (H100).
+REGISTERS = {(False, 1): (232, 40), (True, 1): (200, 104), (True, 2): (200, 56)}
 # The fp8 latent cache (formats.Fp8LatentCache): a token's 512 e4m3 bytes, 4 f32 scales, 64 bf16 rope columns.
 SCALES_PER_ROW = VALUE_DIM // formats.LATENT_TILE
 SLAB_BYTES = BLOCK_S * SLAB * 2  # one bf16 slab of a stage
-FP8_SLAB_BYTES = BLOCK_S * SLAB  # the e4m3 bytes of a slab
 STAGING_SLAB = 4  # a block's e4m3 bytes are staged in its stage's bf16 slabs 4 .. 7 and dequantized in place
 BF16_2_POW_120 = 0x7B80  # 2 ** 120 in bf16: an e4m3 byte moved into bf16's bits is its value times 2 ** -120
 
@@ -117,7 +117,8 @@ def _cp_async_gather(kv_ref, slots_ref, info_ref, kv_smem):
 def _dequantized(words, scale_pair):
     """Four i32 words of 16 e4m3 values -> eight i32 words of their bf16 values times the scale (two bf16 in
     `scale_pair`): exact, as the scale is a power of two. Each byte s.eeee.mmm moves into bf16's bits as
-    s.0000eeee.mmm0000, which is its value (normal or subnormal) times 2 ** -120; two bf16 products restore it."""
+    s.0000eeee.mmm0000, which is its value (normal or subnormal) times 2 ** -120; two bf16 products restore it
+    (`mul.rn.bf16x2` keeps subnormals). A NaN byte (s.1111.111) reads as +-480 times the scale."""
     i32 = ir.IntegerType.get_signless(32)
     out = []
     for word in words:
@@ -137,17 +138,23 @@ def _dequantized(words, scale_pair):
     return out
 
 
-def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem):
-    """The producer warpgroup's fp8 gather: copies the e4m3 latent, scales and rope of the cache rows named by
-    slots_ref [64] with cp.async (zero-filling rows at or past info_ref[0]): the rope into slab 8 of kv_smem
-    ([9, 64, 64] bf16, (8, 64)-tiled, 128B-swizzled), the scales into scales_smem [64, 4], the e4m3 bytes into
-    slabs 4 .. 7 as staged slabs ([64 tokens, 64 bytes] each); then dequantizes them into slabs 0 .. 7 in place and
-    fences them for the async proxy. The caller arrives on the stage's barrier.
+def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem, *,
+                         first_row=0, tokens=BLOCK_S):
+    """A producer warpgroup's fp8 gather of the block's rows first_row .. first_row + tokens - 1 (all of them, or
+    one producer's half): copies the e4m3 latent, scales and rope of the cache rows named by slots_ref [64] with
+    cp.async (zero-filling rows at or past info_ref[0]): the rope into slab 8 of kv_smem ([9, 64, 64] bf16,
+    (8, 64)-tiled, 128B-swizzled), the scales into scales_smem [64, 4], the e4m3 bytes into these rows' part of
+    slabs 4 .. 7 as staged slabs ([tokens, 64 bytes] each); then dequantizes them into these rows of slabs 0 .. 7
+    in place and fences them for the async proxy. The caller arrives on the stage's barrier.
 
-    Lane l of warp w copies 16-byte chunk l of the e4m3 rows of tokens 16w .. 16w + 15 (so a warp instruction reads
-    a whole 512-byte row) into staged slab l // 4; odd staged slabs swap each token pair's rows, so each 8-lane
-    phase of a copy writes all 32 banks. Thread t dequantizes 16 bytes (token t // 4 + 32j, chunk t % 4) of each
-    slab into 32 bf16 bytes, in three phases so that no slab is written before its staged bytes are read."""
+    Lane l of warp w copies 16-byte chunk l of the e4m3 rows of tokens w * tokens / 4 + j (so a warp instruction
+    reads a whole 512-byte row) into staged slab l // 4; odd staged slabs swap each token pair's rows, so each
+    8-lane phase of a copy writes all 32 banks. Thread t dequantizes 16 bytes (token t // 4 + 32j, chunk t % 4) of
+    each slab into 32 bf16 bytes, with a warpgroup barrier before slabs 4, 6 and 7 (slab 7's staged bytes are read
+    before it), so that no slab is written before its staged bytes are read.
+    Every byte a producer stages and writes lies in its own rows, so producers need no barrier between them."""
+    rows_per_warp = tokens // 4
+    scale_bytes = tokens // 8  # scale bytes a thread copies (8 or 4: a cp.async size)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
                                   plgpu.RefType(), plgpu.RefType(transforms=_tiled((8, SLAB))), plgpu.RefType()))
@@ -176,41 +183,48 @@ def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, 
         def copy(dst, src, is_valid, size=CHUNK, cache=nvvm.LoadCacheModifierKind.CG):
             nvvm.CpAsyncOp(dst, src, size, cache, cpSize=arith.select(is_valid, const(size), const(0)))
 
+        def swizzled(slab, row, chunk):  # the offset of 16-byte chunk `chunk` of a slab's row in the stage
+            line = arith.addi(const(slab * SLAB_BYTES), arith.muli(row, const(SLAB * 2)))
+            return arith.addi(line, arith.muli(arith.xori(chunk, arith.andi(row, const(7))), const(CHUNK)))
+
         tid = arith.andi(mgpu_utils.thread_idx(), const(127))
         lane, warp = arith.andi(tid, const(31)), arith.divui(tid, const(32))
         latent, scales, rope = global_ptr(latent_gmem), global_ptr(scales_gmem), global_ptr(rope_gmem)
         stage, scale_stage = mgpu_utils.memref_ptr(smem), mgpu_utils.memref_ptr(scale_smem)
-        staged = at(stage, STAGING_SLAB * SLAB_BYTES)
+
+        def staged_offset(slab, local_row):  # staged slab `slab` (static or not) lies in slab 4 + slab // 2
+            return arith.addi(arith.addi(arith.muli(arith.addi(const(STAGING_SLAB), arith.shrui(slab, const(1))),
+                                                    const(SLAB_BYTES)),
+                                         arith.muli(arith.andi(slab, const(1)), const(tokens * SLAB))),
+                              arith.addi(const(first_row * SLAB * 2),
+                                         arith.muli(arith.xori(local_row, arith.andi(slab, const(1))), const(SLAB))))
 
         staged_slab = arith.divui(lane, const(4))
-        staged_column = arith.addi(arith.muli(staged_slab, const(FP8_SLAB_BYTES)),
-                                   arith.muli(arith.andi(lane, const(3)), const(CHUNK)))
-        pair_swap = arith.andi(staged_slab, const(1))
-        for j in range(BLOCK_S // 4):
-            row = arith.addi(arith.muli(warp, const(BLOCK_S // 4)), const(j))
-            is_valid, slot = slot_of(row)
-            staged_row = arith.xori(row, pair_swap)
-            copy(at(staged, arith.addi(arith.muli(staged_row, const(SLAB)), staged_column)),
+        column = arith.muli(arith.andi(lane, const(3)), const(CHUNK))
+        for j in range(rows_per_warp):
+            local_row = arith.addi(arith.muli(warp, const(rows_per_warp)), const(j))
+            is_valid, slot = slot_of(arith.addi(local_row, const(first_row)))
+            copy(at(stage, arith.addi(staged_offset(staged_slab, local_row), column)),
                  at(latent, arith.addi(arith.muli(slot, const(VALUE_DIM, i64)),
                                        arith.extui(i64, arith.muli(lane, const(CHUNK))))), is_valid)
         # Rope rows: as `_cp_async_gather`, into slab 8.
-        first_row = arith.addi(arith.muli(warp, const(16)), arith.andi(arith.divui(tid, const(8)), const(3)))
+        first_rope_row = arith.addi(arith.addi(arith.muli(warp, const(rows_per_warp)), const(first_row)),
+                                    arith.andi(arith.divui(tid, const(8)), const(3)))
         chunk = arith.andi(tid, const(7))
-        for j in range(BLOCK_S // 16):
-            row = arith.addi(first_row, const(4 * j))
+        for j in range(tokens // 16):
+            row = arith.addi(first_rope_row, const(4 * j))
             is_valid, slot = slot_of(row)
-            swizzled = arith.xori(chunk, arith.andi(row, const(7)))
-            copy(at(stage, arith.addi(const((NUM_SLABS - 1) * SLAB_BYTES),
-                                      arith.addi(arith.muli(row, const(SLAB * 2)), arith.muli(swizzled, const(CHUNK))))),
+            copy(at(stage, swizzled(NUM_SLABS - 1, row, chunk)),
                  at(rope, arith.addi(arith.muli(slot, const(ROPE_DIM * 2, i64)),
                                      arith.extui(i64, arith.muli(chunk, const(CHUNK))))), is_valid)
-        # Scales: 8 bytes (two scales) a thread.
-        row, half = arith.divui(tid, const(2)), arith.andi(tid, const(1))
+        # Scales: scale_bytes a thread.
+        pieces = SCALES_PER_ROW * 4 // scale_bytes  # threads a row
+        row, piece = arith.addi(arith.divui(tid, const(pieces)), const(first_row)), arith.remui(tid, const(pieces))
         is_valid, slot = slot_of(row)
-        copy(at(scale_stage, arith.muli(tid, const(8))),
+        copy(at(scale_stage, arith.addi(const(first_row * SCALES_PER_ROW * 4), arith.muli(tid, const(scale_bytes)))),
              at(scales, arith.addi(arith.muli(slot, const(SCALES_PER_ROW * 4, i64)),
-                                   arith.extui(i64, arith.muli(half, const(8))))),
-             is_valid, size=8, cache=nvvm.LoadCacheModifierKind.CA)
+                                   arith.extui(i64, arith.muli(piece, const(scale_bytes))))),
+             is_valid, size=scale_bytes, cache=nvvm.LoadCacheModifierKind.CA)
         nvvm.cp_async_commit_group()
         nvvm.cp_async_wait_group(0)
         mgpu_utils.warpgroup_barrier()  # every thread's copies landed
@@ -227,10 +241,9 @@ def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, 
             return vector
 
         def load(slab, j):  # this thread's j-th 16 staged bytes of `slab` and its token's scale pair
-            row = arith.addi(token, const(32 * j))
-            staged_row = arith.xori(row, const(slab & 1))
-            src = at(staged, arith.addi(const(slab * FP8_SLAB_BYTES),
-                                        arith.addi(arith.muli(staged_row, const(SLAB)), arith.muli(part, const(CHUNK)))))
+            local_row = arith.addi(token, const(32 * j))
+            row = arith.addi(local_row, const(first_row))
+            src = at(stage, arith.addi(staged_offset(const(slab), local_row), arith.muli(part, const(CHUNK))))
             vector = llvm.load(words, src)
             scale_bits = llvm.load(i32, at(scale_stage, arith.addi(arith.muli(row, const(SCALES_PER_ROW * 4)),
                                                                   const(slab // 2 * 4))))
@@ -242,10 +255,8 @@ def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, 
             row, parts, scale_pair = loaded
             out = _dequantized(parts, scale_pair)
             for half in range(2):  # bf16 chunks 2 * part and 2 * part + 1 of the row's line
-                swizzled = arith.xori(arith.addi(arith.muli(part, const(2)), const(half)), arith.andi(row, const(7)))
-                dst = at(stage, arith.addi(const(slab * SLAB_BYTES),
-                                           arith.addi(arith.muli(row, const(SLAB * 2)), arith.muli(swizzled, const(CHUNK)))))
-                llvm.store(vector_of(out[4 * half:4 * half + 4]), dst)
+                chunk = arith.addi(arith.muli(part, const(2)), const(half))
+                llvm.store(vector_of(out[4 * half:4 * half + 4]), at(stage, swizzled(slab, row, chunk)))
 
         # Staged slabs 0 .. 3 lie in slabs 4 and 5, 4 and 5 in slab 6, 6 and 7 in slab 7: a barrier before each slab
         # is written whose staged bytes other threads read.
@@ -253,9 +264,9 @@ def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, 
         for slab in range(last_slab):
             if slab in (STAGING_SLAB, STAGING_SLAB + 2):
                 mgpu_utils.warpgroup_barrier()
-            for j in range(2):
+            for j in range(tokens // 32):
                 store(slab, load(slab, j))
-        last = [load(last_slab, j) for j in range(2)]
+        last = [load(last_slab, j) for j in range(tokens // 32)]
         mgpu_utils.warpgroup_barrier()
         for loaded in last:
             store(last_slab, loaded)
@@ -264,15 +275,18 @@ def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, 
     gather(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem)
 
 
-def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits, prefetch_slots):
+def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits, prefetch_slots,
+            producers):
     """kv_refs: (the bf16 cache rows,), or an fp8 latent cache's (e4m3 bytes, scales, rope) rows. prefetch_slots:
-    the producer loads a block's slots while it gathers the block before (else after its stage is consumed)."""
+    each producer loads a block's slots while it gathers the block before (else after its stage is consumed).
+    producers: warpgroups that gather (and dequantize) each block, each its share of the rows (fp8 only: 2)."""
     fp8 = len(kv_refs) == 3
+    compute_registers, producer_registers = REGISTERS[fp8, producers]
     (q_smem, kv_smem, meta_smem, row_stats, scales_smem,
      q_barrier, count_barrier, slots_barriers, kv_barriers, probs_barriers, consumed_barriers, done_barrier) = scratch
     # meta_smem rows 0 .. STAGES-1 hold each stage's slots; row STAGES holds the count (16 ints) and then each
-    # stage's gather limit. row_stats rows 0 .. STAGES-1 hold each stage's rescale factors, row STAGES the
-    # reciprocal row sums, row STAGES + 1 stages the lse.
+    # stage's gather limit for each producer. row_stats rows 0 .. STAGES-1 hold each stage's rescale factors, row
+    # STAGES the reciprocal row sums, row STAGES + 1 stages the lse.
     slots_smem = meta_smem.at[pl.ds(0, STAGES)]
     head_block, split, row = lax.axis_index("head_block"), lax.axis_index("split"), lax.axis_index("row")
     heads = pl.ds(head_block * BLOCK_H, BLOCK_H)
@@ -325,7 +339,7 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
 
     @pl.when(wg == 0)
     def _score():
-        plgpu.set_max_registers(REGISTERS[fp8][0], action="increase")
+        plgpu.set_max_registers(compute_registers, action="increase")
         plgpu.barrier_wait(q_barrier.at[0])
 
         def block_step(block, carry):
@@ -370,7 +384,7 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
 
     @pl.when(wg == 1)
     def _second():
-        plgpu.set_max_registers(REGISTERS[fp8][0], action="increase")
+        plgpu.set_max_registers(compute_registers, action="increase")
 
         def block_step(block, accs):  # the scorer waited for the stage before it published the probabilities
             stage = lax.rem(block, STAGES)
@@ -383,13 +397,17 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
         store_output(lax.fori_loop(0, num_blocks, block_step, zeros(VALUE_DIM // SLAB - LEFT_SLABS)), None, LEFT_SLABS)
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
-    def _produce():
-        plgpu.set_max_registers(REGISTERS[fp8][1], action="decrease")
+    def produce(producer):
+        plgpu.set_max_registers(producer_registers, action="decrease")
+        tokens = BLOCK_S // producers
+        first_row = producer * tokens
+
+        def barrier(block):  # this producer's slots barrier of the block's stage
+            return slots_barriers.at[lax.rem(block, STAGES) * producers + producer]
 
         def load_slots(block):
-            plgpu.copy_gmem_to_smem(slots_ref.at[row, pl.ds(start + block * BLOCK_S, BLOCK_S)],
-                                    slots_smem.at[lax.rem(block, STAGES)], slots_barriers.at[lax.rem(block, STAGES)])
+            plgpu.copy_gmem_to_smem(slots_ref.at[row, pl.ds(start + block * BLOCK_S + first_row, tokens)],
+                                    slots_smem.at[lax.rem(block, STAGES), pl.ds(first_row, tokens)], barrier(block))
 
         if prefetch_slots:  # the first stages' slots now, each later block's once its stage's slots are spent
             for block in range(STAGES):
@@ -405,33 +423,43 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
 
             if not prefetch_slots:
                 load_slots(block)
-            plgpu.barrier_wait(slots_barriers.at[stage])
-            meta_smem[STAGES, 16 + stage] = length - block * BLOCK_S
-            limit = meta_smem.at[STAGES, pl.ds(16 + stage, 1)]
+            plgpu.barrier_wait(barrier(block))
+            limit_column = 16 + stage * producers + producer
+            meta_smem[STAGES, limit_column] = length - block * BLOCK_S
+            limit = meta_smem.at[STAGES, pl.ds(limit_column, 1)]
             if fp8:
-                _cp_async_gather_fp8(*kv_refs, slots_smem.at[stage], limit, kv_smem.at[stage], scales_smem.at[stage])
+                _cp_async_gather_fp8(*kv_refs, slots_smem.at[stage], limit, kv_smem.at[stage], scales_smem.at[stage],
+                                     first_row=first_row, tokens=tokens)
             else:
                 _cp_async_gather(*kv_refs, slots_smem.at[stage], limit, kv_smem.at[stage])
             plgpu.barrier_arrive(kv_barriers.at[stage])
             if prefetch_slots:  # the gather has read this stage's slots (a warpgroup barrier closes it)
                 pl.when(block + STAGES < num_blocks)(lambda: load_slots(block + STAGES))
 
+    for producer in range(producers):
+        pl.when(wg == 2 + producer)(functools.partial(produce, producer))
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "prefetch_slots"))
-def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_splits: int, prefetch_slots: bool = False):
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "prefetch_slots", "producers"))
+def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_splits: int, prefetch_slots: bool = False,
+                        producers: int = 1):
     """The kernel on prepared inputs: q bf16 [R, H, 576] (H a multiple of 64); kv_parts (bf16 rows [slots, 576],)
     or an fp8 latent cache's (e4m3 bytes as uint8 [slots, 512], f32 scales [slots, 4], bf16 rope [slots, 64]);
     slots int32 [R, S] (S a multiple of 64), counts int32 [R, 16] (the count in column 0). Returns per-split
     out bf16 [R, N, H, 512] and lse f32 [R, N, H]."""
     rows, heads, _ = q.shape
     num_parts = len(kv_parts)
+    if (num_parts == 3, producers) not in REGISTERS:
+        raise ValueError(f"producers must be 1, or 2 with an fp8 latent cache; got {producers=} with "
+                         f"{'an fp8 latent' if num_parts == 3 else 'a bf16'} cache")
 
     def entry(q_ref, *refs):
         kv_refs, (slots_ref, counts_ref, out_ref, lse_ref) = refs[:num_parts], refs[num_parts:]
         slabs = (STAGES, NUM_SLABS, BLOCK_S, SLAB)
         pl.run_scoped(
             lambda *scratch: _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch,
-                                     scale=sm_scale * LOG2E, num_splits=num_splits, prefetch_slots=prefetch_slots),
+                                     scale=sm_scale * LOG2E, num_splits=num_splits, prefetch_slots=prefetch_slots,
+                                     producers=producers),
             plgpu.SMEM((NUM_SLABS, BLOCK_H, SLAB), jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM((STAGES + 1, BLOCK_S), jnp.int32),
@@ -439,8 +467,8 @@ def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_spli
             plgpu.SMEM((STAGES, BLOCK_S * SCALES_PER_ROW), jnp.float32),  # the fp8 cache's scales (bf16: unused)
             plgpu.Barrier(num_arrivals=NUM_SLABS, num_barriers=1),  # one arrival per Q slab copy
             plgpu.Barrier(num_barriers=1),
-            plgpu.Barrier(num_barriers=STAGES),
-            plgpu.Barrier(num_barriers=STAGES),  # the producer arrives once per gathered block
+            plgpu.Barrier(num_barriers=STAGES * producers),
+            plgpu.Barrier(num_arrivals=producers, num_barriers=STAGES),  # each producer once per gathered block
             plgpu.Barrier(num_barriers=STAGES),  # the scorer arrives once a block's probabilities are in SMEM
             plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
             plgpu.Barrier(num_arrivals=2, num_barriers=1),
@@ -452,7 +480,7 @@ def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_spli
         out_type=(jax.ShapeDtypeStruct((rows, num_splits, heads, VALUE_DIM), jnp.bfloat16),
                   jax.ShapeDtypeStruct((rows, num_splits, heads), jnp.float32)),
         grid=(heads // BLOCK_H, num_splits, rows), grid_names=("head_block", "split", "row"),
-        num_threads=3, thread_name="wg",
+        num_threads=2 + producers, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )(q, *kv_parts, slots, counts)
 
@@ -476,10 +504,11 @@ def unsupported(q, kv_cache, slots, value_dim: int, interpret: bool) -> list[str
 
 
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_DIM, num_splits=None,
-                      prefetch_slots=False):
+                      prefetch_slots=False, producers=1):
     """The contract of `pallas_kernels.sparse_mla_decode` on this kernel (`unsupported` lists what it needs);
-    out is rounded to bf16 in the kernel. num_splits: split-K programs per row (None: `default_num_splits`);
-    prefetch_slots (not yet timed, so off): load each block's slots a block ahead."""
+    out is rounded to bf16 in the kernel. num_splits: split-K programs per row (None: `default_num_splits`).
+    Not yet timed, so off: prefetch_slots (load each block's slots a block ahead) and producers (2: two warpgroups
+    gather and dequantize each block of an fp8 cache, half its rows each)."""
     del value_dim  # always VALUE_DIM here (`unsupported`)
     num_heads = q.shape[1]
     q, kv_parts, slots, counts = prepare(q, kv_cache, slots, counts)
@@ -489,7 +518,7 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_D
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits=}")
     outs, lses = sparse_mla_partials(q, kv_parts, slots, counts, sm_scale=float(sm_scale), num_splits=num_splits,
-                                     prefetch_slots=prefetch_slots)
+                                     prefetch_slots=prefetch_slots, producers=producers)
     out, lse = (outs[:, 0], lses[:, 0]) if num_splits == 1 else merge_splits(outs, lses)
     return out[:, :num_heads].astype(jnp.bfloat16), lse[:, :num_heads]
 

@@ -194,15 +194,26 @@ def test_mosaic_takes_an_fp8_latent_cache_of_deepseek_widths():
         sparse_mla_mosaic.unsupported(q, narrow_rope, S((64, 64), jnp.int32), 512, None))
 
 
-def test_mosaic_fp8_latent_path_lowers_for_cuda():
-    """The fp8 path (the kernel's cp.async staging and in-place dequantization, the split merge) lowers for CUDA."""
+@pytest.mark.parametrize("producers, prefetch_slots", [(1, False), (2, False), (2, True)])
+def test_mosaic_fp8_latent_path_lowers_for_cuda(producers, prefetch_slots):
+    """The fp8 path (the kernel's cp.async staging and in-place dequantization by one or two producers, the split
+    merge) lowers for CUDA."""
     S = jax.ShapeDtypeStruct
     fp8_cache = formats.Fp8LatentCache(S((512, 64, 512), FP8), S((512, 64, 4), jnp.float32),
                                        S((512, 64, 64), jnp.bfloat16))
     args = (S((8, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), fp8_cache, S((8, 2048), jnp.int32),
             S((8,), jnp.int32))
-    jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(*a, 0.1352)).trace(*args).lower(
+    jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(
+        *a, 0.1352, producers=producers, prefetch_slots=prefetch_slots)).trace(*args).lower(
         lowering_platforms=("cuda",))
+
+
+def test_mosaic_two_producers_need_an_fp8_cache():
+    S = jax.ShapeDtypeStruct
+    args = (S((8, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), S((512, 64, 576), jnp.bfloat16),
+            S((8, 2048), jnp.int32), S((8,), jnp.int32))
+    with pytest.raises(ValueError, match="producers must be 1, or 2 with an fp8 latent cache; got producers=2"):
+        jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(*a, 0.1352, producers=2)).trace(*args)
 
 
 def test_counts_past_slots_act_as_slots():
@@ -343,10 +354,12 @@ def test_mosaic_fp8_latent_cache_on_gpu(num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-latent"])
+@pytest.mark.parametrize("fp8, producers", [(False, 1), (True, 1), (True, 2)], ids=["bf16", "fp8", "fp8-2"])
+@pytest.mark.parametrize("prefetch_slots", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_mosaic_prefetch_slots_on_gpu(fp8, num_splits):
-    """Slots loaded a block ahead: counts of 0, 1, one block, two (the prefetch's edge), ragged and full."""
+def test_mosaic_producer_knobs_on_gpu(fp8, producers, prefetch_slots, num_splits):
+    """Slots loaded a block ahead or not, one or two producers: counts of 0, 1, one block, two (the prefetch's
+    edge), ragged and full."""
     counts = [0, 1, 64, 128, 129, 2048]
     shape = (6, 128, 512, 64, 2048, 512, 64)
     if fp8:
@@ -355,18 +368,22 @@ def test_mosaic_prefetch_slots_on_gpu(fp8, num_splits):
     else:
         q, cache, slots, counts = _make_inputs(11, shape, counts, jnp.bfloat16)
         ref_out, ref_lse = _reference(q, cache, slots, counts, 0.1352, 512)
-    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, prefetch_slots=True,
-                                          backend="mosaic"))(q, cache, slots, counts)
+    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, prefetch_slots=prefetch_slots,
+                                          producers=producers, backend="mosaic"))(q, cache, slots, counts)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
 
 
 @pytest.mark.gpu
 def test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu():
-    """Every e4m3 byte but NaN (zeros and subnormals among them) under scales from 2 ** -14 to 2 ** -6: the
-    kernel's in-place dequantization equals the exact dequantized cache's attention."""
-    q, cache, slots, counts = _fp8_inputs(9, SHAPES["deepseek"], [2048, 1000, 0, 63])
+    """Random e4m3 bytes (but NaN) under scales from 2 ** -14 to 2 ** -6: the kernel's in-place dequantization
+    gives the exact dequantized cache's attention. A row of count 1 returns its token's values bit for bit, and
+    eight such rows hold every non-NaN byte (zeros and subnormals among them) in each byte of a 4-byte word."""
+    counts = [1] * 8 + [2048, 1000, 0, 63]
+    q, cache, slots, counts = _fp8_inputs(9, (12, 128, 512, 64, 2048, 512, 64), counts)
     rng = np.random.default_rng(9)
-    byte = (np.arange(cache.latent.size, dtype=np.int64) * 37 % 256).astype(np.uint8)
+    byte = rng.integers(0, 256, cache.latent.shape, dtype=np.uint8).reshape(-1, 512)
+    single = np.asarray(slots)[:8, 0]
+    byte[single] = (np.arange(512)[None, :] + 37 * np.arange(8)[:, None]) % 256
     byte[(byte & 0x7F) == 0x7F] = 0
     latent = jax.lax.bitcast_convert_type(jnp.asarray(byte.reshape(cache.latent.shape)), FP8)
     scales = jnp.asarray(2.0 ** rng.integers(-14, -5, cache.scales.shape), jnp.float32)
@@ -374,6 +391,9 @@ def test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu():
     out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, backend="mosaic"))(q, cache, slots, counts)
     ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.1352, 512)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
+    exact = np.asarray(formats.dequantize_latent_cache(cache)).reshape(-1, 576)[single, :512]
+    np.testing.assert_array_equal(np.asarray(out[:8].astype(jnp.float32)),
+                                  np.broadcast_to(exact[:, None], (8, 128, 512)))
 
 
 @pytest.mark.gpu
