@@ -125,6 +125,15 @@ def _fp8_reference(q, cache, slots, counts, sm_scale, value_dim):
     return _reference(q, formats.dequantize_latent_cache(cache), slots, counts, sm_scale, value_dim)
 
 
+def _inputs_and_reference(seed, shape, counts, sm_scale, fp8):
+    """(q, cache, slots, counts), (out, lse) of the reference: a bf16 cache, or an fp8 latent cache."""
+    if fp8:
+        inputs = _fp8_inputs(seed, shape, counts)
+        return inputs, _fp8_reference(*inputs, sm_scale, shape[2])
+    inputs = _make_inputs(seed, shape, counts, jnp.bfloat16)
+    return inputs, _reference(*inputs, sm_scale, shape[2])
+
+
 @pytest.mark.parametrize(
     ("shape_name", "counts", "num_splits"),
     [
@@ -360,14 +369,8 @@ def test_mosaic_fp8_latent_cache_on_gpu(num_splits):
 def test_mosaic_producer_knobs_on_gpu(fp8, producers, prefetch_slots, num_splits):
     """Slots loaded a block ahead or not, one or two producers: counts of 0, 1, one block, two (the prefetch's
     edge), ragged and full."""
-    counts = [0, 1, 64, 128, 129, 2048]
-    shape = (6, 128, 512, 64, 2048, 512, 64)
-    if fp8:
-        q, cache, slots, counts = _fp8_inputs(11, shape, counts)
-        ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.1352, 512)
-    else:
-        q, cache, slots, counts = _make_inputs(11, shape, counts, jnp.bfloat16)
-        ref_out, ref_lse = _reference(q, cache, slots, counts, 0.1352, 512)
+    (q, cache, slots, counts), (ref_out, ref_lse) = _inputs_and_reference(
+        11, (6, 128, 512, 64, 2048, 512, 64), [0, 1, 64, 128, 129, 2048], 0.1352, fp8)
     out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, prefetch_slots=prefetch_slots,
                                           producers=producers, backend="mosaic"))(q, cache, slots, counts)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
@@ -400,14 +403,8 @@ def test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu():
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-latent"])
 def test_dsa_tiny_shapes_on_gpu(fp8):
     """The kernel `backend="pallas"` picks at dsa-tiny's shapes (8 heads, latent 128, rope 16), compiled."""
-    shape = SHAPES["dsa_tiny"]
-    counts = [64, 0, 1, 37]
-    if fp8:
-        q, cache, slots, counts = _fp8_inputs(6, shape, counts)
-        ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.17, 128)
-    else:
-        q, cache, slots, counts = _make_inputs(6, shape, counts, jnp.bfloat16)
-        ref_out, ref_lse = _reference(q, cache, slots, counts, 0.17, 128)
+    (q, cache, slots, counts), (ref_out, ref_lse) = _inputs_and_reference(6, SHAPES["dsa_tiny"], [64, 0, 1, 37],
+                                                                          0.17, fp8)
     out, lse = jax.jit(lambda *a: _decode(*a, 0.17, value_dim=128, backend="pallas"))(q, cache, slots, counts)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
 
