@@ -5,9 +5,9 @@ Run from the repo root: `python bench/bench_sparse_mla.py [--sweep]`.
 Prints same-run ceilings (bf16 8192^3 matmul, device copy), a GPU compare against reference.sparse_mla_decode,
 a table over B in {1, 8, 64}, H in {16, 64, 128}, k=2048 and DCP W in {1, 2, 4, 8} (count = k/W slots per
 row) with the default backend ("pallas": Mosaic on the H200 for bf16), other variants (`VARIANTS`: the Triton
-backend, the fp8 latent cache on the default backend and on Triton, Mosaic's prefetch_slots and producers) on a
-few of those shapes, and with --sweep a knob sweep (block knobs on Triton, `num_splits` on the backend "pallas"
-picks; `common.knobs_with_backend`).
+backend, the fp8 latent cache on the default backend and on Triton, Mosaic's prefetch_slots, producers and
+split_merge) on a few of those shapes, and with --sweep a knob sweep (block knobs on Triton, `num_splits` on the
+backend "pallas" picks; `common.knobs_with_backend`).
 --quick times only the variant comparison.
 Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}; `--plot JSON PNG` draws a saved JSON (per-rank
 time vs DCP size; no GPU needed). `--breakdown 'B,H,W;...'` lists the GPU kernels of one call per shape with
@@ -50,7 +50,8 @@ MAX_GROUPS = 16
 
 # Compared with the default backend on COMPARED_SHAPES (B, H, W): name -> sparse_mla_decode knobs.
 VARIANTS = {"triton": dict(backend="triton"), "fp8_latent": dict(cache="fp8_latent"),
-            "prefetch_slots": dict(prefetch_slots=True),
+            "prefetch_slots": dict(prefetch_slots=True), "pallas_split_merge": dict(split_merge="pallas"),
+            "fp8_latent_pallas_split_merge": dict(cache="fp8_latent", split_merge="pallas"),
             "fp8_latent_prefetch_slots": dict(cache="fp8_latent", prefetch_slots=True),
             "fp8_latent_2_producers": dict(cache="fp8_latent", producers=2),
             "fp8_latent_2_producers_prefetch_slots": dict(cache="fp8_latent", producers=2, prefetch_slots=True),

@@ -18,12 +18,13 @@ def lse_merge_weights(lses, axis: int):
     return weights, jnp.squeeze(jnp.log(total) + lse_max, axis=axis)
 
 
-def merge_splits(outs, lses):
+def merge_splits(outs, lses, *, out_dtype=jnp.float32):
     """Merge split-K partial results by log-sum-exp.
 
     outs [R, N, H, C] f32 or bf16 (each normalized within its split), lses [R, N, H] f32 (-inf = empty split).
-    Returns out [R, H, C] f32 and lse [R, H] f32; all splits empty gives out 0 and lse -inf.
+    Returns out [R, H, C] (summed in f32, then in out_dtype) and lse [R, H] f32; all splits empty gives out 0
+    and lse -inf. `_split_merge_triton.merge_splits` is the same merge as one Pallas kernel.
     """
     weights, lse = lse_merge_weights(lses, axis=1)  # [R, N, H], 0 for empty splits
     # An elementwise product and sum fuse into one reduction (no matmul call, exact f32).
-    return (weights[..., None] * outs).sum(axis=1), lse
+    return (weights[..., None] * outs).sum(axis=1).astype(out_dtype), lse

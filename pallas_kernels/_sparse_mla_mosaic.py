@@ -34,7 +34,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import formats
-from pallas_kernels._lse import merge_splits
+from pallas_kernels import _lse, _split_merge_triton
 from pallas_kernels._platform import on_hopper_compiled
 from pallas_kernels._sparse_mla_triton import default_num_splits, fp8_cache_rows
 
@@ -50,6 +50,7 @@ ROW_BYTES = WIDTH * 2
 CHUNK = 16  # bytes per cp.async
 COUNT_COLUMNS = 16  # counts travel as [R, 16] int32: a TMA row must be 16-byte aligned and 64 bytes suit it
 LOG2E = math.log2(math.e)
+SPLIT_MERGES = {"xla": _lse.merge_splits, "pallas": _split_merge_triton.merge_splits}
 # Registers a thread of each compute and each producer warpgroup, by (fp8 cache, producers). setmaxnreg moves
 # registers between the warpgroups of a CTA: they sum to what the kernel starts with, 3 * 168 a thread with one
 # producer and 4 * 128 with two (a larger sum waits forever). The fp8 producer dequantizes: 200 / 104 ran its
@@ -504,11 +505,12 @@ def unsupported(q, kv_cache, slots, value_dim: int, interpret: bool) -> list[str
 
 
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_DIM, num_splits=None,
-                      prefetch_slots=False, producers=1):
+                      prefetch_slots=False, producers=1, split_merge="xla"):
     """The contract of `pallas_kernels.sparse_mla_decode` on this kernel (`unsupported` lists what it needs);
     out is rounded to bf16 in the kernel. num_splits: split-K programs per row (None: `default_num_splits`).
-    Not yet timed, so off: prefetch_slots (load each block's slots a block ahead) and producers (2: two warpgroups
-    gather and dequantize each block of an fp8 cache, half its rows each)."""
+    Not yet timed, so off: prefetch_slots (load each block's slots a block ahead), producers (2: two warpgroups
+    gather and dequantize each block of an fp8 cache, half its rows each) and split_merge ("pallas": the splits
+    merged by one Pallas kernel, `_split_merge_triton`, instead of XLA's)."""
     del value_dim  # always VALUE_DIM here (`unsupported`)
     num_heads = q.shape[1]
     q, kv_parts, slots, counts = prepare(q, kv_cache, slots, counts)
@@ -517,10 +519,13 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_D
         num_splits = default_num_splits(rows, padded_heads // BLOCK_H, slots.shape[1], BLOCK_S)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits=}")
+    merge = SPLIT_MERGES.get(split_merge)
+    if merge is None:
+        raise ValueError(f"split_merge must be one of {sorted(SPLIT_MERGES)}; got {split_merge!r}")
     outs, lses = sparse_mla_partials(q, kv_parts, slots, counts, sm_scale=float(sm_scale), num_splits=num_splits,
                                      prefetch_slots=prefetch_slots, producers=producers)
-    out, lse = (outs[:, 0], lses[:, 0]) if num_splits == 1 else merge_splits(outs, lses)
-    return out[:, :num_heads].astype(jnp.bfloat16), lse[:, :num_heads]
+    out, lse = (outs[:, 0], lses[:, 0]) if num_splits == 1 else merge(outs, lses, out_dtype=jnp.bfloat16)
+    return out[:, :num_heads], lse[:, :num_heads]
 
 
 def prepare(q, kv_cache, slots, counts):

@@ -377,6 +377,27 @@ def test_mosaic_producer_knobs_on_gpu(fp8, producers, prefetch_slots, num_splits
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("num_splits", [3, None])
+def test_mosaic_pallas_split_merge_on_gpu(fp8, num_splits):
+    """The splits merged by the Pallas kernel: one row and four, empty rows and splits."""
+    for counts in ([2048], [0, 1, 700, 2048]):
+        (q, cache, slots, counts), (ref_out, ref_lse) = _inputs_and_reference(
+            12, (len(counts), 128, 512, 64, 2048, 512, 64), counts, 0.1352, fp8)
+        out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, split_merge="pallas",
+                                              backend="mosaic"))(q, cache, slots, counts)
+        _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
+
+
+def test_mosaic_rejects_an_unknown_split_merge():
+    S = jax.ShapeDtypeStruct
+    args = (S((8, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), S((512, 64, 576), jnp.bfloat16),
+            S((8, 2048), jnp.int32), S((8,), jnp.int32))
+    with pytest.raises(ValueError, match="split_merge must be one of \\['pallas', 'xla'\\]; got 'cuda'"):
+        jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(*a, 0.1352, split_merge="cuda")).trace(*args)
+
+
+@pytest.mark.gpu
 def test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu():
     """Random e4m3 bytes (but NaN) under scales from 2 ** -14 to 2 ** -6: the kernel's in-place dequantization
     gives the exact dequantized cache's attention. A row of count 1 returns its token's values bit for bit, and
