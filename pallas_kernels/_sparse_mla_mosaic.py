@@ -2,21 +2,22 @@
 and fp8 latent caches.
 
 Same contract as the Triton kernel for a bf16 cache of 512 latent + 64 rope columns (q is cast to bf16). Per CTA,
-one row, one split of its valid slots and 64 heads, with three warpgroups:
-- a producer gathers each block of 64 slots' cache rows into one of two SMEM stages ([9 slabs, 64, 64],
-  (8, 64)-tiled, 128B-swizzled) with cp.async, zero-filling rows past the split's end (one TMA per 128-byte
-  row piece made the kernel 10x slower: docs/perf_sparse_mla.md);
+one row, one split of its valid slots and 64 heads, with three warpgroups (four with `producers=2`):
+- a producer (or two, each half the rows) gathers each block of 64 slots' cache rows into one of two SMEM stages
+  ([9 slabs, 64, 64], (8, 64)-tiled, 128B-swizzled) with cp.async, zero-filling rows past the split's end (one
+  TMA per 128-byte row piece made the kernel 10x slower: docs/perf_sparse_mla.md);
 - the scorer warpgroup computes the block's 64 x 64 scores (9 wgmmas of K=64) and the online softmax, writes
   the bf16 probabilities over the block's spent rope slab and the rescale factors to SMEM, and multiplies the
   probabilities by the first LEFT_SLABS value slabs;
 - the second warpgroup multiplies the same probabilities, from SMEM, by the other value slabs.
 Each score is computed once: both warpgroups computing them was 1.5x the tensor work (docs/perf_sparse_mla.md).
 The output is rounded to bf16 in the kernel (as FlashMLA does); split-K partial results are merged by
-`_lse.merge_splits`. On an fp8 latent cache (`formats.Fp8LatentCache`: 656 bytes a token) the producer stages
-each block's e4m3 bytes, scales and rope with cp.async and then dequantizes the e4m3 bytes into the stage's bf16
-slabs itself (`_cp_async_gather_fp8`), while the other two warpgroups multiply the previous block, as FlashMLA
-does: exact (ue8m0 scales), so the products are the bf16 cache's. Mosaic GPU has no interpreter for this kernel,
-so it runs on the GPU only; on CPU it can be lowered for CUDA (the tests do).
+`_lse.merge_splits` in XLA, or by one Pallas kernel (`split_merge="pallas"`). On an fp8 latent cache
+(`formats.Fp8LatentCache`: 656 bytes a token) the producer stages each block's e4m3 bytes, scales and rope with
+cp.async and then dequantizes the e4m3 bytes into the stage's bf16 slabs itself (`_cp_async_gather_fp8`), while
+the other two warpgroups multiply the previous block, as FlashMLA does: exact (ue8m0 scales), so the products are
+the bf16 cache's. Mosaic GPU has no interpreter for this kernel, so it runs on the GPU only; on CPU it can be
+lowered for CUDA (the tests do).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 `_lse.merge_splits` (its reference), in one launch where XLA runs three or four small kernels (at small batches
 their launch gaps nearly doubled a sparse MLA call: docs/performance.md).
 
-One program merges `block_h` heads of one row: a first pass over the N splits takes the lse maximum and the sum
-of their exponentials, a second adds each split's output times its weight into f32 registers. Any N; H a multiple
-of block_h (a power of two), C a power of two.
+One program merges `block_h` heads of one row in three passes over the N splits: the lse maximum, the sum of
+their exponentials, and each split's output times its weight added into f32 registers. Any N; H a multiple of
+block_h (a power of two), C a power of two.
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ def merge_splits(outs, lses, *, out_dtype=jnp.float32, block_h: int = 16, interp
     """outs [R, N, H, C] f32 or bf16 (each normalized within its split), lses [R, N, H] f32 (-inf = empty split)
     -> out [R, H, C] in out_dtype and lse [R, H] f32; all splits empty gives out 0 and lse -inf."""
     rows, num_splits, heads, width = outs.shape
-    if heads % block_h or block_h & (block_h - 1) or width & (width - 1):
+    if lses.shape != outs.shape[:3] or lses.dtype != jnp.float32:
+        raise ValueError(f"want outs [R, N, H, C] and f32 lses [R, N, H]; got {outs.shape=}, {lses.shape=} "
+                         f"{lses.dtype}")
+    if block_h < 1 or block_h & (block_h - 1) or heads % block_h or width & (width - 1):
         raise ValueError(f"need H a multiple of block_h, a power of two, and C a power of two; got {heads=}, "
                          f"{block_h=}, C={width}")
     whole = pl.BlockSpec()

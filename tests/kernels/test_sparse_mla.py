@@ -398,7 +398,8 @@ def test_mosaic_rejects_an_unknown_split_merge():
 
 
 @pytest.mark.gpu
-def test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu():
+@pytest.mark.parametrize("producers", [1, 2])
+def test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu(producers):
     """Random e4m3 bytes (but NaN) under scales from 2 ** -14 to 2 ** -6: the kernel's in-place dequantization
     gives the exact dequantized cache's attention. A row of count 1 returns its token's values bit for bit, and
     eight such rows hold every non-NaN byte (zeros and subnormals among them) in each byte of a 4-byte word."""
@@ -412,7 +413,8 @@ def test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu():
     latent = jax.lax.bitcast_convert_type(jnp.asarray(byte.reshape(cache.latent.shape)), FP8)
     scales = jnp.asarray(2.0 ** rng.integers(-14, -5, cache.scales.shape), jnp.float32)
     cache = formats.Fp8LatentCache(latent, scales, cache.rope)
-    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, backend="mosaic"))(q, cache, slots, counts)
+    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, producers=producers, backend="mosaic"))(q, cache, slots,
+                                                                                              counts)
     ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.1352, 512)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
     exact = np.asarray(formats.dequantize_latent_cache(cache)).reshape(-1, 576)[single, :512]
