@@ -41,7 +41,7 @@ from dcp_jax.model import fp8_linear  # noqa: E402
 from dcp_jax.model.memory_plan import FP8_BLOCK  # noqa: E402
 
 # DeepSeek-V3.2's block-fp8 linear layers at TP 1, (N, K) = (out, in).
-SHAPES = {"wq_b": (24576, 1536), "wkv_a": (576, 7168), "wo": (7168, 16384), "mlp_gate": (18432, 7168),
+SHAPES = {"wq_b": (24576, 1536), "wqkv_a": (2112, 7168), "wo": (7168, 16384), "mlp_gate": (18432, 7168),
           "mlp_down": (7168, 18432)}
 ROTATION_BYTES = 256 << 20
 BLOCK = (FP8_BLOCK, FP8_BLOCK)  # DeepSeek-V3.2's weight_block_size

@@ -19,7 +19,7 @@ from dcp_jax.host.metadata import StepMetadata
 from dcp_jax.model.attention import cache_formats
 from dcp_jax.model.attention.sparse_dcp import sparse_dcp_attention
 from dcp_jax.model.attention.params import AttentionParams, init_attention_params, partition_specs
-from dcp_jax.model.attention.projections import index_key, mla_latent, rms_norm
+from dcp_jax.model.attention.projections import index_key, low_rank_projections, mla_latent, rms_norm
 from dcp_jax.model.attention.unsharded import sparse_attention_unsharded
 from dcp_jax.model.kv_cache import KVCache, on_layer
 from dcp_jax.model.rope import cos_sin, rope_tables
@@ -99,7 +99,8 @@ def decode_stack_unsharded(params, history: DenseHistory, hidden, positions, con
     for layer, lp in enumerate(params):
         x = rms_norm(hidden, lp.input_norm, cfg.rms_norm_eps)
         lat = jax.tree.map(lambda a: a[layer], history.latents)
-        new_lat = cache_formats.encode_latents(mla_latent(lp.attention, x, *rope, cfg, backend="reference"), lat)
+        _, ckv = low_rank_projections(lp.attention, x, cfg, backend="reference")
+        new_lat = cache_formats.encode_latents(mla_latent(lp.attention, ckv, *rope, cfg), lat)
         lat = jax.tree.map(write_row, lat, new_lat)
         keys = jax.tree.map(lambda a: a[layer], history.index_keys)
         new_keys = cache_formats.encode_index_keys(index_key(lp.attention, x, *rope, cfg, backend="reference"), keys)

@@ -48,9 +48,8 @@ GEMM_KERNEL_BACKENDS = ("pallas", "mosaic")
 # (in_axes, out_axes) of each leaf DeepSeek's release stores in block fp8 (`memory_plan.BLOCK_FP8_LEAVES`), counted
 # from the last axis, so a weight stacked over layers (`deepseek_v32.LayerStack`) keeps them.
 FP8_AXES = {
-    "wq_a": ((-2,), (-1,)),  # [D, Q]
+    "wqkv_a": ((-2,), (-1,)),  # [D, Q+C+E]
     "wq_b": ((-3,), (-2, -1)),  # [Q, H, N+E]
-    "wkv_a": ((-2,), (-1,)),  # [D, C+E]
     "w_uk": ((-1,), (-2,)),  # [H, N, C]: HF's per-head [out, in]
     "w_uv": ((-1,), (-2,)),  # [H, V, C]
     "wo": ((-3, -2), (-1,)),  # [H, V, D]

@@ -21,7 +21,7 @@ from dcp_jax.model.attention.cache_formats import index_key_bytes, latent_bytes
 FP8_BLOCK = 128
 # The leaves that DeepSeek's fp8 release stores in e4m3 (their HF tensors carry a weight_scale_inv).
 BLOCK_FP8_LEAVES = frozenset({
-    "wq_a", "wq_b", "wkv_a", "w_uk", "w_uv", "wo", "index_wq", "index_wk",  # attention and the indexer
+    "wqkv_a", "wq_b", "w_uk", "w_uv", "wo", "index_wq", "index_wk",  # attention and the indexer
     "gate", "up", "down", "experts_gate", "experts_up", "experts_down",  # dense MLP, shared and routed experts
 })
 # What start-up keeps back from the pool: a tenth of the budget for the compiled programs' workspace, and one

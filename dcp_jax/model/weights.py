@@ -121,10 +121,9 @@ def layer_to_ours(cfg: ModelConfig, layer: int, t: dict[str, np.ndarray]) -> dic
     a = _ATTENTION
     kv_b = t[a + "kv_b_proj.weight"].reshape(h, n + cfg.v_head_dim, cfg.kv_lora_rank)
     attention = {
-        "wq_a": t[a + "q_a_proj.weight"].T,
+        "wqkv_a": np.concatenate([t[a + "q_a_proj.weight"], t[a + "kv_a_proj_with_mqa.weight"]]).T,
         "q_a_norm": t[a + "q_a_layernorm.weight"],
         "wq_b": t[a + "q_b_proj.weight"].reshape(h, cfg.qk_head_dim, q).transpose(2, 0, 1),
-        "wkv_a": t[a + "kv_a_proj_with_mqa.weight"].T,
         "kv_a_norm": t[a + "kv_a_layernorm.weight"],
         "w_uk": kv_b[:, :n],
         "w_uv": kv_b[:, n:],
@@ -157,10 +156,10 @@ def layer_to_hf(cfg: ModelConfig, layer: int, p: dict) -> dict[str, np.ndarray]:
     out = {
         "input_layernorm.weight": p["input_norm"],
         "post_attention_layernorm.weight": p["post_attention_norm"],
-        a + "q_a_proj.weight": att["wq_a"].T,
+        a + "q_a_proj.weight": att["wqkv_a"][:, :q].T,
         a + "q_a_layernorm.weight": att["q_a_norm"],
         a + "q_b_proj.weight": att["wq_b"].reshape(q, -1).T,
-        a + "kv_a_proj_with_mqa.weight": att["wkv_a"].T,
+        a + "kv_a_proj_with_mqa.weight": att["wqkv_a"][:, q:].T,
         a + "kv_a_layernorm.weight": att["kv_a_norm"],
         a + "kv_b_proj.weight": kv_b,
         a + "o_proj.weight": att["wo"].reshape(h * cfg.v_head_dim, -1).T,
@@ -291,8 +290,8 @@ def _layer_scales_to_ours(cfg: ModelConfig, scales: dict[str, np.ndarray], block
     kv_b = scales[a + "kv_b_proj.weight"]
     kv_b = kv_b.reshape(cfg.num_attention_heads, -1, kv_b.shape[1])  # [H, (N+V)/bn, C/bk]
     nope_blocks = cfg.qk_nope_head_dim // block[0]
-    attention = {"wq_a": scales[a + "q_a_proj.weight"], "wq_b": scales[a + "q_b_proj.weight"],
-                 "wkv_a": scales[a + "kv_a_proj_with_mqa.weight"], "w_uk": kv_b[:, :nope_blocks],
+    wqkv_a = np.concatenate([scales[a + "q_a_proj.weight"], scales[a + "kv_a_proj_with_mqa.weight"]])
+    attention = {"wqkv_a": wqkv_a, "wq_b": scales[a + "q_b_proj.weight"], "w_uk": kv_b[:, :nope_blocks],
                  "w_uv": kv_b[:, nope_blocks:], "wo": scales[a + "o_proj.weight"],
                  "index_wq": scales[a + "indexer.wq_b.weight"], "index_wk": scales[a + "indexer.wk.weight"]}
     def mlp_scales(prefix):
@@ -345,8 +344,8 @@ def _checked_fp8_scales(path: str, cfg: ModelConfig, reader: _Reader, expected: 
 def _fp8_problems(cfg: ModelConfig, reader: _Reader, expected: dict[str, tuple[int, ...]], scales: dict[str, str],
                   scale_values: dict[str, np.ndarray], block: tuple[int, int], is_kept: bool) -> list[str]:
     """What stops a block fp8 checkpoint from loading: scales that are not finite and positive (the weight would
-    be NaN or zero), and when kept in fp8, an fp8 leaf's tensor stored without a scale or kv_b_proj blocks that
-    straddle the k_nope / v rows of a head."""
+    be NaN or zero), and when kept in fp8, an fp8 leaf's tensor stored without a scale, kv_b_proj blocks that
+    straddle the k_nope / v rows of a head, or q_a_proj rows that end mid-block."""
     problems = [f"{scales[n]}: a non-finite or non-positive scale" for n, s in scale_values.items()
                 if not np.all(np.isfinite(s) & (s > 0))]
     if is_kept:
@@ -355,6 +354,9 @@ def _fp8_problems(cfg: ModelConfig, reader: _Reader, expected: dict[str, tuple[i
         if cfg.qk_nope_head_dim % block[0] or cfg.v_head_dim % block[0]:
             problems.append(f"kv_b_proj: blocks of {block[0]} rows straddle a head's {cfg.qk_nope_head_dim} k_nope "
                             f"and {cfg.v_head_dim} v rows; load with quantization='none'")
+        if cfg.q_lora_rank % block[0]:  # wqkv_a stacks the two scale grids
+            problems.append(f"q_a_proj: its {cfg.q_lora_rank} rows do not fill blocks of {block[0]}, so its scales "
+                            "cannot be stacked with kv_a_proj_with_mqa's in wqkv_a; load with quantization='none'")
     return problems
 
 

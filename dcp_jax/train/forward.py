@@ -176,8 +176,9 @@ def causal_attention(p: AttentionParams, x, cos, sin, *, cfg: ModelConfig, mode:
     read through `caches`."""
     if mode not in (DENSE, SPARSE, RANDOM):
         raise ValueError(f"mode must be {DENSE!r}, {SPARSE!r} or {RANDOM!r}, got {mode!r}")
-    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg, backend=FORWARD_BACKEND)
-    latent = projections.mla_latent(p, x, cos, sin, cfg, backend=FORWARD_BACKEND)
+    q_a, ckv = projections.low_rank_projections(p, x, cfg, backend=FORWARD_BACKEND)
+    q_resid, q_nope, q_pe = projections.mla_query(p, q_a, cos, sin, cfg, backend=FORWARD_BACKEND)
+    latent = projections.mla_latent(p, ckv, cos, sin, cfg)
     latent = through_latent_cache(latent, cfg, caches.latent)
     indexer = indexer_inputs(p, x, q_resid, cos, sin, cfg, caches.index)
     if mode == DENSE:

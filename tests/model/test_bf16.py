@@ -51,7 +51,7 @@ def test_random_init_keeps_the_same_fp32_leaves():
     assert dense["attention"]["index_weights"].dtype == jnp.float32
     assert moe["mlp"]["router"].dtype == jnp.float32
     assert moe["mlp"]["router_bias"].dtype == jnp.float32
-    assert dense["attention"]["wq_a"].dtype == jnp.bfloat16
+    assert dense["attention"]["wqkv_a"].dtype == jnp.bfloat16
 
 
 def test_check_filled_rejects_a_wrong_dtype():

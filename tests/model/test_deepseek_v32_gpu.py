@@ -184,7 +184,7 @@ def test_bf16_model_on_mosaic_kernels_as_close_to_f32_as_reference_kernels(recor
 def test_fp8_weights_first_layer_on_the_fp8_gemm_as_close_to_f32_as_the_dequantized_product(monkeypatch,
                                                                                            record_property):
     """One layer with DeepSeek's block-fp8 linear weights (128 x 128 blocks), bf16: on the Pallas kernels (the Mosaic
-    fp8 GEMM for every projection whose K is a multiple of 128: wq_a, wkv_a, wo, the MLP, the indexer's keys) its
+    fp8 GEMM for every projection whose K is a multiple of 128: wqkv_a, wo, the MLP, the indexer's keys) its
     logprobs are as close to the f32 model's (median row error within MEDIAN_RATIO) as the reference kernels' (the
     dequantized product, the activations quantized alike) are. Row maxima and selected sets are recorded, not
     compared: the two bf16 runs' projections differ in rounding, and the fp8 index cache turns a key's last-bit

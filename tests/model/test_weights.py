@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dcp_jax.config import TINY, EngineConfig, ModelConfig, ParallelConfig
-from dcp_jax.model import fp8_linear
+from dcp_jax.model import fp8_linear, weights
 from dcp_jax.model.mesh import HEADS, make_mesh
 from dcp_jax.model.deepseek_v32 import (abstract_model, check_divisible, init_params, layer_params,
                                          layer_stacks, stack_of)
@@ -55,18 +55,23 @@ def test_layer_converters_are_inverse(tensors):
 
 
 def test_fp8_values_kept_k_major_are_the_checkpoints_bytes(tensors):
-    """The K-major values of the fp8 leaves are views of the HF [out, in] tensors (no host copy), the routed
-    experts one stacked copy in the checkpoint's order (contiguous: placing them copies nothing more)."""
+    """The K-major values of the fp8 leaves are views of the HF [out, in] tensors (no host copy); wqkv_a (q_a_proj
+    then kv_a_proj_with_mqa) and the routed experts are one stacked copy in the checkpoint's order (contiguous:
+    placing them copies nothing more)."""
     for layer in range(CFG.num_hidden_layers):
         prefix = f"model.layers.{layer}."
         hf = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         ours = layer_to_ours(CFG, layer, hf)
         attention = ours["attention"]
-        for leaf, name in (("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"),
-                           ("wo", "o_proj"), ("index_wq", "indexer.wq_b"), ("index_wk", "indexer.wk")):
+        for leaf, name in (("wq_b", "q_b_proj"), ("wo", "o_proj"), ("index_wq", "indexer.wq_b"),
+                           ("index_wk", "indexer.wk")):
             values = fp8_linear.from_plain_layout(attention[leaf], None, BLOCK, *fp8_linear.FP8_AXES[leaf]).values
             assert np.shares_memory(values, hf[f"self_attn.{name}.weight"]), leaf
             assert values.flags.c_contiguous, leaf
+        values = fp8_linear.from_plain_layout(attention["wqkv_a"], None, BLOCK, *fp8_linear.FP8_AXES["wqkv_a"]).values
+        np.testing.assert_array_equal(values, np.concatenate([hf["self_attn.q_a_proj.weight"],
+                                                              hf["self_attn.kv_a_proj_with_mqa.weight"]]))
+        assert values.flags.c_contiguous
         if "experts_gate" in ours["mlp"]:
             for kind in ("gate", "up", "down"):
                 leaf = f"experts_{kind}"
@@ -276,6 +281,15 @@ def test_block_fp8_checkpoint_stays_fp8(tensors, tmp_path):
     assert fp8_names == set(fp8_linear.FP8_AXES)
 
 
+def test_block_fp8_q_a_proj_must_fill_whole_blocks():
+    """Kept in fp8, q_a_proj and kv_a_proj_with_mqa are one weight (wqkv_a) with their scale grids stacked, so
+    q_a_proj's rows must end on a block edge (DeepSeek's 1536 do at 128)."""
+    problems = weights._fp8_problems(dataclasses.replace(CFG, q_lora_rank=48), None, {}, {}, {}, (32, 32), True)
+    assert problems == ["q_a_proj: its 48 rows do not fill blocks of 32, so its scales cannot be stacked with "
+                        "kv_a_proj_with_mqa's in wqkv_a; load with quantization='none'"]
+    assert not weights._fp8_problems(dataclasses.replace(CFG, q_lora_rank=64), None, {}, {}, {}, (32, 32), True)
+
+
 # Blocks of 16 divide every dimension the tiny model splits over 2 ranks.
 BLOCK16 = (16, 16)
 FP8_16_CONFIG = FP8_CONFIG | {"quantization_config": FP8_CONFIG["quantization_config"]
@@ -401,7 +415,7 @@ def test_block_fp8_mtp_layer_loads_as_the_decoder_layers_do(tensors, tmp_path):
     want = _mtp_leaves(load_mtp_params(MTP_CFG, tmp_path / "f32"))
     assert none.keys() == want.keys() == kept.keys()
     fp8_leaves = {name for name, leaf in kept.items() if fp8_linear.is_fp8(leaf)}
-    assert {name.split("'")[-2] for name in fp8_leaves} >= {"wq_a", "wq_b", "wkv_a", "wo"}
+    assert {name.split("'")[-2] for name in fp8_leaves} >= {"wqkv_a", "wq_b", "wo"}
     assert all(name.startswith("['layer']") for name in fp8_leaves)  # eh_proj dequantized: a plain einsum takes it
     for name, leaf in kept.items():
         np.testing.assert_array_equal(none[name], want[name], err_msg=name)

@@ -33,9 +33,9 @@ def test_layer_stacks_split_dense_and_moe_layers():
     dense_only = dataclasses.replace(cfg, n_routed_experts=0)
     assert [(s.name, s.count) for s in layer_stacks(dense_only)] == [("dense_layers", 5)]
     params = init_params(cfg, seed=0)
-    assert params["moe_layers"]["attention"]["wq_a"].shape[0] == 4
-    np.testing.assert_array_equal(layer_params(cfg, params, 3)["attention"]["wq_a"],
-                                  params["moe_layers"]["attention"]["wq_a"][2])
+    assert params["moe_layers"]["attention"]["wqkv_a"].shape[0] == 4
+    np.testing.assert_array_equal(layer_params(cfg, params, 3)["attention"]["wqkv_a"],
+                                  params["moe_layers"]["attention"]["wqkv_a"][2])
 
 
 def test_on_layer_moves_page_ids_and_slots_to_the_layers_pages_and_keeps_minus_one():

@@ -23,10 +23,9 @@ from dcp_jax.model.mesh import HEADS
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionParams:
-    wq_a: jax.Array  # [D, Q]
+    wqkv_a: jax.Array  # [D, Q+C+E]: HF's q_a_proj then kv_a_proj_with_mqa (vLLM's fused_qkv_a_proj)
     q_a_norm: jax.Array  # [Q]
     wq_b: jax.Array  # [Q, H, N+E], heads split over all TP ranks
-    wkv_a: jax.Array  # [D, C+E]
     kv_a_norm: jax.Array  # [C]
     w_uk: jax.Array  # [H, N, C] (kv_b_proj rows of k_nope), heads split
     w_uv: jax.Array  # [H, V, C] (kv_b_proj rows of v), heads split
@@ -42,10 +41,9 @@ def partition_specs() -> AttentionParams:
     """Heads are split over every TP rank; everything else is replicated."""
     rep = P()
     return AttentionParams(
-        wq_a=rep,
+        wqkv_a=rep,
         q_a_norm=rep,
         wq_b=P(None, HEADS, None),
-        wkv_a=rep,
         kv_a_norm=rep,
         w_uk=P(HEADS, None, None),
         w_uv=P(HEADS, None, None),
@@ -73,11 +71,11 @@ def init_attention_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -
     def norm(size):
         return (1.0 + 0.1 * jax.random.normal(next(keys), (size,), jnp.float32)).astype(dtype)
 
+    wq_a, q_a_norm, wq_b, wkv_a = dense((d, q), d), norm(q), dense((q, h, n + e), q), dense((d, c + e), d)
     return AttentionParams(
-        wq_a=dense((d, q), d),
-        q_a_norm=norm(q),
-        wq_b=dense((q, h, n + e), q),
-        wkv_a=dense((d, c + e), d),
+        wqkv_a=jnp.concatenate([wq_a, wkv_a], axis=1),
+        q_a_norm=q_a_norm,
+        wq_b=wq_b,
         kv_a_norm=norm(c),
         w_uk=dense((h, n, c), c),
         w_uv=dense((h, v, c), c),

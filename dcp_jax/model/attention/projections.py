@@ -35,17 +35,24 @@ def layer_norm(x, weight, bias, eps):
     return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def mla_query(p: AttentionParams, x, cos, sin, cfg: ModelConfig, *, backend: str):
-    """x [R, D] -> (q_resid [R, Q], q_nope [R, H, N], roped q_pe [R, H, E]) for the heads in `p`."""
-    q_resid = rms_norm(einsum("rd,dq->rq", x, p.wq_a, backend=backend), p.q_a_norm, LATENT_NORM_EPS)
+def low_rank_projections(p: AttentionParams, x, cfg: ModelConfig, *, backend: str):
+    """x [R, D] -> (q_a [R, Q], ckv [R, C+E]): q_a_proj and kv_a_proj_with_mqa as one product (`wqkv_a`)."""
+    qkv_a = einsum("rd,dn->rn", x, p.wqkv_a, backend=backend)
+    return qkv_a[..., : cfg.q_lora_rank], qkv_a[..., cfg.q_lora_rank :]
+
+
+def mla_query(p: AttentionParams, q_a, cos, sin, cfg: ModelConfig, *, backend: str):
+    """q_a [R, Q] (`low_rank_projections`) -> (q_resid [R, Q], q_nope [R, H, N], roped q_pe [R, H, E]) for the
+    heads in `p`."""
+    q_resid = rms_norm(q_a, p.q_a_norm, LATENT_NORM_EPS)
     q = einsum("rq,qhk->rhk", q_resid, p.wq_b, backend=backend)
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
     return q_resid, q_nope, apply_rope(q_pe, cos, sin, interleaved=True)
 
 
-def mla_latent(p: AttentionParams, x, cos, sin, cfg: ModelConfig, *, backend: str):
-    """x [R, D] -> the cached MLA entry [R, C+E]: normed latent c, then the roped shared key k_pe."""
-    ckv = einsum("rd,dc->rc", x, p.wkv_a, backend=backend)
+def mla_latent(p: AttentionParams, ckv, cos, sin, cfg: ModelConfig):
+    """ckv [R, C+E] (`low_rank_projections`) -> the cached MLA entry [R, C+E]: normed latent c, then the roped
+    shared key k_pe."""
     c = rms_norm(ckv[..., : cfg.kv_lora_rank], p.kv_a_norm, LATENT_NORM_EPS)
     k_pe = apply_rope(ckv[..., None, cfg.kv_lora_rank :], cos, sin, interleaved=True)[..., 0, :]
     return jnp.concatenate([c, k_pe], axis=-1)

@@ -70,10 +70,11 @@ def project_and_write(p, x, kv_cache, index_cache, rope, slots, *, cfg: ModelCon
     the new token's latent and index key (each in its cache's format) are written by its owner only (slot -1
     elsewhere). Returns (Queries, kv_cache, index_cache)."""
     cos, sin = rope
-    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg, backend=backend)
+    q_a, ckv = projections.low_rank_projections(p, x, cfg, backend=backend)
+    q_resid, q_nope, q_pe = projections.mla_query(p, q_a, cos, sin, cfg, backend=backend)
     queries = Queries(q_nope, q_pe, projections.index_query(p, q_resid, cos, sin, cfg, backend=backend),
                       projections.index_weights(p, x, cfg))
-    latents = cache_formats.encode_latents(projections.mla_latent(p, x, cos, sin, cfg, backend=backend), kv_cache)
+    latents = cache_formats.encode_latents(projections.mla_latent(p, ckv, cos, sin, cfg), kv_cache)
     kv_cache = write_slots(kv_cache, slots, latents)
     index_keys = cache_formats.encode_index_keys(projections.index_key(p, x, cos, sin, cfg, backend=backend),
                                                  index_cache)

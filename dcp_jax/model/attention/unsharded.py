@@ -23,7 +23,8 @@ def sparse_attention_unsharded(p: AttentionParams, x, latents, index_keys, cos_s
     row's history with the new token already written at context_lens-1. Returns (output [R, D], selected top-k
     positions [R, K], -1 padded)."""
     cos, sin = cos_sin
-    q_resid, q_nope, q_pe = projections.mla_query(p, x, cos, sin, cfg, backend="reference")
+    q_a, _ = projections.low_rank_projections(p, x, cfg, backend="reference")
+    q_resid, q_nope, q_pe = projections.mla_query(p, q_a, cos, sin, cfg, backend="reference")
     index_q = projections.index_query(p, q_resid, cos, sin, cfg, backend="reference")
     index_q, weights = cache_formats.encode_index_queries(index_q, projections.index_weights(p, x, cfg), index_keys)
     scores = cache_formats.dense_index_scores(index_q[:, None], weights[:, None], index_keys)[:, 0]  # one query a row

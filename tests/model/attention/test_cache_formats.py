@@ -89,7 +89,8 @@ def test_fp8_prefill_selects_what_the_decode_indexer_selects_over_the_written_ca
     assert isinstance(index_cache, Fp8IndexKeys) and index_cache.keys.dtype == jnp.float8_e4m3fn
     p, rows = attention.params(), batch * tokens
     flat, cos, sin = x.reshape(rows, -1), cos.reshape(rows, -1), sin.reshape(rows, -1)
-    q_resid, _, _ = projections.mla_query(p, flat, cos, sin, TINY, backend="reference")
+    q_a, _ = projections.low_rank_projections(p, flat, TINY, backend="reference")
+    q_resid, _, _ = projections.mla_query(p, q_a, cos, sin, TINY, backend="reference")
     index_q = projections.index_query(p, q_resid, cos, sin, TINY, backend="reference")
     q8, weights = formats.quantize_index_queries(index_q, projections.index_weights(p, flat, TINY))
     block_tables = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), tokens)[:, None]
@@ -160,8 +161,9 @@ def _prefill_latent(latent_cache: str, seed: int = 3):
     kv_cache = cache_formats.zero_latents((batch, tokens), TINY, latent_cache, jnp.float32)
     index_cache = jnp.zeros((batch, tokens, TINY.index_head_dim))
     out, kv_cache, _, selected, (cos, sin) = _layer_over_prompts(attention, x, kv_cache, index_cache)
-    latents = projections.mla_latent(attention.params(), x.reshape(batch * tokens, -1), cos, sin, TINY,
-                                     backend="reference")
+    _, ckv = projections.low_rank_projections(attention.params(), x.reshape(batch * tokens, -1), TINY,
+                                              backend="reference")
+    latents = projections.mla_latent(attention.params(), ckv, cos, sin, TINY)
     return out, selected, kv_cache, latents.reshape(batch, tokens, -1)
 
 
