@@ -105,7 +105,8 @@ def test_mosaic_knobs_are_checked_before_anything_is_traced():
 
 @pytest.mark.parametrize("rows, width, depth, k_splits", [
     (64, 7168, 16384, 4),  # wo at decode: 28 tiles, 4 x 28 CTAs fit one wave of 132 SMs
-    (1, 576, 7168, 8),  # wkv_a: 9 tiles (N = 576 takes 128 x 64 ones), 56 K blocks
+    (1, 576, 7168, 8),  # kv_a_proj_with_mqa alone: 9 tiles (N = 576 takes 128 x 64 ones), 56 K blocks
+    (64, 2112, 7168, 4),  # wqkv_a (q_a_proj and kv_a_proj_with_mqa): 33 tiles of 128 x 64
     (64, 24576, 1536, 1),  # wq_b: 96 tiles, a split would pass one wave
     (4096, 7168, 16384, 1),  # prefill: 1792 tiles
     (64, 7168, 384, 1),  # 3 K blocks: no factor of K_SPLITS divides them
@@ -183,7 +184,7 @@ def test_mosaic_wrapper_lowers_for_cuda(rows, width, depth, knobs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, width, depth, knobs", [(*shape, {}) for shape in MOSAIC_SHAPES]
-                         + [(300, 1536, 7168, {}), (64, 1536, 7168, {"k_splits": 2})]
+                         + [(300, 1536, 7168, {}), (64, 1536, 7168, {"k_splits": 2}), (64, 2112, 7168, {})]
                          + [(*shape, knobs) for shape in MOSAIC_SHAPES for knobs in (
                              {"overlap_promotion": False}, {"persistent": True}, {"grid_tile_width": 2},
                              {"overlap_promotion": False, "persistent": True, "grid_tile_width": 2})])

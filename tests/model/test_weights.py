@@ -264,18 +264,22 @@ def test_block_fp8_errors_name_the_problem(tensors, tmp_path, change, message):
         load_hf_params(CFG, tmp_path)
 
 
-def test_block_fp8_checkpoint_stays_fp8(tensors, tmp_path):
-    """Loaded with quantization "auto" (the default), the leaves DeepSeek stores in fp8 stay e4m3 with their 8 x 12
-    block scales (edge blocks partial), and each dequantizes to exactly the "none" load's weight."""
-    quantized, _ = _block_fp8(tensors)
-    _write_fp8(tmp_path, tensors | quantized | MTP, FP8_CONFIG)
+@pytest.mark.parametrize("block", [BLOCK, (32, 12)], ids=["8x12", "32x12"])
+def test_block_fp8_checkpoint_stays_fp8(tensors, tmp_path, block):
+    """Loaded with quantization "auto" (the default), the leaves DeepSeek stores in fp8 stay e4m3 with their block
+    scales (edge blocks partial; at 32 rows wqkv_a's last, kv_a_proj_with_mqa's, is, as at DeepSeek's 576 rows and
+    128), and each dequantizes to exactly the "none" load's weight."""
+    quantized, _ = _block_fp8(tensors, block)
+    blocks = {"weight_block_size": list(block)}
+    _write_fp8(tmp_path, tensors | quantized | MTP,
+               FP8_CONFIG | {"quantization_config": FP8_CONFIG["quantization_config"] | blocks})
     kept, dequantized = load_hf_params(CFG, tmp_path), load_hf_params(CFG, tmp_path, quantization="none")
     flat = jax.tree_util.tree_flatten_with_path(kept, is_leaf=fp8_linear.is_fp8)[0]
     fp8_names = set()
     for (path, a), b in zip(flat, jax.tree.leaves(dequantized)):
         if fp8_linear.is_fp8(a):
             fp8_names.add(path[-1].key)
-            assert a.values.dtype == jnp.float8_e4m3fn and a.scales.dtype == jnp.float32 and a.block == BLOCK
+            assert a.values.dtype == jnp.float8_e4m3fn and a.scales.dtype == jnp.float32 and a.block == block
             a = fp8_linear.dequantize(a)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
     assert fp8_names == set(fp8_linear.FP8_AXES)
