@@ -48,6 +48,7 @@ STAGES = 2  # Q and two stages fill the 227 KB of SMEM
 BLOCK_H = 64  # heads per CTA: one wgmma M
 LEFT_SLABS = 3  # value slabs of the scorer; the second warpgroup takes the other 5 (4 + 4 was slower)
 ROW_BYTES = WIDTH * 2
+SLAB_BYTES = BLOCK_S * SLAB * 2  # one bf16 slab of a stage
 CHUNK = 16  # bytes per cp.async
 COUNT_COLUMNS = 16  # counts travel as [R, 16] int32: a TMA row must be 16-byte aligned and 64 bytes suit it
 LOG2E = math.log2(math.e)
@@ -59,7 +60,6 @@ SPLIT_MERGES = {"xla": _lse.merge_splits, "pallas": _split_merge_triton.merge_sp
 REGISTERS = {(False, 1): (232, 40), (True, 1): (200, 104), (True, 2): (200, 56)}
 # The fp8 latent cache (formats.Fp8LatentCache): a token's 512 e4m3 bytes, 4 f32 scales, 64 bf16 rope columns.
 SCALES_PER_ROW = VALUE_DIM // formats.LATENT_TILE
-SLAB_BYTES = BLOCK_S * SLAB * 2  # one bf16 slab of a stage
 STAGING_SLAB = 4  # a block's e4m3 bytes are staged in its stage's bf16 slabs 4 .. 7 and dequantized in place
 BF16_2_POW_120 = 0x7B80  # 2 ** 120 in bf16: an e4m3 byte moved into bf16's bits is its value times 2 ** -120
 
@@ -106,7 +106,7 @@ def _cp_async_gather(kv_ref, slots_ref, info_ref, kv_smem):
                 smem_base, [arith.addi(arith.muli(row, const(SLAB * 2)), arith.muli(swizzled, const(CHUNK)))], i8)
             size = arith.select(is_valid, const(CHUNK), const(0))  # 0: zero-fill, read nothing
             for slab in range(NUM_SLABS):  # a slab row is one 128-byte line of the cache row
-                nvvm.CpAsyncOp(mgpu_utils.getelementptr(dst_row, [slab * BLOCK_S * SLAB * 2], i8),
+                nvvm.CpAsyncOp(mgpu_utils.getelementptr(dst_row, [slab * SLAB_BYTES], i8),
                                mgpu_utils.getelementptr(src_row, [slab * SLAB * 2], i8),
                                CHUNK, nvvm.LoadCacheModifierKind.CG, cpSize=size)
         nvvm.cp_async_commit_group()
@@ -487,7 +487,7 @@ def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_spli
     )(q, *kv_parts, slots, counts)
 
 
-def unsupported(q, kv_cache, slots, value_dim: int, interpret: bool) -> list[str]:
+def unsupported(q, kv_cache, value_dim: int, interpret: bool) -> list[str]:
     """Why this kernel does not take these inputs (empty: it does): it needs a bf16 cache of 512 + 64 columns, or
     an fp8 latent cache of those widths, compiled on an sm_90 GPU."""
     reasons = []

@@ -129,7 +129,7 @@ def _sparse_mla_triton_unsupported(q, kv_cache, slots, counts, sm_scale, value_d
 
 
 def _sparse_mla_mosaic_unsupported(q, kv_cache, slots, counts, sm_scale, value_dim=512, *, interpret=None, **_):
-    return _sparse_mla_mosaic.unsupported(q, kv_cache, slots, value_dim, interpret)
+    return _sparse_mla_mosaic.unsupported(q, kv_cache, value_dim, interpret)
 
 
 def _sparse_mla_mosaic_run(q, kv_cache, slots, counts, sm_scale, value_dim=512, *, interpret=None, **knobs):

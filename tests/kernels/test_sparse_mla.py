@@ -193,14 +193,16 @@ def test_mosaic_takes_an_fp8_latent_cache_of_deepseek_widths():
     fp8_cache = formats.Fp8LatentCache(S((64, 64, 512), FP8), S((64, 64, 4), jnp.float32),
                                        S((64, 64, 64), jnp.bfloat16))
     q = S((64, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16)
-    cpu = sparse_mla_mosaic.unsupported(q, fp8_cache, S((64, 2048), jnp.int32), 512, interpret=None)
-    assert cpu == sparse_mla_mosaic.unsupported(q, S((1, 1, 576), jnp.bfloat16), S((1, 1), jnp.int32), 512, None)
-    assert cpu == sparse_mla_mosaic.unsupported(q, fp8_cache, S((2048, 2048), jnp.int32), 512, interpret=None)
+    cpu = sparse_mla_mosaic.unsupported(q, fp8_cache, 512, interpret=None)
+    assert cpu == sparse_mla_mosaic.unsupported(q, S((1, 1, 576), jnp.bfloat16), 512, None)
+    chunk = (S((2048, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), fp8_cache, S((2048, 2048), jnp.int32),
+             S((2048,), jnp.int32), 0.1352)
+    assert cpu == pallas_kernels.unsupported("sparse_mla_decode", "mosaic", *chunk)
     narrow = formats.Fp8LatentCache(S((64, 64, 128), FP8), S((64, 64, 1), jnp.float32), S((64, 64, 16), jnp.bfloat16))
-    assert "512 + 64 columns" in " ".join(sparse_mla_mosaic.unsupported(q, narrow, S((64, 64), jnp.int32), 128, None))
+    assert "512 + 64 columns" in " ".join(sparse_mla_mosaic.unsupported(q, narrow, 128, None))
     narrow_rope = dataclasses.replace(fp8_cache, rope=S((64, 64, 32), jnp.bfloat16))
     assert "an fp8 latent cache of 512 + 64 columns, got 512 + 32" in " ".join(
-        sparse_mla_mosaic.unsupported(q, narrow_rope, S((64, 64), jnp.int32), 512, None))
+        sparse_mla_mosaic.unsupported(q, narrow_rope, 512, None))
 
 
 @pytest.mark.parametrize("producers, prefetch_slots", [(1, False), (2, False), (2, True)])
