@@ -2,22 +2,22 @@
 and fp8 latent caches.
 
 Same contract as the Triton kernel for a bf16 cache of 512 latent + 64 rope columns (q is cast to bf16). Per CTA,
-one row, one split of its valid slots and 64 heads, with three warpgroups (four with `producers=2`):
-- a producer (or two, each half the rows) gathers each block of 64 slots' cache rows into one of two SMEM stages
-  ([9 slabs, 64, 64], (8, 64)-tiled, 128B-swizzled) with cp.async, zero-filling rows past the split's end (one
-  TMA per 128-byte row piece made the kernel 10x slower: docs/perf_sparse_mla.md);
+one row, one split of its valid slots and 64 heads, with three warpgroups (four on an fp8 latent cache):
+- a producer (two on an fp8 cache, each half the rows) gathers each block of 64 slots' cache rows into one of two
+  SMEM stages ([9 slabs, 64, 64], (8, 64)-tiled, 128B-swizzled) with cp.async, zero-filling rows past the split's
+  end (one TMA per 128-byte row piece made the kernel 10x slower: docs/perf_sparse_mla.md);
 - the scorer warpgroup computes the block's 64 x 64 scores (9 wgmmas of K=64) and the online softmax, writes
   the bf16 probabilities over the block's spent rope slab and the rescale factors to SMEM, and multiplies the
   probabilities by the first LEFT_SLABS value slabs;
 - the second warpgroup multiplies the same probabilities, from SMEM, by the other value slabs.
 Each score is computed once: both warpgroups computing them was 1.5x the tensor work (docs/perf_sparse_mla.md).
-The output is rounded to bf16 in the kernel (as FlashMLA does); split-K partial results are merged by
-`_lse.merge_splits` in XLA, or by one Pallas kernel (`split_merge="pallas"`). On an fp8 latent cache
-(`formats.Fp8LatentCache`: 656 bytes a token) the producer stages each block's e4m3 bytes, scales and rope with
-cp.async and then dequantizes the e4m3 bytes into the stage's bf16 slabs itself (`_cp_async_gather_fp8`), while
-the other two warpgroups multiply the previous block, as FlashMLA does: exact (ue8m0 scales), so the products are
-the bf16 cache's. Mosaic GPU has no interpreter for this kernel, so it runs on the GPU only; on CPU it can be
-lowered for CUDA (the tests do).
+The output is rounded to bf16 in the kernel (as FlashMLA does); split-K partial results are merged by one Pallas
+kernel (`_split_merge_triton`: 3.6 us at B = 1 where XLA's merge ran four kernels, 5.6 us, H100). On an fp8
+latent cache (`formats.Fp8LatentCache`: 656 bytes a token) each producer stages its rows' e4m3 bytes, scales
+and rope with cp.async and then dequantizes the e4m3 bytes into the stage's bf16 slabs itself
+(`_cp_async_gather_fp8`), while the other two warpgroups multiply the previous block, as FlashMLA does: exact
+(ue8m0 scales), so the products are the bf16 cache's. Mosaic GPU has no interpreter for this kernel, so it runs
+on the GPU only; on CPU it can be lowered for CUDA (the tests do).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import formats
-from pallas_kernels import _lse, _split_merge_triton
+from pallas_kernels import _split_merge_triton
 from pallas_kernels._platform import on_hopper_compiled
 from pallas_kernels._sparse_mla_triton import default_num_splits, fp8_cache_rows
 
@@ -52,12 +52,13 @@ SLAB_BYTES = BLOCK_S * SLAB * 2  # one bf16 slab of a stage
 CHUNK = 16  # bytes per cp.async
 COUNT_COLUMNS = 16  # counts travel as [R, 16] int32: a TMA row must be 16-byte aligned and 64 bytes suit it
 LOG2E = math.log2(math.e)
-SPLIT_MERGES = {"xla": _lse.merge_splits, "pallas": _split_merge_triton.merge_splits}
-# Registers a thread of each compute and each producer warpgroup, by (fp8 cache, producers). setmaxnreg moves
-# registers between the warpgroups of a CTA: they sum to what the kernel starts with, 3 * 168 a thread with one
-# producer and 4 * 128 with two (a larger sum waits forever). The fp8 producer dequantizes: 200 / 104 ran its
-# B = 64 call in 130 us, 232 / 40 in 169 us (H100).
-REGISTERS = {(False, 1): (232, 40), (True, 1): (200, 104), (True, 2): (200, 56)}
+# Producer warpgroups by cache (fp8 or not): an fp8 cache's producers dequantize, and two (each half the rows)
+# ran the B = 64 call in 116 us against one's 135 us (H100, same call).
+PRODUCERS = {False: 1, True: 2}
+# Registers a thread of each compute and each producer warpgroup, by cache. setmaxnreg moves registers between
+# the warpgroups of a CTA: they sum to what the kernel starts with, 3 * 168 a thread with one producer and 4 * 128
+# with two (a larger sum waits forever).
+REGISTERS = {False: (232, 40), True: (200, 56)}
 # The fp8 latent cache (formats.Fp8LatentCache): a token's 512 e4m3 bytes, 4 f32 scales, 64 bf16 rope columns.
 SCALES_PER_ROW = VALUE_DIM // formats.LATENT_TILE
 STAGING_SLAB = 4  # a block's e4m3 bytes are staged in its stage's bf16 slabs 4 .. 7 and dequantized in place
@@ -277,13 +278,11 @@ def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, 
     gather(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem)
 
 
-def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits, prefetch_slots,
-            producers):
-    """kv_refs: (the bf16 cache rows,), or an fp8 latent cache's (e4m3 bytes, scales, rope) rows. prefetch_slots:
-    each producer loads a block's slots while it gathers the block before (else after its stage is consumed).
-    producers: warpgroups that gather (and dequantize) each block, each its share of the rows (fp8 only: 2)."""
+def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits):
+    """kv_refs: (the bf16 cache rows,), or an fp8 latent cache's (e4m3 bytes, scales, rope) rows."""
     fp8 = len(kv_refs) == 3
-    compute_registers, producer_registers = REGISTERS[fp8, producers]
+    producers = PRODUCERS[fp8]
+    compute_registers, producer_registers = REGISTERS[fp8]
     (q_smem, kv_smem, meta_smem, row_stats, scales_smem,
      q_barrier, count_barrier, slots_barriers, kv_barriers, probs_barriers, consumed_barriers, done_barrier) = scratch
     # meta_smem rows 0 .. STAGES-1 hold each stage's slots; row STAGES holds the count (16 ints) and then each
@@ -411,10 +410,6 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
             plgpu.copy_gmem_to_smem(slots_ref.at[row, pl.ds(start + block * BLOCK_S + first_row, tokens)],
                                     slots_smem.at[lax.rem(block, STAGES), pl.ds(first_row, tokens)], barrier(block))
 
-        if prefetch_slots:  # the first stages' slots now, each later block's once its stage's slots are spent
-            for block in range(STAGES):
-                pl.when(block < num_blocks)(functools.partial(load_slots, block))
-
         @pl.loop(0, num_blocks)
         def _gather(block):
             stage = lax.rem(block, STAGES)
@@ -423,8 +418,7 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
             def _wait_consumed():
                 plgpu.barrier_wait(consumed_barriers.at[stage])
 
-            if not prefetch_slots:
-                load_slots(block)
+            load_slots(block)
             plgpu.barrier_wait(barrier(block))
             limit_column = 16 + stage * producers + producer
             meta_smem[STAGES, limit_column] = length - block * BLOCK_S
@@ -435,33 +429,27 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
             else:
                 _cp_async_gather(*kv_refs, slots_smem.at[stage], limit, kv_smem.at[stage])
             plgpu.barrier_arrive(kv_barriers.at[stage])
-            if prefetch_slots:  # the gather has read this stage's slots (a warpgroup barrier closes it)
-                pl.when(block + STAGES < num_blocks)(lambda: load_slots(block + STAGES))
 
     for producer in range(producers):
         pl.when(wg == 2 + producer)(functools.partial(produce, producer))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "prefetch_slots", "producers"))
-def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_splits: int, prefetch_slots: bool = False,
-                        producers: int = 1):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits"))
+def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_splits: int):
     """The kernel on prepared inputs: q bf16 [R, H, 576] (H a multiple of 64); kv_parts (bf16 rows [slots, 576],)
     or an fp8 latent cache's (e4m3 bytes as uint8 [slots, 512], f32 scales [slots, 4], bf16 rope [slots, 64]);
     slots int32 [R, S] (S a multiple of 64), counts int32 [R, 16] (the count in column 0). Returns per-split
     out bf16 [R, N, H, 512] and lse f32 [R, N, H]."""
     rows, heads, _ = q.shape
     num_parts = len(kv_parts)
-    if (num_parts == 3, producers) not in REGISTERS:
-        raise ValueError(f"producers must be 1, or 2 with an fp8 latent cache; got {producers=} with "
-                         f"{'an fp8 latent' if num_parts == 3 else 'a bf16'} cache")
+    producers = PRODUCERS[num_parts == 3]
 
     def entry(q_ref, *refs):
         kv_refs, (slots_ref, counts_ref, out_ref, lse_ref) = refs[:num_parts], refs[num_parts:]
         slabs = (STAGES, NUM_SLABS, BLOCK_S, SLAB)
         pl.run_scoped(
             lambda *scratch: _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch,
-                                     scale=sm_scale * LOG2E, num_splits=num_splits, prefetch_slots=prefetch_slots,
-                                     producers=producers),
+                                     scale=sm_scale * LOG2E, num_splits=num_splits),
             plgpu.SMEM((NUM_SLABS, BLOCK_H, SLAB), jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM((STAGES + 1, BLOCK_S), jnp.int32),
@@ -505,13 +493,9 @@ def unsupported(q, kv_cache, value_dim: int, interpret: bool) -> list[str]:
     return reasons + on_hopper_compiled(interpret)
 
 
-def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_DIM, num_splits=None,
-                      prefetch_slots=False, producers=1, split_merge="xla"):
+def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_DIM, num_splits=None):
     """The contract of `pallas_kernels.sparse_mla_decode` on this kernel (`unsupported` lists what it needs);
-    out is rounded to bf16 in the kernel. num_splits: split-K programs per row (None: `default_num_splits`).
-    Not yet timed, so off: prefetch_slots (load each block's slots a block ahead), producers (2: two warpgroups
-    gather and dequantize each block of an fp8 cache, half its rows each) and split_merge ("pallas": the splits
-    merged by one Pallas kernel, `_split_merge_triton`, instead of XLA's)."""
+    out is rounded to bf16 in the kernel. num_splits: split-K programs per row (None: `default_num_splits`)."""
     del value_dim  # always VALUE_DIM here (`unsupported`)
     num_heads = q.shape[1]
     q, kv_parts, slots, counts = prepare(q, kv_cache, slots, counts)
@@ -520,12 +504,10 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_D
         num_splits = default_num_splits(rows, padded_heads // BLOCK_H, slots.shape[1], BLOCK_S)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits=}")
-    merge = SPLIT_MERGES.get(split_merge)
-    if merge is None:
-        raise ValueError(f"split_merge must be one of {sorted(SPLIT_MERGES)}; got {split_merge!r}")
     outs, lses = sparse_mla_partials(q, kv_parts, slots, counts, sm_scale=float(sm_scale), num_splits=num_splits,
-                                     prefetch_slots=prefetch_slots, producers=producers)
-    out, lse = (outs[:, 0], lses[:, 0]) if num_splits == 1 else merge(outs, lses, out_dtype=jnp.bfloat16)
+)
+    out, lse = ((outs[:, 0], lses[:, 0]) if num_splits == 1
+                else _split_merge_triton.merge_splits(outs, lses, out_dtype=jnp.bfloat16))
     return out[:, :num_heads], lse[:, :num_heads]
 
 

@@ -205,26 +205,16 @@ def test_mosaic_takes_an_fp8_latent_cache_of_deepseek_widths():
         sparse_mla_mosaic.unsupported(q, narrow_rope, 512, None))
 
 
-@pytest.mark.parametrize("producers, prefetch_slots", [(1, False), (2, False), (2, True)])
-def test_mosaic_fp8_latent_path_lowers_for_cuda(producers, prefetch_slots):
-    """The fp8 path (the kernel's cp.async staging and in-place dequantization by one or two producers, the split
-    merge) lowers for CUDA."""
+def test_mosaic_fp8_latent_path_lowers_for_cuda():
+    """The fp8 path (the kernel's cp.async staging and in-place dequantization by two producers, the split merge)
+    lowers for CUDA."""
     S = jax.ShapeDtypeStruct
     fp8_cache = formats.Fp8LatentCache(S((512, 64, 512), FP8), S((512, 64, 4), jnp.float32),
                                        S((512, 64, 64), jnp.bfloat16))
     args = (S((8, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), fp8_cache, S((8, 2048), jnp.int32),
             S((8,), jnp.int32))
-    jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(
-        *a, 0.1352, producers=producers, prefetch_slots=prefetch_slots)).trace(*args).lower(
+    jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(*a, 0.1352)).trace(*args).lower(
         lowering_platforms=("cuda",))
-
-
-def test_mosaic_two_producers_need_an_fp8_cache():
-    S = jax.ShapeDtypeStruct
-    args = (S((8, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), S((512, 64, 576), jnp.bfloat16),
-            S((8, 2048), jnp.int32), S((8,), jnp.int32))
-    with pytest.raises(ValueError, match="producers must be 1, or 2 with an fp8 latent cache; got producers=2"):
-        jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(*a, 0.1352, producers=2)).trace(*args)
 
 
 def test_counts_past_slots_act_as_slots():
@@ -305,16 +295,15 @@ def test_rejects_bad_backend():
         _decode(q, kv_cache, slots, counts, 0.1, value_dim=64, backend="mosaic")
 
 
-@pytest.mark.parametrize(("rows", "heads", "num_slots", "num_splits", "prefetch_slots"),
-                         [(2, 128, 2048, 1, False), (1, 64, 1024, 4, False), (3, 64, 64, 16, False),
-                          (2, 128, 2048, 1, True), (3, 64, 64, 16, True)])
-def test_mosaic_kernel_lowers_for_cuda(rows, heads, num_slots, num_splits, prefetch_slots):
+@pytest.mark.parametrize(("rows", "heads", "num_slots", "num_splits"),
+                         [(2, 128, 2048, 1), (1, 64, 1024, 4), (3, 64, 64, 16)])
+def test_mosaic_kernel_lowers_for_cuda(rows, heads, num_slots, num_splits):
     args = (jax.ShapeDtypeStruct((rows, heads, sparse_mla_mosaic.WIDTH), jnp.bfloat16),
             (jax.ShapeDtypeStruct((1 << 16, sparse_mla_mosaic.WIDTH), jnp.bfloat16),),
             jax.ShapeDtypeStruct((rows, num_slots), jnp.int32),
             jax.ShapeDtypeStruct((rows, sparse_mla_mosaic.COUNT_COLUMNS), jnp.int32))
-    sparse_mla_mosaic.sparse_mla_partials.trace(*args, sm_scale=0.1, num_splits=num_splits,
-                                                prefetch_slots=prefetch_slots).lower(lowering_platforms=("cuda",))
+    sparse_mla_mosaic.sparse_mla_partials.trace(*args, sm_scale=0.1, num_splits=num_splits).lower(
+        lowering_platforms=("cuda",))
 
 
 def test_mosaic_prepare_pads_to_the_kernel():
@@ -365,43 +354,19 @@ def test_mosaic_fp8_latent_cache_on_gpu(num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8, producers", [(False, 1), (True, 1), (True, 2)], ids=["bf16", "fp8", "fp8-2"])
-@pytest.mark.parametrize("prefetch_slots", [False, True])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_mosaic_producer_knobs_on_gpu(fp8, producers, prefetch_slots, num_splits):
-    """Slots loaded a block ahead or not, one or two producers: counts of 0, 1, one block, two (the prefetch's
-    edge), ragged and full."""
+def test_mosaic_block_edge_counts_on_gpu(fp8, num_splits):
+    """Counts of 0, 1, one block, two blocks, two blocks and a slot, and full: the producers' edges."""
     (q, cache, slots, counts), (ref_out, ref_lse) = _inputs_and_reference(
         11, (6, 128, 512, 64, 2048, 512, 64), [0, 1, 64, 128, 129, 2048], 0.1352, fp8)
-    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, prefetch_slots=prefetch_slots,
-                                          producers=producers, backend="mosaic"))(q, cache, slots, counts)
+    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, backend="mosaic"))(q, cache, slots,
+                                                                                                 counts)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("num_splits", [3, None])
-def test_mosaic_pallas_split_merge_on_gpu(fp8, num_splits):
-    """The splits merged by the Pallas kernel: one row and four, empty rows and splits."""
-    for counts in ([2048], [0, 1, 700, 2048]):
-        (q, cache, slots, counts), (ref_out, ref_lse) = _inputs_and_reference(
-            12, (len(counts), 128, 512, 64, 2048, 512, 64), counts, 0.1352, fp8)
-        out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, split_merge="pallas",
-                                              backend="mosaic"))(q, cache, slots, counts)
-        _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
-
-
-def test_mosaic_rejects_an_unknown_split_merge():
-    S = jax.ShapeDtypeStruct
-    args = (S((8, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), S((512, 64, 576), jnp.bfloat16),
-            S((8, 2048), jnp.int32), S((8,), jnp.int32))
-    with pytest.raises(ValueError, match="split_merge must be one of \\['pallas', 'xla'\\]; got 'cuda'"):
-        jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(*a, 0.1352, split_merge="cuda")).trace(*args)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("producers", [1, 2])
-def test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu(producers):
+def test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu():
     """Random e4m3 bytes (but NaN) under scales from 2 ** -14 to 2 ** -6: the kernel's in-place dequantization
     gives the exact dequantized cache's attention. A row of count 1 returns its token's values bit for bit, and
     eight such rows hold every non-NaN byte (zeros and subnormals among them) in each byte of a 4-byte word."""
@@ -415,8 +380,7 @@ def test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu(producers):
     latent = jax.lax.bitcast_convert_type(jnp.asarray(byte.reshape(cache.latent.shape)), FP8)
     scales = jnp.asarray(2.0 ** rng.integers(-14, -5, cache.scales.shape), jnp.float32)
     cache = formats.Fp8LatentCache(latent, scales, cache.rope)
-    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, producers=producers, backend="mosaic"))(q, cache, slots,
-                                                                                              counts)
+    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, backend="mosaic"))(q, cache, slots, counts)
     ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.1352, 512)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
     exact = np.asarray(formats.dequantize_latent_cache(cache)).reshape(-1, 576)[single, :512]

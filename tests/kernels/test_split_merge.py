@@ -19,15 +19,17 @@ def _partials(seed, rows, splits, heads, width, dtype):
     return jnp.asarray(rng.normal(size=(rows, splits, heads, width)), dtype), jnp.asarray(lses, jnp.float32)
 
 
-@pytest.mark.parametrize("rows, splits, heads, width, block_h",
-                         [(3, 4, 32, 64, 16), (2, 3, 16, 512, 16), (2, 1, 16, 128, 8), (4, 17, 64, 32, 32)])
+@pytest.mark.parametrize("rows, splits, heads, width, block_h, block_c",
+                         [(3, 4, 32, 64, 16, 32), (2, 3, 16, 512, 8, 128), (2, 1, 16, 128, 8, 128),
+                          (4, 17, 64, 32, 32, 128)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_equals_the_reference(rows, splits, heads, width, block_h, dtype):
+def test_equals_the_reference(rows, splits, heads, width, block_h, block_c, dtype):
     """Any split count (not a power of two, one), empty splits, rows whose heads are empty in every split
-    (out 0, lse -inf); outputs in f32 and in bf16."""
+    (out 0, lse -inf), several column blocks and one narrower than block_c; outputs in f32 and in bf16."""
     outs, lses = _partials(rows + splits, rows, splits, heads, width, dtype)
     for out_dtype in (jnp.float32, jnp.bfloat16):
-        out, lse = _split_merge_triton.merge_splits(outs, lses, out_dtype=out_dtype, block_h=block_h)
+        out, lse = _split_merge_triton.merge_splits(outs, lses, out_dtype=out_dtype, block_h=block_h,
+                                                    block_c=block_c)
         ref_out, ref_lse = _lse.merge_splits(outs, lses, out_dtype=out_dtype)
         assert out.dtype == ref_out.dtype == out_dtype and lse.dtype == jnp.float32
         tolerance = 1e-6 if out_dtype == jnp.float32 else 8e-3  # one bf16 rounding apart at most
@@ -41,13 +43,15 @@ def test_equals_the_reference(rows, splits, heads, width, block_h, dtype):
 def test_rejects_what_it_cannot_merge():
     outs, lses = _partials(0, 1, 2, 32, 64, jnp.float32)
     merge = _split_merge_triton.merge_splits
-    with pytest.raises(ValueError, match="H a multiple of block_h"):
-        merge(outs[:, :, :24], lses[:, :, :24])
-    with pytest.raises(ValueError, match="H a multiple of block_h"):
-        merge(outs[..., :48], lses)  # C not a power of two
+    with pytest.raises(ValueError, match="block_h must be a power of two dividing 20; got block_h=8"):
+        merge(outs[:, :, :20], lses[:, :, :20])
+    with pytest.raises(ValueError, match="block_c must be a power of two dividing 48; got block_c=48"):
+        merge(outs[..., :48], lses)
     for block_h in (0, 12):
-        with pytest.raises(ValueError, match="H a multiple of block_h"):
+        with pytest.raises(ValueError, match=f"block_h must be a power of two dividing 32; got {block_h=}"):
             merge(outs, lses, block_h=block_h)
+    with pytest.raises(ValueError, match="block_c must be a power of two dividing 64; got block_c=24"):
+        merge(outs, lses, block_c=24)
     with pytest.raises(ValueError, match="want outs .* and f32 lses"):
         merge(outs, lses[:, :1])
     with pytest.raises(ValueError, match="want outs .* and f32 lses"):
@@ -60,3 +64,14 @@ def test_lowers_for_cuda(monkeypatch, rows, splits):
     merge = lambda outs, lses: _split_merge_triton.merge_splits(outs, lses, out_dtype=jnp.bfloat16, interpret=False)
     assert triton_modules(monkeypatch, merge, S((rows, splits, 128, 512), jnp.bfloat16),
                           S((rows, splits, 128), jnp.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, splits", [(1, 16), (8, 8), (3, 17)])
+def test_equals_the_reference_on_gpu(rows, splits):
+    """Compiled: the sparse MLA's widths (128 heads, 512 columns), bf16 partials, the default blocks."""
+    outs, lses = _partials(rows * splits, rows, splits, 128, 512, jnp.bfloat16)
+    out, lse = _split_merge_triton.merge_splits(outs, lses, out_dtype=jnp.bfloat16, interpret=False)
+    ref_out, ref_lse = _lse.merge_splits(outs, lses, out_dtype=jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), rtol=8e-3, atol=8e-3)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6, atol=1e-6)
