@@ -12,6 +12,7 @@ Usage (repository root):
   python bench/bench_engine.py --preset tiny --batches 1,4 --contexts 64 --steps 8 --out /tmp/engine.jsonl  # CPU
   python3 bench/bench_engine.py --out $OUT/engine.jsonl     # H200: DeepSeek-V3.2 shapes, 2 layers, bf16
   python3 bench/bench_engine.py --quantization fp8 --out $OUT/engine_fp8.jsonl   # the same, block-fp8 weights
+  python3 bench/bench_engine.py --quantization fp8 --latent-cache fp8 --index-cache fp8 ...   # and fp8 caches
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import numpy as np
 
 from bench.common import run_info
 from bench.gpu_trace import busy_fraction, trace_events
-from dcp_jax.config import QUANTIZATION_CHOICES
+from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP,
+                            QUANTIZATION_CHOICES)
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.serving.loading import use_cpu_devices
 
@@ -233,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default="auto")
     parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
                         help="fp8: the preset's linear weights in DeepSeek's block fp8 (the fp8 GEMM on a GPU)")
+    parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
+    parser.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--num-pages", type=int, default=None,
                         help="KV pages (default: the largest batch of full-length requests; 0: from GPU memory)")
@@ -258,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
 
     record(info)
     print(f"{info['device']} x{info['num_devices']}, commit {info['commit']}, {args.preset} "
-          f"{args.num_layers} layers {args.dtype}, dcp {args.dcp}", flush=True)
+          f"{args.num_layers} layers {args.dtype}, {args.index_cache} index cache, {args.latent_cache} latent cache, "
+          f"dcp {args.dcp}", flush=True)
     print(f"| L | B | mode | engine tok/s | bare step ms | bare tok/s | ratio | host ms/step | "
           f"mean ms: {' / '.join(PHASES)} | steps | device busy |", flush=True)
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
@@ -270,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         num_pages = (max(args.batches) * -(-max_len // (args.page_size * args.dcp)) if args.num_pages is None
                      else args.num_pages or None)
         engine = Engine(args.preset, num_layers=args.num_layers, dcp=args.dcp, dtype=args.dtype, kernels=args.kernels,
-                        quantization=args.quantization,
+                        quantization=args.quantization, index_cache=args.index_cache, latent_cache=args.latent_cache,
                         page_size=args.page_size, num_pages=num_pages,
                         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(args.batches),
                         bucket_ladder=args.batches, max_model_len=max_len,

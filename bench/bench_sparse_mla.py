@@ -4,14 +4,14 @@ one GPU: correctness vs the reference, then timings.
 Run from the repo root: `python bench/bench_sparse_mla.py [--sweep]`.
 Prints same-run ceilings (bf16 8192^3 matmul, device copy), a GPU compare against reference.sparse_mla_decode,
 a table over B in {1, 8, 64}, H in {16, 64, 128}, k=2048 and DCP W in {1, 2, 4, 8} (count = k/W slots per
-row) with the default backend ("pallas": Mosaic on the H200 for bf16), other variants (`DEFAULT_VARIANTS`: the
-Triton backend, the fp8 latent cache on the default backend and on Triton; `--variants` may also name the Mosaic
-knobs of `VARIANTS`: prefetch_slots, producers, split_merge) on a few of those shapes, and with --sweep a knob
-sweep (block knobs on Triton, `num_splits` on the backend "pallas" picks; `common.knobs_with_backend`).
+row) with the default backend ("pallas": Mosaic on the H200 for bf16), the variants of `VARIANTS` (the Triton
+backend, the fp8 latent cache on the default backend and on Triton; `--variants` picks some) on a few of those
+shapes, and with --sweep a knob sweep (block knobs on Triton, `num_splits` on the backend "pallas" picks;
+`common.knobs_with_backend`).
 --quick times only the variant comparison.
 Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}; `--plot JSON PNG` draws a saved JSON (per-rank
 time vs DCP size; no GPU needed). `--breakdown 'B,H,W;...'` lists the GPU kernels of one call per shape with
-their durations (the Pallas kernel and the XLA ops around it).
+their durations (the Pallas kernel and the XLA ops around it), for the default and each of `--variants`.
 FLOPs per row: 2*H*count*(Dq + value_dim) (scores over 576 columns, values over 512).
 """
 
@@ -50,13 +50,7 @@ MAX_GROUPS = 16
 
 # Compared with the default backend on COMPARED_SHAPES (B, H, W): name -> sparse_mla_decode knobs.
 VARIANTS = {"triton": dict(backend="triton"), "fp8_latent": dict(cache="fp8_latent"),
-            "prefetch_slots": dict(prefetch_slots=True), "pallas_split_merge": dict(split_merge="pallas"),
-            "fp8_latent_pallas_split_merge": dict(cache="fp8_latent", split_merge="pallas"),
-            "fp8_latent_prefetch_slots": dict(cache="fp8_latent", prefetch_slots=True),
-            "fp8_latent_2_producers": dict(cache="fp8_latent", producers=2),
-            "fp8_latent_2_producers_prefetch_slots": dict(cache="fp8_latent", producers=2, prefetch_slots=True),
             "fp8_latent_triton": dict(cache="fp8_latent", backend="triton")}
-DEFAULT_VARIANTS = ("triton", "fp8_latent", "fp8_latent_triton")  # the others try knobs: name them to time them
 COMPARED_SHAPES = ((64, 128, 1), (64, 128, 4), (8, 128, 1), (1, 128, 1))
 
 OUT_DIR = default_out_dir()
@@ -180,17 +174,19 @@ def time_xla_reference(cache, rows, heads) -> dict:
     return dict(rows=rows, heads=heads, us=seconds * 1e6)
 
 
-def kernel_breakdown(cache, rows, heads, dcp, calls=20) -> dict:
-    """Per GPU kernel of one `sparse_mla_decode` call (the Pallas kernel and the XLA ops around it): median
-    duration over `calls` calls, from a profiler trace."""
-    q, slots, counts = make_sets(300, 1, rows, heads, TOPK // dcp, cache.dtype)
-    run = jax.jit(functools.partial(pallas_kernels.sparse_mla_decode, sm_scale=SM_SCALE))
+def kernel_breakdown(cache, rows, heads, dcp, calls=20, **knobs) -> dict:
+    """Per GPU kernel of one `sparse_mla_decode` call with these knobs (the Pallas kernel and the XLA ops around
+    it): median duration over `calls` calls, from a profiler trace."""
+    q_dtype = jnp.bfloat16 if isinstance(cache, Fp8LatentCache) else cache.dtype
+    q, slots, counts = make_sets(300, 1, rows, heads, TOPK // dcp, q_dtype)
     args = (q[0], cache, slots[0], counts[0])
+    knobs = knobs_with_backend("sparse_mla_decode", knobs, *args, SM_SCALE)
+    run = jax.jit(functools.partial(pallas_kernels.sparse_mla_decode, sm_scale=SM_SCALE, **knobs))
     jax.block_until_ready(run(*args))
     durations = kernel_durations_us(traced_device_events(run, args, calls))
     # Stream lines repeat some events under other line names: keep kernels seen once per call.
     kernels = {name: statistics.median(us) for name, us in durations.items() if len(us) == calls}
-    return dict(rows=rows, heads=heads, dcp=dcp, kernels=kernels, total_us=sum(kernels.values()))
+    return dict(rows=rows, heads=heads, dcp=dcp, knobs=knobs, kernels=kernels, total_us=sum(kernels.values()))
 
 
 def plot(report: dict, path: str) -> None:
@@ -226,12 +222,13 @@ def main():
     parser.add_argument("--budget", type=float, default=200.0, help="seconds after which the table stops")
     parser.add_argument("--quick", action="store_true",
                         help="skip the checks, the full table and the XLA reference: only the variant comparison")
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+    parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"variants compared with the default backend, from {sorted(VARIANTS)}")
     parser.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None,
                         help="measure nothing: plot a saved bench_sparse_mla.json")
     parser.add_argument("--breakdown", default="",
-                        help="only list the GPU kernels of one call at these B,H,W shapes, e.g. '8,128,1;1,128,1'")
+                        help="only list the GPU kernels of one call at these B,H,W shapes, e.g. '8,128,1;1,128,1', "
+                             "for the default and each variant")
     args = parser.parse_args()
     if args.plot:
         plot(read_json(args.plot[0]), args.plot[1])
@@ -245,21 +242,27 @@ def main():
     log(f"device: {device.device_kind}, jax {jax.__version__}, date {time.strftime('%Y-%m-%d')}")
     report = dict(device=device.device_kind, jax=jax.__version__)
 
+    caches = dict(bf16=make_cache(jnp.bfloat16))
+    if any(VARIANTS[name].get("cache") == "fp8_latent" for name in variants):
+        caches["fp8_latent"] = formats.quantize_latent_cache(caches["bf16"], value_dim=VALUE_DIM)
     if args.breakdown:
-        cache = make_cache(jnp.bfloat16)
         report["breakdown"] = []
         for shape in args.breakdown.split(";"):
-            r = kernel_breakdown(cache, *(int(n) for n in shape.split(",")))
-            report["breakdown"].append(r)
-            log(f"B={r['rows']} H={r['heads']} W={r['dcp']}: {len(r['kernels'])} kernels, {r['total_us']:.1f} us busy")
-            for name, us in sorted(r["kernels"].items(), key=lambda item: -item[1]):
-                log(f"  {us:8.1f} us  {name[:100]}")
+            for name in ("default", *variants):
+                knobs = dict(VARIANTS.get(name, {}))
+                r = dict(kernel_breakdown(caches[knobs.pop("cache", "bf16")], *(int(n) for n in shape.split(",")),
+                                          **knobs), variant=name)
+                report["breakdown"].append(r)
+                log(f"{name} B={r['rows']} H={r['heads']} W={r['dcp']}: {len(r['kernels'])} kernels, "
+                    f"{r['total_us']:.1f} us busy")
+                for kernel, us in sorted(r["kernels"].items(), key=lambda item: -item[1]):
+                    log(f"  {us:8.1f} us  {kernel[:100]}")
         write_json(os.path.join(OUT_DIR, "bench_sparse_mla.json"), report)
         return
     report["ceilings"] = ceil = ceilings()
     log(f"ceilings: bf16 matmul 8192^3 {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s "
         f"(read+write)  [{log.elapsed():.0f}s]")
-    cache = make_cache(jnp.bfloat16)
+    cache = caches["bf16"]
     report["checks"] = [] if args.quick else check_correctness(cache)
     log(f"correctness done [{log.elapsed():.0f}s]")
 
@@ -296,9 +299,6 @@ def main():
                 log(f"B={rows:2d} H={heads:3d} W={dcp} count={result['count']:4d} {result['us']:8.1f} us "
                     f"{result['tflops']:6.1f} TFLOP/s compile {result['compile_s']:.1f}s [{log.elapsed():.0f}s]")
     report["table"] = table
-    caches = dict(bf16=cache)
-    if any(VARIANTS[name].get("cache") == "fp8_latent" for name in variants):
-        caches["fp8_latent"] = formats.quantize_latent_cache(cache, value_dim=VALUE_DIM)
     compared = []
     for name in variants:
         for rows, heads, dcp in COMPARED_SHAPES:

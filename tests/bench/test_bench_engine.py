@@ -13,7 +13,7 @@ from dcp_jax import cli
 
 SMOKE = ["bench", "engine", "--preset", "tiny", "--num-layers", "1", "--batches", "1,2", "--contexts", "24",
          "--steps", "3", "--dtype", "float32", "--kernels", "reference", "--page-size", "4", "--trace-steps", "2",
-         "--max-num-batched-tokens", "32", "--quantization", "fp8"]  # block-fp8 weights: the fp8 path end to end
+         "--max-num-batched-tokens", "32", "--quantization", "fp8", "--index-cache", "fp8"]  # the fp8 paths end to end
 
 
 def test_engine_bench_reports_every_point_with_its_bare_step_and_host_phases(tmp_path):
@@ -24,7 +24,7 @@ def test_engine_bench_reports_every_point_with_its_bare_step_and_host_phases(tmp
     assert rc == 0, stdout.getvalue()
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows[0]["kind"] == "run" and rows[0]["args"]["batches"] == [1, 2]
-    assert rows[0]["args"]["quantization"] == "fp8"
+    assert rows[0]["args"]["quantization"] == rows[0]["args"]["index_cache"] == "fp8"
     points = rows[1:]
     assert [(p["batch"], p["mode"]) for p in points] == [(1, "greedy"), (1, "sampled"), (2, "greedy"),
                                                          (2, "sampled")]
