@@ -99,13 +99,13 @@ def decode_stack_unsharded(params, history: DenseHistory, hidden, positions, con
     for layer, lp in enumerate(params):
         x = rms_norm(hidden, lp.input_norm, cfg.rms_norm_eps)
         lat = jax.tree.map(lambda a: a[layer], history.latents)
-        _, ckv = low_rank_projections(lp.attention, x, cfg, backend="reference")
+        q_a, ckv = low_rank_projections(lp.attention, x, cfg, backend="reference")
         new_lat = cache_formats.encode_latents(mla_latent(lp.attention, ckv, *rope, cfg), lat)
         lat = jax.tree.map(write_row, lat, new_lat)
         keys = jax.tree.map(lambda a: a[layer], history.index_keys)
         new_keys = cache_formats.encode_index_keys(index_key(lp.attention, x, *rope, cfg, backend="reference"), keys)
         idx = jax.tree.map(write_row, keys, new_keys)
-        attn, sel = sparse_attention_unsharded(lp.attention, x, cache_formats.latent_values(lat), idx, rope,
+        attn, sel = sparse_attention_unsharded(lp.attention, x, q_a, cache_formats.latent_values(lat), idx, rope,
                                                context_lens, cfg=cfg)
         hidden = hidden + attn
         latents.append(lat)

@@ -18,12 +18,12 @@ from pallas_kernels import reference
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def sparse_attention_unsharded(p: AttentionParams, x, latents, index_keys, cos_sin, context_lens, *, cfg: ModelConfig):
-    """x [R, D]; latents [R, T, C+E] and index_keys [R, T, J] (or their fp8 forms, `cache_formats.py`) hold each
-    row's history with the new token already written at context_lens-1. Returns (output [R, D], selected top-k
-    positions [R, K], -1 padded)."""
+def sparse_attention_unsharded(p: AttentionParams, x, q_a, latents, index_keys, cos_sin, context_lens, *,
+                               cfg: ModelConfig):
+    """x [R, D] and its q_a [R, Q] (`projections.low_rank_projections`); latents [R, T, C+E] and index_keys
+    [R, T, J] (or their fp8 forms, `cache_formats.py`) hold each row's history with the new token already written
+    at context_lens-1. Returns (output [R, D], selected top-k positions [R, K], -1 padded)."""
     cos, sin = cos_sin
-    q_a, _ = projections.low_rank_projections(p, x, cfg, backend="reference")
     q_resid, q_nope, q_pe = projections.mla_query(p, q_a, cos, sin, cfg, backend="reference")
     index_q = projections.index_query(p, q_resid, cos, sin, cfg, backend="reference")
     index_q, weights = cache_formats.encode_index_queries(index_q, projections.index_weights(p, x, cfg), index_keys)
