@@ -53,7 +53,7 @@ CHUNK = 16  # bytes per cp.async
 COUNT_COLUMNS = 16  # counts travel as [R, 16] int32: a TMA row must be 16-byte aligned and 64 bytes suit it
 LOG2E = math.log2(math.e)
 # Producer warpgroups by cache (fp8 or not): an fp8 cache's producers dequantize, and two (each half the rows)
-# ran the B = 64 call in 116 us against one's 135 us (H100, same call).
+# ran the B = 64 call in 116 us against one's 135 us (H100, same call; docs/perf_sparse_mla.md, stop 49).
 PRODUCERS = {False: 1, True: 2}
 # Registers a thread of each compute and each producer warpgroup, by cache. setmaxnreg moves registers between
 # the warpgroups of a CTA: they sum to what the kernel starts with, 3 * 168 a thread with one producer and 4 * 128
@@ -406,10 +406,6 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
         def barrier(block):  # this producer's slots barrier of the block's stage
             return slots_barriers.at[lax.rem(block, STAGES) * producers + producer]
 
-        def load_slots(block):
-            plgpu.copy_gmem_to_smem(slots_ref.at[row, pl.ds(start + block * BLOCK_S + first_row, tokens)],
-                                    slots_smem.at[lax.rem(block, STAGES), pl.ds(first_row, tokens)], barrier(block))
-
         @pl.loop(0, num_blocks)
         def _gather(block):
             stage = lax.rem(block, STAGES)
@@ -418,7 +414,8 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
             def _wait_consumed():
                 plgpu.barrier_wait(consumed_barriers.at[stage])
 
-            load_slots(block)
+            plgpu.copy_gmem_to_smem(slots_ref.at[row, pl.ds(start + block * BLOCK_S + first_row, tokens)],
+                                    slots_smem.at[stage, pl.ds(first_row, tokens)], barrier(block))
             plgpu.barrier_wait(barrier(block))
             limit_column = 16 + stage * producers + producer
             meta_smem[STAGES, limit_column] = length - block * BLOCK_S
@@ -504,8 +501,7 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_D
         num_splits = default_num_splits(rows, padded_heads // BLOCK_H, slots.shape[1], BLOCK_S)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits=}")
-    outs, lses = sparse_mla_partials(q, kv_parts, slots, counts, sm_scale=float(sm_scale), num_splits=num_splits,
-)
+    outs, lses = sparse_mla_partials(q, kv_parts, slots, counts, sm_scale=float(sm_scale), num_splits=num_splits)
     out, lse = ((outs[:, 0], lses[:, 0]) if num_splits == 1
                 else _split_merge_triton.merge_splits(outs, lses, out_dtype=jnp.bfloat16))
     return out[:, :num_heads], lse[:, :num_heads]

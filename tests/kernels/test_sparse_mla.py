@@ -205,16 +205,18 @@ def test_mosaic_takes_an_fp8_latent_cache_of_deepseek_widths():
         sparse_mla_mosaic.unsupported(q, narrow_rope, 512, None))
 
 
-def test_mosaic_fp8_latent_path_lowers_for_cuda():
-    """The fp8 path (the kernel's cp.async staging and in-place dequantization by two producers, the split merge)
-    lowers for CUDA."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_mosaic_decode_lowers_for_cuda(fp8):
+    """The whole call lowers for CUDA: the kernel (on fp8, its cp.async staging and in-place dequantization by two
+    producers) and the Pallas merge of its default 8 splits at 8 rows."""
     S = jax.ShapeDtypeStruct
-    fp8_cache = formats.Fp8LatentCache(S((512, 64, 512), FP8), S((512, 64, 4), jnp.float32),
-                                       S((512, 64, 64), jnp.bfloat16))
-    args = (S((8, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), fp8_cache, S((8, 2048), jnp.int32),
-            S((8,), jnp.int32))
-    jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(*a, 0.1352)).trace(*args).lower(
+    cache = (formats.Fp8LatentCache(S((512, 64, 512), FP8), S((512, 64, 4), jnp.float32),
+                                    S((512, 64, 64), jnp.bfloat16)) if fp8
+             else S((512, 64, sparse_mla_mosaic.WIDTH), jnp.bfloat16))
+    args = (S((8, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), cache, S((8, 2048), jnp.int32), S((8,), jnp.int32))
+    lowered = jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(*a, 0.1352)).trace(*args).lower(
         lowering_platforms=("cuda",))
+    assert "merge_splits" in lowered.as_text()
 
 
 def test_counts_past_slots_act_as_slots():
@@ -355,14 +357,16 @@ def test_mosaic_fp8_latent_cache_on_gpu(num_splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
 def test_mosaic_block_edge_counts_on_gpu(fp8, num_splits):
-    """Counts of 0, 1, one block, two blocks, two blocks and a slot, and full: the producers' edges."""
-    (q, cache, slots, counts), (ref_out, ref_lse) = _inputs_and_reference(
-        11, (6, 128, 512, 64, 2048, 512, 64), [0, 1, 64, 128, 129, 2048], 0.1352, fp8)
-    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, backend="mosaic"))(q, cache, slots,
-                                                                                                 counts)
-    _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
+    """Counts of 0, 1, one block, two blocks, two blocks and a slot, and full: the producers' edges; and one full
+    row alone (None: 16 splits, merged by the Pallas kernel)."""
+    for counts in ([0, 1, 64, 128, 129, 2048], [2048]):
+        (q, cache, slots, counts), (ref_out, ref_lse) = _inputs_and_reference(
+            11, (len(counts), 128, 512, 64, 2048, 512, 64), counts, 0.1352, fp8)
+        out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, backend="mosaic"))(q, cache, slots,
+                                                                                                     counts)
+        _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
 
 
 @pytest.mark.gpu
