@@ -303,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                                ratio=tok_s * bare / batch, host_ms_per_step=1e3 * statistics.median(host),
                                phase_ms=phases, steps=len(steps), host_ms_max=1e3 * max(host),
                                wait_ms=[1e3 * st["wait"] for st in steps],
-                               compiles_after_warmup=engine.compiles_after_warmup, **traced)
+                               compiles_after_warmup=engine.compiles_after_warmup,
+                               index_cache=engine.engine_config.index_cache,
+                               latent_cache=engine.engine_config.latent_cache, **traced)
                     record(row)
                     print(f"| {context} | {batch} | {mode} | {tok_s:.0f} | {1e3 * bare:.3f} | {batch / bare:.0f} | "
                           f"{row['ratio']:.2f} | {row['host_ms_per_step']:.3f} | "

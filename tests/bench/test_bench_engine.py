@@ -13,7 +13,8 @@ from dcp_jax import cli
 
 SMOKE = ["bench", "engine", "--preset", "tiny", "--num-layers", "1", "--batches", "1,2", "--contexts", "24",
          "--steps", "3", "--dtype", "float32", "--kernels", "reference", "--page-size", "4", "--trace-steps", "2",
-         "--max-num-batched-tokens", "32", "--quantization", "fp8", "--index-cache", "fp8"]  # the fp8 paths end to end
+         "--max-num-batched-tokens", "32", "--quantization", "fp8", "--index-cache", "fp8",
+         "--latent-cache", "fp8"]  # the fp8 weights and caches end to end
 
 
 def test_engine_bench_reports_every_point_with_its_bare_step_and_host_phases(tmp_path):
@@ -24,7 +25,7 @@ def test_engine_bench_reports_every_point_with_its_bare_step_and_host_phases(tmp
     assert rc == 0, stdout.getvalue()
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows[0]["kind"] == "run" and rows[0]["args"]["batches"] == [1, 2]
-    assert rows[0]["args"]["quantization"] == rows[0]["args"]["index_cache"] == "fp8"
+    assert rows[0]["args"]["quantization"] == "fp8"
     points = rows[1:]
     assert [(p["batch"], p["mode"]) for p in points] == [(1, "greedy"), (1, "sampled"), (2, "greedy"),
                                                          (2, "sampled")]
@@ -34,6 +35,7 @@ def test_engine_bench_reports_every_point_with_its_bare_step_and_host_phases(tmp
         assert set(p["phase_ms"]) == set(PHASES) and all(v >= 0 for v in p["phase_ms"].values())
         assert p["phase_ms"]["launch"] > 0 and p["phase_ms"]["apply"] > 0 and p["steps"] >= 1
         assert p["compiles_after_warmup"] == 0
+        assert p["index_cache"] == p["latent_cache"] == "fp8"  # what the engine ran, not only what was asked
         assert len(p["wait_ms"]) == p["steps"] and p["host_ms_max"] >= p["host_ms_per_step"]
         assert p["device_busy"] == 0.0  # a CPU run's trace has no GPU stream to be busy
     table = [line for line in stdout.getvalue().splitlines() if line.startswith("| 24 |")]
