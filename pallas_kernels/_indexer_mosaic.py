@@ -3,7 +3,7 @@
 
 Same contract as the Triton kernel for fp8 (e4m3) queries and keys with per-token f32 key scales, pages of 64 tokens
 and Di = 128. Each CTA (one warpgroup) owns `pages_per_cta` consecutive block-table entries of `rows_per_cta`
-consecutive rows (1 by default):
+consecutive rows (by default 2 in calls of at least `SHARED_ROWS_MIN` rows, a prefill chunk's, else 1):
 - it copies the rows' block-table entries, lengths, queries and weights to SMEM by TMA;
 - then it streams the valid pages (each one contiguous [64, 128] fp8 key tile and its 64 scales) through
   `stages` TMA buffers; a page is one wgmma [64 tokens, 128] x [128, Hi] on fp8 tensor cores (f32 accumulator,
@@ -245,12 +245,24 @@ def prepare(weights, block_tables, lens, pages_per_cta: int):
 
 # CTAs own up to 16 pages (1024 tokens), fewer while that gives under 1024 CTAs (several per SM).
 _MAX_PAGES_PER_CTA, _MIN_CTAS = 16, 1024
+# Calls of at least this many rows (the engine's steps of a 2048-token prefill chunk) score rows in pairs: a
+# 2048-token chunk causal to 32K took 1244.6 us against 1402.3 one row a CTA, and four rows 1283.2 (H100, stop 48,
+# docs/performance.md). Decode rows were not timed in pairs (a pair of two sequences' rows runs row by row on half
+# the CTAs), so smaller calls keep one row a CTA.
+SHARED_ROWS_MIN = 2048
+
+
+def default_rows_per_cta(rows: int, padded_heads: int) -> int:
+    """2 for calls of at least SHARED_ROWS_MIN rows whose pairs' heads fit one wgmma N, else 1."""
+    return 2 if rows >= SHARED_ROWS_MIN and 2 * padded_heads <= MAX_HEADS else 1
 
 
 def _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, rows_per_cta, with_maxima):
     rows, heads, _ = q.shape
     max_blocks = block_tables.shape[1]
     padded_heads = max(pow2_at_least(heads), MIN_DOT_DIM)  # zero-weight heads add nothing
+    if rows_per_cta is None:
+        rows_per_cta = default_rows_per_cta(rows, padded_heads)
     if rows_per_cta < 1 or rows_per_cta * padded_heads > MAX_HEADS:
         raise ValueError(f"need rows_per_cta >= 1 with rows_per_cta x {padded_heads} padded heads <= {MAX_HEADS}; "
                          f"got {rows_per_cta=}")
@@ -275,18 +287,18 @@ def _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, sta
 
 
 def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale, pages_per_cta=None, stages=4,
-                   rows_per_cta=1):
+                   rows_per_cta=None):
     """The contract of the Triton kernel on this one (`unsupported` lists what it needs). Knobs: pages_per_cta
     (None: the largest power of two <= 16 that still gives 1024 CTAs), stages (TMA page buffers per CTA),
     rows_per_cta (consecutive rows a CTA scores: where their block tables agree on its pages, as a prefill
     chunk's rows do, each page is loaded once and one wgmma scores all of them, their heads side by side in N;
-    elsewhere row by row)."""
+    elsewhere row by row. None: `default_rows_per_cta`)."""
     return _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, rows_per_cta,
                    with_maxima=False)[0]
 
 
 def indexer_logits_and_group_maxima(q, weights, k_cache, block_tables, lens, *, k_scale, pages_per_cta=None,
-                                    stages=4, rows_per_cta=1):
+                                    stages=4, rows_per_cta=None):
     """(indexer_logits(...), the top-k keys of the maxima of each row's groups of 16 consecutive tokens int32
     [R, max_blocks * 4]): the top-k's `group_maxima`; groups past a row's length hold the key of -inf."""
     return _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, rows_per_cta,

@@ -169,6 +169,24 @@ def test_mosaic_kernel_lowers_for_cuda(rows, heads, max_blocks, pages_per_cta, s
         lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("rows, rows_per_cta", [(2048, 2), (2047, 1), (8, 1)])
+def test_mosaic_pairs_the_rows_of_prefill_sized_calls(monkeypatch, rows, rows_per_cta):
+    """By default calls of SHARED_ROWS_MIN (2048) rows or more score rows in pairs; smaller ones (decode steps) one
+    row a CTA; and the call lowers for CUDA."""
+    fp8 = jnp.float8_e4m3fn
+    S = jax.ShapeDtypeStruct
+    args = (S((rows, 64, indexer_mosaic.DIM), fp8), S((rows, 64), jnp.float32),
+            S((1000, indexer_mosaic.PAGE, indexer_mosaic.DIM), fp8), S((rows, 32), jnp.int32), S((rows,), jnp.int32))
+    kernel, chosen = indexer_mosaic.indexer_logits_pages, []
+    monkeypatch.setattr(indexer_mosaic, "indexer_logits_pages",
+                        lambda *a, **knobs: chosen.append(knobs["rows_per_cta"]) or kernel(*a, **knobs))
+    call = jax.jit(lambda q, w, keys, tables, lens: indexer_mosaic.indexer_logits(
+        q, w, keys, tables, lens, k_scale=jnp.ones(keys.shape[:2], jnp.float32)))
+    call.trace(*args).lower(lowering_platforms=("cuda",))
+    assert chosen == [rows_per_cta]
+    assert indexer_mosaic.default_rows_per_cta(4096, 256) == 1  # 256 heads fill one wgmma N alone
+
+
 def test_mosaic_rows_per_cta_is_checked_before_anything_is_traced():
     """rows_per_cta x the padded heads fill at most one wgmma N (256)."""
     q, weights, cache, tables, lens = _case(1, rows=4, heads=64, dim=128, page_size=64, max_blocks=2,
