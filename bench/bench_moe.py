@@ -60,8 +60,8 @@ def random_weights(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
     d, x, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     shared = f * cfg.n_shared_experts
     shapes = {"router": ((d, x), d, jnp.float32), "gate": ((x, d, f), d, dtype), "up": ((x, d, f), d, dtype),
-              "down": ((x, f, d), f, dtype), "shared_gate": ((d, shared), d, dtype),
-              "shared_up": ((d, shared), d, dtype), "shared_down": ((shared, d), shared, dtype)}
+              "down": ((x, f, d), f, dtype), "shared_gate_up": ((2, d, shared), d, dtype),
+              "shared_down": ((shared, d), shared, dtype)}
     keys = jax.random.split(jax.random.key(seed), len(shapes) + 1)
     weights = {name: _normal(key, shape, fan_in, kind)
                for key, (name, (shape, fan_in, kind)) in zip(keys, shapes.items())}
@@ -77,7 +77,7 @@ def layer(experts_fn, cfg: ModelConfig):
     def run(weights, x):
         experts, combine = moe.route(x, weights["router"], weights["router_bias"], cfg)
         routed = experts_fn(x, experts, combine, weights["gate"], weights["up"], weights["down"], first_expert=0)
-        shared = gated_mlp(x, weights["shared_gate"], weights["shared_up"], weights["shared_down"], backend="pallas")
+        shared = gated_mlp(x, weights["shared_gate_up"], weights["shared_down"], backend="pallas")
         return routed + shared
 
     return run

@@ -3,10 +3,10 @@ final norm, lm_head.
 
 Layouts (HF stores linear weights `[out, in]`; `weights.py` converts): projections applied as `x @ W` are stored
 `[in, out...]` (wqkv_a [D, Q+C+E]: q_a_proj then kv_a_proj_with_mqa, vLLM's fused_qkv_a_proj; wq_b [Q, H, N+E],
-wo [H, V, D], index_wq [Q, I, J], index_wk [D, J], index_weights [D, I], MLP gate/up [D, F] and down [F, D],
-experts [X, D, F] / [X, F, D], router [D, X], lm_head [D, A]); the two halves of HF's kv_b_proj keep HF's
-per-head `[out, in]` order: w_uk [H, N, C] and w_uv [H, V, C], with w_uv applied C -> V
-(`projections.output_projection`); embed is [A, D]. The router, its bias
+wo [H, V, D], index_wq [Q, I, J], index_wk [D, J], index_weights [D, I], MLP gate_up [2, D, F] (gate_proj then
+up_proj, vLLM's gate_up_proj) and down [F, D], experts [X, D, F] / [X, F, D], router [D, X], lm_head [D, A]);
+the two halves of HF's kv_b_proj keep HF's per-head `[out, in]` order: w_uk [H, N, C] and w_uv [H, V, C], with
+w_uv applied C -> V (`projections.output_projection`); embed is [A, D]. The router, its bias
 (e_score_correction_bias) and index_weights (the indexer's weights_proj) are always f32, as HF keeps them; every
 other weight has the model's dtype, or, for a block fp8 model, is an `fp8_linear.Fp8BlockWeight` (the leaves of
 `fp8_linear.FP8_AXES`: e4m3 values of the layout above with their axes reordered batch, output, input, and their
@@ -178,7 +178,7 @@ class DeepseekV32(nnx.Module):
 # Attention fields split over heads (every TP rank), from `attention/params.py`.
 _HEAD_SPECS = {f.name: getattr(partition_specs(), f.name) for f in dataclasses.fields(AttentionParams)}
 # MLP and shared-expert widths split over every TP rank.
-_MLP_SPECS = {"gate": P(None, HEADS), "up": P(None, HEADS), "down": P(HEADS, None)}
+_MLP_SPECS = {"gate_up": P(None, None, HEADS), "down": P(HEADS, None)}
 
 
 def param_specs(params: dict, *, expert_parallel: bool) -> dict:

@@ -15,9 +15,11 @@ rank's slice must be whole blocks (`check_shardable`).
 Multiplying (`einsum`, `ragged_dot`, `grouped_matmul`: plain weights multiply in full precision as before). With an
 `Fp8BlockWeight` it is DeepSeek's fine-grained fp8 GEMM: the activations are quantized at run time per token per
 bk channels of K (`act_quant`: e4m3, f32 scale amax / 448; DeepSeek's group of 128 is its weights' block), the
-products are accumulated in f32 and the output has the activations' dtype. `einsum` of a weight with no batch axis
-under a kernels backend of GEMM_KERNEL_BACKENDS runs `pallas_kernels.fp8_gemm`'s Mosaic GPU kernel where it applies
-(compiled on an sm_90 GPU, K a multiple of 128, N of 64); otherwise (other backends, batched weights, the CPU) this
+products are accumulated in f32 and the output has the activations' dtype. `einsum` under a kernels backend of
+GEMM_KERNEL_BACKENDS runs `pallas_kernels.fp8_gemm`'s Mosaic GPU kernel where it applies (compiled on an sm_90 GPU,
+K a multiple of 128, N of 64): a weight with no batch axis, or whose batch axes x lacks (the fused gate_up's pair:
+its matrices stacked along N, one GEMM; each matrix's N whole blocks); otherwise (other backends, batch axes x
+shares, the CPU) this
 module's pure-jnp reference computes the same sum: the dequantized operands multiplied in f32 (a block's two scales
 factor out of it; an optimization barrier keeps act_quant's e4m3 rounding, which XLA's GPU compiler would otherwise
 drop as excess precision).
@@ -55,8 +57,7 @@ FP8_AXES = {
     "wo": ((-3, -2), (-1,)),  # [H, V, D]
     "index_wq": ((-3,), (-2, -1)),  # [Q, I, J]
     "index_wk": ((-2,), (-1,)),  # [D, J]
-    "gate": ((-2,), (-1,)),  # [D, F]
-    "up": ((-2,), (-1,)),  # [D, F]
+    "gate_up": ((-2,), (-1,)),  # [2, D, F]: gate, then up
     "down": ((-2,), (-1,)),  # [F, D]
     "experts_gate": ((-2,), (-1,)),  # [X, D, F]
     "experts_up": ((-2,), (-1,)),  # [X, D, F]
@@ -189,16 +190,30 @@ def _fp8_einsum(equation: str, x, w: Fp8BlockWeight, backend: str):
     if set(contracted) != set(lhs) & set(rhs) - set(output) or not lhs.endswith(contracted):
         raise ValueError(f"{equation=}: an fp8 weight contracts its input axes {contracted!r}, the activations' last")
     produced = "".join(rhs[a] for a in w.out_axes)
+    stacked = "".join(rhs[a] for a in w.batch_axes)  # batch axes x lacks: their matrices stack along N
     depth = math.prod(w.shape[a] for a in w.in_axes)
     rows = x.reshape(-1, depth)
-    if (backend in GEMM_KERNEL_BACKENDS and not w.batch_axes and output == lhs[: len(lhs) - len(contracted)] + produced
-            and _gemm_applies(rows, w)):
-        values, scales = act_quant(rows, w.block[1])
-        out = pallas_kernels.fp8_gemm(values, scales, w.matrices(), w.scales, block=w.block, out_dtype=x.dtype,
+    matrices, scales = _stacked_matrices(w)
+    if (backend in GEMM_KERNEL_BACKENDS and not set(stacked) & set(lhs)
+            and output == lhs[: len(lhs) - len(contracted)] + stacked + produced and matrices is not None
+            and _gemm_applies(rows, matrices, scales, w)):
+        values, x_scales = act_quant(rows, w.block[1])
+        out = pallas_kernels.fp8_gemm(values, x_scales, matrices, scales, block=w.block, out_dtype=x.dtype,
                                       backend="mosaic")
-        return out.reshape(*x.shape[: x.ndim - len(contracted)], *(w.shape[a] for a in w.out_axes))
+        return out.reshape(*x.shape[: x.ndim - len(contracted)], *(w.shape[a] for a in w.batch_axes + w.out_axes))
     x32 = _quantized_activations(x, len(contracted), w.block[1])
     return jnp.einsum(equation, x32, dequantize(w), precision=HIGHEST).astype(x.dtype)
+
+
+def _stacked_matrices(w: Fp8BlockWeight):
+    """w's matrices and scales as one [B * N, K] GEMM operand over its batch axes (B their product; the identity
+    without them); (None, None) when a matrix's N ends mid-block, so its scale rows would not stack."""
+    matrices = w.matrices()
+    if not w.batch_axes:
+        return matrices, w.scales
+    if matrices.shape[-2] % w.block[0]:
+        return None, None
+    return matrices.reshape(-1, matrices.shape[-1]), w.scales.reshape(-1, w.scales.shape[-1])
 
 
 def quantized_rows(num_rows: int, w: Fp8BlockWeight) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
@@ -209,11 +224,11 @@ def quantized_rows(num_rows: int, w: Fp8BlockWeight) -> tuple[jax.ShapeDtypeStru
             jax.ShapeDtypeStruct((num_rows, w.scales.shape[-1]), jnp.float32))
 
 
-def _gemm_applies(rows, w: Fp8BlockWeight) -> bool:
-    """Whether `pallas_kernels.fp8_gemm`'s Mosaic kernel takes rows [M, K] times w (said once in the log when a GPU
-    run falls back to the reference, with the reasons)."""
-    reasons = pallas_kernels.unsupported("fp8_gemm", "mosaic", *quantized_rows(rows.shape[0], w), w.matrices(),
-                                         w.scales, block=w.block)
+def _gemm_applies(rows, matrices, scales, w: Fp8BlockWeight) -> bool:
+    """Whether `pallas_kernels.fp8_gemm`'s Mosaic kernel takes rows [M, K] times w's (stacked) matrices [N, K] and
+    their scales (said once in the log when a GPU run falls back to the reference, with the reasons)."""
+    reasons = pallas_kernels.unsupported("fp8_gemm", "mosaic", *quantized_rows(rows.shape[0], w), matrices, scales,
+                                         block=w.block)
     if reasons and jax.default_backend() == "gpu":
         _log_reference_once(f"{w.shape} {w.block}: " + "; ".join(reasons))
     return not reasons

@@ -22,7 +22,7 @@ FP8_BLOCK = 128
 # The leaves that DeepSeek's fp8 release stores in e4m3 (their HF tensors carry a weight_scale_inv).
 BLOCK_FP8_LEAVES = frozenset({
     "wqkv_a", "wq_b", "w_uk", "w_uv", "wo", "index_wq", "index_wk",  # attention and the indexer
-    "gate", "up", "down", "experts_gate", "experts_up", "experts_down",  # dense MLP, shared and routed experts
+    "gate_up", "down", "experts_gate", "experts_up", "experts_down",  # dense MLP, shared and routed experts
 })
 # What start-up keeps back from the pool: a tenth of the budget for the compiled programs' workspace, and one
 # layer's pools (on the H200 the prefill program allocated a buffer of one layer's latent pool: seen 2026-12-01,

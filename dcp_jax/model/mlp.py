@@ -1,5 +1,6 @@
 """The gated feed-forward block down(silu(x gate) * x up): the dense layers' MLP and DeepSeek's shared experts, with
-the random initializer of the model's projections.
+the random initializer of the model's projections. gate and up are one weight, gate_up [2, D, F] (vLLM's
+gate_up_proj), so one GEMM computes both (its pair stacked along N: `fp8_linear.einsum`); F splits over TP.
 
 Letters: R rows, D hidden, F width.
 """
@@ -19,11 +20,11 @@ def dense_param(rngs: nnx.Rngs, shape, fan_in: int, dtype) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype))
 
 
-def gated_mlp(x, gate, up, down, *, backend: str):
-    """x [..., D], gate and up [D, F], down [F, D] (plain or block fp8) -> down(silu(x gate) * x up) [..., D] in
-    x's dtype; `backend` the kernels' (`fp8_linear.einsum`)."""
-    gated = jax.nn.silu(fp8_linear.einsum("...d,df->...f", x, gate, backend=backend))
-    gated = gated * fp8_linear.einsum("...d,df->...f", x, up, backend=backend)
+def gated_mlp(x, gate_up, down, *, backend: str):
+    """x [..., D], gate_up [2, D, F] (gate, then up) and down [F, D] (plain or block fp8) -> down(silu(x gate) *
+    x up) [..., D] in x's dtype; `backend` the kernels' (`fp8_linear.einsum`)."""
+    gate_and_up = fp8_linear.einsum("...d,gdf->...gf", x, gate_up, backend=backend)
+    gated = jax.nn.silu(gate_and_up[..., 0, :]) * gate_and_up[..., 1, :]
     return fp8_linear.einsum("...f,fd->...d", gated, down, backend=backend)
 
 
@@ -31,13 +32,12 @@ class MLP(nnx.Module):
     """down(silu(gate x) * up x); also the shared experts (width moe_intermediate_size * n_shared_experts)."""
 
     def __init__(self, hidden: int, width: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.gate = dense_param(rngs, (hidden, width), hidden, dtype)
-        self.up = dense_param(rngs, (hidden, width), hidden, dtype)
+        self.gate_up = dense_param(rngs, (2, hidden, width), hidden, dtype)
         self.down = dense_param(rngs, (width, hidden), width, dtype)
 
     def partial(self, x, *, backend: str):
         """Per rank, width F split over TP ranks: x [..., D] -> this rank's share [..., D] of the output."""
-        return gated_mlp(x, self.gate.get_value(), self.up.get_value(), self.down.get_value(), backend=backend)
+        return gated_mlp(x, self.gate_up.get_value(), self.down.get_value(), backend=backend)
 
     def __call__(self, x, *, backend: str):
         """Per rank: x [..., D] -> [..., D], summed over the TP ranks; `backend` the kernels'."""

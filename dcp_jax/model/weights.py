@@ -98,12 +98,13 @@ def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ..
 
 
 def _mlp_to_ours(t: dict, prefix: str) -> dict:
-    return {"gate": t[prefix + "gate_proj.weight"].T, "up": t[prefix + "up_proj.weight"].T,
-            "down": t[prefix + "down_proj.weight"].T}
+    """HF's gate_proj and up_proj [F, D] as our gate_up [2, D, F]; down_proj [D, F] as down [F, D]."""
+    gate_up = np.stack([t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"]]).transpose(0, 2, 1)
+    return {"gate_up": gate_up, "down": t[prefix + "down_proj.weight"].T}
 
 
 def _mlp_to_hf(p: dict, prefix: str) -> dict:
-    return {prefix + "gate_proj.weight": p["gate"].T, prefix + "up_proj.weight": p["up"].T,
+    return {prefix + "gate_proj.weight": p["gate_up"][0].T, prefix + "up_proj.weight": p["gate_up"][1].T,
             prefix + "down_proj.weight": p["down"].T}
 
 
@@ -294,8 +295,9 @@ def _layer_scales_to_ours(cfg: ModelConfig, scales: dict[str, np.ndarray], block
     attention = {"wqkv_a": wqkv_a, "wq_b": scales[a + "q_b_proj.weight"], "w_uk": kv_b[:, :nope_blocks],
                  "w_uv": kv_b[:, nope_blocks:], "wo": scales[a + "o_proj.weight"],
                  "index_wq": scales[a + "indexer.wq_b.weight"], "index_wk": scales[a + "indexer.wk.weight"]}
-    def mlp_scales(prefix):
-        return {kind: scales[f"{prefix}{kind}_proj.weight"] for kind in ("gate", "up", "down")}
+    def mlp_scales(prefix):  # gate_proj's and up_proj's grids stacked, as their weights
+        return {"gate_up": np.stack([scales[f"{prefix}gate_proj.weight"], scales[f"{prefix}up_proj.weight"]]),
+                "down": scales[f"{prefix}down_proj.weight"]}
 
     if is_moe:
         experts = range(cfg.n_routed_experts)

@@ -28,11 +28,13 @@ def _act_quant_numpy(x, group):
 
 
 def _blockwise_gemm_numpy(x, w: fp8_linear.Fp8BlockWeight):
-    """x [M, K] times an unbatched w (matrices [N, K]) as DeepSeek's fp8 GEMM sums it, in float64: out[m, n] = sum
-    over input blocks b of x_scale[m, b] * w_scale[n // bn, b] * sum_{k in b} x8[m, k] * w8[n, k]."""
+    """x [M, K] times w's matrices [N, K] (over its batch axes stacked along N: `_stacked_matrices`) as DeepSeek's fp8
+    GEMM sums it, in float64: out[m, n] = sum over input blocks b of x_scale[m, b] * w_scale[n // bn, b] *
+    sum_{k in b} x8[m, k] * w8[n, k]."""
     bn, bk = w.block
     x8, xs = _act_quant_numpy(np.asarray(x, np.float32), bk)
-    w8, ws = np.asarray(w.matrices()).astype(np.float64), np.asarray(w.scales, np.float64)
+    matrices, scales = fp8_linear._stacked_matrices(w)
+    w8, ws = np.asarray(matrices).astype(np.float64), np.asarray(scales, np.float64)
     out = np.zeros((x.shape[0], w8.shape[0]))
     for b in range(ws.shape[1]):
         rows = slice(b * bk, (b + 1) * bk)
@@ -120,11 +122,13 @@ def test_fp8_leaves_are_the_memory_plans():
 @pytest.mark.parametrize("equation, x_shape, w_shape, leaf", [
     ("rq,qhk->rhk", (5, 32), (32, 4, 24), "wq_b"),
     ("rhv,hvd->rd", (3, 4, 8), (4, 8, 48), "wo"),
-    ("...d,df->...f", (2, 3, 64), (64, 40), "gate"),
+    ("...d,df->...f", (2, 3, 64), (64, 40), "down"),
+    ("...d,gdf->...gf", (2, 3, 64), (2, 64, 48), "gate_up"),
 ])
 def test_the_gemm_path_equals_the_reference_path(monkeypatch, equation, x_shape, w_shape, leaf):
     """einsum through `pallas_kernels.fp8_gemm` (its reference standing in for the GPU kernel: the rows, the
-    K-major matrices and the output's axes as the kernel gets and gives them) equals the dequantized einsum."""
+    K-major matrices, stacked along N over batch axes x lacks, and the output's axes as the kernel gets and gives
+    them) equals the dequantized einsum."""
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
     plain = jnp.asarray(rng.standard_normal(w_shape), jnp.float32)
@@ -136,7 +140,7 @@ def test_the_gemm_path_equals_the_reference_path(monkeypatch, equation, x_shape,
         calls.append(backend)
         return kernel_op(*args, backend="reference", **kwargs)
 
-    monkeypatch.setattr(fp8_linear, "_gemm_applies", lambda rows, w: True)
+    monkeypatch.setattr(fp8_linear, "_gemm_applies", lambda *args: True)
     monkeypatch.setattr(fp8_linear.pallas_kernels, "fp8_gemm", reference_gemm)
     assert fp8_linear.einsum(equation, x, w, backend="reference") is not None and not calls  # no kernel asked
     got = fp8_linear.einsum(equation, x, w, backend=fp8_linear.GEMM_KERNEL_BACKENDS[0])
@@ -144,11 +148,27 @@ def test_the_gemm_path_equals_the_reference_path(monkeypatch, equation, x_shape,
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("equation, x_shape, w_shape, leaf", [
+    ("...d,gdf->...gf", (2, 3, 64), (2, 64, 40), "gate_up"),  # each matrix's N ends mid-block: scales cannot stack
+    ("rhc,hnc->rhn", (3, 4, 32), (4, 16, 32), "w_uk"),  # a batch axis x shares: one product a head
+])
+def test_batched_weights_the_gemm_cannot_take_multiply_in_xla(monkeypatch, equation, x_shape, w_shape, leaf):
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
+    w = fp8_linear.quantize(jnp.asarray(rng.standard_normal(w_shape), jnp.float32), (16, 16),
+                            *fp8_linear.FP8_AXES[leaf])
+    monkeypatch.setattr(fp8_linear, "_gemm_applies", lambda *args: True)
+    monkeypatch.setattr(fp8_linear.pallas_kernels, "fp8_gemm", lambda *args, **kwargs: pytest.fail("GEMM kernel"))
+    got = fp8_linear.einsum(equation, x, w, backend=fp8_linear.GEMM_KERNEL_BACKENDS[0])
+    np.testing.assert_array_equal(got, fp8_linear.einsum(equation, x, w, backend="reference"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("equation, x_shape, w_shape, leaf", [
     ("rq,qhk->rhk", (40, 1536), (1536, 4, 192), "wq_b"),
     ("rhv,hvd->rd", (300, 4, 128), (4, 128, 512), "wo"),
-    ("...d,df->...f", (2, 3, 512), (512, 576), "gate"),
+    ("...d,df->...f", (2, 3, 512), (512, 576), "down"),
+    ("...d,gdf->...gf", (2, 3, 512), (2, 512, 640), "gate_up"),
 ])
 def test_einsum_runs_the_fp8_gemm_kernel_on_the_gpu(equation, x_shape, w_shape, leaf):
     """On an H100 / H200 an fp8 linear layer runs the Mosaic fp8 GEMM: within fp8 tensor-core accumulation and a
@@ -158,7 +178,7 @@ def test_einsum_runs_the_fp8_gemm_kernel_on_the_gpu(equation, x_shape, w_shape, 
     plain = jnp.asarray(rng.standard_normal(w_shape) / np.sqrt(np.prod(x_shape[1:])), jnp.float32)
     w = fp8_linear.quantize(plain, (128, 128), *fp8_linear.FP8_AXES[leaf])
     rows = x.reshape(-1, int(np.prod([w.shape[a] for a in w.in_axes])))
-    assert fp8_linear._gemm_applies(rows, w)
+    assert fp8_linear._gemm_applies(rows, *fp8_linear._stacked_matrices(w), w)
     kernel = fp8_linear.GEMM_KERNEL_BACKENDS[0]
     got = np.asarray(jax.jit(lambda x, w: fp8_linear.einsum(equation, x, w, backend=kernel))(x, w), np.float32)
     want = _blockwise_gemm_numpy(rows, w).reshape(got.shape)

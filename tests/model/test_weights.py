@@ -72,6 +72,12 @@ def test_fp8_values_kept_k_major_are_the_checkpoints_bytes(tensors):
         np.testing.assert_array_equal(values, np.concatenate([hf["self_attn.q_a_proj.weight"],
                                                               hf["self_attn.kv_a_proj_with_mqa.weight"]]))
         assert values.flags.c_contiguous
+        mlp, hf_mlp = (ours["mlp"]["shared"], "mlp.shared_experts.") if "shared" in ours["mlp"] else (ours["mlp"],
+                                                                                                      "mlp.")
+        values = fp8_linear.from_plain_layout(mlp["gate_up"], None, BLOCK, *fp8_linear.FP8_AXES["gate_up"]).values
+        np.testing.assert_array_equal(values, np.stack([hf[hf_mlp + "gate_proj.weight"],
+                                                        hf[hf_mlp + "up_proj.weight"]]))
+        assert values.flags.c_contiguous
         if "experts_gate" in ours["mlp"]:
             for kind in ("gate", "up", "down"):
                 leaf = f"experts_{kind}"
