@@ -40,9 +40,11 @@ from bench.common import (copy_tbps, kernel_durations_us, matmul_tflops, median_
 from dcp_jax.model import fp8_linear  # noqa: E402
 from dcp_jax.model.memory_plan import FP8_BLOCK  # noqa: E402
 
-# DeepSeek-V3.2's block-fp8 linear layers at TP 1, (N, K) = (out, in).
-SHAPES = {"wq_b": (24576, 1536), "wqkv_a": (2112, 7168), "wo": (7168, 16384), "mlp_gate": (18432, 7168),
-          "mlp_down": (7168, 18432)}
+# DeepSeek-V3.2's block-fp8 linear layers at TP 1, (N, K) = (out, in): the dense layers' gate_up (gate_proj and
+# up_proj stacked along N, one GEMM since stop 49; mlp_gate is one of them, the GEMM before) and the shared
+# experts' gate_up.
+SHAPES = {"wq_b": (24576, 1536), "wqkv_a": (2112, 7168), "wo": (7168, 16384), "mlp_gate_up": (36864, 7168),
+          "mlp_gate": (18432, 7168), "mlp_down": (7168, 18432), "shared_gate_up": (4096, 7168)}
 ROTATION_BYTES = 256 << 20
 BLOCK = (FP8_BLOCK, FP8_BLOCK)  # DeepSeek-V3.2's weight_block_size
 

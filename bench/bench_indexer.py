@@ -17,7 +17,8 @@ compile per shape: XLA compiles a Triton kernel in seconds, far longer than it r
 Effective TB/s counts key and scale bytes of the valid tokens; the copy ceiling (x -> x + 1 on 4 GB, read +
 write) is measured in the same run.
 `--modes fp8-chunk` (or bf16-chunk) times a prefill chunk instead: B consecutive query tokens of one sequence of
-L tokens, causal, one block table (`--knobs '[{}, {"rows_per_cta": 4}]'` compares the Mosaic kernel's rows a CTA).
+L tokens, causal, one block table (`--knobs '[{"rows_per_cta": 1}, {"rows_per_cta": 2}]'` compares the Mosaic
+kernel's rows a CTA; `{}` is its default, 2 from 2048 rows).
 `--modes fp8+topk` times the indexer followed by the top-k (k=2048, column order, as the decode layer runs it)
 in one program: the sum of its kernels, the logits read back from L2. With the default knobs that is
 `pallas_kernels.indexer_top_k`, which fuses the top-k's maxima pass into the Mosaic indexer where it can (three

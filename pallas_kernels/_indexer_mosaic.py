@@ -245,10 +245,11 @@ def prepare(weights, block_tables, lens, pages_per_cta: int):
 
 # CTAs own up to 16 pages (1024 tokens), fewer while that gives under 1024 CTAs (several per SM).
 _MAX_PAGES_PER_CTA, _MIN_CTAS = 16, 1024
-# Calls of at least this many rows (the engine's steps of a 2048-token prefill chunk) score rows in pairs: a
-# 2048-token chunk causal to 32K took 1244.6 us against 1402.3 one row a CTA, and four rows 1283.2 (H100, stop 48,
-# docs/performance.md). Decode rows were not timed in pairs (a pair of two sequences' rows runs row by row on half
-# the CTAs), so smaller calls keep one row a CTA.
+# Calls of at least this many rows (the engine's steps of a 2048-token prefill chunk; not its two-batch-overlap
+# halves, nor steps under a smaller token budget) score rows in pairs: a 2048-token chunk causal to 32K took
+# 1244.6 us against 1402.3 one row a CTA, and four rows 1283.2 (H100, stop 48, docs/performance.md). Decode rows
+# were not timed in pairs (a pair of two sequences' rows runs row by row on half the CTAs), so smaller calls keep
+# one row a CTA.
 SHARED_ROWS_MIN = 2048
 
 
@@ -312,8 +313,8 @@ def fuses_group_maxima(k_cache, block_tables, k: int) -> bool:
 
 
 def indexer_top_k(q, weights, k_cache, block_tables, lens, *, k: int, k_scale, sorted=True, pages_per_cta=None,
-                  stages=4, rows_per_cta=1):
-    """Top-k of this kernel's logits: the top-k's maxima pass fused in where `fuses_group_maxima`, else this
+                  stages=4, rows_per_cta=None):
+    """Top-k of this kernel's logits (rows_per_cta None: `default_rows_per_cta`, as `indexer_logits`): the top-k's maxima pass fused in where `fuses_group_maxima`, else this
     kernel's logits through the whole Triton top-k."""
     knobs = dict(k_scale=k_scale, pages_per_cta=pages_per_cta, stages=stages, rows_per_cta=rows_per_cta)
     if fuses_group_maxima(k_cache, block_tables, k):

@@ -169,10 +169,12 @@ def test_mosaic_kernel_lowers_for_cuda(rows, heads, max_blocks, pages_per_cta, s
         lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("entry", ["indexer_logits", "indexer_top_k"])
 @pytest.mark.parametrize("rows, rows_per_cta", [(2048, 2), (2047, 1), (8, 1)])
-def test_mosaic_pairs_the_rows_of_prefill_sized_calls(monkeypatch, rows, rows_per_cta):
-    """By default calls of SHARED_ROWS_MIN (2048) rows or more score rows in pairs; smaller ones (decode steps) one
-    row a CTA; and the call lowers for CUDA."""
+def test_mosaic_pairs_the_rows_of_prefill_sized_calls(monkeypatch, entry, rows, rows_per_cta):
+    """By default calls of SHARED_ROWS_MIN (2048) rows or more score rows in pairs, through the logits and through
+    the top-k (the engine's call, here with the group maxima fused); smaller ones (decode steps) one row a CTA; and
+    the logits call lowers for CUDA (the top-k's Triton kernels lower only where a GPU is)."""
     fp8 = jnp.float8_e4m3fn
     S = jax.ShapeDtypeStruct
     args = (S((rows, 64, indexer_mosaic.DIM), fp8), S((rows, 64), jnp.float32),
@@ -180,10 +182,17 @@ def test_mosaic_pairs_the_rows_of_prefill_sized_calls(monkeypatch, rows, rows_pe
     kernel, chosen = indexer_mosaic.indexer_logits_pages, []
     monkeypatch.setattr(indexer_mosaic, "indexer_logits_pages",
                         lambda *a, **knobs: chosen.append(knobs["rows_per_cta"]) or kernel(*a, **knobs))
-    call = jax.jit(lambda q, w, keys, tables, lens: indexer_mosaic.indexer_logits(
-        q, w, keys, tables, lens, k_scale=jnp.ones(keys.shape[:2], jnp.float32)))
-    call.trace(*args).lower(lowering_platforms=("cuda",))
+    extra = dict(k=64) if entry == "indexer_top_k" else {}
+    call = jax.jit(lambda q, w, keys, tables, lens: getattr(indexer_mosaic, entry)(
+        q, w, keys, tables, lens, k_scale=jnp.ones(keys.shape[:2], jnp.float32), **extra))
+    traced = call.trace(*args)
+    if entry == "indexer_logits":
+        traced.lower(lowering_platforms=("cuda",))
     assert chosen == [rows_per_cta]
+
+
+def test_mosaic_rows_are_not_paired_when_two_rows_heads_pass_one_wgmma():
+    assert indexer_mosaic.default_rows_per_cta(4096, 128) == 2
     assert indexer_mosaic.default_rows_per_cta(4096, 256) == 1  # 256 heads fill one wgmma N alone
 
 
