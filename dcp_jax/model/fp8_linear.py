@@ -2,11 +2,12 @@
 
 Format (`Fp8BlockWeight`): `values` float8_e4m3fn holding the plain weight (our layout: `deepseek_v32.py`) with
 its axes reordered batch, output, input (`in_axes` / `out_axes` name them in our layout; the leading others are
-batch axes: the experts X, the heads H of w_uk / w_uv, whose rows are blocks of kv_b_proj's). So each matrix is
-[N, K], K-major, the checkpoint's own [out, in]: fp8 tensor cores read both operands K-major. `scales` f32
-[*batch, ceil(N / bn), ceil(K / bk)], the checkpoint's `weight_scale_inv` grid. K is the product of the input
-axes, N of the output axes; (bn, bk) = `block` is HF's weight_block_size: bn output rows by bk input columns; edge
-blocks are partial. A weight element is its e4m3 value times its block's scale. `shape` is the plain weight's.
+batch axes: the experts X, the heads H of w_uk / w_uv, whose rows are blocks of kv_b_proj's, gate_up's pair of
+gate_proj and up_proj). So each matrix is [N, K], K-major, the checkpoint's own [out, in]: fp8 tensor cores read
+both operands K-major. `scales` f32 [*batch, ceil(N / bn), ceil(K / bk)], the checkpoint's `weight_scale_inv`
+grid. K is the product of the input axes, N of the output axes; (bn, bk) = `block` is HF's weight_block_size: bn
+output rows by bk input columns; edge blocks are partial. A weight element is its e4m3 value times its block's
+scale. `shape` is the plain weight's.
 
 Sharding (`weight_spec`): the values split as the plain weight's axes they hold; the scales' batch axes as the
 values', their output-block axis as the first output axis, their input-block axis as the first input axis. A
@@ -19,10 +20,9 @@ products are accumulated in f32 and the output has the activations' dtype. `eins
 GEMM_KERNEL_BACKENDS runs `pallas_kernels.fp8_gemm`'s Mosaic GPU kernel where it applies (compiled on an sm_90 GPU,
 K a multiple of 128, N of 64): a weight with no batch axis, or whose batch axes x lacks (the fused gate_up's pair:
 its matrices stacked along N, one GEMM; each matrix's N whole blocks); otherwise (other backends, batch axes x
-shares, the CPU) this
-module's pure-jnp reference computes the same sum: the dequantized operands multiplied in f32 (a block's two scales
-factor out of it; an optimization barrier keeps act_quant's e4m3 rounding, which XLA's GPU compiler would otherwise
-drop as excess precision).
+shares, the CPU) this module's pure-jnp reference computes the same sum: the dequantized operands multiplied in
+f32 (a block's two scales factor out of it; an optimization barrier keeps act_quant's e4m3 rounding, which XLA's
+GPU compiler would otherwise drop as excess precision).
 """
 
 from __future__ import annotations
@@ -194,8 +194,10 @@ def _fp8_einsum(equation: str, x, w: Fp8BlockWeight, backend: str):
     depth = math.prod(w.shape[a] for a in w.in_axes)
     rows = x.reshape(-1, depth)
     matrices, scales = _stacked_matrices(w)
-    if (backend in GEMM_KERNEL_BACKENDS and not set(stacked) & set(lhs)
-            and output == lhs[: len(lhs) - len(contracted)] + stacked + produced and matrices is not None
+    # The output letters must be x's uncontracted ones, then the weight's batch letters (so x lacks them: an
+    # einsum output names a letter once), then its output ones.
+    if (backend in GEMM_KERNEL_BACKENDS and output == lhs[: len(lhs) - len(contracted)] + stacked + produced
+            and matrices is not None
             and _gemm_applies(rows, matrices, scales, w)):
         values, x_scales = act_quant(rows, w.block[1])
         out = pallas_kernels.fp8_gemm(values, x_scales, matrices, scales, block=w.block, out_dtype=x.dtype,

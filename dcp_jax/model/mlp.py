@@ -1,6 +1,7 @@
 """The gated feed-forward block down(silu(x gate) * x up): the dense layers' MLP and DeepSeek's shared experts, with
 the random initializer of the model's projections. gate and up are one weight, gate_up [2, D, F] (vLLM's
-gate_up_proj), so one GEMM computes both (its pair stacked along N: `fp8_linear.einsum`); F splits over TP.
+gate_up_proj); in block fp8 one GEMM computes both (its pair stacked along N: `fp8_linear.einsum`). F splits over
+TP.
 
 Letters: R rows, D hidden, F width.
 """
@@ -23,8 +24,12 @@ def dense_param(rngs: nnx.Rngs, shape, fan_in: int, dtype) -> nnx.Param:
 def gated_mlp(x, gate_up, down, *, backend: str):
     """x [..., D], gate_up [2, D, F] (gate, then up) and down [F, D] (plain or block fp8) -> down(silu(x gate) *
     x up) [..., D] in x's dtype; `backend` the kernels' (`fp8_linear.einsum`)."""
-    gate_and_up = fp8_linear.einsum("...d,gdf->...gf", x, gate_up, backend=backend)
-    gated = jax.nn.silu(gate_and_up[..., 0, :]) * gate_and_up[..., 1, :]
+    if fp8_linear.is_fp8(gate_up):
+        gate_and_up = fp8_linear.einsum("...d,gdf->...gf", x, gate_up, backend=backend)
+        gate, up = gate_and_up[..., 0, :], gate_and_up[..., 1, :]
+    else:  # one plain [2, D, F] product would copy the weight into [D, 2F] each call (CPU's XLA did): two products
+        gate, up = (fp8_linear.einsum("...d,df->...f", x, gate_up[i], backend=backend) for i in range(2))
+    gated = jax.nn.silu(gate) * up
     return fp8_linear.einsum("...f,fd->...d", gated, down, backend=backend)
 
 

@@ -115,7 +115,7 @@ def _stacked_experts(t: dict[str, np.ndarray], kind: str, experts) -> np.ndarray
 
 def layer_to_ours(cfg: ModelConfig, layer: int, t: dict[str, np.ndarray]) -> dict:
     """One decoder layer: HF tensors (names relative to `model.layers.{layer}.`) -> our pure-dict params. The
-    projections are views of the HF [out, in] tensors (wqkv_a and the routed experts one stacked copy), so the
+    projections are views of the HF [out, in] tensors (wqkv_a, gate_up and the routed experts one stacked copy), so the
     block-fp8 values kept K-major (`fp8_linear.from_plain_layout`) are the checkpoint's bytes in their own order."""
     h, n, d = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.hidden_size
     q, i = cfg.q_lora_rank, cfg.index_n_heads

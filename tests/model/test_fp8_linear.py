@@ -28,20 +28,23 @@ def _act_quant_numpy(x, group):
 
 
 def _blockwise_gemm_numpy(x, w: fp8_linear.Fp8BlockWeight):
-    """x [M, K] times w's matrices [N, K] (over its batch axes stacked along N: `_stacked_matrices`) as DeepSeek's fp8
-    GEMM sums it, in float64: out[m, n] = sum over input blocks b of x_scale[m, b] * w_scale[n // bn, b] *
+    """x [M, K] times each of w's matrices [N, K] (side by side over its batch axes, in order) as DeepSeek's fp8 GEMM
+    sums it, in float64: out[m, n] = sum over input blocks b of x_scale[m, b] * w_scale[n // bn, b] *
     sum_{k in b} x8[m, k] * w8[n, k]."""
     bn, bk = w.block
     x8, xs = _act_quant_numpy(np.asarray(x, np.float32), bk)
-    matrices, scales = fp8_linear._stacked_matrices(w)
-    w8, ws = np.asarray(matrices).astype(np.float64), np.asarray(scales, np.float64)
-    out = np.zeros((x.shape[0], w8.shape[0]))
-    for b in range(ws.shape[1]):
-        rows = slice(b * bk, (b + 1) * bk)
-        partial = x8[:, rows].astype(np.float64) @ w8[:, rows].T
-        per_column = np.repeat(ws[:, b], bn)[: w8.shape[0]]
-        out += xs[:, b : b + 1].astype(np.float64) * per_column * partial
-    return out
+    matrices = np.asarray(w.matrices()).astype(np.float64)
+    all_scales = np.asarray(w.scales, np.float64)
+    outs = []
+    for w8, ws in zip(matrices.reshape(-1, *matrices.shape[-2:]), all_scales.reshape(-1, *all_scales.shape[-2:])):
+        out = np.zeros((x.shape[0], w8.shape[0]))
+        for b in range(ws.shape[1]):
+            rows = slice(b * bk, (b + 1) * bk)
+            partial = x8[:, rows].astype(np.float64) @ w8[:, rows].T
+            per_column = np.repeat(ws[:, b], bn)[: w8.shape[0]]
+            out += xs[:, b : b + 1].astype(np.float64) * per_column * partial
+        outs.append(out)
+    return np.concatenate(outs, axis=1)
 
 
 @pytest.mark.parametrize("m, k, n, block", [(1, 256, 128, (128, 128)), (5, 200, 130, (128, 128)),
@@ -106,6 +109,9 @@ def test_scale_specs_follow_the_split_axes():
     spec = fp8_linear.weight_spec(experts, P(None, HEADS, None))  # values [X, D, F]: F split
     assert spec.values == P(None, None, HEADS) and spec.scales == P(None, None, HEADS)
     assert fp8_linear.weight_spec(experts, P(HEADS, None, None)).scales == P(HEADS, None, None)
+    gate_up = fp8_linear.quantize(jnp.ones((2, 16, 32)), (16, 16), *fp8_linear.FP8_AXES["gate_up"])
+    spec = fp8_linear.weight_spec(gate_up, P(None, None, HEADS))  # values [2, F, D]: F split, the pair whole
+    assert spec.values == P(None, HEADS, None) and spec.scales == P(None, HEADS, None)
     for w, plain in ((wq_b, P(None, HEADS, None)), (wo, P(HEADS, None, None)), (experts, P(None, None, HEADS))):
         assert fp8_linear.plain_spec(w, fp8_linear.weight_spec(w, plain).values) == plain
     fp8_linear.check_shardable("wo", wo, P(HEADS, None, None), {"dcp_group": 1, "dcp": 2})
@@ -197,7 +203,8 @@ def test_the_dequantized_path_quantizes_the_activations_under_jit_on_the_gpu():
 
 @pytest.mark.parametrize("leaf, shape, spec", [
     ("wq_b", (3, 32, 2, 24), P(None, None, HEADS, None)), ("wo", (3, 2, 16, 48), P(None, HEADS, None, None)),
-    ("w_uk", (3, 2, 16, 32), P(None, HEADS, None, None)), ("experts_down", (3, 4, 32, 16), P(None, None, HEADS, None))])
+    ("w_uk", (3, 2, 16, 32), P(None, HEADS, None, None)), ("experts_down", (3, 4, 32, 16), P(None, None, HEADS, None)),
+    ("gate_up", (3, 2, 32, 48), P(None, None, None, HEADS))])
 def test_a_leaf_stacked_over_layers_is_its_layers_quantized_alone(leaf, shape, spec):
     """Weights stacked over layers (`deepseek_v32.LayerStack`: a leading L axis, the FP8_AXES counted from the last)
     keep the plain shape, and each layer's values and scales are those of quantizing it alone."""

@@ -56,8 +56,8 @@ def test_layer_converters_are_inverse(tensors):
 
 def test_fp8_values_kept_k_major_are_the_checkpoints_bytes(tensors):
     """The K-major values of the fp8 leaves are views of the HF [out, in] tensors (no host copy); wqkv_a (q_a_proj
-    then kv_a_proj_with_mqa) and the routed experts are one stacked copy in the checkpoint's order (contiguous:
-    placing them copies nothing more)."""
+    then kv_a_proj_with_mqa), gate_up (gate_proj and up_proj) and the routed experts are one stacked copy in the
+    checkpoint's order (contiguous: placing them copies nothing more)."""
     for layer in range(CFG.num_hidden_layers):
         prefix = f"model.layers.{layer}."
         hf = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
@@ -72,8 +72,10 @@ def test_fp8_values_kept_k_major_are_the_checkpoints_bytes(tensors):
         np.testing.assert_array_equal(values, np.concatenate([hf["self_attn.q_a_proj.weight"],
                                                               hf["self_attn.kv_a_proj_with_mqa.weight"]]))
         assert values.flags.c_contiguous
-        mlp, hf_mlp = (ours["mlp"]["shared"], "mlp.shared_experts.") if "shared" in ours["mlp"] else (ours["mlp"],
-                                                                                                      "mlp.")
+        if "shared" in ours["mlp"]:
+            mlp, hf_mlp = ours["mlp"]["shared"], "mlp.shared_experts."
+        else:
+            mlp, hf_mlp = ours["mlp"], "mlp."
         values = fp8_linear.from_plain_layout(mlp["gate_up"], None, BLOCK, *fp8_linear.FP8_AXES["gate_up"]).values
         np.testing.assert_array_equal(values, np.stack([hf[hf_mlp + "gate_proj.weight"],
                                                         hf[hf_mlp + "up_proj.weight"]]))
@@ -106,6 +108,7 @@ def test_load_places_heads_and_experts_split_and_save_round_trips(checkpoint, te
     assert mlp["experts_gate"].addressable_shards[0].data.shape == (moe.count, CFG.n_routed_experts,
                                                                      CFG.hidden_size, CFG.moe_intermediate_size // 4)
     assert _spec(mlp["shared"]["down"]) == P(None, HEADS, None)
+    assert _spec(mlp["shared"]["gate_up"]) == P(None, None, None, HEADS)  # [L, 2, D, F]: F split, the pair whole
     assert _spec(mlp["router"]) == P(None, None, None)  # replicated
     # HF's kv_b_proj rows are [k_nope | v] per head: w_uk is the first qk_nope_head_dim rows of head 0.
     kv_b = tensors["model.layers.0.self_attn.kv_b_proj.weight"]
