@@ -171,8 +171,12 @@ def test_min_tokens_holds_stop_tokens_back_until_past_it(server, client):
     tokens = server.tokens.encode("abc", add_special_tokens=False)
     plain = completion_tokens(client, prompt=tokens, max_tokens=8, logprobs=0, extra_body={"ignore_eos": True})
     third = plain.choices[0].logprobs.tokens[2]
-    stop_id = server.tokens.encode(third, add_special_tokens=False)[0] if not third.startswith("bytes:") else \
-        int(third[len("bytes:\\x"):], 16) + server.engine.tokenizer.offset
+    if third.startswith("<id:"):  # `TokenizerView.token_text`: an id past the byte tokens
+        stop_id = int(third[len("<id:"):-1])
+    elif third.startswith("bytes:"):
+        stop_id = int(third[len("bytes:\\x"):], 16) + server.engine.tokenizer.offset
+    else:
+        stop_id = server.tokens.encode(third, add_special_tokens=False)[0]
     stopped = completion_tokens(client, prompt=tokens, max_tokens=8,
                                 extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
     assert stopped.usage.completion_tokens == 3 and stopped.choices[0].finish_reason == "stop"
