@@ -76,6 +76,11 @@ def make_cache(dtype):
     return cache.astype(dtype)
 
 
+def query_dtype(cache):
+    """The queries' dtype for a cache: bf16 for an fp8 latent cache, else the cache's."""
+    return jnp.bfloat16 if isinstance(cache, Fp8LatentCache) else cache.dtype
+
+
 def make_sets(seed, num_sets, rows, heads, count, dtype):
     """Stacked q [N, R, H, Dq], slots [N, R, k] (random rows of the whole cache, -1 past count), counts [N, R]."""
     key_q, key_s = jax.random.split(jax.random.key(seed))
@@ -149,10 +154,9 @@ def time_kernel(cache, rows, heads, dcp, **knobs) -> dict:
     run on the backend they need (`common.knobs_with_backend`), which the result's knobs record."""
     count = TOPK // dcp
     set_bytes = rows * count * token_bytes(cache)
-    q_dtype = jnp.bfloat16 if isinstance(cache, Fp8LatentCache) else cache.dtype
     sets_per_call = SETS_PER_CALL_LARGE if set_bytes * SETS_PER_CALL_LARGE >= ROTATE_BYTES else SETS_PER_CALL_SMALL
     num_groups = max(1, min(MAX_GROUPS, math.ceil(ROTATE_BYTES / (set_bytes * sets_per_call))))
-    groups = [(*make_sets(100 + g, sets_per_call, rows, heads, count, q_dtype), cache)
+    groups = [(*make_sets(100 + g, sets_per_call, rows, heads, count, query_dtype(cache)), cache)
               for g in range(num_groups)]
     q, slots, counts, _ = groups[0]
     knobs = knobs_with_backend("sparse_mla_decode", knobs, q[0], cache, slots[0], counts[0], SM_SCALE)
@@ -177,8 +181,7 @@ def time_xla_reference(cache, rows, heads) -> dict:
 def kernel_breakdown(cache, rows, heads, dcp, calls=20, **knobs) -> dict:
     """Per GPU kernel of one `sparse_mla_decode` call with these knobs (the Pallas kernel and the XLA ops around
     it): median duration over `calls` calls, from a profiler trace."""
-    q_dtype = jnp.bfloat16 if isinstance(cache, Fp8LatentCache) else cache.dtype
-    q, slots, counts = make_sets(300, 1, rows, heads, TOPK // dcp, q_dtype)
+    q, slots, counts = make_sets(300, 1, rows, heads, TOPK // dcp, query_dtype(cache))
     args = (q[0], cache, slots[0], counts[0])
     knobs = knobs_with_backend("sparse_mla_decode", knobs, *args, SM_SCALE)
     run = jax.jit(functools.partial(pallas_kernels.sparse_mla_decode, sm_scale=SM_SCALE, **knobs))

@@ -314,8 +314,9 @@ def fuses_group_maxima(k_cache, block_tables, k: int) -> bool:
 
 def indexer_top_k(q, weights, k_cache, block_tables, lens, *, k: int, k_scale, sorted=True, pages_per_cta=None,
                   stages=4, rows_per_cta=None):
-    """Top-k of this kernel's logits (rows_per_cta None: `default_rows_per_cta`, as `indexer_logits`): the top-k's maxima pass fused in where `fuses_group_maxima`, else this
-    kernel's logits through the whole Triton top-k."""
+    """Top-k of this kernel's logits: the top-k's maxima pass fused in where `fuses_group_maxima`, else this
+    kernel's logits through the whole Triton top-k. Knobs as `indexer_logits` (rows_per_cta None:
+    `default_rows_per_cta`)."""
     knobs = dict(k_scale=k_scale, pages_per_cta=pages_per_cta, stages=stages, rows_per_cta=rows_per_cta)
     if fuses_group_maxima(k_cache, block_tables, k):
         logits, maxima = indexer_logits_and_group_maxima(q, weights, k_cache, block_tables, lens, **knobs)

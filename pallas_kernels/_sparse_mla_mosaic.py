@@ -142,9 +142,8 @@ def _dequantized(words, scale_pair):
 
 
 def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem, *,
-                         first_row=0, tokens=BLOCK_S):
-    """A producer warpgroup's fp8 gather of the block's rows first_row .. first_row + tokens - 1 (all of them, or
-    one producer's half): copies the e4m3 latent, scales and rope of the cache rows named by slots_ref [64] with
+                         first_row, tokens):
+    """A producer warpgroup's fp8 gather of the block's rows first_row .. first_row + tokens - 1 (its share): copies the e4m3 latent, scales and rope of the cache rows named by slots_ref [64] with
     cp.async (zero-filling rows at or past info_ref[0]): the rope into slab 8 of kv_smem ([9, 64, 64] bf16,
     (8, 64)-tiled, 128B-swizzled), the scales into scales_smem [64, 4], the e4m3 bytes into these rows' part of
     slabs 4 .. 7 as staged slabs ([tokens, 64 bytes] each); then dequantizes them into these rows of slabs 0 .. 7
@@ -157,7 +156,7 @@ def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, 
     before it), so that no slab is written before its staged bytes are read.
     Every byte a producer stages and writes lies in its own rows, so producers need no barrier between them."""
     rows_per_warp = tokens // 4
-    scale_bytes = tokens // 8  # scale bytes a thread copies (8 or 4: a cp.async size)
+    scale_bytes = tokens // 8  # scale bytes a thread copies (a cp.async size: 4 for two producers' 32 rows)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
                                   plgpu.RefType(), plgpu.RefType(transforms=_tiled((8, SLAB))), plgpu.RefType()))

@@ -193,16 +193,16 @@ def _fp8_einsum(equation: str, x, w: Fp8BlockWeight, backend: str):
     stacked = "".join(rhs[a] for a in w.batch_axes)  # batch axes x lacks: their matrices stack along N
     depth = math.prod(w.shape[a] for a in w.in_axes)
     rows = x.reshape(-1, depth)
-    matrices, scales = _stacked_matrices(w)
     # The output letters must be x's uncontracted ones, then the weight's batch letters (so x lacks them: an
     # einsum output names a letter once), then its output ones.
-    if (backend in GEMM_KERNEL_BACKENDS and output == lhs[: len(lhs) - len(contracted)] + stacked + produced
-            and matrices is not None
-            and _gemm_applies(rows, matrices, scales, w)):
-        values, x_scales = act_quant(rows, w.block[1])
-        out = pallas_kernels.fp8_gemm(values, x_scales, matrices, scales, block=w.block, out_dtype=x.dtype,
-                                      backend="mosaic")
-        return out.reshape(*x.shape[: x.ndim - len(contracted)], *(w.shape[a] for a in w.batch_axes + w.out_axes))
+    if backend in GEMM_KERNEL_BACKENDS and output == lhs[: len(lhs) - len(contracted)] + stacked + produced:
+        matrices, scales = _stacked_matrices(w)
+        if matrices is not None and _gemm_applies(rows, matrices, scales, w):
+            values, x_scales = act_quant(rows, w.block[1])
+            out = pallas_kernels.fp8_gemm(values, x_scales, matrices, scales, block=w.block, out_dtype=x.dtype,
+                                          backend="mosaic")
+            return out.reshape(*x.shape[: x.ndim - len(contracted)],
+                               *(w.shape[a] for a in w.batch_axes + w.out_axes))
     x32 = _quantized_activations(x, len(contracted), w.block[1])
     return jnp.einsum(equation, x32, dequantize(w), precision=HIGHEST).astype(x.dtype)
 
