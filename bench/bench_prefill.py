@@ -33,7 +33,8 @@ if __name__ == "__main__":  # run as a script: the repository root on the path
 import numpy as np
 
 from bench.common import median_seconds, run_info
-from dcp_jax.config import ModelConfig, preset
+from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP,
+                            QUANTIZATION_CHOICES, ModelConfig, preset)
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.serving.loading import use_cpu_devices
 
@@ -129,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode-only window of the mixed load: tokens each decoding request gives")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
+                        help="fp8: the preset's linear weights in DeepSeek's block fp8 (the fp8 GEMM on a GPU)")
+    parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
+    parser.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--dcp", type=int, default=1)
@@ -157,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                            n=args.matmul_size)
     record(dict(kind="ceiling", matmul_tflops=tflops))
     print(f"{info['device']} x{info['num_devices']}, commit {info['commit']}, {args.preset} {args.num_layers} layers "
-          f"{args.dtype}, dcp {args.dcp}; same-run bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
+          f"{args.dtype}, {args.quantization} weights, {args.index_cache} index / {args.latent_cache} latent cache, "
+          f"dcp {args.dcp}; same-run bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     rng = np.random.default_rng(0)
     budget = args.max_num_batched_tokens
     mixed_budget = args.mixed_budget or budget
@@ -169,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def engine_of(max_num_batched_tokens: int):
         return Engine(args.preset, num_layers=args.num_layers, dcp=args.dcp, dtype=args.dtype, kernels=args.kernels,
+                      quantization=args.quantization, index_cache=args.index_cache, latent_cache=args.latent_cache,
                       page_size=args.page_size, gpu_memory_utilization=args.gpu_memory_utilization,
                       max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       bucket_ladder=tuple(b for b in args.buckets if b <= max_num_batched_tokens),
@@ -190,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             ttft = 1e3 * statistics.median(ttfts)
             record(dict(kind="ttft", context=context, ttft_ms=ttft, ttfts_ms=[1e3 * t for t in ttfts],
                         flops=flops, roofline_ms=sum(roof.values()), budget=budget,
+                        index_cache=engine.engine_config.index_cache, latent_cache=engine.engine_config.latent_cache,
                         compiles_after_warmup=engine.compiles_after_warmup))
             print(f"| {context} | {ttft:.1f} | {sum(roof.values()):.1f} ({roof['dense']:.1f} / {roof['indexer']:.1f}"
                   f" / {roof['attention']:.1f}) | {ttft / sum(roof.values()):.2f} |", flush=True)

@@ -1,6 +1,6 @@
 """The prefill benchmark (bench/bench_prefill.py, `dcp-jax bench prefill`) on simulated CPU devices: a tiny run end
-to end through the CLI (TTFT rows with their roofline, the mixed load's ITL rows), and the roofline's FLOP count. No
-timing is asserted."""
+to end through the CLI with fp8 caches (TTFT rows with their roofline, the mixed load's ITL rows), and the roofline's
+FLOP count. No timing is asserted."""
 
 import contextlib
 import io
@@ -20,7 +20,8 @@ def test_prefill_bench_reports_ttft_against_its_roofline_and_the_mixed_load(tmp_
         rc = cli.main(["bench", "prefill", "--preset", "tiny", "--num-layers", "1", "--contexts", "40,70",
                        "--repeats", "1", "--max-num-batched-tokens", "32", "--buckets", "1,4", "--decodes", "2",
                        "--mixed-context", "150", "--itl-tokens", "5", "--dtype", "float32", "--kernels",
-                       "reference", "--page-size", "4", "--matmul-size", "256", "--profile", "5", "--out", str(out)])
+                       "reference", "--page-size", "4", "--matmul-size", "256", "--profile", "5",
+                       "--index-cache", "fp8", "--latent-cache", "fp8", "--out", str(out)])
     assert rc == 0, stdout.getvalue()
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["kind"] for r in rows] == ["run", "ceiling", "ttft", "ttft", "profile", "mixed"]
@@ -30,6 +31,7 @@ def test_prefill_bench_reports_ttft_against_its_roofline_and_the_mixed_load(tmp_
         assert row["context"] == context and row["ttft_ms"] > 0 and row["roofline_ms"] > 0
         assert row["flops"] == prefill_flops(preset("tiny", num_layers=1), context)
         assert row["compiles_after_warmup"] == 0
+        assert row["index_cache"] == row["latent_cache"] == "fp8"
     mixed = rows[5]
     assert mixed["context"] == 150 and mixed["budget"] == 32 and mixed["prefill_s"] > 0  # 5 steps or more
     assert mixed["itl_alone"]["n"] > 0 and mixed["itl_during_prefill"]["n"] > 0
