@@ -205,12 +205,46 @@ def _tile_n(width: int, split_m: bool) -> int | None:
     return next((t for t in TILE_N if width % _cta_tile(split_m, t)[1] == 0), None)
 
 
+def _tiles(num_rows: int, width: int, split_m: bool, tile_n: int) -> int:
+    cta_m, cta_n = _cta_tile(split_m, tile_n)
+    return -(-num_rows // cta_m) * -(-width // cta_n)
+
+
+def _k_splits(tiles: int, depth: int) -> int:
+    """The largest of K_SPLITS that divides K / 128 and keeps `tiles` x it CTAs within one wave, else 1."""
+    return next((k for k in K_SPLITS if (depth // BLOCK_K) % k == 0 and tiles * k <= HOPPER_SMS), 1)
+
+
+def _wave_fill(ctas: int) -> float:
+    """The share of the SMs' CTA slots that `ctas` CTAs fill over the waves they take."""
+    return ctas / (-(-ctas // HOPPER_SMS) * HOPPER_SMS)
+
+
+def _decode_tile_n(num_rows: int, width: int, depth: int) -> int | None:
+    """[64, 2 tile_n] tiles (rows within one warpgroup): the tile_n of TILE_N whose CTAs (with `_k_splits`) fill
+    the waves best, then the fewer K splits, then the larger tile. A decode GEMM streams its weights, so a last
+    wave of few CTAs runs at their bandwidth alone (H100, M = 1 and 64, stop 50): tile_n 64 took N = 36864 in
+    112 us against 128's 117 (288 CTAs against 144, 2 waves), and N = 2048 in 11.9 us against 12.9 (128 CTAs
+    against 64); 128 kept N = 18432 (72 CTAs against 144) at 53 us against 69."""
+    fitting = [t for t in TILE_N if width % _cta_tile(False, t)[1] == 0]
+    if not fitting:
+        return None
+
+    def rank(tile_n):
+        tiles = _tiles(num_rows, width, False, tile_n)
+        k_splits = _k_splits(tiles, depth)
+        return -_wave_fill(tiles * k_splits), k_splits, -tile_n
+
+    return min(fitting, key=rank)
+
+
 def default_knobs(num_rows: int, width: int, depth: int, out_dtype, *, split_m: bool | None = None,
                   tile_n: int | None = None, k_splits: int | None = None, scale_block_rows: int | None = None) -> dict:
     """The knobs for M = num_rows, N = width, K = depth, each one given (not None) kept: two warpgroups split a
-    [128, tile_n] tile along M, unless the rows fit one warpgroup (decode) and N allows a [64, 2 tile_n] tile; tile_n
-    the largest of TILE_N whose tile divides N. k_splits the largest of K_SPLITS that divides K / 128 and keeps the
-    tile's CTAs within one wave of HOPPER_SMS, else 1: a decode's few tiles then stream the weights from more SMs.
+    [128, tile_n] tile along M, unless the rows fit one warpgroup (decode) and N allows a [64, 2 tile_n] tile;
+    tile_n the largest of TILE_N whose tile divides N, or for [64, 2 tile_n] tiles the one that fills the SMs'
+    waves best (`_decode_tile_n`). k_splits the largest of K_SPLITS that divides K / 128 and keeps the tile's CTAs
+    within one wave of HOPPER_SMS, else 1: a decode's few tiles then stream the weights from more SMs.
     4 stages, 3 for a 4-byte output (an f32 output or split K's f32 partial products: its epilogue tile takes the
     fourth's SMEM). overlap_promotion wherever a warpgroup's columns lie in one of w's scale blocks of
     scale_block_rows rows; persistent CTAs where the tiles' CTAs pass one wave; the tile order in bands of
@@ -218,11 +252,10 @@ def default_knobs(num_rows: int, width: int, depth: int, out_dtype, *, split_m: 
     if split_m is None:
         split_m = num_rows > WG_ROWS or _tile_n(width, split_m=False) is None
     if tile_n is None:
-        tile_n = _tile_n(width, split_m)
-    cta_m, cta_n = _cta_tile(split_m, tile_n or TILE_N[-1])
-    tiles = -(-num_rows // cta_m) * -(-width // cta_n)
+        tile_n = _tile_n(width, split_m) if split_m else _decode_tile_n(num_rows, width, depth)
+    tiles = _tiles(num_rows, width, split_m, tile_n or TILE_N[-1])
     if k_splits is None:
-        k_splits = next((k for k in K_SPLITS if (depth // BLOCK_K) % k == 0 and tiles * k <= HOPPER_SMS), 1)
+        k_splits = _k_splits(tiles, depth)
     out_bytes = jnp.dtype(out_dtype).itemsize if k_splits == 1 else 4
     return dict(split_m=split_m, tile_n=tile_n, stages=4 if out_bytes <= 2 else 3, k_splits=k_splits,
                 overlap_promotion=bool(scale_block_rows and tile_n and scale_block_rows % tile_n == 0),

@@ -104,7 +104,7 @@ def test_mosaic_knobs_are_checked_before_anything_is_traced():
 
 
 @pytest.mark.parametrize("rows, width, depth, k_splits", [
-    (64, 7168, 16384, 4),  # wo at decode: 28 tiles, 4 x 28 CTAs fit one wave of 132 SMs
+    (64, 7168, 16384, 2),  # wo at decode: 56 tiles of [64, 128], 2 x 56 CTAs fit one wave of 132 SMs
     (1, 576, 7168, 8),  # kv_a_proj_with_mqa alone: 9 tiles (N = 576 takes 128 x 64 ones), 56 K blocks
     (64, 2112, 7168, 4),  # wqkv_a (q_a_proj and kv_a_proj_with_mqa): 33 tiles of 128 x 64
     (64, 24576, 1536, 1),  # wq_b: 96 tiles, a split would pass one wave
@@ -113,6 +113,24 @@ def test_mosaic_knobs_are_checked_before_anything_is_traced():
 ])
 def test_mosaic_splits_k_while_the_ctas_fit_one_wave(rows, width, depth, k_splits):
     assert fp8_gemm_mosaic.default_knobs(rows, width, depth, jnp.bfloat16)["k_splits"] == k_splits
+
+
+@pytest.mark.parametrize("rows, width, depth, tile_n, k_splits", [
+    (1, 36864, 7168, 64, 1),  # the dense MLP's gate_up: 288 CTAs fill 3 waves 73%, 128's 144 fill 2 waves 55%
+    (64, 18432, 7168, 128, 1),  # 72 CTAs, one wave, fill as 64's 144 do: the larger tile
+    (64, 24576, 1536, 128, 1),  # wq_b: 96 CTAs against 192, 73% either way
+    (64, 4096, 7168, 64, 4),  # the shared experts' gate_up: 128 CTAs either way, the fewer K splits
+    (1, 2048, 7168, 64, 8),  # 128 CTAs against 128's 64
+    (64, 7168, 16384, 64, 2),  # wo: 112 CTAs either way, the fewer K splits
+])
+def test_mosaic_decode_tiles_fill_the_waves_best(rows, width, depth, tile_n, k_splits):
+    knobs = fp8_gemm_mosaic.default_knobs(rows, width, depth, jnp.bfloat16)
+    assert (knobs["split_m"], knobs["tile_n"], knobs["k_splits"]) == (False, tile_n, k_splits)
+
+
+def test_mosaic_prefill_tiles_keep_the_largest_tile_n():
+    """Rows past one warpgroup: [128, tile_n] tiles, the largest tile_n that divides N (many waves)."""
+    assert fp8_gemm_mosaic.default_knobs(4096, 18432, 7168, jnp.bfloat16)["tile_n"] == 128
 
 
 def test_mosaic_splits_k_by_the_tile_it_is_given():
