@@ -5,7 +5,8 @@ Run from the repo root: `python bench/bench_sparse_mla.py [--sweep]`.
 Prints same-run ceilings (bf16 8192^3 matmul, device copy), a GPU compare against reference.sparse_mla_decode,
 a table over B in {1, 8, 64}, H in {16, 64, 128}, k=2048 and DCP W in {1, 2, 4, 8} (count = k/W slots per
 row) with the default backend ("pallas": Mosaic on the H200 for bf16), the variants of `VARIANTS` (the Triton
-backend, the fp8 latent cache on the default backend and on Triton; `--variants` picks some) on a few of those
+backend, the fp8 latent cache on the default backend, with its early_loads knob, and on Triton; `--variants`
+picks some) on a few of those
 shapes, and with --sweep a knob sweep (block knobs on Triton, `num_splits` on the backend "pallas" picks;
 `common.knobs_with_backend`).
 --quick times only the variant comparison.
@@ -50,6 +51,7 @@ MAX_GROUPS = 16
 
 # Compared with the default backend on COMPARED_SHAPES (B, H, W): name -> sparse_mla_decode knobs.
 VARIANTS = {"triton": dict(backend="triton"), "fp8_latent": dict(cache="fp8_latent"),
+            "fp8_latent_early_loads": dict(cache="fp8_latent", early_loads=True),
             "fp8_latent_triton": dict(cache="fp8_latent", backend="triton")}
 COMPARED_SHAPES = ((64, 128, 1), (64, 128, 4), (8, 128, 1), (1, 128, 1))
 

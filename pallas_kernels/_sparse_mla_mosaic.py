@@ -16,8 +16,10 @@ kernel (`_split_merge_triton`: 3.6 us at B = 1 where XLA's merge ran four kernel
 latent cache (`formats.Fp8LatentCache`: 656 bytes a token) each producer stages its rows' e4m3 bytes, scales
 and rope with cp.async and then dequantizes the e4m3 bytes into the stage's bf16 slabs itself
 (`_cp_async_gather_fp8`), while the other two warpgroups multiply the previous block, as FlashMLA does: exact
-(ue8m0 scales), so the products are the bf16 cache's. Mosaic GPU has no interpreter for this kernel, so it runs
-on the GPU only; on CPU it can be lowered for CUDA (the tests do).
+(ue8m0 scales), so the products are the bf16 cache's. With `early_loads` (a knob, not yet run on a GPU) the
+producers instead load a block's e4m3 bytes, scales and rope into registers before its stage is free, and only
+dequantize and store them after the wait. Mosaic GPU has no interpreter for this kernel, so it runs on the GPU
+only; on CPU it can be lowered for CUDA (the tests do).
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -59,6 +64,11 @@ PRODUCERS = {False: 1, True: 2}
 # the warpgroups of a CTA: they sum to what the kernel starts with, 3 * 168 a thread with one producer and 4 * 128
 # with two (a larger sum waits forever).
 REGISTERS = {False: (232, 40), True: (200, 56)}
+# With `early_loads` each fp8 producer thread holds a block's loads across the wait for its stage (EARLY_WORDS
+# words): its 8 rows' 16 latent bytes, their 8 scales and 32 rope bytes; so the producers take more registers.
+EARLY_REGISTERS = (184, 72)
+EARLY_WORDS = 48
+EARLY_LAYOUT = plgpu.Layout.WG_STRIDED((128 * EARLY_WORDS,), vec_size=4)
 # The fp8 latent cache (formats.Fp8LatentCache): a token's 512 e4m3 bytes, 4 f32 scales, 64 bf16 rope columns.
 SCALES_PER_ROW = VALUE_DIM // formats.LATENT_TILE
 STAGING_SLAB = 4  # a block's e4m3 bytes are staged in its stage's bf16 slabs 4 .. 7 and dequantized in place
@@ -143,11 +153,12 @@ def _dequantized(words, scale_pair):
 
 def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem, *,
                          first_row, tokens):
-    """A producer warpgroup's fp8 gather of the block's rows first_row .. first_row + tokens - 1 (its share): copies the e4m3 latent, scales and rope of the cache rows named by slots_ref [64] with
-    cp.async (zero-filling rows at or past info_ref[0]): the rope into slab 8 of kv_smem ([9, 64, 64] bf16,
-    (8, 64)-tiled, 128B-swizzled), the scales into scales_smem [64, 4], the e4m3 bytes into these rows' part of
-    slabs 4 .. 7 as staged slabs ([tokens, 64 bytes] each); then dequantizes them into these rows of slabs 0 .. 7
-    in place and fences them for the async proxy. The caller arrives on the stage's barrier.
+    """A producer warpgroup's fp8 gather of the block's rows first_row .. first_row + tokens - 1 (its share):
+    copies the e4m3 latent, scales and rope of the cache rows named by slots_ref [64] with cp.async (zero-filling
+    rows at or past info_ref[0]): the rope into slab 8 of kv_smem ([9, 64, 64] bf16, (8, 64)-tiled,
+    128B-swizzled), the scales into scales_smem [64, 4], the e4m3 bytes into these rows' part of slabs 4 .. 7 as
+    staged slabs ([tokens, 64 bytes] each); then dequantizes them into these rows of slabs 0 .. 7 in place and
+    fences them for the async proxy. The caller arrives on the stage's barrier.
 
     Lane l of warp w copies 16-byte chunk l of the e4m3 rows of tokens w * tokens / 4 + j (so a warp instruction
     reads a whole 512-byte row) into staged slab l // 4; odd staged slabs swap each token pair's rows, so each
@@ -277,11 +288,137 @@ def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, 
     gather(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem)
 
 
-def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits):
+def _load_fp8_block(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, *, first_row, tokens):
+    """`early_loads`' first half: a producer warpgroup loads its rows' (first_row .. first_row + 31) e4m3 latent
+    bytes, scales and rope from the cache rows named by slots_ref [64] into registers, zeros for rows at or past
+    info_ref[0]; returns them as one [128 * EARLY_WORDS] int32 array (EARLY_LAYOUT) for `_store_fp8_block`. Lane l
+    of warp w loads 16-byte chunk l of rows first_row + 8w + j (j < 8), so a warp instruction reads a whole
+    512-byte row, and the scale of that chunk; thread t loads 32 rope bytes (chunks 2 (t % 4), + 1) of row
+    first_row + t // 4. Nothing waits for the stage: the loads fly while the stage's last block is multiplied."""
+    if tokens != 32:
+        raise ValueError(f"early fp8 loads take 32 rows a producer (two producers); got {tokens=}")
+    rows_per_warp = tokens // 4
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5,
+                       return_type=plgpu.ShapeDtypeStruct((128 * EARLY_WORDS,), jnp.int32, layout=EARLY_LAYOUT))
+    def load(launch_ctx, latent_gmem, scales_gmem, rope_gmem, slots, info):
+        del launch_ctx
+        i32, i64, i8 = (ir.IntegerType.get_signless(n) for n in (32, 64, 8))
+        index = ir.IndexType.get()
+        words = ir.VectorType.get((4,), i32)
+
+        def const(value, ty=i32):
+            return arith.constant(ty, value)
+
+        def global_ptr(ref):
+            return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
+
+        def at(ptr, offset):
+            return mgpu_utils.getelementptr(ptr, [offset], i8)
+
+        limit = memref.load(info, [arith.constant(index, 0)])
+
+        def slot_of(row):  # (valid, the row's slot as i64: 0 past the limit)
+            is_valid = arith.cmpi(arith.CmpIPredicate.slt, row, limit)
+            slot = arith.select(is_valid, memref.load(slots, [arith.index_cast(index, row)]), const(0))
+            return is_valid, arith.extui(i64, slot)
+
+        def vector_of(values):
+            vector = llvm.mlir_undef(words)
+            for i, value in enumerate(values):
+                vector = llvm.insertelement(vector, value, const(i))
+            return vector
+
+        zeros = vector_of([const(0)] * 4)
+        tid = arith.andi(mgpu_utils.thread_idx(), const(127))
+        lane, warp = arith.andi(tid, const(31)), arith.divui(tid, const(32))
+        latent, scales, rope = global_ptr(latent_gmem), global_ptr(scales_gmem), global_ptr(rope_gmem)
+        latent_column = arith.extui(i64, arith.muli(lane, const(CHUNK)))
+        scale_column = arith.extui(i64, arith.muli(arith.divui(lane, const(8)), const(4)))  # slab // 2 of chunk l
+        latent_words, scale_words = [], []
+        for j in range(rows_per_warp):
+            is_valid, slot = slot_of(arith.addi(arith.muli(warp, const(rows_per_warp)), const(first_row + j)))
+            chunk = llvm.load(words, at(latent, arith.addi(arith.muli(slot, const(VALUE_DIM, i64)), latent_column)))
+            latent_words.append(arith.select(is_valid, chunk, zeros))
+            # Past the limit the bytes are 0, so slot 0's finite scale gives 0.
+            scale_words.append(llvm.load(i32, at(scales, arith.addi(arith.muli(slot, const(SCALES_PER_ROW * 4, i64)),
+                                                                    scale_column))))
+        is_valid, slot = slot_of(arith.addi(arith.divui(tid, const(4)), const(first_row)))
+        rope_words = []
+        for half in range(2):
+            column = arith.muli(arith.addi(arith.muli(arith.andi(tid, const(3)), const(2)), const(half)), const(CHUNK))
+            chunk = llvm.load(words, at(rope, arith.addi(arith.muli(slot, const(ROPE_DIM * 2, i64)),
+                                                         arith.extui(i64, column))))
+            rope_words.append(arith.select(is_valid, chunk, zeros))
+        registers = np.empty((EARLY_WORDS // 4,), dtype=object)
+        registers[:] = latent_words + [vector_of(scale_words[:4]), vector_of(scale_words[4:])] + rope_words
+        return mgpu.FragmentedArray(_registers=registers, _layout=EARLY_LAYOUT.to_mgpu(), _is_signed=True)
+
+    return load(latent_ref, scales_ref, rope_ref, slots_ref, info_ref)
+
+
+def _store_fp8_block(loaded, kv_smem, *, first_row, tokens):
+    """`early_loads`' second half, once the stage is free: dequantizes `_load_fp8_block`'s latent bytes into the
+    rows' slabs 0 .. 7 of kv_smem ([9, 64, 64] bf16, (8, 64)-tiled, 128B-swizzled; each chunk l's 32 bf16 bytes
+    to 16-byte chunks 2 (l % 4) and + 1 of slab l // 4), writes the rope into slab 8, and fences them for the
+    async proxy. Lanes of odd slabs store their second chunk first, so each 8-lane phase writes 8 distinct 16-byte
+    bank groups. The caller arrives on the stage's barrier."""
+    rows_per_warp = tokens // 4
+
+    @plgpu.inline_mgpu(arg_types=(EARLY_LAYOUT, plgpu.RefType(transforms=_tiled((8, SLAB)))))
+    def store(launch_ctx, loaded, smem):
+        del launch_ctx
+        i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        words = ir.VectorType.get((4,), i32)
+
+        def const(value):
+            return arith.constant(i32, value)
+
+        def at(ptr, offset):
+            return mgpu_utils.getelementptr(ptr, [offset], i8)
+
+        def swizzled(slab, row, chunk):  # the offset of 16-byte chunk `chunk` of a slab's row in the stage
+            line = arith.addi(arith.muli(slab, const(SLAB_BYTES)), arith.muli(row, const(SLAB * 2)))
+            return arith.addi(line, arith.muli(arith.xori(chunk, arith.andi(row, const(7))), const(CHUNK)))
+
+        def vector_of(values):
+            vector = llvm.mlir_undef(words)
+            for i, value in enumerate(values):
+                vector = llvm.insertelement(vector, value, const(i))
+            return vector
+
+        registers = list(loaded.registers.flat)
+        latent_words, scale_vectors, rope_words = registers[:8], registers[8:10], registers[10:]
+        tid = arith.andi(mgpu_utils.thread_idx(), const(127))
+        lane, warp = arith.andi(tid, const(31)), arith.divui(tid, const(32))
+        stage = mgpu_utils.memref_ptr(smem)
+        slab = arith.divui(lane, const(4))
+        odd = arith.andi(slab, const(1))
+        is_odd = arith.cmpi(arith.CmpIPredicate.ne, odd, const(0))
+        first_chunk = arith.addi(arith.muli(arith.andi(lane, const(3)), const(2)), odd)
+        second_chunk = arith.xori(first_chunk, const(1))
+        for j in range(rows_per_warp):
+            row = arith.addi(arith.muli(warp, const(rows_per_warp)), const(first_row + j))
+            high = arith.shrui(llvm.extractelement(scale_vectors[j // 4], const(j % 4)), const(16))  # exact in bf16
+            out = _dequantized([llvm.extractelement(latent_words[j], const(i)) for i in range(4)],
+                               arith.ori(high, arith.shli(high, const(16))))
+            low, high_half = vector_of(out[:4]), vector_of(out[4:])
+            llvm.store(arith.select(is_odd, high_half, low), at(stage, swizzled(slab, row, first_chunk)))
+            llvm.store(arith.select(is_odd, low, high_half), at(stage, swizzled(slab, row, second_chunk)))
+        rope_row = arith.addi(arith.divui(tid, const(4)), const(first_row))
+        for half, value in enumerate(rope_words):
+            chunk = arith.addi(arith.muli(arith.andi(tid, const(3)), const(2)), const(half))
+            llvm.store(value, at(stage, swizzled(const(NUM_SLABS - 1), rope_row, chunk)))
+        mgpu_utils.commit_shared()  # fence the stores for the async proxy, then a warpgroup barrier
+
+    store(loaded, kv_smem)
+
+
+def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits, early_loads):
     """kv_refs: (the bf16 cache rows,), or an fp8 latent cache's (e4m3 bytes, scales, rope) rows."""
     fp8 = len(kv_refs) == 3
     producers = PRODUCERS[fp8]
-    compute_registers, producer_registers = REGISTERS[fp8]
+    compute_registers, producer_registers = EARLY_REGISTERS if early_loads else REGISTERS[fp8]
     (q_smem, kv_smem, meta_smem, row_stats, scales_smem,
      q_barrier, count_barrier, slots_barriers, kv_barriers, probs_barriers, consumed_barriers, done_barrier) = scratch
     # meta_smem rows 0 .. STAGES-1 hold each stage's slots; row STAGES holds the count (16 ints) and then each
@@ -405,47 +542,64 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
         def barrier(block):  # this producer's slots barrier of the block's stage
             return slots_barriers.at[lax.rem(block, STAGES) * producers + producer]
 
-        @pl.loop(0, num_blocks)
-        def _gather(block):
-            stage = lax.rem(block, STAGES)
-
+        def wait_consumed(block):
             @pl.when(block >= STAGES)
-            def _wait_consumed():
-                plgpu.barrier_wait(consumed_barriers.at[stage])
+            def _wait():
+                plgpu.barrier_wait(consumed_barriers.at[lax.rem(block, STAGES)])
 
+        def block_slots(block):  # this producer's slots of the block, and its gather limit, in the stage's SMEM
+            stage = lax.rem(block, STAGES)
             plgpu.copy_gmem_to_smem(slots_ref.at[row, pl.ds(start + block * BLOCK_S + first_row, tokens)],
                                     slots_smem.at[stage, pl.ds(first_row, tokens)], barrier(block))
             plgpu.barrier_wait(barrier(block))
             limit_column = 16 + stage * producers + producer
             meta_smem[STAGES, limit_column] = length - block * BLOCK_S
-            limit = meta_smem.at[STAGES, pl.ds(limit_column, 1)]
+            return slots_smem.at[stage], meta_smem.at[STAGES, pl.ds(limit_column, 1)]
+
+        if early_loads:  # the block's slots and loads go before the wait for its stage (the slots are this producer's)
+            @pl.loop(0, num_blocks)
+            def _load_then_store(block):
+                stage = lax.rem(block, STAGES)
+                loaded = _load_fp8_block(*kv_refs, *block_slots(block), first_row=first_row, tokens=tokens)
+                wait_consumed(block)
+                _store_fp8_block(loaded, kv_smem.at[stage], first_row=first_row, tokens=tokens)
+                plgpu.barrier_arrive(kv_barriers.at[stage])
+            return
+
+        @pl.loop(0, num_blocks)
+        def _gather(block):
+            stage = lax.rem(block, STAGES)
+            wait_consumed(block)
+            slots, limit = block_slots(block)
             if fp8:
-                _cp_async_gather_fp8(*kv_refs, slots_smem.at[stage], limit, kv_smem.at[stage], scales_smem.at[stage],
+                _cp_async_gather_fp8(*kv_refs, slots, limit, kv_smem.at[stage], scales_smem.at[stage],
                                      first_row=first_row, tokens=tokens)
             else:
-                _cp_async_gather(*kv_refs, slots_smem.at[stage], limit, kv_smem.at[stage])
+                _cp_async_gather(*kv_refs, slots, limit, kv_smem.at[stage])
             plgpu.barrier_arrive(kv_barriers.at[stage])
 
     for producer in range(producers):
         pl.when(wg == 2 + producer)(functools.partial(produce, producer))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits"))
-def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_splits: int):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "early_loads"))
+def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_splits: int, early_loads: bool = False):
     """The kernel on prepared inputs: q bf16 [R, H, 576] (H a multiple of 64); kv_parts (bf16 rows [slots, 576],)
     or an fp8 latent cache's (e4m3 bytes as uint8 [slots, 512], f32 scales [slots, 4], bf16 rope [slots, 64]);
     slots int32 [R, S] (S a multiple of 64), counts int32 [R, 16] (the count in column 0). Returns per-split
-    out bf16 [R, N, H, 512] and lse f32 [R, N, H]."""
+    out bf16 [R, N, H, 512] and lse f32 [R, N, H]. early_loads (fp8 only): `sparse_mla_decode`'s."""
     rows, heads, _ = q.shape
     num_parts = len(kv_parts)
     producers = PRODUCERS[num_parts == 3]
+    if early_loads and num_parts != 3:
+        raise ValueError("early_loads applies to an fp8 latent cache only")
 
     def entry(q_ref, *refs):
         kv_refs, (slots_ref, counts_ref, out_ref, lse_ref) = refs[:num_parts], refs[num_parts:]
         slabs = (STAGES, NUM_SLABS, BLOCK_S, SLAB)
         pl.run_scoped(
             lambda *scratch: _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch,
-                                     scale=sm_scale * LOG2E, num_splits=num_splits),
+                                     scale=sm_scale * LOG2E, num_splits=num_splits, early_loads=early_loads),
             plgpu.SMEM((NUM_SLABS, BLOCK_H, SLAB), jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM((STAGES + 1, BLOCK_S), jnp.int32),
@@ -489,9 +643,14 @@ def unsupported(q, kv_cache, value_dim: int, interpret: bool) -> list[str]:
     return reasons + on_hopper_compiled(interpret)
 
 
-def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_DIM, num_splits=None):
+def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_DIM, num_splits=None,
+                      early_loads=False):
     """The contract of `pallas_kernels.sparse_mla_decode` on this kernel (`unsupported` lists what it needs);
-    out is rounded to bf16 in the kernel. num_splits: split-K programs per row (None: `default_num_splits`)."""
+    out is rounded to bf16 in the kernel. num_splits: split-K programs per row (None: `default_num_splits`).
+    early_loads (an fp8 latent cache; not yet run on a GPU): each producer loads a block's e4m3 bytes, scales and
+    rope into registers before the block's stage is free (`_load_fp8_block`), so that only the dequantization and
+    stores wait for it (`_store_fp8_block`); stop 50 measured that dequantizing after the copies costs the fp8
+    kernel its whole gap to bf16."""
     del value_dim  # always VALUE_DIM here (`unsupported`)
     num_heads = q.shape[1]
     q, kv_parts, slots, counts = prepare(q, kv_cache, slots, counts)
@@ -500,7 +659,8 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_D
         num_splits = default_num_splits(rows, padded_heads // BLOCK_H, slots.shape[1], BLOCK_S)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits=}")
-    outs, lses = sparse_mla_partials(q, kv_parts, slots, counts, sm_scale=float(sm_scale), num_splits=num_splits)
+    outs, lses = sparse_mla_partials(q, kv_parts, slots, counts, sm_scale=float(sm_scale), num_splits=num_splits,
+                                     early_loads=early_loads)
     out, lse = ((outs[:, 0], lses[:, 0]) if num_splits == 1
                 else _split_merge_triton.merge_splits(outs, lses, out_dtype=jnp.bfloat16))
     return out[:, :num_heads], lse[:, :num_heads]
