@@ -419,7 +419,7 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
     fp8 = len(kv_refs) == 3
     producers = PRODUCERS[fp8]
     compute_registers, producer_registers = EARLY_REGISTERS if early_loads else REGISTERS[fp8]
-    (q_smem, kv_smem, meta_smem, row_stats, scales_smem,
+    (q_smem, kv_smem, meta_smem, row_stats, *staged_scales,
      q_barrier, count_barrier, slots_barriers, kv_barriers, probs_barriers, consumed_barriers, done_barrier) = scratch
     # meta_smem rows 0 .. STAGES-1 hold each stage's slots; row STAGES holds the count (16 ints) and then each
     # stage's gather limit for each producer. row_stats rows 0 .. STAGES-1 hold each stage's rescale factors, row
@@ -572,6 +572,7 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
             wait_consumed(block)
             slots, limit = block_slots(block)
             if fp8:
+                [scales_smem] = staged_scales
                 _cp_async_gather_fp8(*kv_refs, slots, limit, kv_smem.at[stage], scales_smem.at[stage],
                                      first_row=first_row, tokens=tokens)
             else:
@@ -597,6 +598,9 @@ def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_spli
     def entry(q_ref, *refs):
         kv_refs, (slots_ref, counts_ref, out_ref, lse_ref) = refs[:num_parts], refs[num_parts:]
         slabs = (STAGES, NUM_SLABS, BLOCK_S, SLAB)
+        # The scales the fp8 gather stages (`_cp_async_gather_fp8`); none for a bf16 cache or early loads.
+        staged_scales = ([plgpu.SMEM((STAGES, BLOCK_S * SCALES_PER_ROW), jnp.float32)]
+                         if num_parts == 3 and not early_loads else [])
         pl.run_scoped(
             lambda *scratch: _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch,
                                      scale=sm_scale * LOG2E, num_splits=num_splits, early_loads=early_loads),
@@ -604,7 +608,7 @@ def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_spli
             plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM((STAGES + 1, BLOCK_S), jnp.int32),
             plgpu.SMEM((STAGES + 2, BLOCK_H), jnp.float32),
-            plgpu.SMEM((STAGES, BLOCK_S * SCALES_PER_ROW), jnp.float32),  # the fp8 cache's scales (bf16: unused)
+            *staged_scales,
             plgpu.Barrier(num_arrivals=NUM_SLABS, num_barriers=1),  # one arrival per Q slab copy
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=STAGES * producers),
