@@ -65,7 +65,8 @@ PRODUCERS = {False: 1, True: 2}
 # with two (a larger sum waits forever).
 REGISTERS = {False: (232, 40), True: (200, 56)}
 # With `early_loads` each fp8 producer thread holds a block's loads across the wait for its stage (EARLY_WORDS
-# words): its 8 rows' 16 latent bytes, their 8 scales and 32 rope bytes; so the producers take more registers.
+# words: its 8 rows' 16 latent bytes, their 8 scales and 32 rope bytes), so each compute warpgroup gives 16
+# registers a thread to the producers.
 EARLY_REGISTERS = (184, 72)
 EARLY_WORDS = 48
 EARLY_LAYOUT = plgpu.Layout.WG_STRIDED((128 * EARLY_WORDS,), vec_size=4)
@@ -288,6 +289,34 @@ def _cp_async_gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, 
     gather(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem)
 
 
+def _i32(value):
+    return arith.constant(ir.IntegerType.get_signless(32), value)
+
+
+def _i64(value):
+    return arith.constant(ir.IntegerType.get_signless(64), value)
+
+
+def _at(ptr, offset):
+    """ptr plus `offset` bytes."""
+    return mgpu_utils.getelementptr(ptr, [offset], ir.IntegerType.get_signless(8))
+
+
+def _words(values):
+    """Four i32 values as one vector<4xi32> (a 16-byte load or store)."""
+    vector = llvm.mlir_undef(ir.VectorType.get((4,), ir.IntegerType.get_signless(32)))
+    for i, value in enumerate(values):
+        vector = llvm.insertelement(vector, value, _i32(i))
+    return vector
+
+
+def _swizzled(slab, row, chunk):
+    """The byte offset in a stage ([9, 64, 64] bf16, (8, 64)-tiled, 128B-swizzled) of 16-byte chunk `chunk` of
+    `row` of `slab` (i32 values)."""
+    line = arith.addi(arith.muli(slab, _i32(SLAB_BYTES)), arith.muli(row, _i32(SLAB * 2)))
+    return arith.addi(line, arith.muli(arith.xori(chunk, arith.andi(row, _i32(7))), _i32(CHUNK)))
+
+
 def _load_fp8_block(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, *, first_row, tokens):
     """`early_loads`' first half: a producer warpgroup loads its rows' (first_row .. first_row + 31) e4m3 latent
     bytes, scales and rope from the cache rows named by slots_ref [64] into registers, zeros for rows at or past
@@ -303,55 +332,45 @@ def _load_fp8_block(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, *, fi
                        return_type=plgpu.ShapeDtypeStruct((128 * EARLY_WORDS,), jnp.int32, layout=EARLY_LAYOUT))
     def load(launch_ctx, latent_gmem, scales_gmem, rope_gmem, slots, info):
         del launch_ctx
-        i32, i64, i8 = (ir.IntegerType.get_signless(n) for n in (32, 64, 8))
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
         index = ir.IndexType.get()
         words = ir.VectorType.get((4,), i32)
 
-        def const(value, ty=i32):
-            return arith.constant(ty, value)
-
         def global_ptr(ref):
             return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
-
-        def at(ptr, offset):
-            return mgpu_utils.getelementptr(ptr, [offset], i8)
 
         limit = memref.load(info, [arith.constant(index, 0)])
 
         def slot_of(row):  # (valid, the row's slot as i64: 0 past the limit)
             is_valid = arith.cmpi(arith.CmpIPredicate.slt, row, limit)
-            slot = arith.select(is_valid, memref.load(slots, [arith.index_cast(index, row)]), const(0))
+            slot = arith.select(is_valid, memref.load(slots, [arith.index_cast(index, row)]), _i32(0))
             return is_valid, arith.extui(i64, slot)
 
-        def vector_of(values):
-            vector = llvm.mlir_undef(words)
-            for i, value in enumerate(values):
-                vector = llvm.insertelement(vector, value, const(i))
-            return vector
+        def masked(is_valid, value, zero):  # loads of rows past the limit read slot 0: zeros instead
+            return arith.select(is_valid, value, zero)
 
-        zeros = vector_of([const(0)] * 4)
-        tid = arith.andi(mgpu_utils.thread_idx(), const(127))
-        lane, warp = arith.andi(tid, const(31)), arith.divui(tid, const(32))
+        zeros = _words([_i32(0)] * 4)
+        tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
+        lane, warp = arith.andi(tid, _i32(31)), arith.divui(tid, _i32(32))
         latent, scales, rope = global_ptr(latent_gmem), global_ptr(scales_gmem), global_ptr(rope_gmem)
-        latent_column = arith.extui(i64, arith.muli(lane, const(CHUNK)))
-        scale_column = arith.extui(i64, arith.muli(arith.divui(lane, const(8)), const(4)))  # slab // 2 of chunk l
+        latent_column = arith.extui(i64, arith.muli(lane, _i32(CHUNK)))
+        scale_column = arith.extui(i64, arith.muli(arith.divui(lane, _i32(8)), _i32(4)))  # chunk l's 128-value tile
         latent_words, scale_words = [], []
         for j in range(rows_per_warp):
-            is_valid, slot = slot_of(arith.addi(arith.muli(warp, const(rows_per_warp)), const(first_row + j)))
-            chunk = llvm.load(words, at(latent, arith.addi(arith.muli(slot, const(VALUE_DIM, i64)), latent_column)))
-            latent_words.append(arith.select(is_valid, chunk, zeros))
-            # Past the limit the bytes are 0, so slot 0's finite scale gives 0.
-            scale_words.append(llvm.load(i32, at(scales, arith.addi(arith.muli(slot, const(SCALES_PER_ROW * 4, i64)),
-                                                                    scale_column))))
-        is_valid, slot = slot_of(arith.addi(arith.divui(tid, const(4)), const(first_row)))
+            is_valid, slot = slot_of(arith.addi(arith.muli(warp, _i32(rows_per_warp)), _i32(first_row + j)))
+            chunk = llvm.load(words, _at(latent, arith.addi(arith.muli(slot, _i64(VALUE_DIM)), latent_column)))
+            scale = llvm.load(i32, _at(scales, arith.addi(arith.muli(slot, _i64(SCALES_PER_ROW * 4)), scale_column)))
+            latent_words.append(masked(is_valid, chunk, zeros))
+            scale_words.append(masked(is_valid, scale, _i32(0)))
+        is_valid, slot = slot_of(arith.addi(arith.divui(tid, _i32(4)), _i32(first_row)))
         rope_words = []
         for half in range(2):
-            column = arith.muli(arith.addi(arith.muli(arith.andi(tid, const(3)), const(2)), const(half)), const(CHUNK))
-            chunk = llvm.load(words, at(rope, arith.addi(arith.muli(slot, const(ROPE_DIM * 2, i64)),
-                                                         arith.extui(i64, column))))
-            rope_words.append(arith.select(is_valid, chunk, zeros))
+            column = arith.muli(arith.addi(arith.muli(arith.andi(tid, _i32(3)), _i32(2)), _i32(half)), _i32(CHUNK))
+            chunk = llvm.load(words, _at(rope, arith.addi(arith.muli(slot, _i64(ROPE_DIM * 2)),
+                                                          arith.extui(i64, column))))
+            rope_words.append(masked(is_valid, chunk, zeros))
         registers = np.empty((EARLY_WORDS // 4,), dtype=object)
-        registers[:] = latent_words + [vector_of(scale_words[:4]), vector_of(scale_words[4:])] + rope_words
+        registers[:] = latent_words + [_words(scale_words[:4]), _words(scale_words[4:])] + rope_words
         return mgpu.FragmentedArray(_registers=registers, _layout=EARLY_LAYOUT.to_mgpu(), _is_signed=True)
 
     return load(latent_ref, scales_ref, rope_ref, slots_ref, info_ref)
@@ -368,47 +387,28 @@ def _store_fp8_block(loaded, kv_smem, *, first_row, tokens):
     @plgpu.inline_mgpu(arg_types=(EARLY_LAYOUT, plgpu.RefType(transforms=_tiled((8, SLAB)))))
     def store(launch_ctx, loaded, smem):
         del launch_ctx
-        i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
-        words = ir.VectorType.get((4,), i32)
-
-        def const(value):
-            return arith.constant(i32, value)
-
-        def at(ptr, offset):
-            return mgpu_utils.getelementptr(ptr, [offset], i8)
-
-        def swizzled(slab, row, chunk):  # the offset of 16-byte chunk `chunk` of a slab's row in the stage
-            line = arith.addi(arith.muli(slab, const(SLAB_BYTES)), arith.muli(row, const(SLAB * 2)))
-            return arith.addi(line, arith.muli(arith.xori(chunk, arith.andi(row, const(7))), const(CHUNK)))
-
-        def vector_of(values):
-            vector = llvm.mlir_undef(words)
-            for i, value in enumerate(values):
-                vector = llvm.insertelement(vector, value, const(i))
-            return vector
-
         registers = list(loaded.registers.flat)
         latent_words, scale_vectors, rope_words = registers[:8], registers[8:10], registers[10:]
-        tid = arith.andi(mgpu_utils.thread_idx(), const(127))
-        lane, warp = arith.andi(tid, const(31)), arith.divui(tid, const(32))
+        tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
+        lane, warp = arith.andi(tid, _i32(31)), arith.divui(tid, _i32(32))
         stage = mgpu_utils.memref_ptr(smem)
-        slab = arith.divui(lane, const(4))
-        odd = arith.andi(slab, const(1))
-        is_odd = arith.cmpi(arith.CmpIPredicate.ne, odd, const(0))
-        first_chunk = arith.addi(arith.muli(arith.andi(lane, const(3)), const(2)), odd)
-        second_chunk = arith.xori(first_chunk, const(1))
+        slab = arith.divui(lane, _i32(4))
+        odd = arith.andi(slab, _i32(1))
+        is_odd = arith.cmpi(arith.CmpIPredicate.ne, odd, _i32(0))
+        first_chunk = arith.addi(arith.muli(arith.andi(lane, _i32(3)), _i32(2)), odd)
+        second_chunk = arith.xori(first_chunk, _i32(1))
         for j in range(rows_per_warp):
-            row = arith.addi(arith.muli(warp, const(rows_per_warp)), const(first_row + j))
-            high = arith.shrui(llvm.extractelement(scale_vectors[j // 4], const(j % 4)), const(16))  # exact in bf16
-            out = _dequantized([llvm.extractelement(latent_words[j], const(i)) for i in range(4)],
-                               arith.ori(high, arith.shli(high, const(16))))
-            low, high_half = vector_of(out[:4]), vector_of(out[4:])
-            llvm.store(arith.select(is_odd, high_half, low), at(stage, swizzled(slab, row, first_chunk)))
-            llvm.store(arith.select(is_odd, low, high_half), at(stage, swizzled(slab, row, second_chunk)))
-        rope_row = arith.addi(arith.divui(tid, const(4)), const(first_row))
+            row = arith.addi(arith.muli(warp, _i32(rows_per_warp)), _i32(first_row + j))
+            scale_bf16 = arith.shrui(llvm.extractelement(scale_vectors[j // 4], _i32(j % 4)), _i32(16))  # exact
+            out = _dequantized([llvm.extractelement(latent_words[j], _i32(i)) for i in range(4)],
+                               arith.ori(scale_bf16, arith.shli(scale_bf16, _i32(16))))
+            even_chunk, odd_chunk = _words(out[:4]), _words(out[4:])  # chunks 2 (l % 4) and 2 (l % 4) + 1
+            llvm.store(arith.select(is_odd, odd_chunk, even_chunk), _at(stage, _swizzled(slab, row, first_chunk)))
+            llvm.store(arith.select(is_odd, even_chunk, odd_chunk), _at(stage, _swizzled(slab, row, second_chunk)))
+        rope_row = arith.addi(arith.divui(tid, _i32(4)), _i32(first_row))
         for half, value in enumerate(rope_words):
-            chunk = arith.addi(arith.muli(arith.andi(tid, const(3)), const(2)), const(half))
-            llvm.store(value, at(stage, swizzled(const(NUM_SLABS - 1), rope_row, chunk)))
+            chunk = arith.addi(arith.muli(arith.andi(tid, _i32(3)), _i32(2)), _i32(half))
+            llvm.store(value, _at(stage, _swizzled(_i32(NUM_SLABS - 1), rope_row, chunk)))
         mgpu_utils.commit_shared()  # fence the stores for the async proxy, then a warpgroup barrier
 
     store(loaded, kv_smem)
