@@ -220,20 +220,21 @@ def _wave_fill(ctas: int) -> float:
     return ctas / (-(-ctas // HOPPER_SMS) * HOPPER_SMS)
 
 
-def _decode_tile_n(num_rows: int, width: int, depth: int) -> int | None:
-    """[64, 2 tile_n] tiles (rows within one warpgroup): the tile_n of TILE_N whose CTAs (with `_k_splits`) fill
-    the waves best, then the fewer K splits, then the larger tile. A decode GEMM streams its weights, so a last
-    wave of few CTAs runs at their bandwidth alone (H100, M = 1 and 64, stop 50): tile_n 64 took N = 36864 in
-    112 us against 128's 117 (288 CTAs against 144, 2 waves), and N = 2048 in 11.9 us against 12.9 (128 CTAs
-    against 64); 128 kept N = 18432 (72 CTAs against 144) at 53 us against 69."""
+def _decode_tile_n(num_rows: int, width: int, depth: int, k_splits: int | None) -> int | None:
+    """[64, 2 tile_n] tiles (rows within one warpgroup): the tile_n of TILE_N whose CTAs (with k_splits, or
+    `_k_splits` when None) fill the waves best, then the fewer K splits, then the larger tile. A decode GEMM
+    streams its weights, so a last wave of few CTAs runs at their bandwidth alone (H100, M = 1 and 64, stop 50):
+    tile_n 64 took N = 36864 in 112 us against 128's 117 (288 CTAs in 3 waves of 132 SMs against 144 in 2), and
+    N = 2048 in 11.9 us against 12.9 (128 CTAs against 64); 128 kept N = 18432 (72 CTAs against 144) at 53 us
+    against 69."""
     fitting = [t for t in TILE_N if width % _cta_tile(False, t)[1] == 0]
     if not fitting:
         return None
 
     def rank(tile_n):
         tiles = _tiles(num_rows, width, False, tile_n)
-        k_splits = _k_splits(tiles, depth)
-        return -_wave_fill(tiles * k_splits), k_splits, -tile_n
+        splits = k_splits or _k_splits(tiles, depth)
+        return -_wave_fill(tiles * splits), splits, -tile_n
 
     return min(fitting, key=rank)
 
@@ -252,7 +253,7 @@ def default_knobs(num_rows: int, width: int, depth: int, out_dtype, *, split_m: 
     if split_m is None:
         split_m = num_rows > WG_ROWS or _tile_n(width, split_m=False) is None
     if tile_n is None:
-        tile_n = _tile_n(width, split_m) if split_m else _decode_tile_n(num_rows, width, depth)
+        tile_n = _tile_n(width, split_m) if split_m else _decode_tile_n(num_rows, width, depth, k_splits)
     tiles = _tiles(num_rows, width, split_m, tile_n or TILE_N[-1])
     if k_splits is None:
         k_splits = _k_splits(tiles, depth)

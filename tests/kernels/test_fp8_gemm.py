@@ -128,6 +128,12 @@ def test_mosaic_decode_tiles_fill_the_waves_best(rows, width, depth, tile_n, k_s
     assert (knobs["split_m"], knobs["tile_n"], knobs["k_splits"]) == (False, tile_n, k_splits)
 
 
+def test_mosaic_decode_tiles_fill_the_waves_with_the_k_splits_given():
+    """k_splits 2 on the dense MLP's gate_up: [64, 256] tiles make 288 CTAs (3 waves, 73%), [64, 128] 576 (5, 87%)."""
+    assert fp8_gemm_mosaic.default_knobs(1, 36864, 7168, jnp.bfloat16, k_splits=2)["tile_n"] == 64
+    assert fp8_gemm_mosaic.default_knobs(1, 18432, 7168, jnp.bfloat16, k_splits=1)["tile_n"] == 128
+
+
 def test_mosaic_prefill_tiles_keep_the_largest_tile_n():
     """Rows past one warpgroup: [128, tile_n] tiles, the largest tile_n that divides N (many waves)."""
     assert fp8_gemm_mosaic.default_knobs(4096, 18432, 7168, jnp.bfloat16)["tile_n"] == 128
