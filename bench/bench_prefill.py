@@ -15,6 +15,7 @@ next to the decode rows).
 Usage (repository root):
   python bench/bench_prefill.py --preset tiny --contexts 256 --decodes 2 --mixed-context 256 --out /tmp/p.jsonl  # CPU
   python3 bench/bench_prefill.py --out $OUT/prefill.jsonl     # H200: DeepSeek-V3.2 shapes, 2 layers, bf16
+  python3 bench/bench_prefill.py --contexts 32768 --decodes 0 --index-cache fp8 --out $OUT/p.jsonl  # fp8 index keys
 """
 
 from __future__ import annotations
