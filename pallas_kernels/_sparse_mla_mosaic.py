@@ -62,8 +62,9 @@ LOG2E = math.log2(math.e)
 PRODUCERS = {False: 1, True: 2}
 # Registers a thread of each compute and each producer warpgroup, by cache. setmaxnreg moves registers between
 # the warpgroups of a CTA: they sum to what the kernel starts with, 3 * 168 a thread with one producer and 4 * 128
-# with two (a larger sum waits forever).
+# with two (a larger sum waits forever; `check_registers`).
 REGISTERS = {False: (232, 40), True: (200, 56)}
+LAUNCH_REGISTERS = {1: 168, 2: 128}  # a thread's registers at the launch, by producers
 # With `early_loads` each fp8 producer thread holds a block's loads across the wait for its stage (EARLY_WORDS
 # words: its 8 rows' 16 latent bytes, their 8 scales and 32 rope bytes), so each compute warpgroup gives 16
 # registers a thread to the producers.
@@ -414,11 +415,22 @@ def _store_fp8_block(loaded, kv_smem, *, first_row, tokens):
     store(loaded, kv_smem)
 
 
-def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits, early_loads):
+def check_registers(registers: tuple[int, int], producers: int) -> None:
+    """ValueError unless (compute, producer) registers a thread are multiples of 8 in [24, 256] that sum over the
+    two compute and `producers` producer warpgroups to what the kernel starts with (setmaxnreg would hang)."""
+    compute, producer = registers
+    total = (2 + producers) * LAUNCH_REGISTERS[producers]
+    if any(r % 8 or not 24 <= r <= 256 for r in registers) or 2 * compute + producers * producer != total:
+        raise ValueError(f"registers (compute, producer) must be multiples of 8 in [24, 256] with 2 * compute + "
+                         f"{producers} * producer = {total} ({producers} producer warpgroups); got {registers}")
+
+
+def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits, early_loads,
+            registers):
     """kv_refs: (the bf16 cache rows,), or an fp8 latent cache's (e4m3 bytes, scales, rope) rows."""
     fp8 = len(kv_refs) == 3
     producers = PRODUCERS[fp8]
-    compute_registers, producer_registers = EARLY_REGISTERS if early_loads else REGISTERS[fp8]
+    compute_registers, producer_registers = registers
     (q_smem, kv_smem, meta_smem, row_stats, *staged_scales,
      q_barrier, count_barrier, slots_barriers, kv_barriers, probs_barriers, consumed_barriers, done_barrier) = scratch
     # meta_smem rows 0 .. STAGES-1 hold each stage's slots; row STAGES holds the count (16 ints) and then each
@@ -583,17 +595,21 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
         pl.when(wg == 2 + producer)(functools.partial(produce, producer))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "early_loads"))
-def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_splits: int, early_loads: bool = False):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "early_loads", "registers"))
+def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_splits: int, early_loads: bool = False,
+                        registers: tuple[int, int] | None = None):
     """The kernel on prepared inputs: q bf16 [R, H, 576] (H a multiple of 64); kv_parts (bf16 rows [slots, 576],)
     or an fp8 latent cache's (e4m3 bytes as uint8 [slots, 512], f32 scales [slots, 4], bf16 rope [slots, 64]);
     slots int32 [R, S] (S a multiple of 64), counts int32 [R, 16] (the count in column 0). Returns per-split
-    out bf16 [R, N, H, 512] and lse f32 [R, N, H]. early_loads (fp8 only): `sparse_mla_decode`'s."""
+    out bf16 [R, N, H, 512] and lse f32 [R, N, H]. early_loads (fp8 only) and registers: `sparse_mla_decode`'s."""
     rows, heads, _ = q.shape
     num_parts = len(kv_parts)
     producers = PRODUCERS[num_parts == 3]
     if early_loads and num_parts != 3:
         raise ValueError("early_loads applies to an fp8 latent cache only")
+    if registers is None:
+        registers = EARLY_REGISTERS if early_loads else REGISTERS[num_parts == 3]
+    check_registers(registers, producers)
 
     def entry(q_ref, *refs):
         kv_refs, (slots_ref, counts_ref, out_ref, lse_ref) = refs[:num_parts], refs[num_parts:]
@@ -603,7 +619,8 @@ def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_spli
                          if num_parts == 3 and not early_loads else [])
         pl.run_scoped(
             lambda *scratch: _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch,
-                                     scale=sm_scale * LOG2E, num_splits=num_splits, early_loads=early_loads),
+                                     scale=sm_scale * LOG2E, num_splits=num_splits, early_loads=early_loads,
+                                     registers=registers),
             plgpu.SMEM((NUM_SLABS, BLOCK_H, SLAB), jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM(slabs, jnp.bfloat16, transforms=_tiled((8, SLAB))),
             plgpu.SMEM((STAGES + 1, BLOCK_S), jnp.int32),
@@ -648,13 +665,14 @@ def unsupported(q, kv_cache, value_dim: int, interpret: bool) -> list[str]:
 
 
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_DIM, num_splits=None,
-                      early_loads=False):
+                      early_loads=False, registers=None):
     """The contract of `pallas_kernels.sparse_mla_decode` on this kernel (`unsupported` lists what it needs);
     out is rounded to bf16 in the kernel. num_splits: split-K programs per row (None: `default_num_splits`).
     early_loads (an fp8 latent cache; not yet run on a GPU): each producer loads a block's e4m3 bytes, scales and
     rope into registers before the block's stage is free (`_load_fp8_block`), so that only the dequantization and
     stores wait for it (`_store_fp8_block`); stop 50 measured that dequantizing after the copies costs the fp8
-    kernel its whole gap to bf16."""
+    kernel its whole gap to bf16. registers: (compute, producer) registers a thread of each warpgroup
+    (`check_registers`; None: REGISTERS by cache, EARLY_REGISTERS with early_loads)."""
     del value_dim  # always VALUE_DIM here (`unsupported`)
     num_heads = q.shape[1]
     q, kv_parts, slots, counts = prepare(q, kv_cache, slots, counts)
@@ -664,7 +682,7 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_D
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits=}")
     outs, lses = sparse_mla_partials(q, kv_parts, slots, counts, sm_scale=float(sm_scale), num_splits=num_splits,
-                                     early_loads=early_loads)
+                                     early_loads=early_loads, registers=None if registers is None else tuple(registers))
     out, lse = ((outs[:, 0], lses[:, 0]) if num_splits == 1
                 else _split_merge_triton.merge_splits(outs, lses, out_dtype=jnp.bfloat16))
     return out[:, :num_heads], lse[:, :num_heads]

@@ -222,6 +222,36 @@ def test_mosaic_decode_lowers_for_cuda(fp8, early_loads):
     assert "merge_splits" in lowered.as_text()
 
 
+@pytest.mark.parametrize("registers, producers, ok", [
+    ((232, 40), 1, True), ((200, 56), 2, True), ((184, 72), 2, True), ((192, 64), 2, True),
+    ((232, 48), 1, False),  # 512 > 3 * 168: the increase would wait forever
+    ((196, 64), 2, False),  # not a multiple of 8
+    ((248, 16), 2, False),  # under 24
+])
+def test_mosaic_registers_must_sum_to_the_launch(registers, producers, ok):
+    if ok:
+        sparse_mla_mosaic.check_registers(registers, producers)
+    else:
+        with pytest.raises(ValueError, match="registers"):
+            sparse_mla_mosaic.check_registers(registers, producers)
+
+
+def test_mosaic_registers_knob_lowers_for_cuda():
+    """A registers knob reaches the kernel: (192, 64) on an fp8 cache with early loads lowers; (200, 64) is refused
+    before tracing the kernel."""
+    S = jax.ShapeDtypeStruct
+    cache = formats.Fp8LatentCache(S((512, 64, 512), FP8), S((512, 64, 4), jnp.float32), S((512, 64, 64), jnp.bfloat16))
+    args = (S((8, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), cache, S((8, 2048), jnp.int32), S((8,), jnp.int32))
+
+    def lower(registers):
+        return jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(
+            *a, 0.1352, early_loads=True, registers=registers)).trace(*args).lower(lowering_platforms=("cuda",))
+
+    assert "merge_splits" in lower((192, 64)).as_text()
+    with pytest.raises(ValueError, match=r"2 \* compute \+ 2 \* producer = 512"):
+        lower((200, 64))
+
+
 def test_mosaic_early_loads_need_an_fp8_cache():
     S = jax.ShapeDtypeStruct
     args = (S((8, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), S((512, 64, sparse_mla_mosaic.WIDTH), jnp.bfloat16),
