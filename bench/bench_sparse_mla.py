@@ -8,7 +8,11 @@ row) with the default backend ("pallas": Mosaic on the H200 for bf16), the varia
 backend, the fp8 latent cache on the default backend and on Triton; `--variants` picks some, the Mosaic
 kernel's untimed early_loads knob only by name) on a few of those shapes, and with --sweep a knob sweep (block
 knobs on Triton, `num_splits` on the backend "pallas" picks; `common.knobs_with_backend`).
---quick times only the variant comparison.
+--quick times only the variant comparison; `--knobs` adds labelled variants (any knobs of sparse_mla_decode) and
+`--shapes` picks the compared shapes, e.g. the fp8 early_loads' register splits at B = 64:
+  python3 bench/bench_sparse_mla.py --quick --variants fp8_latent --shapes '64,128,1;64,128,4' --knobs
+    '{"early": {"cache": "fp8_latent", "early_loads": true}, "early_192": {"cache": "fp8_latent",
+      "early_loads": true, "registers": [192, 64]}}'
 Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}; `--plot JSON PNG` draws a saved JSON (per-rank
 time vs DCP size; no GPU needed). `--breakdown 'B,H,W;...'` lists the GPU kernels of one call per shape with
 their durations (the Pallas kernel and the XLA ops around it), for the default and each of `--variants`.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import os
 import statistics
@@ -221,6 +226,18 @@ def plot(report: dict, path: str) -> None:
     save_figure(fig, path)
 
 
+def compared_variants(names: str, knobs_json: str) -> dict[str, dict]:
+    """The variants to compare, label -> knobs: the comma-separated `names` of VARIANTS, then each label of the
+    JSON `knobs_json` (label -> knobs; JSON lists become tuples, as jit's static knobs must hash). ValueError on a
+    name that is neither."""
+    labelled = {label: {name: tuple(value) if isinstance(value, list) else value for name, value in knobs.items()}
+                for label, knobs in json.loads(knobs_json).items()}
+    named = [name for name in names.split(",") if name]
+    if unknown := sorted(set(named) - set(VARIANTS) - set(labelled)):
+        raise ValueError(f"unknown variants {unknown}; choose from {sorted(VARIANTS)} or name them in --knobs")
+    return {**{name: VARIANTS.get(name, labelled.get(name)) for name in named}, **labelled}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="also time knob variants")
@@ -229,7 +246,13 @@ def main():
     parser.add_argument("--quick", action="store_true",
                         help="skip the checks, the full table and the XLA reference: only the variant comparison")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help=f"variants compared with the default backend, from {sorted(VARIANTS)}")
+                        help=f"variants compared with the default backend, from {sorted(VARIANTS)} and --knobs")
+    parser.add_argument("--knobs", default="{}",
+                        help='JSON: more variants, label -> knobs of sparse_mla_decode ("cache": "fp8_latent" for '
+                             'the fp8 cache; lists become tuples), e.g. {"r192": {"cache": "fp8_latent", '
+                             '"early_loads": true, "registers": [192, 64]}}; each label is compared too')
+    parser.add_argument("--shapes", default="",
+                        help=f"the compared B,H,W shapes, e.g. '64,128,1;64,128,4' (default {COMPARED_SHAPES})")
     parser.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None,
                         help="measure nothing: plot a saved bench_sparse_mla.json")
     parser.add_argument("--breakdown", default="",
@@ -239,9 +262,13 @@ def main():
     if args.plot:
         plot(read_json(args.plot[0]), args.plot[1])
         return
-    variants = [name for name in args.variants.split(",") if name]
-    if unknown := sorted(set(variants) - set(VARIANTS)):
-        parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
+    try:
+        known = compared_variants(args.variants, args.knobs)
+    except ValueError as error:
+        parser.error(str(error))
+    variants = list(known)
+    shapes = (tuple(tuple(int(n) for n in shape.split(",")) for shape in args.shapes.split(";"))
+              if args.shapes else COMPARED_SHAPES)
     os.makedirs(OUT_DIR, exist_ok=True)
     log.write_to(LOG_PATH, append=True)  # several runs (e.g. --breakdown, then the table) share one log
     device = jax.devices()[0]
@@ -249,13 +276,13 @@ def main():
     report = dict(device=device.device_kind, jax=jax.__version__)
 
     caches = dict(bf16=make_cache(jnp.bfloat16))
-    if any(VARIANTS[name].get("cache") == "fp8_latent" for name in variants):
+    if any(known[name].get("cache") == "fp8_latent" for name in variants):
         caches["fp8_latent"] = formats.quantize_latent_cache(caches["bf16"], value_dim=VALUE_DIM)
     if args.breakdown:
         report["breakdown"] = []
         for shape in args.breakdown.split(";"):
             for name in ("default", *variants):
-                knobs = dict(VARIANTS.get(name, {}))
+                knobs = dict(known.get(name, {}))
                 r = dict(kernel_breakdown(caches[knobs.pop("cache", "bf16")], *(int(n) for n in shape.split(",")),
                                           **knobs), variant=name)
                 report["breakdown"].append(r)
@@ -293,7 +320,7 @@ def main():
                         f"{result['tflops']:.1f} TFLOP/s [{log.elapsed():.0f}s]")
                 sweep.append(result)
     report["sweep"] = sweep
-    table = [time_kernel(cache, rows, heads, dcp) for rows, heads, dcp in COMPARED_SHAPES] if args.quick else []
+    table = [time_kernel(cache, rows, heads, dcp) for rows, heads, dcp in shapes] if args.quick else []
     for rows in () if args.quick else (64, 8, 1):
         for heads in (128, 64, 16):
             for dcp in (1, 2, 4, 8):
@@ -307,8 +334,8 @@ def main():
     report["table"] = table
     compared = []
     for name in variants:
-        for rows, heads, dcp in COMPARED_SHAPES:
-            knobs = dict(VARIANTS[name])
+        for rows, heads, dcp in shapes:
+            knobs = dict(known[name])
             variant_cache = caches[knobs.pop("cache", "bf16")]
             result = dict(time_kernel(variant_cache, rows, heads, dcp, **knobs), variant=name)
             compared.append(result)
