@@ -18,6 +18,7 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import _sparse_mla_mosaic as sparse_mla_mosaic
+from pallas_kernels import _sparse_mla_mosaic_gather as sparse_mla_gather
 from pallas_kernels import _sparse_mla_triton, formats, reference
 from pallas_kernels._lse import merge_splits
 
@@ -168,11 +169,11 @@ def test_fp8_latent_cache_rejects_bad_parts():
 
 
 def _emulated_dequantize(byte, scale):
-    """The bit steps of `_sparse_mla_mosaic._dequantized` in numpy, on e4m3 bytes (uint16) and f32 scales: the
+    """The bit steps of `_sparse_mla_mosaic_gather.dequantized` in numpy, on e4m3 bytes (uint16) and f32 scales: the
     byte moved into bf16's bits, then two bf16 products (exact here, so f32 products give the same values)."""
     bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 4)
     as_f32 = lambda b: (b.astype(np.uint32) << 16).view(np.float32)
-    return as_f32(bits) * as_f32(np.uint16(sparse_mla_mosaic.BF16_2_POW_120)) * scale
+    return as_f32(bits) * as_f32(np.uint16(sparse_mla_gather.BF16_2_POW_120)) * scale
 
 
 def test_mosaic_fp8_dequantization_bits_give_every_e4m3_value_times_its_scale():
