@@ -231,7 +231,7 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
             if fp8:
                 [scales_smem] = staged_scales
                 gather.gather_fp8(*kv_refs, slots, limit, kv_smem.at[stage], scales_smem.at[stage],
-                                     first_row=first_row, tokens=tokens)
+                                  first_row=first_row, tokens=tokens)
             else:
                 gather.gather_bf16(*kv_refs, slots, limit, kv_smem.at[stage])
             plgpu.barrier_arrive(kv_barriers.at[stage])

@@ -112,143 +112,6 @@ def dequantized(words, scale_pair):
     return out
 
 
-def gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem, *,
-                         first_row, tokens):
-    """A producer warpgroup's fp8 gather of the block's rows first_row .. first_row + tokens - 1 (its share):
-    copies the e4m3 latent, scales and rope of the cache rows named by slots_ref [64] with cp.async (zero-filling
-    rows at or past info_ref[0]): the rope into slab 8 of kv_smem ([9, 64, 64] bf16, (8, 64)-tiled,
-    128B-swizzled), the scales into scales_smem [64, 4], the e4m3 bytes into these rows' part of slabs 4 .. 7 as
-    staged slabs ([tokens, 64 bytes] each); then dequantizes them into these rows of slabs 0 .. 7 in place and
-    fences them for the async proxy. The caller arrives on the stage's barrier.
-
-    Lane l of warp w copies 16-byte chunk l of the e4m3 rows of tokens w * tokens / 4 + j (so a warp instruction
-    reads a whole 512-byte row) into staged slab l // 4; odd staged slabs swap each token pair's rows, so each
-    8-lane phase of a copy writes all 32 banks. Thread t dequantizes 16 bytes (token t // 4 + 32j, chunk t % 4) of
-    each slab into 32 bf16 bytes, with a warpgroup barrier before slabs 4, 6 and 7 (slab 7's staged bytes are read
-    before it), so that no slab is written before its staged bytes are read.
-    Every byte a producer stages and writes lies in its own rows, so producers need no barrier between them."""
-    rows_per_warp = tokens // 4
-    scale_bytes = tokens // 8  # scale bytes a thread copies (a cp.async size: 4 for two producers' 32 rows)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                  plgpu.RefType(), plgpu.RefType(transforms=tiled((8, SLAB))), plgpu.RefType()))
-    def gather(launch_ctx, latent_gmem, scales_gmem, rope_gmem, slots, info, smem, scale_smem):
-        del launch_ctx
-        i32, i64, i8 = (ir.IntegerType.get_signless(n) for n in (32, 64, 8))
-        index = ir.IndexType.get()
-        words = ir.VectorType.get((4,), i32)
-
-        def const(value, ty=i32):
-            return arith.constant(ty, value)
-
-        def global_ptr(ref):
-            return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
-
-        def at(ptr, offset):
-            return mgpu_utils.getelementptr(ptr, [offset], i8)
-
-        limit = memref.load(info, [arith.constant(index, 0)])
-
-        def slot_of(row):  # (valid, the row's slot as i64: 0 past the limit)
-            is_valid = arith.cmpi(arith.CmpIPredicate.slt, row, limit)
-            slot = arith.select(is_valid, memref.load(slots, [arith.index_cast(index, row)]), const(0))
-            return is_valid, arith.extui(i64, slot)
-
-        def copy(dst, src, is_valid, size=CHUNK, cache=nvvm.LoadCacheModifierKind.CG):
-            nvvm.CpAsyncOp(dst, src, size, cache, cpSize=arith.select(is_valid, const(size), const(0)))
-
-        def swizzled(slab, row, chunk):  # the offset of 16-byte chunk `chunk` of a slab's row in the stage
-            line = arith.addi(const(slab * SLAB_BYTES), arith.muli(row, const(SLAB * 2)))
-            return arith.addi(line, arith.muli(arith.xori(chunk, arith.andi(row, const(7))), const(CHUNK)))
-
-        tid = arith.andi(mgpu_utils.thread_idx(), const(127))
-        lane, warp = arith.andi(tid, const(31)), arith.divui(tid, const(32))
-        latent, scales, rope = global_ptr(latent_gmem), global_ptr(scales_gmem), global_ptr(rope_gmem)
-        stage, scale_stage = mgpu_utils.memref_ptr(smem), mgpu_utils.memref_ptr(scale_smem)
-
-        def staged_offset(slab, local_row):  # staged slab `slab` (static or not) lies in slab 4 + slab // 2
-            return arith.addi(arith.addi(arith.muli(arith.addi(const(STAGING_SLAB), arith.shrui(slab, const(1))),
-                                                    const(SLAB_BYTES)),
-                                         arith.muli(arith.andi(slab, const(1)), const(tokens * SLAB))),
-                              arith.addi(const(first_row * SLAB * 2),
-                                         arith.muli(arith.xori(local_row, arith.andi(slab, const(1))), const(SLAB))))
-
-        staged_slab = arith.divui(lane, const(4))
-        column = arith.muli(arith.andi(lane, const(3)), const(CHUNK))
-        for j in range(rows_per_warp):
-            local_row = arith.addi(arith.muli(warp, const(rows_per_warp)), const(j))
-            is_valid, slot = slot_of(arith.addi(local_row, const(first_row)))
-            copy(at(stage, arith.addi(staged_offset(staged_slab, local_row), column)),
-                 at(latent, arith.addi(arith.muli(slot, const(VALUE_DIM, i64)),
-                                       arith.extui(i64, arith.muli(lane, const(CHUNK))))), is_valid)
-        # Rope rows: as `gather_bf16`, into slab 8.
-        first_rope_row = arith.addi(arith.addi(arith.muli(warp, const(rows_per_warp)), const(first_row)),
-                                    arith.andi(arith.divui(tid, const(8)), const(3)))
-        chunk = arith.andi(tid, const(7))
-        for j in range(tokens // 16):
-            row = arith.addi(first_rope_row, const(4 * j))
-            is_valid, slot = slot_of(row)
-            copy(at(stage, swizzled(NUM_SLABS - 1, row, chunk)),
-                 at(rope, arith.addi(arith.muli(slot, const(ROPE_DIM * 2, i64)),
-                                     arith.extui(i64, arith.muli(chunk, const(CHUNK))))), is_valid)
-        # Scales: scale_bytes a thread.
-        pieces = SCALES_PER_ROW * 4 // scale_bytes  # threads a row
-        row, piece = arith.addi(arith.divui(tid, const(pieces)), const(first_row)), arith.remui(tid, const(pieces))
-        is_valid, slot = slot_of(row)
-        copy(at(scale_stage, arith.addi(const(first_row * SCALES_PER_ROW * 4), arith.muli(tid, const(scale_bytes)))),
-             at(scales, arith.addi(arith.muli(slot, const(SCALES_PER_ROW * 4, i64)),
-                                   arith.extui(i64, arith.muli(piece, const(scale_bytes))))),
-             is_valid, size=scale_bytes, cache=nvvm.LoadCacheModifierKind.CA)
-        nvvm.cp_async_commit_group()
-        nvvm.cp_async_wait_group(0)
-        mgpu_utils.warpgroup_barrier()  # every thread's copies landed
-
-        token, part = arith.divui(tid, const(4)), arith.andi(tid, const(3))
-
-        def vector_extract(vector, i):
-            return llvm.extractelement(vector, const(i))
-
-        def vector_of(values):
-            vector = llvm.mlir_undef(words)
-            for i, value in enumerate(values):
-                vector = llvm.insertelement(vector, value, const(i))
-            return vector
-
-        def load(slab, j):  # this thread's j-th 16 staged bytes of `slab` and its token's scale pair
-            local_row = arith.addi(token, const(32 * j))
-            row = arith.addi(local_row, const(first_row))
-            src = at(stage, arith.addi(staged_offset(const(slab), local_row), arith.muli(part, const(CHUNK))))
-            vector = llvm.load(words, src)
-            scale_bits = llvm.load(i32, at(scale_stage, arith.addi(arith.muli(row, const(SCALES_PER_ROW * 4)),
-                                                                  const(slab // 2 * 4))))
-            high = arith.shrui(scale_bits, const(16))  # a power of two (or 0) is exact in bf16
-            scale_pair = arith.ori(high, arith.shli(high, const(16)))
-            return row, [vector_extract(vector, i) for i in range(4)], scale_pair
-
-        def store(slab, loaded):
-            row, parts, scale_pair = loaded
-            out = dequantized(parts, scale_pair)
-            for half in range(2):  # bf16 chunks 2 * part and 2 * part + 1 of the row's line
-                chunk = arith.addi(arith.muli(part, const(2)), const(half))
-                llvm.store(vector_of(out[4 * half:4 * half + 4]), at(stage, swizzled(slab, row, chunk)))
-
-        # Staged slabs 0 .. 3 lie in slabs 4 and 5, 4 and 5 in slab 6, 6 and 7 in slab 7: a barrier before each slab
-        # is written whose staged bytes other threads read.
-        last_slab = VALUE_DIM // SLAB - 1
-        for slab in range(last_slab):
-            if slab in (STAGING_SLAB, STAGING_SLAB + 2):
-                mgpu_utils.warpgroup_barrier()
-            for j in range(tokens // 32):
-                store(slab, load(slab, j))
-        last = [load(last_slab, j) for j in range(tokens // 32)]
-        mgpu_utils.warpgroup_barrier()
-        for loaded in last:
-            store(last_slab, loaded)
-        mgpu_utils.commit_shared()  # fence the stores for the async proxy, then a warpgroup barrier
-
-    gather(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem)
-
-
 def _i32(value):
     return arith.constant(ir.IntegerType.get_signless(32), value)
 
@@ -272,9 +135,136 @@ def _words(values):
 
 def _swizzled(slab, row, chunk):
     """The byte offset in a stage ([9, 64, 64] bf16, (8, 64)-tiled, 128B-swizzled) of 16-byte chunk `chunk` of
-    `row` of `slab` (i32 values)."""
-    line = arith.addi(arith.muli(slab, _i32(SLAB_BYTES)), arith.muli(row, _i32(SLAB * 2)))
+    `row` of `slab` (i32 values; slab may be a Python int)."""
+    first = _i32(slab * SLAB_BYTES) if isinstance(slab, int) else arith.muli(slab, _i32(SLAB_BYTES))
+    line = arith.addi(first, arith.muli(row, _i32(SLAB * 2)))
     return arith.addi(line, arith.muli(arith.xori(chunk, arith.andi(row, _i32(7))), _i32(CHUNK)))
+
+
+def _global_ptr(ref):
+    """A GMEM ref's address as a global-space pointer."""
+    return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
+
+
+def _slot_of(slots, limit, row):
+    """(row < limit, slots[row] as i64: 0 at or past the limit, so a load of it stays in bounds)."""
+    is_valid = arith.cmpi(arith.CmpIPredicate.slt, row, limit)
+    slot = arith.select(is_valid, memref.load(slots, [arith.index_cast(ir.IndexType.get(), row)]), _i32(0))
+    return is_valid, arith.extui(ir.IntegerType.get_signless(64), slot)
+
+
+def gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem, *, first_row,
+               tokens):
+    """A producer warpgroup's fp8 gather of the block's rows first_row .. first_row + tokens - 1 (its share):
+    copies the e4m3 latent, scales and rope of the cache rows named by slots_ref [64] with cp.async (zero-filling
+    rows at or past info_ref[0]): the rope into slab 8 of kv_smem ([9, 64, 64] bf16, (8, 64)-tiled,
+    128B-swizzled), the scales into scales_smem [64, 4], the e4m3 bytes into these rows' part of slabs 4 .. 7 as
+    staged slabs ([tokens, 64 bytes] each); then dequantizes them into these rows of slabs 0 .. 7 in place and
+    fences them for the async proxy. The caller arrives on the stage's barrier.
+
+    Lane l of warp w copies 16-byte chunk l of the e4m3 rows of tokens w * tokens / 4 + j (so a warp instruction
+    reads a whole 512-byte row) into staged slab l // 4; odd staged slabs swap each token pair's rows, so each
+    8-lane phase of a copy writes all 32 banks. Thread t dequantizes 16 bytes (token t // 4 + 32j, chunk t % 4) of
+    each slab into 32 bf16 bytes, with a warpgroup barrier before slabs 4, 6 and 7 (slab 7's staged bytes are read
+    before it), so that no slab is written before its staged bytes are read.
+    Every byte a producer stages and writes lies in its own rows, so producers need no barrier between them."""
+    rows_per_warp = tokens // 4
+    scale_bytes = tokens // 8  # scale bytes a thread copies (a cp.async size: 4 for two producers' 32 rows)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                                  plgpu.RefType(), plgpu.RefType(transforms=tiled((8, SLAB))), plgpu.RefType()))
+    def gather(launch_ctx, latent_gmem, scales_gmem, rope_gmem, slots, info, smem, scale_smem):
+        del launch_ctx
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        words = ir.VectorType.get((4,), i32)
+        limit = memref.load(info, [arith.constant(ir.IndexType.get(), 0)])
+
+        def slot_of(row):
+            return _slot_of(slots, limit, row)
+
+        def copy(dst, src, is_valid, size=CHUNK, cache=nvvm.LoadCacheModifierKind.CG):
+            nvvm.CpAsyncOp(dst, src, size, cache, cpSize=arith.select(is_valid, _i32(size), _i32(0)))
+
+        tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
+        lane, warp = arith.andi(tid, _i32(31)), arith.divui(tid, _i32(32))
+        latent, scales, rope = _global_ptr(latent_gmem), _global_ptr(scales_gmem), _global_ptr(rope_gmem)
+        stage, scale_stage = mgpu_utils.memref_ptr(smem), mgpu_utils.memref_ptr(scale_smem)
+
+        def staged_offset(slab, local_row):  # staged slab `slab` (static or not) lies in slab 4 + slab // 2
+            return arith.addi(arith.addi(arith.muli(arith.addi(_i32(STAGING_SLAB), arith.shrui(slab, _i32(1))),
+                                                    _i32(SLAB_BYTES)),
+                                         arith.muli(arith.andi(slab, _i32(1)), _i32(tokens * SLAB))),
+                              arith.addi(_i32(first_row * SLAB * 2),
+                                         arith.muli(arith.xori(local_row, arith.andi(slab, _i32(1))), _i32(SLAB))))
+
+        staged_slab = arith.divui(lane, _i32(4))
+        column = arith.muli(arith.andi(lane, _i32(3)), _i32(CHUNK))
+        for j in range(rows_per_warp):
+            local_row = arith.addi(arith.muli(warp, _i32(rows_per_warp)), _i32(j))
+            is_valid, slot = slot_of(arith.addi(local_row, _i32(first_row)))
+            copy(_at(stage, arith.addi(staged_offset(staged_slab, local_row), column)),
+                 _at(latent, arith.addi(arith.muli(slot, _i64(VALUE_DIM)),
+                                       arith.extui(i64, arith.muli(lane, _i32(CHUNK))))), is_valid)
+        # Rope rows: as `gather_bf16`, into slab 8.
+        first_rope_row = arith.addi(arith.addi(arith.muli(warp, _i32(rows_per_warp)), _i32(first_row)),
+                                    arith.andi(arith.divui(tid, _i32(8)), _i32(3)))
+        chunk = arith.andi(tid, _i32(7))
+        for j in range(tokens // 16):
+            row = arith.addi(first_rope_row, _i32(4 * j))
+            is_valid, slot = slot_of(row)
+            copy(_at(stage, _swizzled(NUM_SLABS - 1, row, chunk)),
+                 _at(rope, arith.addi(arith.muli(slot, _i64(ROPE_DIM * 2)),
+                                     arith.extui(i64, arith.muli(chunk, _i32(CHUNK))))), is_valid)
+        # Scales: scale_bytes a thread.
+        pieces = SCALES_PER_ROW * 4 // scale_bytes  # threads a row
+        row, piece = arith.addi(arith.divui(tid, _i32(pieces)), _i32(first_row)), arith.remui(tid, _i32(pieces))
+        is_valid, slot = slot_of(row)
+        copy(_at(scale_stage, arith.addi(_i32(first_row * SCALES_PER_ROW * 4), arith.muli(tid, _i32(scale_bytes)))),
+             _at(scales, arith.addi(arith.muli(slot, _i64(SCALES_PER_ROW * 4)),
+                                   arith.extui(i64, arith.muli(piece, _i32(scale_bytes))))),
+             is_valid, size=scale_bytes, cache=nvvm.LoadCacheModifierKind.CA)
+        nvvm.cp_async_commit_group()
+        nvvm.cp_async_wait_group(0)
+        mgpu_utils.warpgroup_barrier()  # every thread's copies landed
+
+        token, part = arith.divui(tid, _i32(4)), arith.andi(tid, _i32(3))
+
+        def vector_extract(vector, i):
+            return llvm.extractelement(vector, _i32(i))
+
+        def load(slab, j):  # this thread's j-th 16 staged bytes of `slab` and its token's scale pair
+            local_row = arith.addi(token, _i32(32 * j))
+            row = arith.addi(local_row, _i32(first_row))
+            src = _at(stage, arith.addi(staged_offset(_i32(slab), local_row), arith.muli(part, _i32(CHUNK))))
+            vector = llvm.load(words, src)
+            scale_bits = llvm.load(i32, _at(scale_stage, arith.addi(arith.muli(row, _i32(SCALES_PER_ROW * 4)),
+                                                                  _i32(slab // 2 * 4))))
+            high = arith.shrui(scale_bits, _i32(16))  # a power of two (or 0) is exact in bf16
+            scale_pair = arith.ori(high, arith.shli(high, _i32(16)))
+            return row, [vector_extract(vector, i) for i in range(4)], scale_pair
+
+        def store(slab, loaded):
+            row, parts, scale_pair = loaded
+            out = dequantized(parts, scale_pair)
+            for half in range(2):  # bf16 chunks 2 * part and 2 * part + 1 of the row's line
+                chunk = arith.addi(arith.muli(part, _i32(2)), _i32(half))
+                llvm.store(_words(out[4 * half:4 * half + 4]), _at(stage, _swizzled(slab, row, chunk)))
+
+        # Staged slabs 0 .. 3 lie in slabs 4 and 5, 4 and 5 in slab 6, 6 and 7 in slab 7: a barrier before each slab
+        # is written whose staged bytes other threads read.
+        last_slab = VALUE_DIM // SLAB - 1
+        for slab in range(last_slab):
+            if slab in (STAGING_SLAB, STAGING_SLAB + 2):
+                mgpu_utils.warpgroup_barrier()
+            for j in range(tokens // 32):
+                store(slab, load(slab, j))
+        last = [load(last_slab, j) for j in range(tokens // 32)]
+        mgpu_utils.warpgroup_barrier()
+        for loaded in last:
+            store(last_slab, loaded)
+        mgpu_utils.commit_shared()  # fence the stores for the async proxy, then a warpgroup barrier
+
+    gather(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem)
 
 
 def load_fp8_block(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, *, first_row, tokens):
@@ -293,18 +283,11 @@ def load_fp8_block(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, *, fir
     def load(launch_ctx, latent_gmem, scales_gmem, rope_gmem, slots, info):
         del launch_ctx
         i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-        index = ir.IndexType.get()
         words = ir.VectorType.get((4,), i32)
+        limit = memref.load(info, [arith.constant(ir.IndexType.get(), 0)])
 
-        def global_ptr(ref):
-            return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
-
-        limit = memref.load(info, [arith.constant(index, 0)])
-
-        def slot_of(row):  # (valid, the row's slot as i64: 0 past the limit)
-            is_valid = arith.cmpi(arith.CmpIPredicate.slt, row, limit)
-            slot = arith.select(is_valid, memref.load(slots, [arith.index_cast(index, row)]), _i32(0))
-            return is_valid, arith.extui(i64, slot)
+        def slot_of(row):
+            return _slot_of(slots, limit, row)
 
         def masked(is_valid, value, zero):  # loads of rows past the limit read slot 0: zeros instead
             return arith.select(is_valid, value, zero)
@@ -312,7 +295,7 @@ def load_fp8_block(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, *, fir
         zeros = _words([_i32(0)] * 4)
         tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
         lane, warp = arith.andi(tid, _i32(31)), arith.divui(tid, _i32(32))
-        latent, scales, rope = global_ptr(latent_gmem), global_ptr(scales_gmem), global_ptr(rope_gmem)
+        latent, scales, rope = _global_ptr(latent_gmem), _global_ptr(scales_gmem), _global_ptr(rope_gmem)
         latent_column = arith.extui(i64, arith.muli(lane, _i32(CHUNK)))
         scale_column = arith.extui(i64, arith.muli(arith.divui(lane, _i32(8)), _i32(4)))  # chunk l's 128-value tile
         latent_words, scale_words = [], []
