@@ -5,9 +5,9 @@ Run from the repo root: `python bench/bench_sparse_mla.py [--sweep]`.
 Prints same-run ceilings (bf16 8192^3 matmul, device copy), a GPU compare against reference.sparse_mla_decode,
 a table over B in {1, 8, 64}, H in {16, 64, 128}, k=2048 and DCP W in {1, 2, 4, 8} (count = k/W slots per
 row) with the default backend ("pallas": Mosaic on the H200 for bf16), the variants of `VARIANTS` (the Triton
-backend, the fp8 latent cache on the default backend and on Triton; `--variants` picks some, the Mosaic
-kernel's untimed early_loads knob only by name) on a few of those shapes, and with --sweep a knob sweep (block
-knobs on Triton, `num_splits` on the backend "pallas" picks; `common.knobs_with_backend`).
+backend, the fp8 latent cache on the default backend and on Triton; `--variants` picks some) on a few of those
+shapes, and with --sweep a knob sweep (block knobs on Triton, `num_splits` on the backend "pallas" picks;
+`common.knobs_with_backend`).
 --quick times only the variant comparison; `--knobs` adds labelled variants (any knobs of sparse_mla_decode) and
 `--shapes` picks the compared shapes, e.g. the fp8 early_loads' register splits at B = 64:
   python3 bench/bench_sparse_mla.py --quick --variants fp8_latent --shapes '64,128,1;64,128,4' --knobs
@@ -55,10 +55,7 @@ MAX_GROUPS = 16
 
 # Compared with the default backend on COMPARED_SHAPES (B, H, W): name -> sparse_mla_decode knobs.
 VARIANTS = {"triton": dict(backend="triton"), "fp8_latent": dict(cache="fp8_latent"),
-            "fp8_latent_early_loads": dict(cache="fp8_latent", early_loads=True),
             "fp8_latent_triton": dict(cache="fp8_latent", backend="triton")}
-# Compared unless --variants names others: not the knobs never yet run on a GPU.
-DEFAULT_VARIANTS = ("triton", "fp8_latent", "fp8_latent_triton")
 COMPARED_SHAPES = ((64, 128, 1), (64, 128, 4), (8, 128, 1), (1, 128, 1))
 
 OUT_DIR = default_out_dir()
@@ -245,7 +242,7 @@ def main():
     parser.add_argument("--budget", type=float, default=200.0, help="seconds after which the table stops")
     parser.add_argument("--quick", action="store_true",
                         help="skip the checks, the full table and the XLA reference: only the variant comparison")
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+    parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"variants compared with the default backend, from {sorted(VARIANTS)} and --knobs")
     parser.add_argument("--knobs", default="{}",
                         help='JSON: more variants, label -> knobs of sparse_mla_decode ("cache": "fp8_latent" for '

@@ -14,7 +14,8 @@ act as S. Slots at or past a row's count are never read (they may hold -1 or gar
 Dots run in the cache's dtype (q is cast to it) with f32 accumulation; an f32 cache gets full-precision dots.
 Work per row is proportional to its count: each of `num_splits` programs of a row takes an equal share of the
 row's valid slots, rounded up to `block_s`, and loads nothing past the count. Partial results (f32) are merged
-in f32 by `merge_splits`; a single split is written in the output dtype by the kernel. Tuning defaults were measured by `bench/bench_sparse_mla.py` (see docs/perf_sparse_mla.md).
+in f32 by `_lse.merge_splits`; a single split is written in the output dtype by the kernel. Tuning defaults were
+measured by `bench/bench_sparse_mla.py` (see docs/perf_sparse_mla.md).
 This kernel takes any supported shape with a bf16, f32 or fp8 latent cache; for a bf16 or fp8 cache of 512 + 64
 columns on Hopper the warp-specialized Mosaic GPU kernel (`_sparse_mla_mosaic.py`) is faster. The fp8 latent cache
 runs the bf16 defaults, not measured for it.
