@@ -1,11 +1,11 @@
 """The engine's decode rate against its own bare device step, same run: what `LLM` / `serve` users get.
 
-For each context L and batch B: B requests of L-token prompts go through `Engine.add_request` (real chunked
-prefill, streams, detokenization, stop checks), and once every one has its first token the decode phase is timed
-until every one decoded `--steps` more tokens: engine tok/s. Beside it, in the same process, the bucket's compiled serving decode program alone,
-back to back on inputs placed once (`StepProgram.run_placed`): the bare device step. Both sample on the device with
-the same parameters (greedy, or temperature 0.8 + top_p 0.9 + top_k 50). Host ms per step is the engine loop's
-time per step (streams included) minus its wait for the device's tokens, with its phases' means (`StepClock`).
+For each context L and batch B: B requests of L-token prompts go through `Engine.add_request` (real chunked prefill,
+streams, detokenization, stop checks), and once every one has its first token the decode phase is timed until every one
+decoded `--steps` more tokens: engine tok/s. Beside it, in the same process, the bucket's compiled serving decode
+program alone, back to back on inputs placed once (`StepProgram.run_placed`): the bare device step. Both sample on the
+device with the same parameters (greedy, or temperature 0.8 + top_p 0.9 + top_k 50). Host ms per step is the engine
+loop's time per step (streams included) minus its wait for the device's tokens, with its phases' means (`StepClock`).
 `dcp-jax bench engine` runs this file.
 
 Usage (repository root):

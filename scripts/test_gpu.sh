@@ -55,7 +55,8 @@ files=()
 [ "$has_path" = 1 ] || mapfile -t files < <(grep -rl --include='test_*.py' "pytest.mark.gpu" tests | sort)
 mkdir -p out
 echo "test_gpu: $py (jax $("$py" -c 'import jax; print(jax.__version__, jax.devices())'))"
-PYTHONPATH=. "$py" -m pytest -m gpu -p no:cacheprovider -o junit_family=xunit1 --junitxml=out/test_gpu.xml "${files[@]}" "$@"
+PYTHONPATH=. "$py" -m pytest -m gpu -p no:cacheprovider -o junit_family=xunit1 --junitxml=out/test_gpu.xml \
+  "${files[@]}" "$@"
 rc=$?
 [ "$rc" -ne 0 ] && exit "$rc"
 "$py" - <<'EOF'

@@ -7,11 +7,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# name | file | sed expression (each of its ';'-separated commands must change the file) [| test]
+# name | file | sed expression (each of its ';'-separated commands must change the file) [| test]; an entry's
+# quoted pieces on continued lines join into one word
 MUTATIONS=(
   "sparse-MLA scale without log2(e)|pallas_kernels/_sparse_mla_mosaic.py|s/scale=sm_scale \* LOG2E,/scale=sm_scale,/"
-  "fp8 latent dequantized without the sign of one value in four|pallas_kernels/_sparse_mla_mosaic_gather.py|s/and.b32 a, a, 0x80008000/and.b32 a, a, 0x00008000/|tests/kernels/test_sparse_mla.py::test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu"
-  "indexer ReLU after the head sum|pallas_kernels/_indexer_mosaic.py|s/weighted = jnp.maximum(dots, 0.0) \* weights/weighted = dots * weights/;s/logits = jnp.sum(\(weighted\[.*\]\), axis=1) \* scales/logits = jnp.maximum(jnp.sum(\1, axis=1), 0.0) * scales/"
+  "fp8 latent dequantized without the sign of one value in four|pallas_kernels/_sparse_mla_mosaic_gather.py|"\
+"s/and.b32 a, a, 0x80008000/and.b32 a, a, 0x00008000/|"\
+"tests/kernels/test_sparse_mla.py::test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu"
+  "indexer ReLU after the head sum|pallas_kernels/_indexer_mosaic.py|"\
+"s/weighted = jnp.maximum(dots, 0.0) \* weights/weighted = dots * weights/;"\
+"s/logits = jnp.sum(\(weighted\[.*\]\), axis=1) \* scales/logits = jnp.maximum(jnp.sum(\1, axis=1), 0.0) * scales/"
 )
 TEST=tests/model/test_deepseek_v32_gpu.py::test_bf16_first_layer_on_mosaic_kernels_equals_reference_kernels
 

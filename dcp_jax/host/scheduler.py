@@ -25,8 +25,8 @@ tokens, and a token sampled on the device but not yet read: `num_pending`, which
 includes). The engine reports each token with `append_token`, which detokenizes it incrementally, applies the
 stop rules (EOS / stop token ids, stop strings searched in the new text's tail, none of them before min_tokens;
 max_tokens; `check_fits` already keeps prompt + max_tokens within max_model_len) and frees a finished request's
-pages and slot at once. `abort` frees a cancelled request's wherever it is. Every page and slot taken is returned exactly once:
-`check_invariants` proves it.
+pages and slot at once. `abort` frees a cancelled request's wherever it is. Every page and slot taken is returned
+exactly once: `check_invariants` proves it.
 """
 
 from __future__ import annotations

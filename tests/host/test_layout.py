@@ -115,7 +115,8 @@ def test_slot_mapping_rejects_missing_blocks():
 
 @pytest.mark.parametrize(
     "dcp, interleave, page_size, message",
-    [(0, 1, 4, "dcp_size"), (2, 0, 4, "interleave"), (2, 8, 4, "interleave"), (2, 3, 4, "interleave"), (2, 1, 0, "page_size")],
+    [(0, 1, 4, "dcp_size"), (2, 0, 4, "interleave"), (2, 8, 4, "interleave"), (2, 3, 4, "interleave"),
+     (2, 1, 0, "page_size")],
 )
 def test_bad_layout_is_a_clear_error(dcp, interleave, page_size, message):
     with pytest.raises(ValueError, match=message):

@@ -24,8 +24,8 @@ def main(argv=None) -> int:
     from dcp_jax.host.sampling import SamplingParams
     from dcp_jax.serving.llm import LLM
 
-    llm = LLM("tiny", dcp=args.dcp, interleave=args.interleave, max_model_len=args.max_model_len, max_num_seqs=4, page_size=4,
-              dtype="float32", kernels="reference", coordinator_address=args.coordinator_address,
+    llm = LLM("tiny", dcp=args.dcp, interleave=args.interleave, max_model_len=args.max_model_len, max_num_seqs=4,
+              page_size=4, dtype="float32", kernels="reference", coordinator_address=args.coordinator_address,
               num_processes=args.num_processes, process_id=args.process_id)
     print("ready", flush=True)  # loaded and connected: a fault test may kill a process now
     outputs = llm.generate(prompt_token_ids=json.loads(args.prompts),

@@ -113,7 +113,8 @@ def test_a_gpu_backend_started_without_the_scan_flags_is_named(monkeypatch):
     assert not apply_gpu_flags()  # this process's backend has started: nothing changes
     why = flags_not_applied("gpu", unroll_layers=False)
     assert all(f"--{name}=" in why for name in GPU_FLAGS) and "unroll_layers=True" in why
-    assert flags_not_applied("gpu", unroll_layers=True) is None and flags_not_applied("cpu", unroll_layers=False) is None
+    assert flags_not_applied("gpu", unroll_layers=True) is None
+    assert flags_not_applied("cpu", unroll_layers=False) is None
     monkeypatch.setenv("XLA_FLAGS", " ".join(f"--{name}={value}" for name, value in GPU_FLAGS.items()))
     assert flags_not_applied("gpu", unroll_layers=False) is None
 

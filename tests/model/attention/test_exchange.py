@@ -18,7 +18,8 @@ def test_local_topk_then_merge_is_the_global_topk(dcp, interleave, has_ties):
     rng = np.random.default_rng(dcp * 10 + interleave)
     k, rows, width = 8, 5, 64
     lengths = np.array([0, 3, 8, 29, 64])  # empty, < k, == k, not a multiple of dcp, full
-    scores = rng.integers(0, 4, (rows, width)).astype(np.float32) if has_ties else rng.standard_normal((rows, width)).astype(np.float32)
+    scores = rng.integers(0, 4, (rows, width)) if has_ties else rng.standard_normal((rows, width))
+    scores = scores.astype(np.float32)
     _, expected = reference.topk(jnp.asarray(scores), jnp.asarray(lengths, jnp.int32), k=k)
 
     layout = DcpLayout(dcp, interleave, page_size=interleave)
