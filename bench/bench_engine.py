@@ -32,10 +32,8 @@ if __name__ == "__main__":  # run as a script: the repository root on the path
 import jax
 import numpy as np
 
-from bench.common import run_info
+from bench.common import add_engine_arguments, run_info
 from bench.gpu_trace import busy_fraction, trace_events
-from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP,
-                            QUANTIZATION_CHOICES)
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.serving.loading import use_cpu_devices
 
@@ -231,13 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=64, help="decode tokens per request")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="rows of one step at most (decode rows and prefill-chunk tokens)")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kernels", default="auto")
-    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
-                        help="fp8: the preset's linear weights in DeepSeek's block fp8 (the fp8 GEMM on a GPU)")
-    parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
-    parser.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
-    parser.add_argument("--page-size", type=int, default=64)
+    add_engine_arguments(parser)
     parser.add_argument("--num-pages", type=int, default=None,
                         help="KV pages (default: the largest batch of full-length requests; 0: from GPU memory)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)

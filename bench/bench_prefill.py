@@ -33,9 +33,8 @@ if __name__ == "__main__":  # run as a script: the repository root on the path
 
 import numpy as np
 
-from bench.common import median_seconds, run_info
-from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP,
-                            QUANTIZATION_CHOICES, ModelConfig, preset)
+from bench.common import add_engine_arguments, median_seconds, run_info
+from dcp_jax.config import ModelConfig, preset
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.serving.loading import use_cpu_devices
 
@@ -129,13 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="token budget of the mixed load's steps (default --max-num-batched-tokens)")
     parser.add_argument("--itl-tokens", type=int, default=500,
                         help="decode-only window of the mixed load: tokens each decoding request gives")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kernels", default="auto")
-    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
-                        help="fp8: the preset's linear weights in DeepSeek's block fp8 (the fp8 GEMM on a GPU)")
-    parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
-    parser.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
-    parser.add_argument("--page-size", type=int, default=64)
+    add_engine_arguments(parser)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--dcp", type=int, default=1)
     parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n x n x n bf16 matmul ceiling")
