@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from bench.gpu_trace import Event, trace_events
-from dcp_jax.config import (DEEPSEEK_V32, INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP,
-                            QUANTIZATION_CHOICES)
+from dcp_jax.config import (DEEPSEEK_V32, INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS,
+                            LATENT_CACHE_HELP, QUANTIZATION_CHOICES)
 from dcp_jax.runtime.xla_flags import apply_gpu_flags
 from pallas_kernels import _indexer_mosaic, _indexer_triton, _sparse_mla_mosaic, _sparse_mla_triton, _topk_triton
 
