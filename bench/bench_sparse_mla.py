@@ -9,10 +9,9 @@ backend, the fp8 latent cache on the default backend and on Triton; `--variants`
 shapes, and with --sweep a knob sweep (block knobs on Triton, `num_splits` on the backend "pallas" picks;
 `common.knobs_with_backend`).
 --quick times only the variant comparison; `--knobs` adds labelled variants (any knobs of sparse_mla_decode) and
-`--shapes` picks the compared shapes, e.g. the fp8 early_loads' register splits at B = 64:
-  python3 bench/bench_sparse_mla.py --quick --variants fp8_latent --shapes '64,128,1;64,128,4' --knobs
-    '{"early": {"cache": "fp8_latent", "early_loads": true}, "early_192": {"cache": "fp8_latent",
-      "early_loads": true, "registers": [192, 64]}}'
+`--shapes` picks the compared shapes, e.g. the fp8 kernel's register split and splits at small batches:
+  python3 bench/bench_sparse_mla.py --quick --variants fp8_latent --shapes '64,128,1;8,128,1' --knobs
+    '{"r192": {"cache": "fp8_latent", "registers": [192, 64]}, "s4": {"num_splits": 4}}'
 Full logs go to $OUT (or ./out) as bench_sparse_mla.{log,json}; `--plot JSON PNG` draws a saved JSON (per-rank
 time vs DCP size; no GPU needed). `--breakdown 'B,H,W;...'` lists the GPU kernels of one call per shape with
 their durations (the Pallas kernel and the XLA ops around it), for the default and each of `--variants`.
@@ -247,7 +246,7 @@ def main():
     parser.add_argument("--knobs", default="{}",
                         help='JSON: more variants, label -> knobs of sparse_mla_decode ("cache": "fp8_latent" for '
                              'the fp8 cache; lists become tuples), e.g. {"r192": {"cache": "fp8_latent", '
-                             '"early_loads": true, "registers": [192, 64]}}; each label is compared too')
+                             '"registers": [192, 64]}}; each label is compared too')
     parser.add_argument("--shapes", default="",
                         help=f"the compared B,H,W shapes, e.g. '64,128,1;64,128,4' (default {COMPARED_SHAPES})")
     parser.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None,

@@ -17,10 +17,8 @@ kernel (`_split_merge_triton`: 3.6 us at B = 1 where XLA's merge ran four kernel
 latent cache (`formats.Fp8LatentCache`: 656 bytes a token) each producer stages its rows' e4m3 bytes, scales
 and rope with cp.async and then dequantizes the e4m3 bytes into the stage's bf16 slabs itself
 (`gather_fp8`), while the other two warpgroups multiply the previous block, as FlashMLA does: exact
-(ue8m0 scales), so the products are the bf16 cache's. With `early_loads` (a knob, not yet run on a GPU) the
-producers instead load a block's e4m3 bytes, scales and rope into registers before its stage is free, and only
-dequantize and store them after the wait. Mosaic GPU has no interpreter for this kernel, so it runs on the GPU
-only; on CPU it can be lowered for CUDA (the tests do).
+(ue8m0 scales), so the products are the bf16 cache's. Mosaic GPU has no interpreter for this kernel, so it runs on
+the GPU only; on CPU it can be lowered for CUDA (the tests do).
 """
 
 from __future__ import annotations
@@ -55,9 +53,6 @@ PRODUCERS = {False: 1, True: 2}
 # with two (a larger sum waits forever; `check_registers`).
 REGISTERS = {False: (232, 40), True: (200, 56)}
 LAUNCH_REGISTERS = {1: 168, 2: 128}  # a thread's registers at the launch, by producers
-# With `early_loads` each fp8 producer thread holds a block's loads across the wait for its stage
-# (`gather.EARLY_WORDS`), so each compute warpgroup gives 16 registers a thread to the producers.
-EARLY_REGISTERS = (184, 72)
 
 
 def check_registers(registers: tuple[int, int], producers: int) -> None:
@@ -70,8 +65,7 @@ def check_registers(registers: tuple[int, int], producers: int) -> None:
                          f"{producers} * producer = {total} ({producers} producer warpgroups); got {registers}")
 
 
-def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits, early_loads,
-            registers):
+def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits, registers):
     """kv_refs: (the bf16 cache rows,), or an fp8 latent cache's (e4m3 bytes, scales, rope) rows."""
     fp8 = len(kv_refs) == 3
     producers = PRODUCERS[fp8]
@@ -213,16 +207,6 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
             meta_smem[STAGES, limit_column] = length - block * BLOCK_S
             return slots_smem.at[stage], meta_smem.at[STAGES, pl.ds(limit_column, 1)]
 
-        if early_loads:  # the block's slots and loads go before the wait for its stage (the slots are this producer's)
-            @pl.loop(0, num_blocks)
-            def _load_then_store(block):
-                stage = lax.rem(block, STAGES)
-                loaded = gather.load_fp8_block(*kv_refs, *block_slots(block), first_row=first_row, tokens=tokens)
-                wait_consumed(block)
-                gather.store_fp8_block(loaded, kv_smem.at[stage], first_row=first_row, tokens=tokens)
-                plgpu.barrier_arrive(kv_barriers.at[stage])
-            return
-
         @pl.loop(0, num_blocks)
         def _gather(block):
             stage = lax.rem(block, STAGES)
@@ -240,32 +224,28 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
         pl.when(wg == 2 + producer)(functools.partial(produce, producer))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "early_loads", "registers"))
-def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_splits: int, early_loads: bool = False,
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "registers"))
+def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_splits: int,
                         registers: tuple[int, int] | None = None):
     """The kernel on prepared inputs: q bf16 [R, H, 576] (H a multiple of 64); kv_parts (bf16 rows [slots, 576],)
     or an fp8 latent cache's (e4m3 bytes as uint8 [slots, 512], f32 scales [slots, 4], bf16 rope [slots, 64]);
     slots int32 [R, S] (S a multiple of 64), counts int32 [R, 16] (the count in column 0). Returns per-split
-    out bf16 [R, N, H, 512] and lse f32 [R, N, H]. early_loads (fp8 only) and registers: `sparse_mla_decode`'s."""
+    out bf16 [R, N, H, 512] and lse f32 [R, N, H]. registers: `sparse_mla_decode`'s."""
     rows, heads, _ = q.shape
     num_parts = len(kv_parts)
     producers = PRODUCERS[num_parts == 3]
-    if early_loads and num_parts != 3:
-        raise ValueError("early_loads applies to an fp8 latent cache only")
     if registers is None:
-        registers = EARLY_REGISTERS if early_loads else REGISTERS[num_parts == 3]
+        registers = REGISTERS[num_parts == 3]
     check_registers(registers, producers)
 
     def entry(q_ref, *refs):
         kv_refs, (slots_ref, counts_ref, out_ref, lse_ref) = refs[:num_parts], refs[num_parts:]
         slabs = (STAGES, NUM_SLABS, BLOCK_S, SLAB)
-        # The scales the fp8 gather stages (`gather.gather_fp8`); none for a bf16 cache or early loads.
-        staged_scales = ([plgpu.SMEM((STAGES, BLOCK_S * SCALES_PER_ROW), jnp.float32)]
-                         if num_parts == 3 and not early_loads else [])
+        # The scales the fp8 gather stages (`gather.gather_fp8`); none for a bf16 cache.
+        staged_scales = [plgpu.SMEM((STAGES, BLOCK_S * SCALES_PER_ROW), jnp.float32)] if num_parts == 3 else []
         pl.run_scoped(
             lambda *scratch: _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch,
-                                     scale=sm_scale * LOG2E, num_splits=num_splits, early_loads=early_loads,
-                                     registers=registers),
+                                     scale=sm_scale * LOG2E, num_splits=num_splits, registers=registers),
             plgpu.SMEM((NUM_SLABS, BLOCK_H, SLAB), jnp.bfloat16, transforms=gather.tiled((8, SLAB))),
             plgpu.SMEM(slabs, jnp.bfloat16, transforms=gather.tiled((8, SLAB))),
             plgpu.SMEM((STAGES + 1, BLOCK_S), jnp.int32),
@@ -310,14 +290,11 @@ def unsupported(q, kv_cache, value_dim: int, interpret: bool) -> list[str]:
 
 
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_DIM, num_splits=None,
-                      early_loads=False, registers=None):
+                      registers=None):
     """The contract of `pallas_kernels.sparse_mla_decode` on this kernel (`unsupported` lists what it needs);
     out is rounded to bf16 in the kernel. num_splits: split-K programs per row (None: `default_num_splits`).
-    early_loads (an fp8 latent cache; not yet run on a GPU): each producer loads a block's e4m3 bytes, scales and
-    rope into registers before the block's stage is free (`gather.load_fp8_block`), so that only the dequantization and
-    stores wait for it (`gather.store_fp8_block`); stop 50 measured that dequantizing after the copies costs the fp8
-    kernel its whole gap to bf16. registers: (compute, producer) registers a thread of each warpgroup
-    (`check_registers`; None: REGISTERS by cache, EARLY_REGISTERS with early_loads)."""
+    registers: (compute, producer) registers a thread of each warpgroup (`check_registers`; None: REGISTERS by
+    cache)."""
     del value_dim  # always VALUE_DIM here (`unsupported`)
     num_heads = q.shape[1]
     q, kv_parts, slots, counts = prepare(q, kv_cache, slots, counts)
@@ -327,7 +304,7 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_D
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits=}")
     outs, lses = sparse_mla_partials(q, kv_parts, slots, counts, sm_scale=float(sm_scale), num_splits=num_splits,
-                                     early_loads=early_loads, registers=None if registers is None else tuple(registers))
+                                     registers=None if registers is None else tuple(registers))
     out, lse = ((outs[:, 0], lses[:, 0]) if num_splits == 1
                 else _split_merge_triton.merge_splits(outs, lses, out_dtype=jnp.bfloat16))
     return out[:, :num_heads], lse[:, :num_heads]

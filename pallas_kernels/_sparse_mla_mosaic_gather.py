@@ -1,18 +1,13 @@
 """The producer warpgroups' gathers of the Mosaic GPU sparse MLA kernel (`_sparse_mla_mosaic`), in inline Mosaic
 GPU: a block's 64 cache rows, named by their slots, into one stage of the kernel's shared memory ([9 slabs, 64,
 64] bf16, (8, 64)-tiled, 128B-swizzled; slab 8 the rope), zero rows past the block's limit. From a bf16 cache
-(`gather_bf16`), or from an fp8 latent cache dequantized exactly: staged in the stage with cp.async
-(`gather_fp8`), or with the kernel's `early_loads` knob loaded into registers before the stage is free
-(`load_fp8_block`) and stored after the wait (`store_fp8_block`). The stage layout's constants live here."""
+(`gather_bf16`), or from an fp8 latent cache staged in the stage with cp.async and dequantized exactly
+(`gather_fp8`). The stage layout's constants live here."""
 
 from __future__ import annotations
 
-import numpy as np
-
-import jax.numpy as jnp
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -30,10 +25,6 @@ CHUNK = 16  # bytes per cp.async
 SCALES_PER_ROW = VALUE_DIM // formats.LATENT_TILE
 STAGING_SLAB = 4  # a block's e4m3 bytes are staged in its stage's bf16 slabs 4 .. 7 and dequantized in place
 BF16_2_POW_120 = 0x7B80  # 2 ** 120 in bf16: an e4m3 byte moved into bf16's bits is its value times 2 ** -120
-# With `early_loads` a producer thread holds a block's loads across the wait for its stage: its 8 rows' 16 latent
-# bytes, their 8 scales and 32 rope bytes.
-EARLY_WORDS = 48
-EARLY_LAYOUT = plgpu.Layout.WG_STRIDED((128 * EARLY_WORDS,), vec_size=4)
 
 
 def tiled(tile):
@@ -266,92 +257,3 @@ def gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, s
 
     gather(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, scales_smem)
 
-
-def load_fp8_block(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, *, first_row, tokens):
-    """`early_loads`' first half: a producer warpgroup loads its rows' (first_row .. first_row + 31) e4m3 latent
-    bytes, scales and rope from the cache rows named by slots_ref [64] into registers, zeros for rows at or past
-    info_ref[0]; returns them as one [128 * EARLY_WORDS] int32 array (EARLY_LAYOUT) for `store_fp8_block`. Lane l
-    of warp w loads 16-byte chunk l of rows first_row + 8w + j (j < 8), so a warp instruction reads a whole
-    512-byte row, and the scale of that chunk; thread t loads 32 rope bytes (chunks 2 (t % 4), + 1) of row
-    first_row + t // 4. Nothing waits for the stage: the loads fly while the stage's last block is multiplied."""
-    if tokens != 32:
-        raise ValueError(f"early fp8 loads take 32 rows a producer (two producers); got {tokens=}")
-    rows_per_warp = tokens // 4
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5,
-                       return_type=plgpu.ShapeDtypeStruct((128 * EARLY_WORDS,), jnp.int32, layout=EARLY_LAYOUT))
-    def load(launch_ctx, latent_gmem, scales_gmem, rope_gmem, slots, info):
-        del launch_ctx
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-        words = ir.VectorType.get((4,), i32)
-        limit = memref.load(info, [arith.constant(ir.IndexType.get(), 0)])
-
-        def slot_of(row):
-            return _slot_of(slots, limit, row)
-
-        def masked(is_valid, value, zero):  # loads of rows past the limit read slot 0: zeros instead
-            return arith.select(is_valid, value, zero)
-
-        zeros = _words([_i32(0)] * 4)
-        tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
-        lane, warp = arith.andi(tid, _i32(31)), arith.divui(tid, _i32(32))
-        latent, scales, rope = _global_ptr(latent_gmem), _global_ptr(scales_gmem), _global_ptr(rope_gmem)
-        latent_column = arith.extui(i64, arith.muli(lane, _i32(CHUNK)))
-        scale_column = arith.extui(i64, arith.muli(arith.divui(lane, _i32(8)), _i32(4)))  # chunk l's 128-value tile
-        latent_words, scale_words = [], []
-        for j in range(rows_per_warp):
-            is_valid, slot = slot_of(arith.addi(arith.muli(warp, _i32(rows_per_warp)), _i32(first_row + j)))
-            chunk = llvm.load(words, _at(latent, arith.addi(arith.muli(slot, _i64(VALUE_DIM)), latent_column)))
-            scale = llvm.load(i32, _at(scales, arith.addi(arith.muli(slot, _i64(SCALES_PER_ROW * 4)), scale_column)))
-            latent_words.append(masked(is_valid, chunk, zeros))
-            scale_words.append(masked(is_valid, scale, _i32(0)))
-        is_valid, slot = slot_of(arith.addi(arith.divui(tid, _i32(4)), _i32(first_row)))
-        rope_words = []
-        for half in range(2):
-            column = arith.muli(arith.addi(arith.muli(arith.andi(tid, _i32(3)), _i32(2)), _i32(half)), _i32(CHUNK))
-            chunk = llvm.load(words, _at(rope, arith.addi(arith.muli(slot, _i64(ROPE_DIM * 2)),
-                                                          arith.extui(i64, column))))
-            rope_words.append(masked(is_valid, chunk, zeros))
-        registers = np.empty((EARLY_WORDS // 4,), dtype=object)
-        registers[:] = latent_words + [_words(scale_words[:4]), _words(scale_words[4:])] + rope_words
-        return mgpu.FragmentedArray(_registers=registers, _layout=EARLY_LAYOUT.to_mgpu(), _is_signed=True)
-
-    return load(latent_ref, scales_ref, rope_ref, slots_ref, info_ref)
-
-
-def store_fp8_block(loaded, kv_smem, *, first_row, tokens):
-    """`early_loads`' second half, once the stage is free: dequantizes `load_fp8_block`'s latent bytes into the
-    rows' slabs 0 .. 7 of kv_smem ([9, 64, 64] bf16, (8, 64)-tiled, 128B-swizzled; each chunk l's 32 bf16 bytes
-    to 16-byte chunks 2 (l % 4) and + 1 of slab l // 4), writes the rope into slab 8, and fences them for the
-    async proxy. Lanes of odd slabs store their second chunk first, so each 8-lane phase writes 8 distinct 16-byte
-    bank groups. The caller arrives on the stage's barrier."""
-    rows_per_warp = tokens // 4
-
-    @plgpu.inline_mgpu(arg_types=(EARLY_LAYOUT, plgpu.RefType(transforms=tiled((8, SLAB)))))
-    def store(launch_ctx, loaded, smem):
-        del launch_ctx
-        registers = list(loaded.registers.flat)
-        latent_words, scale_vectors, rope_words = registers[:8], registers[8:10], registers[10:]
-        tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
-        lane, warp = arith.andi(tid, _i32(31)), arith.divui(tid, _i32(32))
-        stage = mgpu_utils.memref_ptr(smem)
-        slab = arith.divui(lane, _i32(4))
-        odd = arith.andi(slab, _i32(1))
-        is_odd = arith.cmpi(arith.CmpIPredicate.ne, odd, _i32(0))
-        first_chunk = arith.addi(arith.muli(arith.andi(lane, _i32(3)), _i32(2)), odd)
-        second_chunk = arith.xori(first_chunk, _i32(1))
-        for j in range(rows_per_warp):
-            row = arith.addi(arith.muli(warp, _i32(rows_per_warp)), _i32(first_row + j))
-            scale_bf16 = arith.shrui(llvm.extractelement(scale_vectors[j // 4], _i32(j % 4)), _i32(16))  # exact
-            out = dequantized([llvm.extractelement(latent_words[j], _i32(i)) for i in range(4)],
-                               arith.ori(scale_bf16, arith.shli(scale_bf16, _i32(16))))
-            even_chunk, odd_chunk = _words(out[:4]), _words(out[4:])  # chunks 2 (l % 4) and 2 (l % 4) + 1
-            llvm.store(arith.select(is_odd, odd_chunk, even_chunk), _at(stage, _swizzled(slab, row, first_chunk)))
-            llvm.store(arith.select(is_odd, even_chunk, odd_chunk), _at(stage, _swizzled(slab, row, second_chunk)))
-        rope_row = arith.addi(arith.divui(tid, _i32(4)), _i32(first_row))
-        for half, value in enumerate(rope_words):
-            chunk = arith.addi(arith.muli(arith.andi(tid, _i32(3)), _i32(2)), _i32(half))
-            llvm.store(value, _at(stage, _swizzled(_i32(NUM_SLABS - 1), rope_row, chunk)))
-        mgpu_utils.commit_shared()  # fence the stores for the async proxy, then a warpgroup barrier
-
-    store(loaded, kv_smem)

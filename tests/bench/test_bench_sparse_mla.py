@@ -19,11 +19,11 @@ def test_plot_from_saved_run(tmp_path, monkeypatch):
 
 
 def test_compared_variants_take_named_ones_then_labelled_knobs():
-    knobs = '{"r192": {"cache": "fp8_latent", "early_loads": true, "registers": [192, 64]}}'
+    knobs = '{"r192": {"cache": "fp8_latent", "registers": [192, 64]}}'
     variants = compared_variants("fp8_latent,triton", knobs)
     assert list(variants) == ["fp8_latent", "triton", "r192"]
     assert variants["fp8_latent"] == VARIANTS["fp8_latent"]
-    assert variants["r192"] == dict(cache="fp8_latent", early_loads=True, registers=(192, 64))  # hashable
+    assert variants["r192"] == dict(cache="fp8_latent", registers=(192, 64))  # hashable
     assert list(compared_variants("", "{}")) == []
     with pytest.raises(ValueError, match=r"unknown variants \['nope'\]"):
         compared_variants("fp8_latent,nope", "{}")

@@ -47,6 +47,12 @@ SHAPES = {
 TOLERANCE = {jnp.float32: (1e-5, 1e-5, 2e-6), jnp.bfloat16: (1e-2, 1e-3, 0.0)}
 
 
+def _beyond_bounds(counts, num_slots):
+    """Counts as a caller may pass them: full rows' above S and empty rows' below 0 (the contract reads them as S
+    and 0)."""
+    return jnp.where(counts >= num_slots, num_slots + 77, jnp.where(counts <= 0, -7, counts))
+
+
 def _make_inputs(seed, shape, counts, dtype):
     rows, heads, value_dim, rope_dim, num_slots, pages, page_size = shape
     rng = np.random.default_rng(seed)
@@ -206,19 +212,16 @@ def test_mosaic_takes_an_fp8_latent_cache_of_deepseek_widths():
         sparse_mla_mosaic.unsupported(q, narrow_rope, 512, None))
 
 
-@pytest.mark.parametrize("fp8, early_loads", [(False, False), (True, False), (True, True)],
-                         ids=["bf16", "fp8", "fp8-early-loads"])
-def test_mosaic_decode_lowers_for_cuda(fp8, early_loads):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_mosaic_decode_lowers_for_cuda(fp8):
     """The whole call lowers for CUDA: the kernel (on fp8, its cp.async staging and in-place dequantization by two
-    producers, or with early_loads its loads into registers and stores after the stage's wait) and the Pallas
-    merge of its default 8 splits at 8 rows."""
+    producers) and the Pallas merge of its default 8 splits at 8 rows."""
     S = jax.ShapeDtypeStruct
     cache = (formats.Fp8LatentCache(S((512, 64, 512), FP8), S((512, 64, 4), jnp.float32),
                                     S((512, 64, 64), jnp.bfloat16)) if fp8
              else S((512, 64, sparse_mla_mosaic.WIDTH), jnp.bfloat16))
     args = (S((8, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), cache, S((8, 2048), jnp.int32), S((8,), jnp.int32))
-    knobs = dict(early_loads=True) if early_loads else {}
-    lowered = jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(*a, 0.1352, **knobs)).trace(*args).lower(
+    lowered = jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(*a, 0.1352)).trace(*args).lower(
         lowering_platforms=("cuda",))
     assert "merge_splits" in lowered.as_text()
 
@@ -238,27 +241,19 @@ def test_mosaic_registers_must_sum_to_the_launch(registers, producers, ok):
 
 
 def test_mosaic_registers_knob_lowers_for_cuda():
-    """A registers knob reaches the kernel: (192, 64) on an fp8 cache with early loads lowers; (200, 64) is refused
-    before tracing the kernel."""
+    """A registers knob reaches the kernel: (192, 64) on an fp8 cache lowers; (200, 64) is refused before tracing
+    the kernel."""
     S = jax.ShapeDtypeStruct
     cache = formats.Fp8LatentCache(S((512, 64, 512), FP8), S((512, 64, 4), jnp.float32), S((512, 64, 64), jnp.bfloat16))
     args = (S((8, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), cache, S((8, 2048), jnp.int32), S((8,), jnp.int32))
 
     def lower(registers):
         return jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(
-            *a, 0.1352, early_loads=True, registers=registers)).trace(*args).lower(lowering_platforms=("cuda",))
+            *a, 0.1352, registers=registers)).trace(*args).lower(lowering_platforms=("cuda",))
 
     assert "merge_splits" in lower((192, 64)).as_text()
     with pytest.raises(ValueError, match=r"2 \* compute \+ 2 \* producer = 512"):
         lower((200, 64))
-
-
-def test_mosaic_early_loads_need_an_fp8_cache():
-    S = jax.ShapeDtypeStruct
-    args = (S((8, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), S((512, 64, sparse_mla_mosaic.WIDTH), jnp.bfloat16),
-            S((8, 2048), jnp.int32), S((8,), jnp.int32))
-    with pytest.raises(ValueError, match="early_loads applies to an fp8 latent cache only"):
-        jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(*a, 0.1352, early_loads=True)).trace(*args)
 
 
 def test_counts_past_slots_act_as_slots():
@@ -370,8 +365,8 @@ def test_mosaic_matches_reference_on_gpu(heads, num_splits):
     shape = (6, heads, 512, 64, 1000, 512, 64)
     counts = [0, 1, 1000, 63, 65, 640]
     q, kv_cache, slots, counts = _make_inputs(heads + (num_splits or 0), shape, counts, jnp.bfloat16)
-    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits,
-                                                               backend="mosaic"))(q, kv_cache, slots, counts)
+    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, backend="mosaic"))(
+        q, kv_cache, slots, _beyond_bounds(counts, 1000))
     ref_out, ref_lse = _reference(q, kv_cache, slots, counts, 0.1352, 512)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
 
@@ -387,35 +382,43 @@ def test_fp8_latent_cache_on_gpu(num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("early_loads", [False, True], ids=["staged", "early-loads"])
 @pytest.mark.parametrize("num_splits", [1, 4, None])
-def test_mosaic_fp8_latent_cache_on_gpu(num_splits, early_loads):
+def test_mosaic_fp8_latent_cache_on_gpu(num_splits):
     """The Mosaic kernel on DeepSeek's fp8 latent cache (dequantized in the kernel)."""
     q, cache, slots, counts = _fp8_inputs(4, SHAPES["deepseek"], [2048, 0, 1, 700])
-    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, backend="mosaic",
-                                          early_loads=early_loads))(q, cache, slots, counts)
+    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, backend="mosaic"))(q, cache, slots,
+                                                                                                 counts)
     ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.1352, 512)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8, knobs", [(False, {}), (True, {}), (True, dict(early_loads=True))],
-                         ids=["bf16", "fp8", "fp8-early-loads"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
-def test_mosaic_block_edge_counts_on_gpu(fp8, knobs, num_splits):
+def test_mosaic_block_edge_counts_on_gpu(fp8, num_splits):
     """Counts of 0, 1, one block, two blocks, two blocks and a slot, and full: the producers' edges; and one full
-    row alone (None: 16 splits, merged by the Pallas kernel)."""
+    row alone (None: 16 splits, merged by the Pallas kernel). The empty and full rows' counts are passed below 0
+    and above S."""
     for counts in ([0, 1, 64, 128, 129, 2048], [2048]):
         (q, cache, slots, counts), (ref_out, ref_lse) = _inputs_and_reference(
             11, (len(counts), 128, 512, 64, 2048, 512, 64), counts, 0.1352, fp8)
-        out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, backend="mosaic", **knobs))(
-            q, cache, slots, counts)
+        out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=num_splits, backend="mosaic"))(
+            q, cache, slots, _beyond_bounds(counts, 2048))
         _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("early_loads", [False, True], ids=["staged", "early-loads"])
-def test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu(early_loads):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_mosaic_more_splits_than_blocks_on_gpu(fp8):
+    """S = 128 (two blocks) over 4 splits: two splits have no blocks; counts around the block edge."""
+    (q, cache, slots, counts), (ref_out, ref_lse) = _inputs_and_reference(13, (5, 128, 512, 64, 128, 64, 64),
+                                                                          [0, 1, 64, 100, 128], 0.1352, fp8)
+    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, num_splits=4, backend="mosaic"))(q, cache, slots, counts)
+    _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu():
     """Random e4m3 bytes (but NaN) under scales from 2 ** -14 to 2 ** -6: the kernel's in-place dequantization
     gives the exact dequantized cache's attention. A row of count 1 returns its token's values bit for bit, and
     eight such rows hold every non-NaN byte (zeros and subnormals among them) in each byte of a 4-byte word."""
@@ -429,8 +432,7 @@ def test_mosaic_fp8_latent_cache_every_e4m3_byte_on_gpu(early_loads):
     latent = jax.lax.bitcast_convert_type(jnp.asarray(byte.reshape(cache.latent.shape)), FP8)
     scales = jnp.asarray(2.0 ** rng.integers(-14, -5, cache.scales.shape), jnp.float32)
     cache = formats.Fp8LatentCache(latent, scales, cache.rope)
-    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, backend="mosaic", early_loads=early_loads))(q, cache, slots,
-                                                                                                   counts)
+    out, lse = jax.jit(lambda *a: _decode(*a, 0.1352, backend="mosaic"))(q, cache, slots, counts)
     ref_out, ref_lse = _fp8_reference(q, cache, slots, counts, 0.1352, 512)
     _check(out, lse, ref_out, ref_lse, counts, jnp.bfloat16)
     exact = np.asarray(formats.dequantize_latent_cache(cache)).reshape(-1, 576)[single, :512]
