@@ -5,9 +5,7 @@ their launch gaps nearly doubled a sparse MLA call: docs/performance.md).
 One program merges `block_h` heads and `block_c` columns of one row over the N splits: the lse maximum, the sum of
 their exponentials, and each split's output times its weight added in f32. The splits are unrolled, so the compile
 grows with N (the sparse MLA kernels' default N is at most 16). Columns split the work so that a single row still
-fills many SMs: the defaults (8 x 128, not swept) run 64 programs at B = 1, H = 128, 3.6 us against XLA's four
-kernels' 5.6 us (H100, docs/perf_sparse_mla.md, stop 49). Blocks larger than H or C shrink to it; each must be a
-power of two dividing it.
+fills many SMs (`default_blocks`). Blocks larger than H or C shrink to it; each must be a power of two dividing it.
 """
 
 from __future__ import annotations
@@ -43,15 +41,39 @@ def _merge_kernel(outs_ref, lses_ref, out_ref, lse_ref, *, num_splits: int, bloc
         lse_ref[...] = jnp.log(total) + lse_max
 
 
+MIN_PROGRAMS = 256
+
+
+def default_blocks(rows: int, heads: int, width: int) -> tuple[int, int]:
+    """(block_h, block_c): 8 x 128 (shrunk to H and C), with the columns halved down to 64 and then the heads down
+    to 4 while the grid has fewer than MIN_PROGRAMS programs. Measured at H = 128, C = 512 (H100, stop 51,
+    docs/perf_sparse_mla.md): B = 1 over 16 splits took 2.40 us with 4 x 64 (256 programs) and 3.01 with 8 x 128
+    (64); B = 8 over 8 splits 2.66 with 8 x 128 (512) and 3.71 with 4 x 64."""
+    block_h, block_c = min(8, heads), min(128, width)
+
+    def programs():
+        return rows * (heads // block_h) * (width // block_c)
+
+    while programs() < MIN_PROGRAMS and block_c > 64:
+        block_c //= 2
+    while programs() < MIN_PROGRAMS and block_h > 4:
+        block_h //= 2
+    return block_h, block_c
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_h", "block_c", "interpret"))
-def merge_splits(outs, lses, *, out_dtype=jnp.float32, block_h: int = 8, block_c: int = 128,
+def merge_splits(outs, lses, *, out_dtype=jnp.float32, block_h: int | None = None, block_c: int | None = None,
                  interpret: bool | None = None):
     """outs [R, N, H, C] f32 or bf16 (each normalized within its split), lses [R, N, H] f32 (-inf = empty split)
-    -> out [R, H, C] in out_dtype and lse [R, H] f32; all splits empty gives out 0 and lse -inf."""
+    -> out [R, H, C] in out_dtype and lse [R, H] f32; all splits empty gives out 0 and lse -inf. block_h, block_c:
+    heads and columns a program (None: `default_blocks`)."""
     rows, num_splits, heads, width = outs.shape
     if lses.shape != outs.shape[:3] or lses.dtype != jnp.float32:
         raise ValueError(f"want outs [R, N, H, C] and f32 lses [R, N, H]; got {outs.shape=}, {lses.shape=} "
                          f"{lses.dtype}")
+    default_h, default_c = default_blocks(rows, heads, width)
+    block_h = default_h if block_h is None else block_h
+    block_c = default_c if block_c is None else block_c
     for name, block, size in (("block_h", block_h, heads), ("block_c", block_c, width)):
         used = min(block, size)
         if used < 1 or used & (used - 1) or size % used:

@@ -49,8 +49,8 @@ def test_rejects_what_it_cannot_merge():
     merge = _split_merge_triton.merge_splits
     with pytest.raises(ValueError, match=r"block_h must be a power of two dividing 20 \(larger shrinks to 20\); got "
                                          "block_h=8"):
-        merge(outs[:, :, :20], lses[:, :, :20])
-    with pytest.raises(ValueError, match="block_c must be a power of two dividing 48 .*; got block_c=128"):
+        merge(outs[:, :, :20], lses[:, :, :20], block_h=8)  # the default halves to 4 here, which divides 20
+    with pytest.raises(ValueError, match="block_c must be a power of two dividing 48 .*; got block_c=48"):
         merge(outs[..., :48], lses)  # the default block_c shrinks to C = 48, not a power of two
     for block_h in (0, 12):
         with pytest.raises(ValueError, match=f"block_h must be a power of two dividing 32 .*; got {block_h=}"):
@@ -63,7 +63,16 @@ def test_rejects_what_it_cannot_merge():
         merge(outs, lses.astype(jnp.bfloat16))
 
 
-@pytest.mark.parametrize("rows, splits", [(64, 8), (3, 3), (7, 17)])
+@pytest.mark.parametrize("rows, heads, width, blocks", [
+    (1, 128, 512, (4, 64)), (2, 128, 512, (8, 64)), (8, 128, 512, (8, 128)), (1, 16, 128, (4, 64)),
+    (1, 8, 64, (4, 64)), (64, 2, 32, (2, 32)),
+])
+def test_default_blocks_reach_the_programs_or_their_floor(rows, heads, width, blocks):
+    """Columns halve to 64, then heads to 4, while under MIN_PROGRAMS (256) programs; never below H or C."""
+    assert _split_merge_triton.default_blocks(rows, heads, width) == blocks
+
+
+@pytest.mark.parametrize("rows, splits", [(64, 8), (3, 3), (7, 17), (1, 16)])
 def test_lowers_for_cuda(monkeypatch, rows, splits):
     S = jax.ShapeDtypeStruct
     merge = lambda outs, lses: _split_merge_triton.merge_splits(outs, lses, out_dtype=jnp.bfloat16, interpret=False)
