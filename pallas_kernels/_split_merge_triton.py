@@ -46,8 +46,8 @@ MIN_PROGRAMS = 256
 
 def default_blocks(rows: int, heads: int, width: int) -> tuple[int, int]:
     """(block_h, block_c): 8 x 128 (shrunk to H and C), with the columns halved down to 64 and then the heads down
-    to 4 while the grid has fewer than MIN_PROGRAMS programs. Measured at H = 128, C = 512 (H100, stop 51,
-    docs/perf_sparse_mla.md): B = 1 over 16 splits took 2.40 us with 4 x 64 (256 programs) and 3.01 with 8 x 128
+    to 4 while the grid has fewer than MIN_PROGRAMS programs. Measured at H = 128, C = 512 (H100, "Stop 51" in
+    docs/performance.md): B = 1 over 16 splits took 2.40 us with 4 x 64 (256 programs) and 3.01 with 8 x 128
     (64); B = 8 over 8 splits 2.66 with 8 x 128 (512) and 3.71 with 4 x 64."""
     block_h, block_c = min(8, heads), min(128, width)
 
