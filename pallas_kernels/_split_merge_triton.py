@@ -41,22 +41,23 @@ def _merge_kernel(outs_ref, lses_ref, out_ref, lse_ref, *, num_splits: int, bloc
         lse_ref[...] = jnp.log(total) + lse_max
 
 
-MIN_PROGRAMS = 256
+_MIN_PROGRAMS = 256  # the grid `default_blocks` shrinks its blocks to reach
 
 
 def default_blocks(rows: int, heads: int, width: int) -> tuple[int, int]:
-    """(block_h, block_c): 8 x 128 (shrunk to H and C), with the columns halved down to 64 and then the heads down
-    to 4 while the grid has fewer than MIN_PROGRAMS programs. Measured at H = 128, C = 512 (H100, "Stop 51" in
-    docs/performance.md): B = 1 over 16 splits took 2.40 us with 4 x 64 (256 programs) and 3.01 with 8 x 128
-    (64); B = 8 over 8 splits 2.66 with 8 x 128 (512) and 3.71 with 4 x 64."""
-    block_h, block_c = min(8, heads), min(128, width)
+    """(block_h, block_c): 8 x 128, or the largest power of two dividing H or C where that is smaller, with the
+    columns halved down to 64 and then the heads down to 4 while the grid has fewer than _MIN_PROGRAMS programs.
+    Measured at H = 128, C = 512 (H100, "Stop 51" in docs/performance.md): B = 1 over 16 splits took 2.40 us with
+    4 x 64 (256 programs) and 3.01 with 8 x 128 (64); B = 8 over 8 splits 2.66 with 8 x 128 (512) and 3.71 with
+    4 x 64. B = 2 and 3 (8 x 64) were not timed."""
+    block_h, block_c = min(8, heads & -heads or 1), min(128, width & -width or 1)
 
     def programs():
         return rows * (heads // block_h) * (width // block_c)
 
-    while programs() < MIN_PROGRAMS and block_c > 64:
+    while programs() < _MIN_PROGRAMS and block_c > 64:
         block_c //= 2
-    while programs() < MIN_PROGRAMS and block_h > 4:
+    while programs() < _MIN_PROGRAMS and block_h > 4:
         block_h //= 2
     return block_h, block_c
 

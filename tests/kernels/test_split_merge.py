@@ -50,8 +50,9 @@ def test_rejects_what_it_cannot_merge():
     with pytest.raises(ValueError, match=r"block_h must be a power of two dividing 20 \(larger shrinks to 20\); got "
                                          "block_h=8"):
         merge(outs[:, :, :20], lses[:, :, :20], block_h=8)  # the default halves to 4 here, which divides 20
-    with pytest.raises(ValueError, match="block_c must be a power of two dividing 48 .*; got block_c=48"):
-        merge(outs[..., :48], lses)  # the default block_c shrinks to C = 48, not a power of two
+    with pytest.raises(ValueError, match=r"block_c must be a power of two dividing 48 \(larger shrinks to 48\); got "
+                                         "block_c=128"):
+        merge(outs[..., :48], lses, block_c=128)  # the default takes 16 here
     for block_h in (0, 12):
         with pytest.raises(ValueError, match=f"block_h must be a power of two dividing 32 .*; got {block_h=}"):
             merge(outs, lses, block_h=block_h)
@@ -65,11 +66,22 @@ def test_rejects_what_it_cannot_merge():
 
 @pytest.mark.parametrize("rows, heads, width, blocks", [
     (1, 128, 512, (4, 64)), (2, 128, 512, (8, 64)), (8, 128, 512, (8, 128)), (1, 16, 128, (4, 64)),
-    (1, 8, 64, (4, 64)), (64, 2, 32, (2, 32)),
+    (1, 8, 64, (4, 64)), (64, 2, 32, (2, 32)), (64, 20, 48, (4, 16)), (1, 6, 100, (2, 4)),
 ])
 def test_default_blocks_reach_the_programs_or_their_floor(rows, heads, width, blocks):
-    """Columns halve to 64, then heads to 4, while under MIN_PROGRAMS (256) programs; never below H or C."""
+    """Columns halve to 64, then heads to 4, while under 256 programs; from 8 x 128 or the largest powers of two
+    dividing H and C, so that any shape merges."""
     assert _split_merge_triton.default_blocks(rows, heads, width) == blocks
+
+
+@pytest.mark.parametrize("rows, heads, width", [(1, 16, 128), (2, 20, 48)])
+def test_default_blocks_equal_the_reference(rows, heads, width):
+    """The default blocks (4 x 64 at one row; 4 x 16 for H = 20, C = 48) merge as the reference does."""
+    outs, lses = _partials(5, rows, 3, heads, width, jnp.bfloat16)
+    out, lse = _split_merge_triton.merge_splits(outs, lses, out_dtype=jnp.bfloat16)
+    ref_out, ref_lse = _lse.merge_splits(outs, lses, out_dtype=jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), rtol=8e-3, atol=8e-3)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows, splits", [(64, 8), (3, 3), (7, 17), (1, 16)])
