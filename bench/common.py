@@ -9,6 +9,7 @@ traced to the run that measured it.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import inspect
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from bench.gpu_trace import Event, trace_events
-from dcp_jax.config import (DEEPSEEK_V32, INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS,
+from dcp_jax.config import (DEEPSEEK_V32, INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, KERNEL_CHOICES, LATENT_CACHE_FORMATS,
                             LATENT_CACHE_HELP, QUANTIZATION_CHOICES)
 from dcp_jax.runtime.xla_flags import apply_gpu_flags
 from pallas_kernels import _indexer_mosaic, _indexer_triton, _sparse_mla_mosaic, _sparse_mla_triton, _topk_triton
@@ -86,11 +87,11 @@ class CompileCounter:
             jax.monitoring.unregister_event_duration_listener(self._listener)
 
 
-def add_engine_arguments(parser) -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's options that bench_engine and bench_prefill share: dtype, kernels, the weights' and caches'
     formats and the page size (`LLM`'s names)."""
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
     parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
                         help="fp8: the preset's linear weights in DeepSeek's block fp8 (the fp8 GEMM on a GPU)")
     parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)

@@ -126,9 +126,8 @@ def _words(values):
 
 def _swizzled(slab, row, chunk):
     """The byte offset in a stage ([9, 64, 64] bf16, (8, 64)-tiled, 128B-swizzled) of 16-byte chunk `chunk` of
-    `row` of `slab` (i32 values; slab may be a Python int)."""
-    first = _i32(slab * SLAB_BYTES) if isinstance(slab, int) else arith.muli(slab, _i32(SLAB_BYTES))
-    line = arith.addi(first, arith.muli(row, _i32(SLAB * 2)))
+    `row` of `slab` (row and chunk i32 values, slab a Python int)."""
+    line = arith.addi(_i32(slab * SLAB_BYTES), arith.muli(row, _i32(SLAB * 2)))
     return arith.addi(line, arith.muli(arith.xori(chunk, arith.andi(row, _i32(7))), _i32(CHUNK)))
 
 

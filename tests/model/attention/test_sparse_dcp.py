@@ -49,7 +49,8 @@ def test_dcp_step_with_pallas_kernels_equals_unsharded(dcp, interleave):
 
 
 @pytest.mark.parametrize("dcp, interleave, kernels",
-                         [(2, 2, "pallas"), pytest.param(4, 1, "reference", marks=pytest.mark.slow), (8, 2, "reference")])
+                         [(2, 2, "pallas"), pytest.param(4, 1, "reference", marks=pytest.mark.slow),
+                          (8, 2, "reference")])
 def test_dcp_step_with_fp8_index_cache_equals_unsharded_fp8(dcp, interleave, kernels):
     """fp8 index cache on both sides: the DCP step (fp8 keys and scales written per rank, fp8 queries scored by
     the indexer) equals the single-device computation on the same quantized keys and queries."""
@@ -61,7 +62,8 @@ def test_dcp_step_with_fp8_index_cache_equals_unsharded_fp8(dcp, interleave, ker
 
 
 @pytest.mark.parametrize("dcp, interleave, kernels",
-                         [(2, 2, "pallas"), pytest.param(4, 1, "reference", marks=pytest.mark.slow), (8, 2, "reference")])
+                         [(2, 2, "pallas"), pytest.param(4, 1, "reference", marks=pytest.mark.slow),
+                          (8, 2, "reference")])
 def test_dcp_step_with_fp8_latent_cache_equals_unsharded_fp8(dcp, interleave, kernels):
     """fp8 latent cache (and fp8 index cache) on both sides: the DCP step writes each rank's e4m3 latents, tile
     scales and bf16 rope, and attends over them; the single-device twin attends over the same quantized
