@@ -193,25 +193,21 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
         def barrier(block):  # this producer's slots barrier of the block's stage
             return slots_barriers.at[lax.rem(block, STAGES) * producers + producer]
 
-        def wait_consumed(block):
-            @pl.when(block >= STAGES)
-            def _wait():
-                plgpu.barrier_wait(consumed_barriers.at[lax.rem(block, STAGES)])
-
-        def block_slots(block):  # this producer's slots of the block, and its gather limit, in the stage's SMEM
+        @pl.loop(0, num_blocks)
+        def _gather(block):
             stage = lax.rem(block, STAGES)
+
+            @pl.when(block >= STAGES)
+            def _wait_consumed():
+                plgpu.barrier_wait(consumed_barriers.at[stage])
+
+            # This producer's slots of the block, and its gather limit, in the stage's SMEM.
             plgpu.copy_gmem_to_smem(slots_ref.at[row, pl.ds(start + block * BLOCK_S + first_row, tokens)],
                                     slots_smem.at[stage, pl.ds(first_row, tokens)], barrier(block))
             plgpu.barrier_wait(barrier(block))
             limit_column = 16 + stage * producers + producer
             meta_smem[STAGES, limit_column] = length - block * BLOCK_S
-            return slots_smem.at[stage], meta_smem.at[STAGES, pl.ds(limit_column, 1)]
-
-        @pl.loop(0, num_blocks)
-        def _gather(block):
-            stage = lax.rem(block, STAGES)
-            wait_consumed(block)
-            slots, limit = block_slots(block)
+            slots, limit = slots_smem.at[stage], meta_smem.at[STAGES, pl.ds(limit_column, 1)]
             if fp8:
                 [scales_smem] = staged_scales
                 gather.gather_fp8(*kv_refs, slots, limit, kv_smem.at[stage], scales_smem.at[stage],
