@@ -44,33 +44,22 @@ def gather_bf16(kv_ref, slots_ref, info_ref, kv_smem):
                                   plgpu.RefType(transforms=tiled((8, SLAB)))))
     def gather(launch_ctx, kv_gmem, slots, info, smem):
         del launch_ctx
-        i32, i64, i8 = (ir.IntegerType.get_signless(n) for n in (32, 64, 8))
-        index = ir.IndexType.get()
-
-        def const(value, ty=i32):
-            return arith.constant(ty, value)
-
-        tid = arith.andi(mgpu_utils.thread_idx(), const(127))
-        first_row = arith.addi(arith.muli(arith.divui(tid, const(32)), const(16)),
-                               arith.andi(arith.divui(tid, const(8)), const(3)))
-        chunk = arith.andi(tid, const(7))  # 16-byte chunk within a 128-byte line
-        limit = memref.load(info, [arith.constant(index, 0)])
-        gmem_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(kv_gmem))
-        smem_base = mgpu_utils.memref_ptr(smem)
+        i64 = ir.IntegerType.get_signless(64)
+        tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
+        first_row = arith.addi(arith.muli(arith.divui(tid, _i32(32)), _i32(16)),
+                               arith.andi(arith.divui(tid, _i32(8)), _i32(3)))
+        chunk = arith.andi(tid, _i32(7))  # 16-byte chunk within a 128-byte line
+        limit = memref.load(info, [arith.constant(ir.IndexType.get(), 0)])
+        gmem_base, smem_base = _global_ptr(kv_gmem), mgpu_utils.memref_ptr(smem)
         for j in range(BLOCK_S // 16):
-            row = arith.addi(first_row, const(4 * j))
-            is_valid = arith.cmpi(arith.CmpIPredicate.slt, row, limit)
-            slot = arith.select(is_valid, memref.load(slots, [arith.index_cast(index, row)]), const(0))
-            src_row = mgpu_utils.getelementptr(
-                gmem_base, [arith.addi(arith.muli(arith.extui(i64, slot), const(ROW_BYTES, i64)),
-                                       arith.extui(i64, arith.muli(chunk, const(CHUNK))))], i8)
-            swizzled = arith.xori(chunk, arith.andi(row, const(7)))
-            dst_row = mgpu_utils.getelementptr(
-                smem_base, [arith.addi(arith.muli(row, const(SLAB * 2)), arith.muli(swizzled, const(CHUNK)))], i8)
-            size = arith.select(is_valid, const(CHUNK), const(0))  # 0: zero-fill, read nothing
+            row = arith.addi(first_row, _i32(4 * j))
+            is_valid, slot = _slot_of(slots, limit, row)
+            src_row = _at(gmem_base, arith.addi(arith.muli(slot, _i64(ROW_BYTES)),
+                                                arith.extui(i64, arith.muli(chunk, _i32(CHUNK)))))
+            dst_row = _at(smem_base, _swizzled(0, row, chunk))
+            size = arith.select(is_valid, _i32(CHUNK), _i32(0))  # 0: zero-fill, read nothing
             for slab in range(NUM_SLABS):  # a slab row is one 128-byte line of the cache row
-                nvvm.CpAsyncOp(mgpu_utils.getelementptr(dst_row, [slab * SLAB_BYTES], i8),
-                               mgpu_utils.getelementptr(src_row, [slab * SLAB * 2], i8),
+                nvvm.CpAsyncOp(_at(dst_row, slab * SLAB_BYTES), _at(src_row, slab * SLAB * 2),
                                CHUNK, nvvm.LoadCacheModifierKind.CG, cpSize=size)
         nvvm.cp_async_commit_group()
         nvvm.cp_async_wait_group(0)
@@ -79,7 +68,7 @@ def gather_bf16(kv_ref, slots_ref, info_ref, kv_smem):
     gather(kv_ref, slots_ref, info_ref, kv_smem)
 
 
-def dequantized(words, scale_pair):
+def _dequantized(words, scale_pair):
     """Four i32 words of 16 e4m3 values -> eight i32 words of their bf16 values times the scale (two bf16 in
     `scale_pair`): exact, as the scale is a power of two. Each byte s.eeee.mmm moves into bf16's bits as
     s.0000eeee.mmm0000, which is its value (normal or subnormal) times 2 ** -120; two bf16 products restore it
@@ -235,7 +224,7 @@ def gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, s
 
         def store(slab, loaded):
             row, parts, scale_pair = loaded
-            out = dequantized(parts, scale_pair)
+            out = _dequantized(parts, scale_pair)
             for half in range(2):  # bf16 chunks 2 * part and 2 * part + 1 of the row's line
                 chunk = arith.addi(arith.muli(part, _i32(2)), _i32(half))
                 llvm.store(_words(out[4 * half:4 * half + 4]), _at(stage, _swizzled(slab, row, chunk)))
