@@ -201,8 +201,13 @@ def fp8_gemm_tiles(x, xs_t, w, w_scales, *, tile_n: int, split_m: bool, stages: 
     )(x, xs_t, w, w_scales)
 
 
+def _fitting_tile_ns(width: int, split_m: bool) -> list[int]:
+    """The tile_ns of TILE_N (largest first) whose CTA tile divides N."""
+    return [t for t in TILE_N if width % _cta_tile(split_m, t)[1] == 0]
+
+
 def _tile_n(width: int, split_m: bool) -> int | None:
-    return next((t for t in TILE_N if width % _cta_tile(split_m, t)[1] == 0), None)
+    return next(iter(_fitting_tile_ns(width, split_m)), None)
 
 
 def _tiles(num_rows: int, width: int, split_m: bool, tile_n: int) -> int:
@@ -227,7 +232,7 @@ def _decode_tile_n(num_rows: int, width: int, depth: int, k_splits: int | None) 
     tile_n 64 took N = 36864 in 112 us against 128's 117 (288 CTAs in 3 waves of 132 SMs against 144 in 2), and
     N = 2048 in 11.9 us against 12.9 (128 CTAs against 64); 128 kept N = 18432 (72 CTAs against 144) at 53 us
     against 69."""
-    fitting = [t for t in TILE_N if width % _cta_tile(False, t)[1] == 0]
+    fitting = _fitting_tile_ns(width, split_m=False)
     if not fitting:
         return None
 
