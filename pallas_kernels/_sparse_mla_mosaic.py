@@ -29,7 +29,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, memref
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import formats
@@ -43,7 +46,6 @@ from pallas_kernels._sparse_mla_triton import default_num_splits, fp8_cache_rows
 STAGES = 2  # Q and two stages fill the 227 KB of SMEM
 BLOCK_H = 64  # heads per CTA: one wgmma M
 LEFT_SLABS = 3  # value slabs of the scorer; the second warpgroup takes the other 5 (4 + 4 was slower)
-COUNT_COLUMNS = 16  # counts travel as [R, 16] int32: a TMA row must be 16-byte aligned and 64 bytes suit it
 LOG2E = math.log2(math.e)
 # Producer warpgroups by cache (fp8 or not): an fp8 cache's producers dequantize, and two (each half the rows)
 # ran the B = 64 call in 116 us against one's 135 us (H100, same call; docs/perf_sparse_mla.md, stop 49).
@@ -65,15 +67,28 @@ def check_registers(registers: tuple[int, int], producers: int) -> None:
                          f"{producers} * producer = {total} ({producers} producer warpgroups); got {registers}")
 
 
+def _read_count(counts_row, dst):
+    """Every thread of the warpgroup reads a row's count (counts_row: GMEM int32 [1]) and stores it to dst (SMEM
+    int32 [1]); a warpgroup barrier follows, so the warpgroup may read dst."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def read(launch_ctx, gmem, smem):
+        del launch_ctx
+        count = llvm.load(ir.IntegerType.get_signless(32), gather._global_ptr(gmem))
+        memref.store(count, smem, [arith.constant(ir.IndexType.get(), 0)])
+        mgpu_utils.warpgroup_barrier()
+
+    read(counts_row, dst)
+
+
 def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits, registers):
     """kv_refs: (the bf16 cache rows,), or an fp8 latent cache's (e4m3 bytes, scales, rope) rows."""
     fp8 = len(kv_refs) == 3
     producers = PRODUCERS[fp8]
     compute_registers, producer_registers = registers
     (q_smem, kv_smem, meta_smem, row_stats, *staged_scales,
-     q_barrier, count_barrier, slots_barriers, kv_barriers, probs_barriers, consumed_barriers, done_barrier) = scratch
-    # meta_smem rows 0 .. STAGES-1 hold each stage's slots; row STAGES holds the count (16 ints) and then each
-    # stage's gather limit for each producer. row_stats rows 0 .. STAGES-1 hold each stage's rescale factors, row
+     q_barrier, slots_barriers, kv_barriers, probs_barriers, consumed_barriers, done_barrier) = scratch
+    # meta_smem rows 0 .. STAGES-1 hold each stage's slots; row STAGES holds each warpgroup's copy of the count
+    # (columns 0 .. 3) and, from column 16, each stage's gather limit for each producer. row_stats rows 0 .. STAGES-1 hold each stage's rescale factors, row
     # STAGES the reciprocal row sums, row STAGES + 1 stages the lse.
     slots_smem = meta_smem.at[pl.ds(0, STAGES)]
     head_block, split, row = lax.axis_index("head_block"), lax.axis_index("split"), lax.axis_index("row")
@@ -83,14 +98,13 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
     row_vector = plgpu.Layout.WGMMA.reduce(1)
 
     @pl.when(wg == 0)
-    def _load_count_and_q():  # a TMA destination must be 128-byte aligned: one count copy, every warpgroup waits
-        plgpu.copy_gmem_to_smem(counts_ref.at[pl.ds(row, 1)], meta_smem.at[pl.ds(STAGES, 1), pl.ds(0, 16)],
-                                count_barrier.at[0])
+    def _load_q():
         for c in range(NUM_SLABS):
             plgpu.copy_gmem_to_smem(q_ref.at[row, heads, pl.ds(c * SLAB, SLAB)], q_smem.at[c], q_barrier.at[0])
 
-    plgpu.barrier_wait(count_barrier.at[0])
-    count = jnp.clip(meta_smem[STAGES, 0], 0, max_slots)
+    # Each warpgroup reads the count itself (a TMA row would need 16 bytes: a pad of the counts before the kernel).
+    _read_count(counts_ref.at[pl.ds(row, 1)], meta_smem.at[STAGES, pl.ds(wg, 1)])
+    count = jnp.clip(meta_smem[STAGES, wg], 0, max_slots)
     # This split's share of [0, count): equal chunks rounded up to whole blocks, so trailing splits may be empty.
     chunk = lax.div(lax.div(count + num_splits - 1, num_splits) + BLOCK_S - 1, BLOCK_S) * BLOCK_S
     start = split * chunk
@@ -225,7 +239,7 @@ def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_spli
                         registers: tuple[int, int] | None = None):
     """The kernel on prepared inputs: q bf16 [R, H, 576] (H a multiple of 64); kv_parts (bf16 rows [slots, 576],)
     or an fp8 latent cache's (e4m3 bytes as uint8 [slots, 512], f32 scales [slots, 4], bf16 rope [slots, 64]);
-    slots int32 [R, S] (S a multiple of 64), counts int32 [R, 16] (the count in column 0). Returns per-split
+    slots int32 [R, S] (S a multiple of 64), counts int32 [R] (clipped to [0, S] here). Returns per-split
     out bf16 [R, N, H, 512] and lse f32 [R, N, H]. registers: `sparse_mla_decode`'s."""
     rows, heads, _ = q.shape
     num_parts = len(kv_parts)
@@ -248,7 +262,6 @@ def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_spli
             plgpu.SMEM((STAGES + 2, BLOCK_H), jnp.float32),
             *staged_scales,
             plgpu.Barrier(num_arrivals=NUM_SLABS, num_barriers=1),  # one arrival per Q slab copy
-            plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=STAGES * producers),
             plgpu.Barrier(num_arrivals=producers, num_barriers=STAGES),  # each producer once per gathered block
             plgpu.Barrier(num_barriers=STAGES),  # the scorer arrives once a block's probabilities are in SMEM
@@ -308,13 +321,17 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_D
 
 def prepare(q, kv_cache, slots, counts):
     """Pads the contract's inputs to the kernel's: heads to a multiple of 64 (zero queries), slots to a multiple
-    of 64 (entries past the count are never read), counts to [R, 16] (clipped to [0, S]); q to bf16, the cache
-    to the kernel's parts (`sparse_mla_partials`)."""
+    of 64 (entries past the count are never read; counts are then clipped to S, as the kernel clips them to the
+    padded width); q to bf16, the cache to the kernel's parts (`sparse_mla_partials`). Inputs of the kernel's
+    shapes pass unchanged (no XLA op before the kernel)."""
     heads, num_slots = q.shape[1], slots.shape[1]
-    counts = jnp.clip(counts, 0, num_slots)  # counts above S act as S
-    q = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, -heads % BLOCK_H), (0, 0)))
-    slots = jnp.pad(slots, ((0, 0), (0, -num_slots % BLOCK_S)))
-    counts = jnp.pad(counts[:, None], ((0, 0), (0, COUNT_COLUMNS - 1)))
+    if num_slots % BLOCK_S:
+        counts = jnp.minimum(counts, num_slots)  # counts above S act as S
+        slots = jnp.pad(slots, ((0, 0), (0, -num_slots % BLOCK_S)))
+    if q.dtype != jnp.bfloat16:
+        q = q.astype(jnp.bfloat16)
+    if heads % BLOCK_H:
+        q = jnp.pad(q, ((0, 0), (0, -heads % BLOCK_H), (0, 0)))
     if isinstance(kv_cache, formats.Fp8LatentCache):
         latent = lax.bitcast_convert_type(kv_cache.latent, jnp.uint8)
         kv_parts = (latent.reshape(-1, VALUE_DIM), kv_cache.scales.reshape(-1, SCALES_PER_ROW),
