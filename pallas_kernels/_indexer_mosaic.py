@@ -36,11 +36,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _topk_triton
 from pallas_kernels._indexer_triton import MIN_DOT_DIM, pow2_at_least
+from pallas_kernels._mosaic_scalars import read_ints
 from pallas_kernels._platform import on_hopper_compiled
 
 PAGE = 64  # tokens per page: one wgmma M
 DIM = 128  # fp8 key bytes: one 128-byte swizzled row
-LENS_COLUMNS = 16  # lens travel as [R, 16] int32: a TMA copies at least 16 bytes
 MAX_HEADS = 256  # a wgmma N
 MAX_GROUPS = 8192  # group maxima the top-k loads into each of its candidates programs
 GROUP_TOKENS = 16  # tokens per group of the fused group maxima: one warp's rows of a page's wgmma tile
@@ -89,12 +89,14 @@ def _kernel(q_ref, weights_ref, keys_ref, scales_ref, tables_ref, lens_ref, out_
     heads = q_smem.shape[0] // rows_per_cta  # a row's (padded) heads
     plgpu.copy_gmem_to_smem(tables_ref.at[pl.ds(first_row, rows_per_cta), pl.ds(first_page, pages_per_cta)],
                             tables_smem, meta_barrier.at[0])
-    plgpu.copy_gmem_to_smem(lens_ref.at[pl.ds(first_row, rows_per_cta)], lens_smem, meta_barrier.at[0])
     plgpu.copy_gmem_to_smem(q_ref.at[group], q_smem, query_barrier.at[0])
     plgpu.copy_gmem_to_smem(weights_ref.at[pl.ds(group, 1)], weights_smem, query_barrier.at[0])
+    read_ints(lens_ref.at[pl.ds(first_row, rows_per_cta)], lens_smem)  # while the TMAs fly
     plgpu.barrier_wait(meta_barrier.at[0])
-    # Tokens of each row from this CTA's first one on, and the pages holding any of them.
-    remaining = [lens_smem[g, 0] - first_page * PAGE for g in range(rows_per_cta)]
+    # Tokens of each row from this CTA's first one on (lens clipped to the tables' tokens), and the pages holding
+    # any of them.
+    max_len = tables_ref.shape[1] * PAGE
+    remaining = [jnp.minimum(lens_smem[g], max_len) - first_page * PAGE for g in range(rows_per_cta)]
     valid_pages = [jnp.clip(lax.div(r + PAGE - 1, PAGE), 0, pages_per_cta) for r in remaining]
     token_layout = plgpu.Layout.WGMMA.reduce(1)
     plgpu.barrier_wait(query_barrier.at[0])
@@ -175,8 +177,8 @@ def _kernel(q_ref, weights_ref, keys_ref, scales_ref, tables_ref, lens_ref, out_
 def indexer_logits_pages(q, weights, keys, scales, tables, lens, *, pages_per_cta: int, stages: int,
                          rows_per_cta: int = 1, with_maxima: bool = False):
     """The kernel on prepared inputs: q fp8 [R, Hi, 128], weights f32 [R, Hi], keys fp8 [pages, 64, 128],
-    scales f32 [pages, 64], tables int32 [R, P] (P a multiple of pages_per_cta), lens int32 [R, 16] (the
-    length in column 0, at most P * 64); R a multiple of rows_per_cta, rows_per_cta * Hi at most MAX_HEADS.
+    scales f32 [pages, 64], tables int32 [R, P] (P a multiple of pages_per_cta), lens int32 [R] (clipped to
+    P * 64 here); R a multiple of rows_per_cta, rows_per_cta * Hi at most MAX_HEADS.
     Returns the logits f32 [R, P, 64]; with_maxima also the top-k keys (`_topk_triton._to_key`) of the maxima of
     each row's groups of 16 consecutive tokens, int32 [R, P, 4] (the key of -inf for groups past the length)."""
     rows, heads, _ = q.shape
@@ -203,10 +205,10 @@ def indexer_logits_pages(q, weights, keys, scales, tables, lens, *, pages_per_ct
             plgpu.SMEM((stages, PAGE, DIM), jnp.float8_e4m3fn, transforms=_tiled()),
             plgpu.SMEM((stages, PAGE), jnp.float32),
             plgpu.SMEM((rows_per_cta, pages_per_cta), jnp.int32),  # block-table entries
-            plgpu.SMEM((rows_per_cta, LENS_COLUMNS), jnp.int32),
+            plgpu.SMEM((rows_per_cta,), jnp.int32),  # lens
             plgpu.SMEM((rows_per_cta, pages_per_cta, PAGE), jnp.float32),
             maxima_scratch,
-            plgpu.Barrier(num_arrivals=2, num_barriers=1),
+            plgpu.Barrier(num_barriers=1),  # the block-table entries
             plgpu.Barrier(num_arrivals=2, num_barriers=1),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # keys and scales of a page
         )
@@ -235,12 +237,12 @@ def unsupported(q, k_cache, k_scale, interpret: bool | None) -> list[str]:
 
 def prepare(weights, block_tables, lens, pages_per_cta: int):
     """Pads the contract's inputs to the kernel's: block tables to a multiple of pages_per_cta entries (never
-    read), lens to [R, 16] (clipped to [0, P * 64])."""
+    read; lens are then clipped to P * 64, as the kernel clips them to the padded width); weights to f32."""
     num_blocks = block_tables.shape[1]
-    lens = jnp.clip(lens, 0, num_blocks * PAGE)
-    tables = jnp.pad(block_tables, ((0, 0), (0, -num_blocks % pages_per_cta)))
-    lens = jnp.pad(lens[:, None], ((0, 0), (0, LENS_COLUMNS - 1)))
-    return weights.astype(jnp.float32), tables, lens
+    if num_blocks % pages_per_cta:
+        lens = jnp.minimum(lens, num_blocks * PAGE)
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, -num_blocks % pages_per_cta)))
+    return weights.astype(jnp.float32), block_tables, lens
 
 
 # CTAs own up to 16 pages (1024 tokens), fewer while that gives under 1024 CTAs (several per SM).
@@ -275,10 +277,12 @@ def _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, sta
     if pages_per_cta < 4 or pages_per_cta & (pages_per_cta - 1) or stages < 1:
         raise ValueError(f"need pages_per_cta a power of two >= 4 and stages >= 1; got {pages_per_cta=} {stages=}")
     extra_rows = groups * rows_per_cta - rows  # zero queries of length 0; the last row's table keeps it shared
-    q = jnp.pad(q, ((0, extra_rows), (0, padded_heads - heads), (0, 0)))
-    weights = jnp.pad(weights, ((0, extra_rows), (0, padded_heads - heads)))
-    block_tables = jnp.pad(block_tables, ((0, extra_rows), (0, 0)), mode="edge")
-    lens = jnp.pad(lens, (0, extra_rows))
+    if extra_rows or padded_heads != heads:
+        q = jnp.pad(q, ((0, extra_rows), (0, padded_heads - heads), (0, 0)))
+        weights = jnp.pad(weights, ((0, extra_rows), (0, padded_heads - heads)))
+    if extra_rows:
+        block_tables = jnp.pad(block_tables, ((0, extra_rows), (0, 0)), mode="edge")
+        lens = jnp.pad(lens, (0, extra_rows))
     weights, tables, lens = prepare(weights, block_tables, lens, pages_per_cta)
     outs = indexer_logits_pages(q, weights, k_cache, k_scale, tables, lens, pages_per_cta=pages_per_cta,
                                 stages=stages, rows_per_cta=rows_per_cta, with_maxima=with_maxima)

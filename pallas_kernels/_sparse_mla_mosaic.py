@@ -29,15 +29,13 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import formats
 from pallas_kernels import _sparse_mla_mosaic_gather as gather
 from pallas_kernels import _split_merge_triton
+from pallas_kernels._mosaic_scalars import read_ints
 from pallas_kernels._platform import on_hopper_compiled
 from pallas_kernels._sparse_mla_mosaic_gather import (BLOCK_S, NUM_SLABS, ROPE_DIM, SCALES_PER_ROW, SLAB, VALUE_DIM,
                                                       WIDTH)
@@ -67,19 +65,6 @@ def check_registers(registers: tuple[int, int], producers: int) -> None:
                          f"{producers} * producer = {total} ({producers} producer warpgroups); got {registers}")
 
 
-def _read_count(counts_row, dst):
-    """Every thread of the warpgroup reads a row's count (counts_row: GMEM int32 [1]) and stores it to dst (SMEM
-    int32 [1]); a warpgroup barrier follows, so the warpgroup may read dst."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def read(launch_ctx, gmem, smem):
-        del launch_ctx
-        count = llvm.load(ir.IntegerType.get_signless(32), gather._global_ptr(gmem))
-        memref.store(count, smem, [arith.constant(ir.IndexType.get(), 0)])
-        mgpu_utils.warpgroup_barrier()
-
-    read(counts_row, dst)
-
-
 def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *, scale, num_splits, registers):
     """kv_refs: (the bf16 cache rows,), or an fp8 latent cache's (e4m3 bytes, scales, rope) rows."""
     fp8 = len(kv_refs) == 3
@@ -103,7 +88,7 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
             plgpu.copy_gmem_to_smem(q_ref.at[row, heads, pl.ds(c * SLAB, SLAB)], q_smem.at[c], q_barrier.at[0])
 
     # Each warpgroup reads the count itself (a TMA row would need 16 bytes: a pad of the counts before the kernel).
-    _read_count(counts_ref.at[pl.ds(row, 1)], meta_smem.at[STAGES, pl.ds(wg, 1)])
+    read_ints(counts_ref.at[pl.ds(row, 1)], meta_smem.at[STAGES, pl.ds(wg, 1)])
     count = jnp.clip(meta_smem[STAGES, wg], 0, max_slots)
     # This split's share of [0, count): equal chunks rounded up to whole blocks, so trailing splits may be empty.
     chunk = lax.div(lax.div(count + num_splits - 1, num_splits) + BLOCK_S - 1, BLOCK_S) * BLOCK_S

@@ -1,6 +1,8 @@
 """pallas_kernels.indexer_logits (the Triton and Mosaic kernels) against reference.indexer_logits: interpreted on
 CPU, compiled on GPU."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -163,7 +165,7 @@ def test_mosaic_kernel_lowers_for_cuda(rows, heads, max_blocks, pages_per_cta, s
             jax.ShapeDtypeStruct((1000, indexer_mosaic.PAGE, indexer_mosaic.DIM), fp8),
             jax.ShapeDtypeStruct((1000, indexer_mosaic.PAGE), jnp.float32),
             jax.ShapeDtypeStruct((rows, max_blocks), jnp.int32),
-            jax.ShapeDtypeStruct((rows, indexer_mosaic.LENS_COLUMNS), jnp.int32))
+            jax.ShapeDtypeStruct((rows,), jnp.int32))
     indexer_mosaic.indexer_logits_pages.trace(*args, pages_per_cta=pages_per_cta, stages=stages,
                                               rows_per_cta=rows_per_cta, with_maxima=with_maxima).lower(
         lowering_platforms=("cuda",))
@@ -206,6 +208,18 @@ def test_mosaic_rows_per_cta_is_checked_before_anything_is_traced():
         indexer_mosaic.indexer_logits(q, weights, cache.keys, tables, lens, k_scale=cache.scales, rows_per_cta=0)
 
 
+def test_mosaic_decode_call_is_the_kernel_alone():
+    """A decode call of the kernel's shapes (64 heads, tables of whole CTAs, f32 weights) lowers to the kernel and
+    reshapes: the lens are read in the kernel as they are."""
+    fp8, S = jnp.float8_e4m3fn, jax.ShapeDtypeStruct
+    args = (S((8, 64, indexer_mosaic.DIM), fp8), S((8, 64), jnp.float32),
+            S((1000, indexer_mosaic.PAGE, indexer_mosaic.DIM), fp8), S((1000, indexer_mosaic.PAGE), jnp.float32),
+            S((8, 32), jnp.int32), S((8,), jnp.int32))
+    text = jax.jit(lambda q, w, keys, scales, tables, lens: indexer_mosaic.indexer_logits(
+        q, w, keys, tables, lens, k_scale=scales)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert set(re.findall(r"stablehlo\.\w+", text)) == {"stablehlo.custom_call", "stablehlo.reshape"}
+
+
 def test_mosaic_prepare_pads_to_the_kernel():
     tables = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
     weights, padded, lens = indexer_mosaic.prepare(jnp.ones((2, 3), jnp.bfloat16), tables,
@@ -213,8 +227,13 @@ def test_mosaic_prepare_pads_to_the_kernel():
     assert weights.dtype == jnp.float32
     np.testing.assert_array_equal(padded[:, :5], tables)
     assert padded.shape == (2, 8)
-    assert lens.shape == (2, indexer_mosaic.LENS_COLUMNS)
-    np.testing.assert_array_equal(lens[:, 0], [5 * indexer_mosaic.PAGE, 0])
+    # Clipped to the tables' tokens, as the tables are padded; the kernel clips the rest.
+    np.testing.assert_array_equal(lens, [5 * indexer_mosaic.PAGE, -4])
+    # Tables of whole CTAs and lens pass as they are: no XLA op before the kernel.
+    tables = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    lens = jnp.array([999, -4], jnp.int32)
+    _, padded, lens_p = indexer_mosaic.prepare(jnp.ones((2, 3), jnp.float32), tables, lens, pages_per_cta=4)
+    assert padded is tables and lens_p is lens
 
 
 @pytest.mark.gpu

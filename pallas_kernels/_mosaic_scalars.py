@@ -1,0 +1,27 @@
+"""Small integers a Mosaic GPU kernel reads from GMEM without a TMA: a TMA row must be at least 16 bytes, so a
+per-row int32 (a sequence length) would need a padded copy made by an XLA op before the kernel."""
+
+from __future__ import annotations
+
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, memref
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def read_ints(gmem_ref, smem_ref):
+    """Every thread of the warpgroup reads the int32s of gmem_ref [n] and stores them to smem_ref [n] (the same
+    values, so the stores agree); a warpgroup barrier follows, so the warpgroup may read smem_ref."""
+    [size] = gmem_ref.shape
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def read(launch_ctx, gmem, smem):
+        del launch_ctx
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(gmem))
+        values = [llvm.load(i32, mgpu_utils.getelementptr(base, [i], i32)) for i in range(size)]
+        for i, value in enumerate(values):
+            memref.store(value, smem, [arith.constant(index, i)])
+        mgpu_utils.warpgroup_barrier()
+
+    read(gmem_ref, smem_ref)
