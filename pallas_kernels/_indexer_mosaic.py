@@ -4,7 +4,7 @@
 Same contract as the Triton kernel for fp8 (e4m3) queries and keys with per-token f32 key scales, pages of 64 tokens
 and Di = 128. Each CTA (one warpgroup) owns `pages_per_cta` consecutive block-table entries of `rows_per_cta`
 consecutive rows (by default 2 in calls of at least `SHARED_ROWS_MIN` rows, a prefill chunk's, else 1):
-- it copies the rows' block-table entries, lengths, queries and weights to SMEM by TMA;
+- it copies the rows' block-table entries, queries and weights to SMEM by TMA, and reads their lengths itself;
 - then it streams the valid pages (each one contiguous [64, 128] fp8 key tile and its 64 scales) through
   `stages` TMA buffers; a page is one wgmma [64 tokens, 128] x [128, Hi] on fp8 tensor cores (f32 accumulator,
   the tensor core's reduced-precision fp8 accumulation, as DeepGEMM's indexer and the Triton kernel's default);
@@ -178,7 +178,7 @@ def indexer_logits_pages(q, weights, keys, scales, tables, lens, *, pages_per_ct
                          rows_per_cta: int = 1, with_maxima: bool = False):
     """The kernel on prepared inputs: q fp8 [R, Hi, 128], weights f32 [R, Hi], keys fp8 [pages, 64, 128],
     scales f32 [pages, 64], tables int32 [R, P] (P a multiple of pages_per_cta), lens int32 [R] (clipped to
-    P * 64 here); R a multiple of rows_per_cta, rows_per_cta * Hi at most MAX_HEADS.
+    [0, P * 64] here); R a multiple of rows_per_cta, rows_per_cta * Hi at most MAX_HEADS.
     Returns the logits f32 [R, P, 64]; with_maxima also the top-k keys (`_topk_triton._to_key`) of the maxima of
     each row's groups of 16 consecutive tokens, int32 [R, P, 4] (the key of -inf for groups past the length)."""
     rows, heads, _ = q.shape

@@ -72,9 +72,9 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
     compute_registers, producer_registers = registers
     (q_smem, kv_smem, meta_smem, row_stats, *staged_scales,
      q_barrier, slots_barriers, kv_barriers, probs_barriers, consumed_barriers, done_barrier) = scratch
-    # meta_smem rows 0 .. STAGES-1 hold each stage's slots; row STAGES holds each warpgroup's copy of the count
-    # (columns 0 .. 3) and, from column 16, each stage's gather limit for each producer. row_stats rows 0 .. STAGES-1 hold each stage's rescale factors, row
-    # STAGES the reciprocal row sums, row STAGES + 1 stages the lse.
+    # meta_smem rows 0 .. STAGES-1 hold each stage's slots; row STAGES holds warpgroup wg's copy of the count in
+    # column wg and, from column 16, each stage's gather limit for each producer. row_stats rows 0 .. STAGES-1 hold
+    # each stage's rescale factors, row STAGES the reciprocal row sums, row STAGES + 1 stages the lse.
     slots_smem = meta_smem.at[pl.ds(0, STAGES)]
     head_block, split, row = lax.axis_index("head_block"), lax.axis_index("split"), lax.axis_index("row")
     heads = pl.ds(head_block * BLOCK_H, BLOCK_H)

@@ -12,6 +12,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import formats
+from pallas_kernels._mosaic_scalars import global_ptr
 
 VALUE_DIM, ROPE_DIM = 512, 64
 WIDTH = VALUE_DIM + ROPE_DIM
@@ -50,7 +51,7 @@ def gather_bf16(kv_ref, slots_ref, info_ref, kv_smem):
                                arith.andi(arith.divui(tid, _i32(8)), _i32(3)))
         chunk = arith.andi(tid, _i32(7))  # 16-byte chunk within a 128-byte line
         limit = memref.load(info, [arith.constant(ir.IndexType.get(), 0)])
-        gmem_base, smem_base = _global_ptr(kv_gmem), mgpu_utils.memref_ptr(smem)
+        gmem_base, smem_base = global_ptr(kv_gmem), mgpu_utils.memref_ptr(smem)
         for j in range(BLOCK_S // 16):
             row = arith.addi(first_row, _i32(4 * j))
             is_valid, slot = _slot_of(slots, limit, row)
@@ -120,11 +121,6 @@ def _swizzled(slab, row, chunk):
     return arith.addi(line, arith.muli(arith.xori(chunk, arith.andi(row, _i32(7))), _i32(CHUNK)))
 
 
-def _global_ptr(ref):
-    """A GMEM ref's address as a global-space pointer."""
-    return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
-
-
 def _slot_of(slots, limit, row):
     """(row < limit, slots[row] as i64: 0 at or past the limit, so a load of it stays in bounds)."""
     is_valid = arith.cmpi(arith.CmpIPredicate.slt, row, limit)
@@ -166,7 +162,7 @@ def gather_fp8(latent_ref, scales_ref, rope_ref, slots_ref, info_ref, kv_smem, s
 
         tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
         lane, warp = arith.andi(tid, _i32(31)), arith.divui(tid, _i32(32))
-        latent, scales, rope = _global_ptr(latent_gmem), _global_ptr(scales_gmem), _global_ptr(rope_gmem)
+        latent, scales, rope = global_ptr(latent_gmem), global_ptr(scales_gmem), global_ptr(rope_gmem)
         stage, scale_stage = mgpu_utils.memref_ptr(smem), mgpu_utils.memref_ptr(scale_smem)
 
         def staged_offset(slab, local_row):  # staged slab `slab` (static or not) lies in slab 4 + slab // 2

@@ -10,6 +10,7 @@ unwritten outputs with NaN, so a finite result proves every element was written.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -227,6 +228,13 @@ def test_mosaic_decode_lowers_for_cuda(fp8):
     text = lowered.as_text()
     assert "merge_splits" in text
     assert not {"stablehlo.pad", "stablehlo.clamp", "stablehlo.minimum"} & set(text.split())
+    # One split (B = 64): the kernel and free reshapes (an fp8 cache's bytes viewed as uint8) alone.
+    args = (S((64, 128, sparse_mla_mosaic.WIDTH), jnp.bfloat16), cache, S((64, 2048), jnp.int32),
+            S((64,), jnp.int32))
+    text = jax.jit(lambda *a: sparse_mla_mosaic.sparse_mla_decode(*a, 0.1352)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    ops = {"stablehlo.custom_call", "stablehlo.reshape"} | ({"stablehlo.bitcast_convert"} if fp8 else set())
+    assert set(re.findall(r"stablehlo\.\w+", text)) == ops
 
 
 @pytest.mark.parametrize("registers, producers, ok", [
