@@ -72,35 +72,19 @@ class EngineStoppedError(RuntimeError):
 class Engine:
     """A continuous-batching server engine over one model on `tp` devices (KV split over `dcp` ranks).
 
-    model: a preset name (random weights; `tiny` is the embedded default), a shipped checkpoint's name or a HF
-    checkpoint directory.
-    max_model_len: None takes the model's max_position_embeddings, capped by what the KV pool holds.
+    The arguments `LLM` also takes mean what its docstring says (model, parallelism, caches, dtype, quantization,
+    pool size, scheduling limits, prefix caching, expert parallelism, hf_overrides, speculative_config, enable_tbo,
+    multi-host). The engine's own:
+    bucket_ladder: the step programs' row widths (those below max_num_batched_tokens, with max_num_seqs and
+    max_num_batched_tokens; `EngineConfig.buckets`): each is compiled at start-up, and a step runs in the smallest
+    that holds its rows.
     prompt_logprobs: also compile the programs that return every row's logprobs, so requests may ask for prompt
     logprobs (echo).
-    index_cache: the indexer key cache, "exact" (model dtype, HF's math) or "fp8" (e4m3 keys and an f32 scale per
-    token, scored with fp8 queries).
-    latent_cache: the MLA latent cache, "exact" (the pool's dtype) or "fp8" (656 B/token at DeepSeek's sizes: e4m3
-    latent with an f32 scale per 128 columns, bf16 rope; attention reads the dequantized values, and on a GPU its
-    kernel computes in bf16).
-    dtype: "auto" (the checkpoint's; bfloat16 for presets), "bfloat16" or "float32": the activations' and the
-    weights' not kept in fp8.
-    quantization: "auto" (the checkpoint's: a block fp8 checkpoint's linear weights stay e4m3 with their block
-    scales, multiplied by a fine-grained fp8 GEMM), "none" (dequantized into dtype on load) or "fp8" (also an
-    unquantized checkpoint's or a preset's linear weights quantized to block fp8 on load).
-    num_pages None: what fits gpu_memory_utilization of the GPU's memory after the weights (CPU: max_num_seqs
-    requests of max_model_len).
+    compilation_cache_dir: JAX's persistent compilation cache, so a restart reuses the compiled programs.
+    progress: report the start-up compiles as they go (a bar on a terminal, else a log line each).
     async_scheduling: dispatch each step before reading the previous one's tokens (`core.py`).
-    max_num_batched_tokens: rows of one step at most: its decode rows and prefill-chunk tokens (vLLM's name).
-    enable_prefix_caching: reuse the KV pages of full virtual blocks a prompt shares with earlier requests
-    (`host/page_allocator.py`; vLLM's name).
-    enable_expert_parallel: split the routed experts whole over the tp ranks, each rank running only the tokens
-    routed to its experts (vLLM's name); by default every rank runs every expert on its slice of their width.
-    speculative_config: {"method": "mtp", "num_speculative_tokens": N} (vLLM's; N in 1..3): the model's MTP layer
-    drafts, the next step verifies (steps then run synchronously).
-    enable_tbo: two-batch overlap: each layer's attention runs as two micro-batches of the step's rows.
-    coordinator_address, num_processes, process_id: one process of a multi-host deployment (`runtime/multihost.py`;
-    jax.distributed's names): process 0's engine serves and schedules; every other process builds the same engine
-    and runs `follow()` instead of `start()`.
+    Multi-host: process 0's engine serves and schedules; every other process builds the same engine and runs
+    `follow()` instead of `start()`.
     """
 
     def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
