@@ -73,8 +73,8 @@ class Engine:
     """A continuous-batching server engine over one model on `tp` devices (KV split over `dcp` ranks).
 
     The arguments `LLM` also takes mean what its docstring says (model, parallelism, caches, dtype, quantization,
-    pool size, scheduling limits, prefix caching, expert parallelism, hf_overrides, speculative_config, enable_tbo,
-    multi-host). The engine's own:
+    pool size, scheduling limits, async_scheduling, prefix caching, expert parallelism, hf_overrides,
+    speculative_config, enable_tbo, multi-host). The engine's own:
     bucket_ladder: the step programs' row widths (those below max_num_batched_tokens, with max_num_seqs and
     max_num_batched_tokens; `EngineConfig.buckets`): each is compiled at start-up, and a step runs in the smallest
     that holds its rows.
@@ -82,7 +82,6 @@ class Engine:
     logprobs (echo).
     compilation_cache_dir: JAX's persistent compilation cache, so a restart reuses the compiled programs.
     progress: report the start-up compiles as they go (a bar on a terminal, else a log line each).
-    async_scheduling: dispatch each step before reading the previous one's tokens (`core.py`).
     Multi-host: process 0's engine serves and schedules; every other process builds the same engine and runs
     `follow()` instead of `start()`.
     """

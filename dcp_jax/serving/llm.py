@@ -69,6 +69,7 @@ class LLM:
     num_pages None: what fits gpu_memory_utilization of the GPU's memory after the weights (CPU: max_num_seqs
     requests of max_model_len).
     max_num_batched_tokens: rows of one step at most (decode rows and prefill-chunk tokens; vLLM's name).
+    async_scheduling: dispatch each step before reading the previous one's tokens (`core.py`).
     enable_prefix_caching: reuse the KV pages of full virtual blocks a prompt shares with earlier requests.
     enable_expert_parallel: split the routed experts whole over the tp ranks, each rank running only the tokens
     routed to its experts (vLLM's name); by default every rank runs every expert on its slice of their width.
