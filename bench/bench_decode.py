@@ -9,17 +9,19 @@ Usage (repository root; --help lists every option):
 Method and GPU commands: docs/perf_decode.md.
 
 For every DCP size W (TP = W, one DCP group) x kernels ('pallas' / 'reference') x batch bucket B x context L it
-builds the real decode step of `runtime.forward.step_body` (random weights of a preset, KV pools filled with random
-latents and index keys in the grid's latent and index cache formats, host-built metadata), compiles each bucket
-once, and times it after warm-up inside `jax.no_tracing()` with a compile counter: step latency, pipelined steps and the
-program alone (`time_steps`). Beside it, same pool and same metadata:
+builds the engine's own greedy decode program (`runtime.runner.step_program`: random weights of a preset, the
+runner's device state with its KV pools filled with random latents and index keys in the grid's cache formats,
+host-built metadata), compiles each bucket once, and times it after warm-up inside `jax.no_tracing()` with a
+compile counter: step latency, pipelined steps and the program alone (`time_steps`). Beside it, the same program
+with another attention variant in its step context (`StepContext.attention`), same pool and same metadata:
 - `tbo` (`--tbo`): the same step with two-batch overlap (each layer's attention as two micro-batches);
-- `fallback`: the same step with the local lengths re-derived on device from the global ones
-  (`runtime.jaxpr_check.local_context_lens_on_device`) - the failure mode the design forbids;
-- stage-isolating variants `through_<stage>` (see `STAGES`): each layer runs the attention data flow of
-  `attention/sparse_dcp.py` only up to that stage, and the per-stage time is the difference of consecutive variants.
+- `fallback`: every layer re-derives the local lengths on device from the global ones (`DerivedLengths`,
+  `runtime.jaxpr_check.local_context_lens_on_device`) - the failure mode the design forbids;
+- stage-isolating variants `through_<stage>` (see `STAGES`, `StagedAttention`): each layer runs the attention data
+  flow of `attention/sparse_dcp.py` only up to that stage (the rest of the layer as it is), and the per-stage time
+  is the difference of consecutive variants.
 Tables, plots and target checks: `decode_results.py`; see docs/perf_decode.md for the method.
-Letters: W dcp size, B batch rows (= bucket), L context length, ps page size.
+Letters: see the legend in `dcp_jax/__init__.py` (here B is the batch of decode rows, the bucket R).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import statistics
@@ -43,28 +44,28 @@ if __name__ == "__main__":  # run as a script: the repository root on the path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import pallas_kernels
 from bench.common import CompileCounter, hlo_op_counts, run_info as common_run_info
 from bench.decode_results import STAGES, report
-from dcp_jax.config import (INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP,
-                            EngineConfig, ModelConfig, ParallelConfig, check_index_cache, check_latent_cache, preset)
-from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import FED_BACK, SamplingTable, StepInputs, build_step_inputs, build_step_metadata
+from dcp_jax.config import (EngineConfig, ModelConfig, ParallelConfig, check_index_cache, check_latent_cache, preset,
+                            resolve_dtype)
+from dcp_jax.host.sampling_metadata import SamplingTable
+from dcp_jax.host.step_inputs import FED_BACK, StepInputs, build_step_inputs
+from dcp_jax.host.step_metadata import build_step_metadata
+from dcp_jax.model import architecture
 from dcp_jax.model.attention import cache_formats, sparse_dcp
-from dcp_jax.model.attention.sparse_dcp import kernel_backend
-from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, init_params, merge, param_specs
-from dcp_jax.model.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_rank, on_layer
+from dcp_jax.model.kv_cache import KVCache, cache_pools
 from dcp_jax.model.memory_plan import FP8_BLOCK
 from dcp_jax.model.mesh import DCP, make_mesh
-from dcp_jax.model.rope import cos_sin, rope_tables
+from dcp_jax.runtime.context import StepContext, kernel_backend
+from dcp_jax.runtime.forward import GREEDY, DeviceState
 from dcp_jax.runtime import sampler
-from dcp_jax.runtime.forward import DETAILS, GREEDY, STATE_SPECS, DeviceState, step_body
-from dcp_jax.runtime.runner import step_input_shapes
-from dcp_jax.runtime.sampler import SamplerState
 from dcp_jax.runtime.jaxpr_check import local_context_lens_on_device
-from dcp_jax.runtime.step import StepProgram
+from dcp_jax.runtime.runner import state_allocator, step_context, step_program
+from dcp_jax.runtime.step import Placed, StepProgram
+from dcp_jax.serving.engine_args import EngineArgs
 from dcp_jax.serving.loading import use_cpu_devices
 from pallas_kernels import Fp8IndexKeys, Fp8LatentCache, formats
 
@@ -79,106 +80,81 @@ def _row_mean(x):
     return jnp.mean(jnp.where(jnp.isfinite(x), x, 0.0).reshape(x.shape[0], -1), axis=1)
 
 
-def attention_through(p, x, kv_cache, index_cache, rope, md, *, cfg: ModelConfig, layout: DcpLayout, backend: str,
-                      through: str):
+def attention_through(p, x, pools, rope, md, *, ctx: StepContext, through: str):
     """Stages 1..`through` of `attention.sparse_dcp.sparse_dcp_attention` (its own stage functions), per rank.
 
-    Returns (residual update [R, D], kv_cache, index_cache): the attention output for through="merge", else
-    SINK_SCALE times the row means of every value computed and not yet consumed (so nothing is dead code).
+    Returns (residual update [R, D], pools): the attention output for through="merge", else SINK_SCALE times the
+    row means of every value computed and not yet consumed (so nothing is dead code); "base" computes nothing.
     """
-    if through not in STAGES[1:]:
-        raise ValueError(f"unknown stage {through!r}; choose from {STAGES[1:]}")
-    queries, kv_cache, index_cache = sparse_dcp.project_and_write(p, x, kv_cache, index_cache, rope, md.slot_mapping,
-                                                              cfg=cfg, backend=backend)
+    if through not in STAGES:
+        raise ValueError(f"unknown stage {through!r}; choose from {STAGES}")
+    cfg, backend = ctx.cfg, ctx.backend
+    if through == "base":
+        return jnp.zeros_like(x), pools
+    queries, latent, index_k = sparse_dcp.project_and_write(p, x, pools["latent"], pools["index_k"], rope,
+                                                            md.slot_mapping, cfg=cfg, backend=backend)
+    pools = dict(pools, latent=latent, index_k=index_k)
 
     def sunk(*values, has_dangling_query=True):
         """q_nope and q_pe are consumed only in step 6; until then they dangle too."""
         values = values + ((queries.q_nope, queries.q_pe) if has_dangling_query else ())
         sink = sum(_row_mean(v) for v in values)
-        return jnp.broadcast_to((SINK_SCALE * sink)[:, None], x.shape).astype(x.dtype), kv_cache, index_cache
+        return jnp.broadcast_to((SINK_SCALE * sink)[:, None], x.shape).astype(x.dtype), pools
 
     if through == "projections":
         return sunk(queries.index_q, queries.index_weights)
     if through == "indexer":
-        return sunk(sparse_dcp.local_scores(queries, index_cache, md, backend=backend))
-    values, local_ids = sparse_dcp.local_top_k(queries, index_cache, md, cfg=cfg, backend=backend)
+        q, weights = cache_formats.encode_index_queries(queries.index_q, queries.index_weights, index_k)
+        return sunk(pallas_kernels.indexer_logits(q, weights, index_k, sparse_dcp.row_block_tables(md),
+                                                  md.local_context_lens, backend=backend))
+    values, local_ids = sparse_dcp.local_top_k(queries, index_k, md, cfg=cfg, backend=backend)
     if through == "topk":
         return sunk(values, local_ids)
-    _, owned_slots, counts = sparse_dcp.select_owned(values, local_ids, md, cfg=cfg, layout=layout)
+    _, owned_slots, counts = sparse_dcp.select_owned(values, local_ids, md, cfg=cfg, layout=ctx.layout)
     if through == "exchange":
         return sunk(owned_slots, counts)
-    out, lse = sparse_dcp.attend(p, queries, kv_cache, owned_slots, counts, cfg=cfg, backend=backend)
+    out, lse = sparse_dcp.attend(p, queries, latent, owned_slots, counts, cfg=cfg, backend=backend)
     if through == "sparse_mla":
         return sunk(out, lse, has_dangling_query=False)
-    return sparse_dcp.merge_heads(p, out, lse, x.dtype, backend=backend), kv_cache, index_cache
+    return sparse_dcp.merge_heads(p, out, lse, x.dtype, backend=backend), pools
 
 
-def staged_decode_body(params, state: DeviceState, inputs, md, *, graphdef, abstract, cfg: ModelConfig,
-                       layout: DcpLayout, backend: str, through: str, variant: str):
-    """`runtime.forward.step_body` with every layer cut after stage `through` (STAGES, or "mlp" for the whole layer:
-    then it computes exactly what step_body does) and no sampling: it returns the logits (with zeros for the
-    selected ids for DETAILS, the detailed variant's structure)."""
-    model = merge(graphdef, abstract, params)
-    rope = cos_sin(md.positions, *rope_tables(cfg))
-    tokens = sampler.row_tokens(state.sampler, inputs.tokens, inputs.row_slots)
-    hidden = model.embed_tokens(tokens)
-    kv_cache = state.kv_cache
-    lat, idx = kv_cache.local_pools()
-    for i in range(cfg.num_hidden_layers):
-        layer = model.decoder_layer(i)
-        layer_md = on_layer(md, i, num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
-        if through != "base":
-            update, lat, idx = attention_through(
-                layer.attention.params(), layer.attention_input(hidden), lat, idx, rope, layer_md, cfg=cfg,
-                layout=layout, backend=backend, through="merge" if through == "mlp" else through)
-            hidden = layer.feed_forward(hidden + update, backend=backend) if through == "mlp" else hidden + update
-    logits = model.logits(hidden)
-    selected = jnp.zeros((cfg.num_hidden_layers, tokens.shape[0], cfg.index_topk), jnp.int32)
-    outputs = (logits, selected) if variant == DETAILS else logits
-    return outputs, DeviceState(kv_cache.with_local_pools(lat, idx), state.sampler)
+class StagedAttention(sparse_dcp.SparseMla):
+    """DSA's attention cut after stage `through` (`attention_through`): the sink of what it left dangling as the
+    layer's attention output; no row's selection is kept (-1)."""
+
+    def __init__(self, through: str):
+        if through not in STAGES:
+            raise ValueError(f"unknown stage {through!r}; choose from {STAGES}")
+        self.through = through
+
+    def attend(self, p, x, pools, rope, md, *, ctx):
+        update, pools = attention_through(p, x, pools, rope, md, ctx=ctx, through=self.through)
+        return update, pools, jnp.full((x.shape[0], ctx.cfg.indexer.topk), -1, jnp.int32)
 
 
-def fallback_decode_body(params, state: DeviceState, inputs, md, *, layout: DcpLayout, **kwargs):
-    """The forbidden variant: local lengths re-derived on device from the global ones, then the real step."""
-    derived = local_context_lens_on_device(md.context_lens, jax.lax.axis_index(DCP), dcp=layout.dcp_size,
-                                           interleave=layout.interleave)
-    return step_body(params, state, inputs, dataclasses.replace(md, local_context_lens=derived), layout=layout,
-                     **kwargs)
+class DerivedLengths(sparse_dcp.SparseMla):
+    """The forbidden variant: DSA's attention with each layer's local lengths re-derived on device from the global
+    ones (what a captured graph recorded in the engine this project ports)."""
+
+    def attend(self, p, x, pools, rope, md, *, ctx):
+        derived = local_context_lens_on_device(md.context_lens, jax.lax.axis_index(DCP), dcp=ctx.layout.dcp_size,
+                                               interleave=ctx.layout.interleave)
+        return super().attend(p, x, pools, rope, md._replace(local_context_lens=derived), ctx=ctx)
 
 
-def variant_body(variant: str) -> Callable:
-    """'host' (the real step), 'tbo' (the real step with two-batch overlap), 'fallback', or 'through_<stage>'."""
+def variant_context(ctx: StepContext, variant: str) -> StepContext:
+    """The step context of one variant: 'host' (the engine's), 'tbo' (two-batch overlap), 'fallback'
+    (`DerivedLengths`) or 'through_<stage>' (`StagedAttention`)."""
     if variant == "host":
-        return step_body
+        return ctx
     if variant == "tbo":
-        return functools.partial(step_body, micro_batches=2)
+        return dataclasses.replace(ctx, micro_batches=2)
     if variant == "fallback":
-        return fallback_decode_body
-    if variant.startswith("through_") and variant[len("through_"):] in STAGES + ("mlp",):
-        return functools.partial(staged_decode_body, through=variant[len("through_"):])
+        return dataclasses.replace(ctx, attention=DerivedLengths())
+    if variant.startswith("through_"):
+        return dataclasses.replace(ctx, attention=StagedAttention(variant[len("through_"):]))
     raise ValueError(f"unknown variant {variant!r}")
-
-
-def variant_step(variant: str, cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh, kernels: str,
-                 *, graphdef, abstract, details: bool = False) -> StepProgram:
-    """The `StepProgram` of one variant, wired as `runtime.runner.ModelRunner` wires the real one (`StepInputs` in,
-    the device state donated, one program per bucket of `engine`); `details`: the detailed variant (logits and
-    selected ids out) instead of the serving one."""
-    layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
-    specs = param_specs(nnx.to_pure_dict(abstract), expert_parallel=parallel.enable_expert_parallel)
-    body = functools.partial(variant_body(variant), graphdef=graphdef, abstract=abstract, cfg=cfg, layout=layout,
-                             backend=kernel_backend(kernels), variant=DETAILS if details else GREEDY)
-    return StepProgram(body, mesh, buckets=engine.buckets, seqs_for=engine.seqs_for, layout=layout,
-                       num_pages=engine.num_pages, max_blocks=engine.max_blocks_per_seq(parallel.dcp),
-                       param_specs=specs, input_specs=P(), output_specs=P(), state_specs=STATE_SPECS,
-                       input_shapes=step_input_shapes(engine))
-
-
-def new_state(cfg: ModelConfig, engine: EngineConfig, dcp: int, mesh, dtype) -> DeviceState:
-    """A zeroed device state: the KV pools and the sampler's (max_num_seqs slots)."""
-    replicated = NamedSharding(mesh, P())
-    return DeviceState(allocate_kv_cache(cfg, engine, dcp, mesh, dtype),
-                       jax.device_put(SamplerState.zeros(engine.max_num_seqs, cfg.vocab_size), replicated))
 
 
 def decode_inputs(tokens: np.ndarray, context_lens, slots, scratch_slot: int) -> StepInputs:
@@ -234,7 +210,7 @@ class Grid:
     def variants(self, batch: int) -> tuple[str, ...]:
         out = ("host",) + (("tbo",) if self.tbo else ()) + (("fallback",) if self.fallback else ())
         if batch in self.breakdown_batches:
-            out += tuple(f"through_{s}" for s in STAGES)
+            out += tuple(f"through_{s}" for s in STAGES[:-1])  # through the last stage is the host step
         return out
 
 
@@ -257,9 +233,8 @@ def fill_random(cache: KVCache, key) -> KVCache:
         return jax.jit(_normal_like, donate_argnums=0,
                        out_shardings=jax.tree.map(lambda a: a.sharding, pool))(pool, k)
 
-    pools, treedef = jax.tree.flatten(cache, is_leaf=lambda x: isinstance(x, (Fp8IndexKeys, Fp8LatentCache)))
-    keys = jax.random.split(key, len(pools))
-    return jax.tree.unflatten(treedef, [fill(pool, k) for pool, k in zip(pools, keys)])
+    keys = jax.random.split(key, len(cache.pools))
+    return KVCache({name: fill(pool, k) for (name, pool), k in zip(cache.pools.items(), keys)})
 
 
 def block_tables_for(batch: int, context: int, *, dcp: int, page_size: int, max_blocks: int) -> list[list[int]]:
@@ -270,8 +245,9 @@ def block_tables_for(batch: int, context: int, *, dcp: int, page_size: int, max_
 
 def _bytes_per_token(cfg: ModelConfig, itemsize: int, index_cache: str, latent_cache: str) -> tuple[int, int]:
     """(latent, index-K) bytes of one cached token in one layer, in the named formats."""
-    return (cache_formats.latent_bytes(latent_cache, cfg, itemsize),
-            cache_formats.index_key_bytes(index_cache, cfg.index_head_dim, itemsize))
+    pools = {pool.name: pool for pool in cache_pools(cfg, EngineConfig(index_cache=index_cache,
+                                                                       latent_cache=latent_cache))}
+    return pools["latent"].token_bytes(itemsize), pools["index_k"].token_bytes(itemsize)
 
 
 def kv_bytes_used(cfg: ModelConfig, *, batch: int, context: int, dcp: int, page_size: int, itemsize: int,
@@ -317,8 +293,8 @@ def time_steps(step: StepProgram, params, state, inputs, md, *, steps: int, warm
        block_until_ready - what one step costs a caller that waits for its result;
     2. pipelined: the same calls back to back, one wait at the end - host work overlaps the device, so this is
        max(host, device) per step;
-    3. device: the program alone, back to back on inputs placed once (`StepProgram.place_inputs`) - the device's
-       step time plus a dispatch.
+    3. device: the program alone, back to back on inputs packed and placed once - the device's step time plus a
+       dispatch.
     Returns (latency times_s, pipelined_s, device_s, compiles, the device state)."""
     for _ in range(warmup):
         out, state = step(params, state, inputs, md)
@@ -336,7 +312,8 @@ def time_steps(step: StepProgram, params, state, inputs, md, *, steps: int, warm
             out, state = step(params, state, inputs, md)
         jax.block_until_ready((out, state))
         pipelined = (time.perf_counter() - begin) / steps
-        placed = step.place_inputs(inputs, md)
+        packed = step.pack_inputs(inputs, md)
+        placed = Placed(packed.bucket, jax.device_put(packed.packed, NamedSharding(step.mesh, P())))
         jax.block_until_ready(placed.packed)
         begin = time.perf_counter()
         for _ in range(steps):
@@ -361,7 +338,7 @@ def plan(grid: Grid) -> tuple[list[int], list[str]]:
             notes.append(f"dcp={w} skipped: {devices} device(s)")
             continue
         try:
-            check_divisible(cfg, w, expert_parallel=grid.expert_parallel)
+            architecture.of(cfg).model.check_divisible(cfg, w, expert_parallel=grid.expert_parallel)
         except ValueError as error:
             notes.append(f"dcp={w} skipped: {error}")
             continue
@@ -432,8 +409,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
     cfg, dtype = grid.cfg, jnp.dtype(grid.dtype)
     sizes, _ = plan(grid)
     fp8_block = (FP8_BLOCK, FP8_BLOCK) if grid.weight_format == "fp8" else None
-    graphdef, abstract = abstract_model(cfg, dtype, fp8_block)
-    host_params = init_params(cfg, grid.seed, dtype, fp8_block)
+    host_params = architecture.of(cfg).model.init_params(cfg, grid.seed, dtype, fp8_block)
     memory, memory_source = device_memory(grid)
     rng = np.random.default_rng(grid.seed)
     for w in sizes:
@@ -443,22 +419,26 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
         mesh = make_mesh(parallel)
         max_blocks = engine.max_blocks_per_seq(w)
         steps: dict[tuple[str, str], StepProgram] = {}
+        new_state = state_allocator(cfg, parallel, engine, mesh, dtype)
 
         def step_of(kernels_name: str, variant: str) -> StepProgram:
             if (kernels_name, variant) not in steps:
-                steps[kernels_name, variant] = variant_step(variant, cfg, parallel, engine, mesh, kernels_name,
-                                                            graphdef=graphdef, abstract=abstract)
+                ctx = step_context(cfg, parallel, engine, kernel_backend(kernels_name), dtype=dtype,
+                                   fp8_block=fp8_block)
+                steps[kernels_name, variant] = step_program(variant_context(ctx, variant), GREEDY, parallel, engine,
+                                                            mesh)
             return steps[kernels_name, variant]
 
         params = step_of(grid.kernels[0], "host").place_params(host_params)
         weights_per_rank = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(params))
 
         def fresh_pool() -> DeviceState:
-            state = new_state(cfg, engine, w, mesh, dtype)
-            return DeviceState(fill_random(state.kv_cache, jax.random.key(grid.seed + w)), state.sampler)
+            state = new_state()
+            return dataclasses.replace(state, kv_cache=fill_random(state.kv_cache, jax.random.key(grid.seed + w)))
 
         kv_cache = fresh_pool()
-        pool = kv_bytes_per_rank(kv_cache.kv_cache)
+        pool = {name: sum(a.nbytes // a.shape[0] for a in jax.tree.leaves(leaves))
+                for name, leaves in kv_cache.kv_cache.pools.items()}
         common = dict(preset=grid.preset, layers=cfg.num_hidden_layers, dtype=grid.dtype,
                       weight_format=grid.weight_format,
                       index_cache=grid.index_cache, latent_cache=grid.latent_cache, dcp=w, page_size=grid.page_size,
@@ -578,21 +558,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=d.breakdown_batches, help="batches that get the stage breakdown ('none': skip it)")
     parser.add_argument("--no-fallback", dest="fallback", action="store_false", help="skip the fallback variant")
     parser.add_argument("--tbo", action="store_true", help="also time the step with two-batch overlap (`tbo`)")
-    parser.add_argument("--enable-expert-parallel", dest="expert_parallel", action="store_true",
-                        help="routed experts split whole over the ranks (default: along their width)")
     parser.add_argument("--steps", type=int, default=d.steps, help="timed steps per point")
     parser.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per point first")
-    parser.add_argument("--page-size", type=int, default=d.page_size)
-    parser.add_argument("--interleave", type=int, default=d.interleave)
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=d.dtype, help="weights and KV cache")
-    parser.add_argument("--weight-format", choices=["plain", "fp8"], default=d.weight_format,
-                        help="fp8: the linear layers' weights in DeepSeek's block fp8 (128 x 128 blocks)")
-    parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default=d.index_cache, help=INDEX_CACHE_HELP)
-    parser.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default=d.latent_cache,
-                        help=LATENT_CACHE_HELP)
+    # The engine's own options (their one default each): the weights' and caches' formats, the layout, the seed.
+    EngineArgs.add_cli_args(parser, only=ENGINE_ARGUMENTS)
     parser.add_argument("--device-memory-gb", type=float, default=None,
                         help="device memory for the capacity column (default: memory_stats, else 139 GiB)")
-    parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--budget-s", type=float, default=None,
                         help="per DCP size, compiles included: time no program after this many seconds (the rest: "
                              "'skipped' rows)")
@@ -606,13 +577,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure nothing: merge these result files into the tables and plots")
 
 
+# The engine arguments (`EngineArgs`) the benchmark takes; quantization fp8 puts the preset's linear weights in
+# block fp8.
+ENGINE_ARGUMENTS = ("dtype", "quantization", "page_size", "interleave", "enable_expert_parallel", "kv_cache_dtype",
+                    "latent_cache", "index_cache", "seed")
+
+
 def grid_from_args(args: argparse.Namespace) -> Grid:
+    engine_args = EngineArgs.from_cli_args(args, only=ENGINE_ARGUMENTS)
     return Grid(preset=args.preset, num_layers=args.num_layers or None, dcp_sizes=args.dcp, contexts=args.contexts,
                 batches=args.batches, kernels=args.kernels, breakdown_batches=args.breakdown_batches,
-                steps=args.steps, warmup=args.warmup, page_size=args.page_size, interleave=args.interleave,
-                dtype=args.dtype, weight_format=args.weight_format, index_cache=args.index_cache,
-                latent_cache=args.latent_cache, fallback=args.fallback, tbo=args.tbo,
-                expert_parallel=args.expert_parallel, device_memory_gb=args.device_memory_gb, seed=args.seed)
+                steps=args.steps, warmup=args.warmup, page_size=engine_args.page_size,
+                interleave=engine_args.interleave,
+                dtype=resolve_dtype(engine_args.dtype, preset(args.preset)),
+                weight_format="fp8" if engine_args.quantization == "fp8" else "plain",
+                index_cache=engine_args.index_cache_format, latent_cache=engine_args.latent_cache_format,
+                fallback=args.fallback, tbo=args.tbo, expert_parallel=engine_args.enable_expert_parallel,
+                device_memory_gb=args.device_memory_gb, seed=engine_args.seed)
 
 
 def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None) -> int:

@@ -18,6 +18,7 @@ Usage (repository root):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import queue
@@ -31,10 +32,13 @@ if __name__ == "__main__":  # run as a script: the repository root on the path
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from bench.common import add_engine_arguments, run_info
+from bench.common import run_info
 from bench.gpu_trace import busy_fraction, trace_events
 from dcp_jax.host.sampling import SamplingParams
+from dcp_jax.runtime.step import Placed
+from dcp_jax.serving.engine_args import EngineArgs
 from dcp_jax.serving.loading import use_cpu_devices
 
 MODES = {
@@ -180,11 +184,12 @@ def device_busy(engine, clock: StepClock, batch: int, context: int, steps: int, 
 
 def bare_step_seconds(runner, batch: int, context: int, mode: str, repeats: int) -> float:
     """The serving program of bucket `batch` alone, back to back on placed inputs (B decode rows of `context`)."""
-    from dcp_jax.host.metadata import SamplingTable, ScheduledRows, build_step
-    from dcp_jax.runtime.runner import serving_variants
+    from dcp_jax.host.sampling_metadata import SamplingTable
+    from dcp_jax.host.step_plan import ScheduledRows, build_step
+    from dcp_jax.runtime.runner import step_kind
 
     params = SamplingParams(**MODES[mode])
-    step = runner.steps[serving_variants([params])[0]]
+    step = runner.program(step_kind([params], prompt_logprobs=False))
     layout = runner.layout
     blocks = int(layout.virtual_blocks(context + 1))
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
@@ -196,7 +201,8 @@ def bare_step_seconds(runner, batch: int, context: int, mode: str, repeats: int)
                                                  tokens=np.full(batch, 7, np.int32)),
                             bucket=batch, seqs=runner.engine.seqs_for(batch), layout=layout,
                             max_blocks=runner.max_blocks, table=table)
-    placed = step.place_inputs(inputs, md)
+    packed = step.pack_inputs(inputs, md)
+    placed = Placed(packed.bucket, jax.device_put(packed.packed, NamedSharding(step.mesh, PartitionSpec())))
     state = runner.state
     for _ in range(3):
         out, state = step.run_placed(runner.params, state, placed)
@@ -213,33 +219,38 @@ def workspace(runner) -> str:
     """Each compiled serving program's temp bytes beside the pool's (a temp near a pool layer's size is a copy)."""
     pool = sum(a.nbytes for a in jax.tree.leaves(runner.state.kv_cache))
     parts = []
-    for variant, rows in runner.programs():
-        compiled = runner.steps[variant].compile(runner.params, runner.state, rows)
-        parts.append(f"{variant} {rows}: {compiled.memory_analysis().temp_size_in_bytes / 2**30:.2f} GiB")
+    for kind_name, rows in runner.programs():
+        compiled = runner.steps[kind_name].compile(runner.params, runner.state, rows)
+        parts.append(f"{kind_name} {rows}: {compiled.memory_analysis().temp_size_in_bytes / 2**30:.2f} GiB")
     return f"{'; '.join(parts)}; pool {pool / 2**30:.2f} GiB"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dcp-jax bench engine", description=__doc__.split("\n\n")[0])
+# The engine arguments (`EngineArgs`) the benchmark takes, their one default each.
+ENGINE_ARGUMENTS = ("dtype", "kernels", "quantization", "kv_cache_dtype", "latent_cache", "index_cache", "page_size",
+                    "gpu_memory_utilization", "dcp", "max_num_batched_tokens", "async_scheduling",
+                    "compilation_cache_dir")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `dcp-jax bench engine`: the grid, the engine's own (`ENGINE_ARGUMENTS`), the pool."""
     parser.add_argument("--preset", default="deepseek-v3.2")
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--batches", type=_ints, default=(1, 8, 64, 256))
     parser.add_argument("--contexts", type=_ints, default=(4096, 32768))
     parser.add_argument("--modes", default="greedy,sampled")
     parser.add_argument("--steps", type=int, default=64, help="decode tokens per request")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="rows of one step at most (decode rows and prefill-chunk tokens)")
-    add_engine_arguments(parser)
+    EngineArgs.add_cli_args(parser, only=ENGINE_ARGUMENTS)
     parser.add_argument("--num-pages", type=int, default=None,
                         help="KV pages (default: the largest batch of full-length requests; 0: from GPU memory)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--dcp", type=int, default=1)
-    parser.add_argument("--no-async", dest="async_scheduling", action="store_false")
-    parser.add_argument("--compilation-cache-dir", default=None)
     parser.add_argument("--cpu-devices", type=int, default=8)
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="also run each point for this many decode tokens under the profiler: device busy share")
     parser.add_argument("--out", default="results_engine.jsonl")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dcp-jax bench engine", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
     args = parser.parse_args(argv)
     use_cpu_devices(args.cpu_devices)
     from dcp_jax.serving.engine import Engine
@@ -253,9 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         out.flush()
 
     record(info)
+    engine_args = EngineArgs.from_cli_args(args)
     print(f"{info['device']} x{info['num_devices']}, commit {info['commit']}, {args.preset} "
-          f"{args.num_layers} layers {args.dtype}, {args.index_cache} index cache, {args.latent_cache} latent cache, "
-          f"dcp {args.dcp}", flush=True)
+          f"{args.num_layers} layers {args.dtype}, {engine_args.index_cache_format} index cache, "
+          f"{engine_args.latent_cache_format} latent cache, dcp {args.dcp}", flush=True)
     print(f"| L | B | mode | engine tok/s | bare step ms | bare tok/s | ratio | host ms/step | "
           f"mean ms: {' / '.join(PHASES)} | steps | device busy |", flush=True)
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
@@ -266,14 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         max_len = context + prefill_steps + 2 * args.steps
         num_pages = (max(args.batches) * -(-max_len // (args.page_size * args.dcp)) if args.num_pages is None
                      else args.num_pages or None)
-        engine = Engine(args.preset, num_layers=args.num_layers, dcp=args.dcp, dtype=args.dtype, kernels=args.kernels,
-                        quantization=args.quantization, index_cache=args.index_cache, latent_cache=args.latent_cache,
-                        page_size=args.page_size, num_pages=num_pages,
-                        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(args.batches),
-                        bucket_ladder=args.batches, max_model_len=max_len,
-                        max_num_batched_tokens=max(args.max_num_batched_tokens, max(args.batches)),
-                        prompt_logprobs=False, async_scheduling=args.async_scheduling,
-                        compilation_cache_dir=args.compilation_cache_dir, progress=False).start()
+        point_args = dataclasses.replace(
+            engine_args, model=args.preset, num_layers=args.num_layers, num_pages=num_pages,
+            max_num_seqs=max(args.batches), bucket_ladder=args.batches, max_model_len=max_len,
+            max_num_batched_tokens=max(args.max_num_batched_tokens, max(args.batches)))
+        engine = Engine(**vars(point_args), prompt_logprobs=False, progress=False).start()
         clock = StepClock(engine)
         print(f"L={context}: {engine.num_pages} KV pages; programs' workspace (temp) / pool bytes: "
               f"{workspace(engine.runner)}", flush=True)

@@ -15,7 +15,7 @@ Usage (repository root):
   python bench/bench_fp8_gemm.py --shapes 256x256 --rows 4 --backends triton --copy-bytes 8M \
       --matmul-size 256                                              # CPU smoke
   python3 bench/bench_fp8_gemm.py --json-out $OUT/fp8_gemm.jsonl     # H200 / H100
-  python bench/bench_fp8_gemm.py --plot docs/data/fp8_gemm_prefill_bands_h100_stop47_run2.jsonl \
+  python bench/bench_fp8_gemm.py --plot docs/data/fp8_gemm/prefill_tile_order_h100.jsonl \
       docs/img/fp8_gemm_prefill_knobs_h100.png                      # a saved run drawn, no GPU needed
 """
 
@@ -41,8 +41,8 @@ from dcp_jax.model import fp8_linear  # noqa: E402
 from dcp_jax.model.memory_plan import FP8_BLOCK  # noqa: E402
 
 # DeepSeek-V3.2's block-fp8 linear layers at TP 1, (N, K) = (out, in): the dense layers' gate_up (gate_proj and
-# up_proj stacked along N, one GEMM since stop 49; mlp_gate is one of them, the GEMM before) and the shared
-# experts' gate_up.
+# up_proj stacked along N as one GEMM; mlp_gate is one of them alone, as the model ran them before) and the shared
+# experts' gate_up (docs/performance.md, "One GEMM for two projections: `wqkv_a` and `gate_up`").
 SHAPES = {"wq_b": (24576, 1536), "wqkv_a": (2112, 7168), "wo": (7168, 16384), "mlp_gate_up": (36864, 7168),
           "mlp_gate": (18432, 7168), "mlp_down": (7168, 18432), "shared_gate_up": (4096, 7168)}
 ROTATION_BYTES = 256 << 20

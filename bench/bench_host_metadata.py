@@ -22,9 +22,10 @@ import numpy as np
 
 from bench.common import BATCHES, CONTEXT_LENGTHS, median_seconds
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import (SamplingTable, ScheduledRows, build_step, build_step_metadata, check_step_metadata,
-                                   fill_decode_rows)
 from dcp_jax.host.sampling import SamplingParams
+from dcp_jax.host.sampling_metadata import SamplingTable
+from dcp_jax.host.step_metadata import build_step_metadata, check_step_metadata
+from dcp_jax.host.step_plan import ScheduledRows, build_step, fill_decode_rows
 from dcp_jax.runtime.step import _Packing
 
 

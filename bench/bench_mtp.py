@@ -74,8 +74,9 @@ def main(argv=None) -> int:
     import numpy as np
 
     from bench.common import run_info
-    from dcp_jax.host.metadata import ScheduledRows
     from dcp_jax.host.sampling import SamplingParams
+    from dcp_jax.host.step_plan import ScheduledRows
+    from dcp_jax.serving.engine_args import EngineArgs
     from dcp_jax.serving.loading import load_model
 
     info = run_info()
@@ -84,9 +85,10 @@ def main(argv=None) -> int:
     results = {}
     for drafts in [0, *draft_counts]:
         spec = {"method": "mtp", "num_speculative_tokens": drafts} if drafts else None
-        loaded = load_model(args.model, dcp=args.dcp, num_layers=args.num_layers, max_num_seqs=args.batch,
-                            max_model_len=args.context + room, max_num_batched_tokens=(drafts + 1) * args.batch,
-                            speculative_config=spec, quantization=args.quantization)
+        loaded = load_model(EngineArgs(model=args.model, dcp=args.dcp, num_layers=args.num_layers,
+                                       max_num_seqs=args.batch, max_model_len=args.context + room,
+                                       max_num_batched_tokens=(drafts + 1) * args.batch, speculative_config=spec,
+                                       quantization=args.quantization))
         runner = loaded.runner
         blocks = runner.layout.virtual_blocks(args.context + room)
         if args.batch * blocks > runner.engine.num_pages:

@@ -21,6 +21,7 @@ Usage (repository root):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import queue
@@ -33,9 +34,10 @@ if __name__ == "__main__":  # run as a script: the repository root on the path
 
 import numpy as np
 
-from bench.common import add_engine_arguments, median_seconds, run_info
+from bench.common import median_seconds, run_info
 from dcp_jax.config import ModelConfig, preset
 from dcp_jax.host.sampling import SamplingParams
+from dcp_jax.serving.engine_args import EngineArgs
 from dcp_jax.serving.loading import use_cpu_devices
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -55,7 +57,7 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> dict[str, float]:
     nope, v, q_rank = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
     attention = (d * q_rank + q_rank * h * (nope + e) + d * (c + e)  # q_a, q_b, kv_a
                  + h * nope * c + h * c * v + h * v * d  # absorbed W_UK, W_UV, o_proj
-                 + q_rank * cfg.index_n_heads * cfg.index_head_dim + d * cfg.index_head_dim + d * cfg.index_n_heads)
+                 + q_rank * cfg.indexer.heads * cfg.indexer.head_dim + d * cfg.indexer.head_dim + d * cfg.indexer.heads)
     dense = 0
     for layer in range(cfg.num_hidden_layers):
         if cfg.is_moe_layer(layer):
@@ -65,10 +67,10 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> dict[str, float]:
             dense += attention + 3 * d * cfg.intermediate_size
     positions = np.arange(tokens, dtype=np.float64)
     pairs = float((positions + 1).sum())  # causal (query, key) pairs
-    selected = float(np.minimum(positions + 1, cfg.index_topk).sum())
+    selected = float(np.minimum(positions + 1, cfg.indexer.topk).sum())
     layers = cfg.num_hidden_layers
     return dict(dense=2.0 * tokens * dense,
-                indexer=2.0 * pairs * cfg.index_n_heads * cfg.index_head_dim * layers,
+                indexer=2.0 * pairs * cfg.indexer.heads * cfg.indexer.head_dim * layers,
                 attention=2.0 * selected * h * ((c + e) + c) * layers)
 
 
@@ -113,13 +115,17 @@ def summary_ms(gaps: list[float]) -> dict[str, float]:
                 max_ms=1e3 * gaps[-1])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dcp-jax bench prefill", description=__doc__.split("\n\n")[0])
+# The engine arguments (`EngineArgs`) the benchmark takes, their one default each.
+ENGINE_ARGUMENTS = ("dtype", "kernels", "quantization", "kv_cache_dtype", "latent_cache", "index_cache", "page_size",
+                    "gpu_memory_utilization", "dcp", "max_num_batched_tokens")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `dcp-jax bench prefill`: the loads, the engine's own (`ENGINE_ARGUMENTS`)."""
     parser.add_argument("--preset", default="deepseek-v3.2")
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--contexts", type=_ints, default=(4096, 32768, 131072), help="TTFT prompt lengths")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--buckets", type=_ints, default=(1, 32, 512, 2048),
                         help="step widths compiled (with max_num_seqs and the budget)")
     parser.add_argument("--decodes", type=int, default=32, help="decoding requests of the mixed load (0: skip it)")
@@ -128,14 +134,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="token budget of the mixed load's steps (default --max-num-batched-tokens)")
     parser.add_argument("--itl-tokens", type=int, default=500,
                         help="decode-only window of the mixed load: tokens each decoding request gives")
-    add_engine_arguments(parser)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--dcp", type=int, default=1)
+    EngineArgs.add_cli_args(parser, only=ENGINE_ARGUMENTS)
     parser.add_argument("--matmul-size", type=int, default=8192, help="n of the n x n x n bf16 matmul ceiling")
     parser.add_argument("--cpu-devices", type=int, default=8)
     parser.add_argument("--out", default="results_prefill.jsonl")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="trace one more TTFT of the last context and print the N kernels of most device time")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dcp-jax bench prefill", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
     args = parser.parse_args(argv)
     use_cpu_devices(args.cpu_devices)
     import jax
@@ -155,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     tflops = matmul_tflops(lambda fn, sets: median_seconds(fn, sets, 10, sync=jax.block_until_ready),
                            n=args.matmul_size)
     record(dict(kind="ceiling", matmul_tflops=tflops))
+    engine_args = EngineArgs.from_cli_args(args)
     print(f"{info['device']} x{info['num_devices']}, commit {info['commit']}, {args.preset} {args.num_layers} layers "
-          f"{args.dtype}, {args.quantization} weights, {args.index_cache} index / {args.latent_cache} latent cache, "
-          f"dcp {args.dcp}; same-run bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
+          f"{args.dtype}, {args.quantization} weights, {engine_args.index_cache_format} index / "
+          f"{engine_args.latent_cache_format} latent cache, dcp {args.dcp}; same-run bf16 matmul {tflops:.0f} TFLOP/s",
+          flush=True)
     rng = np.random.default_rng(0)
     budget = args.max_num_batched_tokens
     mixed_budget = args.mixed_budget or budget
@@ -168,12 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = max(longest, 16 + args.itl_tokens + mixed_steps) + 64
 
     def engine_of(max_num_batched_tokens: int):
-        return Engine(args.preset, num_layers=args.num_layers, dcp=args.dcp, dtype=args.dtype, kernels=args.kernels,
-                      quantization=args.quantization, index_cache=args.index_cache, latent_cache=args.latent_cache,
-                      page_size=args.page_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                      max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                      bucket_ladder=tuple(b for b in args.buckets if b <= max_num_batched_tokens),
-                      max_num_batched_tokens=max_num_batched_tokens, prompt_logprobs=False, progress=False)
+        load_args = dataclasses.replace(
+            engine_args, model=args.preset, num_layers=args.num_layers, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, bucket_ladder=tuple(b for b in args.buckets if b <= max_num_batched_tokens),
+            max_num_batched_tokens=max_num_batched_tokens)
+        return Engine(**vars(load_args), prompt_logprobs=False, progress=False)
 
     begin = time.perf_counter()
     engine = engine_of(budget).start()

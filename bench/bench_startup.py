@@ -21,6 +21,7 @@ Usage (repository root; XLA_FLAGS apply to the whole run):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -39,26 +40,32 @@ from flax import nnx  # noqa: E402
 
 from bench.bench_decode import block_tables_for, decode_inputs, fill_random, time_steps  # noqa: E402
 from bench.common import copy_tbps, run_info, throughput_seconds, warm_up_clocks  # noqa: E402
-from dcp_jax.config import KERNEL_CHOICES, EngineConfig, ParallelConfig, preset  # noqa: E402
+from dcp_jax.config import ONLINE_FP8_BLOCK, EngineConfig, ParallelConfig, preset, resolve_dtype  # noqa: E402
 from dcp_jax.host.layout import DcpLayout  # noqa: E402
-from dcp_jax.host.metadata import build_step_metadata  # noqa: E402
-from dcp_jax.model.attention.sparse_dcp import kernel_backend  # noqa: E402
-from dcp_jax.model.deepseek_v32 import abstract_model, init_params  # noqa: E402
-from dcp_jax.model.kv_cache import kv_bytes_per_rank  # noqa: E402
-from dcp_jax.model.memory_plan import FP8_BLOCK  # noqa: E402
+from dcp_jax.host.step_metadata import build_step_metadata  # noqa: E402
+from dcp_jax.model import architecture  # noqa: E402
 from dcp_jax.model.mesh import make_mesh  # noqa: E402
 from dcp_jax.runtime import sampler  # noqa: E402
-from dcp_jax.runtime.forward import GREEDY, SAMPLED, DeviceState  # noqa: E402
-from dcp_jax.runtime.runner import compile_programs, state_allocator, step_programs  # noqa: E402
+from dcp_jax.runtime.context import kernel_backend  # noqa: E402
+from dcp_jax.runtime.forward import GREEDY, SAMPLED  # noqa: E402
+from dcp_jax.runtime.runner import compile_programs, state_allocator, step_context, step_program  # noqa: E402
+from dcp_jax.serving.engine_args import EngineArgs  # noqa: E402
 
-WEIGHT_BLOCK = (FP8_BLOCK, FP8_BLOCK)  # DeepSeek-V3.2's weight_block_size
+# The engine arguments (`EngineArgs`) the benchmark takes; the pool and batch it sizes its programs for by default.
+ENGINE_ARGUMENTS = ("dtype", "quantization", "kernels", "page_size", "num_pages", "max_num_seqs", "max_model_len",
+                    "max_num_batched_tokens")
+POOL_DEFAULTS = {"num_pages": 1024, "max_num_seqs": 64, "max_model_len": 8192}
 
 
 def _model(args, layers: int):
+    """(cfg, dtype, the fp8 block of the weights: quantization fp8 puts the preset's linear weights in DeepSeek's
+    block fp8, as the release checkpoint; else None)."""
     cfg = preset(args.preset, num_layers=layers)
-    dtype = jnp.dtype(args.dtype)
-    graphdef, abstract = abstract_model(cfg, dtype, WEIGHT_BLOCK if args.weights == "fp8" else None)
-    return cfg, dtype, graphdef, abstract
+    return cfg, jnp.dtype(resolve_dtype(args.dtype, cfg)), ONLINE_FP8_BLOCK if args.quantization == "fp8" else None
+
+
+def _weights(args) -> str:
+    return "fp8" if args.quantization == "fp8" else "bf16"
 
 
 def _engine(args, **overrides) -> EngineConfig:
@@ -69,38 +76,38 @@ def _engine(args, **overrides) -> EngineConfig:
 
 def compile_startup(args, layers: int, unroll: bool) -> dict:
     """Lower and compile the engine's warm-up programs of a `layers`-deep model; seconds and program sizes."""
-    cfg, dtype, graphdef, abstract = _model(args, layers)
+    cfg, dtype, block = _model(args, layers)
     parallel, engine = ParallelConfig(tp=1, dcp=1), _engine(args)
     mesh = make_mesh(parallel)
-    backend = kernel_backend(args.kernels)
-    steps = step_programs(cfg, parallel, engine, mesh, backend, graphdef=graphdef, abstract=abstract,
-                          unroll_layers=unroll)
-    params = steps[GREEDY].param_shapes(nnx.to_pure_dict(abstract))
+    ctx = step_context(cfg, parallel, engine, kernel_backend(args.kernels), dtype=dtype, fp8_block=block,
+                       unroll_layers=unroll)
+    steps = {kind.name: step_program(ctx, kind, parallel, engine, mesh) for kind in (GREEDY, SAMPLED)}
+    params = steps[GREEDY.name].param_shapes(nnx.to_pure_dict(ctx.model.abstract))
     state = jax.eval_shape(state_allocator(cfg, parallel, engine, mesh, dtype))
-    programs = [(variant, rows) for variant in (GREEDY, SAMPLED) for rows in engine.buckets]
+    programs = [(kind.name, rows) for kind in (GREEDY, SAMPLED) for rows in engine.buckets]
     begin = time.perf_counter()
     compile_programs(steps, programs, params, state, workers=args.workers)
     seconds = time.perf_counter() - begin
     decode_rows = engine.max_num_seqs
-    hlo = steps[GREEDY].compile(params, state, decode_rows).as_text()
+    hlo = steps[GREEDY.name].compile(params, state, decode_rows).as_text()
     return dict(kind="compile", preset=args.preset, layers=layers, layers_mode="unrolled" if unroll else "scan",
-                weights=args.weights, programs=len(programs), buckets=list(engine.buckets), workers=args.workers,
+                weights=_weights(args), programs=len(programs), buckets=list(engine.buckets), workers=args.workers,
                 seconds=seconds, decode_hlo_chars=len(hlo), decode_rows=decode_rows,
                 cache=bool(args.compilation_cache_dir))
 
 
-def _filled_state(cfg, parallel, engine, mesh, dtype) -> DeviceState:
+def _filled_state(cfg, parallel, engine, mesh, dtype):
     state = state_allocator(cfg, parallel, engine, mesh, dtype)()
-    return DeviceState(fill_random(state.kv_cache, jax.random.key(1)), state.sampler)
+    return dataclasses.replace(state, kv_cache=fill_random(state.kv_cache, jax.random.key(1)))
 
 
-def _pallas_matches_reference(args, cfg, dtype, graphdef, abstract, host_params, inputs, md, engine, mesh,
-                              parallel) -> dict:
+def _pallas_matches_reference(args, cfg, dtype, block, host_params, inputs, md, engine, mesh, parallel) -> dict:
     """The Pallas step's greedy tokens and logprobs against the reference kernels', one state (same writes)."""
     out = {}
     state = None
     for kernels in ("pallas", "reference"):
-        step = step_programs(cfg, parallel, engine, mesh, kernels, graphdef=graphdef, abstract=abstract)[GREEDY]
+        ctx = step_context(cfg, parallel, engine, kernels, dtype=dtype, fp8_block=block)
+        step = step_program(ctx, GREEDY, parallel, engine, mesh)
         params = step.place_params(host_params)
         if state is None:
             state = _filled_state(cfg, parallel, engine, mesh, dtype)
@@ -115,14 +122,14 @@ def _pallas_matches_reference(args, cfg, dtype, graphdef, abstract, host_params,
 
 def decode_step(args) -> list[dict]:
     """The decode step with the layers scanned and unrolled (and optionally Pallas against the references)."""
-    cfg, dtype, graphdef, abstract = _model(args, args.layers)
+    cfg, dtype, block = _model(args, args.layers)
     parallel = ParallelConfig(tp=1, dcp=1)
     blocks = -(-args.context // args.page_size)
     num_pages = max(args.num_pages, args.batch * blocks)
     engine = _engine(args, num_pages=num_pages, max_num_seqs=args.batch, max_model_len=args.context,
                      bucket_ladder=(args.batch,), max_num_batched_tokens=args.batch)
     mesh = make_mesh(parallel)
-    host_params = init_params(cfg, args.seed, dtype, WEIGHT_BLOCK if args.weights == "fp8" else None)
+    host_params = architecture.of(cfg).model.init_params(cfg, args.seed, dtype, block)
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(host_params))
     warm_up_clocks()
     copy = copy_tbps(1 << 30, lambda fn, a: throughput_seconds(fn, a))
@@ -135,19 +142,19 @@ def decode_step(args) -> list[dict]:
     rng = np.random.default_rng(args.seed)
     inputs = decode_inputs(rng.integers(0, cfg.vocab_size, args.batch).astype(np.int32), [args.context] * args.batch,
                            list(range(args.batch)), engine.max_num_seqs)
-    common = dict(preset=args.preset, layers=args.layers, weights=args.weights, dtype=args.dtype, batch=args.batch,
+    common = dict(preset=args.preset, layers=args.layers, weights=_weights(args), dtype=str(dtype), batch=args.batch,
                   context=args.context, num_pages=num_pages, copy_tbps=copy, weight_bytes=weight_bytes,
                   weight_read_ms=1e3 * weight_bytes / (copy * 1e12), kernels=args.kernels)
     rows = []
     for unroll in (False, True):
-        steps = step_programs(cfg, parallel, engine, mesh, kernel_backend(args.kernels), graphdef=graphdef,
-                              abstract=abstract, unroll_layers=unroll)
-        step = steps[GREEDY]
+        ctx = step_context(cfg, parallel, engine, kernel_backend(args.kernels), dtype=dtype, fp8_block=block,
+                           unroll_layers=unroll)
+        step = step_program(ctx, GREEDY, parallel, engine, mesh)
         params = step.place_params(host_params)
         state = _filled_state(cfg, parallel, engine, mesh, dtype)
-        pool_elements = {name: max(int(np.prod(leaf.shape[1:])) for leaf in jax.tree.leaves(getattr(state.kv_cache,
-                                                                                                     name)))
-                         for name in ("latent", "index_k")}
+        pools = state.kv_cache.pools
+        pool_elements = {name: max(int(np.prod(leaf.shape[1:])) for leaf in jax.tree.leaves(pool))
+                         for name, pool in pools.items()}
         begin = time.perf_counter()
         step.compile(params, state, args.batch)
         compile_s = time.perf_counter() - begin
@@ -156,11 +163,12 @@ def decode_step(args) -> list[dict]:
         rows.append(dict(common, kind="step", layers_mode="unrolled" if unroll else "scan", compile_s=compile_s,
                          median_ms=1e3 * float(np.median(times)), pipelined_ms=1e3 * pipelined,
                          device_ms=1e3 * device, recompiles=compiles, pool_elements_per_layer_fold=pool_elements,
-                         pool_bytes=kv_bytes_per_rank(state.kv_cache)))
-        del params, state, steps, step
+                         pool_bytes={name: sum(a.nbytes // a.shape[0] for a in jax.tree.leaves(pool))
+                                     for name, pool in pools.items()}))
+        del params, state, step, pools
     if args.check_kernels:
         rows.append(dict(common, kind="kernels_check", **_pallas_matches_reference(
-            args, cfg, dtype, graphdef, abstract, host_params, inputs, md, engine, mesh, parallel)))
+            args, cfg, dtype, block, host_params, inputs, md, engine, mesh, parallel)))
     return rows
 
 
@@ -170,15 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("compile", "step"):
         p = sub.add_parser(name)
         p.add_argument("--preset", default="deepseek-v3.2")
-        p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-        p.add_argument("--weights", default="bf16", choices=["bf16", "fp8"],
-                       help="fp8: the projections in DeepSeek's block fp8 (128x128), as the release checkpoint")
-        p.add_argument("--kernels", default="auto", choices=KERNEL_CHOICES)
-        p.add_argument("--page-size", type=int, default=64)
-        p.add_argument("--num-pages", type=int, default=1024)
-        p.add_argument("--max-num-seqs", type=int, default=64)
-        p.add_argument("--max-model-len", type=int, default=8192)
-        p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        EngineArgs.add_cli_args(p, only=ENGINE_ARGUMENTS, defaults=POOL_DEFAULTS)
         p.add_argument("--out", default=None, help="JSON lines output (appended)")
     c = sub.choices["compile"]
     c.add_argument("--layers", type=int, nargs="+", default=[2, 8, 61])

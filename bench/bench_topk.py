@@ -5,9 +5,9 @@ Run on the GPU machine from the repo root: `python bench/bench_topk.py [--sweep]
 1. Correctness: every timed variant on fresh random rows (lengths near N, one row shorter than k, garbage past
    the length), on rows of exact ties and on all-equal rows (the whole-row path), is compared bit for bit with
    reference.topk (lax.top_k on this GPU); any difference, and every ties/equal set, is settled by a numpy
-   oracle. Only a kernel != oracle row fails the run: on 2026-11-30 the GPU's lax.top_k itself broke the
-   lower-column-first rule on tied rows shorter than k at some shapes. A tiny signed-zero case prints how this
-   GPU's lax.top_k orders -0.0 and 0.0.
+   oracle. Only a kernel != oracle row fails the run: the GPU's lax.top_k itself broke the lower-column-first
+   rule on tied rows shorter than k at some shapes (docs/perf_topk.md, "Correctness on the GPU"). A tiny
+   signed-zero case prints how this GPU's lax.top_k orders -0.0 and 0.0.
 2. Timing: one jitted call runs the op on `sets` input sets (> 2x the 60 MB L2 together); the median over
    repeats of (wall time / sets) is the time per call. The copy ceiling is `x + 1` over the same sets.
 Variants: the default (sorted by score) and `sorted=False` (column order). --sweep also times knob variants

@@ -9,7 +9,6 @@ traced to the run that measured it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import inspect
@@ -29,8 +28,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from bench.gpu_trace import Event, trace_events
-from dcp_jax.config import (DEEPSEEK_V32, INDEX_CACHE_FORMATS, INDEX_CACHE_HELP, KERNEL_CHOICES, LATENT_CACHE_FORMATS,
-                            LATENT_CACHE_HELP, QUANTIZATION_CHOICES)
+from dcp_jax.config import DEEPSEEK_V32
 from dcp_jax.runtime.xla_flags import apply_gpu_flags
 from pallas_kernels import _indexer_mosaic, _indexer_triton, _sparse_mla_mosaic, _sparse_mla_triton, _topk_triton
 
@@ -87,18 +85,6 @@ class CompileCounter:
             jax.monitoring.unregister_event_duration_listener(self._listener)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine's options that bench_engine and bench_prefill share: dtype, kernels, the weights' and caches'
-    formats and the page size (`LLM`'s names)."""
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
-    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
-                        help="fp8: the preset's linear weights in DeepSeek's block fp8 (the fp8 GEMM on a GPU)")
-    parser.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
-    parser.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
-    parser.add_argument("--page-size", type=int, default=64)
-
-
 def hlo_op_counts(hlo_text: str) -> Counter:
     """Opcode -> count of the instructions of an optimized HLO module's text; integer arithmetic (an integer
     result type) is also counted under 'int:<opcode>'."""
@@ -114,9 +100,9 @@ def hlo_op_counts(hlo_text: str) -> Counter:
 # ---- named shapes ------------------------------------------------------------------------------------------------
 
 # DeepSeek-V3.2's decode shapes (`dcp_jax.config.DEEPSEEK_V32`), the ones the kernel benches time.
-INDEX_HEADS = DEEPSEEK_V32.index_n_heads  # Hi = 64 lightning-indexer heads
-INDEX_HEAD_DIM = DEEPSEEK_V32.index_head_dim  # Di = 128
-TOP_K = DEEPSEEK_V32.index_topk  # k = 2048 tokens attended per row
+INDEX_HEADS = DEEPSEEK_V32.indexer.heads  # Hi = 64 lightning-indexer heads
+INDEX_HEAD_DIM = DEEPSEEK_V32.indexer.head_dim  # Di = 128
+TOP_K = DEEPSEEK_V32.indexer.topk  # k = 2048 tokens attended per row
 LATENT_DIM = DEEPSEEK_V32.kv_lora_rank  # C = 512: the latent, sparse MLA's value width
 ROPE_DIM = DEEPSEEK_V32.qk_rope_head_dim  # E = 64: the roped key after the latent
 PAGE_SIZE = 64  # tokens per page: what the Mosaic indexer needs, FlashMLA's page

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-# Cumulative prefixes of one layer's work, in data-flow order (DESIGN.md). "base" runs no attention at all
-# (embeddings, the final norm and lm_head, dispatch and the metadata transfer); "merge" is the whole attention
-# layer without the MLP; the full step (`host`) adds the MLP.
+# Cumulative prefixes of one layer's attention, in data-flow order (DESIGN.md); the rest of each layer (its MLP or
+# MoE) runs whole in every variant. "base" runs no attention at all (embeddings, the MLPs, the final norm, lm_head,
+# sampling, dispatch and the metadata transfer); through "merge" is the whole step (`host`), so the staged variants
+# are `through_` + each stage but the last.
 STAGES = ("base", "projections", "indexer", "topk", "exchange", "sparse_mla", "merge")
-# Names of the breakdown columns: stage i's time is t(through_i) - t(through_{i-1}); "other" is t(base) and
-# "mlp" is t(host) - t(through_merge).
-BREAKDOWN = ("other",) + STAGES[1:] + ("mlp",)
+# Names of the breakdown columns: stage i's time is t(through_i) - t(through_{i-1}), with through_merge = host;
+# "rest" is t(base).
+BREAKDOWN = ("rest",) + STAGES[1:]
 
 def _index(rows: list[dict], kind: str, *fields) -> dict:
     return {tuple(r[f] for f in fields): r for r in rows if r.get("kind") == kind}
@@ -31,7 +32,7 @@ def breakdown(rows: list[dict]) -> dict[tuple, dict[str, float]]:
     for (w, k, b, c, v) in points:
         if v != "through_base":
             continue
-        chain = ["through_" + s for s in STAGES] + ["host"]
+        chain = ["through_" + s for s in STAGES[:-1]] + ["host"]
         if not all((w, k, b, c, name) in points for name in chain):
             continue
         ms = [step_ms(points[(w, k, b, c, name)]) for name in chain]

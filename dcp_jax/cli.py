@@ -11,34 +11,15 @@ import pathlib
 import runpy
 import sys
 
-from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPE_CHOICES, INDEX_CACHE_FORMATS,
-                            INDEX_CACHE_HELP, KERNEL_CHOICES, LATENT_CACHE_FORMATS, LATENT_CACHE_HELP,
-                            QUANTIZATION_CHOICES, WEIGHT_FORMATS)
+from dcp_jax.config import KERNEL_CHOICES, WEIGHT_FORMATS
 from dcp_jax.runtime.multihost import Distributed
+from dcp_jax.serving.engine_args import EngineArgs
 from dcp_jax.serving.loading import use_cpu_devices
-
-DTYPE_HELP = "weights, activations and exact caches: auto (the checkpoint's; bfloat16 for presets)"
-QUANTIZATION_HELP = ("auto: the checkpoint's (a block fp8 checkpoint's linear weights stay fp8); none: dequantize "
-                     "them into --dtype; fp8: also quantize an unquantized checkpoint's or a preset's linear weights "
-                     "to DeepSeek's block fp8 (128 x 128) on load")
-BATCHED_TOKENS_HELP = "rows of one step at most: its decode rows and prefill-chunk tokens (long prompts run in chunks)"
-PREFIX_CACHING_HELP = "reuse the KV pages of full virtual blocks a prompt shares with earlier requests"
-UNROLL_LAYERS_HELP = ("compile one copy of every decoder layer instead of one scan over each stack of layers: start-up "
-                      "grows with depth; the decode step was 15%% faster on the H200 (docs/performance.md)")
-GPU_MEMORY_HELP = "share of each GPU's memory for weights, workspace and the KV pool (the pool takes the rest)"
-EXPERT_PARALLEL_HELP = ("split the routed experts whole over the tp ranks, each running only the tokens routed to "
-                        "its experts (default: every rank runs every expert on its slice of their width)")
 
 H200_MEMORY_GIB = 143771 / 1024  # 143,771 MiB
 
 # The benchmarks live beside the package in a source checkout: bench/bench_<name>.py, each with main(argv).
 BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "bench"
-
-
-# The shipped trained retrieval model (`dcp_jax/checkpoints/dsa-tiny`, docs/training.md).
-DEFAULT_MODEL = "dsa-tiny"
-MODEL_HELP = ("a shipped checkpoint (dsa-tiny: trained, the default), a preset of random weights (tiny, deepseek-v3.2, "
-              "glm-5) or a HF directory")
 
 
 def _parse_sizes(text: str) -> list[int]:
@@ -66,7 +47,7 @@ def demo(args: argparse.Namespace) -> int:
     engine = EngineConfig(page_size=4, num_pages=128, max_num_seqs=args.max_seqs, max_model_len=args.steps + 8,
                           max_num_batched_tokens=args.max_seqs)  # decode rows only
     schedule = staggered_schedule(args.max_seqs, args.steps, args.seed)
-    print(f"tiny model: {TINY.num_hidden_layers} sparse MLA layers, index_topk={TINY.index_topk}, "
+    print(f"tiny model: {TINY.num_hidden_layers} sparse MLA layers, index_topk={TINY.indexer.topk}, "
           f"{args.steps} decode steps, buckets {engine.buckets}, backend {jax.default_backend()}")
     reports = []
     for dcp in tqdm(args.dcp, desc="dcp sizes", disable=not sys.stderr.isatty()):
@@ -86,7 +67,12 @@ def generate(args: argparse.Namespace) -> int:
     from dcp_jax.serving.llm import LLM
     from dcp_jax.host.sampling import SamplingParams
 
-    tp = args.tp or args.dcp
+    try:
+        engine_args = EngineArgs.from_cli_args(args)
+    except ValueError as e:
+        print(f"dcp-jax generate: {e}", file=sys.stderr)
+        return 2
+    tp = engine_args.tensor_parallel_size
     use_cpu_devices(max(args.devices or tp, tp))
     import jax
 
@@ -95,23 +81,16 @@ def generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, presence_penalty=args.presence_penalty,
                                 frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                                seed=args.seed, stop=args.stop)
-        llm = LLM(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, max_model_len=args.max_model_len,
-                  page_size=args.page_size, kernels=args.kernels, max_num_seqs=max(len(args.prompt), 1),
-                  num_layers=args.num_layers, index_cache=args.index_cache, latent_cache=args.latent_cache,
-                  dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=args.enable_prefix_caching,
-                  enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-                  unroll_layers=args.unroll_layers, hf_overrides=args.hf_overrides,
-                  speculative_config=args.speculative_config, enable_tbo=args.enable_tbo)
+                                seed=args.sampling_seed, stop=args.stop)
+        llm = LLM(**vars(engine_args))
         outputs = llm.generate(args.prompt, params, use_tqdm=True)
     except ValueError as e:
         print(f"dcp-jax generate: {e}", file=sys.stderr)
         return 2
-    print(f"model {args.model}: {llm.model_config.num_hidden_layers} layers {llm.dtype}, tp={tp}"
-          f"{' (expert parallel)' if args.enable_expert_parallel else ''} dcp={args.dcp} "
-          f"interleave={args.interleave}, {args.index_cache} index cache, {args.latent_cache} latent cache, "
+    parallel, config = llm.parallel_config, llm.engine_config
+    print(f"model {engine_args.model}: {llm.model_config.num_hidden_layers} layers {llm.dtype}, tp={parallel.tp}"
+          f"{' (expert parallel)' if parallel.enable_expert_parallel else ''} dcp={parallel.dcp} "
+          f"interleave={parallel.interleave}, {config.index_cache} index cache, {config.latent_cache} latent cache, "
           f"backend {llm.backend}")
     for out in outputs:
         done = out.outputs[0]
@@ -120,13 +99,9 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    """serve's options: every engine argument (`EngineArgs`), the server's and the simulated devices."""
+    EngineArgs.add_cli_args(s)
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model name)")
-    s.add_argument("--num-layers", type=int, default=None, help="use only the first N decoder layers")
-    s.add_argument("--dcp", type=int, default=2, help="DCP size W")
-    s.add_argument("--tp", type=int, default=None, help="TP ranks (default: dcp)")
-    s.add_argument("--enable-expert-parallel", action="store_true", help=EXPERT_PARALLEL_HELP)
-    s.add_argument("--interleave", type=int, default=1, help="interleave size S")
     s.add_argument("--devices", type=int, default=None, help="simulated CPU devices (default: tp)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     s.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
@@ -146,57 +121,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM/SIGINT, seconds the requests in flight may finish in before they are aborted "
                         "(0: abort at once)")
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output (default: the model's max_position_embeddings, capped by the pool)")
-    s.add_argument("--max-num-seqs", type=int, default=8, help="requests decoding at once (the widest decode step)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   help=BATCHED_TOKENS_HELP)
-    s.add_argument("--buckets", type=_parse_sizes, default=list(DEFAULT_BUCKETS),
-                   help="step widths compiled (rows), comma-separated; with max-num-seqs and the token budget")
-    s.add_argument("--enable-prefix-caching", action="store_true", help=PREFIX_CACHING_HELP)
-    s.add_argument("--page-size", type=int, default=8)
-    s.add_argument("--num-pages", type=int, default=None,
-                   help="KV pages (default: what --gpu-memory-utilization leaves; CPU: max-num-seqs full requests)")
-    s.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=GPU_MEMORY_HELP)
-    s.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
-    s.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto", help=QUANTIZATION_HELP)
-    s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="dispatch each step before reading the previous one's tokens")
-    s.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
-                   help="auto: the Pallas kernels on a GPU, the references elsewhere")
-    s.add_argument("--unroll-layers", action="store_true", help=UNROLL_LAYERS_HELP)
-    s.add_argument("--hf-overrides", type=_json_object, default=None, help=HF_OVERRIDES_HELP)
-    s.add_argument("--speculative-config", type=_json_object, default=None, help=SPECULATIVE_HELP)
-    s.add_argument("--enable-tbo", action="store_true", help=TBO_HELP)
-    s.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
-    s.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
-    s.add_argument("--seed", type=int, default=0, help="weights seed of a preset; default sampling seed")
-    s.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache")
     s.add_argument("--no-prompt-logprobs", action="store_true", help="skip the all-logits prefill programs")
-    s.add_argument("--coordinator-address", default=None,
-                   help="multi-host: HOST:PORT of process 0 (jax.distributed's coordinator; the step channel uses "
-                        "PORT + 1); every process runs serve with the same arguments but --process-id")
-    s.add_argument("--num-processes", type=int, default=1, help="multi-host: processes of the deployment")
-    s.add_argument("--process-id", type=int, default=0,
-                   help="multi-host: this process (0 serves HTTP and schedules; the others run its steps)")
-
-
-HF_OVERRIDES_HELP = "config.json fields to replace, a JSON object (e.g. '{\"index_topk\": 16384}')"
-TBO_HELP = ("two-batch overlap: each layer's attention runs as two micro-batches of the step's rows, one's "
-            "collectives beside the other's compute")
-SPECULATIVE_HELP = ("speculative decoding with the model's MTP layer, a JSON object: "
-                    "'{\"method\": \"mtp\", \"num_speculative_tokens\": 1}' (1 to 3 drafts; steps then run "
-                    "synchronously)")
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
 
 
 def _json_list(text: str) -> list[str]:
@@ -209,8 +134,10 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
-def load_engine(args: argparse.Namespace, tp: int, distributed):
+def load_engine(args: argparse.Namespace, distributed):
     """serve's Engine (one process's of a multi-host `distributed` deployment, or None)."""
+    engine_args = EngineArgs.from_cli_args(args)
+    tp = engine_args.tensor_parallel_size
     processes = 1 if distributed is None else distributed.num_processes
     use_cpu_devices(max(args.devices or tp, tp) // processes)
     import jax
@@ -218,19 +145,7 @@ def load_engine(args: argparse.Namespace, tp: int, distributed):
     from dcp_jax.serving.engine import Engine
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    return Engine(args.model, dcp=args.dcp, interleave=args.interleave, tp=tp, page_size=args.page_size,
-                  num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  bucket_ladder=tuple(args.buckets), max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=args.enable_prefix_caching, kernels=args.kernels, seed=args.seed,
-                  num_layers=args.num_layers, index_cache=args.index_cache, latent_cache=args.latent_cache,
-                  dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-                  async_scheduling=args.async_scheduling, prompt_logprobs=not args.no_prompt_logprobs,
-                  compilation_cache_dir=args.compilation_cache_dir,
-                  enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-                  unroll_layers=args.unroll_layers, hf_overrides=args.hf_overrides,
-                  speculative_config=args.speculative_config, enable_tbo=args.enable_tbo,
-                  coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-                  process_id=args.process_id)
+    return Engine(**vars(engine_args), prompt_logprobs=not args.no_prompt_logprobs)
 
 
 def _follow(args: argparse.Namespace, engine) -> int:
@@ -257,7 +172,6 @@ def serve(args: argparse.Namespace) -> int:
     from dcp_jax.serving.openai_api import CorsOptions
     from dcp_jax.serving.server import OpenAIServer
 
-    tp = args.tp or args.dcp
     try:
         distributed = Distributed.of(args.coordinator_address, args.num_processes, args.process_id)
     except ValueError as e:
@@ -265,7 +179,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     if distributed is not None and not distributed.is_leader:
         try:
-            engine = load_engine(args, tp, distributed)
+            engine = load_engine(args, distributed)
         except ValueError as e:
             print(f"dcp-jax serve: {e}", file=sys.stderr)
             return 2
@@ -285,15 +199,16 @@ def serve(args: argparse.Namespace) -> int:
           flush=True)
 
     def load():
-        return load_engine(args, tp, distributed)
+        return load_engine(args, distributed)
 
     def ready(engine):
-        config = engine.engine_config
+        config, parallel = engine.engine_config, engine.parallel_config
+        expert_parallel = " (expert parallel)" if parallel.enable_expert_parallel else ""
         print(f"dcp-jax serve: ready: model {server.serving.model_name} ({engine.model_config.num_hidden_layers} "
-              f"layers {engine.dtype}), tp={tp}{' (expert parallel)' if args.enable_expert_parallel else ''} "
-              f"dcp={args.dcp} interleave={args.interleave}, max_model_len "
-              f"{config.max_model_len}, buckets {config.buckets}, {engine.num_pages} KV pages ({args.index_cache} "
-              f"index cache, {args.latent_cache} latent cache), backend {engine.backend}", flush=True)
+              f"layers {engine.dtype}), tp={parallel.tp}{expert_parallel} dcp={parallel.dcp} interleave="
+              f"{parallel.interleave}, max_model_len {config.max_model_len}, buckets {config.buckets}, "
+              f"{engine.num_pages} KV pages ({config.index_cache} index cache, {config.latent_cache} latent cache), "
+              f"backend {engine.backend}", flush=True)
 
     try:
         server.serve_forever(load, ready)
@@ -320,8 +235,9 @@ def bench(args: argparse.Namespace) -> int:
 
 def plan(args: argparse.Namespace) -> int:
     """Print the memory plan (`model/memory_plan.py`) of a preset or a checkpoint's config on a mesh."""
-    from dcp_jax.config import (PRESETS, ModelConfig, ParallelConfig, model_directory, num_speculative_tokens, preset,
-                                resolve_dtype, unknown_model)
+    from dcp_jax.config import PRESETS, ParallelConfig, model_directory, num_speculative_tokens, preset, resolve_dtype
+    from dcp_jax.config import unknown_model
+    from dcp_jax.model.architecture import config_from_hf
     from dcp_jax.model.memory_plan import format_plan, make_plan
     from dcp_jax.model.weights import fp8_block_size
 
@@ -330,21 +246,29 @@ def plan(args: argparse.Namespace) -> int:
         print(f"dcp-jax plan: {unknown_model(args.model)}", file=sys.stderr)
         return 2
     try:
-        cfg = ModelConfig.from_hf(directory) if directory else preset(args.model)
+        engine_args = EngineArgs.from_cli_args(args)
+        cfg = config_from_hf(directory) if directory else preset(args.model)
         weight_format = args.weight_format
         if weight_format == "auto":
             weight_format = "fp8" if directory and fp8_block_size(directory) else "model_dtype"
-        parallel = ParallelConfig(tp=args.dcp if args.tp is None else args.tp, dcp=args.dcp,
-                                  enable_expert_parallel=args.enable_expert_parallel)
-        result = make_plan(cfg, parallel, dtype=resolve_dtype(args.dtype, cfg), weight_format=weight_format,
+        parallel = ParallelConfig(tp=engine_args.tensor_parallel_size, dcp=engine_args.dcp,
+                                  enable_expert_parallel=engine_args.enable_expert_parallel)
+        result = make_plan(cfg, parallel, dtype=resolve_dtype(engine_args.dtype, cfg), weight_format=weight_format,
                            device_bytes=int(args.device_memory_gib * 2**30),
-                           gpu_memory_utilization=args.gpu_memory_utilization, page_size=args.page_size,
-                           max_num_seqs=args.max_num_seqs, mtp=num_speculative_tokens(args.speculative_config) > 0)
+                           gpu_memory_utilization=engine_args.gpu_memory_utilization,
+                           page_size=engine_args.page_size, max_num_seqs=engine_args.max_num_seqs,
+                           mtp=num_speculative_tokens(engine_args.speculative_config) > 0)
     except ValueError as e:
         print(f"dcp-jax plan: {e}", file=sys.stderr)
         return 2
     print(format_plan(result, os.path.basename(os.path.normpath(args.model))))
     return 0
+
+
+# The engine arguments a plan reads, and its model's default: a plan sizes a real model, not the shipped tiny one.
+PLAN_ARGUMENTS = ("model", "tp", "dcp", "enable_expert_parallel", "dtype", "page_size", "max_num_seqs",
+                  "gpu_memory_utilization", "speculative_config")
+PLAN_DEFAULTS = {"model": "deepseek-v3.2"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -362,13 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=demo)
     g = commands.add_parser("generate", help="generate text with the shipped dsa-tiny, a preset (random weights) or a "
                                              "HF checkpoint")
-    g.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    EngineArgs.add_cli_args(g)
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    g.add_argument("--num-layers", type=int, default=None, help="use only the first N decoder layers")
-    g.add_argument("--dcp", type=int, default=1, help="DCP size W")
-    g.add_argument("--tp", type=int, default=None, help="TP ranks (default: dcp)")
-    g.add_argument("--enable-expert-parallel", action="store_true", help=EXPERT_PARALLEL_HELP)
-    g.add_argument("--interleave", type=int, default=1, help="interleave size S")
     g.add_argument("--devices", type=int, default=None, help="simulated CPU devices (default: tp)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -378,44 +297,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--sampling-seed", type=int, default=None, help="the requests' seed (default: drawn from --seed)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output (default: the model's max_position_embeddings)")
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   help=BATCHED_TOKENS_HELP)
-    g.add_argument("--enable-prefix-caching", action="store_true", help=PREFIX_CACHING_HELP)
-    g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
-    g.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto", help=QUANTIZATION_HELP)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=GPU_MEMORY_HELP)
-    g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
-    g.add_argument("--unroll-layers", action="store_true", help=UNROLL_LAYERS_HELP)
-    g.add_argument("--hf-overrides", type=_json_object, default=None, help=HF_OVERRIDES_HELP)
-    g.add_argument("--speculative-config", type=_json_object, default=None, help=SPECULATIVE_HELP)
-    g.add_argument("--enable-tbo", action="store_true", help=TBO_HELP)
-    g.add_argument("--index-cache", choices=INDEX_CACHE_FORMATS, default="exact", help=INDEX_CACHE_HELP)
-    g.add_argument("--latent-cache", choices=LATENT_CACHE_FORMATS, default="exact", help=LATENT_CACHE_HELP)
     g.set_defaults(run=generate)
     s = commands.add_parser("serve", help="OpenAI-compatible server (default: the shipped dsa-tiny model)")
     add_serve_arguments(s)
     s.set_defaults(run=serve)
     m = commands.add_parser("plan", help="memory plan: weight bytes per rank, KV bytes per token, tokens that fit")
-    m.add_argument("--model", default="deepseek-v3.2", help="preset name or HF directory (its config.json)")
-    m.add_argument("--dcp", type=int, default=1, help="DCP size W")
-    m.add_argument("--tp", type=int, default=None, help="TP ranks (default: dcp)")
-    m.add_argument("--enable-expert-parallel", action="store_true", help=EXPERT_PARALLEL_HELP)
-    m.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    EngineArgs.add_cli_args(m, only=PLAN_ARGUMENTS, defaults=PLAN_DEFAULTS)
     m.add_argument("--weight-format", choices=("auto",) + WEIGHT_FORMATS, default="auto",
                    help="auto: the checkpoint's (fp8 for a block-fp8 checkpoint; the model dtype for presets); fp8 "
                         "also plans a load under --quantization fp8")
     m.add_argument("--device-memory-gib", type=float, default=H200_MEMORY_GIB,
                    help="memory of one device (default: an H200's, as nvidia-smi reports it)")
-    m.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=GPU_MEMORY_HELP)
-    m.add_argument("--page-size", type=int, default=64)
-    m.add_argument("--max-num-seqs", type=int, default=256)
-    m.add_argument("--speculative-config", type=_json_object, default=None,
-                   help="as serve's: drafting with the MTP layer adds its weights and its layer of KV")
     m.set_defaults(run=plan)
     b = commands.add_parser("bench", help="a benchmark of bench/ (source checkout): dcp-jax bench decode --help",
                             add_help=False)

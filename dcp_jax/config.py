@@ -6,16 +6,28 @@ No jax here. Variants are made with `dataclasses.replace`; derived values are pr
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """DeepSeek-V3.2 model shape, spelled with the HF `DeepseekV32Config` field names."""
+class IndexerConfig:
+    """DSA's lightning indexer (HF's `index_n_heads`, `index_head_dim`, `index_topk`): `heads` index heads of
+    `head_dim` score every cached token; each query attends to the `topk` best."""
 
+    heads: int
+    head_dim: int
+    topk: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A DeepSeek-family model's shape, spelled with the HF config field names (`model/architecture.py` reads it
+    from config.json and writes it back). `architecture` is the HF architecture name (config.json's
+    `architectures`) whose registry entry runs it; `indexer` is None for a model without sparse attention."""
+
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,15 +47,13 @@ class ModelConfig:
     topk_group: int
     routed_scaling_factor: float
     norm_topk_prob: bool
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
+    indexer: IndexerConfig | None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     # None for default RoPE; else HF `rope_parameters` / `rope_scaling` with rope_type "yarn".
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     max_position_embeddings: int = 4096
-    # Multi-token-prediction layers after the decoder layers (`model/mtp.py`; the serving step does not run them).
+    # Multi-token-prediction layers after the decoder layers (the speculative decoding draft).
     num_nextn_predict_layers: int = 0
     bos_token_id: int = 0
     eos_token_id: int = 1
@@ -79,71 +89,18 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """A `config.json` dict HF's `DeepseekV32Config` reads (v5 `rope_parameters`); `from_dict` inverts it."""
-        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rope_scaling"}
-        raw["rope_parameters"] = {"rope_theta": self.rope_theta, **self.rope}
-        raw.update(
-            architectures=["DeepseekV32ForCausalLM"],
-            model_type="deepseek_v32",
-            num_key_value_heads=self.num_attention_heads,
-            tie_word_embeddings=False,
-        )
-        return raw
-
-    @classmethod
-    def from_hf(cls, path: str | os.PathLike) -> ModelConfig:
-        """Read a HF `config.json` (a file or a model directory); ValueError naming the file when it is missing,
-        not JSON, or not a DeepSeek-V3.2 config."""
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-            if not isinstance(raw, dict):
-                raise ValueError("not a JSON object")
-            return cls.from_dict(raw)
-        except FileNotFoundError:
-            raise ValueError(f"{path}: no such file (a model directory needs a HF config.json)") from None
-        except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
-            raise ValueError(f"{path}: {e}") from None
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in raw.items() if k in names and k != "rope_scaling"}
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling")
-        if rope:
-            rope = dict(rope)
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if "rope_theta" in rope:
-                kwargs["rope_theta"] = rope["rope_theta"]
-            if rope_type == "yarn":
-                # The legacy spelling says {"type": "yarn"}; store it as rope_type so `rope` always names it.
-                rope = {k: v for k, v in rope.items() if k not in ("type", "rope_theta")} | {"rope_type": "yarn"}
-                kwargs["rope_scaling"] = tuple(sorted(rope.items()))
-            elif rope_type != "default":
-                raise ValueError(f"unsupported rope_type {rope_type!r}; expected 'default' or 'yarn'")
-        if "torch_dtype" not in kwargs and isinstance(raw.get("dtype"), str):
-            kwargs["torch_dtype"] = raw["dtype"]
-        if isinstance(kwargs.get("eos_token_id"), list):
-            kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
-        missing = sorted(n for n in names if n not in kwargs and _has_no_default(cls, n))
-        if missing:
-            raise ValueError(f"config.json lacks required fields {missing}")
-        return cls(**kwargs)
-
-
-def _has_no_default(cls, name: str) -> bool:
-    field = cls.__dataclass_fields__[name]
-    return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+    def with_indexer(self, **changes) -> ModelConfig:
+        """This config with its indexer's fields changed (`IndexerConfig` names: heads, head_dim, topk)."""
+        if self.indexer is None:
+            raise ValueError(f"{self.architecture} has no indexer to change")
+        return dataclasses.replace(self, indexer=dataclasses.replace(self.indexer, **changes))
 
 
 # The random preset the tests serve (and `LLM`'s and `Engine`'s default): runs on simulated CPU devices in
 # seconds. Eight index heads keep exact score ties rare (see the oracle notes). A 128-column latent is one tile of
 # the fp8 latent cache. One MTP layer, as DeepSeek-V3.2 has (`model/mtp.py`; the speculative decoding draft).
 TINY = ModelConfig(
+    architecture="DeepseekV32ForCausalLM",
     vocab_size=512,
     hidden_size=256,
     intermediate_size=256,
@@ -163,9 +120,7 @@ TINY = ModelConfig(
     topk_group=1,
     routed_scaling_factor=2.5,
     norm_topk_prob=True,
-    index_n_heads=8,
-    index_head_dim=32,
-    index_topk=16,
+    indexer=IndexerConfig(heads=8, head_dim=32, topk=16),
     max_position_embeddings=4096,
     num_nextn_predict_layers=1,
 )
@@ -181,6 +136,7 @@ _DEEPSEEK_V32_YARN = (
 )
 
 DEEPSEEK_V32 = ModelConfig(
+    architecture="DeepseekV32ForCausalLM",
     vocab_size=129280,
     hidden_size=7168,
     intermediate_size=18432,
@@ -200,9 +156,7 @@ DEEPSEEK_V32 = ModelConfig(
     topk_group=4,
     routed_scaling_factor=2.5,
     norm_topk_prob=True,
-    index_n_heads=64,
-    index_head_dim=128,
-    index_topk=2048,
+    indexer=IndexerConfig(heads=64, head_dim=128, topk=2048),
     rope_scaling=_DEEPSEEK_V32_YARN,
     max_position_embeddings=163840,
     num_nextn_predict_layers=1,
@@ -216,7 +170,7 @@ GLM5 = dataclasses.replace(
     q_lora_rank=2048,
     qk_nope_head_dim=192,
     v_head_dim=256,
-    index_n_heads=32,
+    indexer=IndexerConfig(heads=32, head_dim=128, topk=2048),
 )
 
 PRESETS = {"tiny": TINY, "deepseek-v3.2": DEEPSEEK_V32, "glm-5": GLM5}
@@ -318,7 +272,6 @@ KERNEL_CHOICES = ("auto", "pallas", "reference")
 # Formats of the indexer key cache. exact: keys in the model dtype, scored as HF does. fp8: Hadamard-rotated e4m3
 # keys with a power-of-two f32 scale per token (index_head_dim + 4 bytes a token), scored with fp8 queries.
 INDEX_CACHE_FORMATS = ("exact", "fp8")
-INDEX_CACHE_HELP = "indexer key cache: exact (model dtype, HF's math) or fp8 (e4m3 keys + an f32 scale per token)"
 
 
 def check_index_cache(index_cache: str) -> None:
@@ -330,8 +283,6 @@ def check_index_cache(index_cache: str) -> None:
 # Formats of the MLA latent cache. exact: the model dtype, as HF. fp8: FlashMLA's 656 B/token format (e4m3 latent
 # with a power-of-two f32 scale per 128 columns, bf16 roped key); attention reads its dequantized values.
 LATENT_CACHE_FORMATS = ("exact", "fp8")
-LATENT_CACHE_HELP = ("MLA latent cache: exact (model dtype) or fp8 (e4m3 latent + an f32 scale per 128 columns, "
-                     "bf16 rope; kv_lora_rank a multiple of 128)")
 
 
 def check_latent_cache(latent_cache: str) -> None:

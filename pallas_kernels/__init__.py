@@ -2,7 +2,7 @@
 
 Ops (`api.py`; each has a reference of the same signature in `reference.py`, and a `backend` argument: "pallas"
 by default, "reference", "triton", "mosaic"):
-- `indexer_logits`: lightning-indexer scores over a paged index-K cache;
+- `indexer_logits`: lightning-indexer scores over a paged index-key cache;
 - `topk`: exact per-row top-k of length-masked scores;
 - `indexer_top_k`: the two, fused where the Mosaic indexer allows;
 - `sparse_mla_decode`: absorbed sparse MLA over compacted physical slots, with the log-sum-exp of each row;

@@ -30,7 +30,7 @@ fp8_dot_nt_p = jex_core.Primitive("fp8_dot_nt")
 
 
 def fp8_dot_nt(a, b, *, max_num_imprecise_acc: int):
-    """a [M, K] fp8 . b [N, K]^T fp8 -> f32 [M, N] (both operands contract their last axis)."""
+    """a [rows, in] fp8 . b [out, in]^T fp8 -> f32 [rows, out] (both operands contract their last axis)."""
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"fp8_dot_nt wants a [M, K] and b [N, K]; got {a.shape=} {b.shape=}")
     if jnp.dtype(a.dtype) not in _FP8_DTYPES or a.dtype != b.dtype:
@@ -62,5 +62,5 @@ def _triton_lowering(ctx, a, b, *, max_num_imprecise_acc):
     [out_aval] = ctx.avals_out
     acc = triton_lowering._zeros(ir.RankedTensorType.get(
         list(out_aval.shape), triton_lowering._dtype_to_ir_type(jnp.float32)))
-    b_t = tt_dialect.trans(b, (1, 0))  # [K, N]
+    b_t = tt_dialect.trans(b, (1, 0))  # [in, out]
     return tt_dialect.dot(a, b_t, acc, max_num_imprecise_acc=max_num_imprecise_acc)

@@ -1,24 +1,25 @@
 """Block-fp8 GEMM for Hopper (sm_90) in Mosaic GPU: the kernel of `pallas_kernels.fp8_gemm` (DeepSeek's
 fine-grained fp8 GEMM, as DeepGEMM runs it).
 
-Contract: x e4m3 [M, K] with f32 scales [M, K / 128] (a row's 128 channels share one), w e4m3 [N, K] (K-major: the
-checkpoint's [out, in], as fp8 tensor cores read both operands) with f32 scales [ceil(N / bn), K / 128] (a block of
-bn rows by 128 columns shares one); out [M, N] = sum over k blocks of (x_k . w_k^T) * x_scale * w_scale, in
-out_dtype.
+Contract: x e4m3 [rows, in] with f32 scales [rows, in / 128] (a row's 128 channels share one), w e4m3 [out, in]
+(input-major: the checkpoint's layout, as fp8 tensor cores read both operands) with f32 scales
+[ceil(out / bn), in / 128] (a block of bn rows by 128 columns shares one); the output [rows, out] = sum over the
+blocks b of 128 input columns of (x_b . w_b^T) * x_scale * w_scale, in out_dtype.
 
 Each CTA owns a [cta_m, cta_n] output tile and runs three warpgroups: one streams the tile's x and w slices of 128
 channels (and their scales) through `stages` SMEM buffers by TMA; two compute, each a [64, tile_n] half of the tile
-(split along M, or along N when the tile has 64 rows): per slice one fp8 wgmma into a fresh accumulator, whose f32
-result is scaled by its rows' and columns' scales and added to the running sum in registers (DeepGEMM's promotion:
-the tensor core's reduced-precision fp8 accumulation never spans more than one block). With overlap_promotion (the
-default wherever a warpgroup's columns lie in one w scale block) a step's product is scaled and added while the
-next step's wgmma runs, by one factor a row: the row's scale times the warpgroup's one w scale, a scalar read from
-w's compact scales in GMEM. Without it the w scales travel expanded to one per column ([K / 128, N], made by the
-wrapper each call) and each step loads two scale vectors. Tiles
-run in bands of grid_tile_width along M, each band walked along N, so the CTAs at work share both x's rows and w's
+(split along the rows, or along the columns when the tile has 64 rows): per slice one fp8 wgmma into a fresh
+accumulator, whose f32 result is scaled by its rows' and columns' scales and added to the running sum in registers
+(DeepGEMM's promotion: the tensor core's reduced-precision fp8 accumulation never spans more than one block). With
+overlap_promotion (the default wherever a warpgroup's columns lie in one w scale block) a step's product is scaled
+and added while the next step's wgmma runs, by one factor a row: the row's scale times the warpgroup's one w
+scale, a scalar read from w's compact scales in GMEM. Without it the w scales travel expanded to one per column
+([in / 128, out], made by the wrapper each call) and each step loads two scale vectors. Tiles run in bands of
+grid_tile_width along the rows, each band walked along the columns, so the CTAs at work share both x's rows and w's
 columns in L2. With persistent, one CTA a SM loops over the tiles in that order, each tile's store overlapping the
-next one's loads. The tile leaves through SMEM by TMA in out_dtype; M is padded to the tile by the wrapper.
+next one's loads. The tile leaves through SMEM by TMA in out_dtype; the wrapper pads the rows to the tile.
 Mosaic GPU has no interpreter: this runs compiled on an sm_90 GPU; on CPU it can be lowered for CUDA (the tests do).
+Letters: see the legend in `dcp_jax/__init__.py`; the GEMM's widths are spelled out (rows, in, out).
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ WG_ROWS = 64  # rows of one compute warpgroup's wgmma
 TILE_N = (128, 64)  # a compute warpgroup's columns, largest first
 HOPPER_SMS = 132  # the H100's and the H200's (SXM): CTAs of one wave, one a SM (the pipeline fills its SMEM)
 K_SPLITS = (8, 4, 2)  # split-K factors the default tries, largest first
-GRID_TILE_WIDTH = 8  # M tiles a band of the tile order (`_kernel`)
+GRID_TILE_WIDTH = 8  # row tiles a band of the tile order (`_kernel`)
 _MEMORY_REGISTERS = 40  # the TMA warpgroup's (JAX's Hopper matmul example's value; the knobs are not yet tuned)
 
 
 def _cta_tile(split_m: bool, tile_n: int) -> tuple[int, int]:
-    """A CTA's output tile [rows, columns]: two warpgroups' [64, tile_n] halves, side by side along M or N."""
+    """A CTA's output tile [rows, columns]: two warpgroups' [64, tile_n] halves, side by side along the rows or the
+    columns."""
     return (2 * WG_ROWS, tile_n) if split_m else (WG_ROWS, 2 * tile_n)
 
 
@@ -55,7 +57,7 @@ def _fp8_tiled():
 def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int, split_m: bool, stages: int,
             k_splits: int, overlap_promotion: bool, persistent: bool, grid_tile_width: int, scale_block_rows: int):
     wg = lax.axis_index("wg")
-    steps = x_gmem.shape[1] // BLOCK_K // k_splits  # a tile's share of K, in steps of 128 channels
+    steps = x_gmem.shape[1] // BLOCK_K // k_splits  # a tile's share of the input columns, in steps of 128
     cta_m, cta_n = _cta_tile(split_m, tile_n)
     wg_rows = pl.ds(wg * WG_ROWS, WG_ROWS) if split_m else pl.ds(0, WG_ROWS)
     wg_columns = pl.ds(0, tile_n) if split_m else pl.ds(wg * tile_n, tile_n)
@@ -123,8 +125,8 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
         return refs if overlap_promotion else refs + [ws_gmem.at[depth_blocks, columns]]
 
     def tile(m, n, part, allocations=None):
-        """Output tile (m, n) over the part-th k_splits-th of K. Persistent, its store is left in flight (the next
-        tile's loads overlap it) and waited for before this warpgroup writes its SMEM again."""
+        """Output tile (m, n) over the part-th k_splits-th of the input columns. Persistent, its store is left in
+        flight (the next tile's loads overlap it) and waited for before this warpgroup writes its SMEM again."""
         rows, columns = pl.ds(m * cta_m, cta_m), pl.ds(n * cta_n, cta_n)
         depth, depth_blocks = pl.ds(part * steps * BLOCK_K, steps * BLOCK_K), pl.ds(part * steps, steps)
 
@@ -148,8 +150,8 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
     tiles = (out_gmem.shape[1] // cta_m, out_gmem.shape[2] // cta_n)
 
     def ordered_tile(index, part, allocations=None):
-        # Bands of grid_tile_width tiles along M, each walked along N: the CTAs running at once share x's rows and
-        # w's columns in L2 (x read once per wave's N span, not once per column tile).
+        # Bands of grid_tile_width tiles along the rows, each walked along the columns: the CTAs running at once
+        # share x's rows and w's columns in L2 (x read once per wave's column span, not once per column tile).
         m, n = plgpu.planar_snake(index, tiles, 0, grid_tile_width)
         tile(m, n, part, allocations)
 
@@ -173,11 +175,12 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
                                              "persistent", "grid_tile_width", "scale_block_rows", "out_dtype"))
 def fp8_gemm_tiles(x, xs_t, w, w_scales, *, tile_n: int, split_m: bool, stages: int, k_splits: int,
                    overlap_promotion: bool, persistent: bool, grid_tile_width: int, scale_block_rows: int, out_dtype):
-    """The kernel on prepared inputs: x e4m3 [M, K] (M a multiple of the CTA's rows), xs_t f32 [K / 128, M] (x's
-    scales transposed), w e4m3 [N, K] (N a multiple of the CTA's columns), w_scales f32: with overlap_promotion
-    w's compact block scales [ceil(N / scale_block_rows), K / 128] (tile_n dividing scale_block_rows), else
-    expanded to one per column, [K / 128, N]. Returns out [k_splits, M, N] in out_dtype: the products over each
-    k_splits-th of K (K / 128 a multiple of k_splits), whose sum is x . w^T."""
+    """The kernel on prepared inputs: x e4m3 [rows, in] (rows a multiple of the CTA's rows), xs_t f32
+    [in / 128, rows] (x's scales transposed), w e4m3 [out, in] (out a multiple of the CTA's columns), w_scales f32:
+    with overlap_promotion w's compact block scales [ceil(out / scale_block_rows), in / 128] (tile_n dividing
+    scale_block_rows), else expanded to one per column, [in / 128, out]. Returns [k_splits, rows, out] in
+    out_dtype: the products over each k_splits-th of the input columns (in / 128 a multiple of k_splits), whose sum
+    is x . w^T."""
     num_rows, depth = x.shape
     width = w.shape[0]
     cta_m, cta_n = _cta_tile(split_m, tile_n)
@@ -202,7 +205,7 @@ def fp8_gemm_tiles(x, xs_t, w, w_scales, *, tile_n: int, split_m: bool, stages: 
 
 
 def _fitting_tile_ns(width: int, split_m: bool) -> list[int]:
-    """The tile_ns of TILE_N (largest first) whose CTA tile divides N."""
+    """The tile_ns of TILE_N (largest first) whose CTA tile divides the out width."""
     return [t for t in TILE_N if width % _cta_tile(split_m, t)[1] == 0]
 
 
@@ -216,7 +219,8 @@ def _tiles(num_rows: int, width: int, split_m: bool, tile_n: int) -> int:
 
 
 def _k_splits(tiles: int, depth: int) -> int:
-    """The largest of K_SPLITS that divides K / 128 and keeps `tiles` x it CTAs within one wave, else 1."""
+    """The largest of K_SPLITS that divides depth / 128 (depth: the in width) and keeps `tiles` x it CTAs within
+    one wave, else 1."""
     return next((k for k in K_SPLITS if (depth // BLOCK_K) % k == 0 and tiles * k <= HOPPER_SMS), 1)
 
 
@@ -227,10 +231,11 @@ def _wave_fill(ctas: int) -> float:
 
 def _decode_tile_n(num_rows: int, width: int, depth: int, k_splits: int | None) -> int | None:
     """[64, 2 tile_n] tiles (rows within one warpgroup): the tile_n of TILE_N whose CTAs (with k_splits, or
-    `_k_splits` when None) fill the waves best, then the fewer K splits, then the larger tile. A decode GEMM
-    streams its weights, so a last wave of few CTAs runs at their bandwidth alone (H100, M = 1 and 64, stop 50):
-    tile_n 64 took N = 36864 in 112 us against 128's 117 (288 CTAs in 3 waves of 132 SMs against 144 in 2), and
-    N = 2048 in 11.9 us against 12.9 (128 CTAs against 64); 128 kept N = 18432 (72 CTAs against 144) at 53 us
+    `_k_splits` when None) fill the waves best, then the fewer k_splits, then the larger tile. A decode GEMM
+    streams its weights, so a last wave of few CTAs runs at their bandwidth alone (H100, 1 and 64 rows;
+    docs/performance.md, "Decode tiles by wave fill"):
+    tile_n 64 took 36864 out columns in 112 us against 128's 117 (288 CTAs in 3 waves of 132 SMs against 144 in 2),
+    and 2048 in 11.9 us against 12.9 (128 CTAs against 64); 128 kept 18432 (72 CTAs against 144) at 53 us
     against 69."""
     fitting = _fitting_tile_ns(width, split_m=False)
     if not fitting:
@@ -246,15 +251,16 @@ def _decode_tile_n(num_rows: int, width: int, depth: int, k_splits: int | None) 
 
 def default_knobs(num_rows: int, width: int, depth: int, out_dtype, *, split_m: bool | None = None,
                   tile_n: int | None = None, k_splits: int | None = None, scale_block_rows: int | None = None) -> dict:
-    """The knobs for M = num_rows, N = width, K = depth, each one given (not None) kept: two warpgroups split a
-    [128, tile_n] tile along M, unless the rows fit one warpgroup (decode) and N allows a [64, 2 tile_n] tile;
-    tile_n the largest of TILE_N whose tile divides N, or for [64, 2 tile_n] tiles the one that fills the SMs'
-    waves best (`_decode_tile_n`). k_splits the largest of K_SPLITS that divides K / 128 and keeps the tile's CTAs
-    within one wave of HOPPER_SMS, else 1: a decode's few tiles then stream the weights from more SMs.
-    4 stages, 3 for a 4-byte output (an f32 output or split K's f32 partial products: its epilogue tile takes the
-    fourth's SMEM). overlap_promotion wherever a warpgroup's columns lie in one of w's scale blocks of
+    """The knobs for num_rows rows, width out columns and depth in columns, each one given (not None) kept: two
+    warpgroups split a [128, tile_n] tile along the rows, unless the rows fit one warpgroup (decode) and the width
+    allows a [64, 2 tile_n] tile; tile_n the largest of TILE_N whose tile divides the width, or for [64, 2 tile_n]
+    tiles the one that fills the SMs' waves best (`_decode_tile_n`). k_splits the largest of K_SPLITS that divides
+    depth / 128 and keeps the tile's CTAs within one wave of HOPPER_SMS, else 1: a decode's few tiles then stream
+    the weights from more SMs.
+    4 stages, 3 for a 4-byte output (an f32 output or the f32 partial products of k_splits > 1: its epilogue tile
+    takes the fourth's SMEM). overlap_promotion wherever a warpgroup's columns lie in one of w's scale blocks of
     scale_block_rows rows; persistent CTAs where the tiles' CTAs pass one wave; the tile order in bands of
-    GRID_TILE_WIDTH tiles along M."""
+    GRID_TILE_WIDTH tiles along the rows."""
     if split_m is None:
         split_m = num_rows > WG_ROWS or _tile_n(width, split_m=False) is None
     if tile_n is None:
@@ -269,8 +275,9 @@ def default_knobs(num_rows: int, width: int, depth: int, out_dtype, *, split_m: 
 
 
 def unsupported(x, w, block, interpret: bool | None) -> list[str]:
-    """Why this kernel does not take these inputs (empty: it does): e4m3 operands, K a multiple of 128 and N of 64,
-    scale blocks `block` = (bn, bk) of bk = 128 (its step; any bn); compiled on an sm_90 GPU."""
+    """Why this kernel does not take these inputs (empty: it does): e4m3 operands, the in width a multiple of 128
+    and the out width of 64, scale blocks `block` = (bn, bk) of bk = 128 (its step; any bn); compiled on an sm_90
+    GPU."""
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     reasons = []
     if x.dtype != fp8 or w.dtype != fp8:
@@ -285,12 +292,13 @@ def unsupported(x, w, block, interpret: bool | None) -> list[str]:
 
 def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **knobs):
     """The contract of the module docstring (`unsupported` lists what it takes). Knobs (left out or None:
-    `default_knobs`'): split_m (the two compute warpgroups split the tile along M, else along N), tile_n (a compute
-    warpgroup's columns, of TILE_N), stages (TMA buffers of 128 channels), k_splits (CTAs sharing a tile's K, each
-    writing its f32 partial product, summed after: more CTAs when the tiles are few, as at decode),
-    overlap_promotion (scale and add a step's product while the next step's wgmma runs, with one scale a row: tile_n
-    must divide the scale block's bn), persistent (one CTA a SM loops over the tiles, a tile's store overlapping the
-    next tile's loads), grid_tile_width (M tiles a band of the tile order, walked along N; a power of two)."""
+    `default_knobs`'): split_m (the two compute warpgroups split the tile along the rows, else along the columns),
+    tile_n (a compute warpgroup's columns, of TILE_N), stages (TMA buffers of 128 channels), k_splits (CTAs sharing
+    a tile's input columns, each writing its f32 partial product, summed after: more CTAs when the tiles are few, as
+    at decode), overlap_promotion (scale and add a step's product while the next step's wgmma runs, with one scale a
+    row: tile_n must divide the scale block's bn), persistent (one CTA a SM loops over the tiles, a tile's store
+    overlapping the next tile's loads), grid_tile_width (row tiles a band of the tile order, walked along the
+    columns; a power of two)."""
     del interpret  # compiled only (`unsupported`)
     num_rows, width = x.shape[0], w.shape[0]
     out_dtype = jnp.dtype(out_dtype)

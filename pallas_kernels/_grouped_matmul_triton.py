@@ -1,21 +1,23 @@
 """Grouped matmul (the routed experts of an MoE layer): the Triton kernel.
 
-Contract (`pallas_kernels.grouped_matmul`): x [A, K] rows sorted by group, w [G, K, N] (one matrix a group, the
-same dtype as x: bf16 or f32), group_sizes [G] int32 (sum <= A): rows offset_g .. offset_g + group_sizes[g] - 1
-(offset_g the sum of the sizes before g) are multiplied by w[g], f32 accumulation, out [A, N] in x's dtype. Rows
-past the last group are left unspecified (as `jax.lax.ragged_dot` leaves them).
+Contract (`pallas_kernels.grouped_matmul`): x [rows, in] rows sorted by group, w [groups, in, out] (one matrix a
+group, the same dtype as x: bf16 or f32), group_sizes [groups] int32 (sum <= rows): rows offset_g .. offset_g +
+group_sizes[g] - 1 (offset_g the sum of the sizes before g) are multiplied by w[g], f32 accumulation, the output
+[rows, out] in x's dtype. Rows past the last group are left unspecified (as `jax.lax.ragged_dot` leaves them).
 Block fp8 (`pallas_kernels.grouped_matmul_fp8`, DeepSeek's fine-grained fp8 GEMM, scale blocks (bn, bk)): x e4m3
-with f32 scales [A, ceil(K / bk)] (a row's bk channels share one), w e4m3 [G, N, K] (K-major, as fp8 tensor cores
-read both operands) with f32 scales [G, ceil(N / bn), ceil(K / bk)] (a [bn, bk] block shares one); each block_k
-slice (block_k divides bk, block_n divides bn) is one fp8 tensor-core dot whose f32 result is scaled by the row's
-and the block's scales before it joins the accumulator, as DeepGEMM does.
+with f32 scales [rows, ceil(in / bk)] (a row's bk channels share one), w e4m3 [groups, out, in] (input-major, as
+fp8 tensor cores read both operands) with f32 scales [groups, ceil(out / bn), ceil(in / bk)] (a [bn, bk] block
+shares one); each block_k slice (block_k divides bk, block_n divides bn) is one fp8 tensor-core dot whose f32
+result is scaled by the row's and the block's scales before it joins the accumulator, as DeepGEMM does.
 
 Work items (vLLM's fused-MoE schedule): each group's rows are cut into blocks of block_m; the wrapper lists the
 blocks of every group in order (`work_items`, computed in the program from group_sizes: the item's group, first
-row and row count), at most ceil(A / block_m) + G of them. Grid (items, N / block_n): a program multiplies its
-block's rows [block_m, K] by its group's [K, block_n] slice (fp8: [block_n, K]), block_k at a time, and stores its
-rows; programs past the last item exit at once. So a group with no rows costs nothing and each group's weights are
-read once per block of its rows: at decode (a few rows an expert) the layer reads only the chosen experts' weights.
+row and row count), at most ceil(rows / block_m) + groups of them. Grid (items, out / block_n): a program
+multiplies its block's rows [block_m, in] by its group's [in, block_n] slice (fp8: [block_n, in]), block_k at a
+time, and stores its rows; programs past the last item exit at once. So a group with no rows costs nothing and
+each group's weights are read once per block of its rows: at decode (a few rows an expert) the layer reads only the
+chosen experts' weights.
+Letters: see the legend in `dcp_jax/__init__.py`; the matmul's widths are spelled out (rows, in, out, groups).
 """
 
 from __future__ import annotations
@@ -36,27 +38,28 @@ from pallas_kernels._platform import default_interpret
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
 
-MIN_DOT_DIM = 16  # smallest M, N, K of a Triton tensor-core dot
+MIN_DOT_DIM = 16  # smallest dimension (rows, columns or depth) of a Triton tensor-core dot
 _BLOCKS = (256, 128, 64, 32, 16)  # block_n / block_k candidates, largest first
 # Groups averaging at least this many rows take the prefill tiles (`default_knobs`). On an H100 at DeepSeek-V3.2's
-# experts (docs/performance.md, 2026-12-06), bf16: 128 x 256 tiles, 8 warps, 4 stages ran prefill 4K / 16K in 0.74x /
-# 0.69x the time of 64 x 128 tiles with 4 warps and 3 stages, and decode B = 256 (8 rows a group) in 0.90x that of
-# 16 x 128 tiles, which stayed faster at B = 64 (2 rows a group). Block fp8 (block_n at most its scale block, 128;
-# measured with the weights [K, N], before they were stored K-major): 128 x 128, 8 warps, 4 stages ran prefill (128
-# and 512 rows a group) in 0.78x-0.89x but decode B = 256 in 3.5x, so fp8 keeps the old boundary, past 16 rows a
-# group. f32 keeps the old 64 x 128 tiles (128 x 256 f32 stages would not
-# fit in shared memory).
+# experts (docs/performance.md, "One MoE layer: the grouped matmul kernels"), bf16: 128 x 256 tiles, 8 warps, 4 stages
+# ran prefill 4K / 16K in 0.74x / 0.69x the time of 64 x 128 tiles with 4 warps and 3 stages, and decode R = 256 (8 rows
+# a group) in 0.90x that of 16 x 128 tiles, which stayed faster at R = 64 (2 rows a group). Block fp8 (block_n at most
+# its scale block, 128; measured with the weights [in, out], before they were stored input-major): 128 x 128, 8 warps,
+# 4 stages ran prefill (128 and 512 rows a group) in 0.78x-0.89x but decode R = 256 in 3.5x, so fp8 keeps the old
+# boundary, past 16 rows a group. f32 keeps the old 64 x 128 tiles (128 x 256 f32 stages would not fit in shared
+# memory).
 PREFILL_ROWS_PER_GROUP = {"plain": 8, "fp8": 17}
 
 
 def work_items(group_sizes, num_rows: int, block_m: int):
-    """(group [W], first row [W], rows [W]) int32 of each block of block_m rows of each group, in group order,
-    W = ceil(num_rows / block_m) + G (the most there can be); items past the last block have 0 rows."""
+    """(group [items], first row [items], rows [items]) int32 of each block of block_m rows of each group, in group
+    order, items = ceil(num_rows / block_m) + groups (the most there can be); items past the last block have 0
+    rows."""
     num_groups = group_sizes.shape[0]
     max_items = pl.cdiv(num_rows, block_m) + num_groups
     sizes = group_sizes.astype(jnp.int32)
-    blocks = (sizes + block_m - 1) // block_m  # [G]
-    last_block = jnp.cumsum(blocks)  # [G]: items before group g + its own
+    blocks = (sizes + block_m - 1) // block_m  # [groups]
+    last_block = jnp.cumsum(blocks)  # [groups]: items before group g + its own
     item = jnp.arange(max_items, dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(last_block, item, side="right"), num_groups - 1).astype(jnp.int32)
     within = item - (last_block[group] - blocks[group])  # the item's block index within its group
@@ -84,7 +87,7 @@ def _kernel(groups_ref, starts_ref, rows_ref, x_ref, w_ref, x_scales_ref, w_scal
             if scale_block is None:
                 weights = w_ref[group, depth, columns]
                 return acc + lax.dot(rows, weights, precision=precision, preferred_element_type=jnp.float32)
-            weights = w_ref[group, columns, depth]  # [block_n, block_k], K-major
+            weights = w_ref[group, columns, depth]  # [block_n, block_k], input-major
             products = fp8_dot_nt(rows, weights, max_num_imprecise_acc=fp8_imprecise_acc)  # [block_m, block_n]
             k_block = k * block_k // scale_block[1]
             row_scales = plgpu.load(x_scales_ref.at[pl.ds(start, block_m), k_block], mask=is_row, other=0.0)
@@ -111,8 +114,8 @@ def unsupported(x, w) -> list[str]:
 
 
 def unsupported_fp8(w, block) -> list[str]:
-    """Why this kernel does not take block-fp8 weights w [G, N, K] of scale blocks `block` = (bn, bk) (empty: it
-    does)."""
+    """Why this kernel does not take block-fp8 weights w [groups, out, in] of scale blocks `block` = (bn, bk) (empty:
+    it does)."""
     width, depth = w.shape[1:]
     if _largest_block(math.gcd(depth, block[1]), 128) is None or _largest_block(math.gcd(width, block[0]), 128) is None:
         return [f"it needs K, N and the scale block {tuple(block)} multiples of {MIN_DOT_DIM}; got w {w.shape}"]
@@ -120,10 +123,10 @@ def unsupported_fp8(w, block) -> list[str]:
 
 
 def default_knobs(rows_per_group: float, w, scale_block: tuple[int, int] | None = None) -> dict:
-    """The tiles the kernel runs unless told, for groups averaging `rows_per_group` rows times w ([G, K, N]; block
-    fp8 [G, N, K] of scale blocks `scale_block` (bn, bk)), by PREFILL_ROWS_PER_GROUP. block_n and block_k: the
-    largest powers of two of at most the table's dividing N and K (and the scale block); None where none >= 16 does
-    (the kernel refuses those shapes)."""
+    """The tiles the kernel runs unless told, for groups averaging `rows_per_group` rows times w ([groups, in, out];
+    block fp8 [groups, out, in] of scale blocks `scale_block` (bn, bk)), by PREFILL_ROWS_PER_GROUP. block_n and
+    block_k: the largest powers of two of at most the table's dividing the out and in widths (and the scale block);
+    None where none >= 16 does (the kernel refuses those shapes)."""
     fp8 = scale_block is not None
     width, depth = (w.shape[1], w.shape[2]) if fp8 else (w.shape[2], w.shape[1])
     prefill = rows_per_group >= PREFILL_ROWS_PER_GROUP["fp8" if fp8 else "plain"]
@@ -141,8 +144,8 @@ def default_knobs(rows_per_group: float, w, scale_block: tuple[int, int] | None 
 
 def grouped_matmul(x, w, group_sizes, *, rows_per_group=None, interpret=None, **knobs):
     """The contract of the module docstring; rows_per_group picks the default tiles (`pallas_kernels.
-    grouped_matmul`; None: A / G). Knobs (left out or None: `default_knobs`'): block_m rows a block, block_n and
-    block_k (powers of two >= 16 dividing N and K), num_warps and num_stages for Triton."""
+    grouped_matmul`; None: rows / groups). Knobs (left out or None: `default_knobs`'): block_m rows a block, block_n
+    and block_k (powers of two >= 16 dividing the out and in widths), num_warps and num_stages for Triton."""
     rows_per_group = x.shape[0] / w.shape[0] if rows_per_group is None else rows_per_group
     return _grouped(x, w, group_sizes, None, None, None, x.dtype, interpret=interpret,
                     fp8_imprecise_acc=MIN_IMPRECISE_ACC,
@@ -152,7 +155,7 @@ def grouped_matmul(x, w, group_sizes, *, rows_per_group=None, interpret=None, **
 def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, rows_per_group=None,
                        interpret=None, fp8_imprecise_acc=128, **knobs):
     """The block-fp8 contract of the module docstring, scale blocks `block` = (bn, bk) (edge blocks partial).
-    rows_per_group and knobs as `grouped_matmul`'s (block_k must divide bk and K, block_n bn and N), and
+    rows_per_group and knobs as `grouped_matmul`'s (block_k must divide bk and in, block_n bn and out), and
     fp8_imprecise_acc (>= 32: products accumulated in the tensor core's reduced-precision accumulator,
     `_fp8_dot`)."""
     block = tuple(block)

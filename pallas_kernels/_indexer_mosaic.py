@@ -2,23 +2,24 @@
 `pallas_kernels.indexer_top_k` with the top-k's first pass fused in.
 
 Same contract as the Triton kernel for fp8 (e4m3) queries and keys with per-token f32 key scales, pages of 64 tokens
-and Di = 128. Each CTA (one warpgroup) owns `pages_per_cta` consecutive block-table entries of `rows_per_cta`
+and J = 128. Each CTA (one warpgroup) owns `pages_per_cta` consecutive block-table entries of `rows_per_cta`
 consecutive rows (by default 2 in calls of at least `SHARED_ROWS_MIN` rows, a prefill chunk's, else 1):
 - it copies the rows' block-table entries, queries and weights to SMEM by TMA, and reads their lengths itself;
 - then it streams the valid pages (each one contiguous [64, 128] fp8 key tile and its 64 scales) through
-  `stages` TMA buffers; a page is one wgmma [64 tokens, 128] x [128, Hi] on fp8 tensor cores (f32 accumulator,
+  `stages` TMA buffers; a page is one wgmma [64 tokens, 128] x [128, I] on fp8 tensor cores (f32 accumulator,
   the tensor core's reduced-precision fp8 accumulation, as DeepGEMM's indexer and the Triton kernel's default);
   where the rows' block tables agree on the CTA's pages (a prefill chunk's rows: DeepGEMM's `fp8_mqa_logits`
-  idea), each page is loaded once and its wgmma's N holds all the rows' heads; otherwise row by row;
+  idea), each page is loaded once and its wgmma's columns hold all the rows' heads; otherwise row by row;
 - relu, the weights, each row's head sum and the key scale stay in registers; the CTA's logits (-inf past each
   row's length) leave by one TMA store.
 Optionally (`with_maxima`) it also stores the top-k keys of the maxima of each group of 16 tokens, which the top-k
 (`_topk_triton.topk(group_maxima=)`) takes in place of its own maxima pass: a read of the whole logits row, 6 us at
-B=64 L=64K on an H200 (`indexer_top_k`). That needs N / 16 groups (N = the row's token width) to be a power of two
-from k's next power of two (a floor from fewer groups would not bound the k-th score) up to MAX_GROUPS (the
-top-k loads them all into each candidates program).
+64 rows of 64K tokens on an H200 (`indexer_top_k`). That needs T / 16 groups (T = the row's token width, P * B) to
+be a power of two from k's next power of two (a floor from fewer groups would not bound the k-th score) up to
+MAX_GROUPS (the top-k loads them all into each candidates program).
 Pages past every length of a CTA's rows are never read. Mosaic GPU has no interpreter for TMA, so this kernel runs
 on the GPU only; on CPU it can be lowered for CUDA (the tests do).
+Letters: see the legend in `dcp_jax/__init__.py`.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from pallas_kernels._indexer_triton import MIN_DOT_DIM, pow2_at_least
 from pallas_kernels._mosaic_scalars import read_ints
 from pallas_kernels._platform import on_hopper_compiled
 
-PAGE = 64  # tokens per page: one wgmma M
+PAGE = 64  # tokens per page: one wgmma's rows
 DIM = 128  # fp8 key bytes: one 128-byte swizzled row
-MAX_HEADS = 256  # a wgmma N
+MAX_HEADS = 256  # the most columns one wgmma takes
 MAX_GROUPS = 8192  # group maxima the top-k loads into each of its candidates programs
 GROUP_TOKENS = 16  # tokens per group of the fused group maxima: one warp's rows of a page's wgmma tile
 
@@ -176,9 +177,9 @@ def _kernel(q_ref, weights_ref, keys_ref, scales_ref, tables_ref, lens_ref, out_
 @functools.partial(jax.jit, static_argnames=("pages_per_cta", "stages", "rows_per_cta", "with_maxima"))
 def indexer_logits_pages(q, weights, keys, scales, tables, lens, *, pages_per_cta: int, stages: int,
                          rows_per_cta: int = 1, with_maxima: bool = False):
-    """The kernel on prepared inputs: q fp8 [R, Hi, 128], weights f32 [R, Hi], keys fp8 [pages, 64, 128],
+    """The kernel on prepared inputs: q fp8 [R, I, 128], weights f32 [R, I], keys fp8 [pages, 64, 128],
     scales f32 [pages, 64], tables int32 [R, P] (P a multiple of pages_per_cta), lens int32 [R] (clipped to
-    [0, P * 64] here); R a multiple of rows_per_cta, rows_per_cta * Hi at most MAX_HEADS.
+    [0, P * 64] here); R a multiple of rows_per_cta, rows_per_cta * I at most MAX_HEADS.
     Returns the logits f32 [R, P, 64]; with_maxima also the top-k keys (`_topk_triton._to_key`) of the maxima of
     each row's groups of 16 consecutive tokens, int32 [R, P, 4] (the key of -inf for groups past the length)."""
     rows, heads, _ = q.shape
@@ -191,7 +192,7 @@ def indexer_logits_pages(q, weights, keys, scales, tables, lens, *, pages_per_ct
     else:
         out_type, maxima_scratch = logits_type, None
     group_heads = rows_per_cta * heads
-    q = q.reshape(rows // rows_per_cta, group_heads, DIM)  # a group's queries stacked: one wgmma's N
+    q = q.reshape(rows // rows_per_cta, group_heads, DIM)  # a group's queries stacked: one wgmma's columns
     weights = weights.reshape(rows // rows_per_cta, group_heads)
 
     def indexer_logits_mosaic(*refs):  # the kernel's name in profiles
@@ -223,7 +224,7 @@ def indexer_logits_pages(q, weights, keys, scales, tables, lens, *, pages_per_ct
 
 def unsupported(q, k_cache, k_scale, interpret: bool | None) -> list[str]:
     """Why this kernel does not take these inputs (empty: it does): fp8 q and keys with per-token scales, pages
-    of 64 tokens, Di = 128, at most 256 heads, compiled on an sm_90 GPU."""
+    of 64 tokens, J = 128, at most 256 heads, compiled on an sm_90 GPU."""
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     reasons = []
     if k_scale is None or q.dtype != fp8 or k_cache.dtype != fp8:
@@ -247,16 +248,16 @@ def prepare(weights, block_tables, lens, pages_per_cta: int):
 
 # CTAs own up to 16 pages (1024 tokens), fewer while that gives under 1024 CTAs (several per SM).
 _MAX_PAGES_PER_CTA, _MIN_CTAS = 16, 1024
-# Calls of at least this many rows (the engine's steps of a 2048-token prefill chunk; not its two-batch-overlap
-# halves, nor steps under a smaller token budget) score rows in pairs: a 2048-token chunk causal to 32K took
-# 1244.6 us against 1402.3 one row a CTA, and four rows 1283.2 (H100, stop 48, docs/performance.md). Decode rows
-# were not timed in pairs (a pair of two sequences' rows runs row by row on half the CTAs), so smaller calls keep
-# one row a CTA.
+# Calls of at least this many rows (the engine's steps of a 2048-token prefill chunk; not its two-batch-overlap halves,
+# nor steps under a smaller token budget) score rows in pairs: a 2048-token chunk causal to 32K took 1244.6 us against
+# 1402.3 one row a CTA, and four rows 1283.2 (H100; docs/perf_indexer.md, "Rows of a prefill chunk in one CTA:
+# `rows_per_cta`"). Decode rows were not timed in pairs (a pair of two sequences' rows runs row by row on half the
+# CTAs), so smaller calls keep one row a CTA.
 SHARED_ROWS_MIN = 2048
 
 
 def default_rows_per_cta(rows: int, padded_heads: int) -> int:
-    """2 for calls of at least SHARED_ROWS_MIN rows whose pairs' heads fit one wgmma N, else 1."""
+    """2 for calls of at least SHARED_ROWS_MIN rows whose pairs' heads fit one wgmma's columns, else 1."""
     return 2 if rows >= SHARED_ROWS_MIN and 2 * padded_heads <= MAX_HEADS else 1
 
 
@@ -296,8 +297,8 @@ def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale, pages_pe
     """The contract of the Triton kernel on this one (`unsupported` lists what it needs). Knobs: pages_per_cta
     (None: the largest power of two <= 16 that still gives 1024 CTAs), stages (TMA page buffers per CTA),
     rows_per_cta (consecutive rows a CTA scores: where their block tables agree on its pages, as a prefill
-    chunk's rows do, each page is loaded once and one wgmma scores all of them, their heads side by side in N;
-    elsewhere row by row. None: `default_rows_per_cta`)."""
+    chunk's rows do, each page is loaded once and one wgmma scores all of them, their heads side by side in its
+    columns; elsewhere row by row. None: `default_rows_per_cta`)."""
     return _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, rows_per_cta,
                    with_maxima=False)[0]
 
@@ -305,7 +306,7 @@ def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale, pages_pe
 def indexer_logits_and_group_maxima(q, weights, k_cache, block_tables, lens, *, k_scale, pages_per_cta=None,
                                     stages=4, rows_per_cta=None):
     """(indexer_logits(...), the top-k keys of the maxima of each row's groups of 16 consecutive tokens int32
-    [R, max_blocks * 4]): the top-k's `group_maxima`; groups past a row's length hold the key of -inf."""
+    [R, P * 4]): the top-k's `group_maxima`; groups past a row's length hold the key of -inf."""
     return _logits(q, weights, k_cache, k_scale, block_tables, lens, pages_per_cta, stages, rows_per_cta,
                    with_maxima=True)
 

@@ -1,24 +1,25 @@
-"""Lightning-indexer logits over a paged index-K cache: the Triton kernel.
+"""Lightning-indexer logits over a paged index-key cache: the Triton kernel.
 
 Contract (`pallas_kernels.indexer_logits`, which hands this kernel the cache as keys and optional per-token
-scales): q [R, Hi, Di] (f32, bf16 or float8_e4m3fn), weights [R, Hi] f32 with every scale folded in,
-k_cache [num_pages, page, Di] (f32, bf16 or float8_e4m3fn), block_tables [R, max_blocks] int32 page ids,
-lens [R] int32 local lengths (0 <= lens[r] <= max_blocks * page, computed on the host), optional
-k_scale [num_pages, page] f32 per token. Returns f32 [R, max_blocks * page]:
-`sum_h weights[r,h] * relu(q[r,h] . k_t) * k_scale[t]` for t < lens[r], -inf elsewhere.
+scales): q [R, I, J] (f32, bf16 or float8_e4m3fn), weights [R, I] f32 with every scale folded in,
+k_cache [pages, B, J] (f32, bf16 or float8_e4m3fn), block_tables [R, P] int32 page ids,
+lens [R] int32 local lengths (0 <= lens[r] <= P * B, computed on the host), optional
+k_scale [pages, B] f32 per token. Returns f32 [R, P * B]:
+`sum_i weights[r,i] * relu(q[r,i] . k_t) * k_scale[t]` for t < lens[r], -inf elsewhere.
 Block-table entries past a row's length (-1 on pad rows) are never read, nor are keys past it. q and keys
 are multiplied in the wider of their dtypes with f32 accumulation; f32 inputs use full-precision f32 dots. fp8 q
 and fp8 keys run on fp8 tensor cores (wgmma) by default, accumulating `fp8_imprecise_acc` products at a time in
 the tensor core's reduced-precision (truncated f32) accumulator as DeepGEMM's indexer does;
 `fp8_imprecise_acc=None` multiplies them exactly as f16 instead (mma.sync, about half the rate). The wrapper pads
-Hi to a power of two >= 16 with zero-weight heads; Di must be a power of two >= 16 and tokens need no alignment
-(any page size works). For fp8 keys with scales in pages of 64 tokens and Di = 128 on Hopper, the TMA-pipelined
+I to a power of two >= 16 with zero-weight heads; J must be a power of two >= 16 and tokens need no alignment
+(any page size works). For fp8 keys with scales in pages of 64 tokens and J = 128 on Hopper, the TMA-pipelined
 Mosaic GPU kernel (`_indexer_mosaic.py`) does the same fp8 tensor-core arithmetic as `fp8_imprecise_acc=128`.
 
-Grid (R, ceil(max_blocks*page / block_t)): a program owns block_t tokens of one row and walks them in chunks
-of chunk_t tokens; each chunk gathers its keys once ([chunk_t, Di], one row per token through the block
-table) and scores all heads with one dot [chunk_t, Di] x [Di, Hi]; relu, weights and the head sum stay in
+Grid (R, ceil(P*B / block_t)): a program owns block_t tokens of one row and walks them in chunks
+of chunk_t tokens; each chunk gathers its keys once ([chunk_t, J], one row per token through the block
+table) and scores all heads with one dot [chunk_t, J] x [J, I]; relu, weights and the head sum stay in
 registers. Chunks at or past the row's length only store -inf.
+Letters: see the legend in `dcp_jax/__init__.py`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pallas_kernels._platform import default_interpret
 # Pallas' Triton backend is what runs on the GPU today; its deprecation notice fires on every lowering.
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
 
-MIN_DOT_DIM = 16  # smallest M, N, K of a Triton tensor-core dot
+MIN_DOT_DIM = 16  # smallest dimension (rows, columns or depth) of a Triton tensor-core dot
 # Automatic block_t: long programs amortize the q load and pipeline their chunks, but at least about four
 # programs per SM (132 on an H200) keep every SM streaming at small batch sizes.
 _MAX_BLOCK_T, _MIN_PROGRAMS = 512, 512
@@ -53,10 +54,10 @@ def _indexer_kernel(q_ref, weights_ref, k_ref, k_scale_ref, block_tables_ref, le
     length = lens_ref[0]
     num_chunks = block_t // chunk_t
     num_valid = jnp.clip(pl.cdiv(length - start, chunk_t), 0, num_chunks)
-    q = q_ref[...]  # [Hi, Di]
-    weights = weights_ref[...]  # [Hi]
+    q = q_ref[...]  # [I, J]
+    weights = weights_ref[...]  # [I]
     num_cols = k_ref.shape[1]
-    cols = lax.broadcasted_iota(jnp.int32, (1, num_cols), 1)  # [1, Di]
+    cols = lax.broadcasted_iota(jnp.int32, (1, num_cols), 1)  # [1, J]
 
     def score_chunk(c, carry):
         t = start + c * chunk_t + lax.iota(jnp.int32, chunk_t)  # [chunk_t] token positions in the row
@@ -64,12 +65,12 @@ def _indexer_kernel(q_ref, weights_ref, k_ref, k_scale_ref, block_tables_ref, le
         # Masked loads: entries past the length (-1 page ids, tail keys) cost no memory traffic.
         page = plgpu.load(block_tables_ref.at[row * max_blocks + t // page_size], mask=is_valid, other=0)
         slot = page * page_size + t % page_size
-        # A mask constant along Di (a broadcast) keeps the row loads 16 bytes wide.
+        # A mask constant along J (a broadcast) keeps the row loads 16 bytes wide.
         row_mask = jnp.broadcast_to(is_valid[:, None], (chunk_t, num_cols))
         keys = plgpu.load(k_ref.at[slot[:, None], cols], mask=row_mask, other=jnp.zeros((), k_ref.dtype))
         if fp8_imprecise_acc is None:
             dots = lax.dot_general(keys.astype(q.dtype), q, (((1,), (1,)), ((), ())), precision=precision,
-                                   preferred_element_type=jnp.float32)  # [chunk_t, Hi]
+                                   preferred_element_type=jnp.float32)  # [chunk_t, I]
         else:
             dots = fp8_dot_nt(keys, q, max_num_imprecise_acc=fp8_imprecise_acc)
         logits = jnp.sum(jnp.maximum(dots, 0.0) * weights[None, :], axis=1)
@@ -100,13 +101,15 @@ def pow2_at_least(n):
 
 def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, interpret=None, block_t=None,
                    chunk_t=64, num_warps=4, num_stages=2, fp8_imprecise_acc=128):
-    """Indexer logits f32 [R, max_blocks * page]; see the module docstring for the contract.
+    """Indexer logits f32 [R, P * B]; see the module docstring for the contract.
 
     Knobs: block_t tokens per program (None: the largest power of two <= 512 that still gives 512
     programs, so small batches fill the GPU), chunk_t tokens per dot (powers of two, chunk_t <= block_t; both
     shrink to fit short rows), num_warps and num_stages for Triton, fp8_imprecise_acc (fp8 q and keys only: None
-    or >= 32, see the module docstring). Defaults from bench/bench_indexer.py on an H200 (docs/perf_indexer.md):
-    chunk_t and num_stages the fastest at fp8 B=64 L=64K; block_t <= 512 ties 1024 there and is faster at B=8.
+    or >= 32, see the module docstring). Defaults from bench/bench_indexer.py on an H200 (docs/perf_indexer.md,
+    "fp8 keys on fp8 tensor cores"):
+    chunk_t and num_stages the fastest at fp8, 64 rows of 64K tokens; block_t <= 512 ties 1024 there and is faster
+    at 8 rows.
     """
     if fp8_imprecise_acc is not None and fp8_imprecise_acc < MIN_IMPRECISE_ACC:
         raise ValueError(f"fp8_imprecise_acc must be None or >= {MIN_IMPRECISE_ACC}; got {fp8_imprecise_acc}")
@@ -127,9 +130,9 @@ def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, int
 
     # The wider of the two (f32 > bf16 > fp8): jnp refuses to promote 8-bit floats implicitly. An fp8 x fp8 dot
     # stays fp8 in the kernel (16-byte key loads): `fp8_dot_nt` gets it fp8 wgmma, a plain dot f16 mma.sync.
-    # Casting to f16 here got wgmma but 8-byte loads and measured 1.4x slower (H200, B=64 L=64K).
+    # Casting to f16 here got wgmma but 8-byte loads and measured 1.4x slower (H200, 64 rows of 64K tokens).
     compute_dtype = max(jnp.dtype(q.dtype), jnp.dtype(k_cache.dtype), key=lambda d: d.itemsize)
-    # Zero heads with zero weight add relu(0) * 0 = 0; they lift Hi to a legal dot width.
+    # Zero heads with zero weight add relu(0) * 0 = 0; they lift I to a legal dot width.
     padded_heads = max(pow2_at_least(heads), MIN_DOT_DIM)
     q = jnp.pad(q.astype(compute_dtype), ((0, 0), (0, padded_heads - heads), (0, 0)))
     weights = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, padded_heads - heads)))
@@ -144,8 +147,8 @@ def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, int
         in_specs=[
             pl.BlockSpec((None, padded_heads, dim), lambda r, s: (r, 0, 0)),  # q
             pl.BlockSpec((None, padded_heads), lambda r, s: (r, 0)),  # weights
-            pl.no_block_spec,  # k_cache as [pages * page, Di]: gathered by slot
-            None if k_scale is None else pl.no_block_spec,  # k_scale as [pages * page]
+            pl.no_block_spec,  # k_cache as [pages * B, J]: gathered by slot
+            None if k_scale is None else pl.no_block_spec,  # k_scale as [pages * B]
             pl.no_block_spec,  # block_tables as [R * P]
             pl.BlockSpec((1,), lambda r, s: (r,)),  # lens
         ],
@@ -162,5 +165,5 @@ def indexer_logits(q, weights, k_cache, block_tables, lens, *, k_scale=None, int
         block_tables.reshape(rows * max_blocks),
         lens,
     )
-    # Only when the row width is not a multiple of block_t (never for power-of-two max_blocks * page).
+    # Only when the row width is not a multiple of block_t (never for a power-of-two P * B).
     return out if out.shape[1] == num_tokens else out[:, :num_tokens]

@@ -1,4 +1,7 @@
-"""Log-sum-exp merge of partial attention results (split-K parts of a kernel, or DCP ranks)."""
+"""Log-sum-exp merge of partial attention results (split-K parts of a kernel, or DCP ranks).
+
+Letters: see the legend in `dcp_jax/__init__.py`.
+"""
 
 import jax.numpy as jnp
 
@@ -21,10 +24,10 @@ def lse_merge_weights(lses, axis: int):
 def merge_splits(outs, lses, *, out_dtype=jnp.float32):
     """Merge split-K partial results by log-sum-exp.
 
-    outs [R, N, H, C] f32 or bf16 (each normalized within its split), lses [R, N, H] f32 (-inf = empty split).
-    Returns out [R, H, C] (summed in f32, then in out_dtype) and lse [R, H] f32; all splits empty gives out 0
-    and lse -inf. `_split_merge_triton.merge_splits` is the same merge as one Pallas kernel.
+    outs [R, splits, H, C] f32 or bf16 (each normalized within its split), lses [R, splits, H] f32 (-inf = empty
+    split). Returns out [R, H, C] (summed in f32, then in out_dtype) and lse [R, H] f32; all splits empty gives
+    out 0 and lse -inf. `_split_merge_triton.merge_splits` is the same merge as one Pallas kernel.
     """
-    weights, lse = lse_merge_weights(lses, axis=1)  # [R, N, H], 0 for empty splits
+    weights, lse = lse_merge_weights(lses, axis=1)  # [R, splits, H], 0 for empty splits
     # An elementwise product and sum fuse into one reduction (no matmul call, exact f32).
     return (weights[..., None] * outs).sum(axis=1).astype(out_dtype), lse

@@ -17,7 +17,7 @@ def global_ptr(ref):
 
 
 def read_ints(gmem_ref, smem_ref):
-    """Every thread of the warpgroup reads the int32s of gmem_ref [n] and stores them to smem_ref [n] (the same
+    """Every thread of the warpgroup reads the int32s of gmem_ref [size] and stores them to smem_ref [size] (the same
     values, so the stores agree); a warpgroup barrier follows, so the warpgroup may read smem_ref."""
     [size] = gmem_ref.shape
     if gmem_ref.dtype != jnp.int32 or smem_ref.dtype != jnp.int32 or smem_ref.shape != (size,):

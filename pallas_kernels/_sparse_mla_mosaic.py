@@ -6,19 +6,22 @@ one row, one split of its valid slots and 64 heads, with three warpgroups (four 
 - a producer (two on an fp8 cache, each half the rows) gathers each block of 64 slots' cache rows into one of two
   SMEM stages ([9 slabs, 64, 64], (8, 64)-tiled, 128B-swizzled) with cp.async, zero-filling rows past the split's
   end (`_sparse_mla_mosaic_gather`; one TMA per 128-byte row piece made the kernel 10x slower:
-  docs/perf_sparse_mla.md);
-- the scorer warpgroup computes the block's 64 x 64 scores (9 wgmmas of K=64) and the online softmax, writes
+  docs/perf_sparse_mla.md, "The first Mosaic kernel, and how its gather was found");
+- the scorer warpgroup computes the block's 64 x 64 scores (9 wgmmas of depth 64) and the online softmax, writes
   the bf16 probabilities over the block's spent rope slab and the rescale factors to SMEM, and multiplies the
   probabilities by the first LEFT_SLABS value slabs;
 - the second warpgroup multiplies the same probabilities, from SMEM, by the other value slabs.
-Each score is computed once: both warpgroups computing them was 1.5x the tensor work (docs/perf_sparse_mla.md).
+Each score is computed once: both warpgroups computing them was 1.5x the tensor work (docs/perf_sparse_mla.md, "The
+first Mosaic kernel, and how its gather was found").
 The output is rounded to bf16 in the kernel (as FlashMLA does); split-K partial results are merged by one Pallas
-kernel (`_split_merge_triton`: at B = 1 3.6 us where XLA's merge ran four kernels, 5.6 us, and 2.4 us with its
-blocks of stop 51; H100). On an fp8 latent cache (`formats.Fp8LatentCache`: 656 bytes a token) each producer stages
+kernel (`_split_merge_triton`: at R = 1 3.6 us where XLA's merge ran four kernels, 5.6 us, and 2.4 us alone with its
+current blocks; H100, docs/perf_sparse_mla.md, "Small batches: the kernel reads its counts, one Pallas kernel merges
+the splits"). On an fp8 latent cache (`formats.Fp8LatentCache`: 656 bytes a token) each producer stages
 its rows' e4m3 bytes, scales and rope with cp.async and then dequantizes the e4m3 bytes into the stage's bf16 slabs
 itself (`gather_fp8`), while the other two warpgroups multiply the previous block, as FlashMLA does: exact (ue8m0
 scales), so the products are the bf16 cache's. Mosaic GPU has no interpreter for this kernel, so it runs on the GPU
 only; on CPU it can be lowered for CUDA (the tests do).
+Letters: see the legend in `dcp_jax/__init__.py`.
 """
 
 from __future__ import annotations
@@ -41,12 +44,13 @@ from pallas_kernels._sparse_mla_mosaic_gather import (BLOCK_S, NUM_SLABS, ROPE_D
                                                       WIDTH)
 from pallas_kernels._sparse_mla_triton import default_num_splits, fp8_cache_rows
 
-STAGES = 2  # Q and two stages fill the 227 KB of SMEM
-BLOCK_H = 64  # heads per CTA: one wgmma M
+STAGES = 2  # the queries and two stages fill the 227 KB of SMEM
+BLOCK_H = 64  # heads per CTA: one wgmma's rows
 LEFT_SLABS = 3  # value slabs of the scorer; the second warpgroup takes the other 5 (4 + 4 was slower)
 LOG2E = math.log2(math.e)
 # Producer warpgroups by cache (fp8 or not): an fp8 cache's producers dequantize, and two (each half the rows)
-# ran the B = 64 call in 116 us against one's 135 us (H100, same call; docs/perf_sparse_mla.md, stop 49).
+# ran the R = 64 call in 116 us against one's 135 us (H100, same call; docs/perf_sparse_mla.md, "fp8 latent cache
+# dequantized inside the Mosaic kernel").
 PRODUCERS = {False: 1, True: 2}
 # Registers a thread of each compute and each producer warpgroup, by cache. setmaxnreg moves registers between
 # the warpgroups of a CTA: they sum to what the kernel starts with, 3 * 168 a thread with one producer and 4 * 128
@@ -112,7 +116,7 @@ def _kernel(q_ref, kv_refs, slots_ref, counts_ref, out_ref, lse_ref, scratch, *,
                      for _ in range(num_slabs))
 
     def store_output(accs, inv_l, first_slab):
-        """Normalized bf16 output slabs, staged in Q's spent slabs (after done_barrier) and copied out."""
+        """Normalized bf16 output slabs, staged in the queries' spent slabs (after done_barrier) and copied out."""
         plgpu.barrier_arrive(done_barrier.at[0])
         plgpu.barrier_wait(done_barrier.at[0])
         if inv_l is None:
@@ -224,8 +228,8 @@ def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_spli
                         registers: tuple[int, int] | None = None):
     """The kernel on prepared inputs: q bf16 [R, H, 576] (H a multiple of 64); kv_parts (bf16 rows [slots, 576],)
     or an fp8 latent cache's (e4m3 bytes as uint8 [slots, 512], f32 scales [slots, 4], bf16 rope [slots, 64]);
-    slots int32 [R, S] (S a multiple of 64), counts int32 [R] (clipped to [0, S] here). Returns per-split
-    out bf16 [R, N, H, 512] and lse f32 [R, N, H]. registers: `sparse_mla_decode`'s."""
+    slots int32 [R, K] (K a multiple of 64), counts int32 [R] (clipped to [0, K] here). Returns per-split
+    out bf16 [R, splits, H, 512] and lse f32 [R, splits, H]. registers: `sparse_mla_decode`'s."""
     rows, heads, _ = q.shape
     num_parts = len(kv_parts)
     producers = PRODUCERS[num_parts == 3]
@@ -246,7 +250,7 @@ def sparse_mla_partials(q, kv_parts, slots, counts, *, sm_scale: float, num_spli
             plgpu.SMEM((STAGES + 1, BLOCK_S), jnp.int32),
             plgpu.SMEM((STAGES + 2, BLOCK_H), jnp.float32),
             *staged_scales,
-            plgpu.Barrier(num_arrivals=NUM_SLABS, num_barriers=1),  # one arrival per Q slab copy
+            plgpu.Barrier(num_arrivals=NUM_SLABS, num_barriers=1),  # one arrival per query slab copy
             plgpu.Barrier(num_barriers=STAGES * producers),
             plgpu.Barrier(num_arrivals=producers, num_barriers=STAGES),  # each producer once per gathered block
             plgpu.Barrier(num_barriers=STAGES),  # the scorer arrives once a block's probabilities are in SMEM
@@ -306,12 +310,12 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=VALUE_D
 
 def prepare(q, kv_cache, slots, counts):
     """Pads the contract's inputs to the kernel's: heads to a multiple of 64 (zero queries), slots to a multiple
-    of 64 (entries past the count are never read; counts are then clipped to S, as the kernel clips them to the
+    of 64 (entries past the count are never read; counts are then clipped to K, as the kernel clips them to the
     padded width); q to bf16, the cache to the kernel's parts (`sparse_mla_partials`). Inputs of the kernel's
     shapes pass unchanged (no XLA op before the kernel)."""
     heads, num_slots = q.shape[1], slots.shape[1]
     if num_slots % BLOCK_S:
-        counts = jnp.minimum(counts, num_slots)  # counts above S act as S
+        counts = jnp.minimum(counts, num_slots)  # counts above K act as K
         slots = jnp.pad(slots, ((0, 0), (0, -num_slots % BLOCK_S)))
     if q.dtype != jnp.bfloat16:
         q = q.astype(jnp.bfloat16)

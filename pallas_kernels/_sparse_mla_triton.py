@@ -1,25 +1,25 @@
 """Sparse MLA decode over compacted physical slots (absorbed "MQA mode", split-K flash decoding): the Triton kernel.
 
-Contract (`pallas_kernels.sparse_mla_decode`): q [R, H, Dq] (absorbed latent query, `value_dim` wide, then the
-rope query), kv_cache [pages, B, Dq] bf16 or f32 (latent then roped key, one row per token shared by all heads) or a
-`formats.Fp8LatentCache` (656 B per token at 512 + 64: e4m3 latent, one f32 scale per 128 columns, bf16 rope; it
-computes as a bf16 cache, whose values it holds exactly, and returns bf16), slots [R, S] int32
+Contract (`pallas_kernels.sparse_mla_decode`): q [R, H, C+E] (absorbed latent query, `value_dim` = C wide, then
+the rope query), kv_cache [pages, B, C+E] bf16 or f32 (latent then roped key, one row per token shared by all heads)
+or a `formats.Fp8LatentCache` (656 B per token at 512 + 64: e4m3 latent, one f32 scale per 128 columns, bf16 rope;
+it computes as a bf16 cache, whose values it holds exactly, and returns bf16), slots [R, K] int32
 physical slot ids `page*B + offset`, compacted (valid first), counts [R] int32 valid slots per row, sm_scale a
 Python float. Returns out [R, H, value_dim] in the cache's dtype (softmax-weighted sum of the latent rows; a
 bf16 out is rounded from f32 accumulators, as FlashMLA's) and lse f32 [R, H] (natural log of the sum of
-exp(scaled scores)). A row with count <= 0 gives out 0 and lse -inf; counts above S
-act as S. Slots at or past a row's count are never read (they may hold -1 or garbage); valid slots must lie in
+exp(scaled scores)). A row with count <= 0 gives out 0 and lse -inf; counts above K
+act as K. Slots at or past a row's count are never read (they may hold -1 or garbage); valid slots must lie in
 [0, pages*B).
 
 Dots run in the cache's dtype (q is cast to it) with f32 accumulation; an f32 cache gets full-precision dots.
 Work per row is proportional to its count: each of `num_splits` programs of a row takes an equal share of the
 row's valid slots, rounded up to `block_s`, and loads nothing past the count. Partial results (f32) are merged
 in f32 by `_lse.merge_splits`; a single split is written in the output dtype by the kernel. Tuning defaults were
-measured by `bench/bench_sparse_mla.py` (see docs/perf_sparse_mla.md).
+measured by `bench/bench_sparse_mla.py` (docs/perf_sparse_mla.md, "Triton backend", "Knob sweep").
 This kernel takes any supported shape with a bf16, f32 or fp8 latent cache; for a bf16 or fp8 cache of 512 + 64
 columns on Hopper the warp-specialized Mosaic GPU kernel (`_sparse_mla_mosaic.py`) is faster. The fp8 latent cache
 runs the bf16 defaults, not measured for it.
-Letters: R rows, H heads, S slots, N splits, D latent (value_dim), E rope.
+Letters: see the legend in `dcp_jax/__init__.py`; C = value_dim.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ LN2 = math.log(2.0)
 # Programs that keep the H200's 132 SMs busy; fewer rows x head blocks than this get split-K.
 _MIN_PROGRAMS = 128
 _MAX_SPLITS = 16
-# Default (block_s, num_stages) per cache dtype, measured on the H200 at block_h=64, num_warps=8. bf16: Q and two
+# Default (block_s, num_stages) per cache dtype, measured on the H200 at block_h=64, num_warps=8. bf16: q and two
 # buffers of 64 gathered rows are 3 * 64 * 576 * 2 B = 221 KB of the 227 KB of shared memory; f32 doubles each.
 _DEFAULT_BLOCKS = {jnp.dtype(jnp.bfloat16): (64, 3), jnp.dtype(jnp.float32): (16, 1)}
 
@@ -61,14 +61,14 @@ def _split_bounds(slots_ref, counts_ref, row, split, *, block_s: int, num_splits
 
 
 def _block_slots(slots_ref, row, first, end, block_s: int):
-    """Which of the block's slots [first, first + block_s) are valid, and their ids [s, 1] (0 where not, so
+    """Which of the block's slots [first, first + block_s) are valid, and their ids [block_s, 1] (0 where not, so
     masked lanes never load the cache row a garbage slot id names)."""
-    is_valid = first + jnp.arange(block_s) < end                      # [s]
+    is_valid = first + jnp.arange(block_s) < end                      # [block_s]
     return is_valid, plgpu.load(slots_ref.at[row, pl.ds(first, block_s)], mask=is_valid, other=0)[:, None]
 
 
 def _softmax_step(scores, scale, is_valid, m_prev, l_prev):
-    """Online-softmax update for one block of raw scores [h, s], scaled to log2 units (so it uses exp2):
+    """Online-softmax update for one block of raw scores [block_h, block_s], scaled to log2 units (so it uses exp2):
     (probs, correction, m_next, l_next). Every block holds at least one valid lane, so m_next is finite."""
     scores = jnp.where(is_valid[None, :], scores * scale, -jnp.inf)
     m_next = jnp.maximum(m_prev, scores.max(axis=1))
@@ -93,8 +93,8 @@ def _sparse_mla_kernel(slots_ref, counts_ref, q_ref, kv_ref,  # inputs
     start, end = _split_bounds(slots_ref, counts_ref, row, split, block_s=block_s, num_splits=num_splits)
     heads = pl.ds(head_block * block_h, block_h)
     dtype = kv_ref.dtype
-    q_lat = q_ref[row, heads, pl.ds(0, value_dim)].astype(dtype)            # [h, D]
-    q_rope = q_ref[row, heads, pl.ds(value_dim, rope_dim)].astype(dtype)    # [h, E]
+    q_lat = q_ref[row, heads, pl.ds(0, value_dim)].astype(dtype)            # [block_h, C]
+    q_rope = q_ref[row, heads, pl.ds(value_dim, rope_dim)].astype(dtype)    # [block_h, E]
     # Gathers index both cache dims with int arrays (the interpreter cannot mix an array with a slice).
     lat_cols = jnp.arange(value_dim)[None, :]
     rope_cols = value_dim + jnp.arange(rope_dim)[None, :]
@@ -104,8 +104,8 @@ def _sparse_mla_kernel(slots_ref, counts_ref, q_ref, kv_ref,  # inputs
     def body(block, carry):
         acc, m_prev, l_prev = carry
         is_valid, slot = _block_slots(slots_ref, row, start + block * block_s, end, block_s)
-        k_lat = plgpu.load(kv_ref.at[slot, lat_cols], mask=is_valid[:, None], other=0)    # [s, D]
-        k_rope = plgpu.load(kv_ref.at[slot, rope_cols], mask=is_valid[:, None], other=0)  # [s, E]
+        k_lat = plgpu.load(kv_ref.at[slot, lat_cols], mask=is_valid[:, None], other=0)    # [block_s, C]
+        k_rope = plgpu.load(kv_ref.at[slot, rope_cols], mask=is_valid[:, None], other=0)  # [block_s, E]
         scores = jnp.dot(q_lat, k_lat.T, precision=precision, preferred_element_type=jnp.float32)
         scores += jnp.dot(q_rope, k_rope.T, precision=precision, preferred_element_type=jnp.float32)
         probs, correction, m_next, l_next = _softmax_step(scores, scale, is_valid, m_prev, l_prev)
@@ -135,8 +135,8 @@ def _sparse_mla_fp8_kernel(slots_ref, counts_ref, q_ref, latent_ref, scales_ref,
     heads = pl.ds(head_block * block_h, block_h)
     tiles = range(value_dim // formats.LATENT_TILE)
     q_tiles = [q_ref[row, heads, pl.ds(t * formats.LATENT_TILE, formats.LATENT_TILE)].astype(jnp.bfloat16)
-               for t in tiles]                                                    # [h, 128] each
-    q_rope = q_ref[row, heads, pl.ds(value_dim, rope_dim)].astype(jnp.bfloat16)   # [h, E]
+               for t in tiles]                                                    # [block_h, 128] each
+    q_rope = q_ref[row, heads, pl.ds(value_dim, rope_dim)].astype(jnp.bfloat16)   # [block_h, E]
     tile_cols = jnp.arange(formats.LATENT_TILE)[None, :]
     rope_cols = jnp.arange(rope_dim)[None, :]
     scale = sm_scale * LOG2E
@@ -147,10 +147,10 @@ def _sparse_mla_fp8_kernel(slots_ref, counts_ref, q_ref, latent_ref, scales_ref,
         mask = is_valid[:, None]
         k_tiles = [plgpu.load(latent_ref.at[slot, t * formats.LATENT_TILE + tile_cols], mask=mask,
                               other=jnp.zeros((), latent_ref.dtype)).astype(jnp.bfloat16)
-                   for t in tiles]                                                 # [s, 128] each
+                   for t in tiles]                                                 # [block_s, 128] each
         k_scales = [plgpu.load(scales_ref.at[slot, jnp.full((1, 1), t)], mask=mask, other=0.0).T
-                    for t in tiles]                                                # [1, s] each
-        k_rope = plgpu.load(rope_ref.at[slot, rope_cols], mask=mask, other=0)      # [s, E]
+                    for t in tiles]                                                # [1, block_s] each
+        k_rope = plgpu.load(rope_ref.at[slot, rope_cols], mask=mask, other=0)      # [block_s, E]
         scores = jnp.dot(q_rope, k_rope.T, preferred_element_type=jnp.float32)
         for q_tile, k_tile, k_scale in zip(q_tiles, k_tiles, k_scales):
             scores += jnp.dot(q_tile, k_tile.T, preferred_element_type=jnp.float32) * k_scale
@@ -176,7 +176,7 @@ def _is_power_of_two(n: int) -> bool:
 
 
 def fp8_cache_rows(cache: formats.Fp8LatentCache, value_dim: int):
-    """The logical bf16 cache [pages, B, D + E] an fp8 latent cache stands for, after checking its parts."""
+    """The logical bf16 cache [pages, B, C + E] an fp8 latent cache stands for, after checking its parts."""
     latent, scales, rope = cache.latent, cache.scales, cache.rope
     if not (latent.ndim == scales.ndim == rope.ndim == 3
             and latent.shape[:2] == scales.shape[:2] == rope.shape[:2]):

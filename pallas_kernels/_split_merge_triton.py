@@ -1,11 +1,14 @@
 """The log-sum-exp merge of split-K partial attention results as one Pallas Triton kernel: the contract of
-`_lse.merge_splits` (its reference), in one launch where XLA runs three or four small kernels (at small batches
-their launch gaps nearly doubled a sparse MLA call: docs/performance.md).
+`_lse.merge_splits` (its reference), in one launch where XLA runs three or four small kernels (at R = 1 on an H100,
+3.6 us against XLA's 5.6: docs/perf_sparse_mla.md, "Small batches: the kernel reads its counts, one Pallas kernel
+merges the splits").
 
-One program merges `block_h` heads and `block_c` columns of one row over the N splits: the lse maximum, the sum of
+One program merges `block_h` heads and `block_c` columns of one row over its splits: the lse maximum, the sum of
 their exponentials, and each split's output times its weight added in f32. The splits are unrolled, so the compile
-grows with N (the sparse MLA kernels' default N is at most 16). Columns split the work so that a single row still
-fills many SMs (`default_blocks`). Blocks larger than H or C shrink to it; each must be a power of two dividing it.
+grows with their number (the sparse MLA kernels' default is at most 16 splits). Columns split the work so that a
+single row still fills many SMs (`default_blocks`). Blocks larger than H or C shrink to it; each must be a power of
+two dividing it.
+Letters: see the legend in `dcp_jax/__init__.py`; C is the width of the merged outputs (the latent's, in MLA).
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ _MIN_PROGRAMS = 256  # the grid `default_blocks` shrinks its blocks to reach
 def default_blocks(rows: int, heads: int, width: int) -> tuple[int, int]:
     """(block_h, block_c): 8 x 128, or the largest power of two dividing H or C where that is smaller, with the
     columns halved down to 64 and then the heads down to 4 while the grid has fewer than _MIN_PROGRAMS programs.
-    Measured at H = 128, C = 512 (H100, "Stop 51" in docs/performance.md): B = 1 over 16 splits took 2.40 us with
-    4 x 64 (256 programs) and 3.01 with 8 x 128 (64); B = 8 over 8 splits 2.66 with 8 x 128 (512) and 3.71 with
-    4 x 64. B = 2 and 3 (8 x 64) were not timed."""
+    Measured at H = 128, C = 512 (H100; docs/perf_sparse_mla.md, "Small batches: the kernel reads its counts, one
+    Pallas kernel merges the splits"): R = 1 over 16 splits took 2.40 us with
+    4 x 64 (256 programs) and 3.01 with 8 x 128 (64); R = 8 over 8 splits 2.66 with 8 x 128 (512) and 3.71 with
+    4 x 64. R = 2 and 3 (8 x 64) were not timed."""
     block_h, block_c = min(8, heads & -heads or 1), min(128, width & -width or 1)
 
     def programs():
@@ -65,9 +69,9 @@ def default_blocks(rows: int, heads: int, width: int) -> tuple[int, int]:
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_h", "block_c", "interpret"))
 def merge_splits(outs, lses, *, out_dtype=jnp.float32, block_h: int | None = None, block_c: int | None = None,
                  interpret: bool | None = None):
-    """outs [R, N, H, C] f32 or bf16 (each normalized within its split), lses [R, N, H] f32 (-inf = empty split)
-    -> out [R, H, C] in out_dtype and lse [R, H] f32; all splits empty gives out 0 and lse -inf. block_h, block_c:
-    heads and columns a program (None: `default_blocks`)."""
+    """outs [R, splits, H, C] f32 or bf16 (each normalized within its split), lses [R, splits, H] f32 (-inf = empty
+    split) -> out [R, H, C] in out_dtype and lse [R, H] f32; all splits empty gives out 0 and lse -inf. block_h,
+    block_c: heads and columns a program (None: `default_blocks`)."""
     rows, num_splits, heads, width = outs.shape
     if lses.shape != outs.shape[:3] or lses.dtype != jnp.float32:
         raise ValueError(f"want outs [R, N, H, C] and f32 lses [R, N, H]; got {outs.shape=}, {lses.shape=} "

@@ -1,8 +1,8 @@
 """Exact per-row top-k of length-masked scores by radix threshold select: the Triton kernel.
 
-Contract (`pallas_kernels.topk`; here k is positional): scores [R, N] f32, lens [R] int32 (columns at or past
-lens[r] are ignored and may hold NaN or garbage; lens are clipped to [0, N]), k a Python int >= 1 (k > N is
-allowed). Returns values f32 [R, k] and indices int32 [R, k], ordered by score descending, then column ascending
+Contract (`pallas_kernels.topk`; here k is positional): scores [R, T] f32, lens [R] int32 (columns at or past
+lens[r] are ignored and may hold NaN or garbage; lens are clipped to [0, T]), k a Python int >= 1 (k > T is
+allowed). Returns values f32 [R, K] and indices int32 [R, K], ordered by score descending, then column ascending
 (by column alone with `sorted=False`);
 rows with fewer than k valid columns are padded with (-inf, -1). Scores compare by their f32 total order, as
 `lax.top_k` does (CPU and H200): -0.0 ranks below 0.0, and a returned value is bit-identical to its score.
@@ -11,27 +11,29 @@ Algorithm: three Pallas kernels (four with `separate_floor`); f32 scores map to 
 the f32 total order. Group g of a row holds its columns g, g + groups, g + 2 * groups, ... Both streaming passes
 split each row over several programs (by default about 512 and 256 programs in all), so small batches still
 fill the GPU's SMs:
-1. (grid R x S) Group maxima: each program owns groups / S of the row's groups and walks the whole row, loading
-   that slice of every `groups` columns. (Or the caller passes them: `group_maxima`, any grouping.)
+1. (grid R x splits) Group maxima: each program owns groups / splits of the row's groups and walks the whole
+   row, loading that slice of every `groups` columns. (Or the caller passes them: `group_maxima`, any grouping.)
 2. The k-th largest group maximum, rounded down to its top `coarse_bits` key bits, is a lower bound `floor` of
    the row's k-th largest key (k distinct columns reach it). Random scores leave about
    groups * ln(groups / (groups - k)) keys >= floor per row (~2.8K at the defaults for k=2048), wherever they
    sit in the row (a little more, from the rounding). Every program of step 3 finds it (`coarse_bits` CTA-wide
    counts over the maxima), or one kernel per row.
-3. (grid R x S') Each program compacts the columns of its chunk with key >= floor (the candidates), in column
-   order, into its own region of `capacity` entries (prefix-sum positions) and stores their count.
+3. (grid R x candidate_splits) Each program compacts the columns of its chunk with key >= floor (the
+   candidates), in column order, into its own region of `capacity` entries (prefix-sum positions) and stores
+   their count.
 4. (grid R) Gather the regions' candidate columns, in chunk order, into one `capacity` vector and load their
-   scores again (at B=64 on an H200, cheaper than storing their keys in step 3); binary-search the exact
+   scores again (at R = 64 on an H200, cheaper than storing their keys in step 3); binary-search the exact
    k-th largest key `threshold` over it in registers, bit by bit from the top, until at most BUCKET_SLOTS
    candidates lie between the bounds found so far; gather those and search the last bits in each warp, with no
    barrier. When the row has more candidates than `capacity` (many ties near the k-th place), search the whole
    row instead: exact, but 32 streamed passes. Emit every key > threshold and the lowest-column ties at
    threshold up to k, in column order; pad; unless `sorted=False`, sort the k emitted pairs (key descending,
-   column ascending): a bitonic network in registers (`sort_in_kernel=True`) or one XLA sort of [R, k]
+   column ascending): a bitonic network in registers (`sort_in_kernel=True`) or one XLA sort of [R, K]
    afterwards.
-Tuning defaults were measured by `bench/bench_topk.py` on an H200 (docs/perf_topk.md). The bitonic network makes
-compiles slow (tens of seconds per (R, N) program): precompile the row buckets.
-Letters: R rows, N columns, K = k.
+Tuning defaults were measured by `bench/bench_topk.py` on an H200 (docs/perf_topk.md, "Threshold search in buckets,
+maxima pass at 512 programs" and "How the kernel got its shape"). The bitonic network makes
+compiles slow (tens of seconds per (R, T) program): precompile the row buckets.
+Letters: see the legend in `dcp_jax/__init__.py`; T the scored columns of a row (key positions), K = k.
 """
 
 from __future__ import annotations
@@ -153,11 +155,11 @@ def _emit(values_ref, indices_ref, row, keys, cols, threshold, need, taken, ties
 
 
 def _sort_pairs(keys, ids):
-    """Bitonic sort of [n] pairs (n a power of two): key descending, then id ascending.
+    """Bitonic sort of [pairs] pairs (a power of two of them): key descending, then id ascending.
 
-    The pairs live in a [2] * log2(n) view, so a compare-exchange of position i with i ^ 2**b works along one
+    The pairs live in a [2] * log2(pairs) view, so a compare-exchange of position i with i ^ 2**b works along one
     axis: the partner is (sum over that axis - self), exact in wrapping int32, since Triton-Pallas has no
-    register shuffles. No reshapes between the log2(n) * (log2(n) + 1) / 2 stages.
+    register shuffles. No reshapes between the log2(pairs) * (log2(pairs) + 1) / 2 stages.
     """
     n = keys.shape[0]
     bits = n.bit_length() - 1
@@ -381,7 +383,7 @@ def sort_rows(values, indices):
 
 
 def check_inputs(scores, lens, k):
-    """ValueError unless scores [R, N] f32, lens [R] int32 and k a Python int >= 1."""
+    """ValueError unless scores [R, T] f32, lens [R] int32 and k a Python int >= 1."""
     if scores.ndim != 2 or scores.dtype != jnp.float32:
         raise ValueError(f"scores must be f32 [R, N]; got {scores.shape=} {scores.dtype=}")
     if lens.shape != scores.shape[:1] or lens.dtype != jnp.int32:
@@ -437,12 +439,12 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
          coarse_bits=14, splits=None, candidate_splits=None, sort_in_kernel=True, num_warps=8,
          floor_warps=None, candidate_warps=None, select_warps=None, num_stages=1, maxima_unroll=16,
          separate_floor=False, group_maxima=None):
-    """Top-k per row: values f32 [R, k] descending (ties: lower column first), indices int32 [R, k].
+    """Top-k per row: values f32 [R, K] descending (ties: lower column first), indices int32 [R, K] (K = k).
 
-    scores [R, N] f32, lens [R] int32 (clipped to [0, N]; columns past it ignored). Rows with fewer than k valid
+    scores [R, T] f32, lens [R] int32 (clipped to [0, T]; columns past it ignored). Rows with fewer than k valid
     columns pad with (-inf, -1). `sorted=False` returns the same k entries in column order instead (no final
     sort; for callers that merge or sort again). See the module docstring for the algorithm and the knobs;
-    `num_groups` and `capacity` are raised to k's next power of two when smaller, `num_groups` capped at N's.
+    `num_groups` and `capacity` are raised to k's next power of two when smaller, `num_groups` capped at T's.
     `splits`: programs per row of the maxima pass, each owning groups // splits groups (a power of two; None:
     about MAXIMA_TARGET_PROGRAMS / R, capped at groups / 4); `maxima_unroll` slices of a program's groups are
     loaded per step; `candidate_splits`: chunks per row of the candidates pass (a power of two; None: about
@@ -451,10 +453,10 @@ def topk(scores, lens, k, *, sorted=True, interpret=None, num_groups=4096, tile=
     `floor_warps` and `candidate_warps` (None: num_warps) for the floor and candidates kernels; `select_warps`
     for the per-row select kernel (None: 16 with the in-kernel bitonic network, which gains from more threads,
     else 8).
-    `group_maxima` int32 [R, G] (optional; G a power of two >= k): step 1's result computed elsewhere (by the
-    Mosaic indexer), the keys (`_to_key`) of the largest valid score of each of G groups partitioning each row's
-    valid columns, any grouping; an entry may be lower than its group's largest key (the result stays exact;
-    the candidates grow), never higher. Given it, the maxima pass is skipped and `num_groups` is unused.
+    `group_maxima` int32 [R, groups] (optional; groups a power of two >= k): step 1's result computed elsewhere
+    (by the Mosaic indexer), the keys (`_to_key`) of the largest valid score of each of the groups partitioning
+    each row's valid columns, any grouping; an entry may be lower than its group's largest key (the result stays
+    exact; the candidates grow), never higher. Given it, the maxima pass is skipped and `num_groups` is unused.
     """
     check_inputs(scores, lens, k)
     _check_knobs(num_groups=num_groups, tile=tile, capacity=capacity, coarse_bits=coarse_bits, splits=splits,

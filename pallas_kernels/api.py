@@ -8,6 +8,7 @@ Each op checks its contract (shapes, dtypes) once, then runs one implementation 
 `unsupported(op, backend, ...)` says why an implementation does not take some inputs (empty: it does). Asking for
 one that does not is a ValueError giving those reasons; nothing falls back silently. Tuning knobs go to the named
 implementation only, so they need an explicit "triton" or "mosaic" backend (their defaults are what "pallas" runs).
+Letters: see the legend in `dcp_jax/__init__.py`; the matmuls' widths are spelled out (rows, in, out, groups).
 """
 
 from __future__ import annotations
@@ -157,8 +158,8 @@ def _grouped_matmul_fp8_triton_unsupported(x, x_scales, w, w_scales, group_sizes
 
 
 def _check_block_fp8(x, x_scales, w, w_scales, block):
-    """x [A, K] and w [G, N, K] of e4m3 with f32 scales of blocks (bn, bk): [A, ceil(K / bk)], [G, ceil(N / bn),
-    ceil(K / bk)]."""
+    """x [rows, in] and w [groups, out, in] of e4m3 with f32 scales of blocks (bn, bk): [rows, ceil(in / bk)],
+    [groups, ceil(out / bn), ceil(in / bk)]."""
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     if x.dtype != fp8 or w.dtype != fp8 or x_scales.dtype != jnp.float32 or w_scales.dtype != jnp.float32:
         raise ValueError(f"need e4m3 x and w with f32 scales; got {x.dtype=} {w.dtype=} {x_scales.dtype=} "
@@ -293,13 +294,13 @@ def _run(op: str, backend: str, args: tuple, kwargs: dict, interpret, knobs: dic
 
 
 def indexer_logits(q, weights, index_cache, block_tables, lens, *, backend="pallas", interpret=None, **knobs):
-    """Lightning-indexer logits over a paged index-K cache.
+    """Lightning-indexer logits over a paged index-key cache.
 
-    q [R, Hi, Di] (f32, bf16 or float8_e4m3fn), weights [R, Hi] f32 with every scale folded in, index_cache
-    [pages, page, Di] (f32, bf16 or float8_e4m3fn) or `Fp8IndexKeys` of [pages, page, Di] e4m3 keys and
-    [pages, page] f32 per-token scales, block_tables [R, P] int32 page ids (entries past a row's length are never
-    read, may be -1), lens [R] int32 local lengths (host-computed, 0 <= lens <= P * page). Returns f32 [R, P*page]:
-    `sum_h weights[r,h] * relu(q[r,h] . k_t) * scale[t]` (scale 1 for a plain cache) for t < lens[r], -inf
+    q [R, I, J] (f32, bf16 or float8_e4m3fn), weights [R, I] f32 with every scale folded in, index_cache
+    [pages, B, J] (f32, bf16 or float8_e4m3fn) or `Fp8IndexKeys` of [pages, B, J] e4m3 keys and [pages, B] f32
+    per-token scales, block_tables [R, P] int32 page ids (entries past a row's length are never read, may be -1),
+    lens [R] int32 local lengths (host-computed, 0 <= lens <= P * B). Returns f32 [R, P*B]:
+    `sum_i weights[r,i] * relu(q[r,i] . k_t) * scale[t]` (scale 1 for a plain cache) for t < lens[r], -inf
     elsewhere. Knobs: `_indexer_triton.indexer_logits`, `_indexer_mosaic.indexer_logits`.
     """
     args = (q, weights, index_cache, block_tables, lens)
@@ -308,10 +309,10 @@ def indexer_logits(q, weights, index_cache, block_tables, lens, *, backend="pall
 
 
 def topk(scores, lens, *, k, sorted=True, backend="pallas", interpret=None, **knobs):
-    """Exact per-row top-k over the first lens[r] columns: values f32 [R, k] by score descending, then column
-    ascending (column order alone with `sorted=False`), indices int32 [R, k]; short rows pad with (-inf, -1).
-    scores [R, N] f32 (columns past lens[r] ignored, may be NaN), lens [R] int32 clipped to [0, N], k a Python int
-    >= 1 (k > N allowed). Knobs: `_topk_triton.topk`."""
+    """Exact per-row top-k over the first lens[r] columns: values f32 [R, K] (K = k) by score descending, then
+    column ascending (column order alone with `sorted=False`), indices int32 [R, K]; short rows pad with (-inf, -1).
+    scores [R, T] f32 (columns past lens[r] ignored, may be NaN), lens [R] int32 clipped to [0, T], k a Python int
+    >= 1 (k > T allowed). Knobs: `_topk_triton.topk`."""
     _topk_triton.check_inputs(scores, lens, k)
     return _run("topk", backend, (scores, lens), dict(k=k, sorted=sorted), interpret, knobs)
 
@@ -331,11 +332,11 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, ba
                       **knobs):
     """Absorbed sparse MLA decode over compacted physical slots.
 
-    q [R, H, Dq] (latent query, value_dim wide, then the rope query), kv_cache [pages, B, Dq] bf16 or f32 (latent
-    then roped key) or an `Fp8LatentCache` (computed as the bf16 cache it holds exactly; out bf16), slots [R, S]
-    int32 physical slots `page*B + offset`, valid first, counts [R] int32 (above S act as S), sm_scale a Python
-    float. Returns out [R, H, value_dim] in the cache's dtype (bf16 from the Mosaic kernel) and lse f32 [R, H]
-    (natural log); a row with count <= 0 gives out 0 and lse -inf. Slots past a row's count are never read.
+    q [R, H, C+E] (latent query, value_dim = C wide, then the rope query), kv_cache [pages, B, C+E] bf16 or f32
+    (latent then roped key) or an `Fp8LatentCache` (computed as the bf16 cache it holds exactly; out bf16), slots
+    [R, K] int32 physical slots `page*B + offset`, valid first, counts [R] int32 (above K act as K), sm_scale a
+    Python float. Returns out [R, H, value_dim] in the cache's dtype (bf16 from the Mosaic kernel) and lse f32
+    [R, H] (natural log); a row with count <= 0 gives out 0 and lse -inf. Slots past a row's count are never read.
     Knobs: `_sparse_mla_triton.sparse_mla_decode`, `_sparse_mla_mosaic.sparse_mla_decode`.
     """
     _check_sparse_mla_inputs(q, kv_cache, slots, counts, sm_scale, value_dim)
@@ -344,14 +345,14 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, ba
 
 
 def grouped_matmul(x, w, group_sizes, *, rows_per_group=None, backend="pallas", interpret=None, **knobs):
-    """Grouped matmul, an MoE layer's routed experts: x [A, K] rows sorted by group, w [G, K, N] (the Triton kernel:
-    x's dtype, bf16 or f32; K and N multiples of 16), group_sizes [G] int32 with sum <= A. Rows offset_g ..
-    offset_g + group_sizes[g] - 1 (offset_g the sizes before g summed) are multiplied by w[g] with f32
-    accumulation; out [A, N] in x's dtype, rows past the last group unspecified (`jax.lax.ragged_dot`'s
-    contract). The kernel multiplies only the rows each group has: a group of none reads none of its weights.
-    rows_per_group: the rows a group averages, which picks the kernel's default tiles (None: A / G; a caller whose
-    rows include some of no group, as expert parallelism's other ranks' assignments, knows better). Knobs:
-    `_grouped_matmul_triton.grouped_matmul`."""
+    """Grouped matmul, an MoE layer's routed experts: x [rows, in] rows sorted by group, w [groups, in, out] (the
+    Triton kernel: x's dtype, bf16 or f32; in and out multiples of 16), group_sizes [groups] int32 with sum <= rows.
+    Rows offset_g .. offset_g + group_sizes[g] - 1 (offset_g the sizes before g summed) are multiplied by w[g] with
+    f32 accumulation; the output [rows, out] in x's dtype, rows past the last group unspecified
+    (`jax.lax.ragged_dot`'s contract). The kernel multiplies only the rows each group has: a group of none reads
+    none of its weights. rows_per_group: the rows a group averages, which picks the kernel's default tiles (None:
+    rows / groups; a caller whose rows include some of no group, as expert parallelism's other ranks' assignments,
+    knows better). Knobs: `_grouped_matmul_triton.grouped_matmul`."""
     _check_grouped_matmul_inputs(x, w, group_sizes)
     return _run("grouped_matmul", backend, (x, w, group_sizes), dict(rows_per_group=rows_per_group), interpret, knobs)
 
@@ -359,11 +360,12 @@ def grouped_matmul(x, w, group_sizes, *, rows_per_group=None, backend="pallas", 
 def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, rows_per_group=None,
                        backend="pallas", interpret=None, **knobs):
     """`grouped_matmul` of block-fp8 operands, DeepSeek's fine-grained fp8 GEMM, scale blocks `block` = (bn, bk)
-    (HF's weight_block_size): x e4m3 [A, K] with f32 scales [A, ceil(K / bk)] (`act_quant`: bk channels of a row
-    share one), w e4m3 [G, N, K] (K-major, the checkpoint's [out, in] per group: fp8 tensor cores read both
-    operands so) with f32 scales [G, ceil(N / bn), ceil(K / bk)] (a [bn, bk] block shares one); rows times
-    w[g]^T, each block's product scaled by its row's and its block's scales, f32 accumulation, out [A, N] in
-    out_dtype; rows_per_group as `grouped_matmul`'s. Knobs: `_grouped_matmul_triton.grouped_matmul_fp8`."""
+    (HF's weight_block_size): x e4m3 [rows, in] with f32 scales [rows, ceil(in / bk)] (`act_quant`: bk channels of
+    a row share one), w e4m3 [groups, out, in] (input-major, the checkpoint's [out, in] per group: fp8 tensor cores
+    read both operands so) with f32 scales [groups, ceil(out / bn), ceil(in / bk)] (a [bn, bk] block shares one);
+    rows times w[g]^T, each block's product scaled by its row's and its block's scales, f32 accumulation, the
+    output [rows, out] in out_dtype; rows_per_group as `grouped_matmul`'s. Knobs:
+    `_grouped_matmul_triton.grouped_matmul_fp8`."""
     block = tuple(block)
     _check_grouped_matmul_fp8_inputs(x, x_scales, w, w_scales, group_sizes, block)
     return _run("grouped_matmul_fp8", backend, (x, x_scales, w, w_scales, group_sizes),
@@ -372,10 +374,10 @@ def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtyp
 
 def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, backend="pallas", interpret=None, **knobs):
     """DeepSeek's fine-grained fp8 GEMM (a linear layer of block-fp8 weights), scale blocks `block` = (bn, bk) (HF's
-    weight_block_size): x e4m3 [M, K] with f32 scales [M, ceil(K / bk)] (`act_quant`), w e4m3 [N, K] (K-major,
-    the checkpoint's [out, in]) with f32 scales [ceil(N / bn), ceil(K / bk)]; out [M, N] = x . w^T in out_dtype,
-    each block's product scaled by its row's and its block's scales, f32 accumulation. Knobs:
-    `_fp8_gemm_mosaic.fp8_gemm`, `_grouped_matmul_triton.grouped_matmul_fp8` (one group)."""
+    weight_block_size): x e4m3 [rows, in] with f32 scales [rows, ceil(in / bk)] (`act_quant`), w e4m3 [out, in]
+    (input-major, the checkpoint's layout) with f32 scales [ceil(out / bn), ceil(in / bk)]; the output
+    [rows, out] = x . w^T in out_dtype, each block's product scaled by its row's and its block's scales, f32
+    accumulation. Knobs: `_fp8_gemm_mosaic.fp8_gemm`, `_grouped_matmul_triton.grouped_matmul_fp8` (one group)."""
     block = tuple(block)
     _check_fp8_gemm_inputs(x, x_scales, w, w_scales, block)
     return _run("fp8_gemm", backend, (x, x_scales, w, w_scales), dict(block=block, out_dtype=out_dtype), interpret,

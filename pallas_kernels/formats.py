@@ -2,25 +2,25 @@
 builds them (spec 1.2), and the latent cache of sparse MLA (FlashMLA's). Both caches are registered dataclasses,
 passed to their kernels whole in place of a plain array.
 
-Formulas (Di = index head dim, a power of two):
-- `hadamard(x) = x @ H_Di * Di^-0.5` with H_Di the Sylvester Hadamard matrix: orthogonal and symmetric, so
+Formulas (J = index head dim, a power of two):
+- `hadamard(x) = x @ Had_J * J^-0.5` with Had_J the J x J Sylvester Hadamard matrix: orthogonal and symmetric, so
   `hadamard(q) . hadamard(k) == q . k` in exact arithmetic. It spreads outlier channels before quantization.
 - `quantize_e4m3_ue8m0(x)`: `scale = 2^ceil(log2(max(amax, 1e-4) / 448))` (ue8m0: a power of two, rounded up
   so `|x| / scale <= 448`, the largest e4m3 value), `x8 = e4m3(x / scale)`; dividing by a power of two is exact.
 - Index keys (`Fp8IndexKeys`): one scale per token, `quantize(hadamard(k))`: 128 B fp8 + 4 B f32 = 132 B/token
-  at Di = 128.
+  at J = 128.
 - Index queries: one scale per (row, head), `q8, q_scale = quantize(hadamard(q))`, folded into the head weights.
-  The weights are taken exactly as `dcp_jax.attention.projections.index_weights` returns them, i.e. with the
-  Hi^-0.5 head scale and the Di^-0.5 dot scale already folded in: `w[h] = weights_proj(x)[h] * Hi^-0.5 * Di^-0.5`.
+  The weights are taken exactly as `dcp_jax.model.attention.projections.index_weights` returns them, i.e. with the
+  I^-0.5 head scale and the J^-0.5 dot scale already folded in: `w[i] = weights_proj(x)[i] * I^-0.5 * J^-0.5`.
   Since relu(c * a) = c * relu(a) for c > 0,
-  `sum_h w[h] * relu(q[h] . k) ~= k_scale * sum_h (w[h] * q_scale[h]) * relu(q8[h] . k8)`,
+  `sum_i w[i] * relu(q[i] . k) ~= k_scale * sum_i (w[i] * q_scale[i]) * relu(q8[i] . k8)`,
   which is what `indexer_logits(q8, folded_weights, Fp8IndexKeys(k8, k_scale), ...)` computes; the bf16 path
   passes the same `w` with the unquantized q and k.
 - Latent cache (`Fp8LatentCache`, FlashMLA's fp8 sparse-decode format, 656 B/token at C = 512, E = 64): per
   token, the latent's C values in e4m3 with one ue8m0 scale per 128 columns (4 f32), and the roped key's E values
   in bf16, kept as three arrays. An e4m3 value times a power of two is exact in bf16, so dequantizing loses
   nothing.
-Letters: Hi index heads, Di index head dim, C latent width (kv_lora_rank), E rope width.
+Letters: see the legend in `dcp_jax/__init__.py`.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def hadamard(x):
 
 def kept_e4m3(quantized):
     """e4m3 arrays (any pytree of them) kept as such under jit when jnp code reads them back in the same program:
-    XLA's GPU compiler drops an f32 -> e4m3 -> f32 round trip as excess precision (measured on an H100, 2026-12-06),
-    which would compute with the unrounded values."""
+    XLA's GPU compiler drops an f32 -> e4m3 -> f32 round trip as excess precision (measured on an H100:
+    docs/performance.md, "Correct on the GPU"), which would compute with the unrounded values."""
     return jax.lax.optimization_barrier(quantized)
 
 
@@ -86,21 +86,21 @@ class Fp8IndexKeys:
 
 
 def quantize_index_keys(keys) -> Fp8IndexKeys:
-    """keys [..., Di] (f32/bf16) -> Fp8IndexKeys of [..., Di] e4m3 and [...] f32: Hadamard, then per token."""
+    """keys [..., J] (f32/bf16) -> Fp8IndexKeys of [..., J] e4m3 and [...] f32: Hadamard, then per token."""
     return Fp8IndexKeys(*quantize_e4m3_ue8m0(hadamard(keys), axis=-1))
 
 
 def dequantize_index_keys(cache: Fp8IndexKeys):
-    """Fp8IndexKeys -> f32 [..., Di]: the rotated keys (exact: every value is representable)."""
+    """Fp8IndexKeys -> f32 [..., J]: the rotated keys (exact: every value is representable)."""
     return cache.keys.astype(jnp.float32) * cache.scales[..., None]
 
 
 def quantize_index_queries(q, weights):
     """Per-(row, head) fp8 queries with the query scale folded into the head weights.
 
-    q [R, Hi, Di] (f32/bf16, `projections.index_query`), weights [R, Hi] f32 exactly as
-    `projections.index_weights` returns them (`weights_proj(x) * Hi^-0.5 * Di^-0.5`, may be negative; the same
-    weights the bf16 indexer takes). Returns (q8 [R, Hi, Di] float8_e4m3fn, folded_weights [R, Hi] f32 =
+    q [R, I, J] (f32/bf16, `projections.index_query`), weights [R, I] f32 exactly as
+    `projections.index_weights` returns them (`weights_proj(x) * I^-0.5 * J^-0.5`, may be negative; the same
+    weights the bf16 indexer takes). Returns (q8 [R, I, J] float8_e4m3fn, folded_weights [R, I] f32 =
     weights * q_scale); no other scale is applied here.
     """
     if q.ndim != 3 or weights.shape != q.shape[:2]:

@@ -3,8 +3,7 @@
 Each function has the signature of its op minus `backend`, `interpret` and the tuning knobs; tests feed both one
 argument tuple. The cross-rank steps that are not kernels (candidate merge, owner filter, LSE merge) are plain jnp
 already and live, with their own tests, in `dcp_jax/model/attention/exchange.py`.
-Letters: R rows, H heads, Hi index heads, Di index head dim, Dq query width, T tokens (columns), K top-k,
-P blocks per row.
+Letters: see the legend in `dcp_jax/__init__.py`; the matmuls' widths are spelled out (rows, in, out, groups).
 """
 
 from __future__ import annotations
@@ -19,19 +18,19 @@ NEG_INF = float("-inf")
 
 
 def indexer_logits(q, weights, index_cache, block_tables, lens):
-    """Lightning-indexer scores over a paged index-K cache.
+    """Lightning-indexer scores over a paged index-key cache.
 
-    q [R, Hi, Di], weights [R, Hi] f32 (every scale folded in), index_cache [pages, B, Di] (f32, bf16 or fp8 e4m3)
-    or `Fp8IndexKeys` (keys [pages, B, Di] e4m3, scales [pages, B] f32 per token), block_tables [R, P] int32 page
+    q [R, I, J], weights [R, I] f32 (every scale folded in), index_cache [pages, B, J] (f32, bf16 or fp8 e4m3)
+    or `Fp8IndexKeys` (keys [pages, B, J] e4m3, scales [pages, B] f32 per token), block_tables [R, P] int32 page
     ids (entries past a row's length are ignored, may be -1), lens [R] int32 tokens per row.
-    Returns f32 [R, P*B]: `sum_h weights[r,h] * relu(q[r,h] . k_t) * scale[t]` for t < lens[r], -inf elsewhere.
+    Returns f32 [R, P*B]: `sum_i weights[r,i] * relu(q[r,i] . k_t) * scale[t]` for t < lens[r], -inf elsewhere.
     """
     k_cache, k_scale = ((index_cache.keys, index_cache.scales) if isinstance(index_cache, Fp8IndexKeys)
                         else (index_cache, None))
     num_pages, page_size, _ = k_cache.shape
     rows, max_blocks = block_tables.shape
     pages = jnp.clip(block_tables, 0, num_pages - 1)
-    keys = k_cache[pages].astype(jnp.float32).reshape(rows, max_blocks * page_size, -1)  # [R, T, Di]
+    keys = k_cache[pages].astype(jnp.float32).reshape(rows, max_blocks * page_size, -1)  # [R, T, J]
     if q.dtype == jnp.float8_e4m3fn:  # quantized in this program, perhaps: keep its rounding (`kept_e4m3`)
         q = kept_e4m3(q)
     dots = jnp.einsum("rhd,rtd->rht", q.astype(jnp.float32), keys, precision=HIGHEST)
@@ -45,8 +44,8 @@ def indexer_logits(q, weights, index_cache, block_tables, lens):
 def topk(scores, lens, *, k, sorted=True):
     """Exact per-row top-k over the first lens[r] columns: score descending, then column ascending.
 
-    scores [R, T] f32, lens [R] int32, clipped to [0, T] as the kernel does. Returns values f32 [R, k], indices
-    int32 [R, k]; rows with min(lens[r], T) < k are padded with (-inf, -1). sorted=False: the same entries in
+    scores [R, T] f32, lens [R] int32, clipped to [0, T] as the kernel does. Returns values f32 [R, K], indices
+    int32 [R, K] (K = k); rows with min(lens[r], T) < k are padded with (-inf, -1). sorted=False: the same entries in
     column order, pads last.
     """
     rows, cols = scores.shape
@@ -74,8 +73,8 @@ def indexer_top_k(q, weights, index_cache, block_tables, lens, *, k, sorted=True
 def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512):
     """Absorbed MLA over compacted physical slots.
 
-    q [R, H, Dq] (latent query then rope query), kv_cache [pages, B, Dq] (latent then roped key) or an
-    Fp8LatentCache (dequantized first), slots [R, S] int32 physical slots, valid first, counts [R] int32.
+    q [R, H, C+E] (latent query then rope query), kv_cache [pages, B, C+E] (latent then roped key) or an
+    Fp8LatentCache (dequantized first), slots [R, K] int32 physical slots, valid first, counts [R] int32.
     value_dim = latent width C (512 in DeepSeek). Returns out f32 [R, H, value_dim] (softmax-weighted latents)
     and lse f32 [R, H] (natural log of the sum of exp(scaled scores)); a row with count 0 gives out 0 and
     lse -inf.
@@ -86,7 +85,7 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512):
     flat = kv_cache.reshape(num_pages * page_size, width).astype(jnp.float32)
     num_slots = slots.shape[1]
     is_valid = jnp.arange(num_slots)[None, :] < counts[:, None]
-    kv = flat[jnp.clip(jnp.where(is_valid, slots, 0), 0, num_pages * page_size - 1)]  # [R, S, Dq]
+    kv = flat[jnp.clip(jnp.where(is_valid, slots, 0), 0, num_pages * page_size - 1)]  # [R, K, C+E]
     scores = jnp.einsum("rhd,rsd->rhs", q.astype(jnp.float32), kv, precision=HIGHEST) * sm_scale
     scores = jnp.where(is_valid[:, None, :], scores, NEG_INF)
     lse = jax.nn.logsumexp(scores, axis=-1)
@@ -96,18 +95,20 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512):
 
 
 def grouped_matmul(x, w, group_sizes, *, rows_per_group=None):
-    """Grouped matmul (an MoE's routed experts): x [A, K] rows sorted by group, w [G, K, N], group_sizes [G] int32
-    (sum <= A). Rows offset_g .. offset_g + group_sizes[g] - 1 times w[g] (f32), out [A, N] in x's dtype; rows
-    past the last group unspecified. rows_per_group: the kernels' tile hint, no effect here."""
+    """Grouped matmul (an MoE's routed experts): x [rows, in] rows sorted by group, w [groups, in, out],
+    group_sizes [groups] int32 (sum <= rows). Rows offset_g .. offset_g + group_sizes[g] - 1 times w[g] (f32), the
+    output [rows, out] in x's dtype; rows past the last group unspecified. rows_per_group: the kernels' tile hint,
+    no effect here."""
     out = jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), group_sizes, precision=HIGHEST)
     return out.astype(x.dtype)
 
 
 def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, rows_per_group=None):
     """`grouped_matmul` of block-fp8 operands (DeepSeek's fine-grained fp8 GEMM), scale blocks block = (bn, bk)
-    (HF's weight_block_size): x e4m3 [A, K] times its scales f32 [A, ceil(K / bk)] (bk channels of a row share one),
-    w e4m3 [G, N, K] (K-major) times its scales f32 [G, ceil(N / bn), ceil(K / bk)] (a [bn, bk] block shares one);
-    out [A, N] = x . w[g]^T in out_dtype. rows_per_group: the kernels' tile hint, no effect here."""
+    (HF's weight_block_size): x e4m3 [rows, in] times its scales f32 [rows, ceil(in / bk)] (bk channels of a row
+    share one), w e4m3 [groups, out, in] (input-major) times its scales f32 [groups, ceil(out / bn), ceil(in / bk)]
+    (a [bn, bk] block shares one); the output [rows, out] = x . w[g]^T in out_dtype. rows_per_group: the kernels'
+    tile hint, no effect here."""
     (bn, bk), (width, depth) = block, w.shape[1:]
     x32 = x.astype(jnp.float32) * jnp.repeat(x_scales, bk, axis=1)[:, :depth]
     w32 = w.astype(jnp.float32) * jnp.repeat(jnp.repeat(w_scales, bn, axis=1), bk, axis=2)[:, :width, :depth]
@@ -115,8 +116,8 @@ def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtyp
 
 
 def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype):
-    """DeepSeek's fine-grained fp8 GEMM, scale blocks block = (bn, bk) (HF's weight_block_size): x e4m3 [M, K] times
-    its scales f32 [M, ceil(K / bk)], w e4m3 [N, K] (K-major, the checkpoint's [out, in]) times its scales f32
-    [ceil(N / bn), ceil(K / bk)]; out [M, N] = x . w^T in out_dtype."""
+    """DeepSeek's fine-grained fp8 GEMM, scale blocks block = (bn, bk) (HF's weight_block_size): x e4m3 [rows, in]
+    times its scales f32 [rows, ceil(in / bk)], w e4m3 [out, in] (input-major, the checkpoint's layout) times its
+    scales f32 [ceil(out / bn), ceil(in / bk)]; the output [rows, out] = x . w^T in out_dtype."""
     sizes = jnp.array([x.shape[0]], jnp.int32)
     return grouped_matmul_fp8(x, x_scales, w[None], w_scales[None], sizes, block=block, out_dtype=out_dtype)

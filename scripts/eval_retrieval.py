@@ -271,7 +271,8 @@ def main(argv=None) -> int:
         from dcp_jax.serving.loading import use_cpu_devices
 
         use_cpu_devices(max(config.get("dcp", 1) for config in args.configs))
-    from dcp_jax.config import ModelConfig, model_directory, preset
+    from dcp_jax.config import model_directory, preset
+    from dcp_jax.model.architecture import config_from_hf
 
     os.makedirs(args.out, exist_ok=True)
     task_dir = os.path.join(args.out, "tasks")
@@ -279,7 +280,7 @@ def main(argv=None) -> int:
     # A prompt of `context` leaves room for the chat template and the generation (`evaluate.EVAL_ROOM`).
     max_model_len = max(contexts)
     directory = model_directory(args.model)
-    cfg = ModelConfig.from_hf(directory) if directory else preset(args.model)
+    cfg = config_from_hf(directory) if directory else preset(args.model)
     if max_model_len > cfg.max_position_embeddings:
         parser.error(f"--contexts: {max_model_len} tokens exceed the model's {cfg.max_position_embeddings}")
     results = {"model": args.model, "examples": args.examples, "seed": args.seed, "configs": {},

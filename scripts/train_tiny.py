@@ -99,10 +99,10 @@ def initial_params_from(cfg, path: str) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from dcp_jax.config import ModelConfig
+    from dcp_jax.model.architecture import config_from_hf
     from dcp_jax.model.weights import load_hf_params, load_mtp_params
 
-    saved = ModelConfig.from_hf(path)
+    saved = config_from_hf(path)
     if dataclasses.replace(saved, torch_dtype=cfg.torch_dtype) != cfg:
         raise SystemExit(f"--init-from: {path} holds another architecture than the one trained here")
     return {"model": load_hf_params(cfg, path, quantization="none"),  # f32 params to train, fp8 dequantized
@@ -148,7 +148,8 @@ def main(argv=None) -> int:
 
     from dcp_jax.model.weights import save_hf
     from dcp_jax.serving.tokenizer import ByteTokenizer
-    from dcp_jax.train.forward import CacheFormats
+    from dcp_jax.model.architecture import config_to_hf
+    from dcp_jax.model.attention.variant import CacheFormats
     from dcp_jax.train.loop import DSA_TINY, MTP_WEIGHT, Trainer, batches, init_train_params
 
     cfg = DSA_TINY
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     trainer = Trainer(cfg, params, learning_rate=args.learning_rate, total_steps=total, kl_weight=args.kl_weight,
                       mtp_weight=mtp_weight, caches=caches)
     os.makedirs(args.out, exist_ok=True)
-    run = dict(model=cfg.to_hf_dict(), stages=[vars(stage) for stage in args.stages],
+    run = dict(model=config_to_hf(cfg), stages=[vars(stage) for stage in args.stages],
                learning_rate=args.learning_rate, kl_weight=args.kl_weight, mtp_weight=mtp_weight,
                chat_fraction=args.chat_fraction, seed=args.seed, init_from=args.init_from, caches=caches._asdict())
     rng, step, spent = np.random.default_rng(args.seed), 0, 0.0

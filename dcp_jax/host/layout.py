@@ -82,7 +82,7 @@ class DcpLayout:
     def slot_mapping(self, positions, block_tables, table_rows=None) -> np.ndarray:
         """int32 [W, *positions.shape]: physical slot `page * B + offset` of each position's token on every rank.
 
-        `positions [R, ...]` global positions (-1 for pads), `block_tables [S, max_blocks]` virtual-block page ids
+        `positions [R, ...]` global positions (-1 for pads), `block_tables [M, P]` virtual-block page ids
         of each sequence, `table_rows [R]` the sequence of each row of positions (default: row r reads table r).
         The owner gets `block_tables[seq, li // B] * B + li % B` with li = local_index(p); every other rank, and
         pads, get -1 (no write).

@@ -223,9 +223,6 @@ class Scheduler:
         self._requests[request.request_id] = request
         self.waiting.append(request)
 
-    def get(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
-
     def abort(self, request_id: str) -> Request | None:
         """Cancel a request wherever it is and free its pages; None when it is unknown or already done."""
         request = self._requests.get(request_id)
@@ -354,9 +351,6 @@ class Scheduler:
     def block_tables_of(self, requests: Sequence[Request]) -> np.ndarray:
         """[len(requests), max_blocks] int32: their page ids, -1 past them."""
         return self.block_tables[[r.slot for r in requests]]
-
-    def bucket_for(self, rows: int) -> int:
-        return self.engine.bucket_for(rows)
 
     def _admit(self, budget: int) -> list[tuple[Request, int]]:
         admitted = []

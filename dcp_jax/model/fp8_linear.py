@@ -16,20 +16,19 @@ rank's slice must be whole blocks (`check_shardable`).
 Multiplying (`einsum`, `ragged_dot`, `grouped_matmul`: plain weights multiply in full precision as before). With an
 `Fp8BlockWeight` it is DeepSeek's fine-grained fp8 GEMM: the activations are quantized at run time per token per
 bk channels of K (`act_quant`: e4m3, f32 scale amax / 448; DeepSeek's group of 128 is its weights' block), the
-products are accumulated in f32 and the output has the activations' dtype. `einsum` under a kernels backend of
-GEMM_KERNEL_BACKENDS runs `pallas_kernels.fp8_gemm`'s Mosaic GPU kernel where it applies (compiled on an sm_90 GPU,
-K a multiple of 128, N of 64): a weight with no batch axis, or whose batch axes x lacks (the fused gate_up's pair:
-its matrices stacked along N, one GEMM; each matrix's N whole blocks); otherwise (other backends, batch axes x
-shares, the CPU) this module's pure-jnp reference computes the same sum: the dequantized operands multiplied in
-f32 (a block's two scales factor out of it; an optimization barrier keeps act_quant's e4m3 rounding, which XLA's
-GPU compiler would otherwise drop as excess precision).
+products are accumulated in f32 and the output has the activations' dtype. `einsum` under the "reference" kernels
+backend computes it in pure jnp: the dequantized operands multiplied in f32 (a block's two scales factor out of it;
+an optimization barrier keeps act_quant's e4m3 rounding, which XLA's GPU compiler would otherwise drop as excess
+precision). Under a kernels backend it runs `pallas_kernels.fp8_gemm` of that backend ("pallas": the Mosaic GPU
+kernel where it applies, on an sm_90 GPU with K a multiple of 128 and N of 64, else the Triton one; interpreted on
+CPU): one GEMM of a weight with no batch axis, or of one whose batch axes the activations lack (the fused
+gate_up's pair: its matrices stacked along N, or one GEMM a matrix where N ends mid-block). A weight the kernel
+cannot take, or whose batch axes the activations share, is a ValueError saying why (`kernels='reference'` runs it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 import math
 
 import jax
@@ -40,12 +39,7 @@ import pallas_kernels
 from pallas_kernels import formats
 from pallas_kernels.formats import AMAX_FLOOR, E4M3_MAX
 
-log = logging.getLogger(__name__)
 HIGHEST = jax.lax.Precision.HIGHEST
-# The kernels backends under which a linear layer runs the Mosaic fp8 GEMM where it applies: the engine's GPU default
-# ("pallas") among them. Measured 3-16x faster than the dequantized product from 64 rows up; at one row that
-# product takes 0.6-2.1x the kernel's time (docs/performance.md).
-GEMM_KERNEL_BACKENDS = ("pallas", "mosaic")
 
 # (in_axes, out_axes) of each leaf DeepSeek's release stores in block fp8 (`memory_plan.BLOCK_FP8_LEAVES`), counted
 # from the last axis, so a weight stacked over layers (`deepseek_v32.LayerStack`) keeps them.
@@ -189,22 +183,35 @@ def _fp8_einsum(equation: str, x, w: Fp8BlockWeight, backend: str):
     contracted = "".join(rhs[a] for a in w.in_axes)
     if set(contracted) != set(lhs) & set(rhs) - set(output) or not lhs.endswith(contracted):
         raise ValueError(f"{equation=}: an fp8 weight contracts its input axes {contracted!r}, the activations' last")
+    if backend == "reference":
+        x32 = _quantized_activations(x, len(contracted), w.block[1])
+        return jnp.einsum(equation, x32, dequantize(w), precision=HIGHEST).astype(x.dtype)
     produced = "".join(rhs[a] for a in w.out_axes)
     stacked = "".join(rhs[a] for a in w.batch_axes)  # batch axes x lacks: their matrices stack along N
-    depth = math.prod(w.shape[a] for a in w.in_axes)
-    rows = x.reshape(-1, depth)
     # The output letters must be x's uncontracted ones, then the weight's batch letters (so x lacks them: an
     # einsum output names a letter once), then its output ones.
-    if backend in GEMM_KERNEL_BACKENDS and output == lhs[: len(lhs) - len(contracted)] + stacked + produced:
-        matrices, scales = _stacked_matrices(w)
-        if matrices is not None and _gemm_applies(rows, matrices, scales, w):
-            values, x_scales = act_quant(rows, w.block[1])
-            out = pallas_kernels.fp8_gemm(values, x_scales, matrices, scales, block=w.block, out_dtype=x.dtype,
-                                          backend="mosaic")
-            return out.reshape(*x.shape[: x.ndim - len(contracted)],
-                               *(w.shape[a] for a in w.batch_axes + w.out_axes))
-    x32 = _quantized_activations(x, len(contracted), w.block[1])
-    return jnp.einsum(equation, x32, dequantize(w), precision=HIGHEST).astype(x.dtype)
+    if output != lhs[: len(lhs) - len(contracted)] + stacked + produced:
+        raise ValueError(f"{equation=}: the fp8 GEMM kernels multiply activations by a weight whose batch axes "
+                         f"{stacked!r} they lack; run this product with kernels='reference'")
+    rows = x.reshape(-1, math.prod(w.shape[a] for a in w.in_axes))
+    values, x_scales = act_quant(rows, w.block[1])
+    matrices, scales = _stacked_matrices(w)
+    if matrices is not None:
+        out = _gemm(values, x_scales, matrices, scales, w, backend, x.dtype)
+    else:  # each matrix's N ends mid-block, so its scale rows would not stack: one GEMM a matrix
+        per_matrix = w.matrices().reshape(-1, *w.matrices().shape[-2:])
+        per_scales = w.scales.reshape(-1, *w.scales.shape[-2:])
+        out = jnp.concatenate([_gemm(values, x_scales, m, s, w, backend, x.dtype)
+                               for m, s in zip(per_matrix, per_scales)], axis=-1)
+    return out.reshape(*x.shape[: x.ndim - len(contracted)], *(w.shape[a] for a in w.batch_axes + w.out_axes))
+
+
+def _gemm(values, x_scales, matrices, scales, w: Fp8BlockWeight, backend: str, out_dtype):
+    """rows [M, K] (e4m3, with their scales) times matrices [N, K] through the implementation `backend` runs them
+    with (`_gemm_implementation`)."""
+    implementation = _gemm_implementation(values.shape[0], matrices, scales, w, backend)
+    return pallas_kernels.fp8_gemm(values, x_scales, matrices, scales, block=w.block, out_dtype=out_dtype,
+                                   backend=implementation)
 
 
 def _stacked_matrices(w: Fp8BlockWeight):
@@ -226,19 +233,11 @@ def quantized_rows(num_rows: int, w: Fp8BlockWeight) -> tuple[jax.ShapeDtypeStru
             jax.ShapeDtypeStruct((num_rows, w.scales.shape[-1]), jnp.float32))
 
 
-def _gemm_applies(rows, matrices, scales, w: Fp8BlockWeight) -> bool:
-    """Whether `pallas_kernels.fp8_gemm`'s Mosaic kernel takes rows [M, K] times w's (stacked) matrices [N, K] and
-    their scales (said once in the log when a GPU run falls back to the reference, with the reasons)."""
-    reasons = pallas_kernels.unsupported("fp8_gemm", "mosaic", *quantized_rows(rows.shape[0], w), matrices, scales,
-                                         block=w.block)
-    if reasons and jax.default_backend() == "gpu":
-        _log_reference_once(f"{w.shape} {w.block}: " + "; ".join(reasons))
-    return not reasons
-
-
-@functools.cache
-def _log_reference_once(reason: str) -> None:
-    log.info("an fp8 linear layer multiplies through XLA's dequantized product, not the fp8 GEMM kernel: %s", reason)
+def _gemm_implementation(num_rows: int, matrices, scales, w: Fp8BlockWeight, backend: str) -> str:
+    """The fp8 GEMM implementation `backend` runs num_rows rows times these (stacked) matrices [N, K] and scales with
+    (`pallas_kernels.choose`: "pallas" picks the Mosaic kernel where it applies, else the Triton one); ValueError
+    with each one's reasons where none does."""
+    return pallas_kernels.choose("fp8_gemm", backend, *quantized_rows(num_rows, w), matrices, scales, block=w.block)
 
 
 def ragged_dot(x, w, group_sizes):

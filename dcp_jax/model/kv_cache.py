@@ -1,5 +1,15 @@
-"""Device KV pools: the MLA latent cache and the indexer key cache (in `EngineConfig.latent_cache`'s and
-`EngineConfig.index_cache`'s formats), split along tokens over "dcp"."""
+"""Device KV pools by name: the pools an architecture's attention variant caches (`AttentionVariant.cache_pools`:
+DSA's "latent" and "index_k"), each in its format, split along tokens over "dcp", and whole pages exported from
+and imported into them.
+
+A pool holds every layer's entries: [W, layers, pages, B, ...] (W over "dcp": rank w's own tokens; the MTP
+layer's after the decoder layers' when drafting). One page id names the same page of every layer and every rank
+(a virtual block of B * W tokens, `host/layout.py`).
+Page export / import (`gather_pages`, `scatter_pages`; compiled per page-count bucket by the runner): the pages of
+host-built page ids, every pool, every layer, every rank, as [W, layers, n, B, ...] arrays sharded like the pools;
+-1 ids are pads (export zeros, import nothing).
+Letters: see the legend in `dcp_jax/__init__.py`.
+"""
 
 from __future__ import annotations
 
@@ -10,50 +20,45 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dcp_jax.config import EngineConfig, ModelConfig
-from dcp_jax.host.metadata import StepMetadata
+from dcp_jax.host.step_metadata import StepMetadata
+from dcp_jax.model import architecture
 from dcp_jax.model.attention import cache_formats
+from dcp_jax.model.attention.variant import CacheFormats, CachePool
 from dcp_jax.model.mesh import DCP, sharding
-from pallas_kernels import Fp8IndexKeys, Fp8LatentCache
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    # latent [W, L, pages, B, C+E]: rank w's latent pool of every layer (normed latent c, then roped k_pe); in the
-    # fp8 format `Fp8LatentCache` of [W, L, pages, B, C] e4m3, [W, L, pages, B, C/128] f32 scales and
-    # [W, L, pages, B, E] bf16.
-    latent: jax.Array | Fp8LatentCache
-    # index_k [W, L, pages, B, J]: rank w's indexer key pool of every layer; in the fp8 format `Fp8IndexKeys` of
-    # [W, L, pages, B, J] e4m3 keys and [W, L, pages, B] f32 scales.
-    index_k: jax.Array | Fp8IndexKeys
+    # Pool name -> [W, layers, pages, B, ...] (a plain array or a pytree in the pool's format, every leaf with
+    # these leading axes; `cache_formats.py`).
+    pools: dict
+
+    @property
+    def _leading(self) -> tuple[int, ...]:
+        return cache_formats.leading_shape(next(iter(self.pools.values())))
 
     @property
     def num_layers(self) -> int:
-        return cache_formats.leading_shape(self.latent)[1]
+        return self._leading[1]
 
     @property
     def num_pages(self) -> int:
-        return cache_formats.leading_shape(self.latent)[2]
+        return self._leading[2]
 
     @property
     def page_size(self) -> int:
-        return cache_formats.leading_shape(self.latent)[3]
+        return self._leading[3]
 
-    def local_pools(self):
-        """Per rank (inside shard_map, W = 1 local shard): (latent, index_k) with the layers folded into the pages
-        axis, [L * pages, B, ...] (free: a reshape): layer l owns pages l * pages .. (l + 1) * pages - 1, which
+    def local_pools(self) -> dict:
+        """Per rank (inside shard_map, W = 1 local shard): each pool with the layers folded into the pages axis,
+        [layers * pages, B, ...] (free: a reshape): layer l owns pages l * pages .. (l + 1) * pages - 1, which
         `on_layer` moves a step's page ids and slots to. The layers of a scan write into one buffer in place."""
-        def fold(a):
-            return a.reshape(-1, *a.shape[3:])
+        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), self.pools)
 
-        return jax.tree.map(fold, self.latent), jax.tree.map(fold, self.index_k)
-
-    def with_local_pools(self, latent, index_k) -> KVCache:
+    def with_local_pools(self, folded: dict) -> KVCache:
         """Per rank: this cache's layout holding the folded pools of `local_pools`."""
-        def unfold(new, old):
-            return new.reshape(old.shape)
-
-        return KVCache(jax.tree.map(unfold, latent, self.latent), jax.tree.map(unfold, index_k, self.index_k))
+        return KVCache(jax.tree.map(lambda new, old: new.reshape(old.shape), folded, self.pools))
 
 
 def on_layer(md: StepMetadata, layer, *, num_pages: int, page_size: int) -> StepMetadata:
@@ -64,28 +69,58 @@ def on_layer(md: StepMetadata, layer, *, num_pages: int, page_size: int) -> Step
         return jnp.where(ids >= 0, ids + by, ids)
 
     first_page = layer * num_pages
-    return dataclasses.replace(md, block_tables=shift(md.block_tables, first_page),
-                               slot_mapping=shift(md.slot_mapping, first_page * page_size))
+    return md._replace(block_tables=shift(md.block_tables, first_page),
+                       slot_mapping=shift(md.slot_mapping, first_page * page_size))
 
 
-# Split along W over "dcp", replicated over the DCP groups (a prefix spec for every leaf).
-KV_CACHE_SPECS = KVCache(latent=P(DCP), index_k=P(DCP))
+def cache_pools(cfg: ModelConfig, engine: EngineConfig) -> tuple[CachePool, ...]:
+    """The pools of `cfg`'s attention variant in `engine`'s cache formats."""
+    return architecture.of(cfg).attention.cache_pools(cfg, CacheFormats(engine.latent_cache, engine.index_cache))
+
+
+def kv_cache_specs(pools) -> KVCache:
+    """The PartitionSpecs of a KVCache of these pools (`CachePool`s or names): split along W over "dcp", replicated
+    over the DCP groups (a prefix spec for every leaf)."""
+    return KVCache({getattr(pool, "name", pool): P(DCP) for pool in pools})
 
 
 def allocate_kv_cache(cfg: ModelConfig, engine: EngineConfig, dcp: int, mesh: Mesh, dtype=jnp.float32) -> KVCache:
-    """Zero-filled pools (latents in `engine.latent_cache`'s format, index keys in `engine.index_cache`'s; 'exact'
-    ones of `dtype`), created directly in their sharded placement; `engine.kv_layers` layers (the MTP layer's
-    last)."""
-    pool = (dcp, engine.kv_layers(cfg), engine.num_pages, engine.page_size)
+    """Zero-filled pools (`cache_pools`: exact ones of `dtype`), created directly in their sharded placement;
+    `engine.kv_layers` layers (the MTP layer's last)."""
+    leading = (dcp, engine.kv_layers(cfg), engine.num_pages, engine.page_size)
     placed = sharding(mesh, P(DCP))
-    new_latent = jax.jit(lambda: cache_formats.zero_latents(pool, cfg, engine.latent_cache, dtype),
-                         out_shardings=placed)
-    new_index_k = jax.jit(lambda: cache_formats.zero_index_keys(pool + (cfg.index_head_dim,), engine.index_cache,
-                                                                dtype), out_shardings=placed)
-    return KVCache(latent=new_latent(), index_k=new_index_k())
+    return KVCache({pool.name: jax.jit(lambda pool=pool: pool.zeros(leading, dtype), out_shardings=placed)()
+                    for pool in cache_pools(cfg, engine)})
 
 
-def kv_bytes_per_rank(cache: KVCache) -> dict[str, int]:
-    """Bytes of each pool (all layers) held by one DCP rank."""
-    return {f.name: sum(a.nbytes // a.shape[0] for a in jax.tree.leaves(getattr(cache, f.name)))
-            for f in dataclasses.fields(cache)}
+# ---- page export / import ---------------------------------------------------------------------------------------
+
+
+def page_buckets(max_pages: int) -> tuple[int, ...]:
+    """The page counts an export or import program is compiled for: powers of two below `max_pages`, and it."""
+    counts = []
+    count = 1
+    while count < max_pages:
+        counts.append(count)
+        count *= 2
+    return (*counts, max_pages)
+
+
+def gather_pages(cache: KVCache, page_ids) -> KVCache:
+    """The pages `page_ids` [n] int32 of every pool, layer and rank: [W, layers, n, B, ...] each; -1 (a pad)
+    gives zeros."""
+    num_pages = cache.num_pages
+    ids = jnp.where(page_ids >= 0, page_ids, num_pages)  # out of range: filled with zeros
+    return KVCache(jax.tree.map(lambda a: jnp.take(a, ids, axis=2, mode="fill", fill_value=0), cache.pools))
+
+
+def scatter_pages(cache: KVCache, pages: KVCache, page_ids) -> KVCache:
+    """`cache` with `pages` ([W, layers, n, B, ...] each, `gather_pages`' of another cache of these pools and page
+    size) written at `page_ids` [n] int32; -1 writes nothing."""
+    num_pages = cache.num_pages
+    ids = jnp.where(page_ids >= 0, page_ids, num_pages)  # out of range: dropped
+
+    def write(pool, new):
+        return pool.at[:, :, ids].set(new.astype(pool.dtype), mode="drop")
+
+    return KVCache(jax.tree.map(write, cache.pools, pages.pools))

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 
 from dcp_jax.config import WEIGHT_FORMATS, ModelConfig, ParallelConfig, kv_layers
-from dcp_jax.model.attention.cache_formats import index_key_bytes, latent_bytes
+from dcp_jax.model import architecture
+from dcp_jax.model.attention.variant import CacheFormats
 
 FP8_BLOCK = 128
 # The leaves that DeepSeek's fp8 release stores in e4m3 (their HF tensors carry a weight_scale_inv).
@@ -62,25 +63,25 @@ def weight_bytes_per_rank(abstract_params: dict, specs: dict, parallel: Parallel
     return int(sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(per_rank, abstract_params, specs))))
 
 
-def kv_bytes_per_token(cfg: ModelConfig, *, latent_cache: str, index_cache: str, itemsize: int,
+def kv_bytes_per_token(cfg: ModelConfig, formats: CacheFormats, *, itemsize: int,
                        layers: int | None = None) -> dict[str, int]:
     """Bytes one cached token takes on the rank that holds it, all `layers` layers (default the decoder layers;
-    `EngineConfig.kv_layers` with the MTP layer's): its latent and its index key."""
+    `EngineConfig.kv_layers` with the MTP layer's), in each pool of the architecture's attention variant (DSA: its
+    latent and its index key), the pools in `formats`."""
     layers = cfg.num_hidden_layers if layers is None else layers
-    return {"latent": layers * latent_bytes(latent_cache, cfg, itemsize),
-            "index_k": layers * index_key_bytes(index_cache, cfg.index_head_dim, itemsize)}
+    return {pool.name: layers * pool.token_bytes(itemsize)
+            for pool in architecture.of(cfg).attention.cache_pools(cfg, formats)}
 
 
-def pool_pages(free_bytes: float, cfg: ModelConfig, *, page_size: int, latent_cache: str, index_cache: str,
-               itemsize: int, max_num_seqs: int, layers: int | None = None) -> int:
+def pool_pages(free_bytes: float, cfg: ModelConfig, formats: CacheFormats, *, page_size: int, itemsize: int,
+               max_num_seqs: int, layers: int | None = None) -> int:
     """Pages (of `page_size` tokens per rank) of the KV pool that fit `free_bytes` of one rank's memory (what
     gpu_memory_utilization leaves after the weights): less WORKSPACE_FRACTION, the sampler state and one layer's
     pools besides. May be <= 0 (nothing fits)."""
     sampler_bytes = (max_num_seqs + 1) * cfg.vocab_size * 5  # int32 counts + bool prompt mask per slot
     free = (1 - WORKSPACE_FRACTION) * free_bytes - sampler_bytes
     layers = cfg.num_hidden_layers if layers is None else layers
-    per_token = sum(kv_bytes_per_token(cfg, latent_cache=latent_cache, index_cache=index_cache, itemsize=itemsize,
-                                       layers=layers).values())
+    per_token = sum(kv_bytes_per_token(cfg, formats, itemsize=itemsize, layers=layers).values())
     return int(free * layers / (layers + 1) // (per_token * page_size))
 
 
@@ -91,17 +92,18 @@ class MemoryPlan:
     parallel: ParallelConfig
     weight_format: str
     weight_bytes: int
-    # (latent format, index format) -> bytes per cached token on its rank, all layers, latent and index key.
-    kv_bytes_per_token: dict[tuple[str, str], dict[str, int]]
+    # Cache formats -> bytes per cached token on its rank, all layers, in each pool (by name).
+    kv_bytes_per_token: dict[CacheFormats, dict[str, int]]
     device_bytes: int
     gpu_memory_utilization: float
-    # (latent format, index format) -> tokens of context the pool holds (over a DCP group: W times one rank's).
-    pool_tokens: dict[tuple[str, str], int]
+    # Cache formats -> tokens of context the pool holds (over a DCP group: W times one rank's).
+    pool_tokens: dict[CacheFormats, int]
     # Whether the MTP layer drafts (speculative decoding): its weights and its layer of KV counted.
     mtp: bool = False
 
 
-CACHE_FORMAT_PAIRS = (("exact", "exact"), ("exact", "fp8"), ("fp8", "fp8"))
+# The cache formats a plan lists: (latent, index), the pools of a variant in each.
+CACHE_FORMAT_PAIRS = (CacheFormats("exact", "exact"), CacheFormats("exact", "fp8"), CacheFormats("fp8", "fp8"))
 
 
 def make_plan(cfg: ModelConfig, parallel: ParallelConfig, *, dtype: str, weight_format: str, device_bytes: int,
@@ -113,32 +115,28 @@ def make_plan(cfg: ModelConfig, parallel: ParallelConfig, *, dtype: str, weight_
     import jax.numpy as jnp
     from flax import nnx
 
-    from dcp_jax.model.deepseek_v32 import abstract_model, check_divisible, param_specs
-    from dcp_jax.model.mtp import abstract_mtp
-
+    model = architecture.of(cfg).model
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
     if mtp and cfg.num_nextn_predict_layers < 1:
         raise ValueError("speculative_config: the model has no MTP layer (num_nextn_predict_layers is 0)")
-    check_divisible(cfg, parallel.tp, expert_parallel=parallel.enable_expert_parallel)
-    weights, abstracts = 0, [abstract_model(cfg, jnp.dtype(dtype))[1]]
+    model.check_divisible(cfg, parallel.tp, expert_parallel=parallel.enable_expert_parallel)
+    weights, abstracts = 0, [model.abstract_model(cfg, jnp.dtype(dtype))[1]]
     if mtp:
-        abstracts.append(abstract_mtp(cfg, jnp.dtype(dtype))[1])
+        abstracts.append(model.abstract_mtp(cfg, jnp.dtype(dtype))[1])
     for abstract in abstracts:
         abstract = nnx.to_pure_dict(abstract)
-        specs = param_specs(abstract, expert_parallel=parallel.enable_expert_parallel)
+        specs = model.param_specs(cfg, abstract, expert_parallel=parallel.enable_expert_parallel)
         weights += weight_bytes_per_rank(abstract, specs, parallel, weight_format)
     itemsize, layers = np.dtype(dtype).itemsize, kv_layers(cfg, int(mtp))
     per_token, tokens = {}, {}
-    for latent, index in CACHE_FORMAT_PAIRS:
-        if latent == "fp8" and cfg.kv_lora_rank % FP8_BLOCK:
+    for formats in CACHE_FORMAT_PAIRS:
+        if formats.latent == "fp8" and cfg.kv_lora_rank % FP8_BLOCK:
             continue
-        per_token[latent, index] = kv_bytes_per_token(cfg, latent_cache=latent, index_cache=index, itemsize=itemsize,
-                                                      layers=layers)
-        pages = pool_pages(device_bytes * gpu_memory_utilization - weights, cfg, page_size=page_size,
-                           latent_cache=latent, index_cache=index, itemsize=itemsize, max_num_seqs=max_num_seqs,
-                           layers=layers)
-        tokens[latent, index] = max(pages, 0) * page_size * parallel.dcp
+        per_token[formats] = kv_bytes_per_token(cfg, formats, itemsize=itemsize, layers=layers)
+        pages = pool_pages(device_bytes * gpu_memory_utilization - weights, cfg, formats, page_size=page_size,
+                           itemsize=itemsize, max_num_seqs=max_num_seqs, layers=layers)
+        tokens[formats] = max(pages, 0) * page_size * parallel.dcp
     return MemoryPlan(parallel, weight_format, weights, per_token, device_bytes, gpu_memory_utilization, tokens, mtp)
 
 
@@ -155,8 +153,9 @@ def format_plan(plan: MemoryPlan, name: str) -> str:
              f"  device memory: {_size(plan.device_bytes)} x gpu_memory_utilization {plan.gpu_memory_utilization}",
              f"  {'latent/index cache':<20}{'B/token on its rank':>22}{'(latent + index)':>22}"
              f"{'B/context token/rank':>22}{'context tokens fit':>20}"]
-    for (latent, index), sizes in plan.kv_bytes_per_token.items():
+    for formats, sizes in plan.kv_bytes_per_token.items():
         total = sum(sizes.values())
-        lines.append(f"  {latent + '/' + index:<20}{total:>22,}{f'({sizes['latent']:,} + {sizes['index_k']:,})':>22}"
-                     f"{total / p.dcp:>22,.0f}{plan.pool_tokens[latent, index]:>20,}")
+        parts = "(" + " + ".join(f"{size:,}" for size in sizes.values()) + ")"
+        lines.append(f"  {formats.latent + '/' + formats.index:<20}{total:>22,}{parts:>22}"
+                     f"{total / p.dcp:>22,.0f}{plan.pool_tokens[formats]:>20,}")
     return "\n".join(lines)

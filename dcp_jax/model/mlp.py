@@ -3,7 +3,7 @@ the random initializer of the model's projections. gate and up are one weight, g
 gate_up_proj); in block fp8 one GEMM computes both (its pair stacked along N: `fp8_linear.einsum`). F splits over
 TP.
 
-Letters: R rows, D hidden, F width.
+Letters: see the legend in `dcp_jax/__init__.py`.
 """
 
 from __future__ import annotations

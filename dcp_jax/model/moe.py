@@ -10,9 +10,9 @@ expert multiplies only the rows routed to it (a grouped matmul: gate, up, silu(g
 results are summed back into their rows. Shapes are static (R * k assignments whatever the routing); the group
 sizes are traced counts. `dense_experts` is the reference: every expert on every row. Which one the model runs is
 `MoE.partial`'s `backend`: grouped through `pallas_kernels.grouped_matmul` (block-fp8 experts: `grouped_matmul_fp8`)
-with the Pallas kernels where it takes the weights, else dense (jax 0.11.2 lowers `jax.lax.ragged_dot` to a masked
-dense product on the GPU as on CPU: no faster than dense at decode, 3.4x slower at 256 rows, and out of memory at
-prefill rows; bench_moe, docs/performance.md).
+under a kernels backend (weights it cannot take are a ValueError saying why), dense under "reference" (jax 0.11.2
+lowers `jax.lax.ragged_dot` to a masked dense product on the GPU as on CPU: no faster than dense at decode, 3.4x
+slower at 256 rows, and out of memory at prefill rows; bench_moe, docs/performance.md).
 
 Parallelism, inside shard_map over the TP ranks (`mesh.HEADS`). The hidden state is replicated on every rank (the
 attention block ends in a psum), so each rank routes every row itself: the dispatch is a local selection, and the
@@ -26,13 +26,12 @@ routed experts are split as vLLM splits them:
 A rank reads which from its shard (`MoE.first_expert`). The shared experts are an MLP split over F either way.
 `bench/bench_moe.py` times each computation.
 
-Letters: R rows, D hidden, X experts (x a rank's), F expert width, k experts per row, A = R * k assignments.
+Letters: see the legend in `dcp_jax/__init__.py`; k experts per row, so R * k assignments.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +44,6 @@ from dcp_jax.model import fp8_linear
 from dcp_jax.model.mesh import HEADS
 from dcp_jax.model.mlp import MLP, dense_param
 
-log = logging.getLogger(__name__)
 HIGHEST = jax.lax.Precision.HIGHEST
 NEG_INF = float("-inf")
 
@@ -82,22 +80,22 @@ def grouped_experts(x, experts, weights, gate, up, down, *, first_expert, matmul
     [x, F, D] (plain or block fp8) the experts first_expert .. first_expert + x - 1 (an int, or a traced one) ->
     [R, D] in x's dtype: each row's sum over its assignments to these experts of weight * down(silu(x gate) * x up).
     Assignments to other experts add nothing. Only the rows routed to an expert are multiplied by its weights, by
-    `matmul(rows [A, K], w [x, K, N], group_sizes [x])` (`jax.lax.ragged_dot`'s contract)."""
+    `matmul(rows [R k, in], w [x, in, out], group_sizes [x])` (`jax.lax.ragged_dot`'s contract)."""
     rows, per_row = experts.shape
     local_experts = gate.shape[0]
     # 1. Each assignment's local expert; another rank's goes to group x, past the last local one.
-    local = experts.reshape(-1) - first_expert  # [A]
+    local = experts.reshape(-1) - first_expert  # [R k]
     is_local = (local >= 0) & (local < local_experts)
     group = jnp.where(is_local, local, local_experts)
     # 2. Sorted by group (stable: rows in order within one); the ragged dots leave group x out.
     order = jnp.argsort(group, stable=True)
-    row_of = order // per_row  # [A]: the row of each sorted assignment
+    row_of = order // per_row  # [R k]: the row of each sorted assignment
     group_sizes = jnp.bincount(group, length=local_experts + 1)[:local_experts]
     # 3. The grouped GEMMs: expert j multiplies only its group_sizes[j] rows.
-    sorted_x = x[row_of]  # [A, D]
+    sorted_x = x[row_of]  # [R k, D]
     hidden = jax.nn.silu(matmul(sorted_x, gate, group_sizes))
     hidden = hidden * matmul(sorted_x, up, group_sizes)
-    out = matmul(hidden, down, group_sizes)  # [A, D]
+    out = matmul(hidden, down, group_sizes)  # [R k, D]
     # 4. Weighted sum back into the rows, in f32. Rows of group x are left unspecified by the matmul: selected
     # away, not multiplied by a zero weight (0 * NaN is NaN).
     weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
@@ -119,19 +117,28 @@ def dense_experts(x, experts, weights, gate, up, down, *, first_expert):
 
 def routed_experts(backend: str, x, gate, up, down, *, rows_per_expert: float):
     """The routed experts' computation for a kernels backend (`pallas_kernels.BACKENDS`) and these (local)
-    weights: `grouped_experts` through `fp8_linear.grouped_matmul` where that backend's kernel takes them (plain
-    weights of x's dtype: `pallas_kernels.grouped_matmul`; block fp8: `grouped_matmul_fp8`), its tiles chosen for
-    `rows_per_expert` (the assignments over all the experts: under expert parallelism the rows the kernel sees
-    include other ranks'), else `dense_experts` (said once in the log with the reason, unless the backend is
-    "reference")."""
+    weights: "reference" runs `dense_experts`; a kernels backend `grouped_experts` through
+    `fp8_linear.grouped_matmul` (plain weights of x's dtype: `pallas_kernels.grouped_matmul`; block fp8:
+    `grouped_matmul_fp8`), its tiles chosen for `rows_per_expert` (the assignments over all the experts: under
+    expert parallelism the rows the kernel sees include other ranks'), or a ValueError saying why it cannot
+    (`check_routed_experts`)."""
     if backend == "reference":
         return dense_experts
-    reasons = [reason for w in (gate, up, down) for reason in _kernel_refusals(backend, x.dtype, w)]
-    if reasons:
-        _log_dense_once("; ".join(dict.fromkeys(reasons)))
-        return dense_experts
+    check_routed_experts(backend, x.dtype, gate, up, down)
     matmul = functools.partial(fp8_linear.grouped_matmul, backend=backend, rows_per_group=rows_per_expert)
     return functools.partial(grouped_experts, matmul=matmul)
+
+
+def check_routed_experts(backend: str, dtype, gate, up, down) -> None:
+    """ValueError unless the grouped matmul of kernels backend `backend` takes rows of `dtype` times these (local;
+    arrays or ShapeDtypeStructs) expert weights; the "reference" backend takes any (as dense experts)."""
+    if backend == "reference":
+        return
+    reasons = [reason for w in (gate, up, down) for reason in _kernel_refusals(backend, dtype, w)]
+    if reasons:
+        raise ValueError(f"the routed experts' grouped matmul (kernels backend {backend!r}) cannot take these "
+                         f"weights: {'; '.join(dict.fromkeys(reasons))}; kernels='reference' runs them as dense "
+                         f"experts")
 
 
 def _kernel_refusals(backend: str, dtype, w) -> list[str]:
@@ -146,11 +153,6 @@ def _kernel_refusals(backend: str, dtype, w) -> list[str]:
         return [problem]
     return pallas_kernels.unsupported("grouped_matmul_fp8", backend, *fp8_linear.quantized_rows(1, w), w.values,
                                       w.scales, sizes, block=w.block)
-
-
-@functools.cache
-def _log_dense_once(reason: str) -> None:
-    log.info("MoE routed experts run densely (every expert on every token): %s", reason)
 
 
 class MoE(nnx.Module):

@@ -1,44 +1,42 @@
 """The model's per-rank step body (run inside shard_map by `step.StepProgram`), with the next tokens sampled on the
 device.
 
-A step's rows are decode rows and the tokens of prefill chunks alike (`host/metadata.py`): the rows' tokens (host-
-given, or each slot's last sampled token) join their requests' sampler histories -> embeddings -> per layer (sparse
-DCP attention, MLP / MoE) -> final norm -> lm_head logits of the sampled rows only (a decode row, a prompt's last
-token) -> the sampler (`sampler.py`): each sampled row's next token and its logprobs, recorded in its slot of the
-sampler state. With an MTP layer (speculative decoding) a request samples a group of rows instead, its decode row
-and its drafts' (N + 1), and the device verifies the drafts (`speculative.verify_groups`); the MTP layer then runs
-over every row with the token after it (the prompt's next, or the one emitted there) and writes its own cache; its
-argmax at a request's last emitted row is the request's next first draft, and with N >= 2 chained passes of one row
-a request (`_chained_drafts`) draft the others, all kept in the device state. The prompt-logprobs
-variant also returns, for every row, the logprob of the token after it and the top ones, chunk by chunk (never the
-[R, A] logits at once); the details variant returns every row's logits and the per-layer selected global top-k ids
-(the oracle tests).
-Letters: R rows, Q sampled rows, K index top-k, A vocab, N top logprobs.
+A step's rows are decode rows and the tokens of prefill chunks alike (`host/step_metadata.py`): the rows' tokens (host-
+given, or each slot's last sampled token) join their requests' sampler histories -> embeddings -> per layer (the
+architecture's attention variant, MLP / MoE) -> final norm -> lm_head logits of the sampled rows only (a decode
+row, a prompt's last token) -> the sampler (`sampler.py`): each sampled row's next token and its logprobs,
+recorded in its slot of the sampler state. With an MTP layer (speculative decoding) a request samples a group of
+rows instead, its decode row and its drafts' (N + 1), and the device verifies the drafts
+(`speculative.verify_groups`); the MTP layer then runs over every row with the token after it (the prompt's next,
+or the one emitted there) and writes its own cache; its argmax at a request's last emitted row is the request's
+next first draft, and with N >= 2 chained passes of one row a request (`_chained_drafts`) draft the others, all
+kept in the device state.
+What a program returns is its `ProgramKind`'s choice from what the step computed (`StepResult`): the sampled tokens
+(greedy or drawing), or with them every row's prompt logprobs, chunk by chunk (never the [R, A] logits at once);
+the oracle's kind (`runtime/oracle.py`) returns every row's logits and the per-layer selections.
+Letters: see the legend in `dcp_jax/__init__.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dcp_jax.config import ModelConfig
-from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import DRAFT_TOKEN, StepInputs, StepMetadata
-from dcp_jax.model.deepseek_v32 import layer_stacks, merge
-from dcp_jax.model.kv_cache import KV_CACHE_SPECS, KVCache, on_layer
+from dcp_jax.host.step_inputs import DRAFT_TOKEN, StepInputs
+from dcp_jax.host.step_metadata import StepMetadata, draft_pass_view
+from dcp_jax.model.kv_cache import KVCache, kv_cache_specs, on_layer
 from dcp_jax.model.rope import cos_sin, rope_tables
 from dcp_jax.runtime import sampler
-from dcp_jax.runtime.sampler import SamplerState
+from dcp_jax.runtime.context import StepContext
+from dcp_jax.runtime.sampler import SampledTokens, SamplerState
 from dcp_jax.runtime.speculative import verify_groups
 
-# The programs of one bucket: its sampled rows all greedy (no draw); rows that draw (any mix of parameters); drawing,
-# with every row's prompt logprobs; greedy, with the details. The host picks one from the step's rows.
-GREEDY, SAMPLED, PROMPT_LOGPROBS, DETAILS = "greedy", "sampled", "prompt_logprobs", "details"
-VARIANTS = (GREEDY, SAMPLED, PROMPT_LOGPROBS, DETAILS)
 # Rows whose logits one step of the prompt-logprobs loop holds: [256, A] f32 (132 MB at A = 129280).
 PROMPT_LOGPROBS_CHUNK = 256
 
@@ -56,23 +54,10 @@ class DeviceState:
     drafts: jax.Array | None = None
 
 
-def state_specs(*, drafts: bool) -> DeviceState:
-    """The PartitionSpecs of a DeviceState (with the drafts or without)."""
-    return DeviceState(kv_cache=KV_CACHE_SPECS, sampler=SamplerState(P(), P(), P()), drafts=P() if drafts else None)
-
-
-STATE_SPECS = state_specs(drafts=False)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Details:
-    """The detailed outputs: every row's logits [R, A] f32, the selected global top-k ids [layers, R, K], -1
-    padded, and with an MTP layer its logits at every row [R, A] f32 (else None)."""
-
-    logits: jax.Array
-    selected: jax.Array
-    mtp_logits: jax.Array | None = None
+def state_specs(pools, *, drafts: bool) -> DeviceState:
+    """The PartitionSpecs of a DeviceState of these KV pools (`CachePool`s or names), with the drafts or without."""
+    return DeviceState(kv_cache=kv_cache_specs(pools), sampler=SamplerState(P(), P(), P()),
+                       drafts=P() if drafts else None)
 
 
 @jax.tree_util.register_dataclass
@@ -86,67 +71,57 @@ class PromptLogprobs:
     top_logprobs: jax.Array
 
 
-def _layers(model, cfg: ModelConfig, kv_cache: KVCache, hidden, md: StepMetadata, attend, *, backend: str,
-            unroll: bool):
+def _layers(model, kv_cache: KVCache, hidden, rope, md: StepMetadata, *, ctx: StepContext, keep_selected: bool):
     """Run every decoder layer, each stack of layers of one structure (`layer_stacks`) under one `jax.lax.scan`
-    (compiled once, whatever its depth; fully unrolled when `unroll`); attend(layer, x, latent pool, index pool,
-    the layer's metadata) -> (attention out, pools, selected). Returns (hidden, kv_cache, selected
-    [layers, ...])."""
-    latent, index_k = kv_cache.local_pools()
+    (compiled once, whatever its depth; fully unrolled when ctx.unroll_layers). Returns (hidden, kv_cache, the
+    global positions [layers, R, K] each row attended when `keep_selected`, else None)."""
+    pools = kv_cache.local_pools()
     selected = []
-    for stack in layer_stacks(cfg):
+    for stack in ctx.architecture.model.layer_stacks(ctx.cfg):
         graphdef, weights = nnx.split(getattr(model, stack.name))
 
         def one_layer(carry, layer_weights_and_index, graphdef=graphdef):
-            hidden, latent, index_k = carry
+            hidden, pools = carry
             layer_weights, index = layer_weights_and_index
             layer = nnx.merge(graphdef, layer_weights)
             layer_md = on_layer(md, index, num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
-            attn, latent, index_k, sel = attend(layer, layer.attention_input(hidden), latent, index_k, layer_md)
-            return (layer.feed_forward(hidden + attn, backend=backend), latent, index_k), sel
+            attn, pools, layer_selected = layer.attention(layer.attention_input(hidden), rope, pools, layer_md,
+                                                          ctx=ctx)
+            return (layer.feed_forward(hidden + attn, backend=ctx.backend), pools), (
+                layer_selected if keep_selected else None)
 
         with jax.named_scope(stack.name):
-            (hidden, latent, index_k), stack_selected = jax.lax.scan(
-                one_layer, (hidden, latent, index_k), (weights, jnp.arange(stack.first, stack.first + stack.count)),
-                unroll=stack.count if unroll else 1)
+            (hidden, pools), stack_selected = jax.lax.scan(
+                one_layer, (hidden, pools), (weights, jnp.arange(stack.first, stack.first + stack.count)),
+                unroll=stack.count if ctx.unroll_layers else 1)
         selected.append(stack_selected)
-    return hidden, kv_cache.with_local_pools(latent, index_k), jnp.concatenate(selected)
+    return hidden, kv_cache.with_local_pools(pools), jnp.concatenate(selected) if keep_selected else None
 
 
 def _mtp_rows(model, mtp, hidden, following, is_position_zero, rope, kv_cache: KVCache, md: StepMetadata, *,
-              layout: DcpLayout, backend: str):
-    """The MTP layer (`model/mtp.py`) over rows, its cache the pools' last layer: row r reads the state hidden[r]
-    [R, D] (the main model's final-normed one; in a chained pass the layer's output of the pass before, as vLLM's
-    deepseek_mtp chains it) and the token after it following[r] [R] (is_position_zero [R] masks it). Returns (the
-    layer's output [R, D], before the shared head's norm (`MtpLayer.head_input`), the KV cache)."""
+              ctx: StepContext):
+    """The MTP layer (`MtpLayer` of the model file) over rows, its cache the pools' last layer: row r reads the
+    state hidden[r] [R, D] (the main model's final-normed one; in a chained pass the layer's output of the pass
+    before, as vLLM's deepseek_mtp chains it) and the token after it following[r] [R] (is_position_zero [R] masks
+    it). Returns (the layer's output [R, D], before the shared head's norm (`MtpLayer.head_input`), the KV
+    cache)."""
     x = mtp.layer_input(model.embed_tokens(following), hidden, is_position_zero > 0)
-    latent, index_k = kv_cache.local_pools()
     layer_md = on_layer(md, kv_cache.num_layers - 1, num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
-    attn, latent, index_k, _ = mtp.layer.attention(mtp.layer.attention_input(x), rope, latent, index_k, layer_md,
-                                                   layout=layout, backend=backend)
-    return mtp.layer.feed_forward(x + attn, backend=backend), kv_cache.with_local_pools(latent, index_k)
+    attn, pools, _ = mtp.layer.attention(mtp.layer.attention_input(x), rope, kv_cache.local_pools(), layer_md, ctx=ctx)
+    return mtp.layer.feed_forward(x + attn, backend=ctx.backend), kv_cache.with_local_pools(pools)
 
 
-def _chained_drafts(model, mtp, first, hidden, accepted, kv_cache: KVCache, md: StepMetadata, cfg: ModelConfig, *,
-                    layout: DcpLayout, backend: str):
+def _chained_drafts(model, mtp, first, hidden, accepted, kv_cache: KVCache, md: StepMetadata, *, ctx: StepContext):
     """Drafts 2..N of each sample group by chained MTP passes (N - 1 = md.draft_positions' offsets // 2): pass j
     reads the MTP layer's output hidden [G, D] and the draft first [G] of the pass before, at the group's row of
     column accepted + j - 1 of md's draft_* fields (host-built for every count kept, `StepMetadata`). Returns
     ([G, N - 1] drafts, the KV cache)."""
     drafts = []
     for j in range(1, (md.draft_positions.shape[1] + 1) // 2):
-        column = (accepted + j - 1)[:, None]
-
-        def pick(table, column=column):
-            return jnp.take_along_axis(table, column, axis=1)[:, 0]
-
-        pass_md = dataclasses.replace(
-            md, positions=pick(md.draft_positions), context_lens=pick(md.draft_context_lens),
-            local_context_lens=pick(md.draft_local_context_lens), slot_mapping=pick(md.draft_slot_mapping),
-            query_seqs=md.draft_seqs)
-        rope = cos_sin(pass_md.positions, *rope_tables(cfg))
+        pass_md = draft_pass_view(md, accepted + j - 1)
+        rope = cos_sin(pass_md.positions, *rope_tables(ctx.cfg))
         hidden, kv_cache = _mtp_rows(model, mtp, hidden, first, jnp.zeros_like(first), rope, kv_cache, pass_md,
-                                     layout=layout, backend=backend)
+                                     ctx=ctx)
         first = jnp.argmax(model.head(mtp.head_input(hidden)), axis=-1).astype(jnp.int32)
         drafts.append(first)
     return jnp.stack(drafts, axis=1), kv_cache
@@ -160,37 +135,70 @@ def _following_tokens(inputs: StepInputs, sampled_tokens):
     return jnp.where(inputs.next_tokens >= 0, inputs.next_tokens, sampled_at)
 
 
-def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, *, graphdef, abstract,
-              cfg: ModelConfig, layout: DcpLayout, backend: str, variant: str, unroll_layers: bool = False,
-              mtp_graphdef=None, mtp_abstract=None, micro_batches: int = 1):
-    """Per rank: inputs and md the rank's view of the step's data; `variant` one of VARIANTS. Returns (the sampled
-    tokens packed (`sampler.pack`); with PromptLogprobs too; or SampledTokens and Details for DETAILS; the new
-    DeviceState). Pad rows read and write no KV and join the scratch slot's history. The layers run as one scan per
-    layer stack (`_layers`), unrolled when `unroll_layers`. With `mtp_graphdef` and `mtp_abstract` (an
-    `MtpLayer`'s), `params` is (the model's, the MTP layer's) and the MTP layer drafts (`_mtp_rows`).
-    `micro_batches` 2: each layer's attention runs as two micro-batches (two-batch overlap,
-    `sparse_dcp.sparse_dcp_attention`)."""
+class StepResult(NamedTuple):
+    """What one step computed, from which its program's kind picks the outputs (traced values)."""
+
+    model: Any  # the model, merged with the step's weights
+    mtp: Any  # its MTP layer (None without drafting)
+    inputs: StepInputs
+    hidden: jax.Array  # [R, D]: the last decoder layer's output, before the final norm
+    sampled: SampledTokens  # the sampled rows' tokens and logprobs
+    selected: jax.Array | None  # [layers, R, K]: the positions each row attended (when the kind keeps them)
+    mtp_hidden: jax.Array | None  # [R, D]: the MTP layer's output at every row (with an MTP layer)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramKind:
+    """One kind of step program (each compiled once per bucket): whether its sampled rows may draw (else all are
+    greedy, no draw), whether it keeps each layer's selection, and its outputs, a function of the `StepResult`."""
+
+    name: str
+    draws: bool
+    outputs: Callable[[StepResult], Any]
+    keeps_selected: bool = False
+
+
+def _tokens(result: StepResult):
+    return sampler.pack(result.sampled)
+
+
+def _tokens_and_prompt_logprobs(result: StepResult):
+    return sampler.pack(result.sampled), prompt_logprobs(result.model, result.hidden, result.inputs.next_tokens)
+
+
+# The serving programs of a bucket: its sampled rows all greedy (no draw); rows that draw (any mix of parameters);
+# drawing, with every row's prompt logprobs. The host picks one from the step's rows (`runner.step_kind`).
+GREEDY = ProgramKind("greedy", draws=False, outputs=_tokens)
+SAMPLED = ProgramKind("sampled", draws=True, outputs=_tokens)
+PROMPT_LOGPROBS = ProgramKind("prompt_logprobs", draws=True, outputs=_tokens_and_prompt_logprobs)
+SERVING_KINDS = (GREEDY, SAMPLED, PROMPT_LOGPROBS)
+# Their names, by index: what a multi-host deployment's processes are told to run (`multihost.Mirror`).
+SERVING_KIND_NAMES = tuple(kind.name for kind in SERVING_KINDS)
+
+
+def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, *, ctx: StepContext,
+              kind: ProgramKind):
+    """Per rank: inputs and md the rank's view of the step's data. Returns (`kind.outputs` of what the step
+    computed, the new DeviceState). Pad rows read and write no KV and join the scratch slot's history. With
+    ctx.mtp (drafting), `params` is (the model's, the MTP layer's) and the MTP layer drafts (`_mtp_rows`)."""
+    merge = ctx.architecture.model.merge
     mtp = None
-    if mtp_graphdef is not None:
+    if ctx.mtp is not None:
         params, mtp_params = params
-        mtp = merge(mtp_graphdef, mtp_abstract, mtp_params)
-    model = merge(graphdef, abstract, params)
+        mtp = merge(ctx.mtp.graphdef, ctx.mtp.abstract, mtp_params)
+    model = merge(ctx.model.graphdef, ctx.model.abstract, params)
     tokens = sampler.row_tokens(state.sampler, inputs.tokens, inputs.row_slots)
     if mtp is not None:  # a verify row's token DRAFT_TOKEN - i: its slot's draft i
         draft_index = jnp.clip(DRAFT_TOKEN - inputs.tokens, 0, state.drafts.shape[1] - 1)
         tokens = jnp.where(inputs.tokens <= DRAFT_TOKEN, state.drafts[inputs.row_slots, draft_index], tokens)
     sampler_state = sampler.add_history(state.sampler, tokens, inputs.roles, inputs.row_slots, inputs.fresh_slots)
-    rope = cos_sin(md.positions, *rope_tables(cfg))
-    hidden, kv_cache, selected = _layers(
-        model, cfg, state.kv_cache, model.embed_tokens(tokens), md,
-        lambda layer, x, latent, index_k, layer_md: layer.attention(x, rope, latent, index_k, layer_md, layout=layout,
-                                                                    backend=backend, micro_batches=micro_batches),
-        backend=backend, unroll=unroll_layers)
-    draws = variant in (SAMPLED, PROMPT_LOGPROBS)
-    drafts, mtp_logits = state.drafts, None
+    rope = cos_sin(md.positions, *rope_tables(ctx.cfg))
+    hidden, kv_cache, selected = _layers(model, state.kv_cache, model.embed_tokens(tokens), rope, md, ctx=ctx,
+                                         keep_selected=kind.keeps_selected)
+    drafts, mtp_hidden = state.drafts, None
     if mtp is None:
         logits = model.logits(hidden[inputs.sample_rows])
-        sampled, sampler_state = sampler.sample_rows(logits, inputs.sampling, sampler_state, draws=draws)
+        sampled, sampler_state = sampler.sample_rows(logits, inputs.sampling, sampler_state, draws=kind.draws)
     else:
         # Groups of G = N + 1 sampled rows (`StepInputs.sample_rows`): each sampling sequence's row of its last
         # token, then its drafts' rows (pads past the ones it verifies).
@@ -201,25 +209,19 @@ def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, 
         has_draft = group_rows[:, 1:] < inputs.tokens.shape[0]  # a pad entry is R
         verified = jnp.where(has_draft, drafts[slots], -1)
         sampled, accepted, sampler_state = verify_groups(model.head(normed[inputs.sample_rows]), inputs.sampling,
-                                                         sampler_state, verified, draws=draws)
+                                                         sampler_state, verified, draws=kind.draws)
         following = jnp.maximum(_following_tokens(inputs, sampled.tokens), 0)  # rejected rows: any token
         mtp_hidden, kv_cache = _mtp_rows(model, mtp, normed, following, inputs.is_position_zero, rope, kv_cache, md,
-                                         layout=layout, backend=backend)
+                                         ctx=ctx)
         last_rows = jnp.take_along_axis(group_rows, accepted[:, None], axis=-1)[:, 0]  # the last emitted's row
         drafted = jnp.argmax(model.head(mtp.head_input(mtp_hidden[last_rows])), axis=-1).astype(jnp.int32)[:, None]
         if group > 2:
             chained, kv_cache = _chained_drafts(model, mtp, drafted[:, 0], mtp_hidden[last_rows], accepted,
-                                                kv_cache, md, cfg, layout=layout, backend=backend)
+                                                kv_cache, md, ctx=ctx)
             drafted = jnp.concatenate([drafted, chained], axis=1)
         drafts = drafts.at[slots].set(drafted)  # pads: the scratch slot's
-        if variant == DETAILS:
-            mtp_logits = model.head(mtp.head_input(mtp_hidden))
-    new_state = DeviceState(kv_cache, sampler_state, drafts)
-    if variant == DETAILS:
-        return (sampled, Details(model.logits(hidden), selected, mtp_logits)), new_state
-    if variant == PROMPT_LOGPROBS:
-        return (sampler.pack(sampled), prompt_logprobs(model, hidden, inputs.next_tokens)), new_state
-    return sampler.pack(sampled), new_state
+    result = StepResult(model, mtp, inputs, hidden, sampled, selected, mtp_hidden)
+    return kind.outputs(result), DeviceState(kv_cache, sampler_state, drafts)
 
 
 def prompt_logprobs(model, hidden, next_tokens) -> PromptLogprobs:

@@ -24,7 +24,7 @@ import numpy as np
 # Commands of the channel: run a program on a step buffer, allocate a fresh device state, a result for the
 # followers (an offline `generate`'s outputs), stop following.
 RUN, RESET, RESULT, STOP = 1, 2, 3, 4
-_HEADER = struct.Struct("!iiiq")  # command, variant index, bucket, payload bytes
+_HEADER = struct.Struct("!iiiq")  # command, program kind index, bucket, payload bytes
 # How long the leader waits for every follower (they load and compile meanwhile) and a follower retries its
 # connection; a connection's hello; the heartbeat that bounds a silent peer.
 CONNECT_TIMEOUT_S = 900.0
@@ -158,12 +158,12 @@ class StepChannel:
         if first and self._on_lost is not None:
             self._on_lost(message)
 
-    def send(self, command: int, variant: int = 0, bucket: int = 0, payload: bytes = b"") -> None:
+    def send(self, command: int, kind: int = 0, bucket: int = 0, payload: bytes = b"") -> None:
         """Send one command to every follower; PeerLost once one is gone (a follower that closes after a RESULT
         it received is seen by the next send)."""
         if self.failure:
             raise PeerLost(self.failure)
-        message = _HEADER.pack(command, variant, bucket, len(payload)) + payload
+        message = _HEADER.pack(command, kind, bucket, len(payload)) + payload
         lost = None
         for process_id, peer in self._peers.items():
             try:
@@ -205,10 +205,10 @@ class FollowerChannel:
         self._sock.sendall(struct.pack("!i", dist.process_id))
 
     def recv(self) -> tuple[int, int, int, bytes]:
-        """The next command: (command, variant index, bucket, payload); PeerLost when the leader is gone."""
+        """The next command: (command, program kind index, bucket, payload); PeerLost when the leader is gone."""
         try:
-            command, variant, bucket, size = _HEADER.unpack(_recv_exactly(self._sock, _HEADER.size))
-            return command, variant, bucket, _recv_exactly(self._sock, size)
+            command, kind, bucket, size = _HEADER.unpack(_recv_exactly(self._sock, _HEADER.size))
+            return command, kind, bucket, _recv_exactly(self._sock, size)
         except OSError as e:
             raise PeerLost(f"the leader is gone: {e}") from None
 
@@ -219,11 +219,11 @@ class FollowerChannel:
 class Mirror:
     """What a leader's `ModelRunner` calls so its followers run the same programs (`ModelRunner.mirror`)."""
 
-    def __init__(self, channel: StepChannel, variants: tuple[str, ...]):
-        self.channel, self._variants = channel, variants
+    def __init__(self, channel: StepChannel, kind_names: tuple[str, ...]):
+        self.channel, self._kind_names = channel, kind_names
 
-    def run(self, variant: str, bucket: int, packed: np.ndarray) -> None:
-        self.channel.send(RUN, self._variants.index(variant), bucket, np.ascontiguousarray(packed).tobytes())
+    def run(self, kind_name: str, bucket: int, packed: np.ndarray) -> None:
+        self.channel.send(RUN, self._kind_names.index(kind_name), bucket, np.ascontiguousarray(packed).tobytes())
 
     def reset(self) -> None:
         self.channel.send(RESET)
@@ -237,26 +237,26 @@ class Mirror:
         self.channel.send(RESULT, payload=payload)
 
 
-def connect(dist: Distributed, runner, variants: tuple[str, ...], *, on_lost=None):
+def connect(dist: Distributed, runner, kind_names: tuple[str, ...], *, on_lost=None):
     """This process's channel of deployment `dist`: process 0's `StepChannel` (accepting every other process, its
     `runner` mirrored to them, `on_lost` called once one is gone), or another process's `FollowerChannel`."""
     if not dist.is_leader:
         return FollowerChannel(dist)
     channel = StepChannel(dist, on_lost=on_lost)
-    runner.mirror = Mirror(channel, variants)
+    runner.mirror = Mirror(channel, kind_names)
     return channel
 
 
-def follow(runner, channel: FollowerChannel, variants: tuple[str, ...]):
+def follow(runner, channel: FollowerChannel, kind_names: tuple[str, ...]):
     """A follower's loop: run each program the leader runs, on its buffer, until the leader sends a result (returned;
     the leader is this deployment's process 0, whose pickles it trusts) or stops (None). PeerLost when the leader
     is gone."""
     from dcp_jax.runtime.step import Placed
 
     while True:
-        command, variant, bucket, payload = channel.recv()
+        command, kind, bucket, payload = channel.recv()
         if command == RUN:
-            runner.run_mirrored(variants[variant], Placed(bucket, np.frombuffer(payload, np.int32).copy()))
+            runner.run_mirrored(kind_names[kind], Placed(bucket, np.frombuffer(payload, np.int32).copy()))
         elif command == RESET:
             runner.reset_state()
         elif command == RESULT:

@@ -1,13 +1,14 @@
-"""`ModelRunner`: the placed weights, the device state (paged KV pool and sampler state) and the compiled step
+"""`ModelRunner`: the placed weights, the device state (paged KV pools and sampler state) and the compiled step
 programs of one model.
 
 Serving dispatches (`dispatch`): the runner builds the step's metadata and inputs from the scheduled rows
-(`host/metadata.py`), enqueues the bucket's program and returns its outputs still on the device (JAX dispatch is
-asynchronous), so the caller can dispatch the next step before it reads them. Only sampled token ids and logprobs
-come out. `prefill` / `decode` are the detailed, synchronous forms the oracle tests use: host logits, and the
-selected top-k ids when asked, from the `details` variant (compiled at first use). Page allocation and sampler
-slots are the caller's; a slot's sampling parameters and seed (`SamplingTable`) are set with `set_sampling` before
-its first sampled row.
+(`host/step_plan.py`), enqueues the bucket's program of the step's kind (`forward.ProgramKind`) and returns its
+outputs still on the device (JAX dispatch is asynchronous), so the caller can dispatch the next step before it reads
+them. Only sampled token ids and logprobs come out. A kind besides the serving ones (the oracle's,
+`runtime/oracle.py`) gets its programs at first use. Whole pages of the KV pools leave and enter the runner by
+`export_pages` / `import_pages` (host-built page ids, one compiled program per page-count bucket). Page allocation
+and sampler slots are the caller's; a slot's sampling parameters and seed (`SamplingTable`) are set with
+`set_sampling` before its first sampled row.
 """
 
 from __future__ import annotations
@@ -23,110 +24,96 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
+from dcp_jax.host import arrays
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import (MIN_TOKENS_STOP_IDS, PROMPT, SamplingMetadata, SamplingTable, ScheduledRows,
-                                   StepInputs, build_step, draft_offsets, fill_decode_rows)
 from dcp_jax.host.sampling import SamplingParams
-from dcp_jax.model import fp8_linear
-from dcp_jax.model.deepseek_v32 import abstract_model, param_specs
-from dcp_jax.model.kv_cache import allocate_kv_cache
+from dcp_jax.host.sampling_metadata import SamplingTable
+from dcp_jax.host.step_inputs import StepInputs, step_inputs_sizes
+from dcp_jax.host.step_metadata import draft_offsets
+from dcp_jax.host.step_plan import ScheduledRows, build_step, fill_decode_rows
+from dcp_jax.model import architecture, fp8_linear
+from dcp_jax.model.kv_cache import (KVCache, allocate_kv_cache, cache_pools, gather_pages, kv_cache_specs,
+                                    page_buckets, scatter_pages)
 from dcp_jax.model.mesh import REPLICATED, sharding
-from dcp_jax.model.mtp import abstract_mtp
-from dcp_jax.runtime.forward import (DETAILS, GREEDY, PROMPT_LOGPROBS, SAMPLED, VARIANTS, DeviceState, state_specs,
-                                     step_body)
+from dcp_jax.runtime.context import ModelDef, StepContext
+from dcp_jax.runtime.forward import (GREEDY, PROMPT_LOGPROBS, SAMPLED, SERVING_KINDS, DeviceState, ProgramKind,
+                                     state_specs, step_body)
 from dcp_jax.runtime.sampler import SamplerState
 from dcp_jax.runtime.step import Placed, StepProgram
 
-# How the detailed (test) calls sample: greedily, on the scratch slot.
-GREEDY_PARAMS = SamplingParams(temperature=0.0)
 
-
-def step_variant(params: Sequence[SamplingParams], *, prompt_logprobs: bool) -> str:
+def step_kind(params: Sequence[SamplingParams], *, prompt_logprobs: bool) -> ProgramKind:
     """The serving program of a step whose sampled rows have `params`: the prompt-logprobs one when a chunk wants
-    them, else drawing when a row draws, else greedy (`forward.VARIANTS`)."""
+    them, else drawing when a row draws, else greedy."""
     if prompt_logprobs:
         return PROMPT_LOGPROBS
     return SAMPLED if any(not p.is_greedy for p in params) else GREEDY
 
 
-def serving_variants(params: Sequence[SamplingParams]) -> tuple[str, ...]:
-    """The serving programs that steps over requests of `params` (any subset of them) can take, prompt logprobs
-    apart: greedy and / or drawing."""
-    draws = {not p.is_greedy for p in params}
-    return tuple(v for v, needed in ((GREEDY, False in draws), (SAMPLED, True in draws)) if needed)
+def step_context(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, backend: str, *, dtype,
+                 fp8_block: tuple[int, int] | None = None, mtp_fp8_block: tuple[int, int] | None = None,
+                 drafts: bool = False, unroll_layers: bool = False, enable_tbo: bool = False) -> StepContext:
+    """The context of a runner's programs: the model's abstract state in `dtype` (its `fp8_linear.FP8_AXES` leaves
+    block fp8 of `fp8_block`), its MTP layer's when it `drafts`; `enable_tbo`: each layer's attention runs as two
+    micro-batches of the step's rows (two-batch overlap)."""
+    model = architecture.of(cfg).model
+    mtp = ModelDef(*model.abstract_mtp(cfg, dtype, mtp_fp8_block)) if drafts else None
+    return StepContext(cfg=cfg, layout=DcpLayout(parallel.dcp, parallel.interleave, engine.page_size),
+                       backend=backend, model=ModelDef(*model.abstract_model(cfg, dtype, fp8_block)), mtp=mtp,
+                       micro_batches=2 if enable_tbo else 1, unroll_layers=unroll_layers)
 
 
-def sampling_shapes(rows: int) -> SamplingMetadata:
-    f32, i32 = (jax.ShapeDtypeStruct((rows,), d) for d in (jnp.float32, jnp.int32))
-    return SamplingMetadata(temperature=f32, top_k=i32, top_p=f32, min_p=f32, presence_penalty=f32,
-                            frequency_penalty=f32, repetition_penalty=f32,
-                            seeds=jax.ShapeDtypeStruct((rows, 2), jnp.uint32),
-                            stop_ids=jax.ShapeDtypeStruct((rows, MIN_TOKENS_STOP_IDS), jnp.int32), stops_from=i32,
-                            positions=i32, slots=i32)
+def param_specs(ctx: StepContext, parallel: ParallelConfig):
+    """The PartitionSpecs of the programs' params: the model's, or (the model's, the MTP layer's) when drafting."""
+    model = ctx.architecture.model
+
+    def specs(model_def: ModelDef):
+        return model.param_specs(ctx.cfg, nnx.to_pure_dict(model_def.abstract),
+                                 expert_parallel=parallel.enable_expert_parallel)
+
+    return specs(ctx.model) if ctx.mtp is None else (specs(ctx.model), specs(ctx.mtp))
 
 
-def step_input_shapes(engine: EngineConfig):
-    """rows -> the ShapeDtypeStructs of a bucket's `StepInputs`."""
+def step_program(ctx: StepContext, kind: ProgramKind, parallel: ParallelConfig, engine: EngineConfig,
+                 mesh: Mesh) -> StepProgram:
+    """The step program of one kind for the model of `ctx` (`forward.step_body`), one compiled program per bucket
+    of `engine` (nothing is placed or compiled yet)."""
+    group = engine.sample_group
 
-    def shapes(rows: int) -> StepInputs:
-        samples = engine.seqs_for(rows) * engine.sample_group
-        per_row, per_seq, per_sample = (jax.ShapeDtypeStruct((n,), jnp.int32)
-                                        for n in (rows, engine.seqs_for(rows), samples))
-        return StepInputs(tokens=per_row, roles=per_row, row_slots=per_row, next_tokens=per_row,
-                          is_position_zero=per_row, fresh_slots=per_seq, sample_rows=per_sample,
-                          sampling=sampling_shapes(samples))
+    def input_shapes(rows: int) -> StepInputs:
+        return arrays.build(StepInputs, step_inputs_sizes(rows, engine.seqs_for(rows), group), jax.ShapeDtypeStruct)
 
-    return shapes
-
-
-def step_programs(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh, backend: str, *,
-                  graphdef, abstract, mtp=None, unroll_layers: bool = False,
-                  enable_tbo: bool = False) -> dict[str, StepProgram]:
-    """The step program of every variant (`forward.VARIANTS`) of a model (`abstract_model`'s graphdef and abstract
-    state; with `mtp`, `abstract_mtp`'s, the programs draft with the MTP layer and take (model, MTP layer) params),
-    one compiled program per bucket each; nothing is placed or compiled yet. `enable_tbo`: each layer's attention
-    runs as two micro-batches of the step's rows (two-batch overlap)."""
-    layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
-    specs = param_specs(nnx.to_pure_dict(abstract), expert_parallel=parallel.enable_expert_parallel)
-    mtp_graphdef, mtp_abstract = mtp or (None, None)
-    if mtp is not None:
-        specs = (specs, param_specs(nnx.to_pure_dict(mtp_abstract), expert_parallel=parallel.enable_expert_parallel))
-    return {
-        variant: StepProgram(
-            functools.partial(step_body, graphdef=graphdef, abstract=abstract, cfg=cfg, layout=layout,
-                              backend=backend, variant=variant, unroll_layers=unroll_layers,
-                              mtp_graphdef=mtp_graphdef, mtp_abstract=mtp_abstract,
-                              micro_batches=2 if enable_tbo else 1),
-            mesh, buckets=engine.buckets, seqs_for=engine.seqs_for, layout=layout,
-            max_blocks=engine.max_blocks_per_seq(parallel.dcp), num_pages=engine.num_pages, param_specs=specs,
-            input_specs=REPLICATED, output_specs=REPLICATED, state_specs=state_specs(drafts=mtp is not None),
-            input_shapes=step_input_shapes(engine), draft_offsets=draft_offsets(engine.num_speculative_tokens))
-        for variant in VARIANTS
-    }
+    return StepProgram(functools.partial(step_body, ctx=ctx, kind=kind), mesh, buckets=engine.buckets,
+                       seqs_for=engine.seqs_for, layout=ctx.layout, max_blocks=engine.max_blocks_per_seq(parallel.dcp),
+                       num_pages=engine.num_pages, param_specs=param_specs(ctx, parallel), input_specs=REPLICATED,
+                       output_specs=REPLICATED,
+                       state_specs=state_specs(cache_pools(ctx.cfg, engine), drafts=ctx.mtp is not None),
+                       input_shapes=input_shapes, draft_offsets=draft_offsets(engine.num_speculative_tokens))
 
 
 def state_allocator(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh, dtype):
     """A compiled function returning a zeroed `DeviceState` (the KV pools in `engine`'s formats, exact ones of
     `dtype`, the sampler's, and each slot's draft when `engine` drafts) in its sharded placement."""
     drafting = bool(engine.num_speculative_tokens)
+    specs = state_specs(cache_pools(cfg, engine), drafts=drafting)
     return jax.jit(
         lambda: DeviceState(allocate_kv_cache(cfg, engine, parallel.dcp, mesh, dtype),
                             SamplerState.zeros(engine.max_num_seqs, cfg.vocab_size),
                             jnp.zeros((engine.max_num_seqs + 1, engine.num_speculative_tokens), jnp.int32)
                             if drafting else None),
-        out_shardings=jax.tree.map(lambda spec: sharding(mesh, spec), state_specs(drafts=drafting)))
+        out_shardings=jax.tree.map(lambda spec: sharding(mesh, spec), specs))
 
 
 def compile_programs(steps: dict[str, StepProgram], programs: Sequence[tuple[str, int]], params, state, *,
                      workers: int = 1, on_compiled=None) -> None:
-    """Compile the (variant, bucket) `programs` of `steps`: each lowered in turn (tracing is single-threaded), then
-    `workers` XLA compiles at once (they run outside the GIL); on_compiled(variant, bucket) after each. `params` and
-    `state` may be ShapeDtypeStructs in the steps' sharding (`StepProgram.param_shapes`): nothing is read."""
-    for variant, rows in programs:
-        steps[variant].lower(params, state, rows)
+    """Compile the (kind name, bucket) `programs` of `steps`: each lowered in turn (tracing is single-threaded),
+    then `workers` XLA compiles at once (they run outside the GIL); on_compiled(kind name, bucket) after each.
+    `params` and `state` may be ShapeDtypeStructs in the steps' sharding (`StepProgram.param_shapes`): nothing is
+    read."""
+    for name, rows in programs:
+        steps[name].lower(params, state, rows)
     with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-        compiling = {pool.submit(steps[variant].compile, params, state, rows): (variant, rows)
-                     for variant, rows in programs}
+        compiling = {pool.submit(steps[name].compile, params, state, rows): (name, rows) for name, rows in programs}
         for done in concurrent.futures.as_completed(compiling):
             done.result()
             if on_compiled:
@@ -146,30 +133,31 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, parallel: ParallelConfig, engine: EngineConfig, mesh: Mesh,
                  backend: str, *, dtype=jnp.float32, unroll_layers: bool = False, mtp_params: dict | None = None,
                  enable_tbo: bool = False):
+        if bool(engine.num_speculative_tokens) != (mtp_params is not None):
+            raise ValueError(f"num_speculative_tokens={engine.num_speculative_tokens} needs the MTP layer's params "
+                             f"exactly when it is > 0")
         self.cfg, self.parallel, self.engine, self.mesh = cfg, parallel, engine, mesh
-        self.layout = DcpLayout(parallel.dcp, parallel.interleave, engine.page_size)
+        self.ctx = step_context(cfg, parallel, engine, backend, dtype=dtype, fp8_block=fp8_linear.weight_block(params),
+                                mtp_fp8_block=fp8_linear.weight_block(mtp_params) if mtp_params is not None else None,
+                                drafts=mtp_params is not None, unroll_layers=unroll_layers, enable_tbo=enable_tbo)
+        self.layout = self.ctx.layout
         self.max_blocks = engine.max_blocks_per_seq(parallel.dcp)
         self.scratch_slot = engine.max_num_seqs
         self.sampling_table = SamplingTable(engine.max_num_seqs + 1, scratch_slot=self.scratch_slot,
                                             eos_token_id=cfg.eos_token_id)
-        graphdef, abstract = abstract_model(cfg, dtype, fp8_linear.weight_block(params))
-        if bool(engine.num_speculative_tokens) != (mtp_params is not None):
-            raise ValueError(f"num_speculative_tokens={engine.num_speculative_tokens} needs the MTP layer's params "
-                             f"exactly when it is > 0")
-        mtp = abstract_mtp(cfg, dtype, fp8_linear.weight_block(mtp_params)) if mtp_params is not None else None
-        # Keyed by variant (`forward.VARIANTS`), one program per bucket each.
-        self.steps = step_programs(cfg, parallel, engine, mesh, backend, graphdef=graphdef, abstract=abstract,
-                                   mtp=mtp, unroll_layers=unroll_layers, enable_tbo=enable_tbo)
-        self.params = self.steps[GREEDY].place_params(params if mtp is None else (params, mtp_params))
+        # Keyed by kind name (the serving kinds; others added at first use), one program per bucket each.
+        self.steps = {kind.name: step_program(self.ctx, kind, parallel, engine, mesh) for kind in SERVING_KINDS}
+        self.params = self.steps[GREEDY.name].place_params(params if mtp_params is None else (params, mtp_params))
         # One compiled allocator, so `reset_state` never compiles while serving.
         self._new_state = state_allocator(cfg, parallel, engine, mesh, dtype)
         self.state = self._new_state()
         self._empty_steps: dict[int, Placed] = {}  # bucket -> its step of pad rows only (`_empty_step`)
+        self._page_programs: dict[tuple[str, int], object] = {}  # ("export" | "import", pages) -> compiled
         # A multi-host leader's `multihost.Mirror`: its followers run every program this runner runs.
         self.mirror = None
 
     @property
-    def kv_cache(self):
+    def kv_cache(self) -> KVCache:
         return self.state.kv_cache
 
     def kv_cache_is_usable(self) -> bool:
@@ -190,13 +178,15 @@ class ModelRunner:
         self.state = self._new_state()
 
     # ---- programs ---------------------------------------------------------------------------------------
-    def programs(self, variants: Sequence[str] = (GREEDY, SAMPLED)) -> list[tuple[str, int]]:
-        """Every (variant, bucket) program of `variants`."""
-        return [(variant, rows) for variant in variants for rows in self.engine.buckets]
+    def program(self, kind: ProgramKind) -> StepProgram:
+        """The step program of `kind` (built at first use for a kind besides the serving ones)."""
+        if kind.name not in self.steps:
+            self.steps[kind.name] = step_program(self.ctx, kind, self.parallel, self.engine, self.mesh)
+        return self.steps[kind.name]
 
-    def compile(self, variant: str, rows: int) -> None:
-        """Compile one program of `programs()` (once)."""
-        self.steps[variant].compile(self.params, self.state, rows)
+    def programs(self, kinds: Sequence[ProgramKind] = (GREEDY, SAMPLED)) -> list[tuple[str, int]]:
+        """Every (kind name, bucket) program of `kinds`."""
+        return [(kind.name, rows) for kind in kinds for rows in self.engine.buckets]
 
     def compile_all(self, programs: Sequence[tuple[str, int]], *, workers: int = 1, on_compiled=None) -> None:
         """Compile `programs` (from `programs()`), `workers` at once (`compile_programs`)."""
@@ -208,19 +198,22 @@ class ModelRunner:
         prompt taking the slot)."""
         self.sampling_table.set(slot, params, seed, prompt_len)
 
-    def dispatch(self, rows: ScheduledRows, variant: str):
-        """Enqueue one step of `rows` in the `variant` program of the smallest bucket that holds them. Returns the
-        step's sampled tokens packed (`sampler.unpack` reads them; `engine.sample_group` entries per sequence that
-        samples, in order: its token, or a verify group's emitted tokens, then -1), with the rows'
-        `PromptLogprobs` for that variant, on the device, their copy to the host already queued behind the step."""
-        outputs = self._run(rows, variant)
+    def dispatch(self, rows: ScheduledRows, kind: ProgramKind):
+        """Enqueue one step of `rows` in the `kind` program of the smallest bucket that holds them. Returns the
+        kind's outputs (the serving kinds: the sampled tokens packed, `sampler.unpack` reads them;
+        `engine.sample_group` entries per sequence that samples, in order: its token, or a verify group's emitted
+        tokens, then -1; with the rows' `PromptLogprobs` for that kind), on the device, their copy to the host
+        already queued behind the step."""
+        outputs = self.run(rows, kind)
         for leaf in jax.tree.leaves(outputs):
             leaf.copy_to_host_async()
         return outputs
 
-    def _run(self, rows: ScheduledRows, variant: str):
+    def run(self, rows: ScheduledRows, kind: ProgramKind):
+        """Run one step of `rows` in the `kind` program of its bucket (compiled at first use); its outputs, on the
+        device."""
         bucket = self.engine.bucket_for(rows.num_rows)
-        step = self.steps[variant]
+        step = self.program(kind)
         step.compile(self.params, self.state, bucket)  # a no-op once compiled (an engine compiles every one first)
         if rows.is_decode and self.engine.sample_group == 1:  # the steady state: written into the empty step
             placed = step.pack_filled(self._empty_step(step, bucket), functools.partial(
@@ -230,20 +223,20 @@ class ModelRunner:
                                                   layout=self.layout, max_blocks=self.max_blocks,
                                                   table=self.sampling_table, group=self.engine.sample_group))
         if self.mirror is not None:
-            self.mirror.run(variant, bucket, placed.packed)
+            self.mirror.run(kind.name, bucket, placed.packed)
         outputs, self.state = step.run_placed(self.params, self.state, placed)
         if self.mirror is not None:  # multi-host: replicated over every process; this one's copy, readable here
             outputs = jax.tree.map(lambda a: a.addressable_data(0), outputs)
         return outputs
 
-    def run_mirrored(self, variant: str, placed: Placed) -> None:
-        """A multi-host follower: run the `variant` program on the leader's step buffer (`multihost.follow`)."""
-        step = self.steps[variant]
+    def run_mirrored(self, kind_name: str, placed: Placed) -> None:
+        """A multi-host follower: run the `kind_name` program on the leader's step buffer (`multihost.follow`)."""
+        step = self.steps[kind_name]
         step.compile(self.params, self.state, placed.bucket)
         _, self.state = step.run_placed(self.params, self.state, placed)
 
     def _empty_step(self, step: StepProgram, bucket: int) -> Placed:
-        """The packed step of `bucket` with no rows (every row a pad), built once a bucket (every variant packs
+        """The packed step of `bucket` with no rows (every row a pad), built once a bucket (every kind packs
         alike)."""
         if bucket not in self._empty_steps:
             none = ScheduledRows.decode([], [], np.zeros((0, self.max_blocks), np.int32))
@@ -252,68 +245,62 @@ class ModelRunner:
                 max_blocks=self.max_blocks, table=self.sampling_table, group=self.engine.sample_group))
         return self._empty_steps[bucket]
 
-    # ---- detailed and synchronous (tests) ------------------------------------------------------------------
-    def run_details(self, rows: ScheduledRows):
-        """Run `rows` in the details program and wait: host (SampledTokens, `forward.Details`)."""
-        return jax.device_get(self._run(rows, DETAILS))
+    # ---- whole pages in and out ---------------------------------------------------------------------------
+    def _page_ids(self, page_ids: Sequence[int]) -> np.ndarray:
+        """`page_ids` checked against the pool and padded with -1 to their page-count bucket."""
+        if self.mirror is not None:
+            raise ValueError("pages move in and out of a single-process runner only (a multi-host deployment's other "
+                             "processes would not run the transfer)")
+        ids = np.asarray(page_ids, np.int64).reshape(-1)
+        num_pages = self.engine.num_pages
+        if ids.size == 0 or ids.min() < 0 or ids.max() >= num_pages or len(np.unique(ids)) != ids.size:
+            raise ValueError(f"page ids must be distinct, in [0, {num_pages}), and at least one; got {ids.tolist()}")
+        buckets = page_buckets(num_pages)
+        if ids.size > buckets[-1]:
+            raise ValueError(f"{ids.size} pages are more than the pool's {num_pages}")
+        padded = np.full(next(b for b in buckets if b >= ids.size), -1, np.int32)
+        padded[: ids.size] = ids
+        return padded
 
-    def prefill(self, prompts: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]], *,
-                chunk_size: int | None = None, all_logits: bool = False, return_selected: bool = False):
-        """Prefill `prompts` (token ids, lengths >= 1) into the pages of `block_tables`, each in chunks of at most
-        `chunk_size` tokens (default: the largest bucket), one step a chunk; the greedy first tokens go to the
-        scratch slot. Returns host (logits [n, A] at each prompt's last token, or [n, Tmax, A] at every position
-        when all_logits (NaN past a prompt); selected [layers, n, Tmax, K] global ids, -1 padded, when
-        return_selected, else None; the first tokens [n] the device sampled)."""
-        lens = [len(p) for p in prompts]
-        if len(prompts) != len(block_tables) or not prompts or min(lens) < 1:
-            raise ValueError(f"need one non-empty prompt per block table, got {lens=} and {len(block_tables)} tables")
-        chunk_size = chunk_size or self.engine.buckets[-1]
-        if not 1 <= chunk_size <= self.engine.max_num_batched_tokens:
-            raise ValueError(f"{chunk_size=} must be in [1, max_num_batched_tokens="
-                             f"{self.engine.max_num_batched_tokens}]")
-        self.set_sampling(self.scratch_slot, GREEDY_PARAMS, 0, 0)
-        logits, selected, first_tokens = [], [], []
-        for prompt, table in zip(prompts, block_tables):
-            prompt = np.asarray(prompt, np.int32)
-            rows_logits, rows_selected = [], []
-            for start in range(0, len(prompt), chunk_size):
-                end = min(start + chunk_size, len(prompt))
-                n = end - start
-                rows = ScheduledRows(
-                    slots=np.array([self.scratch_slot], np.int32), context_lens=np.array([end], np.int32),
-                    num_queries=np.array([n], np.int32), block_tables=[table], tokens=prompt[start:end],
-                    roles=np.full(n, PROMPT, np.int32), next_tokens=np.append(prompt[start + 1:end + 1], -1)[:n],
-                    is_fresh=np.array([start == 0]), samples=np.array([end == len(prompt)]))
-                sampled, details = self._run(rows, DETAILS)
-                rows_logits.append(np.asarray(details.logits)[:n])
-                rows_selected.append(np.asarray(details.selected)[:, :n])
-            first_tokens.append(int(np.asarray(sampled.tokens)[0]))
-            logits.append(np.concatenate(rows_logits))
-            selected.append(np.concatenate(rows_selected, axis=1))
-        tokens = max(lens)
-        if all_logits:
-            out_logits = np.stack([_pad_axis(a, 0, tokens, np.nan) for a in logits])
-        else:
-            out_logits = np.stack([a[-1] for a in logits])
-        out_selected = np.stack([_pad_axis(a, 1, tokens, -1) for a in selected], axis=1) if return_selected else None
-        return out_logits, out_selected, np.array(first_tokens, np.int32)
+    def _page_program(self, direction: str, count: int):
+        """The compiled export or import program of `count` pages (a page-count bucket), compiled once."""
+        key = (direction, count)
+        if key not in self._page_programs:
+            placed = jax.tree.map(lambda spec: sharding(self.mesh, spec),
+                                  kv_cache_specs(self.state.kv_cache.pools))
+            ids = jax.ShapeDtypeStruct((count,), jnp.int32, sharding=sharding(self.mesh, REPLICATED))
+            cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                 self.state.kv_cache)
+            if direction == "export":
+                program = jax.jit(gather_pages, out_shardings=placed).lower(cache, ids)
+            else:
+                pages = jax.eval_shape(gather_pages, cache, ids)
+                pages = jax.tree.map(lambda a, c: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=c.sharding),
+                                     pages, cache)
+                program = jax.jit(scatter_pages, donate_argnums=0, out_shardings=placed).lower(cache, pages, ids)
+            self._page_programs[key] = program.compile()
+        return self._page_programs[key]
 
-    def decode(self, tokens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], *,
-               return_selected: bool = False):
-        """One decode step feeding `tokens` (greedy, on the scratch slot). Returns host (logits [n, A] f32,
-        selected [layers, n, K] global ids when return_selected, else None, the tokens [n] the device sampled)."""
-        n = len(tokens)
-        if not n == len(context_lens) == len(block_tables):
-            raise ValueError(f"{n} tokens, {len(context_lens)} context lengths and {len(block_tables)} block tables "
-                             f"must match")
-        self.set_sampling(self.scratch_slot, GREEDY_PARAMS, 0, 0)
-        rows = ScheduledRows.decode([self.scratch_slot] * n, context_lens, block_tables, tokens=tokens)
-        sampled, details = self._run(rows, DETAILS)
-        selected = np.asarray(details.selected)[:, :n] if return_selected else None
-        return np.asarray(details.logits)[:n], selected, np.asarray(sampled.tokens)[::self.engine.sample_group][:n]
+    def export_pages(self, page_ids: Sequence[int]) -> KVCache:
+        """The pages `page_ids` (host ints) of every pool, layer and rank, [W, layers, n, B, ...] each (n the ids'
+        page-count bucket: pads past len(page_ids) hold zeros), on this runner's devices."""
+        ids = self._page_ids(page_ids)
+        return self._page_program("export", len(ids))(self.state.kv_cache, ids)
 
-
-def _pad_axis(a: np.ndarray, axis: int, size: int, value) -> np.ndarray:
-    pad = [(0, 0)] * a.ndim
-    pad[axis] = (0, size - a.shape[axis])
-    return np.pad(a, pad, constant_values=value)
+    def import_pages(self, pages: KVCache, page_ids: Sequence[int]) -> None:
+        """Write `pages` (`export_pages` of a runner of the same architecture, cache formats, page size and DCP
+        size; on any devices) at `page_ids` of this runner's pools, the first len(page_ids) of them, in place."""
+        ids = self._page_ids(page_ids)
+        count = len(ids)
+        have = jax.tree.leaves(pages)[0].shape[2]
+        if have != count:
+            raise ValueError(f"{len(page_ids)} page ids take a bucket of {count} pages; the export holds {have}")
+        want = jax.eval_shape(gather_pages, self.state.kv_cache, jax.ShapeDtypeStruct((count,), jnp.int32))
+        if jax.tree.structure(pages) != jax.tree.structure(want) or any(
+                (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(jax.tree.leaves(pages),
+                                                                          jax.tree.leaves(want))):
+            raise ValueError("the pages are not of this runner's pools (architecture, cache formats, page size, "
+                             "DCP size and layers must match)")
+        pages = jax.device_put(pages, jax.tree.map(lambda a: a.sharding, self.state.kv_cache))
+        kv_cache = self._page_program("import", count)(self.state.kv_cache, pages, ids)
+        self.state = DeviceState(kv_cache, self.state.sampler, self.state.drafts)

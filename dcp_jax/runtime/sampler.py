@@ -11,7 +11,7 @@ order-preserving integer keys of the logits (8 passes over a row each, 16 candid
 Draws are counter-based: row r draws Gumbel noise from a key made of its request's 64-bit seed and the position of
 the token it samples, so a request's tokens depend on nothing else (not its batch, bucket or preemptions).
 Logprobs are those of the raw logits (vLLM's default): the sampled token's and the TOP_LOGPROBS largest.
-Letters: R rows, A vocab, N = TOP_LOGPROBS.
+Letters: see the legend in `dcp_jax/__init__.py`; the top logprobs are TOP_LOGPROBS wide.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dcp_jax.host.metadata import GENERATED, PROMPT
+from dcp_jax.host.step_inputs import GENERATED, PROMPT
 
 # The most top logprobs a request may ask for (vLLM's default max_logprobs): every row gets this many.
 TOP_LOGPROBS = 20
@@ -40,15 +40,15 @@ class SampledTokens:
     tokens: jax.Array
     # [R] f32: its logprob under the raw logits.
     logprobs: jax.Array
-    # [R, N] int32 / f32: the N most likely tokens under the raw logits (largest first, lower id first among ties)
-    # and their logprobs.
+    # [R, TOP_LOGPROBS] int32 / f32: the TOP_LOGPROBS most likely tokens under the raw logits (largest first, lower
+    # id first among ties) and their logprobs.
     top_ids: jax.Array
     top_logprobs: jax.Array
 
 
 def pack(sampled: SampledTokens):
-    """SampledTokens as one int32 array [R, 2 + 2N] (tokens, logprob bits, top ids, top logprob bits): the host
-    reads a step's tokens with one transfer (`unpack`)."""
+    """SampledTokens as one int32 array [R, 2 + 2 TOP_LOGPROBS] (tokens, logprob bits, top ids, top logprob bits):
+    the host reads a step's tokens with one transfer (`unpack`)."""
     bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
     return jnp.concatenate([sampled.tokens[:, None], bits(sampled.logprobs)[:, None], sampled.top_ids,
                             bits(sampled.top_logprobs)], axis=1)
@@ -133,8 +133,8 @@ def row_keys(seeds, positions):
 
 
 def hold_back_stops(logits, stop_ids, stops_from, positions):
-    """logits [R, A] with -inf at each row's stop_ids [R, S] (-1 pads) while the token it samples comes before
-    position stops_from [R] (vLLM's min_tokens: EOS and stop token ids cannot be sampled yet)."""
+    """logits [R, A] with -inf at each row's stop_ids [R, MIN_TOKENS_STOP_IDS] (-1 pads) while the token it samples
+    comes before position stops_from [R] (vLLM's min_tokens: EOS and stop token ids cannot be sampled yet)."""
     rows = jnp.arange(logits.shape[0])[:, None]
     is_held = (stop_ids >= 0) & (positions < stops_from)[:, None]
     return logits.at[rows, jnp.where(is_held, stop_ids, logits.shape[-1])].set(NEG_INF, mode="drop")
@@ -143,9 +143,10 @@ def hold_back_stops(logits, stop_ids, stops_from, positions):
 def sample(logits, *, temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
            seeds, positions, stop_ids, stops_from, output_counts, prompt_mask, draws: bool) -> SampledTokens:
     """One token per row of logits [R, A] f32 and its logprobs; every parameter a [R] array (seeds [R, 2] uint32,
-    positions [R] int32 the sampled token's position, stop_ids [R, S] with stops_from [R] what min_tokens holds
-    back: `hold_back_stops`), output_counts [R, A] int32 and prompt_mask [R, A] bool the rows' requests' token
-    history. temperature 0 is greedy. The logprobs are the raw logits' (vLLM's), held-back stops included.
+    positions [R] int32 the sampled token's position, stop_ids [R, MIN_TOKENS_STOP_IDS] with stops_from [R] what
+    min_tokens holds back: `hold_back_stops`), output_counts [R, A] int32 and prompt_mask [R, A] bool the rows'
+    requests' token history. temperature 0 is greedy. The logprobs are the raw logits' (vLLM's), held-back stops
+    included.
     draws (static): False when every row is greedy (the host knows, and picks that program): no filter, no noise.
     Never a traced branch on the parameters: the GPU runtime reads a `lax.cond`'s predicate on the host, so the
     program's launch would wait for the device and no step could be dispatched ahead."""
@@ -166,8 +167,8 @@ class ProcessedLogits(NamedTuple):
     """What sampling reads of a step's logits [R, A] (`processed_logits`)."""
 
     raw_logprobs: jax.Array  # [R, A] f32: log-softmax of the raw logits (the logprobs reported)
-    top_logprobs: jax.Array  # [R, N] f32 and
-    top_ids: jax.Array  # [R, N] int32: the N largest of them
+    top_logprobs: jax.Array  # [R, TOP_LOGPROBS] f32 and
+    top_ids: jax.Array  # [R, TOP_LOGPROBS] int32: the largest of them
     penalized: jax.Array  # [R, A] f32: with min_tokens' held-back stops and the penalties (a greedy row's argmax)
     kept: jax.Array  # [R, A] f32: those scaled by the temperature and filtered (`penalized` when not drawing)
 
@@ -195,11 +196,11 @@ class SamplerState:
     """Each request's token history on the device, one slot per request (the scheduler's `Request.slot`) plus a
     scratch slot that pad rows read and write. Donated with the KV cache on every step."""
 
-    # [S+1] int32: the last token sampled for the slot's request: the next decode step's input.
+    # [slots + 1] int32: the last token sampled for the slot's request: the next decode step's input.
     last_tokens: jax.Array
-    # [S+1, A] int32: how often the slot's request generated each token (presence / frequency penalties).
+    # [slots + 1, A] int32: how often the slot's request generated each token (presence / frequency penalties).
     output_counts: jax.Array
-    # [S+1, A] bool: the tokens of its prompt (the repetition penalty).
+    # [slots + 1, A] bool: the tokens of its prompt (the repetition penalty).
     prompt_mask: jax.Array
 
     @classmethod
@@ -238,7 +239,7 @@ def row_tokens(state: SamplerState, tokens, slots):
 def add_history(state: SamplerState, tokens, roles, slots, fresh_slots) -> SamplerState:
     """Before a step samples: the slots of `fresh_slots` [Q] start their requests' histories over (entries past the
     last slot reset nothing), then each row's token [R] joins its slot's (slots [R]) as its role [R] says
-    (`metadata.PROMPT`: the prompt mask, `metadata.GENERATED`: the generated counts; other roles add nothing)."""
+    (`step_inputs.PROMPT`: the prompt mask, `step_inputs.GENERATED`: the generated counts; other roles add nothing)."""
     prompt_mask = state.prompt_mask.at[fresh_slots].set(False, mode="drop")
     output_counts = state.output_counts.at[fresh_slots].set(0, mode="drop")
     prompt_mask = prompt_mask.at[slots, tokens].max(roles == PROMPT)

@@ -3,11 +3,10 @@ bucket, the device state donated.
 
 `StepProgram` wraps a per-rank body `body(params, state, inputs, md) -> (outputs, state)`, where `state` is the
 donated device state (the KV cache, and the sampler's for the model) and `md` the rank's view of the step's
-`StepMetadata` (`rank_view`: each per-rank field loses its W axis). A bucket is a row width R (decode rows and
-prefill-chunk tokens together); every bucket is compiled once up front; a call never traces, and metadata of an
-unknown bucket or the wrong shape is refused on the host before anything reaches the device. The step dataclasses
-of `host/metadata.py` (numpy only) are registered as pytrees here; metadata fields marked per-rank are split over
-"dcp", everything else replicated.
+`StepMetadata` (`arrays.rank_view`: each per-rank field loses its W axis). A bucket is a row width R (decode rows
+and prefill-chunk tokens together); every bucket is compiled once up front; a call never traces, and metadata of
+an unknown bucket or the wrong shape is refused on the host before anything reaches the device. Metadata fields
+declared per rank (`host/arrays.py`) are split over "dcp", everything else replicated.
 One transfer a step: the host packs every array of (inputs, md) (all 4-byte types) into one int32 buffer, which the
 compiled call transfers, and the program slices them back out by static offsets before the shard_map (a device_put
 per array cost ~0.25 ms each).
@@ -22,25 +21,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from dcp_jax.host import arrays
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import (SamplingMetadata, StepInputs, StepMetadata, check_step_metadata, field_names,
-                                   is_per_rank, step_metadata_dims)
-from dcp_jax.model.kv_cache import KV_CACHE_SPECS
+from dcp_jax.host.step_inputs import StepInputs
+from dcp_jax.host.step_metadata import StepMetadata, check_step_metadata, step_metadata_sizes
 from dcp_jax.model.mesh import PER_DCP_RANK, REPLICATED, sharding
 from dcp_jax.runtime.jaxpr_check import flat_indices_of, host_syncs, length_derivations
-
-for _cls in (StepMetadata, SamplingMetadata, StepInputs):
-    jax.tree_util.register_dataclass(_cls, data_fields=list(field_names(_cls)), meta_fields=[])
 
 
 def metadata_specs(cls):
     """A `cls` of PartitionSpecs: per-rank fields split over "dcp", the others replicated."""
-    return cls(**{f.name: PER_DCP_RANK if is_per_rank(f) else REPLICATED for f in dataclasses.fields(cls)})
-
-
-def rank_view(md):
-    """Inside shard_map: the metadata with the size-1 rank axis of every per-rank field dropped."""
-    return dataclasses.replace(md, **{f.name: getattr(md, f.name)[0] for f in dataclasses.fields(md) if is_per_rank(f)})
+    return cls(**{name: PER_DCP_RANK if field.is_per_rank else REPLICATED
+                  for name, field in arrays.fields(cls).items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,10 +97,10 @@ class StepProgram:
 
     def __init__(self, body: Callable, mesh: Mesh, *, buckets: Iterable[int], seqs_for: Callable[[int], int],
                  layout: DcpLayout, max_blocks: int, num_pages: int, param_specs, input_specs, output_specs,
-                 input_shapes: Callable[[int], object], state_specs=KV_CACHE_SPECS, draft_offsets: int = 0):
+                 input_shapes: Callable[[int], object], state_specs, draft_offsets: int = 0):
         """`body(params, state, inputs, md)` per rank, with `md` the rank's view; `seqs_for(rows)` the sequence
         width of a bucket; `input_shapes(rows)` gives the inputs' ShapeDtypeStructs; `state_specs` the donated
-        state's PartitionSpecs (default: a KV cache alone); `num_pages` the KV pool's pages (the page check);
+        state's PartitionSpecs; `num_pages` the KV pool's pages (the page check);
         `draft_offsets` the offsets of the metadata's draft_* fields (`metadata.draft_offsets`; 0: none)."""
         self.mesh = mesh
         self.layout, self.max_blocks, self.num_pages = layout, max_blocks, num_pages
@@ -121,7 +113,7 @@ class StepProgram:
         self._md_shardings = jax.tree.map(lambda spec: sharding(mesh, spec), specs)
 
         def per_rank(params, state, inputs, md):
-            return body(params, state, inputs, rank_view(md))
+            return body(params, state, inputs, arrays.rank_view(md))
 
         self._sharded = jax.shard_map(
             per_rank, mesh=mesh, in_specs=(param_specs, state_specs, input_specs, specs),
@@ -139,8 +131,6 @@ class StepProgram:
         self._compiled: dict[int, object] = {}
         self._packings: dict[int, _Packing] = {}
 
-    def metadata_dims(self, rows: int) -> dict[str, tuple[int, ...]]:
-        return step_metadata_dims(rows, self._seqs[rows], self.layout.dcp_size, self.max_blocks, self.draft_offsets)
 
     def check(self, md) -> None:
         check_step_metadata(md, buckets=self._seqs, layout=self.layout, max_blocks=self.max_blocks,
@@ -158,8 +148,11 @@ class StepProgram:
 
     def metadata_shapes(self, bucket):
         """The metadata of `bucket` as ShapeDtypeStructs in the step's sharding."""
-        return StepMetadata(**{name: jax.ShapeDtypeStruct(shape, np.int32, sharding=getattr(self._md_shardings, name))
-                                for name, shape in self.metadata_dims(bucket).items()})
+        sizes = step_metadata_sizes(bucket, self._seqs[bucket], self.layout.dcp_size, self.max_blocks,
+                                    self.draft_offsets)
+        shapes = arrays.build(StepMetadata, sizes, jax.ShapeDtypeStruct)
+        return jax.tree.map(lambda a, placed: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), shapes,
+                            self._md_shardings)
 
     def _abstract_args(self, params, state, bucket):
         return params, state, self._input_shapes(bucket), self.metadata_shapes(bucket)
@@ -231,11 +224,6 @@ class StepProgram:
         fill(inputs, md)
         self.check(md)
         return Placed(template.bucket, packed)
-
-    def place_inputs(self, inputs, md) -> Placed:
-        """`pack_inputs`, the buffer transferred to the devices (to run it many times: the benchmarks)."""
-        packed = self.pack_inputs(inputs, md)
-        return Placed(packed.bucket, jax.device_put(packed.packed, self._replicated))
 
     def run_placed(self, params, state, placed: Placed):
         """Run the bucket's program on a packed buffer (no check; a host buffer is transferred by the call)."""

@@ -28,11 +28,13 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from dcp_jax.host.metadata import GENERATED, MIN_TOKENS_STOP_IDS, PROMPT, ScheduledRows
+from dcp_jax.host.sampling_metadata import MIN_TOKENS_STOP_IDS
+from dcp_jax.host.step_inputs import GENERATED, PROMPT
+from dcp_jax.host.step_plan import ScheduledRows
 from dcp_jax.host.sampling import SamplingParams, TokenLogprob, request_seed
 from dcp_jax.host.scheduler import Request, Scheduler
 from dcp_jax.runtime import sampler
-from dcp_jax.runtime.runner import step_variant
+from dcp_jax.runtime.runner import step_kind
 from dcp_jax.serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
@@ -178,8 +180,8 @@ class ServingCore:
             row += n
         if not parts:
             return None
-        variant = step_variant([r.params for r in samplers], prompt_logprobs=bool(logprob_chunks))
-        outputs = runner.dispatch(ScheduledRows.concat(parts), variant)
+        kind = step_kind([r.params for r in samplers], prompt_logprobs=bool(logprob_chunks))
+        outputs = runner.dispatch(ScheduledRows.concat(parts), kind)
         for request, n in [*decodes, *chunks]:
             sched.mark_dispatched(request, n)
         return _Dispatched(samplers, outputs, logprob_chunks, [n - 1 for _, n in decodes if n > 1])

@@ -24,12 +24,12 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from dcp_jax.config import DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.host.scheduler import Request, RequestStatus, Scheduler
-from dcp_jax.runtime.forward import GREEDY, PROMPT_LOGPROBS, SAMPLED, VARIANTS
+from dcp_jax.runtime.forward import GREEDY, PROMPT_LOGPROBS, SAMPLED, SERVING_KIND_NAMES
 from dcp_jax.runtime.multihost import Distributed, FollowerChannel, StepChannel, connect, follow
 from dcp_jax.serving.core import ServingCore
+from dcp_jax.serving.engine_args import DEFAULT_MODEL, EngineArgs
 from dcp_jax.serving.loading import load_model
 from dcp_jax.serving.metrics import ServingMetrics
 from dcp_jax.serving.streams import LoopSink, Sink, Stream, StreamEvent
@@ -60,9 +60,9 @@ def _count_compiles() -> None:
             _listener_registered[0] = True
 
 
-def _program_label(variant: str, rows: int) -> str:
+def _program_label(kind_name: str, rows: int) -> str:
     """'greedy, 8 rows'."""
-    return f"{variant}, {rows} rows"
+    return f"{kind_name}, {rows} rows"
 
 
 class EngineStoppedError(RuntimeError):
@@ -72,58 +72,33 @@ class EngineStoppedError(RuntimeError):
 class Engine:
     """A continuous-batching server engine over one model on `tp` devices (KV split over `dcp` ranks).
 
-    The arguments `LLM` also takes mean what its docstring says (model, parallelism, caches, dtype, quantization,
-    pool size, scheduling limits, async_scheduling, prefix caching, expert parallelism, hf_overrides,
-    speculative_config, enable_tbo, multi-host). The engine's own:
-    bucket_ladder: the step programs' row widths (those below max_num_batched_tokens, with max_num_seqs and
-    max_num_batched_tokens; `EngineConfig.buckets`): each is compiled at start-up, and a step runs in the smallest
-    that holds its rows.
+    model and every keyword but the engine's own are engine arguments (`EngineArgs`, documented there once; `LLM`
+    takes the same). Every bucket of `bucket_ladder` (`EngineConfig.buckets`) is compiled at start-up, and a step
+    runs in the smallest that holds its rows. The engine's own:
     prompt_logprobs: also compile the programs that return every row's logprobs, so requests may ask for prompt
     logprobs (echo).
-    compilation_cache_dir: JAX's persistent compilation cache, so a restart reuses the compiled programs.
     progress: report the start-up compiles as they go (a bar on a terminal, else a log line each).
     Multi-host: process 0's engine serves and schedules; every other process builds the same engine and runs
     `follow()` instead of `start()`.
     """
 
-    def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
-                 page_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
-                 max_model_len: int | None = None, bucket_ladder: Sequence[int] = DEFAULT_BUCKETS,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, kernels: str = "auto", seed: int = 0,
-                 num_layers: int | None = None, index_cache: str = "exact", latent_cache: str = "exact",
-                 dtype: str = "auto", gpu_memory_utilization: float = 0.9, async_scheduling: bool = True,
-                 enable_prefix_caching: bool = False, prompt_logprobs: bool = True,
-                 compilation_cache_dir: str | None = None, progress: bool = True,
-                 enable_expert_parallel: bool = False, quantization: str = "auto", unroll_layers: bool = False,
-                 hf_overrides: dict | None = None, speculative_config: dict | None = None,
-                 enable_tbo: bool = False, coordinator_address: str | None = None, num_processes: int = 1,
-                 process_id: int = 0):
-        import jax
-
-        self.distributed = Distributed.of(coordinator_address, num_processes, process_id)
-        if compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", os.fspath(compilation_cache_dir))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    def __init__(self, model: str = DEFAULT_MODEL, *, prompt_logprobs: bool = True, progress: bool = True,
+                 **kwargs):
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.args = args
+        self.distributed = Distributed.of(args.coordinator_address, args.num_processes, args.process_id)
         _count_compiles()
-        loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
-                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, bucket_ladder=bucket_ladder,
-                            kernels=kernels, seed=seed, num_layers=num_layers, index_cache=index_cache,
-                            latent_cache=latent_cache, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                            max_num_batched_tokens=max_num_batched_tokens,
-                            enable_expert_parallel=enable_expert_parallel, quantization=quantization,
-                            unroll_layers=unroll_layers, hf_overrides=hf_overrides,
-                            speculative_config=speculative_config, enable_tbo=enable_tbo,
-                            distributed=self.distributed)
+        loaded = load_model(args, distributed=self.distributed)
         self.model_name, self.dtype = loaded.name, loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
         self.scheduler = Scheduler(self.engine_config, self.runner.layout, eos_token_id=self.model_config.eos_token_id,
                                    new_detokenizer=self.tokenizer.new_detokenizer,
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=args.enable_prefix_caching)
         self.metrics = ServingMetrics(self._live_metrics)
-        self.core = ServingCore(self.runner, self.scheduler, vocab_size=self.model_config.vocab_size, seed=seed,
+        self.core = ServingCore(self.runner, self.scheduler, vocab_size=self.model_config.vocab_size, seed=args.seed,
                                 has_prompt_logprobs=prompt_logprobs, metrics=self.metrics,
-                                async_scheduling=async_scheduling)
+                                async_scheduling=args.async_scheduling)
         self._compiles_at_start = _compiles[0]
         self.warmup(progress=progress)
         self._compiles_after_warmup = _compiles[0]
@@ -141,8 +116,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._streams_failed = threading.Event()
-        self._channel = None if self.distributed is None else connect(self.distributed, self.runner, VARIANTS,
-                                                                      on_lost=self._on_peer_lost)
+        self._channel = None if self.distributed is None else connect(
+            self.distributed, self.runner, SERVING_KIND_NAMES, on_lost=self._on_peer_lost)
 
     def follow(self) -> None:
         """A multi-host follower (process_id > 0): run the leader's programs until it stops (returns) or is gone
@@ -150,7 +125,7 @@ class Engine:
         if not isinstance(self._channel, FollowerChannel):
             raise RuntimeError("follow() is for the processes after process 0 of a multi-host deployment")
         try:
-            follow(self.runner, self._channel, VARIANTS)
+            follow(self.runner, self._channel, SERVING_KIND_NAMES)
         finally:
             self._channel.close()
 
@@ -196,8 +171,8 @@ class Engine:
         bar = tqdm(total=len(work), desc="compiling buckets", unit="program", disable=None if progress else True)
         done = [0]
 
-        def compiled(variant, rows):
-            label = _program_label(variant, rows)
+        def compiled(kind_name, rows):
+            label = _program_label(kind_name, rows)
             done[0] += 1
             bar.set_postfix_str(label)
             bar.update()

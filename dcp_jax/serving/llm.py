@@ -1,4 +1,4 @@
-"""The offline API, vLLM-style: `LLM(model=path_or_preset, dcp=N, ...)` and `LLM.generate(...)`.
+"""The offline API, vLLM-style: `LLM(model=path_or_preset, dcp=N, ...)` (any `EngineArgs`) and `LLM.generate(...)`.
 
 `LLM` steps the same `ServingCore` as the serving engine, without a thread or streams: the same validation,
 admission (first come first served while a batch slot, the token budget and the pages of the first prefill chunk
@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from dcp_jax.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.host.scheduler import Request, Scheduler
-from dcp_jax.runtime.forward import VARIANTS
+from dcp_jax.runtime.forward import SERVING_KIND_NAMES
 from dcp_jax.runtime.multihost import Distributed, PeerLost, connect, follow
 from dcp_jax.serving.core import ServingCore
+from dcp_jax.serving.engine_args import DEFAULT_MODEL, EngineArgs
 from dcp_jax.serving.loading import load_model
 from dcp_jax.serving.streams import output_text, stop_reason
 
@@ -51,69 +51,35 @@ class RequestOutput:
 
 
 class LLM:
-    """A DeepSeek-V3.2 model on `tp` devices (default `dcp`), KV split over DCP groups of `dcp` ranks.
+    """A model of the registry (DeepSeek-V3.2) on `tp` devices (default `dcp`), KV split over DCP groups of `dcp`
+    ranks, for offline generation.
 
-    model: a preset name (`tiny`, `deepseek-v3.2`, `glm-5`; random weights), a shipped checkpoint's name or a HF
-    checkpoint directory.
-    max_model_len: None takes the model's max_position_embeddings, capped by what the KV pool holds.
-    index_cache: the indexer key cache, "exact" (model dtype, HF's math) or "fp8" (e4m3 keys and an f32 scale per
-    token, scored with fp8 queries).
-    latent_cache: the MLA latent cache, "exact" (the pool's dtype) or "fp8" (656 B/token at DeepSeek's sizes: e4m3
-    latent with an f32 scale per 128 columns, bf16 rope; attention reads the dequantized values, and on a GPU its
-    kernel computes in bf16).
-    dtype: "auto" (the checkpoint's; bfloat16 for presets), "bfloat16" or "float32": the activations' and the
-    weights' not kept in fp8.
-    quantization: "auto" (the checkpoint's: a block fp8 checkpoint's linear weights stay e4m3 with their block
-    scales, multiplied by a fine-grained fp8 GEMM), "none" (dequantized into dtype on load) or "fp8" (also an
-    unquantized checkpoint's or a preset's linear weights quantized to block fp8 on load).
-    num_pages None: what fits gpu_memory_utilization of the GPU's memory after the weights (CPU: max_num_seqs
-    requests of max_model_len).
-    max_num_batched_tokens: rows of one step at most (decode rows and prefill-chunk tokens; vLLM's name).
-    async_scheduling: dispatch each step before reading the previous one's tokens (`core.py`).
-    enable_prefix_caching: reuse the KV pages of full virtual blocks a prompt shares with earlier requests.
-    enable_expert_parallel: split the routed experts whole over the tp ranks, each rank running only the tokens
-    routed to its experts (vLLM's name); by default every rank runs every expert on its slice of their width.
-    hf_overrides: config.json fields to replace (vLLM's name), e.g. {"index_topk": 4096}.
-    speculative_config: {"method": "mtp", "num_speculative_tokens": N} (vLLM's; N in 1..3): the model's MTP layer
-    drafts N tokens per request and step, verified in the next (greedy outputs unchanged in f32, a near-tie may flip
-    in bf16; sampled ones distributed as the model's); steps then run synchronously.
-    enable_tbo: two-batch overlap: each layer's attention runs as two micro-batches of the step's rows, so one's
-    collectives can run beside the other's compute (same outputs).
-    coordinator_address, num_processes, process_id: one process of a multi-host deployment (`runtime/multihost.py`;
-    jax.distributed's names): every process constructs the same LLM and calls the same `generate`s; process 0
-    schedules and every process returns its outputs.
+    model: a shipped checkpoint's name (dsa-tiny, the default), a preset name (`tiny`, `deepseek-v3.2`, `glm-5`;
+    random weights) or a HF checkpoint directory. Every other keyword is an engine argument (`EngineArgs`: its
+    field names, or vLLM's aliases such as tensor_parallel_size, decode_context_parallel_size, block_size; each is
+    documented there once), e.g. dcp, interleave, tp, page_size, max_num_seqs, max_model_len, dtype, quantization,
+    kv_cache_dtype / latent_cache / index_cache, kernels, enable_prefix_caching, enable_expert_parallel,
+    hf_overrides, speculative_config (the MTP layer drafts; steps then run synchronously), enable_tbo,
+    async_scheduling, and coordinator_address, num_processes, process_id for one process of a multi-host deployment
+    (`runtime/multihost.py`: every process constructs the same LLM and calls the same `generate`s; process 0
+    schedules and every process returns its outputs). Programs compile at their first use.
     """
 
-    def __init__(self, model: str = "tiny", *, dcp: int = 1, interleave: int = 1, tp: int | None = None,
-                 max_num_seqs: int = 8, max_model_len: int | None = None, page_size: int = 16,
-                 num_pages: int | None = None, kernels: str = "auto", seed: int = 0, num_layers: int | None = None,
-                 index_cache: str = "exact", latent_cache: str = "exact", dtype: str = "auto",
-                 gpu_memory_utilization: float = 0.9, async_scheduling: bool = True,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, enable_prefix_caching: bool = False,
-                 enable_expert_parallel: bool = False, quantization: str = "auto", unroll_layers: bool = False,
-                 hf_overrides: dict | None = None, speculative_config: dict | None = None,
-                 enable_tbo: bool = False, coordinator_address: str | None = None, num_processes: int = 1,
-                 process_id: int = 0):
-        self.distributed = Distributed.of(coordinator_address, num_processes, process_id)
-        loaded = load_model(model, dcp=dcp, interleave=interleave, tp=tp, page_size=page_size, num_pages=num_pages,
-                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, kernels=kernels, seed=seed,
-                            num_layers=num_layers, index_cache=index_cache, latent_cache=latent_cache, dtype=dtype,
-                            gpu_memory_utilization=gpu_memory_utilization,
-                            max_num_batched_tokens=max_num_batched_tokens,
-                            enable_expert_parallel=enable_expert_parallel, quantization=quantization,
-                            unroll_layers=unroll_layers, hf_overrides=hf_overrides,
-                            speculative_config=speculative_config, enable_tbo=enable_tbo,
-                            distributed=self.distributed)
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.args = args
+        self.distributed = Distributed.of(args.coordinator_address, args.num_processes, args.process_id)
+        loaded = load_model(args, distributed=self.distributed)
         self.dtype = loaded.dtype
         self.model_config, self.parallel_config, self.engine_config = loaded.cfg, loaded.parallel, loaded.engine
         self.tokenizer, self.runner, self.backend = loaded.tokenizer, loaded.runner, loaded.backend
         scheduler = Scheduler(self.engine_config, self.runner.layout, eos_token_id=self.model_config.eos_token_id,
                               new_detokenizer=self.tokenizer.new_detokenizer,
-                              enable_prefix_caching=enable_prefix_caching)
-        # Programs compile at their first use (an engine compiles them all at start-up).
-        self.core = ServingCore(self.runner, scheduler, vocab_size=self.model_config.vocab_size, seed=seed,
-                                has_prompt_logprobs=False, async_scheduling=async_scheduling)
-        self._channel = None if self.distributed is None else connect(self.distributed, self.runner, VARIANTS)
+                              enable_prefix_caching=args.enable_prefix_caching)
+        self.core = ServingCore(self.runner, scheduler, vocab_size=self.model_config.vocab_size, seed=args.seed,
+                                has_prompt_logprobs=False, async_scheduling=args.async_scheduling)
+        self._channel = (None if self.distributed is None
+                         else connect(self.distributed, self.runner, SERVING_KIND_NAMES))
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -128,7 +94,7 @@ class LLM:
         if self.distributed is None:
             return self._generate(*args, **kwargs)
         if not self.distributed.is_leader:
-            outcome = follow(self.runner, self._channel, VARIANTS)
+            outcome = follow(self.runner, self._channel, SERVING_KIND_NAMES)
             if outcome is None:
                 raise PeerLost("the leader stopped")
             if isinstance(outcome, Exception):

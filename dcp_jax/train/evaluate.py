@@ -61,8 +61,7 @@ def evaluate_checkpoint(path: str, *, contexts: list[int], examples: int, seed: 
     bare and in the chat template, and bare with the fp8 index and latent caches), and teacher forced in float32
     attending to the indexer's selection and to a random one of the same size (the contrast that shows the
     selection matters): {"served"|"served_chat"|"served_fp8"|"sparse"|"random": {context: accuracy}}."""
-    from dcp_jax.config import ModelConfig
-    from dcp_jax.model.deepseek_v32 import abstract_model, merge
+    from dcp_jax.model import architecture
     from dcp_jax.model.weights import load_hf_params
     from dcp_jax.serving.llm import LLM
     from dcp_jax.serving.tokenizer import ByteTokenizer
@@ -77,8 +76,9 @@ def evaluate_checkpoint(path: str, *, contexts: list[int], examples: int, seed: 
             result[name] = {context: served_accuracy(llm, context=context, examples=examples, seed=seed, chat=chat)
                             for context in contexts}
         del llm
-    cfg = ModelConfig.from_hf(path)
-    model = merge(*abstract_model(cfg), load_hf_params(cfg, path))
+    cfg = architecture.config_from_hf(path)
+    functions = architecture.of(cfg).model
+    model = functions.merge(*functions.abstract_model(cfg), load_hf_params(cfg, path))
     tokenizer = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     for mode in (SPARSE, RANDOM):
         result[mode] = {context: forced_accuracy(model, tokenizer, context=context, examples=examples, seed=seed,

@@ -5,10 +5,13 @@ memory grows with T K, the selection's with T times a chunk, so 16K-token sequen
 loss toward the main attention (DeepSeek-V3.2's dense warm-up and sparse stages).
 
 Same weights and projections (`attention/projections.py`) as the serving programs, so a sparse forward's logits are
-the serving prefill's (tested), with either cache format: `CacheFormats` rounds the index keys and queries and the
-latents as the fp8 caches store them (quantization-aware training). The indexer reads its inputs detached from the
-main model's graph: the LM loss never trains the indexer and the KL loss trains nothing else (the paper's separate
-optimization). Letters as in `attention/params.py`; S query positions, T key positions (S = T: one sequence).
+the serving prefill's (tested), with either cache format: a forward reads through `CacheFormats`, where 'fp8'
+rounds the index keys and queries, or the latents, to what that cache stores and scores, the gradient passing
+straight through the rounding (quantization-aware training; as the reference kernels compute: the GPU sparse MLA
+kernel also rounds the queries and probabilities to bf16, which is not modelled). The indexer reads its inputs
+detached from the main model's graph: the LM loss never trains the indexer and the KL loss trains nothing else
+(the paper's separate optimization). Letters: see the legend in `dcp_jax/__init__.py`; R query positions, T key
+positions (R = T: one sequence).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import jax.numpy as jnp
 from dcp_jax.config import ModelConfig, check_index_cache
 from dcp_jax.model import fp8_linear
 from dcp_jax.model.attention import cache_formats, projections
-from dcp_jax.model.attention.params import AttentionParams
+from dcp_jax.model.attention.params import DsaParams
+from dcp_jax.model.attention.variant import CacheFormats
 from dcp_jax.model.rope import cos_sin, rope_tables
 from pallas_kernels import formats, reference
 
@@ -32,16 +36,6 @@ DENSE, SPARSE = "dense", "sparse"
 RANDOM = "random"
 # The kernels backend of the training forward: the references, differentiable (the Pallas kernels have no VJP).
 FORWARD_BACKEND = "reference"
-
-
-class CacheFormats(NamedTuple):
-    """The serving caches' formats a forward reads through (`config.INDEX_CACHE_FORMATS`, `LATENT_CACHE_FORMATS`):
-    'fp8' rounds the indexer's keys and queries, or the latents, to what that cache stores and scores, the gradient
-    passing straight through the rounding. As the reference kernels compute: the GPU sparse MLA kernel also rounds
-    the queries and probabilities to bf16, which is not modelled."""
-
-    index: str = "exact"
-    latent: str = "exact"
 
 
 def straight_through(x, rounded):
@@ -67,7 +61,7 @@ def through_latent_cache(latent, cfg: ModelConfig, latent_cache: str):
 
 
 class IndexerInputs(NamedTuple):
-    """The indexer's queries [S, I, J], weights [S, I] and keys [T, J] of one sequence, from inputs detached from
+    """The indexer's queries [R, I, J], weights [R, I] and keys [T, J] of one sequence, from inputs detached from
     the main model's graph (the KL loss trains the indexer alone)."""
 
     queries: jax.Array
@@ -75,7 +69,7 @@ class IndexerInputs(NamedTuple):
     keys: jax.Array
 
 
-def indexer_inputs(p: AttentionParams, x, q_resid, cos, sin, cfg: ModelConfig,
+def indexer_inputs(p: DsaParams, x, q_resid, cos, sin, cfg: ModelConfig,
                    index_cache: str = "exact") -> IndexerInputs:
     check_index_cache(index_cache)
     x, q_resid = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_resid)
@@ -87,7 +81,7 @@ def indexer_inputs(p: AttentionParams, x, q_resid, cos, sin, cfg: ModelConfig,
 
 
 def index_scores(indexer: IndexerInputs):
-    """The indexer's scores [S, T] f32 of every position against every position (causality not applied)."""
+    """The indexer's scores [R, T] f32 of every position against every position (causality not applied)."""
     return cache_formats.dense_index_scores(indexer.queries[None], indexer.weights[None], indexer.keys[None])[0]
 
 
@@ -96,7 +90,7 @@ SELECTION_CHUNK = 512
 
 
 def selected_keys(indexer: IndexerInputs, *, cfg: ModelConfig, mode: str, key=None):
-    """[S, K] int32: the keys each query attends, -1 padded (K = index_topk). SPARSE: the indexer's top index_topk
+    """[R, K] int32: the keys each query attends, -1 padded (K = index_topk). SPARSE: the indexer's top index_topk
     of the earlier keys and itself (all of them while fewer), ties to the lower position (`reference.topk`, as
     served), SELECTION_CHUNK queries at a time; RANDOM: as many drawn uniformly (by `key`)."""
     s = indexer.queries.shape[0]
@@ -104,7 +98,7 @@ def selected_keys(indexer: IndexerInputs, *, cfg: ModelConfig, mode: str, key=No
     if mode == RANDOM:
         if key is None:
             raise ValueError("a RANDOM selection needs a key")
-        return reference.topk(jax.random.uniform(key, (s, indexer.keys.shape[0])), lengths, k=cfg.index_topk)[1]
+        return reference.topk(jax.random.uniform(key, (s, indexer.keys.shape[0])), lengths, k=cfg.indexer.topk)[1]
     if mode != SPARSE:
         raise ValueError(f"a selection's mode must be {SPARSE!r} or {RANDOM!r}, got {mode!r}")
     indexer = jax.tree.map(jax.lax.stop_gradient, indexer)
@@ -114,7 +108,7 @@ def selected_keys(indexer: IndexerInputs, *, cfg: ModelConfig, mode: str, key=No
     def one_chunk(args):
         queries, weights, chunk_lengths = args
         scores = cache_formats.dense_index_scores(queries[None], weights[None], indexer.keys[None])[0]
-        return reference.topk(scores, chunk_lengths, k=cfg.index_topk)[1]
+        return reference.topk(scores, chunk_lengths, k=cfg.indexer.topk)[1]
 
     def split(a):
         return jnp.pad(a, [(0, padded - s)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, chunk, *a.shape[1:])
@@ -125,8 +119,8 @@ def selected_keys(indexer: IndexerInputs, *, cfg: ModelConfig, mode: str, key=No
 
 def indexer_kl(scores, probs, keep):
     """KL(target || indexer) summed over the kept keys, averaged over queries: the target is the main attention's
-    probabilities [H, S, K] summed over heads and renormalized over `keep` [S, K] (no gradient), the indexer's
-    distribution the softmax of its `scores` [S, K] over `keep`."""
+    probabilities [H, R, K] summed over heads and renormalized over `keep` [R, K] (no gradient), the indexer's
+    distribution the softmax of its `scores` [R, K] over `keep`."""
     target = jnp.where(keep, jax.lax.stop_gradient(probs.sum(axis=0)), 0.0)
     target = target / jnp.maximum(target.sum(axis=-1, keepdims=True), 1e-30)
     log_indexer = jax.nn.log_softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
@@ -134,9 +128,9 @@ def indexer_kl(scores, probs, keep):
     return terms.sum() / scores.shape[0]
 
 
-def dense_attention(p: AttentionParams, q_nope, q_pe, latent, indexer: IndexerInputs, cfg: ModelConfig):
+def dense_attention(p: DsaParams, q_nope, q_pe, latent, indexer: IndexerInputs, cfg: ModelConfig):
     """Every query attends every earlier key and itself, with explicit per-head keys and values (as HF writes
-    it): (output [S, D], the indexer's KL over the same keys)."""
+    it): (output [R, D], the indexer's KL over the same keys)."""
     c, k_pe = latent[:, : cfg.kv_lora_rank], latent[:, cfg.kv_lora_rank:]
     k_nope, values = projections.per_head_keys_values(p, c)
     logits = (jnp.einsum("shn,thn->hst", q_nope, k_nope, precision=HIGHEST)
@@ -149,14 +143,14 @@ def dense_attention(p: AttentionParams, q_nope, q_pe, latent, indexer: IndexerIn
     return out, indexer_kl(index_scores(indexer), probs, causal)
 
 
-def sparse_attention(p: AttentionParams, q_nope, q_pe, latent, indexer: IndexerInputs, selected,
+def sparse_attention(p: DsaParams, q_nope, q_pe, latent, indexer: IndexerInputs, selected,
                      cfg: ModelConfig):
-    """Each query attends its `selected` keys [S, K] only, gathered from the latents (the MQA form the serving
-    step computes): (output [S, D], the indexer's KL over the selected keys). Memory grows with S K, not S T."""
+    """Each query attends its `selected` keys [R, K] only, gathered from the latents (the MQA form the serving
+    step computes): (output [R, D], the indexer's KL over the selected keys). Memory grows with R K, not R T."""
     keep = selected >= 0
     rows = jnp.maximum(selected, 0)
-    gathered = latent[rows]  # [S, K, C+E]
-    query = projections.absorb_query(p, q_nope, q_pe)  # [S, H, C+E]
+    gathered = latent[rows]  # [R, K, C+E]
+    query = projections.absorb_query(p, q_nope, q_pe)  # [R, H, C+E]
     logits = jnp.einsum("shc,skc->hsk", query, gathered, precision=HIGHEST) * cfg.softmax_scale
     probs = jax.nn.softmax(jnp.where(keep[None], logits.astype(jnp.float32), -jnp.inf), axis=-1)
     latent_out = jnp.einsum("hsk,skc->shc", probs.astype(latent.dtype), gathered[..., : cfg.kv_lora_rank],
@@ -169,7 +163,7 @@ def sparse_attention(p: AttentionParams, q_nope, q_pe, latent, indexer: IndexerI
     return projections.output_projection(p, latent_out, backend=FORWARD_BACKEND), indexer_kl(scores, probs, keep)
 
 
-def causal_attention(p: AttentionParams, x, cos, sin, *, cfg: ModelConfig, mode: str, key=None,
+def causal_attention(p: DsaParams, x, cos, sin, *, cfg: ModelConfig, mode: str, key=None,
                      caches: CacheFormats = CacheFormats()):
     """x [T, D] one sequence's normed hidden states -> (attention output [T, D], the indexer's KL loss, the keys
     each position attended [T, K], -1 padded; K = 0 for DENSE, where every earlier key is), the keys and latents

@@ -21,8 +21,7 @@ import numpy as np
 import optax
 
 from dcp_jax.config import TINY, ModelConfig
-from dcp_jax.model.deepseek_v32 import abstract_model, init_params, merge
-from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
+from dcp_jax.model import architecture
 from dcp_jax.train.forward import DENSE, SPARSE, CacheFormats, mtp_forward, sequence_forward
 from dcp_jax.train.retrieval import (CHAT_BYTES, chat_prompt, encode_batch, make_example, mixed_example,
                                      records_for)
@@ -30,7 +29,7 @@ from dcp_jax.train.retrieval import (CHAT_BYTES, chat_prompt, encode_batch, make
 # The shipped model's shape: DeepSeek-V3.2's architecture (MLA with q_lora and the latent cache, the lightning
 # indexer, one dense layer then MoE layers with shared experts and group routing, one MTP layer), byte vocabulary
 # (2 specials + 256 bytes, rounded up), index_topk 64 so 1K-16K contexts are far past it.
-DSA_TINY = dataclasses.replace(TINY, vocab_size=264, num_hidden_layers=4, index_topk=64,
+DSA_TINY = dataclasses.replace(TINY.with_indexer(topk=64), vocab_size=264, num_hidden_layers=4,
                                max_position_embeddings=16384, num_nextn_predict_layers=1)
 # DeepSeek-V3's MTP loss weight (lambda) for its first 10T tokens.
 MTP_WEIGHT = 0.3
@@ -39,9 +38,10 @@ MTP_WEIGHT = 0.3
 def init_train_params(cfg: ModelConfig, seed: int) -> dict:
     """Random f32 weights to train: {"model": the main model's, "mtp": the MTP layer's (when the config has
     one)}."""
-    params = {"model": init_params(cfg, seed)}
+    model = architecture.of(cfg).model
+    params = {"model": model.init_params(cfg, seed)}
     if cfg.num_nextn_predict_layers:
-        params["mtp"] = init_mtp_params(cfg, seed + 1)
+        params["mtp"] = model.init_mtp_params(cfg, seed + 1)
     return params
 
 
@@ -101,13 +101,14 @@ def _answer_terms(logits, tokens, mask):
     return jnp.sum(nll * answer) / jnp.sum(answer), right, predicted
 
 
-def batch_loss(params, tokens, mask, *, graphdefs, abstracts, mode: str, kl_weight: float, mtp_weight: float,
-               caches: CacheFormats = CacheFormats()):
+def batch_loss(params, tokens, mask, *, cfg: ModelConfig, graphdefs, abstracts, mode: str, kl_weight: float,
+               mtp_weight: float, caches: CacheFormats = CacheFormats()):
     """(loss, metrics) of a batch read through `caches`: the mean answer cross-entropy, plus kl_weight times the
     indexers' KL (averaged over the attention layers, the MTP layer's included), plus mtp_weight times the MTP
     layer's answer cross-entropy (DeepSeek-V3's MTP loss, one depth). The MTP metrics: its accuracy on the answer
     tokens and its acceptance on the value's digits (its argmax there equal to the main model's, as a greedy draft
     is verified)."""
+    merge = architecture.of(cfg).model.merge
     model = merge(graphdefs["model"], abstracts["model"], params["model"])
     mtp = merge(graphdefs["mtp"], abstracts["mtp"], params["mtp"]) if "mtp" in params else None
     layers = model.cfg.num_hidden_layers
@@ -143,10 +144,10 @@ class Trainer:
         self.params = params
         dtype = jax.tree.leaves(params)[0].dtype
         graphdefs, abstracts = {}, {}
-        graphdefs["model"], abstracts["model"] = abstract_model(cfg, dtype)
+        graphdefs["model"], abstracts["model"] = architecture.of(cfg).model.abstract_model(cfg, dtype)
         if "mtp" in params:
-            graphdefs["mtp"], abstracts["mtp"] = abstract_mtp(cfg, dtype)
-        loss = functools.partial(batch_loss, graphdefs=graphdefs, abstracts=abstracts, kl_weight=kl_weight,
+            graphdefs["mtp"], abstracts["mtp"] = architecture.of(cfg).model.abstract_mtp(cfg, dtype)
+        loss = functools.partial(batch_loss, cfg=cfg, graphdefs=graphdefs, abstracts=abstracts, kl_weight=kl_weight,
                                  mtp_weight=mtp_weight, caches=caches)
         warmup = max(1, min(warmup_steps, total_steps // 10))
         schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(total_steps, warmup + 1),

@@ -17,14 +17,16 @@ from bench import bench_decode as decode_bench
 from bench import decode_results as decode_bench_results
 from dcp_jax import cli
 from dcp_jax.config import ParallelConfig, preset
+from dcp_jax.host.layout import DcpLayout
+from dcp_jax.host.step_metadata import build_step_metadata
+from dcp_jax.model import architecture
 from dcp_jax.model.kv_cache import allocate_kv_cache
 from dcp_jax.model.mesh import make_mesh
-from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import build_step_metadata
-from dcp_jax.model.deepseek_v32 import abstract_model, init_params
+from dcp_jax.runtime.oracle import DETAILS
+from dcp_jax.runtime.runner import state_allocator, step_context, step_program
 from pallas_kernels import Fp8LatentCache
 
-STAGED = [f"through_{s}" for s in decode_bench_results.STAGES]
+STAGED = [f"through_{s}" for s in decode_bench_results.STAGES[:-1]]  # through the last stage is the host step
 # page 4, L = 64: 16 pages per row at DCP 1, 8 at DCP 2 (exactly half).
 SMOKE = ["bench", "decode", "--preset", "tiny", "--num-layers", "1", "--dcp", "1,2,16", "--contexts", "64",
          "--batches", "2", "--breakdown-batches", "2", "--kernels", "reference", "--steps", "2", "--warmup", "1",
@@ -59,7 +61,7 @@ def test_the_grid_runs_and_meets_its_targets(smoke):
     assert "DCP scaling (host steps)" in text and "| reference | 2 | 2 | 64 | 0.50 |" in text
     assert "targets: zero length-derived ops in every host-length program, zero recompiles" in text
     assert "recompiles in every timed loop: MET" in text
-    for header in ("| kernels | dcp | B | L | latency ms", "| other | projections | indexer | topk | exchange",
+    for header in ("| kernels | dcp | B | L | latency ms", "| rest | projections | indexer | topk | exchange",
                    "length-derived int ops host / fallback"):
         assert header in text
 
@@ -82,7 +84,7 @@ def test_dcp_halves_per_rank_kv_and_doubles_capacity(smoke):
     cfg = preset("tiny", num_layers=1)
     itemsize = 2  # bfloat16
     assert points[1]["kv_latent_bytes_per_rank"] == 2 * 64 * cfg.latent_dim * itemsize
-    assert points[1]["kv_index_bytes_per_rank"] == 2 * 64 * cfg.index_head_dim * itemsize
+    assert points[1]["kv_index_bytes_per_rank"] == 2 * 64 * cfg.indexer.head_dim * itemsize
     for key in ("kv_latent_bytes_per_rank", "kv_index_bytes_per_rank"):
         assert 2 * points[2][key] == points[1][key]
     programs = {r["dcp"]: r for r in rows if r["kind"] == "program" and r["variant"] == "host"}
@@ -95,37 +97,37 @@ def test_dcp_halves_per_rank_kv_and_doubles_capacity(smoke):
 
 @pytest.mark.parametrize("index_cache", ["exact", "fp8"])
 def test_the_staged_variant_of_the_whole_layer_is_the_real_step(index_cache):
-    """Guards the breakdown against drift: staged_decode_body(through="mlp") must compute step_body exactly,
-    so its truncations cut the real data flow (with either index cache, on a pool filled in its format)."""
+    """Guards the breakdown against drift: the staged attention cut after its last stage (merge) must compute the
+    real step exactly, so its truncations cut the real data flow (with either index cache, on a pool filled in its
+    format); one stage earlier it differs."""
     cfg = preset("tiny", num_layers=1)
     parallel = ParallelConfig(tp=2, dcp=2, interleave=2)
     grid = decode_bench.Grid(preset="tiny", num_layers=1, dcp_sizes=(2,), contexts=(48,), batches=(4,),
                              page_size=4, interleave=2, dtype="float32", index_cache=index_cache)
     engine = grid.engine(2)
     mesh = make_mesh(parallel)
-    graphdef, abstract = abstract_model(cfg, jax.numpy.float32)
-    params = init_params(cfg, 0)
+    params = architecture.of(cfg).model.init_params(cfg, 0)
     max_blocks = engine.max_blocks_per_seq(2)
     lens = [48, 5, 17, 30]
     tables = decode_bench.block_tables_for(4, 48, dcp=2, page_size=4, max_blocks=max_blocks)
     md = build_step_metadata(lens, [1] * 4, tables, rows=4, seqs=4, layout=DcpLayout(2, 2, 4), max_blocks=max_blocks)
     tokens = np.array([3, 7, 11, 500], np.int32)
+    ctx = step_context(cfg, parallel, engine, "reference", dtype=jnp.float32)
     logits = {}
-    for variant in ("host", "through_mlp", "through_merge"):
-        step = decode_bench.variant_step(variant, cfg, parallel, engine, mesh, "reference", graphdef=graphdef,
-                                         abstract=abstract, details=True)
+    for variant in ("host", "through_merge", "through_sparse_mla"):
+        step = step_program(decode_bench.variant_context(ctx, variant), DETAILS, parallel, engine, mesh)
         placed = step.place_params(params)
-        state = decode_bench.new_state(cfg, engine, 2, mesh, jax.numpy.float32)
+        state = state_allocator(cfg, parallel, engine, mesh, jnp.float32)()
         state = dataclasses.replace(state, kv_cache=decode_bench.fill_random(state.kv_cache, jax.random.key(1)))
-        index_k = state.kv_cache.index_k
+        index_k = state.kv_cache.pools["index_k"]
         assert index_k.scales.min() > 0 if index_cache == "fp8" else index_k.dtype == jax.numpy.float32
         step.compile(placed, state, 4)
         inputs = decode_bench.decode_inputs(tokens, lens, [0, 1, 2, 3], engine.max_num_seqs)
-        out, _ = step(placed, state, inputs, md)
-        logits[variant] = np.asarray(out[1].logits if variant == "host" else out[0])  # the real step: Details
+        (_, details), _ = step(placed, state, inputs, md)
+        logits[variant] = np.asarray(details.logits)
     assert np.all(np.isfinite(logits["host"]))
-    np.testing.assert_allclose(logits["through_mlp"], logits["host"], rtol=1e-5, atol=1e-5)
-    assert not np.allclose(logits["through_merge"], logits["host"], atol=1e-3)  # the MLP is cut there
+    np.testing.assert_allclose(logits["through_merge"], logits["host"], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(logits["through_sparse_mla"], logits["host"], atol=1e-3)  # the attention is cut there
 
 
 def test_fp8_index_cache_counts_index_head_dim_plus_4_bytes_a_token(smoke):
@@ -135,11 +137,11 @@ def test_fp8_index_cache_counts_index_head_dim_plus_4_bytes_a_token(smoke):
     cfg = preset("tiny", num_layers=1)
     used = {f: decode_bench.kv_bytes_used(cfg, batch=2, context=64, dcp=1, page_size=4, itemsize=2, index_cache=f,
                                           latent_cache="exact") for f in ("exact", "fp8")}
-    assert used["fp8"] == (used["exact"][0], 2 * 64 * (cfg.index_head_dim + 4))
+    assert used["fp8"] == (used["exact"][0], 2 * 64 * (cfg.indexer.head_dim + 4))
     capacity = {f: decode_bench.max_tokens(cfg, dcp=2, memory=2**30, weights=0, workspace=0, itemsize=2,
                                            index_cache=f, latent_cache="exact") for f in ("exact", "fp8")}
-    assert capacity["fp8"] == 2 * 2**30 // (cfg.latent_dim * 2 + cfg.index_head_dim + 4)
-    assert capacity["exact"] == 2 * 2**30 // ((cfg.latent_dim + cfg.index_head_dim) * 2)
+    assert capacity["fp8"] == 2 * 2**30 // (cfg.latent_dim * 2 + cfg.indexer.head_dim + 4)
+    assert capacity["exact"] == 2 * 2**30 // ((cfg.latent_dim + cfg.indexer.head_dim) * 2)
 
 
 def test_fp8_latent_cache_counts_its_bytes_and_fills_its_pool():
@@ -149,15 +151,15 @@ def test_fp8_latent_cache_counts_its_bytes_and_fills_its_pool():
     latent_bytes = cfg.kv_lora_rank + 4 * (cfg.kv_lora_rank // 128) + 2 * cfg.qk_rope_head_dim
     used = decode_bench.kv_bytes_used(cfg, batch=2, context=64, dcp=1, page_size=4, itemsize=2, index_cache="fp8",
                                       latent_cache="fp8")
-    assert used == (2 * 64 * latent_bytes, 2 * 64 * (cfg.index_head_dim + 4))
+    assert used == (2 * 64 * latent_bytes, 2 * 64 * (cfg.indexer.head_dim + 4))
     capacity = decode_bench.max_tokens(cfg, dcp=2, memory=2**30, weights=0, workspace=0, itemsize=2,
                                        index_cache="fp8", latent_cache="fp8")
-    assert capacity == 2 * 2**30 // (latent_bytes + cfg.index_head_dim + 4)
+    assert capacity == 2 * 2**30 // (latent_bytes + cfg.indexer.head_dim + 4)
     grid = decode_bench.Grid(preset="tiny", num_layers=1, contexts=(64,), batches=(2,), page_size=4,
                              latent_cache="fp8", index_cache="fp8")
     cache = allocate_kv_cache(cfg, grid.engine(1), 1, make_mesh(ParallelConfig(tp=1, dcp=1)))
     filled = decode_bench.fill_random(cache, jax.random.key(0))
-    pool = filled.latent
+    pool = filled.pools["latent"]
     assert isinstance(pool, Fp8LatentCache) and pool.latent.dtype == jnp.float8_e4m3fn
     assert np.all(np.asarray(pool.scales) > 0) and np.any(np.asarray(pool.rope) != 0)
 

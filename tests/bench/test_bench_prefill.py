@@ -43,11 +43,11 @@ def test_prefill_flops_count_each_part():
     cfg = preset("deepseek-v3.2", num_layers=2)  # two dense-MLP layers
     one, two = prefill_flops(cfg, 1), prefill_flops(cfg, 2)
     assert two["dense"] == 2 * one["dense"]
-    per_pair = 2 * cfg.index_n_heads * cfg.index_head_dim * 2
+    per_pair = 2 * cfg.indexer.heads * cfg.indexer.head_dim * 2
     assert one["indexer"] == per_pair and two["indexer"] == 3 * per_pair  # pairs (0,0), (1,0), (1,1)
-    long = prefill_flops(cfg, cfg.index_topk + 10)
+    long = prefill_flops(cfg, cfg.indexer.topk + 10)
     per_key = 2 * cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
-    k = cfg.index_topk
+    k = cfg.indexer.topk
     assert long["attention"] == per_key * (k * (k + 1) / 2 + 10 * k)  # past K, every query attends to K keys
     # A DeepSeek-V3.2 dense layer: ~600M weights applied per token.
     assert one["dense"] / 2 / 2 == pytest.approx(597e6, rel=0.02)

@@ -12,7 +12,7 @@ from bench.bench_sparse_mla import VARIANTS, compared_variants
 def test_plot_from_saved_run(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     path = tmp_path / "sparse_mla.png"
-    monkeypatch.setattr(sys, "argv", ["bench_sparse_mla.py", "--plot", "docs/data/sparse_mla_mosaic_h200_run1.json",
+    monkeypatch.setattr(sys, "argv", ["bench_sparse_mla.py", "--plot", "docs/data/sparse_mla/mosaic_bf16_h200.json",
                                       str(path)])
     runpy.run_path("bench/bench_sparse_mla.py", run_name="__main__")
     assert path.stat().st_size > 10_000

@@ -8,7 +8,7 @@ import json
 
 from dcp_jax import cli
 
-SMALL_ENGINE = ["--preset", "tiny", "--weights", "fp8", "--page-size", "16", "--num-pages", "16", "--max-num-seqs",
+SMALL_ENGINE = ["--preset", "tiny", "--quantization", "fp8", "--page-size", "16", "--num-pages", "16", "--max-num-seqs",
                 "2", "--max-model-len", "64", "--max-num-batched-tokens", "8"]
 
 

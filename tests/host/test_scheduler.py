@@ -16,6 +16,11 @@ from dcp_jax.host.scheduler import Request, RequestStatus, Scheduler
 EOS = 1
 
 
+def live(s, request_id: str):
+    """The scheduler's running or waiting request of `request_id` (None once it ended)."""
+    return next((r for r in [*s.running, *s.waiting] if r.request_id == request_id), None)
+
+
 def detok(ids):
     return "".join(chr(ord("a") + (i - 2) % 26) for i in ids if i >= 2)
 
@@ -87,7 +92,7 @@ def test_admission_limited_by_pages_first_come_first_served():
     s.add(req("small", prompt_len=1))
     plan = s.schedule()
     assert ids(plan) == [("big", 9)]
-    assert s.get("big").pages == [0, 1, 2] and s.allocator.num_free == 0
+    assert live(s, "big").pages == [0, 1, 2] and s.allocator.num_free == 0
     dispatch(s, plan)
     plan = s.schedule()
     assert ids(plan) == [("big", 1)] and s.num_waiting == 1  # its decode row (context 10: 3 blocks); small waits
@@ -107,9 +112,9 @@ def test_virtual_block_growth_one_page_per_page_size_times_dcp_tokens():
 
 def test_bucket_is_smallest_width_holding_the_rows():
     s = make(num_pages=64, max_num_seqs=8, max_num_batched_tokens=24)
-    assert [s.bucket_for(n) for n in (1, 2, 3, 5, 8, 9, 17)] == [1, 2, 4, 8, 8, 24, 24]  # ladder (1, 2, 4, 8)
+    assert [s.engine.bucket_for(n) for n in (1, 2, 3, 5, 8, 9, 17)] == [1, 2, 4, 8, 8, 24, 24]  # ladder (1, 2, 4, 8)
     with pytest.raises(ValueError):
-        s.bucket_for(25)
+        s.engine.bucket_for(25)
 
 
 def test_long_prompts_prefill_in_chunks_under_the_token_budget():
@@ -357,9 +362,9 @@ def test_each_running_request_holds_its_own_sampler_slot_until_it_ends():
     slots = {r.request_id: r.slot for r in s.running}
     assert sorted(slots.values()) == [0, 1, 2] and s.scratch_slot == 3
     s.abort("1")
-    assert s.get("1") is None
+    assert live(s, "1") is None
     s.schedule()  # the freed slot goes to the waiting request
-    assert s.get("3").slot == slots["1"]
+    assert live(s, "3").slot == slots["1"]
     s.check_invariants()
 
 
@@ -387,7 +392,7 @@ def test_a_token_sampled_past_a_stop_is_dropped_and_one_after_a_preemption_kept(
     s = make(num_pages=64)
     s.add(req("eos", max_tokens=8))
     dispatch(s, s.schedule())
-    r = s.get("eos")
+    r = live(s, "eos")
     dispatch(s, s.schedule())  # a decode dispatched before the EOS below was read
     s.append_token(r, EOS)
     assert r.finish_reason == "stop"
@@ -397,7 +402,7 @@ def test_a_token_sampled_past_a_stop_is_dropped_and_one_after_a_preemption_kept(
         s.append_token(r, 9)  # nothing pending: a caller's mistake
     s.add(req("pre", max_tokens=8))
     dispatch(s, s.schedule())
-    p = s.get("pre")
+    p = live(s, "pre")
     assert s._preempt_youngest() is p  # preempted with its first token still on the way
     assert s.schedule().scheduled == ()  # not readmitted before its token arrives
     s.append_token(p, 11)
@@ -541,7 +546,7 @@ def test_drafting_requests_hold_pages_for_the_chained_passes_rows(drafts):
     s.add(req("a", prompt_len=5, max_tokens=12))
     extra = drafts - 1
     plan = s.schedule()  # its prefill samples its first token: rows 0..4, chained rows after them
-    r = s.get("a")
+    r = live(s, "a")
     assert len(r.pages) == s.blocks_for(5 + extra)
     dispatch(s, plan)
     s.append_token(r, 5)
@@ -549,4 +554,4 @@ def test_drafting_requests_hold_pages_for_the_chained_passes_rows(drafts):
     assert n == 1 + drafts and len(r.pages) == s.blocks_for(r.context_len + n - 1 + extra)
     s.add(req("short", prompt_len=5, max_tokens=2))  # its max context, 6 tokens, caps what it holds
     s.schedule()
-    assert len(s.get("short").pages) == s.blocks_for(min(5 + extra, 6))
+    assert len(live(s, "short").pages) == s.blocks_for(min(5 + extra, 6))

@@ -96,12 +96,12 @@ def test_fp8_scores_match_bf16_scores_with_model_weights():
     """One weights convention: `projections.index_weights` output feeds both the exact and the fp8 indexer, and
     the fp8 scores approximate the exact ones in value, not only in ranking (a missed or doubled Di^-0.5 fails)."""
     from dcp_jax.model.attention import projections
-    from dcp_jax.model.attention.params import init_attention_params
+    from dcp_jax.model.attention.params import init_dsa_params
     from dcp_jax.config import TINY
     from dcp_jax.model.rope import cos_sin, rope_tables
 
     rows, tokens, page_size = 4, 64, 16
-    p = init_attention_params(TINY, jax.random.key(6))
+    p = init_dsa_params(TINY, jax.random.key(6))
     x = jax.random.normal(jax.random.key(7), (rows + tokens, TINY.hidden_size))
     cos, sin = cos_sin(jnp.arange(rows + tokens, dtype=jnp.int32), *rope_tables(TINY))
     q_a, _ = projections.low_rank_projections(p, x[:rows], TINY, backend="reference")
@@ -109,7 +109,7 @@ def test_fp8_scores_match_bf16_scores_with_model_weights():
     q = projections.index_query(p, q_resid, cos[:rows], sin[:rows], TINY, backend="reference")
     weights = projections.index_weights(p, x[:rows], TINY)
     k_cache = projections.index_key(p, x[rows:], cos[rows:], sin[rows:], TINY, backend="reference")
-    k_cache = k_cache.reshape(-1, page_size, TINY.index_head_dim)
+    k_cache = k_cache.reshape(-1, page_size, TINY.indexer.head_dim)
     block_tables = jnp.tile(jnp.arange(tokens // page_size, dtype=jnp.int32), (rows, 1))
     lens = jnp.full((rows,), tokens, jnp.int32)
 

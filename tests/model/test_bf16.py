@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dcp_jax.config import TINY, ModelConfig
+from dcp_jax.model.architecture import config_from_dict
+from dcp_jax.config import TINY
 from dcp_jax.model.deepseek_v32 import abstract_model, init_params, layer_params, layer_stacks, stack_of
 from dcp_jax.model.weights import _check_filled, load_hf_params
 
 from tests.oracle import hf_tiny
 
 HF_CONFIG = hf_tiny.tiny_configs()["default_rope"]
-CFG = ModelConfig.from_dict(HF_CONFIG)
+CFG = config_from_dict(HF_CONFIG)
 F32_KEPT = {("mlp", "router"): "mlp.gate.weight", ("mlp", "router_bias"): "mlp.gate.e_score_correction_bias",
             ("attention", "index_weights"): "self_attn.indexer.weights_proj.weight"}
 

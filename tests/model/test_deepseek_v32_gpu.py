@@ -18,6 +18,7 @@ from dcp_jax.model import fp8_linear
 from dcp_jax.model.deepseek_v32 import init_params
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.runtime.runner import ModelRunner
+from dcp_jax.runtime import oracle
 from pallas_kernels import api, formats
 
 from tests.model.test_deepseek_v32_oracle import (ONE_SHOT, TOL, checkpoints, fixture,  # noqa: F401 (a fixture)
@@ -70,7 +71,7 @@ def test_greedy_decode_on_gpu_equals_hf(checkpoints, name, dcp, interleave, chun
 
 # bf16 at the Mosaic kernels' shapes: 512 + 64 latent columns (sparse MLA), Di = 128 and pages of 64 tokens with
 # fp8 index keys (indexer). Two layers (dense, then MoE); ONE_LAYER_CFG keeps the dense one.
-MOSAIC_CFG = dataclasses.replace(TINY, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
+MOSAIC_CFG = dataclasses.replace(TINY.with_indexer(head_dim=128), kv_lora_rank=512, qk_rope_head_dim=64)
 ONE_LAYER_CFG = dataclasses.replace(MOSAIC_CFG, num_hidden_layers=1)
 MOSAIC_ENGINE = EngineConfig(page_size=64, num_pages=16, max_num_seqs=4, max_model_len=128, bucket_ladder=(4, 64),
                              max_num_batched_tokens=128, index_cache="fp8")
@@ -101,13 +102,13 @@ def mosaic_run(cfg, kernels: str, dtype=jnp.bfloat16, fp8_block=None):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in MOSAIC_PROMPT_LENS]
     tables = [[2 * i, 2 * i + 1] for i in range(len(prompts))]
-    prefill, selected, _ = runner.prefill(prompts, tables, all_logits=True, return_selected=True)
+    prefill, selected, _ = oracle.prefill(runner, prompts, tables, all_logits=True, return_selected=True)
     rows = [prefill[i, :n] for i, n in enumerate(MOSAIC_PROMPT_LENS)]
     first_layer = [selected[0, i, :n] for i, n in enumerate(MOSAIC_PROMPT_LENS)]
     context = np.array(MOSAIC_PROMPT_LENS)
     for tokens in rng.integers(0, cfg.vocab_size, (MOSAIC_DECODE_STEPS, len(prompts))):
         context = context + 1
-        logits, selected, _ = runner.decode(tokens.tolist(), context.tolist(), tables, return_selected=True)
+        logits, selected, _ = oracle.decode(runner, tokens.tolist(), context.tolist(), tables, return_selected=True)
         rows.append(logits)
         first_layer.append(selected[0])
     return np.concatenate(rows).astype(np.float32), np.concatenate(first_layer)
@@ -131,16 +132,16 @@ def test_mosaic_config_runs_the_mosaic_kernels():
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     q = jnp.zeros((4, cfg.num_attention_heads, width), jnp.bfloat16)
     cache = jnp.zeros((MOSAIC_ENGINE.num_pages, page, width), jnp.bfloat16)
-    slots, counts = jnp.zeros((4, cfg.index_topk), jnp.int32), jnp.zeros((4,), jnp.int32)
+    slots, counts = jnp.zeros((4, cfg.indexer.topk), jnp.int32), jnp.zeros((4,), jnp.int32)
     assert api.choose("sparse_mla_decode", "pallas", q, cache, slots, counts, cfg.softmax_scale,
                       value_dim=cfg.kv_lora_rank) == "mosaic"
     fp8 = jnp.float8_e4m3fn
-    index_q = jnp.zeros((4, cfg.index_n_heads, cfg.index_head_dim), fp8)
-    keys = formats.Fp8IndexKeys(jnp.zeros((MOSAIC_ENGINE.num_pages, page, cfg.index_head_dim), fp8),
+    index_q = jnp.zeros((4, cfg.indexer.heads, cfg.indexer.head_dim), fp8)
+    keys = formats.Fp8IndexKeys(jnp.zeros((MOSAIC_ENGINE.num_pages, page, cfg.indexer.head_dim), fp8),
                                 jnp.zeros((MOSAIC_ENGINE.num_pages, page), jnp.float32))
-    weights, tables = jnp.zeros((4, cfg.index_n_heads), jnp.float32), jnp.zeros((4, 2), jnp.int32)
+    weights, tables = jnp.zeros((4, cfg.indexer.heads), jnp.float32), jnp.zeros((4, 2), jnp.int32)
     assert api.choose("indexer_top_k", "pallas", index_q, weights, keys, tables, counts,
-                      k=cfg.index_topk) == "mosaic"
+                      k=cfg.indexer.topk) == "mosaic"
 
 
 @pytest.mark.gpu

@@ -10,7 +10,6 @@ checkpoint has it (mscale = mscale_all_dim), YaRN with mscale != mscale_all_dim 
 softmax scale change), and one configuration with the Pallas kernels (interpreted) instead of the references.
 """
 
-import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -18,10 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dcp_jax.config import EngineConfig, ModelConfig, ParallelConfig
+from dcp_jax.model.architecture import config_from_hf, with_hf_overrides
+from dcp_jax.config import EngineConfig, ParallelConfig
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.model.weights import load_hf_params
 from dcp_jax.runtime.runner import ModelRunner
+from dcp_jax.runtime import oracle
 
 from tests.oracle import hf_tiny
 
@@ -101,23 +102,23 @@ def run_case(checkpoints, name, dcp, interleave, kernels="reference", chunk=ONE_
         return _RESULTS[key]
     fx = fixture(name)
     path, _ = checkpoints[name]
-    cfg = ModelConfig.from_hf(path)
+    cfg = config_from_hf(path)
     if cfg_change:
-        cfg = dataclasses.replace(cfg, **dict(cfg_change))
+        cfg = with_hf_overrides(cfg, dict(cfg_change))
     parallel = ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave)
     mesh = make_mesh(parallel)
     runner = ModelRunner(cfg, load_hf_params(cfg, path, mesh), parallel, ENGINE, mesh, kernels)
     prompts = prompts_of(fx)
     tables = block_tables(dcp, len(prompts), seed=dcp * 10 + interleave)
-    prefill_logits, prefill_selected, first_tokens = runner.prefill(prompts, tables, chunk_size=chunk,
+    prefill_logits, prefill_selected, first_tokens = oracle.prefill(runner, prompts, tables, chunk_size=chunk,
                                                                     all_logits=True, return_selected=True)
     decode_logits, decode_selected, sampled = [], [], [first_tokens]
     context = np.array([len(p) for p in prompts])
     if cfg_change is None:
         for j in range(1, fx["gen_tokens"].shape[1]):
             context = context + 1
-            logits, selected, tokens = runner.decode(fx["gen_tokens"][:, j - 1].tolist(), context.tolist(), tables,
-                                                     return_selected=True)
+            logits, selected, tokens = oracle.decode(runner, fx["gen_tokens"][:, j - 1].tolist(), context.tolist(),
+                                                     tables, return_selected=True)
             decode_logits.append(logits)
             decode_selected.append(selected)
             sampled.append(tokens)
@@ -139,7 +140,7 @@ def test_config_matches_hf_constants(checkpoints, name):
     from dcp_jax.model.rope import rope_tables
 
     fx = fixture(name)
-    cfg = ModelConfig.from_hf(checkpoints[name][0])
+    cfg = config_from_hf(checkpoints[name][0])
     inv_freq, attention_factor = rope_tables(cfg)
     np.testing.assert_allclose(inv_freq, fx["hf_rope_inv_freq"], rtol=1e-6)
     assert attention_factor == pytest.approx(float(fx["hf_rope_attention_scaling"]))

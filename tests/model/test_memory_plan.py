@@ -12,7 +12,9 @@ from flax import nnx
 from dcp_jax import cli
 from dcp_jax.config import DEEPSEEK_V32, TINY, EngineConfig, ParallelConfig
 from dcp_jax.model.deepseek_v32 import abstract_model, init_params, param_specs
-from dcp_jax.model.kv_cache import allocate_kv_cache, kv_bytes_per_rank
+from dcp_jax.model.attention.variant import CacheFormats
+from dcp_jax.model.kv_cache import allocate_kv_cache
+from tests.kv_pools import bytes_per_rank as kv_bytes_per_rank
 from dcp_jax.model.memory_plan import (BLOCK_FP8_LEAVES, kv_bytes_per_token, make_plan, pool_pages,
                                        weight_bytes_per_rank)
 from dcp_jax.model.mesh import make_mesh, sharding
@@ -24,7 +26,7 @@ def test_weight_bytes_per_rank_are_those_placed_on_a_device(tp, dcp, expert_para
     parallel = ParallelConfig(tp=tp, dcp=dcp, enable_expert_parallel=expert_parallel)
     mesh = make_mesh(parallel)
     abstract = nnx.to_pure_dict(abstract_model(TINY, jnp.bfloat16)[1])
-    specs = param_specs(abstract, expert_parallel=expert_parallel)
+    specs = param_specs(TINY, abstract, expert_parallel=expert_parallel)
     placed = jax.device_put(init_params(TINY, 0, jnp.bfloat16), jax.tree.map(lambda s: sharding(mesh, s), specs))
     on_device_0 = sum(shard.data.nbytes for leaf in jax.tree.leaves(placed) for shard in leaf.addressable_shards
                       if shard.device == mesh.devices.flat[0])
@@ -33,7 +35,7 @@ def test_weight_bytes_per_rank_are_those_placed_on_a_device(tp, dcp, expert_para
 
 def test_fp8_weights_take_a_byte_and_a_scale_per_block_for_the_linear_layers_only():
     abstract = nnx.to_pure_dict(abstract_model(TINY, jnp.bfloat16)[1])
-    specs = param_specs(abstract, expert_parallel=False)
+    specs = param_specs(TINY, abstract, expert_parallel=False)
     one = ParallelConfig()
     fp8 = weight_bytes_per_rank(abstract, specs, one, "fp8")
     leaves = jax.tree_util.tree_leaves_with_path(abstract)
@@ -50,21 +52,19 @@ def test_bytes_per_token_are_the_pools_bytes(latent, index):
     parallel = ParallelConfig(tp=2, dcp=2)
     engine = EngineConfig(page_size=4, num_pages=8, latent_cache=latent, index_cache=index)
     pools = kv_bytes_per_rank(allocate_kv_cache(TINY, engine, 2, make_mesh(parallel), jnp.bfloat16))
-    per_token = kv_bytes_per_token(TINY, latent_cache=latent, index_cache=index, itemsize=2)
+    per_token = kv_bytes_per_token(TINY, CacheFormats(latent, index), itemsize=2)
     tokens_per_rank = engine.num_pages * engine.page_size
     assert {"latent": pools["latent"] // tokens_per_rank, "index_k": pools["index_k"] // tokens_per_rank} == per_token
 
 
 def test_pool_pages_leave_the_workspace_the_sampler_and_a_layer_free():
     cfg = dataclasses.replace(TINY, num_hidden_layers=4)
-    per_token = sum(kv_bytes_per_token(cfg, latent_cache="exact", index_cache="exact", itemsize=2).values())
+    per_token = sum(kv_bytes_per_token(cfg, CacheFormats(), itemsize=2).values())
     free = 10 * 2**20
-    pages = pool_pages(free, cfg, page_size=16, latent_cache="exact", index_cache="exact", itemsize=2,
-                       max_num_seqs=8)
+    pages = pool_pages(free, cfg, CacheFormats(), page_size=16, itemsize=2, max_num_seqs=8)
     sampler = 9 * cfg.vocab_size * 5
     assert pages == int((0.9 * free - sampler) * 4 / 5 // (per_token * 16))
-    assert pool_pages(1000, cfg, page_size=16, latent_cache="exact", index_cache="exact", itemsize=2,
-                      max_num_seqs=8) <= 0
+    assert pool_pages(1000, cfg, CacheFormats(), page_size=16, itemsize=2, max_num_seqs=8) <= 0
 
 
 def test_deepseek_v32_in_fp8_on_eight_h200s_at_dcp_8():

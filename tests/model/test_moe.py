@@ -17,6 +17,7 @@ from dcp_jax.model import fp8_linear, moe
 from dcp_jax.model.deepseek_v32 import init_params
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.runtime.runner import ModelRunner
+from dcp_jax.runtime import oracle
 
 X = TINY.n_routed_experts  # 8 experts, 2 per row, in 2 groups of 4 (one kept per row)
 
@@ -113,24 +114,27 @@ def test_grouped_experts_through_the_pallas_grouped_matmul_equal_dense():
                                 first_expert=X // 2, matmul=pallas_matmul)
 
 
-def test_the_kernels_backend_picks_the_routed_experts_computation(caplog):
+def test_the_kernels_backend_picks_the_routed_experts_computation():
+    """The grouped matmul under a kernels backend, the dense experts under "reference"; weights the kernel cannot
+    take are a ValueError naming why (never a silent switch to dense experts), whose way out is the reference."""
     x, _, _, gate, up, down = inputs(2, jnp.bfloat16)
     grouped = moe.routed_experts("pallas", x, gate, up, down, rows_per_expert=0.5)
     assert grouped.func is moe.grouped_experts
     assert grouped.keywords["matmul"].keywords == {"backend": "pallas", "rows_per_group": 0.5}
     assert grouped.keywords["matmul"].func is fp8_linear.grouped_matmul
     assert moe.routed_experts("reference", x, gate, up, down, rows_per_expert=0.5) is moe.dense_experts
-    assert moe.routed_experts("pallas", x.astype(jnp.float32), gate, up, down,  # dtypes differ
-                              rows_per_expert=0.5) is moe.dense_experts
+    with pytest.raises(ValueError, match="one dtype, bf16 or f32; got float32 and bfloat16; kernels='reference'"):
+        moe.routed_experts("pallas", x.astype(jnp.float32), gate, up, down, rows_per_expert=0.5)  # dtypes differ
     narrow = [w[..., :8] for w in (gate, up)] + [down[:, :8]]  # F = 8: no Triton dot that narrow
-    assert moe.routed_experts("pallas", x, *narrow, rows_per_expert=0.5) is moe.dense_experts
+    with pytest.raises(ValueError, match="multiples of 16"):
+        moe.routed_experts("pallas", x, *narrow, rows_per_expert=0.5)
     untileable = [fp8_linear.quantize(w, (8, 8), (-2,), (-1,)) for w in (gate, up, down)]  # no 16-wide block
-    moe._log_dense_once.cache_clear()  # said once a process: an earlier test may have said it
-    with caplog.at_level("INFO", logger="dcp_jax.model.moe"):
-        assert moe.routed_experts("pallas", x, *untileable, rows_per_expert=0.5) is moe.dense_experts
-        other_axes = [fp8_linear.quantize(w, (16, 16), (1,), (2,)) for w in (gate, up, down)]
-        assert moe.routed_experts("pallas", x, *other_axes, rows_per_expert=0.5) is moe.dense_experts
-    assert "multiples of 16" in caplog.text and "K its input axis" in caplog.text  # not silently
+    with pytest.raises(ValueError, match="multiples of 16"):
+        moe.routed_experts("pallas", x, *untileable, rows_per_expert=0.5)
+    other_axes = [fp8_linear.quantize(w, (16, 16), (1,), (2,)) for w in (gate, up, down)]
+    with pytest.raises(ValueError, match="K its input axis"):
+        moe.routed_experts("pallas", x, *other_axes, rows_per_expert=0.5)
+    assert moe.routed_experts("reference", x, *other_axes, rows_per_expert=0.5) is moe.dense_experts
 
 
 def test_block_fp8_experts_run_grouped_through_the_fp8_kernel_as_dense():
@@ -160,7 +164,7 @@ def model_logits(tp: int, dcp: int, expert_parallel: bool, kernels: str = "refer
     runner = ModelRunner(TINY, init_params(TINY, seed=0), parallel, ENGINE, mesh, kernels)
     blocks = ENGINE.max_blocks_per_seq(dcp)
     tables = [list(range(blocks)), list(range(blocks, 2 * blocks))]
-    logits, _, _ = runner.prefill(PROMPTS, tables, all_logits=True)
+    logits, _, _ = oracle.prefill(runner, PROMPTS, tables, all_logits=True)
     return logits
 
 

@@ -11,20 +11,27 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dcp_jax.config import TINY, EngineConfig, ModelConfig, ParallelConfig
+from dcp_jax.model.architecture import config_from_hf
+from dcp_jax.model.architecture import config_from_dict
+from dcp_jax.config import TINY, EngineConfig, ParallelConfig
 from dcp_jax.model import fp8_linear, weights
 from dcp_jax.model.mesh import HEADS, make_mesh
 from dcp_jax.model.deepseek_v32 import (abstract_model, check_divisible, init_params, layer_params,
                                          layer_stacks, stack_of)
-from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
-from dcp_jax.model.weights import (hf_tensor_shapes, layer_to_hf, layer_to_ours, load_hf_params, load_mtp_params,
-                                   mtp_to_hf, save_hf)
+from dcp_jax.model.deepseek_v32 import abstract_mtp, init_mtp_params
+from dcp_jax.model.deepseek_v32 import DeepseekCheckpoint
+from dcp_jax.model.weights import load_hf_params, load_mtp_params, save_hf
 from dcp_jax.runtime.runner import ModelRunner
+from dcp_jax.runtime import oracle
 
 from tests.oracle import hf_tiny
 
+# The HF tensor-name map of the model file.
+CHECKPOINT = DeepseekCheckpoint()
+hf_tensor_shapes, layer_to_hf, layer_to_ours, mtp_to_hf = (CHECKPOINT.tensor_shapes, CHECKPOINT.layer_to_hf,
+                                                          CHECKPOINT.layer_to_ours, CHECKPOINT.mtp_to_hf)
 HF_CONFIG = hf_tiny.tiny_configs()["default_rope"]
-CFG = ModelConfig.from_dict(HF_CONFIG)
+CFG = config_from_dict(HF_CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +126,7 @@ def test_load_places_heads_and_experts_split_and_save_round_trips(checkpoint, te
     assert saved.keys() == tensors.keys()
     for name in tensors:
         np.testing.assert_array_equal(saved[name], tensors[name], err_msg=name)
-    assert ModelConfig.from_hf(tmp_path) == CFG
+    assert config_from_hf(tmp_path) == CFG
 
 
 @pytest.mark.parametrize("change, message", [
@@ -338,7 +345,8 @@ def _prompt_log_probs(path, tp: int, quantization: str, *, quantize_activations:
     wq_b = attention["wq_b"].values if quantization == "auto" else attention["wq_b"]
     assert wq_b.dtype == (jnp.float8_e4m3fn if quantization == "auto" else jnp.float32)
     blocks = ENGINE.max_blocks_per_seq(parallel.dcp)
-    logits, _, _ = runner.prefill(PROMPTS, [list(range(blocks)), list(range(blocks, 2 * blocks))], all_logits=True)
+    logits, _, _ = oracle.prefill(runner, PROMPTS, [list(range(blocks)), list(range(blocks, 2 * blocks))],
+                                  all_logits=True)
     return np.asarray(jax.nn.log_softmax(logits, axis=-1))
 
 

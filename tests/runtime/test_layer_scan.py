@@ -10,12 +10,13 @@ from flax import nnx
 from jax.extend import core as jax_core
 
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
-from dcp_jax.host.metadata import StepMetadata
-from dcp_jax.model.deepseek_v32 import abstract_model, init_params, layer_params, layer_stacks, stack_of
+from dcp_jax.host.step_metadata import StepMetadata
+from dcp_jax.model.deepseek_v32 import init_params, layer_params, layer_stacks, stack_of
 from dcp_jax.model.kv_cache import on_layer
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.runtime.forward import GREEDY
-from dcp_jax.runtime.runner import ModelRunner, state_allocator, step_programs
+from dcp_jax.runtime import oracle
+from dcp_jax.runtime.runner import ModelRunner, state_allocator, step_context, step_program
 
 ENGINE = EngineConfig(page_size=4, num_pages=16, max_num_seqs=2, max_model_len=32, bucket_ladder=(2, 16),
                       max_num_batched_tokens=16)
@@ -44,7 +45,7 @@ def test_on_layer_moves_page_ids_and_slots_to_the_layers_pages_and_keeps_minus_o
                       block_tables=np.array([[1, 0], [-1, -1]]), query_seqs=np.array([0, 1]),
                       draft_positions=np.zeros((2, 0)), draft_context_lens=np.zeros((2, 0)),
                       draft_local_context_lens=np.zeros((1, 2, 0)), draft_slot_mapping=np.zeros((1, 2, 0)),
-                      draft_seqs=np.zeros(2))
+                      draft_query_seqs=np.zeros(2))
     moved = on_layer(jax.tree.map(jax.numpy.asarray, md), 2, num_pages=3, page_size=4)
     np.testing.assert_array_equal(moved.block_tables, [[7, 6], [-1, -1]])
     np.testing.assert_array_equal(moved.slot_mapping, [[6 + 2 * 3 * 4, -1]])
@@ -63,8 +64,8 @@ def test_scanned_layers_give_the_unrolled_loops_prefill_and_decode(tp, dcp):
     outputs = []
     for unroll in (False, True):
         runner = ModelRunner(cfg, params, parallel, ENGINE, mesh, "reference", unroll_layers=unroll)
-        logits, selected, first = runner.prefill(PROMPTS, tables, all_logits=True, return_selected=True)
-        decoded = runner.decode(first, [len(p) + 1 for p in PROMPTS], tables, return_selected=True)
+        logits, selected, first = oracle.prefill(runner, PROMPTS, tables, all_logits=True, return_selected=True)
+        decoded = oracle.decode(runner, first, [len(p) + 1 for p in PROMPTS], tables, return_selected=True)
         outputs.append((logits, selected, first, *decoded))
     for scanned, unrolled in zip(*outputs):
         if scanned is None:
@@ -82,10 +83,9 @@ def _program_size(layers: int, unroll: bool) -> tuple[int, int]:
     cfg = _deep(layers)
     parallel = ParallelConfig(tp=1, dcp=1)
     mesh = make_mesh(parallel)
-    graphdef, abstract = abstract_model(cfg)
-    step = step_programs(cfg, parallel, ENGINE, mesh, "reference", graphdef=graphdef, abstract=abstract,
-                         unroll_layers=unroll)[GREEDY]
-    params = step.param_shapes(nnx.to_pure_dict(abstract))
+    ctx = step_context(cfg, parallel, ENGINE, "reference", dtype=jax.numpy.float32, unroll_layers=unroll)
+    step = step_program(ctx, GREEDY, parallel, ENGINE, mesh)
+    params = step.param_shapes(nnx.to_pure_dict(ctx.model.abstract))
     state = jax.eval_shape(state_allocator(cfg, parallel, ENGINE, mesh, "float32"))
 
     def equations(jaxpr) -> int:

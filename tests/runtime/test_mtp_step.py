@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
-from dcp_jax.host.metadata import PROMPT, ScheduledRows
-from dcp_jax.model.deepseek_v32 import abstract_model, init_params, merge
+from dcp_jax.host.step_inputs import PROMPT
+from dcp_jax.host.step_plan import ScheduledRows
+from dcp_jax.model.deepseek_v32 import abstract_model, abstract_mtp, init_mtp_params, init_params, merge
 from dcp_jax.model.mesh import make_mesh
-from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
-from dcp_jax.runtime.runner import GREEDY_PARAMS, ModelRunner
 from dcp_jax.model.rope import cos_sin, rope_tables
+from dcp_jax.runtime import oracle
+from dcp_jax.runtime.runner import ModelRunner
 from dcp_jax.train.forward import SPARSE, decoder_layer_forward, mtp_forward, sequence_forward
 
 ENGINE = EngineConfig(page_size=4, num_pages=32, max_num_seqs=2, max_model_len=64, bucket_ladder=(2, 16, 32),
@@ -40,16 +41,16 @@ def _served_mtp_logits(dcp: int, chunks: list[int], engine: EngineConfig):
     parallel = ParallelConfig(tp=dcp, dcp=dcp)
     runner = ModelRunner(TINY, params, parallel, engine, make_mesh(parallel), "reference", mtp_params=mtp_params)
     slot, table = 0, list(range(ENGINE.max_blocks_per_seq(dcp)))
-    runner.set_sampling(slot, GREEDY_PARAMS, 0, len(PROMPT_IDS))
+    runner.set_sampling(slot, oracle.GREEDY_PARAMS, 0, len(PROMPT_IDS))
     logits, first = [], 0
     for end in chunks:
-        sampled, details = runner.run_details(_chunk(PROMPT_IDS, first, end, table, slot))
+        sampled, details = oracle.run_details(runner, _chunk(PROMPT_IDS, first, end, table, slot))
         logits.append(details.mtp_logits[:end - first])
         first = end
     token = int(sampled.tokens[0])
     drafts = [np.asarray(runner.state.drafts)[slot].tolist()]
     decode = ScheduledRows.decode([slot], [len(PROMPT_IDS) + 1], np.asarray([table], np.int32), tokens=[token])
-    sampled, details = runner.run_details(decode)
+    sampled, details = oracle.run_details(runner, decode)
     logits.append(details.mtp_logits[:1])
     drafts.append(np.asarray(runner.state.drafts)[slot].tolist())
     return (np.concatenate(logits), [token, int(sampled.tokens[0])], drafts, (params, mtp_params),
@@ -122,9 +123,9 @@ def test_chained_drafts_start_at_the_last_kept_draft():
     parallel = ParallelConfig(tp=2, dcp=2, interleave=2)
     runner = ModelRunner(TINY, params, parallel, engine, make_mesh(parallel), "reference", mtp_params=mtp_params)
     slot, table = 0, list(range(engine.max_blocks_per_seq(2)))
-    runner.set_sampling(slot, GREEDY_PARAMS, 0, len(PROMPT_IDS))
-    served = [runner.run_details(_chunk(PROMPT_IDS, 0, 13, table, slot))[1].mtp_logits[:13]]
-    sampled, details = runner.run_details(_chunk(PROMPT_IDS, 13, len(PROMPT_IDS), table, slot))
+    runner.set_sampling(slot, oracle.GREEDY_PARAMS, 0, len(PROMPT_IDS))
+    served = [oracle.run_details(runner, _chunk(PROMPT_IDS, 0, 13, table, slot))[1].mtp_logits[:13]]
+    sampled, details = oracle.run_details(runner, _chunk(PROMPT_IDS, 13, len(PROMPT_IDS), table, slot))
     served.append(details.mtp_logits[:len(PROMPT_IDS) - 13])
     model, mtp = merge(*abstract_model(TINY), params), merge(*abstract_mtp(TINY), mtp_params)
     tokens = PROMPT_IDS + [int(sampled.tokens[0])]
@@ -134,7 +135,7 @@ def test_chained_drafts_start_at_the_last_kept_draft():
     forced = tokens[-3:-1] + [(tokens[-1] + 1) % TINY.vocab_size]  # g1, g2 right, the third wrong
     runner.state = dataclasses.replace(runner.state, drafts=runner.state.drafts.at[slot].set(jnp.asarray(forced)))
     verify = ScheduledRows.verify([slot], [len(PROMPT_IDS) + 1], [3], np.asarray([table], np.int32))
-    sampled, details = runner.run_details(verify)
+    sampled, details = oracle.run_details(runner, verify)
     assert np.asarray(sampled.tokens)[:4].tolist() == tokens[-3:] + [-1]  # g1, g2 kept, then g3
     served.append(details.mtp_logits[:3])  # rows p .. p + a, each with the token emitted after it
     hidden = sequence_forward(model, jnp.asarray(tokens, jnp.int32), mode=SPARSE).hidden

@@ -156,7 +156,7 @@ def test_add_history_restarts_fresh_slots_then_adds_the_rows_tokens():
     """A fresh slot forgets its previous request (a stale prompt token and count), then takes its rows' prompt
     tokens into the mask and generated ones into the counts; fed-back and pad rows add nothing; a fresh-slot pad
     (past the last slot) resets nothing."""
-    from dcp_jax.host.metadata import FED_BACK, GENERATED, PAD, PROMPT
+    from dcp_jax.host.step_inputs import FED_BACK, GENERATED, PAD, PROMPT
 
     state = sampler.SamplerState.zeros(2, VOCAB)  # slots 0, 1 and the scratch slot 2
     state = dataclasses.replace(state, prompt_mask=state.prompt_mask.at[:, 9].set(True),

@@ -2,22 +2,24 @@
 afterwards, no device-side derivation of local lengths in any step program (decode rows and prefill chunks run the
 same programs; and the check catches one wired in), and metadata errors before anything is traced."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
-from dcp_jax.demo import make_stack_step
+from dcp_jax.demo import decode_stack_body, init_stack_params, make_stack_step
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import build_step_metadata
-from dcp_jax.model.attention_stack import decode_stack_body, init_stack_params
+from dcp_jax.host.step_metadata import build_step_metadata
 from dcp_jax.model.kv_cache import allocate_kv_cache
 from dcp_jax.model.mesh import DCP, make_mesh
 from dcp_jax.runtime.forward import GREEDY, PROMPT_LOGPROBS, SAMPLED
 from dcp_jax.runtime.jaxpr_check import host_syncs, length_derivations, local_context_lens_on_device
+from dcp_jax.runtime.step import Placed
+from dcp_jax.serving.engine_args import EngineArgs
 from dcp_jax.serving.loading import load_model
 
 ENGINE = EngineConfig(page_size=4, num_pages=64, max_num_seqs=8, max_model_len=64, max_num_batched_tokens=8)
@@ -42,7 +44,7 @@ def fallback_body(params, kv_cache, hidden, md, **kwargs):
     derived = local_context_lens_on_device(
         md.context_lens, jax.lax.axis_index(DCP), dcp=kwargs["layout"].dcp_size, interleave=kwargs["layout"].interleave
     )
-    return decode_stack_body(params, kv_cache, hidden, dataclasses.replace(md, local_context_lens=derived), **kwargs)
+    return decode_stack_body(params, kv_cache, hidden, md._replace(local_context_lens=derived), **kwargs)
 
 
 def counting_mask_body(params, kv_cache, hidden, md, **kwargs):
@@ -51,7 +53,7 @@ def counting_mask_body(params, kv_cache, hidden, md, **kwargs):
     tokens = jnp.arange(ENGINE.max_model_len)
     is_mine = (tokens // layout.interleave) % layout.dcp_size == jax.lax.axis_index(DCP)
     derived = jnp.sum(is_mine[None, :] & (tokens[None, :] <= md.positions[:, None]), axis=1).astype(jnp.int32)
-    return decode_stack_body(params, kv_cache, hidden, dataclasses.replace(md, local_context_lens=derived), **kwargs)
+    return decode_stack_body(params, kv_cache, hidden, md._replace(local_context_lens=derived), **kwargs)
 
 
 def float_round_trip_body(params, kv_cache, hidden, md, **kwargs):
@@ -59,7 +61,7 @@ def float_round_trip_body(params, kv_cache, hidden, md, **kwargs):
     layout = kwargs["layout"]
     lengths = (md.positions + 1).astype(jnp.float32)
     derived = (lengths * (1.0 / layout.dcp_size)).astype(jnp.int32)
-    return decode_stack_body(params, kv_cache, hidden, dataclasses.replace(md, local_context_lens=derived), **kwargs)
+    return decode_stack_body(params, kv_cache, hidden, md._replace(local_context_lens=derived), **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +143,10 @@ def test_the_check_lets_host_rows_be_picked_but_not_computed_from():
 def test_no_program_of_the_model_derives_local_lengths(kernels):
     """Every bucket of every variant (decode rows and prefill chunks alike, sampling included), with either
     kernels."""
-    runner = load_model("tiny", dcp=4, interleave=2, max_num_seqs=4, max_model_len=64, kernels=kernels,
-                        max_num_batched_tokens=16).runner
+    # Experts twice the preset's width, so each of the 4 ranks' slice (16) is what the grouped matmul kernel takes.
+    runner = load_model(EngineArgs(model="tiny", dcp=4, interleave=2, max_num_seqs=4, max_model_len=64,
+                                   kernels=kernels, max_num_batched_tokens=16,
+                                   hf_overrides={"moe_intermediate_size": 64})).runner
     assert runner.engine.buckets == (1, 2, 4, 8, 16)
     for step in runner.steps.values():  # greedy, drawing, prompt logprobs, detailed
         for rows in step.buckets:
@@ -153,8 +157,8 @@ def test_no_program_of_the_model_derives_local_lengths(kernels):
 def test_no_serving_program_waits_for_the_device_at_its_launch(kernels):
     """Asynchronous scheduling dispatches step t+1 while step t runs: no serving program may hold a traced branch
     or loop (the GPU runtime would read its predicate on the host, so the launch would wait for the device)."""
-    runner = load_model("tiny", dcp=2, max_num_seqs=4, max_model_len=64, kernels=kernels,
-                        max_num_batched_tokens=8).runner
+    runner = load_model(EngineArgs(model="tiny", dcp=2, max_num_seqs=4, max_model_len=64, kernels=kernels,
+                                   max_num_batched_tokens=8)).runner
     for variant, rows in runner.programs((GREEDY, SAMPLED, PROMPT_LOGPROBS)):
         assert runner.steps[variant].host_syncs(runner.params, runner.state, rows) == [], (variant, rows)
 
@@ -191,12 +195,12 @@ def test_bad_metadata_fails_before_tracing(setup):
     hidden = jnp.zeros((4, TINY.hidden_size))
     good = metadata([3, 5], 4)
     bad = [
-        (dataclasses.replace(good, local_context_lens=good.local_context_lens[:2]), ValueError, "local_context_lens"),
-        (dataclasses.replace(good, block_tables=good.block_tables.astype(np.int64)), TypeError, "block_tables"),
-        (dataclasses.replace(good, slot_mapping=None), TypeError, "slot_mapping"),
+        (good._replace(local_context_lens=good.local_context_lens[:2]), ValueError, "local_context_lens"),
+        (good._replace(block_tables=good.block_tables.astype(np.int64)), TypeError, "block_tables"),
+        (good._replace(slot_mapping=None), TypeError, "slot_mapping"),
         (metadata([3, 5], 3), ValueError, "bucket"),
         (metadata([3, 5], 2), ValueError, "not compiled"),
-        (dataclasses.replace(good, query_seqs=good.query_seqs + 4), ValueError, "query_seqs"),
+        (good._replace(query_seqs=good.query_seqs + 4), ValueError, "query_seqs"),
     ]
     with jax.no_tracing():
         for md, error, message in bad:
@@ -207,7 +211,7 @@ def test_bad_metadata_fails_before_tracing(setup):
 
 
 def test_placed_inputs_run_the_same_program(setup):
-    """`place_inputs` validates and transfers once; `run_placed` then runs the bucket's program on them (the
+    """`pack_inputs` validates; its one buffer placed once, `run_placed` runs the bucket's program on it (the
     benchmark's device loop), giving what the validating call gives."""
     mesh, params = setup
     step = make_stack_step(TINY, PARALLEL, ENGINE, mesh, "reference")
@@ -217,10 +221,11 @@ def test_placed_inputs_run_the_same_program(setup):
     md = metadata([1, 9, 30], 4)
     hidden = jnp.asarray(np.random.default_rng(2).standard_normal((4, TINY.hidden_size)), jnp.float32)
     with pytest.raises(ValueError, match="block_tables has shape"):
-        step.place_inputs(hidden, dataclasses.replace(md, block_tables=md.block_tables[:, :1]))
+        step.pack_inputs(hidden, md._replace(block_tables=md.block_tables[:, :1]))
     with jax.no_tracing():
         want, kv_cache = step(params, kv_cache, hidden, md)
-        placed = step.place_inputs(hidden, md)
+        packed = step.pack_inputs(hidden, md)
+        placed = Placed(packed.bucket, jax.device_put(packed.packed, NamedSharding(mesh, P())))
         assert isinstance(placed.packed, jax.Array) and placed.packed.ndim == 1  # one buffer: one transfer
         got, kv_cache = step.run_placed(params, kv_cache, placed)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -240,7 +245,7 @@ def test_a_step_filled_into_a_packed_template_is_the_packed_step(setup):
 
     def fill(inputs, views):
         inputs[...] = hidden
-        for name, value in vars(md).items():
+        for name, value in md._asdict().items():
             getattr(views, name)[...] = value
 
     filled = step.pack_filled(template, fill)

@@ -1,7 +1,9 @@
-"""The sharded decode step (runtime/step.py over model/attention_stack.py) with the Pallas kernels compiled on a
-CUDA GPU equals its unsharded twin (`decode_stack_unsharded`, reference ops), as tests/model/attention/
-test_sparse_dcp.py checks interpreted on CPU: exact and fp8 caches (index keys, latents), padded rows, contexts
-below and above index_topk, exact ties at the top-k boundary. DCP = 2 needs 2 GPUs (skipped on one).
+"""The sharded decode step (runtime/step.py over the demo's attention stack, `dcp_jax/demo.py`) with the Pallas
+kernels compiled on a CUDA GPU equals its unsharded twin (`decode_stack_unsharded`, reference ops), as tests/model/
+attention/test_sparse_dcp.py checks interpreted on CPU: exact and fp8 caches (index keys, latents), padded rows,
+contexts below and above index_topk, exact ties at the top-k boundary, and the tiny model with DeepSeek-V3.2's
+indexer shape and pages of 64 (so the fp8 index cache runs the Mosaic GPU indexer). DCP = 2 needs 2 GPUs (skipped
+on one). f32, matmul precision highest.
 
 Each case records its worst difference (`max_abs_err`, in the junit xml that scripts/test_gpu.sh writes).
 """
@@ -45,9 +47,25 @@ def test_dcp_step_on_gpu_equals_unsharded(dcp, interleave, index_cache, latent_c
     report = run_comparison(cfg, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), engine, SCHEDULE,
                             kernels="pallas")
     record_property("max_abs_err", report.max_abs_err)
-    assert report.max_context > cfg.index_topk
+    assert report.max_context > cfg.indexer.topk
     assert report.buckets_compiled == len(engine.buckets)
     assert report.max_abs_err < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dcp, interleave", DCP_SIZES)
+def test_dcp_step_with_deepseeks_indexer_shape_runs_the_mosaic_indexer_and_equals_unsharded(dcp, interleave,
+                                                                                           record_property):
+    """The tiny model with DeepSeek-V3.2's indexer (64 heads of 128) and pages of 64, the fp8 index cache: the Pallas
+    side runs the Mosaic GPU indexer inside the shard_mapped step (2.2e-6 on two H200s, docs/performance.md, "The
+    whole sparse DCP decode step against its single-device twin")."""
+    cfg = TINY.with_indexer(heads=64, head_dim=128)
+    engine = dataclasses.replace(ENGINE, page_size=64, num_pages=16, index_cache="fp8")
+    report = run_comparison(cfg, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), engine, SCHEDULE,
+                            kernels="pallas")
+    record_property("max_abs_err", report.max_abs_err)
+    assert report.max_context > cfg.indexer.topk
+    assert report.max_abs_err < TOL
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
 """Two-batch overlap (TBO, `enable_tbo`): each layer's attention runs as two micro-batches of the step's rows, views
-of the one metadata the host built (`sparse_dcp.rows_view`). Its outputs equal the plain step's at every DCP size
+of the one metadata the host built (`arrays.rows_view`). Its outputs equal the plain step's at every DCP size
 and interleave, with odd row counts, a micro-batch of pad rows only and ranks owning none of a row's top-k; a
 micro-batch reading the other's rows is caught; its programs hold two chains of collectives per layer, derive no
 length and compile once."""
@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
-from dcp_jax.host.metadata import ScheduledRows
+from dcp_jax.host.step_plan import ScheduledRows
+from dcp_jax.host import arrays
 from dcp_jax.model.attention import sparse_dcp
 from dcp_jax.model.deepseek_v32 import init_params
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.runtime.forward import GREEDY
 from dcp_jax.runtime.runner import ModelRunner
+from dcp_jax.runtime import oracle
 
 # Buckets 3 (odd), 4 and 32: decode rows run in bucket 3, split 1 + 2 (2 rows: one real, one pad; 1 row: the
 # second micro-batch all pads); 3 prompts of 5, 9 and 23 tokens (past index_topk 16) prefill one at a time in
@@ -32,8 +34,8 @@ def outputs(dcp: int, interleave: int, *, enable_tbo: bool, decodes: int):
                          enable_tbo=enable_tbo)
     blocks = ENGINE.max_blocks_per_seq(dcp)
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(PROMPTS))]
-    logits, selected, first = runner.prefill(PROMPTS, tables, all_logits=True, return_selected=True)
-    decoded = runner.decode(first[:decodes], [len(p) + 1 for p in PROMPTS[:decodes]], tables[:decodes],
+    logits, selected, first = oracle.prefill(runner, PROMPTS, tables, all_logits=True, return_selected=True)
+    decoded = oracle.decode(runner, first[:decodes], [len(p) + 1 for p in PROMPTS[:decodes]], tables[:decodes],
                             return_selected=True)
     return (logits, selected, first, *decoded)
 
@@ -68,8 +70,8 @@ def test_a_micro_batch_reading_the_other_ones_rows_is_caught(monkeypatch):
     def first_rows(md, rows):
         return real_view(md, slice(0, rows.stop - rows.start))
 
-    real_view = sparse_dcp.rows_view
-    monkeypatch.setattr(sparse_dcp, "rows_view", first_rows)
+    real_view = arrays.rows_view
+    monkeypatch.setattr(arrays, "rows_view", first_rows)
     got = outputs(2, 2, enable_tbo=True, decodes=2)
     assert not all(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True) for a, b in zip(got, want))
 
@@ -95,7 +97,7 @@ def collectives(runner, rows: int) -> dict[str, int]:
                     elif isinstance(item, jax.extend.core.Jaxpr):
                         walk(item)
 
-    walk(runner.steps[GREEDY].jaxpr(runner.params, runner.state, rows).jaxpr)
+    walk(runner.steps[GREEDY.name].jaxpr(runner.params, runner.state, rows).jaxpr)
     return counts
 
 
@@ -111,14 +113,14 @@ def test_tbo_programs_run_two_chains_derive_no_length_and_compile_once():
         for rows in step.buckets:
             assert step.length_derivations(runner.params, runner.state, rows) == [], (variant, rows)
     runner.compile_all(runner.programs([GREEDY]))
-    compiled = runner.steps[GREEDY].num_compiled
+    compiled = runner.steps[GREEDY.name].num_compiled
     blocks = ENGINE.max_blocks_per_seq(2)
     tables = np.arange(2 * blocks, dtype=np.int32).reshape(2, blocks)
     for rows in (ScheduledRows.decode([0, 1], [5, 9], tables, tokens=[7, 8]),  # bucket 3
                  ScheduledRows.verify([0, 1], [6, 10], [0, 0], tables)):  # the same, as verify groups of none
         for _ in range(2):
             jax.block_until_ready(runner.dispatch(rows, GREEDY))
-    assert runner.steps[GREEDY].num_compiled == compiled == len(ENGINE.buckets)
+    assert runner.steps[GREEDY.name].num_compiled == compiled == len(ENGINE.buckets)
 
 
 def test_llm_with_tbo_generates_the_plain_engines_greedy_tokens():

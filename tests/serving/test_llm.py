@@ -8,6 +8,7 @@ import pytest
 from dcp_jax import LLM, SamplingParams
 from dcp_jax.cli import main
 from dcp_jax.model.deepseek_v32 import layer_params
+from dcp_jax.runtime import oracle
 
 from tests.oracle import hf_tiny
 
@@ -143,11 +144,11 @@ def test_generate_command_with_a_hf_directory_and_the_tiny_preset(checkpoint, ca
 def test_runner_rejects_bad_pages_and_mismatched_rows(llm):
     runner, pages = llm.runner, llm.runner.engine.num_pages
     with pytest.raises(ValueError, match=f"pages past the pool's {pages}"):
-        runner.prefill([[1, 2, 3]], [[pages]])
+        oracle.prefill(runner, [[1, 2, 3]], [[pages]])
     with pytest.raises(ValueError, match="its block table has 0 page ids"):
-        runner.prefill([[1, 2, 3]], [[]])
+        oracle.prefill(runner, [[1, 2, 3]], [[]])
     with pytest.raises(ValueError, match="must match"):
-        runner.decode([1, 2], [3], [[0]])
+        oracle.decode(runner, [1, 2], [3], [[0]])
 
 
 def test_fp8_latent_cache_is_refused_for_a_checkpoint_it_cannot_tile(checkpoint, monkeypatch):
@@ -170,7 +171,8 @@ def test_generate_with_an_fp8_cache_on_the_tiny_preset(cache, capsys):
     assert [(len(out.outputs[0].token_ids), out.outputs[0].finish_reason) for out in outs] == [(8, "length")] * 2
     assert llm.num_free_pages == llm.engine_config.num_pages
     kv = llm.runner.kv_cache
-    pool, values = (kv.index_k, kv.index_k.keys) if cache == "index" else (kv.latent, kv.latent.latent)
+    index_k, latent = kv.pools["index_k"], kv.pools["latent"]
+    pool, values = (index_k, index_k.keys) if cache == "index" else (latent, latent.latent)
     assert values.dtype == np.dtype("float8_e4m3fn")
     # One power-of-two scale per token (and 128-column latent tile) written, by its owner rank only: each prompt,
     # then the 7 tokens fed back.
@@ -182,17 +184,16 @@ def test_generate_with_an_fp8_cache_on_the_tiny_preset(cache, capsys):
 
 def test_a_step_runs_the_program_its_rows_need():
     """All greedy: the greedy program; any drawing row: the drawing one; a chunk that wants prompt logprobs: the
-    one that returns them (it draws too). Serving compiles greedy and drawing for parameters of either kind."""
-    from dcp_jax.runtime.runner import serving_variants, step_variant
+    one that returns them (it draws too)."""
+    from dcp_jax.runtime.runner import step_kind
 
     greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)
-    assert step_variant([greedy, greedy], prompt_logprobs=False) == "greedy"
-    assert step_variant([], prompt_logprobs=False) == "greedy"  # intermediate chunks sample nothing
-    assert step_variant([hot, greedy], prompt_logprobs=False) == "sampled"
-    assert step_variant([greedy], prompt_logprobs=True) == "prompt_logprobs"
-    assert serving_variants([greedy, greedy]) == ("greedy",)
-    assert serving_variants([hot]) == ("sampled",)
-    assert serving_variants([hot, greedy]) == ("greedy", "sampled")
+    assert step_kind([greedy, greedy], prompt_logprobs=False).name == "greedy"
+    assert step_kind([], prompt_logprobs=False).name == "greedy"  # intermediate chunks sample nothing
+    assert step_kind([hot, greedy], prompt_logprobs=False).name == "sampled"
+    assert step_kind([greedy], prompt_logprobs=True).name == "prompt_logprobs"
+    assert [kind.draws for kind in (step_kind([greedy], prompt_logprobs=False), step_kind([hot], prompt_logprobs=False),
+                                    step_kind([greedy], prompt_logprobs=True))] == [False, True, True]
 
 
 def test_llm_keeps_a_block_fp8_checkpoint_in_fp8_and_generates(tmp_path):

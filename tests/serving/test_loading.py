@@ -7,6 +7,7 @@ import pytest
 
 from dcp_jax.config import TINY
 from dcp_jax.host.layout import DcpLayout
+from dcp_jax.serving.engine_args import EngineArgs
 from dcp_jax.serving.loading import load_model, resolve_max_model_len
 from tests.oracle import hf_tiny
 
@@ -38,7 +39,7 @@ def test_a_checkpoint_with_a_short_context_loads_with_its_own_length(tmp_path):
     that length (vLLM derives the default from the model too)."""
     config = hf_tiny.tiny_configs()["yarn"]  # max_position_embeddings 128
     hf_tiny.write_random_checkpoint(config, 0, tmp_path)
-    loaded = load_model(str(tmp_path), dcp=2, page_size=4, max_num_seqs=2)
+    loaded = load_model(EngineArgs(model=str(tmp_path), dcp=2, page_size=4, max_num_seqs=2))
     assert loaded.engine.max_model_len == json.loads((tmp_path / "config.json").read_text())[
         "max_position_embeddings"] == 128
     assert loaded.engine.num_pages == 2 * 128 // 8  # two full-length requests
@@ -48,7 +49,8 @@ def test_presets_load_in_bfloat16_end_to_end_and_checkpoints_in_their_own_dtype(
     import jax
     import jax.numpy as jnp
 
-    loaded = load_model("tiny", dcp=2, page_size=4, max_num_seqs=2, max_model_len=32, kernels="reference")
+    loaded = load_model(EngineArgs(model="tiny", dcp=2, page_size=4, max_num_seqs=2, max_model_len=32,
+                                   kernels="reference"))
     assert loaded.dtype == "bfloat16"
     leaves = jax.tree_util.tree_leaves_with_path(loaded.runner.params)
     f32_kept = {"router", "router_bias", "index_weights"}  # HF keeps these in fp32
@@ -56,14 +58,15 @@ def test_presets_load_in_bfloat16_end_to_end_and_checkpoints_in_their_own_dtype(
         names = {getattr(k, "key", None) for k in path}
         assert leaf.dtype == (jnp.float32 if names & f32_kept else jnp.bfloat16), path
     kv = loaded.runner.kv_cache
-    assert kv.latent.dtype == kv.index_k.dtype == jnp.bfloat16  # the exact caches take the model dtype
+    # The exact caches take the model dtype.
+    assert kv.pools["latent"].dtype == kv.pools["index_k"].dtype == jnp.bfloat16
     config = hf_tiny.tiny_configs()["default_rope"]  # torch_dtype float32
     hf_tiny.write_random_checkpoint(config, 0, tmp_path)
-    assert load_model(str(tmp_path), page_size=4, max_num_seqs=1, max_model_len=32).dtype == "float32"
-    assert load_model(str(tmp_path), page_size=4, max_num_seqs=1, max_model_len=32, dtype="bfloat16").dtype == \
-        "bfloat16"
+    assert load_model(EngineArgs(model=str(tmp_path), page_size=4, max_num_seqs=1, max_model_len=32)).dtype == "float32"
+    assert load_model(EngineArgs(model=str(tmp_path), page_size=4, max_num_seqs=1, max_model_len=32,
+                                 dtype="bfloat16")).dtype == "bfloat16"
     with pytest.raises(ValueError, match="dtype='float16' must be one of"):
-        load_model("tiny", dtype="float16")
+        load_model(EngineArgs(model="tiny", dtype="float16"))
 
 
 class _FakeDevice:
@@ -80,10 +83,11 @@ def test_the_pool_takes_what_the_memory_leaves(monkeypatch):
     pages of this model's per-token bytes; none on a device without memory statistics."""
     import jax
 
+    from dcp_jax.model.attention.variant import CacheFormats
     from dcp_jax.serving.loading import MEM_FRACTION, pool_pages_from_memory
 
-    kw = dict(dtype="bfloat16", index_cache="exact", latent_cache="exact", max_num_seqs=4)
-    per_token = TINY.num_hidden_layers * (TINY.latent_dim + TINY.index_head_dim) * 2  # bf16
+    kw = dict(dtype="bfloat16", max_num_seqs=4)
+    per_token = TINY.num_hidden_layers * (TINY.latent_dim + TINY.indexer.head_dim) * 2  # bf16
     monkeypatch.setattr(jax, "local_devices", lambda *a: [_FakeDevice(limit=2**30, in_use=2**28)])
     monkeypatch.setenv(MEM_FRACTION, "0.75")  # the allocator holds 3/4 of a memory of 4/3 GiB
     layers = TINY.num_hidden_layers  # and one layer's pools besides the pool
@@ -92,13 +96,14 @@ def test_the_pool_takes_what_the_memory_leaves(monkeypatch):
         free = 0.9 * budget - 5 * TINY.vocab_size * 5
         return int(free * layers / (layers + 1) // (per_token * LAYOUT.page_size))
 
-    pages = pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.5, **kw)
+    pages = pool_pages_from_memory(TINY, LAYOUT, CacheFormats(), gpu_memory_utilization=0.5, **kw)
     assert pages == expected_pages(0.5 * 2**30 / 0.75 - 2**28)
-    assert pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.9, **kw) == expected_pages(2**30 - 2**28)
+    assert pool_pages_from_memory(TINY, LAYOUT, CacheFormats(), gpu_memory_utilization=0.9,
+                                  **kw) == expected_pages(2**30 - 2**28)
     with pytest.raises(ValueError, match="no KV page fits"):
-        pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.15, **kw)
+        pool_pages_from_memory(TINY, LAYOUT, CacheFormats(), gpu_memory_utilization=0.15, **kw)
     monkeypatch.setattr(jax, "local_devices", lambda *a: [type("Cpu", (), {"memory_stats": lambda self: None})()])
-    assert pool_pages_from_memory(TINY, LAYOUT, gpu_memory_utilization=0.9, **kw) is None
+    assert pool_pages_from_memory(TINY, LAYOUT, CacheFormats(), gpu_memory_utilization=0.9, **kw) is None
 
 
 def test_a_gpu_backend_started_without_the_scan_flags_is_named(monkeypatch):
@@ -120,10 +125,10 @@ def test_a_gpu_backend_started_without_the_scan_flags_is_named(monkeypatch):
 
 
 def test_hf_overrides_replace_config_fields_and_bad_ones_are_refused_before_loading():
-    from dcp_jax.serving.loading import apply_hf_overrides
+    from dcp_jax.model.architecture import with_hf_overrides as apply_hf_overrides
 
     dense = apply_hf_overrides(TINY, {"index_topk": 4096, "rope_theta": 5e5})
-    assert (dense.index_topk, dense.rope_theta, dense.hidden_size) == (4096, 5e5, TINY.hidden_size)
+    assert (dense.indexer.topk, dense.rope_theta, dense.hidden_size) == (4096, 5e5, TINY.hidden_size)
     assert apply_hf_overrides(TINY, {"rope_theta": 50000}).rope_theta == 50000  # an int where a float goes
     assert apply_hf_overrides(TINY, None) is TINY
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32,
@@ -131,14 +136,14 @@ def test_hf_overrides_replace_config_fields_and_bad_ones_are_refused_before_load
     for name in ("rope_scaling", "rope_parameters"):
         scaled = apply_hf_overrides(TINY, {name: yarn})
         assert scaled.rope["rope_type"] == "yarn" and scaled.rope["factor"] == 4.0 and scaled.rope_theta == 1e4
-    loaded = load_model("tiny", dcp=2, page_size=4, max_num_seqs=2, max_model_len=64,
-                        hf_overrides={"index_topk": 64})
-    assert loaded.cfg.index_topk == 64 and loaded.runner.cfg.index_topk == 64
+    loaded = load_model(EngineArgs(model="tiny", dcp=2, page_size=4, max_num_seqs=2, max_model_len=64,
+                        hf_overrides={"index_topk": 64}))
+    assert loaded.cfg.indexer.topk == 64 and loaded.runner.cfg.indexer.topk == 64
     for bad, message in (({"index_top_k": 8}, "unknown config fields \\['index_top_k'\\]"),
                          ({"index_topk": "8"}, "index_topk must be a int"), ([1], "must be a JSON object"),
                          ("", "must be a JSON object")):
         with pytest.raises(ValueError, match=message):
-            load_model("tiny", hf_overrides=bad)
+            load_model(EngineArgs(model="tiny", hf_overrides=bad))
 
 
 def test_quantization_fp8_serves_a_preset_in_block_fp8_and_refuses_slices_of_partial_blocks():
@@ -154,7 +159,7 @@ def test_quantization_fp8_serves_a_preset_in_block_fp8_and_refuses_slices_of_par
     assert fp8_linear.weight_block(model) == fp8_linear.weight_block(mtp) == ONLINE_FP8_BLOCK
     assert len(llm.generate(prompt_token_ids=[[5, 9, 17]])[0].outputs[0].token_ids) > 0
     with pytest.raises(ValueError, match="wq_b'\\]: a rank's output slice of 192 is not a whole number of fp8 blocks"):
-        load_model("tiny", dcp=2, quantization="fp8", **kw)
+        load_model(EngineArgs(model="tiny", dcp=2, quantization="fp8", **kw))
 
 
 def test_quantization_fp8_loads_an_unquantized_checkpoint_in_block_fp8(tmp_path):

@@ -191,7 +191,7 @@ def test_a_checkpoints_mtp_layer_drafts_and_a_cut_checkpoint_is_refused(tmp_path
     weights saved and served again give the same greedy output, drafting or not; a checkpoint cut to fewer layers
     has no MTP layer after its last one (refused before loading)."""
     from dcp_jax.model.deepseek_v32 import init_params
-    from dcp_jax.model.mtp import init_mtp_params
+    from dcp_jax.model.deepseek_v32 import init_mtp_params
     from dcp_jax.model.weights import save_hf
 
     save_hf(TINY, init_params(TINY, seed=0), tmp_path, mtp=init_mtp_params(TINY, seed=1))
@@ -210,7 +210,7 @@ def test_a_block_fp8_checkpoints_mtp_layer_drafts_in_fp8(tmp_path):
 
     from dcp_jax.model import fp8_linear
     from dcp_jax.model.deepseek_v32 import init_params
-    from dcp_jax.model.mtp import init_mtp_params
+    from dcp_jax.model.deepseek_v32 import init_mtp_params
     from dcp_jax.model.weights import save_hf
     from tests.model.test_weights import BLOCK16, FP8_16_CONFIG, _block_fp8
 

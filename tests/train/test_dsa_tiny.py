@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from dcp_jax.config import ModelConfig, model_directory, shipped_checkpoints
+from dcp_jax.model.architecture import config_from_hf
+from dcp_jax.config import model_directory, shipped_checkpoints
 from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.train.evaluate import examples_for, forced_accuracy
 from dcp_jax.train.retrieval import ANSWER_BYTES
@@ -31,8 +32,8 @@ def test_dsa_tiny_is_shipped_and_round_trips(tmp_path):
 
     assert "dsa-tiny" in shipped_checkpoints()
     path = model_directory("dsa-tiny")
-    cfg = ModelConfig.from_hf(path)
-    assert (cfg.index_topk, cfg.num_nextn_predict_layers, cfg.torch_dtype) == (64, 1, "bfloat16")
+    cfg = config_from_hf(path)
+    assert (cfg.indexer.topk, cfg.num_nextn_predict_layers, cfg.torch_dtype) == (64, 1, "bfloat16")
     save_hf(cfg, load_hf_params(cfg, path), tmp_path, mtp=load_mtp_params(cfg, path))
     shipped, written = load_file(f"{path}/model.safetensors"), load_file(tmp_path / "model.safetensors")
     assert set(written) == set(shipped)
@@ -99,7 +100,7 @@ def test_a_random_selection_of_the_same_size_answers_none():
     from dcp_jax.train.forward import RANDOM, SPARSE
 
     path = model_directory("dsa-tiny")
-    cfg = ModelConfig.from_hf(path)
+    cfg = config_from_hf(path)
     model = merge(*abstract_model(cfg), load_hf_params(cfg, path))
     tokenizer = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     common = dict(context=1024, examples=3, seed=HIDDEN_SEED)

@@ -17,6 +17,7 @@ from dcp_jax.model.mesh import make_mesh
 from dcp_jax.runtime.runner import ModelRunner
 from dcp_jax.train.forward import (DENSE, SPARSE, CacheFormats, indexer_kl, sequence_forward,
                                    through_fp8_index_cache, through_latent_cache)
+from dcp_jax.runtime import oracle
 from pallas_kernels import formats
 
 ENGINE = EngineConfig(page_size=4, num_pages=32, max_num_seqs=2, max_model_len=64, bucket_ladder=(2, 16),
@@ -46,7 +47,7 @@ def test_the_sparse_forward_is_the_serving_prefill(dcp, caches):
     engine = dataclasses.replace(ENGINE, index_cache=caches.index, latent_cache=caches.latent)
     runner = ModelRunner(TINY, params, parallel, engine, make_mesh(parallel), "reference")
     blocks = engine.max_blocks_per_seq(dcp)
-    served, selected, _ = runner.prefill(PROMPTS, [list(range(blocks)), list(range(blocks, 2 * blocks))],
+    served, selected, _ = oracle.prefill(runner, PROMPTS, [list(range(blocks)), list(range(blocks, 2 * blocks))],
                                          all_logits=True, return_selected=True)
     for i, prompt in enumerate(PROMPTS):
         out = forward(params, prompt, SPARSE, caches)
@@ -59,12 +60,12 @@ def test_the_sparse_forward_is_the_serving_prefill(dcp, caches):
 
 def test_dense_is_sparse_up_to_index_topk_keys_and_not_past_them():
     params = init_params(TINY, seed=1)
-    short, long = PROMPTS[0][: TINY.index_topk], PROMPTS[0]
+    short, long = PROMPTS[0][: TINY.indexer.topk], PROMPTS[0]
     # The same attention in two forms (explicit per-head keys; the latents gathered, absorbed): f32 rounding apart.
     np.testing.assert_allclose(forward(params, short, DENSE).logits, forward(params, short, SPARSE).logits, atol=1e-5)
     dense, sparse = forward(params, long, DENSE), forward(params, long, SPARSE)
     counts = (np.asarray(sparse.selected) >= 0).sum(axis=-1)
-    assert (counts == np.minimum(np.arange(1, len(long) + 1), TINY.index_topk)).all()
+    assert (counts == np.minimum(np.arange(1, len(long) + 1), TINY.indexer.topk)).all()
     assert dense.selected.shape[-1] == 0
     assert np.abs(np.asarray(dense.logits[-1] - sparse.logits[-1])).max() > 1e-3
     with pytest.raises(ValueError, match="mode must be"):
@@ -110,7 +111,7 @@ def test_the_kl_is_zero_at_the_target_and_positive_elsewhere():
 def test_the_mtp_layer_predicts_one_token_further_causally():
     """At row (position) r the MTP layer reads the main model's state of r and token r + 1: its logits there change
     with token r + 1 and never with a later token; its loss trains the main model's embedding and head (shared)."""
-    from dcp_jax.model.mtp import abstract_mtp, init_mtp_params
+    from dcp_jax.model.deepseek_v32 import abstract_mtp, init_mtp_params
     from dcp_jax.train.forward import mtp_forward
 
     cfg = dataclasses.replace(TINY, num_nextn_predict_layers=1)
@@ -161,9 +162,9 @@ def test_the_fp8_roundings_score_and_read_as_the_fp8_caches_and_pass_the_gradien
     serving step quantizes them), latents through `through_latent_cache` are the fp8 latent cache's values, and the
     gradient of either rounding is the identity."""
     rng = np.random.default_rng(3)
-    q = jnp.asarray(rng.standard_normal((5, TINY.index_n_heads, TINY.index_head_dim)), jnp.float32)
-    weights = jnp.asarray(rng.standard_normal((5, TINY.index_n_heads)), jnp.float32)
-    keys = jnp.asarray(rng.standard_normal((9, TINY.index_head_dim)) * 3, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((5, TINY.indexer.heads, TINY.indexer.head_dim)), jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((5, TINY.indexer.heads)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((9, TINY.indexer.head_dim)) * 3, jnp.float32)
     fp8_keys = cache_formats.zero_index_keys(keys.shape, "fp8", jnp.float32)
     served_q, served_weights = cache_formats.encode_index_queries(q, weights, fp8_keys)
     served_keys = jax.tree.map(lambda a: a[None], cache_formats.encode_index_keys(keys, fp8_keys))

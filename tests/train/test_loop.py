@@ -26,7 +26,7 @@ def compilation_cache(tmp_path_factory):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-SMALL = dataclasses.replace(DSA_TINY, num_hidden_layers=2, index_topk=16)
+SMALL = dataclasses.replace(DSA_TINY.with_indexer(topk=16), num_hidden_layers=2)
 
 
 def test_a_fixed_batch_is_fitted_in_both_modes():
@@ -63,7 +63,7 @@ def test_quantization_aware_training_reads_the_main_and_mtp_layers_through_the_f
 def test_the_mtp_loss_is_its_logits_of_the_token_two_past_each_row():
     """batch_loss's MTP terms by hand: MTP row r predicts token r + 2, taken where token r + 2 is an answer token
     (mask[r + 1]); its acceptance compares row r's argmax with the main model's at position r + 1."""
-    from dcp_jax.model.mtp import abstract_mtp
+    from dcp_jax.model.deepseek_v32 import abstract_mtp
     from dcp_jax.train.forward import mtp_forward
     from dcp_jax.train.loop import batch_loss
 
@@ -72,7 +72,7 @@ def test_the_mtp_loss_is_its_logits_of_the_token_two_past_each_row():
     graphdefs, abstracts = {}, {}
     graphdefs["model"], abstracts["model"] = abstract_model(SMALL)
     graphdefs["mtp"], abstracts["mtp"] = abstract_mtp(SMALL)
-    _, metrics = jax.jit(lambda p: batch_loss(p, tokens, mask, graphdefs=graphdefs, abstracts=abstracts,
+    _, metrics = jax.jit(lambda p: batch_loss(p, tokens, mask, cfg=SMALL, graphdefs=graphdefs, abstracts=abstracts,
                                               mode=SPARSE, kl_weight=1.0, mtp_weight=0.3))(params)
 
     @jax.jit
@@ -194,7 +194,10 @@ def test_the_checkpoint_holds_the_mtp_layer_strictly(trained, tmp_path):
     import ml_dtypes
     from safetensors.numpy import load_file, save_file
 
-    from dcp_jax.model.weights import load_mtp_params, mtp_tensor_shapes, mtp_to_hf
+    from dcp_jax.model.deepseek_v32 import DeepseekCheckpoint
+    from dcp_jax.model.weights import load_mtp_params
+
+    mtp_tensor_shapes, mtp_to_hf = DeepseekCheckpoint().mtp_tensor_shapes, DeepseekCheckpoint().mtp_to_hf
 
     mtp = load_mtp_params(DSA_TINY, str(trained))
     tensors = load_file(trained / "model.safetensors")

@@ -15,7 +15,7 @@ Latent cache (`config.LATENT_CACHE_FORMATS`):
   bf16 and returns bf16.
 A cache's format is its pytree type, fixed when the pool is allocated, so each program traces exactly one format.
 Both fp8 caches are passed to the kernels whole, in place of the plain array.
-Letters as in `params.py`; S queries, T keys.
+Letters: see the legend in `dcp_jax/__init__.py`.
 """
 
 from __future__ import annotations
@@ -67,9 +67,10 @@ def encode_index_queries(q, weights, like):
 
 
 def dense_index_scores(q, weights, keys):
-    """q [B, S, I, J] and weights [B, S, I] from `encode_index_queries`, keys [B, T, J] (or `Fp8IndexKeys` of
-    [B, T, J] and [B, T]) -> f32 [B, S, T]: `sum_i weights[i] * relu(q[i] . k[t])`, times scale[t] for fp8 keys,
-    accumulated in f32 whatever the dtype (as the decode indexer, reference and kernel, computes it)."""
+    """q [batch, R, I, J] and weights [batch, R, I] from `encode_index_queries`, keys [batch, T, J] (or
+    `Fp8IndexKeys` of [batch, T, J] and [batch, T]) -> f32 [batch, R, T]: `sum_i weights[i] * relu(q[i] . k[t])`,
+    times scale[t] for fp8 keys, accumulated in f32 whatever the dtype (as the decode indexer, reference and kernel,
+    computes it)."""
     if isinstance(keys, Fp8IndexKeys):
         # e4m3 values, and products of two of them, are exact in f32.
         scores = dense_index_scores(q.astype(jnp.float32), weights, keys.keys.astype(jnp.float32))

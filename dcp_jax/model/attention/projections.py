@@ -1,6 +1,6 @@
 """Per-token projections of one attention layer (HF DeepSeek-V3.2 math), shared by every code path.
 
-Letters as in `params.py`; R rows (query tokens). Any leading batch dims work where R is written.
+Letters: see the legend in `dcp_jax/__init__.py`. Any leading batch dims work where R is written.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dcp_jax.model.attention.params import AttentionParams
+from dcp_jax.model.attention.params import DsaParams, MlaParams
 from dcp_jax.config import ModelConfig
 from dcp_jax.model import fp8_linear
 from dcp_jax.model.fp8_linear import einsum
@@ -35,13 +35,13 @@ def layer_norm(x, weight, bias, eps):
     return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def low_rank_projections(p: AttentionParams, x, cfg: ModelConfig, *, backend: str):
+def low_rank_projections(p: MlaParams, x, cfg: ModelConfig, *, backend: str):
     """x [R, D] -> (q_a [R, Q], ckv [R, C+E]): q_a_proj and kv_a_proj_with_mqa as one product (`wqkv_a`)."""
     qkv_a = einsum("rd,dn->rn", x, p.wqkv_a, backend=backend)
     return qkv_a[..., : cfg.q_lora_rank], qkv_a[..., cfg.q_lora_rank :]
 
 
-def mla_query(p: AttentionParams, q_a, cos, sin, cfg: ModelConfig, *, backend: str):
+def mla_query(p: MlaParams, q_a, cos, sin, cfg: ModelConfig, *, backend: str):
     """q_a [R, Q] (`low_rank_projections`) -> (q_resid [R, Q], q_nope [R, H, N], roped q_pe [R, H, E]) for the
     heads in `p`."""
     q_resid = rms_norm(q_a, p.q_a_norm, LATENT_NORM_EPS)
@@ -50,7 +50,7 @@ def mla_query(p: AttentionParams, q_a, cos, sin, cfg: ModelConfig, *, backend: s
     return q_resid, q_nope, apply_rope(q_pe, cos, sin, interleaved=True)
 
 
-def mla_latent(p: AttentionParams, ckv, cos, sin, cfg: ModelConfig):
+def mla_latent(p: MlaParams, ckv, cos, sin, cfg: ModelConfig):
     """ckv [R, C+E] (`low_rank_projections`) -> the cached MLA entry [R, C+E]: normed latent c, then the roped
     shared key k_pe."""
     c = rms_norm(ckv[..., : cfg.kv_lora_rank], p.kv_a_norm, LATENT_NORM_EPS)
@@ -58,7 +58,7 @@ def mla_latent(p: AttentionParams, ckv, cos, sin, cfg: ModelConfig):
     return jnp.concatenate([c, k_pe], axis=-1)
 
 
-def per_head_keys_values(p: AttentionParams, c):
+def per_head_keys_values(p: MlaParams, c):
     """Latents c [..., C] -> (k_nope [..., H, N], values [..., H, V]): kv_b_proj as a linear layer, as HF writes it
     (a block fp8 W_UK / W_UV dequantized, as in `absorb_query`)."""
     k_nope = jnp.einsum("...c,hnc->...hn", c, fp8_linear.weight_values(p.w_uk, c.dtype), precision=HIGHEST)
@@ -66,7 +66,7 @@ def per_head_keys_values(p: AttentionParams, c):
     return k_nope, values
 
 
-def absorb_query(p: AttentionParams, q_nope, q_pe):
+def absorb_query(p: MlaParams, q_nope, q_pe):
     """MQA form of the query: [q_nope @ W_UK | q_pe] -> [R, H, C+E], scored against cached [c | k_pe]. A block
     fp8 W_UK is dequantized (it contracts its output axis N), as DeepSeek's inference dequantizes kv_b_proj for
     the absorbed products."""
@@ -75,7 +75,7 @@ def absorb_query(p: AttentionParams, q_nope, q_pe):
     return jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)
 
 
-def output_projection(p: AttentionParams, latent_out, *, backend: str):
+def output_projection(p: MlaParams, latent_out, *, backend: str):
     """Attention output in latent space [R, H, C] -> partial hidden [R, D] of the heads in `p`. A block fp8
     W_UV is dequantized, as W_UK (`absorb_query`)."""
     w_uv = fp8_linear.weight_values(p.w_uv, latent_out.dtype)
@@ -83,14 +83,14 @@ def output_projection(p: AttentionParams, latent_out, *, backend: str):
     return einsum("rhv,hvd->rd", per_head, p.wo, backend=backend)
 
 
-def index_query(p: AttentionParams, q_resid, cos, sin, cfg: ModelConfig, *, backend: str):
+def index_query(p: DsaParams, q_resid, cos, sin, cfg: ModelConfig, *, backend: str):
     """q_resid [R, Q] -> indexer queries [R, I, J]; layout [rope | nope], half-split RoPE."""
     q = einsum("rq,qij->rij", q_resid, p.index_wq, backend=backend)
     e = cfg.qk_rope_head_dim
     return jnp.concatenate([apply_rope(q[..., :e], cos, sin, interleaved=False), q[..., e:]], axis=-1)
 
 
-def index_key(p: AttentionParams, x, cos, sin, cfg: ModelConfig, *, backend: str):
+def index_key(p: DsaParams, x, cos, sin, cfg: ModelConfig, *, backend: str):
     """x [R, D] -> indexer key [R, J]: LayerNorm (with bias), [rope | nope], half-split RoPE."""
     k = einsum("rd,dj->rj", x, p.index_wk, backend=backend)
     k = layer_norm(k, p.index_k_norm, p.index_k_norm_bias, INDEX_NORM_EPS)
@@ -99,8 +99,8 @@ def index_key(p: AttentionParams, x, cos, sin, cfg: ModelConfig, *, backend: str
     return jnp.concatenate([k_pe, k[..., e:]], axis=-1)
 
 
-def index_weights(p: AttentionParams, x, cfg: ModelConfig):
+def index_weights(p: DsaParams, x, cfg: ModelConfig):
     """Per-head weights [R, I] f32 with I^-0.5 and the J^-0.5 score scale folded in (relu commutes with it).
     Computed in f32 whatever x's dtype (HF runs weights_proj in fp32 on fp32 weights)."""
     w = jnp.einsum("rd,di->ri", x.astype(jnp.float32), p.index_weights.astype(jnp.float32), precision=HIGHEST)
-    return w * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
+    return w * (cfg.indexer.heads**-0.5 * cfg.indexer.head_dim**-0.5)

@@ -1,43 +1,34 @@
-"""One sparse DCP attention layer over the query rows of a step, per rank (call inside shard_map over the mesh of
-`mesh.py`). A row is a decode row or one token of a prefill chunk: both run the same data flow, each row with its
-own host-given local causal length; a chunk's tokens are all written before any row scores, so each row sees the
-tokens before it.
+"""DSA's sparse attention under DCP, the attention variant of DeepSeek-V3.2 (`SPARSE_MLA`): one layer over the query
+rows of a step, per rank (call inside shard_map over the mesh of `mesh.py`). A row is a decode row or one token of a
+prefill chunk: both run the same data flow, each row with its own host-given local causal length; a chunk's tokens
+are all written before any row scores, so each row sees the tokens before it.
 
 Per rank (h = H/tp local heads, W = dcp size, pages/B = this rank's KV pool):
-  x [R, D] replicated; kv_cache [pages, B, C+E] (exact) or its `Fp8LatentCache`; index_cache [pages, B, J]
-  (exact) or its `Fp8IndexKeys` (`cache_formats.py`); md the rank's view of the step's `StepMetadata`
-  (local_context_lens and slot_mapping [R], block_tables [S, P], query_seqs [R]); rope the (cos, sin) of
+  x [R, D] replicated; the pools "latent" [pages, B, C+E] (exact) or its `Fp8LatentCache` and "index_k"
+  [pages, B, J] (exact) or its `Fp8IndexKeys` (`cache_formats.py`); md the rank's view of the step's `StepMetadata`
+  (local_context_lens and slot_mapping [R], block_tables [M, P], query_seqs [R]); rope the (cos, sin) of
   md.positions.
 `backend` names the kernels' implementation (`pallas_kernels.BACKENDS`: "pallas" or "reference").
+Letters: see the legend in `dcp_jax/__init__.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from dcp_jax.config import KERNEL_CHOICES, ModelConfig
+from dcp_jax.config import ModelConfig, check_index_cache
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import StepMetadata
-from dcp_jax.model.attention import cache_formats, exchange, projections
-from dcp_jax.model.attention.params import AttentionParams
+from dcp_jax.host import arrays
+from dcp_jax.host.step_metadata import StepMetadata
+from dcp_jax.model.attention import cache_formats, exchange, params, projections
+from dcp_jax.model.attention.params import DsaParams
+from dcp_jax.model.attention.variant import AttentionVariant, CacheFormats, CachePool
 from dcp_jax.model.mesh import DCP, HEADS
-
-
-def kernel_backend(kernels: str) -> str:
-    """The kernels' backend (`pallas_kernels.BACKENDS`) for an engine's `kernels` choice: 'reference' (plain XLA,
-    any device), 'pallas' (the Pallas kernels; interpreted on CPU) or 'auto' (Pallas on a GPU, the references
-    elsewhere)."""
-    if kernels not in KERNEL_CHOICES:
-        raise ValueError(f"unknown kernels {kernels!r}; choose from {KERNEL_CHOICES}")
-    if kernels == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    return kernels
 
 
 def write_slots(cache, slots, values):
@@ -83,15 +74,8 @@ def project_and_write(p, x, kv_cache, index_cache, rope, slots, *, cfg: ModelCon
 
 
 def row_block_tables(md: StepMetadata):
-    """[R, P]: the page ids of each row's sequence (the step's [S, P] tables gathered by query_seqs)."""
+    """[R, P]: the page ids of each row's sequence (the step's [M, P] tables gathered by query_seqs)."""
     return md.block_tables[md.query_seqs]
-
-
-def local_scores(queries: Queries, index_cache, md: StepMetadata, *, backend: str):
-    """2. Indexer logits [R, P*B] over this rank's index-K shard, -inf past the host-provided local lengths."""
-    q, weights = cache_formats.encode_index_queries(queries.index_q, queries.index_weights, index_cache)
-    return pallas_kernels.indexer_logits(q, weights, index_cache, row_block_tables(md), md.local_context_lens,
-                                         backend=backend)
 
 
 def local_top_k(queries: Queries, index_cache, md: StepMetadata, *, cfg: ModelConfig, backend: str):
@@ -99,14 +83,14 @@ def local_top_k(queries: Queries, index_cache, md: StepMetadata, *, cfg: ModelCo
     ids [R, K], -1 padded), in column order: the exchange sorts the merged candidates anyway."""
     q, weights = cache_formats.encode_index_queries(queries.index_q, queries.index_weights, index_cache)
     return pallas_kernels.indexer_top_k(q, weights, index_cache, row_block_tables(md), md.local_context_lens,
-                                        k=cfg.index_topk, sorted=False, backend=backend)
+                                        k=cfg.indexer.topk, sorted=False, backend=backend)
 
 
 def select_owned(values, local_ids, md: StepMetadata, *, cfg: ModelConfig, layout: DcpLayout):
     """4-5. Candidate exchange -> the global top-k positions [R, K] (identical on every rank), then this rank's
     share of them as compacted slots [R, K] and counts [R]."""
     rank = jax.lax.axis_index(DCP)
-    selected = exchange.exchange_top_k(values, local_ids, rank, k=cfg.index_topk, layout=layout)
+    selected = exchange.exchange_top_k(values, local_ids, rank, k=cfg.indexer.topk, layout=layout)
     owned_slots, counts = exchange.owner_filter(selected, row_block_tables(md), rank, layout=layout)
     return selected, owned_slots, counts
 
@@ -122,15 +106,6 @@ def merge_heads(p, out, lse, dtype, *, backend: str):
     """7. LSE merge back to this rank's h heads, W_UV, o_proj and the TP all-reduce: [R, D]."""
     latent_out = exchange.merge_partial_attention(out, lse).astype(dtype)
     return jax.lax.psum(projections.output_projection(p, latent_out, backend=backend), HEADS)
-
-
-def rows_view(md: StepMetadata, rows: slice) -> StepMetadata:
-    """Per rank: the step's metadata for a run of its rows (a micro-batch): every per-row field sliced (static
-    bounds), the sequences' block tables whole (query_seqs still index them). Nothing is rebuilt or copied by the
-    host: a micro-batch reads the rows the host built for it."""
-    return dataclasses.replace(md, positions=md.positions[rows], context_lens=md.context_lens[rows],
-                               local_context_lens=md.local_context_lens[rows], slot_mapping=md.slot_mapping[rows],
-                               query_seqs=md.query_seqs[rows])
 
 
 def micro_batch_rows(rows: int, micro_batches: int) -> list[slice]:
@@ -154,13 +129,14 @@ def _attend_rows(p, queries: Queries, kv_cache, index_cache, md: StepMetadata, *
         return merge_heads(p, out, lse, dtype, backend=backend), selected
 
 
-def sparse_dcp_attention(p: AttentionParams, x, kv_cache, index_cache, rope, md: StepMetadata, *,
-                         cfg: ModelConfig, layout: DcpLayout, backend: str, micro_batches: int = 1):
+def sparse_dcp_attention(p: DsaParams, x, kv_cache, index_cache, rope, md: StepMetadata, *, cfg: ModelConfig,
+                         layout: DcpLayout, backend: str, micro_batches: int = 1):
     """Returns (attention output [R, D] summed over all TP ranks, kv_cache, index_cache, the global top-k
     positions [R, K] selected for each row (-1 padded, identical on every rank)). With `micro_batches` = 2 (two-
     batch overlap, TBO) every row's keys are written first, then the rows run stages 2-7 as independent chains of
-    consecutive rows (`micro_batch_rows`, `rows_view`), so the scheduler can run one chain's collectives (the
-    candidate exchange, the query all-gather, the TP all-reduce) beside the other's compute."""
+    consecutive rows (`micro_batch_rows`; `arrays.rows_view`: a micro-batch reads the rows the host built for it),
+    so the scheduler can run one chain's collectives (the candidate exchange, the query all-gather, the TP
+    all-reduce) beside the other's compute."""
     with jax.named_scope("projections"):
         queries, kv_cache, index_cache = project_and_write(p, x, kv_cache, index_cache, rope, md.slot_mapping,
                                                            cfg=cfg, backend=backend)
@@ -168,7 +144,65 @@ def sparse_dcp_attention(p: AttentionParams, x, kv_cache, index_cache, rope, md:
     for index, rows in enumerate(ranges):
         with jax.named_scope(f"micro_batch_{index}") if len(ranges) > 1 else contextlib.nullcontext():
             outputs.append(_attend_rows(p, Queries(*(q[rows] for q in queries)), kv_cache, index_cache,
-                                        rows_view(md, rows), cfg=cfg, layout=layout, backend=backend,
+                                        arrays.rows_view(md, rows), cfg=cfg, layout=layout, backend=backend,
                                         dtype=x.dtype))
     attn, selected = (jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*outputs))
     return attn, kv_cache, index_cache, selected
+
+
+class SparseMla(AttentionVariant):
+    """DeepSeek-V3.2's attention: MLA over the indexer's top-k (`sparse_dcp_attention`), caching each token's latent
+    ("latent") and its index key ("index_k")."""
+
+    name = "dsa"
+    params_class = DsaParams
+
+    def init_params(self, cfg, key, dtype):
+        return params.init_dsa_params(cfg, key, dtype)
+
+    def partition_specs(self):
+        return DsaParams(**params.mla_partition_specs(), **params.indexer_partition_specs())
+
+    def cache_pools(self, cfg, formats: CacheFormats) -> tuple[CachePool, ...]:
+        cache_formats.check_latent_format(formats.latent, cfg)
+        check_index_cache(formats.index)
+        head_dim = cfg.indexer.head_dim
+        return (
+            CachePool("latent", formats.latent,
+                      lambda shape, dtype: cache_formats.zero_latents(shape, cfg, formats.latent, dtype),
+                      lambda itemsize: cache_formats.latent_bytes(formats.latent, cfg, itemsize)),
+            CachePool("index_k", formats.index,
+                      lambda shape, dtype: cache_formats.zero_index_keys((*shape, head_dim), formats.index, dtype),
+                      lambda itemsize: cache_formats.index_key_bytes(formats.index, head_dim, itemsize)),
+        )
+
+    def attend(self, p, x, pools, rope, md, *, ctx):
+        out, latent, index_k, selected = sparse_dcp_attention(
+            p, x, pools["latent"], pools["index_k"], rope, md, cfg=ctx.cfg, layout=ctx.layout, backend=ctx.backend,
+            micro_batches=ctx.micro_batches)
+        return out, dict(pools, latent=latent, index_k=index_k), selected
+
+    def hf_tensor_shapes(self, cfg):
+        return params.mla_tensor_shapes(cfg) | params.indexer_tensor_shapes(cfg)
+
+    def to_ours(self, cfg, tensors):
+        return params.mla_to_ours(cfg, tensors) | params.indexer_to_ours(cfg, tensors)
+
+    def to_hf(self, cfg, weights):
+        return params.mla_to_hf(cfg, weights) | params.indexer_to_hf(cfg, weights)
+
+    def fp8_scales_to_ours(self, cfg, scales, block):
+        return params.mla_fp8_scales_to_ours(cfg, scales, block) | params.indexer_fp8_scales_to_ours(scales)
+
+    def fp8_problems(self, cfg, block):
+        return params.mla_fp8_problems(cfg, block)
+
+    @property
+    def fp8_tensors(self) -> tuple[str, ...]:
+        """The attention tensors DeepSeek's block-fp8 release stores in e4m3."""
+        return params.MLA_FP8_TENSORS + params.INDEXER_FP8_TENSORS
+
+
+SPARSE_MLA = SparseMla()
+# What the architecture registry reads (`architecture.Architecture.attention_file`).
+VARIANT = SPARSE_MLA

@@ -1,7 +1,7 @@
 """The single-device, unsharded computation of the sparse decode layer: the yardstick for DCP.
 
 No paging, no DCP, no absorption: each row's history is a dense [T, ...] array and attention uses explicit
-per-head keys and values, exactly as HF writes it. Letters as in `params.py`; T history length.
+per-head keys and values, exactly as HF writes it. Letters: see the legend in `dcp_jax/__init__.py`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from dcp_jax.model.attention import cache_formats, projections
-from dcp_jax.model.attention.params import AttentionParams
+from dcp_jax.model.attention.params import DsaParams
 from dcp_jax.config import ModelConfig
 from dcp_jax.model import fp8_linear
 from pallas_kernels import reference
@@ -18,7 +18,7 @@ from pallas_kernels import reference
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def sparse_attention_unsharded(p: AttentionParams, x, q_a, latents, index_keys, cos_sin, context_lens, *,
+def sparse_attention_unsharded(p: DsaParams, x, q_a, latents, index_keys, cos_sin, context_lens, *,
                                cfg: ModelConfig):
     """x [R, D] and its q_a [R, Q] (`projections.low_rank_projections`); latents [R, T, C+E] and index_keys
     [R, T, J] (or their fp8 forms, `cache_formats.py`) hold each row's history with the new token already written
@@ -28,7 +28,7 @@ def sparse_attention_unsharded(p: AttentionParams, x, q_a, latents, index_keys, 
     index_q = projections.index_query(p, q_resid, cos, sin, cfg, backend="reference")
     index_q, weights = cache_formats.encode_index_queries(index_q, projections.index_weights(p, x, cfg), index_keys)
     scores = cache_formats.dense_index_scores(index_q[:, None], weights[:, None], index_keys)[:, 0]  # one query a row
-    _, selected = reference.topk(scores, context_lens, k=cfg.index_topk)
+    _, selected = reference.topk(scores, context_lens, k=cfg.indexer.topk)
     t = latents.shape[1]
     is_selected = jnp.any(jnp.arange(t)[None, :, None] == selected[:, None, :], axis=-1)  # [R, T]
     c, k_pe = latents[..., : cfg.kv_lora_rank], latents[..., cfg.kv_lora_rank :]

@@ -15,13 +15,16 @@ from jax.sharding import PartitionSpec as P
 from dcp_jax import cli
 from dcp_jax.config import DEEPSEEK_V32, TINY, EngineConfig, ParallelConfig
 from dcp_jax.host.layout import DcpLayout
-from dcp_jax.host.metadata import build_step_metadata
+from dcp_jax.host.step_metadata import build_step_metadata
 from dcp_jax.model.attention import cache_formats, projections
 from dcp_jax.model.deepseek_v32 import Attention
-from dcp_jax.model.kv_cache import allocate_kv_cache, kv_bytes_per_rank
+from dcp_jax.model.kv_cache import allocate_kv_cache
+from tests.kv_pools import bytes_per_rank as kv_bytes_per_rank
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.model.rope import cos_sin, rope_tables
-from dcp_jax.runtime.step import rank_view
+from dcp_jax.host.arrays import rank_view
+from dcp_jax.runtime.context import StepContext
+from dcp_jax.serving.engine_args import EngineArgs
 from dcp_jax.serving.loading import load_model
 from pallas_kernels import Fp8IndexKeys, Fp8LatentCache, formats, reference
 
@@ -38,10 +41,13 @@ def _layer_over_prompts(attention, x, kv_cache, index_cache):
     md = rank_view(build_step_metadata([tokens] * batch, [tokens] * batch, [[b] for b in range(batch)],
                                        rows=batch * tokens, seqs=batch, layout=layout, max_blocks=1))
     rope = cos_sin(jnp.asarray(md.positions), *rope_tables(TINY))
+    ctx = StepContext(cfg=TINY, layout=layout, backend="reference")
 
     def run(x, kv_cache, index_cache):
-        return attention(x.reshape(batch * tokens, -1), rope, kv_cache, index_cache, jax.tree.map(jnp.asarray, md),
-                         layout=layout, backend="reference")
+        out, pools, selected = attention(x.reshape(batch * tokens, -1), rope,
+                                         dict(latent=kv_cache, index_k=index_cache),
+                                         jax.tree.map(jnp.asarray, md), ctx=ctx)
+        return out, pools["latent"], pools["index_k"], selected
 
     mesh = make_mesh(ParallelConfig(tp=1, dcp=1))
     out, kv_cache, index_cache, selected = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(), out_specs=P(),
@@ -54,8 +60,8 @@ def _layer_over_prompts(attention, x, kv_cache, index_cache):
 def test_fp8_pool_is_e4m3_keys_and_f32_scales_at_index_head_dim_plus_4_bytes_a_token():
     engine = EngineConfig(page_size=4, num_pages=8, index_cache="fp8")
     cache = allocate_kv_cache(TINY, engine, 2, make_mesh(ParallelConfig(tp=2, dcp=2)))
-    j = TINY.index_head_dim
-    pool, layers = cache.index_k, TINY.num_hidden_layers
+    j = TINY.indexer.head_dim
+    pool, layers = cache.pools["index_k"], TINY.num_hidden_layers
     assert isinstance(pool, Fp8IndexKeys)
     assert pool.keys.dtype == jnp.float8_e4m3fn and pool.keys.shape == (2, layers, 8, 4, j)
     assert pool.scales.dtype == jnp.float32 and pool.scales.shape == (2, layers, 8, 4)
@@ -76,7 +82,7 @@ def _prefill_index(index_cache: str, seed: int = 3):
     attention = Attention(TINY, rngs=nnx.Rngs(seed))
     x = jax.random.normal(jax.random.key(seed + 1), (batch, tokens, TINY.hidden_size), jnp.float32)
     kv_cache = jnp.zeros((batch, tokens, TINY.latent_dim))
-    index_cache = cache_formats.zero_index_keys((batch, tokens, TINY.index_head_dim), index_cache, jnp.float32)
+    index_cache = cache_formats.zero_index_keys((batch, tokens, TINY.indexer.head_dim), index_cache, jnp.float32)
     _, _, index_cache, selected, rope = _layer_over_prompts(attention, x, kv_cache, index_cache)
     return attention, x, rope, selected, index_cache
 
@@ -96,13 +102,13 @@ def test_fp8_prefill_selects_what_the_decode_indexer_selects_over_the_written_ca
     block_tables = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), tokens)[:, None]
     lens = jnp.tile(jnp.arange(1, tokens + 1, dtype=jnp.int32), batch)
     logits = reference.indexer_logits(q8, weights, index_cache, block_tables, lens)
-    _, want = reference.topk(logits, lens, k=TINY.index_topk)
+    _, want = reference.topk(logits, lens, k=TINY.indexer.topk)
     np.testing.assert_array_equal(np.sort(selected.reshape(rows, -1), axis=-1), np.sort(np.asarray(want), axis=-1))
 
 
 def test_fp8_selection_overlaps_the_exact_selection():
     """Queries with more than index_topk keys to choose from: most of the fp8 top-k is the exact top-k."""
-    k = TINY.index_topk
+    k = TINY.indexer.topk
     exact, fp8 = _prefill_index("exact")[3], _prefill_index("fp8")[3]
     overlaps = [len(np.intersect1d(exact[b, s], fp8[b, s])) / k for b in range(INDEX_BATCH)
                 for s in range(k, INDEX_TOKENS)]
@@ -137,7 +143,7 @@ def test_fp8_pool_is_e4m3_latent_f32_tile_scales_and_bf16_rope():
     engine = EngineConfig(page_size=4, num_pages=8, latent_cache="fp8")
     cache = allocate_kv_cache(TINY, engine, 2, make_mesh(ParallelConfig(tp=2, dcp=2)))
     c, e = TINY.kv_lora_rank, TINY.qk_rope_head_dim
-    pool, layers = cache.latent, TINY.num_hidden_layers
+    pool, layers = cache.pools["latent"], TINY.num_hidden_layers
     assert isinstance(pool, Fp8LatentCache)
     assert pool.latent.dtype == jnp.float8_e4m3fn and pool.latent.shape == (2, layers, 8, 4, c)
     assert pool.scales.dtype == jnp.float32 and pool.scales.shape == (2, layers, 8, 4, c // 128)
@@ -159,7 +165,7 @@ def _prefill_latent(latent_cache: str, seed: int = 3):
     attention = Attention(TINY, rngs=nnx.Rngs(seed))
     x = jax.random.normal(jax.random.key(seed + 1), (batch, tokens, TINY.hidden_size), jnp.float32)
     kv_cache = cache_formats.zero_latents((batch, tokens), TINY, latent_cache, jnp.float32)
-    index_cache = jnp.zeros((batch, tokens, TINY.index_head_dim))
+    index_cache = jnp.zeros((batch, tokens, TINY.indexer.head_dim))
     out, kv_cache, _, selected, (cos, sin) = _layer_over_prompts(attention, x, kv_cache, index_cache)
     _, ckv = projections.low_rank_projections(attention.params(), x.reshape(batch * tokens, -1), TINY,
                                               backend="reference")
@@ -185,7 +191,7 @@ def test_fp8_prefill_writes_the_quantized_latents_and_attends_over_them():
 
 def test_bad_latent_formats_are_refused_before_loading():
     with pytest.raises(ValueError, match="latent_cache='int4' must be one of"):
-        load_model("tiny", latent_cache="int4")
+        load_model(EngineArgs(model="tiny", latent_cache="int4"))
     narrow = dataclasses.replace(TINY, kv_lora_rank=64)
     with pytest.raises(ValueError, match="needs kv_lora_rank a multiple of 128; this model's is 64"):
         cache_formats.check_latent_format("fp8", narrow)

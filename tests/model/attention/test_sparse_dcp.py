@@ -14,8 +14,8 @@ import pytest
 
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
 from dcp_jax.demo import Schedule, make_stack_step, run_comparison
-from dcp_jax.host.metadata import build_step_metadata
-from dcp_jax.model.attention_stack import decode_stack_unsharded, empty_history, init_stack_params
+from dcp_jax.host.step_metadata import build_step_metadata
+from dcp_jax.demo import decode_stack_unsharded, empty_history, init_stack_params
 from dcp_jax.model.kv_cache import allocate_kv_cache
 from dcp_jax.model.mesh import make_mesh
 from pallas_kernels import Fp8LatentCache
@@ -33,7 +33,7 @@ FP8_FLIP_TOL = 2e-3
                                              pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_dcp_step_equals_unsharded(dcp, interleave):
     report = run_comparison(TINY, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), ENGINE, SCHEDULE)
-    assert report.max_context > TINY.index_topk
+    assert report.max_context > TINY.indexer.topk
     assert report.buckets_compiled == len(ENGINE.buckets)
     assert report.max_abs_err < TOL
 
@@ -57,7 +57,7 @@ def test_dcp_step_with_fp8_index_cache_equals_unsharded_fp8(dcp, interleave, ker
     engine = dataclasses.replace(ENGINE, index_cache="fp8")
     report = run_comparison(TINY, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), engine, SCHEDULE,
                             kernels=kernels)
-    assert report.max_context > TINY.index_topk
+    assert report.max_context > TINY.indexer.topk
     assert report.max_abs_err < TOL
 
 
@@ -77,7 +77,7 @@ def test_dcp_step_with_fp8_latent_cache_equals_unsharded_fp8(dcp, interleave, ke
     engine = dataclasses.replace(ENGINE, index_cache="fp8", latent_cache="fp8")
     report = run_comparison(cfg, ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave), engine, SCHEDULE,
                             kernels=kernels)
-    assert report.max_context > cfg.index_topk
+    assert report.max_context > cfg.indexer.topk
     assert report.max_abs_err < tol
 
 
@@ -138,7 +138,7 @@ def test_unsharded_selection_with_exact_ties_is_lowest_positions():
         _, history, selected = decode_stack_unsharded(
             params, history, hidden, jnp.array([length - 1]), jnp.array([length]), cfg=TINY
         )
-    expected = np.arange(TINY.index_topk)
+    expected = np.arange(TINY.indexer.topk)
     for layer in range(TINY.num_hidden_layers):
         np.testing.assert_array_equal(np.sort(np.asarray(selected[layer, 0])), expected)
 
@@ -155,9 +155,9 @@ def test_a_rank_owning_none_of_the_top_k_with_context_above_k():
     """All index scores tie, so the top-k is positions 0..K-1; with interleave = K = 16 they all live on rank 0,
     and rank 1 owns none of them once contexts exceed K (its sparse MLA part is empty: out 0, lse -inf)."""
     engine = EngineConfig(page_size=16, num_pages=16, max_num_seqs=4, max_model_len=40, max_num_batched_tokens=4)
-    parallel = ParallelConfig(tp=2, dcp=2, interleave=TINY.index_topk)
+    parallel = ParallelConfig(tp=2, dcp=2, interleave=TINY.indexer.topk)
     report = run_comparison(TINY, parallel, engine, SCHEDULE, params=tied_index_params(3))
-    assert report.max_context > TINY.index_topk
+    assert report.max_context > TINY.indexer.topk
     assert report.max_abs_err < TOL
 
 
