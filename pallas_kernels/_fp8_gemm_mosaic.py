@@ -2,7 +2,7 @@
 fine-grained fp8 GEMM, as DeepGEMM runs it).
 
 Contract: x e4m3 [rows, in] with f32 scales [rows, in / 128] (a row's 128 channels share one), w e4m3 [out, in]
-(input-major: the checkpoint's layout, as fp8 tensor cores read both operands) with f32 scales
+(K-major: the checkpoint's layout, as fp8 tensor cores read both operands) with f32 scales
 [ceil(out / bn), in / 128] (a block of bn rows by 128 columns shares one); the output [rows, out] = sum over the
 blocks b of 128 input columns of (x_b . w_b^T) * x_scale * w_scale, in out_dtype.
 

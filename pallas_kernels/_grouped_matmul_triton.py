@@ -5,7 +5,7 @@ group, the same dtype as x: bf16 or f32), group_sizes [groups] int32 (sum <= row
 group_sizes[g] - 1 (offset_g the sum of the sizes before g) are multiplied by w[g], f32 accumulation, the output
 [rows, out] in x's dtype. Rows past the last group are left unspecified (as `jax.lax.ragged_dot` leaves them).
 Block fp8 (`pallas_kernels.grouped_matmul_fp8`, DeepSeek's fine-grained fp8 GEMM, scale blocks (bn, bk)): x e4m3
-with f32 scales [rows, ceil(in / bk)] (a row's bk channels share one), w e4m3 [groups, out, in] (input-major, as
+with f32 scales [rows, ceil(in / bk)] (a row's bk channels share one), w e4m3 [groups, out, in] (K-major, as
 fp8 tensor cores read both operands) with f32 scales [groups, ceil(out / bn), ceil(in / bk)] (a [bn, bk] block
 shares one); each block_k slice (block_k divides bk, block_n divides bn) is one fp8 tensor-core dot whose f32
 result is scaled by the row's and the block's scales before it joins the accumulator, as DeepGEMM does.
@@ -44,7 +44,7 @@ _BLOCKS = (256, 128, 64, 32, 16)  # block_n / block_k candidates, largest first
 # experts (docs/performance.md, "One MoE layer: the grouped matmul kernels"), bf16: 128 x 256 tiles, 8 warps, 4 stages
 # ran prefill 4K / 16K in 0.74x / 0.69x the time of 64 x 128 tiles with 4 warps and 3 stages, and decode R = 256 (8 rows
 # a group) in 0.90x that of 16 x 128 tiles, which stayed faster at R = 64 (2 rows a group). Block fp8 (block_n at most
-# its scale block, 128; measured with the weights [in, out], before they were stored input-major): 128 x 128, 8 warps,
+# its scale block, 128; measured with the weights [in, out], before they were stored K-major): 128 x 128, 8 warps,
 # 4 stages ran prefill (128 and 512 rows a group) in 0.78x-0.89x but decode R = 256 in 3.5x, so fp8 keeps the old
 # boundary, past 16 rows a group. f32 keeps the old 64 x 128 tiles (128 x 256 f32 stages would not fit in shared
 # memory).
@@ -87,7 +87,7 @@ def _kernel(groups_ref, starts_ref, rows_ref, x_ref, w_ref, x_scales_ref, w_scal
             if scale_block is None:
                 weights = w_ref[group, depth, columns]
                 return acc + lax.dot(rows, weights, precision=precision, preferred_element_type=jnp.float32)
-            weights = w_ref[group, columns, depth]  # [block_n, block_k], input-major
+            weights = w_ref[group, columns, depth]  # [block_n, block_k], K-major
             products = fp8_dot_nt(rows, weights, max_num_imprecise_acc=fp8_imprecise_acc)  # [block_m, block_n]
             k_block = k * block_k // scale_block[1]
             row_scales = plgpu.load(x_scales_ref.at[pl.ds(start, block_m), k_block], mask=is_row, other=0.0)

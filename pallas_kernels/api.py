@@ -361,7 +361,7 @@ def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtyp
                        backend="pallas", interpret=None, **knobs):
     """`grouped_matmul` of block-fp8 operands, DeepSeek's fine-grained fp8 GEMM, scale blocks `block` = (bn, bk)
     (HF's weight_block_size): x e4m3 [rows, in] with f32 scales [rows, ceil(in / bk)] (`act_quant`: bk channels of
-    a row share one), w e4m3 [groups, out, in] (input-major, the checkpoint's [out, in] per group: fp8 tensor cores
+    a row share one), w e4m3 [groups, out, in] (K-major, the checkpoint's [out, in] per group: fp8 tensor cores
     read both operands so) with f32 scales [groups, ceil(out / bn), ceil(in / bk)] (a [bn, bk] block shares one);
     rows times w[g]^T, each block's product scaled by its row's and its block's scales, f32 accumulation, the
     output [rows, out] in out_dtype; rows_per_group as `grouped_matmul`'s. Knobs:
@@ -375,7 +375,7 @@ def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtyp
 def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, backend="pallas", interpret=None, **knobs):
     """DeepSeek's fine-grained fp8 GEMM (a linear layer of block-fp8 weights), scale blocks `block` = (bn, bk) (HF's
     weight_block_size): x e4m3 [rows, in] with f32 scales [rows, ceil(in / bk)] (`act_quant`), w e4m3 [out, in]
-    (input-major, the checkpoint's layout) with f32 scales [ceil(out / bn), ceil(in / bk)]; the output
+    (K-major, the checkpoint's layout) with f32 scales [ceil(out / bn), ceil(in / bk)]; the output
     [rows, out] = x . w^T in out_dtype, each block's product scaled by its row's and its block's scales, f32
     accumulation. Knobs: `_fp8_gemm_mosaic.fp8_gemm`, `_grouped_matmul_triton.grouped_matmul_fp8` (one group)."""
     block = tuple(block)

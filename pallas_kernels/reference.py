@@ -106,7 +106,7 @@ def grouped_matmul(x, w, group_sizes, *, rows_per_group=None):
 def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtype, rows_per_group=None):
     """`grouped_matmul` of block-fp8 operands (DeepSeek's fine-grained fp8 GEMM), scale blocks block = (bn, bk)
     (HF's weight_block_size): x e4m3 [rows, in] times its scales f32 [rows, ceil(in / bk)] (bk channels of a row
-    share one), w e4m3 [groups, out, in] (input-major) times its scales f32 [groups, ceil(out / bn), ceil(in / bk)]
+    share one), w e4m3 [groups, out, in] (K-major) times its scales f32 [groups, ceil(out / bn), ceil(in / bk)]
     (a [bn, bk] block shares one); the output [rows, out] = x . w[g]^T in out_dtype. rows_per_group: the kernels'
     tile hint, no effect here."""
     (bn, bk), (width, depth) = block, w.shape[1:]
@@ -117,7 +117,7 @@ def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtyp
 
 def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype):
     """DeepSeek's fine-grained fp8 GEMM, scale blocks block = (bn, bk) (HF's weight_block_size): x e4m3 [rows, in]
-    times its scales f32 [rows, ceil(in / bk)], w e4m3 [out, in] (input-major, the checkpoint's layout) times its
+    times its scales f32 [rows, ceil(in / bk)], w e4m3 [out, in] (K-major, the checkpoint's layout) times its
     scales f32 [ceil(out / bn), ceil(in / bk)]; the output [rows, out] = x . w^T in out_dtype."""
     sizes = jnp.array([x.shape[0]], jnp.int32)
     return grouped_matmul_fp8(x, x_scales, w[None], w_scales[None], sizes, block=block, out_dtype=out_dtype)

@@ -103,7 +103,8 @@ class EngineArgs:
     max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's max_position_embeddings, "
                                            "capped by the pool)", type=int)
     max_num_batched_tokens: int = _arg(DEFAULT_MAX_NUM_BATCHED_TOKENS, "rows of one step at most: its decode rows "
-                                       "and prefill-chunk tokens (long prompts run in chunks)", type=int)
+                                       "and prefill-chunk tokens (long prompts run in chunks); capped at "
+                                       "max-num-seqs x max-model-len", type=int)
     bucket_ladder: tuple[int, ...] = _arg(DEFAULT_BUCKETS, "step widths compiled (rows), comma-separated; with "
                                           "max-num-seqs and the token budget", ["--buckets"], type=_sizes)
     enable_prefix_caching: bool = _arg(False, "reuse the KV pages of full virtual blocks a prompt shares with "

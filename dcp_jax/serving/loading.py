@@ -239,9 +239,12 @@ def load_model(args: EngineArgs, *, distributed: Distributed | None = None) -> L
     max_model_len = resolve_max_model_len(cfg, layout, args.max_model_len, num_pages)
     if num_pages is None:
         num_pages = args.max_num_seqs * int(layout.virtual_blocks(max_model_len))
+    # No step can hold more rows than every running request's whole context: wider buckets would compile for nothing.
+    max_num_batched_tokens = min(args.max_num_batched_tokens,
+                                 max(args.max_num_seqs * max_model_len, args.max_num_seqs * (drafts + 1)))
     engine = EngineConfig(page_size=args.page_size, num_pages=num_pages, max_num_seqs=args.max_num_seqs,
                           max_model_len=max_model_len, bucket_ladder=tuple(args.bucket_ladder),
-                          max_num_batched_tokens=args.max_num_batched_tokens, index_cache=formats.index,
+                          max_num_batched_tokens=max_num_batched_tokens, index_cache=formats.index,
                           latent_cache=formats.latent, num_speculative_tokens=drafts)
     log.info("max_model_len %d, %d KV pages (%d tokens), dtype %s", max_model_len, num_pages,
              num_pages * layout.tokens_per_block, dtype)

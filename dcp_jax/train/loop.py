@@ -150,23 +150,30 @@ class Trainer:
         loss = functools.partial(batch_loss, cfg=cfg, graphdefs=graphdefs, abstracts=abstracts, kl_weight=kl_weight,
                                  mtp_weight=mtp_weight, caches=caches)
         warmup = max(1, min(warmup_steps, total_steps // 10))
-        schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(total_steps, warmup + 1),
-                                                      learning_rate / 10)
-        self.optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+        self.schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup,
+                                                           max(total_steps, warmup + 1), learning_rate / 10)
+        # The rate is an input of the step (evaluated on the host): one compiled step serves every schedule.
+        self.optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                                     optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, weight_decay=0.01))
         self.opt_state = self.optimizer.init(params)
+        self.updates = 0  # optimizer steps taken (the schedule's position)
         self._steps = {mode: jax.jit(functools.partial(self._step, loss=functools.partial(loss, mode=mode)),
                                      donate_argnums=(0, 1))
                        for mode in (DENSE, SPARSE)}
         self._evals = {mode: jax.jit(functools.partial(loss, mode=mode)) for mode in (DENSE, SPARSE)}
 
-    def _step(self, params, opt_state, tokens, mask, *, loss):
+    def _step(self, params, opt_state, tokens, mask, rate, *, loss):
         (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, tokens, mask)
+        clip, adamw = opt_state
+        opt_state = clip, adamw._replace(hyperparams=adamw.hyperparams | {"learning_rate": rate})
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, metrics
 
     def step(self, tokens, mask, mode: str) -> dict[str, float]:
         """One optimizer step on a batch; returns its metrics (host floats)."""
-        self.params, self.opt_state, metrics = self._steps[mode](self.params, self.opt_state, tokens, mask)
+        rate = np.float32(self.schedule(self.updates))
+        self.params, self.opt_state, metrics = self._steps[mode](self.params, self.opt_state, tokens, mask, rate)
+        self.updates += 1
         return {name: float(value) for name, value in metrics.items()}
 
     def save_state(self, path: str, meta: dict) -> None:
@@ -188,6 +195,7 @@ class Trainer:
         if [(a.shape, a.dtype) for a in leaves] != shapes:
             raise ValueError(f"{path} holds another model's or optimizer's state")
         self.params, self.opt_state = jax.tree.map(jnp.asarray, jax.tree.unflatten(treedef, leaves))
+        self.updates = int(self.opt_state[1].count)
         return meta
 
     def evaluate(self, tokens, mask, mode: str = SPARSE) -> dict[str, float]:

@@ -6,6 +6,7 @@ output (a reference over the whole sequence)."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -129,17 +130,27 @@ def test_chained_drafts_start_at_the_last_kept_draft():
     served.append(details.mtp_logits[:len(PROMPT_IDS) - 13])
     model, mtp = merge(*abstract_model(TINY), params), merge(*abstract_mtp(TINY), mtp_params)
     tokens = PROMPT_IDS + [int(sampled.tokens[0])]
+    # One compiled forward over the whole length: causal, so a prefix's rows ignore the zeros after it.
+    width = len(tokens) + 3
+    greedy_after = jax.jit(lambda row, last: jnp.argmax(model.logits(
+        sequence_forward(model, row, mode=SPARSE).hidden[last])))
     for _ in range(3):  # the greedy continuation g1, g2, g3
-        logits = model.logits(sequence_forward(model, jnp.asarray(tokens, jnp.int32), mode=SPARSE).hidden[-1])
-        tokens.append(int(jnp.argmax(logits)))
+        row = jnp.asarray(tokens + [0] * (width - len(tokens)), jnp.int32)
+        tokens.append(int(greedy_after(row, len(tokens) - 1)))
     forced = tokens[-3:-1] + [(tokens[-1] + 1) % TINY.vocab_size]  # g1, g2 right, the third wrong
     runner.state = dataclasses.replace(runner.state, drafts=runner.state.drafts.at[slot].set(jnp.asarray(forced)))
     verify = ScheduledRows.verify([slot], [len(PROMPT_IDS) + 1], [3], np.asarray([table], np.int32))
     sampled, details = oracle.run_details(runner, verify)
     assert np.asarray(sampled.tokens)[:4].tolist() == tokens[-3:] + [-1]  # g1, g2 kept, then g3
     served.append(details.mtp_logits[:3])  # rows p .. p + a, each with the token emitted after it
-    hidden = sequence_forward(model, jnp.asarray(tokens, jnp.int32), mode=SPARSE).hidden
-    expected = np.asarray(mtp_forward(model, mtp, jnp.asarray(tokens), hidden, mode=SPARSE).logits)
+
+    @jax.jit
+    def forwards(row):
+        hidden = sequence_forward(model, row, mode=SPARSE).hidden
+        return hidden, mtp_forward(model, mtp, row, hidden, mode=SPARSE).logits
+
+    hidden, expected = forwards(jnp.asarray(tokens, jnp.int32))
+    expected = np.asarray(expected)
     np.testing.assert_allclose(np.concatenate(served), expected[:len(PROMPT_IDS) + 3], atol=2e-4, rtol=0)
     last = len(PROMPT_IDS) + 2  # the row of g2, whose next token g3 was emitted
     assert np.asarray(runner.state.drafts)[slot].tolist() == _chained_drafts(model, mtp, jnp.asarray(tokens), hidden,
