@@ -35,9 +35,11 @@ def forward(params, tokens, mode, caches=CacheFormats()):
     return run(params, jnp.asarray(tokens, jnp.int32))
 
 
-@pytest.mark.parametrize("caches", [CacheFormats(), CacheFormats("fp8", "fp8"), CacheFormats("exact", "fp8")],
-                         ids=["exact", "fp8", "fp8-latent"])
-@pytest.mark.parametrize("dcp", [1, 2])
+@pytest.mark.parametrize("dcp, caches", [
+    (1, CacheFormats()), pytest.param(1, CacheFormats("fp8", "fp8"), marks=pytest.mark.slow),
+    pytest.param(1, CacheFormats("exact", "fp8"), marks=pytest.mark.slow),
+    (2, CacheFormats()), (2, CacheFormats("fp8", "fp8")), (2, CacheFormats("exact", "fp8"))],
+    ids=["1-exact", "1-fp8", "1-fp8-latent", "2-exact", "2-fp8", "2-fp8-latent"])  # the fp8 ones at one size
 def test_the_sparse_forward_is_the_serving_prefill(dcp, caches):
     """A prompt past index_topk (41 > 16) and a short one: every position's logits and each layer's selected set
     equal the serving step's (reference kernels, chunks of 16, DCP 1 and 2), the serving caches in the formats the

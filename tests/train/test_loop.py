@@ -43,6 +43,7 @@ def test_a_fixed_batch_is_fitted_in_both_modes():
     assert 0 <= first["mtp_acceptance"] <= 1 and last["mtp_acceptance"] > first["mtp_acceptance"], (first, last)
 
 
+@pytest.mark.slow  # the `trained` run below trains through the fp8 caches too; test_forward.py checks the roundings
 def test_quantization_aware_training_reads_the_main_and_mtp_layers_through_the_fp8_caches():
     """A Trainer with fp8 CacheFormats scores the same batch differently from the exact one (the main model's loss
     and the MTP layer's alike) and steps to finite weights (the rounding's gradient: test_forward.py)."""

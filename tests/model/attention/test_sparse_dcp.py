@@ -28,7 +28,8 @@ TOL = 2e-5
 FP8_FLIP_TOL = 2e-3
 
 
-@pytest.mark.parametrize("dcp, interleave", [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (8, 2),
+@pytest.mark.parametrize("dcp, interleave", [(1, 1), (2, 1), pytest.param(4, 1, marks=pytest.mark.slow),
+                                             pytest.param(8, 1, marks=pytest.mark.slow), (2, 2), (8, 2),
                                              pytest.param(1, 2, marks=pytest.mark.slow),
                                              pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_dcp_step_equals_unsharded(dcp, interleave):
@@ -49,8 +50,8 @@ def test_dcp_step_with_pallas_kernels_equals_unsharded(dcp, interleave):
 
 
 @pytest.mark.parametrize("dcp, interleave, kernels",
-                         [(2, 2, "pallas"), pytest.param(4, 1, "reference", marks=pytest.mark.slow),
-                          (8, 2, "reference")])
+                         [(2, 2, "pallas"), (4, 1, "reference"),
+                          pytest.param(8, 2, "reference", marks=pytest.mark.slow)])
 def test_dcp_step_with_fp8_index_cache_equals_unsharded_fp8(dcp, interleave, kernels):
     """fp8 index cache on both sides: the DCP step (fp8 keys and scales written per rank, fp8 queries scored by
     the indexer) equals the single-device computation on the same quantized keys and queries."""
@@ -62,8 +63,8 @@ def test_dcp_step_with_fp8_index_cache_equals_unsharded_fp8(dcp, interleave, ker
 
 
 @pytest.mark.parametrize("dcp, interleave, kernels",
-                         [(2, 2, "pallas"), pytest.param(4, 1, "reference", marks=pytest.mark.slow),
-                          (8, 2, "reference")])
+                         [(2, 2, "pallas"), (4, 1, "reference"),
+                          pytest.param(8, 2, "reference", marks=pytest.mark.slow)])
 def test_dcp_step_with_fp8_latent_cache_equals_unsharded_fp8(dcp, interleave, kernels):
     """fp8 latent cache (and fp8 index cache) on both sides: the DCP step writes each rank's e4m3 latents, tile
     scales and bf16 rope, and attends over them; the single-device twin attends over the same quantized
@@ -107,7 +108,7 @@ def test_fp8_latent_cache_refuses_a_latent_it_cannot_tile():
         dataclasses.replace(ENGINE, latent_cache="bf16")
 
 
-@pytest.mark.parametrize("tp, dcp", [(4, 2), (8, 4), (8, 1)])
+@pytest.mark.parametrize("tp, dcp", [(4, 2), pytest.param(8, 4, marks=pytest.mark.slow), (8, 1)])
 def test_tp_larger_than_dcp(tp, dcp):
     report = run_comparison(TINY, ParallelConfig(tp=tp, dcp=dcp, interleave=2), ENGINE, SCHEDULE)
     assert report.max_abs_err < TOL
