@@ -353,7 +353,7 @@ class EngineConfig:
                              f"[0, {MAX_SPECULATIVE_TOKENS}]")
         if self.page_size < 1 or self.num_pages < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
             raise ValueError(f"page_size, num_pages, max_num_seqs, max_model_len must be >= 1: {self}")
-        if self.max_num_batched_tokens < self.max_num_seqs * self.sample_group:
+        if self.max_num_batched_tokens < self.widest_decode:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
                              f"{self.max_num_seqs} x {self.sample_group} (every running request may decode in one "
                              f"step, with its drafts)")
@@ -367,6 +367,11 @@ class EngineConfig:
     def sample_group(self) -> int:
         """Rows sampled per sequence and step at most: its last, or its last accepted token's and its drafts'."""
         return self.num_speculative_tokens + 1
+
+    @property
+    def widest_decode(self) -> int:
+        """Rows of the widest step without a prefill chunk: every running request's decode row and its drafts'."""
+        return self.max_num_seqs * self.sample_group
 
     def kv_layers(self, cfg: ModelConfig) -> int:
         """Layers whose KV the pools hold (`kv_layers`)."""

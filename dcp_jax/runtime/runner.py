@@ -184,9 +184,16 @@ class ModelRunner:
             self.steps[kind.name] = step_program(self.ctx, kind, self.parallel, self.engine, self.mesh)
         return self.steps[kind.name]
 
+    def serving_kind(self, kind: ProgramKind, bucket: int) -> ProgramKind:
+        """The program a step of `kind` runs in `bucket`: a bucket wider than every decode step
+        (`EngineConfig.widest_decode`) only runs steps with prefill chunks, beside which drawing costs nothing, so
+        its greedy steps run the drawing program (greedy rows take the argmax there too): one program fewer."""
+        return SAMPLED if kind is GREEDY and bucket > self.engine.widest_decode else kind
+
     def programs(self, kinds: Sequence[ProgramKind] = (GREEDY, SAMPLED)) -> list[tuple[str, int]]:
-        """Every (kind name, bucket) program of `kinds`."""
-        return [(kind.name, rows) for kind in kinds for rows in self.engine.buckets]
+        """Every (kind name, bucket) program that steps of `kinds` run (`serving_kind`), each once."""
+        pairs = [(self.serving_kind(kind, rows).name, rows) for kind in kinds for rows in self.engine.buckets]
+        return list(dict.fromkeys(pairs))
 
     def compile_all(self, programs: Sequence[tuple[str, int]], *, workers: int = 1, on_compiled=None) -> None:
         """Compile `programs` (from `programs()`), `workers` at once (`compile_programs`)."""
@@ -213,6 +220,7 @@ class ModelRunner:
         """Run one step of `rows` in the `kind` program of its bucket (compiled at first use); its outputs, on the
         device."""
         bucket = self.engine.bucket_for(rows.num_rows)
+        kind = self.serving_kind(kind, bucket)
         step = self.program(kind)
         step.compile(self.params, self.state, bucket)  # a no-op once compiled (an engine compiles every one first)
         if rows.is_decode and self.engine.sample_group == 1:  # the steady state: written into the empty step

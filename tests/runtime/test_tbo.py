@@ -112,15 +112,17 @@ def test_tbo_programs_run_two_chains_derive_no_length_and_compile_once():
     for variant, step in runner.steps.items():
         for rows in step.buckets:
             assert step.length_derivations(runner.params, runner.state, rows) == [], (variant, rows)
-    runner.compile_all(runner.programs([GREEDY]))
-    compiled = runner.steps[GREEDY.name].num_compiled
+    programs = runner.programs([GREEDY])  # greedy steps: the greedy program, or the drawing one past the decode widths
+    runner.compile_all(programs)
+    compiled = {name: step.num_compiled for name, step in runner.steps.items()}
     blocks = ENGINE.max_blocks_per_seq(2)
     tables = np.arange(2 * blocks, dtype=np.int32).reshape(2, blocks)
     for rows in (ScheduledRows.decode([0, 1], [5, 9], tables, tokens=[7, 8]),  # bucket 3
                  ScheduledRows.verify([0, 1], [6, 10], [0, 0], tables)):  # the same, as verify groups of none
         for _ in range(2):
             jax.block_until_ready(runner.dispatch(rows, GREEDY))
-    assert runner.steps[GREEDY.name].num_compiled == compiled == len(ENGINE.buckets)
+    assert {name: step.num_compiled for name, step in runner.steps.items()} == compiled
+    assert sum(compiled.values()) == len(programs) == len(ENGINE.buckets)
 
 
 def test_llm_with_tbo_generates_the_plain_engines_greedy_tokens():
