@@ -122,6 +122,11 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT, seconds the requests in flight may finish in before they are aborted "
                         "(0: abort at once)")
     s.add_argument("--no-prompt-logprobs", action="store_true", help="skip the all-logits prefill programs")
+    s.add_argument("--chat-template", default=None,
+                   help="a jinja chat template, or a file holding one (default: the checkpoint's chat_template.jinja "
+                        "or tokenizer_config.json's chat_template, else the project's plain template)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a request bring its own chat_template (rendered in jinja's sandbox)")
 
 
 def _json_list(text: str) -> list[str]:
@@ -169,6 +174,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # jax logs every platform it probes and lacks ("Unable to initialize backend 'tpu'") at INFO.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    from dcp_jax.serving.chat_template import chat_template_option
     from dcp_jax.serving.openai_api import CorsOptions
     from dcp_jax.serving.server import OpenAIServer
 
@@ -185,13 +191,15 @@ def serve(args: argparse.Namespace) -> int:
             return 2
         return _follow(args, engine)
     try:
+        chat_template = None if args.chat_template is None else chat_template_option(args.chat_template)
         server = OpenAIServer(host=args.host, port=args.port, api_key=args.api_key,
                               served_model_name=args.served_model_name, root_path=args.root_path,
                               cors=CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                                args.allow_credentials),
                               timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
                               shutdown_timeout=args.shutdown_timeout, uvicorn_log_level=args.uvicorn_log_level,
-                              access_log=not args.disable_uvicorn_access_log)
+                              access_log=not args.disable_uvicorn_access_log, chat_template=chat_template,
+                              trust_request_chat_template=args.trust_request_chat_template)
     except ValueError as e:
         print(f"dcp-jax serve: {e}", file=sys.stderr)
         return 2

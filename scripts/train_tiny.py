@@ -147,6 +147,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from dcp_jax.model.weights import save_hf
+    from dcp_jax.serving.chat_template import PLAIN_CHAT_TEMPLATE
     from dcp_jax.serving.tokenizer import ByteTokenizer
     from dcp_jax.model.architecture import config_to_hf
     from dcp_jax.model.attention.variant import CacheFormats
@@ -215,6 +216,8 @@ def main(argv=None) -> int:
         return 0
     saved_cfg = dataclasses.replace(cfg, torch_dtype=args.save_dtype)
     save_hf(saved_cfg, trainer.params["model"], args.out, mtp=trainer.params.get("mtp"))
+    with open(os.path.join(args.out, "chat_template.jinja"), "w") as f:  # the chat batches' format
+        f.write(PLAIN_CHAT_TEMPLATE)
     with open(os.path.join(args.out, "train_log.jsonl")) as f:
         plot([json.loads(line) for line in f], os.path.join(args.out, "loss.png"))
     print(f"checkpoint in {args.out} after {step} steps, {time.perf_counter() - begin:.0f} s in all")

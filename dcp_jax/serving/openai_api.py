@@ -32,7 +32,8 @@ from dcp_jax.serving.engine import Engine, EngineStoppedError
 from dcp_jax.serving.metrics import CONTENT_TYPE
 from dcp_jax.serving.protocol import ProtocolError
 from dcp_jax.serving.streams import LoopSink, StreamEvent
-from dcp_jax.serving.tokenizer import CHAT_TEMPLATE, TokenizerView, apply_chat_template
+from dcp_jax.serving.chat_template import PLAIN_CHAT_TEMPLATE, ChatTemplateError, render_chat
+from dcp_jax.serving.tokenizer import TokenizerView
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +96,17 @@ class Submission:
 
 
 class OpenAIServing:
-    """What the routes share: the engine (None until it is ready), its tokenizer view, the served model name, the
-    sink that brings the engine's events to this loop, and the requests in flight (`abort_all` when draining)."""
+    """What the routes share: the engine (None until it is ready), its tokenizer view, the chat template, the
+    served model name, the sink that brings the engine's events to this loop, and the requests in flight
+    (`abort_all` when draining). `chat_template`: vLLM's --chat-template (the template's text; default: the
+    checkpoint's, else the project's plain one); `trust_request_chat_template`: a request may bring its own."""
 
     def __init__(self, *, served_model_name: str | None = None, api_key: str | None = None,
-                 body_timeout_s: float = 30.0):
+                 body_timeout_s: float = 30.0, chat_template: str | None = None,
+                 trust_request_chat_template: bool = False):
         self.served_model_name, self.api_key, self.body_timeout_s = served_model_name, api_key, body_timeout_s
+        self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
         self.engine: Engine | None = None
         self.tokens: TokenizerView | None = None
         self.sink: LoopSink | None = None
@@ -114,6 +120,7 @@ class OpenAIServing:
                                     eos_token_id=engine.model_config.eos_token_id)
         self.sink = LoopSink(loop)
         self.served_model_name = self.served_model_name or engine.model_name
+        self.chat_template = self.chat_template or engine.tokenizer.chat_template or PLAIN_CHAT_TEMPLATE
         self.engine = engine
 
     @property
@@ -131,6 +138,27 @@ class OpenAIServing:
             raise ProtocolError("the engine is not running: the server cannot take requests", status=503,
                                 type="service_unavailable")
         return self.engine
+
+    def chat_prompt(self, req: protocol.ChatCompletionRequest | protocol.TokenizeChatRequest) -> list[int]:
+        """The request's messages through the chat template (the server's, or the request's own when trusted),
+        tokenized as the template wrote them (its BOS included, none added)."""
+        template = self.chat_template
+        if req.chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise ProtocolError("chat_template is passed with the request, but the server was not started "
+                                    "with --trust-request-chat-template", "chat_template")
+            template = req.chat_template
+        tokens = self.tokens
+        messages = [m.model_dump(exclude_none=True) | {"content": m.text} for m in req.messages]
+        try:
+            text = render_chat(template, messages, add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message,
+                               bos_token=tokens.special_text(tokens.bos_token_id),
+                               eos_token=tokens.special_text(tokens.eos_token_id),
+                               template_kwargs=req.chat_template_kwargs)
+        except ChatTemplateError as e:
+            raise ProtocolError(str(e), "chat_template" if req.chat_template is not None else "messages") from None
+        return tokens.encode(text, add_special_tokens=False)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -152,20 +180,29 @@ class OpenAIServing:
             except ValueError as e:
                 raise ProtocolError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e), "prompt") from None
         ids = [f"{response_id}-{index}" for index in range(len(prompts) * n)]
+        # A live request of the same id keeps its route and runs on: only this one is refused.
+        if any(self.sink.is_routed(request_id) for request_id in ids):
+            raise ProtocolError(f"duplicate request id {response_id!r}: a request of that id is still running",
+                                "request_id")
         submission = Submission(self, ids)
         for request_id in ids:
             self.sink.route(request_id, submission.queue)
         self.in_flight.add(submission)
+        queued = 0
         try:
             for index, request_id in enumerate(ids):
                 engine.add_request(prompts[index // n], choice_params[index % n], self.sink, tag=index,
                                    prompt_logprobs=prompt_logprobs, request_id=request_id)
+                queued += 1
         except (ValueError, EngineStoppedError) as e:
-            submission.close()
+            self.forget(submission)
+            for request_id in ids[:queued]:  # only what this submission queued (an id still live is another's)
+                engine.abort(request_id)
             if isinstance(e, EngineStoppedError):
                 raise ProtocolError(f"{e}: the server cannot take requests", status=503,
                                     type="service_unavailable") from None
-            raise ProtocolError(str(e), "request_id") from None  # a duplicate id: the only ValueError left
+            # A duplicate id the engine still holds (its client gone, its abort not yet applied).
+            raise ProtocolError(str(e), "request_id") from None
         return submission
 
     def forget(self, submission: Submission) -> None:
@@ -233,7 +270,7 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
             "tokenizer_class": type(engine.tokenizer).__name__,
             "bos_token": tokens.special_name(tokens.bos_token_id),
             "eos_token": tokens.special_name(tokens.eos_token_id), "pad_token": None,
-            "chat_template": CHAT_TEMPLATE,
+            "chat_template": serving.chat_template,
             "model_max_length": engine.engine_config.max_model_len, "vocab_size": engine.model_config.vocab_size})
 
     @app.post("/tokenize")
@@ -245,10 +282,9 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
         req = protocol.validate(protocol.TokenizeChatRequest if chat else protocol.TokenizeCompletionRequest, data)
         serving.check_model(req.model)
         if chat:
-            ids = _chat_prompt(serving.tokens, req.messages, add_generation_prompt=req.add_generation_prompt,
-                               continue_final_message=req.continue_final_message)
+            ids = await asyncio.to_thread(serving.chat_prompt, req)
         else:
-            ids = serving.tokens.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await asyncio.to_thread(serving.tokens.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         strs = [serving.tokens.token_text(t) for t in ids] if req.return_token_strs else None
         return _json(protocol.TokenizeResponse(count=len(ids), max_model_len=engine.engine_config.max_model_len,
                                                tokens=ids, token_strs=strs), exclude_none=True)
@@ -270,8 +306,9 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
         req = protocol.parse(protocol.CompletionRequest, body)
         engine = serving.ready_engine()  # (before the model name: unknown while the engine loads)
         serving.check_model(req.model)
-        prompts = [serving.tokens.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str)
-                   else list(p) for p in req.prompts]
+        prompts = await asyncio.to_thread(  # a large prompt's tokenization never holds up the event loop
+            lambda: [serving.tokens.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str)
+                     else list(p) for p in req.prompts])
         params = req.to_sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
                                         vocab_size=engine.model_config.vocab_size)
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
@@ -288,8 +325,7 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
         req = protocol.parse(protocol.ChatCompletionRequest, body)
         engine = serving.ready_engine()  # (before the model name: unknown while the engine loads)
         serving.check_model(req.model)
-        prompt = _chat_prompt(serving.tokens, req.messages, add_generation_prompt=req.add_generation_prompt,
-                              continue_final_message=req.continue_final_message)
+        prompt = await asyncio.to_thread(serving.chat_prompt, req)
         max_model_len = engine.engine_config.max_model_len
         max_tokens = req.requested_max_tokens
         if max_tokens is None:  # vLLM: the rest of the context
@@ -411,15 +447,6 @@ async def _gather(submission: Submission) -> dict[int, _Choice]:
         raise ProtocolError("the request was aborted: the server is shutting down", status=503,
                             type="service_unavailable")
     return choices
-
-
-def _chat_prompt(tokens: TokenizerView, messages, *, add_generation_prompt: bool,
-                 continue_final_message: bool) -> list[int]:
-    """The chat template over the messages, tokenized with BOS."""
-    rendered = apply_chat_template([m.model_dump(exclude_none=True) | {"content": m.text} for m in messages],
-                                   add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=continue_final_message)
-    return tokens.encode(rendered, add_special_tokens=True)
 
 
 def _sse_data(model) -> str:

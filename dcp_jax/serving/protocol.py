@@ -78,6 +78,10 @@ def _protocol_error(e: ValidationError) -> ProtocolError:
     return ProtocolError("; ".join(parts) + more, param)
 
 
+# The longest chat template a request may bring (real ones are a few KB).
+MAX_CHAT_TEMPLATE_CHARS = 64 << 10
+
+
 def _refused(reason: str, *neutral: Any):
     """A declared field that must hold None or one of `neutral`: anything else is refused with `reason`."""
 
@@ -275,8 +279,10 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     # True would add a second BOS to the one the chat template starts with.
     add_special_tokens: Annotated[bool, _refused("the chat template already starts with BOS", False)] = False
-    chat_template: Annotated[Any, _refused("a chat template of the request's own")] = None
-    chat_template_kwargs: Annotated[Any, _refused("chat_template_kwargs")] = None
+    # A template of the request's own (the server must trust them: --trust-request-chat-template), and variables
+    # for the template (e.g. enable_thinking), as vLLM.
+    chat_template: Annotated[str, Field(max_length=MAX_CHAT_TEMPLATE_CHARS)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     documents: Annotated[Any, _refused("documents")] = None
     mm_processor_kwargs: Annotated[Any, _refused("multimodal inputs")] = None
 
@@ -306,6 +312,8 @@ class TokenizeChatRequest(OpenAIBaseModel):
     continue_final_message: bool = False
     add_special_tokens: Annotated[bool, _refused("the chat template already starts with BOS", False)] = False
     return_token_strs: bool | None = False
+    chat_template: Annotated[str, Field(max_length=MAX_CHAT_TEMPLATE_CHARS)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self):

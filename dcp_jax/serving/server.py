@@ -123,19 +123,22 @@ class _Uvicorn(uvicorn.Server):
 class OpenAIServer:
     """One engine behind the OpenAI-compatible API on host:port (loopback unless told otherwise). The option names
     are vLLM's (`api_key`, `served_model_name`, `root_path`, CORS) and uvicorn's (`timeout_keep_alive`,
-    `limit_concurrency`, `uvicorn_log_level`, `access_log`); `shutdown_timeout` is vLLM's (0: abort at once)."""
+    `limit_concurrency`, `uvicorn_log_level`, `access_log`); `shutdown_timeout` is vLLM's (0: abort at once), as
+    are `chat_template` (the template's text) and `trust_request_chat_template` (`OpenAIServing`)."""
 
     def __init__(self, engine: Engine | None = None, *, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, served_model_name: str | None = None, cors: CorsOptions = CorsOptions(),
                  root_path: str = "", timeout_keep_alive: float = 5.0, limit_concurrency: int | None = None,
                  shutdown_timeout: float = 10.0, body_timeout_s: float = 30.0, uvicorn_log_level: str = "info",
-                 access_log: bool = True):
+                 access_log: bool = True, chat_template: str | None = None,
+                 trust_request_chat_template: bool = False):
         if shutdown_timeout < 0:
             raise ValueError(f"{shutdown_timeout=} must be >= 0")
         self.sock = bind_socket(host, port)
         self.shutdown_timeout = shutdown_timeout
         self.serving = OpenAIServing(served_model_name=served_model_name, api_key=api_key,
-                                     body_timeout_s=body_timeout_s)
+                                     body_timeout_s=body_timeout_s, chat_template=chat_template,
+                                     trust_request_chat_template=trust_request_chat_template)
         self.app = build_app(self.serving, cors=cors, root_path=root_path)
         config = uvicorn.Config(self.app, http=_H11Protocol, lifespan="off", timeout_keep_alive=timeout_keep_alive,
                                 limit_concurrency=limit_concurrency, log_level=uvicorn_log_level,

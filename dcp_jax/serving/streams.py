@@ -56,6 +56,9 @@ class LoopSink:
     def route(self, request_id: str, queue: asyncio.Queue) -> None:
         self._queues[request_id] = queue
 
+    def is_routed(self, request_id: str) -> bool:
+        return request_id in self._queues
+
     def unroute(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 

@@ -1,33 +1,14 @@
 """Tokenizers (no jax): a model directory's HF `tokenizer.json` (through `tokenizers`), else UTF-8 bytes (the tiny
-random model); the server's view of one (`TokenizerView`: special tokens by name, token strings, text offsets); the
-chat template.
+random model), each with the chat template the directory ships (`chat_template.py`); the server's view of one
+(`TokenizerView`: special tokens by name, token strings, text offsets).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
-from dcp_jax.host.detokenizer import REPLACEMENT_CHAR
-
-# One turn per message (content None renders empty; an open last message with continue_final_message), then the
-# assistant's header; tokenized with BOS. `apply_chat_template` renders the same text in Python.
-CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] or '' }}"
-                 "{% if not (loop.last and continue_final_message) %}\n{% endif %}{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
-def apply_chat_template(messages: Sequence[dict], *, add_generation_prompt: bool = True,
-                        continue_final_message: bool = False) -> str:
-    """The Python twin of CHAT_TEMPLATE (a test checks they agree). Messages are dicts with `role` and `content`
-    (text or None); other keys (name, tool_call_id) reach a template, and this one does not print them."""
-    parts = []
-    for i, message in enumerate(messages):
-        end = "" if continue_final_message and i == len(messages) - 1 else "\n"
-        parts.append(f"<|{message['role']}|>\n{message.get('content') or ''}{end}")
-    return "".join(parts) + ("<|assistant|>\n" if add_generation_prompt else "")
-
-from dcp_jax.host.detokenizer import StreamDetokenizer, Utf8ByteDetokenizer
+from dcp_jax.host.detokenizer import REPLACEMENT_CHAR, StreamDetokenizer, Utf8ByteDetokenizer
+from dcp_jax.serving.chat_template import checkpoint_chat_template
 
 
 class ByteTokenizer:
@@ -39,6 +20,7 @@ class ByteTokenizer:
         if vocab_size < self.offset + 256:
             raise ValueError(f"a byte tokenizer needs vocab_size >= {self.offset + 256}, got {vocab_size}")
         self.vocab_size = vocab_size
+        self.chat_template: str | None = None  # the checkpoint's (`load_tokenizer`)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.offset + b for b in text.encode("utf-8")]
@@ -62,6 +44,10 @@ class HFTokenizer:
 
         self._tok = Tokenizer.from_file(path)
         self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
+        self.chat_template: str | None = None  # the checkpoint's (`load_tokenizer`)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -78,11 +64,15 @@ class HFTokenizer:
 
 
 def load_tokenizer(model_dir: str | None, vocab_size: int, bos_token_id: int, eos_token_id: int):
-    """`model_dir/tokenizer.json` when the directory has one, else a ByteTokenizer."""
+    """`model_dir/tokenizer.json` when the directory has one, else a ByteTokenizer; with the directory's chat
+    template."""
     path = os.path.join(model_dir, "tokenizer.json") if model_dir else None
     if path and os.path.exists(path):
-        return HFTokenizer(path, bos_token_id, eos_token_id)
-    return ByteTokenizer(vocab_size, bos_token_id, eos_token_id)
+        tokenizer = HFTokenizer(path, bos_token_id, eos_token_id)
+    else:
+        tokenizer = ByteTokenizer(vocab_size, bos_token_id, eos_token_id)
+    tokenizer.chat_template = checkpoint_chat_template(model_dir)
+    return tokenizer
 
 
 class TokenizerView:
@@ -98,6 +88,14 @@ class TokenizerView:
 
     def special_name(self, token_id: int | None) -> str | None:
         return next((name for name, i in self.specials.items() if i == token_id), None)
+
+    def special_text(self, token_id: int | None) -> str:
+        """The text that spells special token `token_id` in a prompt (a chat template's bos_token); '' for none."""
+        if token_id is None:
+            return ""
+        if self.is_bytes:
+            return self.special_name(token_id) or ""
+        return self.tokenizer.id_to_token(token_id) or ""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = []

@@ -19,7 +19,7 @@ import string
 
 import numpy as np
 
-from dcp_jax.serving.tokenizer import apply_chat_template
+from dcp_jax.serving.chat_template import apply_chat_template
 
 KEY_LETTERS, VALUE_DIGITS = 4, 4
 RECORD_BYTES = 1 + KEY_LETTERS + 2 + VALUE_DIGITS + 1  # k<key>=v<value>;

@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dcp_jax.serving.tokenizer import CHAT_TEMPLATE, apply_chat_template
+from dcp_jax.serving.chat_template import PLAIN_CHAT_TEMPLATE, apply_chat_template, render_chat
 from tests.serving.serving_utils import http, raw_exchange, start_server, wait_until
 
 MAX_MODEL_LEN = 64  # serving_utils.ENGINE_KW
@@ -220,12 +220,66 @@ def test_chat_stream_echo_and_continue_final_message(server, client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_chat_template_jinja_matches_python():
-    jinja2 = pytest.importorskip("jinja2")
+def test_the_plain_chat_template_renders_as_its_python_twin():
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None},
                 {"role": "tool", "content": "y"}]
     for kw in (dict(add_generation_prompt=True), dict(add_generation_prompt=False, continue_final_message=True)):
-        assert jinja2.Template(CHAT_TEMPLATE).render(messages=messages, **kw) == apply_chat_template(messages, **kw)
+        assert render_chat(PLAIN_CHAT_TEMPLATE, messages, bos_token="<s>", **kw) == \
+            "<s>" + apply_chat_template(messages, **kw)
+
+
+# DeepSeek-V3's form, shortened: HF's environment (trim_blocks, lstrip_blocks) drops the newlines after the tags.
+DEEPSEEK_LIKE = """{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}
+{% set ns = namespace(system_prompt='') %}
+{%- for message in messages %}
+    {%- if message['role'] == 'system' %}{% set ns.system_prompt = message['content'] %}{%- endif %}
+{%- endfor %}
+{{ bos_token }}{{ ns.system_prompt }}
+{%- for message in messages %}
+    {%- if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}
+    {%- elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + eos_token }}
+    {%- elif message['role'] != 'system' %}{{ raise_exception('roles are system, user and assistant') }}
+    {%- endif %}
+{%- endfor %}
+{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% if not thinking %}{{ '</think>' }}{% endif %}{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def templated(server, tmp_path_factory):
+    """A server on the same engine with --chat-template DEEPSEEK_LIKE and --trust-request-chat-template."""
+    srv = start_server(tmp_path_factory, engine=server.engine, chat_template=DEEPSEEK_LIKE,
+                       trust_request_chat_template=True)
+    yield srv
+    srv.stop(stop_engine=False)
+
+
+def test_the_chat_template_given_is_rendered_as_hf_renders_it(templated, server):
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"}]
+    expected = "<s>Be brief.<｜User｜>hi<｜Assistant｜>yo</s><｜User｜>again<｜Assistant｜></think>"
+    tokens = post(templated, "/tokenize", {"messages": conversation})[1]["tokens"]
+    assert tokens == templated.tokens.encode(expected, add_special_tokens=False)
+    assert tokens[0] == server.engine.model_config.bos_token_id and tokens.count(tokens[0]) == 1  # one BOS
+    thinking = post(templated, "/tokenize", {"messages": conversation, "chat_template_kwargs": {"thinking": True}})
+    assert thinking[1]["tokens"] == templated.tokens.encode(expected.removesuffix("</think>"),
+                                                            add_special_tokens=False)
+    assert json.loads(http(templated, "GET", "/tokenizer_info")[2])["chat_template"] == DEEPSEEK_LIKE
+    status, refused = post(templated, "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]})
+    assert status == 400 and "roles are system, user and assistant" in refused["error"]["message"]
+    short = [{"role": "user", "content": "hi"}]  # within max_model_len (each ｜ is 3 bytes)
+    status, reply = post(templated, "/v1/chat/completions", {"messages": short, "max_tokens": 2})
+    assert status == 200, reply
+    assert reply["usage"]["prompt_tokens"] == len(post(templated, "/tokenize", {"messages": short})[1]["tokens"])
+
+
+def test_a_requests_own_chat_template_needs_the_servers_trust(templated, server):
+    own = {"messages": [{"role": "user", "content": "hi"}], "chat_template": "[{{ messages[0]['content'] }}]"}
+    status, refused = post(server, "/tokenize", own)
+    assert status == 400 and refused["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in refused["error"]["message"]
+    assert post(templated, "/tokenize", own)[1]["tokens"] == templated.tokens.encode("[hi]", add_special_tokens=False)
+    status, broken = post(templated, "/tokenize", own | {"chat_template": "{% for %}"})
+    assert status == 400 and "does not compile" in broken["error"]["message"]
 
 
 def test_sampling_extras_are_served(client):
@@ -401,6 +455,21 @@ def test_a_stopped_engine_is_a_503_not_a_hang(server, client):
     finally:
         engine.start()
     assert http(server, "GET", "/health")[0] == 200
+
+
+def test_a_duplicate_request_id_is_refused_and_the_live_request_runs_on(server, client):
+    """The second request of a live id gets a 400; the first (streaming) is neither aborted nor unrouted: it
+    generates every token it was asked for."""
+    request = dict(model="tiny", prompt="duplicate", max_tokens=40, temperature=0)
+    stream = client.completions.create(stream=True, extra_body=dict(request_id="dup-1", ignore_eos=True), **request)
+    first = next(iter(stream))  # the first request is live
+    status, refused = post(server, "/v1/completions", request | dict(request_id="dup-1", ignore_eos=True))
+    assert status == 400 and "duplicate" in refused["error"]["message"] and refused["error"]["param"] == "request_id"
+    chunks = [first, *stream]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert sum(len(c.choices[0].text) > 0 for c in chunks if c.choices) >= 1
+    completion = completion_tokens(client, prompt="duplicate", max_tokens=40, extra_body=dict(ignore_eos=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == completion.choices[0].text
 
 
 def test_unknown_model_is_404(client):
