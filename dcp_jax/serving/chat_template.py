@@ -24,8 +24,9 @@ PLAIN_CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}"
 
 def apply_chat_template(messages: Sequence[dict], *, add_generation_prompt: bool = True,
                         continue_final_message: bool = False) -> str:
-    """The Python twin of PLAIN_CHAT_TEMPLATE after its BOS (a test checks they agree). Messages are dicts with `role` and `content`
-    (text or None); other keys (name, tool_call_id) reach a template, and this one does not print them."""
+    """The Python twin of PLAIN_CHAT_TEMPLATE after its BOS (a test checks they agree). Messages are dicts with
+    `role` and `content` (text or None); other keys (name, tool_call_id) reach a template, and this one does not
+    print them."""
     parts = []
     for i, message in enumerate(messages):
         end = "" if continue_final_message and i == len(messages) - 1 else "\n"

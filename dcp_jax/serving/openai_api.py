@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes (FastAPI) over an `Engine`.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with server-sent events when
-`stream`), POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /health, GET /metrics (Prometheus text).
+`stream`), POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /health (and /ping), GET /version, GET
+/metrics (Prometheus text).
 Every body is read (within `body_timeout_s`, at most MAX_BODY_BYTES), parsed and validated (`protocol.py`,
 `Engine.validate`) before anything is queued; a bad one gets a 4xx with an OpenAI-shaped `{"error": {...}}`, never
 a 500 or an HTML page. Until the engine is ready, and once the server drains, /health and the generating routes
@@ -18,7 +19,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -55,11 +56,12 @@ class _Choice:
 
     def __init__(self):
         self.token_ids, self.text, self.logprobs = [], "", []
-        self.prompt_logprobs, self.finish_reason, self.stop_reason, self.error = None, None, None, None
+        self.prompt_token_ids, self.prompt_logprobs = None, None
+        self.finish_reason, self.stop_reason, self.error = None, None, None
 
     def add(self, event: StreamEvent) -> None:
         if event.prompt_token_ids is not None:
-            self.prompt_logprobs = event.prompt_logprobs
+            self.prompt_token_ids, self.prompt_logprobs = event.prompt_token_ids, event.prompt_logprobs
         self.token_ids += event.token_ids
         self.text += event.text
         self.logprobs += event.logprobs or []
@@ -165,18 +167,18 @@ class OpenAIServing:
             raise ProtocolError(f"the model '{model}' does not exist; this server serves '{self.served_model_name}'",
                                 "model", status=404, type="NotFoundError", code="model_not_found")
 
-    def submit(self, response_id: str, prompts: list[list[int]], params: SamplingParams, *,
+    def submit(self, response_id: str, prompts: list[list[int]], params: list[SamplingParams], *,
                prompt_logprobs: int | None) -> Submission:
-        """Validate every prompt, then queue params.n choices of each (choice index = prompt * n + j, drawing from
-        `params.for_choice(j)`)."""
+        """Validate every prompt (prompt i with `params[i]`), then queue params[i].n choices of each (choice index
+        = prompt * n + j, drawing from `params[i].for_choice(j)`)."""
         engine = self.ready_engine()
-        n = params.n
+        n = params[0].n
         if len(prompts) * n > protocol.MAX_CHOICES:
             raise ProtocolError(f"{len(prompts)} prompts x n={n} choices exceed {protocol.MAX_CHOICES}", "n")
-        choice_params = [params.for_choice(j) for j in range(n)]
+        choice_params = [[p.for_choice(j) for j in range(n)] for p in params]
         for i, ids in enumerate(prompts):
             try:
-                engine.validate(ids, choice_params[0], prompt_logprobs)
+                engine.validate(ids, choice_params[i][0], prompt_logprobs)
             except ValueError as e:
                 raise ProtocolError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e), "prompt") from None
         ids = [f"{response_id}-{index}" for index in range(len(prompts) * n)]
@@ -191,7 +193,7 @@ class OpenAIServing:
         queued = 0
         try:
             for index, request_id in enumerate(ids):
-                engine.add_request(prompts[index // n], choice_params[index % n], self.sink, tag=index,
+                engine.add_request(prompts[index // n], choice_params[index // n][index % n], self.sink, tag=index,
                                    prompt_logprobs=prompt_logprobs, request_id=request_id)
                 queued += 1
         except (ValueError, EngineStoppedError) as e:
@@ -241,7 +243,12 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
         log.exception("%s %s failed", request.method, request.url.path)
         return _error(ProtocolError(f"internal error: {e}", status=500, type="server_error"))
 
+    @app.api_route("/version", methods=["GET", "HEAD"])
+    async def version():
+        return JSONResponse({"version": _version()})
+
     @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/ping", methods=["GET", "POST", "HEAD"])  # vLLM's (SageMaker's) name for it
     async def health():
         if serving.engine is None:
             status = "starting"
@@ -309,9 +316,10 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
         prompts = await asyncio.to_thread(  # a large prompt's tokenization never holds up the event loop
             lambda: [serving.tokens.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str)
                      else list(p) for p in req.prompts])
-        params = req.to_sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                        vocab_size=engine.model_config.vocab_size)
-        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        params = [req.to_sampling_params(max_tokens=_max_tokens(req.max_tokens, prompt, engine, "prompt"),
+                                         logprobs=req.logprobs, vocab_size=engine.model_config.vocab_size)
+                  for prompt in prompts]
+        prompt_logprobs = _prompt_logprobs(req, req.logprobs if req.echo else None)
         response_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         submission = serving.submit(response_id, prompts, params, prompt_logprobs=prompt_logprobs)
         completions = _Completions(serving, req, prompts, response_id)
@@ -326,17 +334,11 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
         engine = serving.ready_engine()  # (before the model name: unknown while the engine loads)
         serving.check_model(req.model)
         prompt = await asyncio.to_thread(serving.chat_prompt, req)
-        max_model_len = engine.engine_config.max_model_len
-        max_tokens = req.requested_max_tokens
-        if max_tokens is None:  # vLLM: the rest of the context
-            max_tokens = max_model_len - len(prompt)
-            if max_tokens < 1:
-                raise ProtocolError(f"the prompt's {len(prompt)} tokens leave no room to generate within "
-                                    f"max_model_len={max_model_len}", "messages")
-        params = req.to_sampling_params(max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs
-                                        else None, vocab_size=engine.model_config.vocab_size)
+        params = req.to_sampling_params(max_tokens=_max_tokens(req.requested_max_tokens, prompt, engine, "messages"),
+                                        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                        vocab_size=engine.model_config.vocab_size)
         response_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
-        submission = serving.submit(response_id, [prompt], params, prompt_logprobs=None)
+        submission = serving.submit(response_id, [prompt], [params], prompt_logprobs=_prompt_logprobs(req, None))
         chat = _ChatCompletions(serving, req, len(prompt), response_id)
         if req.stream:
             return _sse(chat.stream(submission))
@@ -363,6 +365,64 @@ class _ApiKeyMiddleware:
                 await _error(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _max_tokens(requested: int | None, prompt: list[int], engine: Engine, param: str) -> int:
+    """`requested`, or when None the rest of the prompt's context (vLLM's: max_model_len - its length)."""
+    if requested is not None:
+        return requested
+    max_model_len = engine.engine_config.max_model_len
+    if len(prompt) >= max_model_len:
+        raise ProtocolError(f"the prompt's {len(prompt)} tokens leave no room to generate within "
+                            f"max_model_len={max_model_len}", param)
+    return max_model_len - len(prompt)
+
+
+def _prompt_logprobs(req, echoed: int | None) -> int | None:
+    """Top-N of the prompt's logprobs the engine computes: for the request's `prompt_logprobs` and for an echo with
+    logprobs (`echoed`), the larger."""
+    wanted = [n for n in (req.prompt_logprobs, echoed) if n is not None]
+    return max(wanted) if wanted else None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dcp-jax")
+    except PackageNotFoundError:  # a source checkout that was never installed
+        return "unknown"
+
+
+def _token_namer(serving: OpenAIServing, req) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or "token_id:{id}" with `return_tokens_as_token_ids` (vLLM's)."""
+    if req.return_tokens_as_token_ids:
+        return lambda token_id: f"token_id:{token_id}"
+    return serving.tokens.token_text
+
+
+def _top(lp: TokenLogprob, n: int) -> dict[int, float]:
+    """The token's own entry and at most `n` of the most likely after it (the engine may have computed more)."""
+    return dict(list(lp.top.items())[:1 + n])
+
+
+def _prompt_logprob_entries(prompt_ids, lps, n: int, name) -> list[dict[str, protocol.PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: {logprob, rank,
+    decoded_token}} of the token and the `n` most likely; rank is the place among those (None for the token when
+    it is not one of them)."""
+    out = [None]
+    for token_id, lp in zip(prompt_ids[1:], (lps or [None])[1:]):
+        if lp is None:
+            out.append(None)
+            continue
+        top = _top(lp, n)
+        others = [v for t, v in top.items() if t != token_id]
+        # The token is one of the n most likely unless n others are, all above it: then its rank is unknown.
+        unranked = len(others) >= n and all(v > lp.logprob for v in others)
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])
+        out.append({str(t): protocol.PromptLogprob(logprob=v, rank=None if t == token_id and unranked else place + 1,
+                                                   decoded_token=name(t)) for place, (t, v) in enumerate(ranked)})
+    return out
 
 
 def _error(e: ProtocolError, headers=None) -> JSONResponse:
@@ -485,7 +545,7 @@ class _Completions:
     def __init__(self, serving: OpenAIServing, req: protocol.CompletionRequest, prompts: list[list[int]],
                  response_id: str):
         self.serving, self.req, self.prompts, self.id = serving, req, prompts, response_id
-        self.tokens = serving.tokens
+        self.tokens, self.name = serving.tokens, _token_namer(serving, req)
         self.prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, whatever n (vLLM's usage)
         self.generated = 0
         # Per choice: its echo's length, its text streamed so far (the echo included), its tokens so far.
@@ -507,9 +567,9 @@ class _Completions:
             if req.logprobs is not None:
                 logprobs = self._logprobs(prompt if req.echo else [], choice.prompt_logprobs, choice.logprobs,
                                           base=len(echo), end=len(text))
-            out.append(protocol.CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
-                                                         finish_reason=choice.finish_reason,
-                                                         stop_reason=choice.stop_reason))
+            out.append(protocol.CompletionResponseChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason, prompt_logprobs=self._prompt_logprobs(prompt, choice.prompt_logprobs)))
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
         return protocol.CompletionResponse(id=self.id, model=self.serving.model_name, choices=out,
                                            usage=protocol.UsageInfo.of(self.prompt_tokens, completion_tokens))
@@ -528,6 +588,8 @@ class _Completions:
         self.sent_chars[index] = self.sent_chars.get(index, 0) + len(text)
         choice = protocol.CompletionResponseChoice(index=index, text=text, finish_reason=event.finish_reason,
                                                    stop_reason=event.stop_reason)
+        if event.prompt_token_ids is not None and req.prompt_logprobs is not None:  # the choice's first chunk
+            choice.prompt_logprobs = self._prompt_logprobs(self._prompt_of(index), event.prompt_logprobs)
         if req.logprobs is not None:
             end = self.sent_chars[index] if event.finish_reason is not None else None
             choice.logprobs = self._logprobs(echoed, event.prompt_logprobs, event.logprobs or [], base=base,
@@ -538,6 +600,11 @@ class _Completions:
         if req.continuous_usage:  # vLLM's: this choice's prompt and its tokens so far
             chunk.usage = protocol.UsageInfo.of(len(self._prompt_of(index)), self.sent_tokens[index])
         return chunk
+
+    def _prompt_logprobs(self, prompt: list[int], lps):
+        if self.req.prompt_logprobs is None:
+            return None
+        return _prompt_logprob_entries(prompt, lps, self.req.prompt_logprobs, self.name)
 
     def _final_usage(self) -> str | None:
         if not self.req.include_usage:
@@ -553,13 +620,13 @@ class _Completions:
         token at `base` (the text before this chunk's generated text) + where it starts in the generated text,
         clamped to `end` (the text's length once known: a stop string may have cut the text before the last
         tokens)."""
-        tokens = self.tokens
-        offsets = tokens.text_offsets(echoed) + [base + lp.text_offset for lp in lps]
+        name, n = self.name, self.req.logprobs
+        offsets = self.tokens.text_offsets(echoed) + [base + lp.text_offset for lp in lps]
         entries = list(zip(echoed, prompt_lps or [None] * len(echoed))) + [(lp.token_id, lp) for lp in lps]
         return protocol.CompletionLogProbs(
-            tokens=[tokens.token_text(token_id) for token_id, _ in entries],
+            tokens=[name(token_id) for token_id, _ in entries],
             token_logprobs=[None if lp is None else lp.logprob for _, lp in entries],
-            top_logprobs=[None if lp is None else {tokens.token_text(t): v for t, v in lp.top.items()}
+            top_logprobs=[None if lp is None else {name(t): v for t, v in _top(lp, n).items()}
                           for _, lp in entries],
             text_offset=[offset if end is None else min(offset, end) for offset in offsets])
 
@@ -570,6 +637,7 @@ class _ChatCompletions:
     def __init__(self, serving: OpenAIServing, req: protocol.ChatCompletionRequest, prompt_tokens: int,
                  response_id: str):
         self.serving, self.req, self.prompt_tokens, self.id = serving, req, prompt_tokens, response_id
+        self.name = _token_namer(serving, req)
         self.generated = 0
         self.sent_tokens: dict[int, int] = {}
         last = req.messages[-1]
@@ -581,7 +649,9 @@ class _ChatCompletions:
         out = [protocol.ChatCompletionResponseChoice(
             index=index, message=protocol.ChatResponseMessage(content=self.echo + choice.text),
             logprobs=self._logprobs(choice.logprobs) if self.req.logprobs else None,
-            finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+            finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+            prompt_logprobs=None if self.req.prompt_logprobs is None else _prompt_logprob_entries(
+                choice.prompt_token_ids, choice.prompt_logprobs, self.req.prompt_logprobs, self.name))
             for index, choice in sorted(choices.items())]
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
         return protocol.ChatCompletionResponse(id=self.id, model=self.serving.model_name, choices=out,
@@ -612,7 +682,7 @@ class _ChatCompletions:
             usage=protocol.UsageInfo.of(self.prompt_tokens, self.generated)))
 
     def _logprobs(self, lps: list[TokenLogprob]) -> protocol.ChatCompletionLogProbs:
-        text = self.serving.tokens.token_text
+        text = self.name
         return protocol.ChatCompletionLogProbs(content=[protocol.ChatCompletionLogProbsContent(
             token=text(lp.token_id), logprob=lp.logprob,
             top_logprobs=[protocol.ChatCompletionLogProb(token=text(t), logprob=v)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError, from_json
 
-from dcp_jax.host.sampling import SamplingParams
+from dcp_jax.host.sampling import MAX_LOGPROBS, SamplingParams
 
 # The most choices one request may ask for (n times the prompts): each is a request of the engine's.
 MAX_CHOICES = 64
@@ -143,7 +143,8 @@ class _SamplingRequest(OpenAIBaseModel):
     spaces_between_special_tokens: Annotated[bool, _refused("special tokens never have text here", True)] = True
     truncate_prompt_tokens: Annotated[int | None, _refused("truncate_prompt_tokens")] = None
     allowed_token_ids: Annotated[list[int] | None, _refused("allowed_token_ids")] = None
-    prompt_logprobs: Annotated[int | None, _refused("prompt_logprobs (completions: echo with logprobs)")] = None
+    # Each prompt token's logprob and its top-N (the first, which has no context, None), as vLLM.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: Annotated[dict[str, Any] | None, AfterValidator(_text_format_only)] = None
     guided_json: Annotated[Any, _refused(STRUCTURED_REFUSED)] = None
     guided_regex: Annotated[Any, _refused(STRUCTURED_REFUSED)] = None
@@ -156,7 +157,8 @@ class _SamplingRequest(OpenAIBaseModel):
     # The response's id is `cmpl-{request_id}` (chat: `chatcmpl-`); it must not be live already.
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     logits_processors: Annotated[Any, _refused("logits_processors")] = None
-    return_tokens_as_token_ids: Annotated[bool | None, _refused("return_tokens_as_token_ids", False)] = None
+    # Logprobs name tokens "token_id:{id}" (text that is not UTF-8 on its own stays readable by the client).
+    return_tokens_as_token_ids: bool | None = None
     cache_salt: Annotated[Any, _refused("prefix caching")] = None
     kv_transfer_params: Annotated[Any, _refused("disaggregated serving")] = None
     vllm_xargs: Annotated[Any, _refused("vllm_xargs")] = None
@@ -216,6 +218,7 @@ class CompletionRequest(_SamplingRequest):
     prompt_embeds: Annotated[Any, _refused("prompt_embeds")] = None
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0)] | None = None
+    # None: the rest of each prompt's context (max_model_len - its length), as vLLM.
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     suffix: Annotated[str | None, _refused("suffix")] = None
     # A string prompt gets BOS; token-id prompts are used as given.
@@ -376,12 +379,21 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = []
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: a token's logprob, its rank among the top-N (None past them), its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
 class CompletionResponseChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -427,6 +439,7 @@ class ChatCompletionResponseChoice(BaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class ChatCompletionResponse(BaseModel):

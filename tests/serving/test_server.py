@@ -101,6 +101,52 @@ def test_echo_logprobs_cover_the_whole_prompt(server, client):
     assert r.choices[0].text.startswith(server.tokens.decode(ids))
 
 
+def test_prompt_logprobs_are_vllms_and_agree_with_the_echo(server, client):
+    ids = [300, 301, 302, 303, 304, 305]
+    body = dict(model="tiny", prompt=[ids], max_tokens=1, temperature=0, prompt_logprobs=2)
+    status, reply = post(server, "/v1/completions", body | dict(echo=True, logprobs=1))
+    assert status == 200, reply
+    entries, echo = reply["choices"][0]["prompt_logprobs"], reply["choices"][0]["logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for position, entry in enumerate(entries[1:], start=1):
+        token = entry[str(ids[position])]
+        assert token["logprob"] == pytest.approx(echo["token_logprobs"][position], abs=1e-6)
+        assert token["decoded_token"] == server.tokens.token_text(ids[position])
+        ranked = sorted(entry.values(), key=lambda e: -e["logprob"])
+        assert 2 <= len(entry) <= 3 and all(e["rank"] in (place + 1, None) for place, e in enumerate(ranked))
+        assert len(echo["top_logprobs"][position]) <= 2  # the echo keeps its own logprobs=1
+    streamed = [json.loads(line[6:]) for line in http(server, "POST", "/v1/completions", body | dict(stream=True))[2]
+                .decode().split("\n\n") if line.startswith("data: {")]
+    assert streamed[0]["choices"][0]["prompt_logprobs"] == entries
+    status, chat = post(server, "/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}],
+                                                             max_tokens=1, prompt_logprobs=0))
+    assert status == 200 and chat["choices"][0]["prompt_logprobs"][0] is None
+    assert len(chat["choices"][0]["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_return_tokens_as_token_ids_and_max_tokens_null(server, client):
+    ids = [300, 301, 302]
+    r = completion_tokens(client, prompt=[ids], max_tokens=2, logprobs=1, echo=True,
+                          extra_body=dict(return_tokens_as_token_ids=True, ignore_eos=True))
+    lp = r.choices[0].logprobs
+    assert lp.tokens[:3] == [f"token_id:{t}" for t in ids] and all(t.startswith("token_id:") for t in lp.tokens)
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs[1:] for k in top)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                          logprobs=True, extra_body=dict(return_tokens_as_token_ids=True))
+    assert chat.choices[0].logprobs.content[0].token.startswith("token_id:")
+    # max_tokens null: each prompt's rest of the context.
+    status, reply = post(server, "/v1/completions", dict(prompt=[ids, ids * 3], max_tokens=None, ignore_eos=True,
+                                                         temperature=0))
+    assert status == 200 and [c["finish_reason"] for c in reply["choices"]] == ["length", "length"]
+    assert reply["usage"]["completion_tokens"] == (MAX_MODEL_LEN - 3) + (MAX_MODEL_LEN - 9)
+
+
+def test_version_and_ping(server):
+    status, _, data = http(server, "GET", "/version")
+    assert status == 200 and json.loads(data)["version"]
+    assert http(server, "GET", "/ping")[0] == 200 and http(server, "POST", "/ping")[0] == 200
+
+
 def test_streaming_matches_non_streaming_with_continuous_usage(client):
     kw = dict(prompt="Stream me", max_tokens=12, extra_body={"ignore_eos": True})
     full = completion_tokens(client, **kw)
