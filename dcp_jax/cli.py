@@ -13,7 +13,7 @@ import sys
 
 from dcp_jax.config import KERNEL_CHOICES, WEIGHT_FORMATS
 from dcp_jax.runtime.multihost import Distributed
-from dcp_jax.serving.engine_args import EngineArgs
+from dcp_jax.serving.engine_args import DEFAULT_MODEL, EngineArgs
 from dcp_jax.serving.loading import use_cpu_devices
 
 H200_MEMORY_GIB = 143771 / 1024  # 143,771 MiB
@@ -100,27 +100,36 @@ def generate(args: argparse.Namespace) -> int:
 
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     """serve's options: every engine argument (`EngineArgs`), the server's and the simulated devices."""
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as vLLM's `vllm serve MODEL` (the same as --model)")
     EngineArgs.add_cli_args(s)
-    s.add_argument("--served-model-name", default=None, help="model id clients use (default: the model name)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model ids clients use: replies carry the first, requests may name any (default: the model "
+                        "name)")
     s.add_argument("--devices", type=int, default=None, help="simulated CPU devices (default: tp)")
-    s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    s.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback)")
+    s.add_argument("--port", type=int, default=8000, help="port; 0: any free port (default: 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     s.add_argument("--root-path", default="", help="FastAPI root_path behind a path-based proxy")
-    s.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list")
-    s.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
-    s.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
+    s.add_argument("--allowed-origins", type=_json_list, default=[],
+                   help="CORS origins, a JSON list (default: none, so no web page of another origin reads replies)")
+    s.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list "
+                                                                              "(default: [\"*\"])")
+    s.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list "
+                                                                              "(default: [\"*\"])")
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted for vLLM's launch lines: the engine logs no request's contents")
     s.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="(default: info)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
     s.add_argument("--timeout-keep-alive", type=float, default=5.0,
-                   help="seconds an idle connection (or one sending a request head) is kept open")
+                   help="seconds an idle connection (or one sending a request head) is kept open (default: 5)")
     s.add_argument("--limit-concurrency", type=int, default=None,
                    help="most connections and requests at once; past it a 503 (uvicorn's)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM/SIGINT, seconds the requests in flight may finish in before they are aborted "
-                        "(0: abort at once)")
+                        "(0: abort at once; default: 10)")
     s.add_argument("--no-prompt-logprobs", action="store_true", help="skip the all-logits prefill programs")
     s.add_argument("--chat-template", default=None,
                    help="a jinja chat template, or a file holding one (default: the checkpoint's chat_template.jinja "
@@ -327,9 +336,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's arguments: `serve MODEL` as `--model MODEL` (vLLM's form); flags a command does not take
+    end it with one line naming each and the nearest it takes (exit status 2)."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sys.exit(_refuse_unknown(parser, args.command, unknown))
+    model_tag = getattr(args, "model_tag", None)
+    if model_tag is not None:
+        if args.model not in (model_tag, DEFAULT_MODEL):
+            parser.error(f"the model is given twice: {model_tag!r} and --model {args.model!r}")
+        args.model = model_tag
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    if getattr(args, "trust_remote_code", False):
+        print("dcp-jax: --trust-remote-code has no effect: no checkpoint code runs here (the architectures are "
+              "built in)", file=sys.stderr)
     return args.run(args)
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> int:
+    """One line for the flags this command does not take, each with the nearest one it does; exit status 2."""
+    import difflib
+
+    known = [flag for action in _subparser(parser, command)._actions for flag in action.option_strings]
+    flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")] or unknown
+    parts = []
+    for flag in flags:
+        nearest = difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
+        parts.append(f"{flag} (nearest supported: {nearest[0]})" if nearest else flag)
+    print(f"dcp-jax {command}: not supported here: {', '.join(parts)}; see dcp-jax {command} --help",
+          file=sys.stderr)
+    return 2
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
 
 
 if __name__ == "__main__":

@@ -223,3 +223,32 @@ def test_enable_tbo_parses_on_generate_and_serve(command):
     parser = cli.build_parser()
     assert parser.parse_args(command).enable_tbo is False
     assert parser.parse_args(command + ["--enable-tbo"]).enable_tbo is True
+
+
+def test_a_vllm_launch_line_parses_as_vllm_reads_it():
+    """`serve MODEL` with vLLM's flags: the positional model, --block-size, -tp/-dcp, several served names, the
+    flags accepted for its launch lines (--trust-remote-code, --disable-log-requests), --generation-config."""
+    args = cli.parse_args(["serve", "some/checkpoint", "-tp", "2", "-dcp", "2", "--block-size", "16",
+                           "--kv-cache-dtype", "fp8", "--served-model-name", "a", "b", "--trust-remote-code",
+                           "--disable-log-requests", "--generation-config", "vllm", "--max-logprobs", "5",
+                           "--tokenizer", "some/tokenizer", "--chat-template", "t.jinja"])
+    assert (args.model, args.tp, args.dcp, args.page_size, args.kv_cache_dtype) == ("some/checkpoint", 2, 2, 16, "fp8")
+    assert args.served_model_name == ["a", "b"] and args.trust_remote_code and args.disable_log_requests
+    assert (args.generation_config, args.max_logprobs, args.tokenizer) == ("vllm", 5, "some/tokenizer")
+    assert cli.parse_args(["serve", "--model", "tiny"]).model == "tiny"
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "tiny", "--model", "glm-5"])  # two models
+
+
+def test_flags_a_command_does_not_take_are_one_line_with_the_nearest(capsys):
+    assert cli.main(["serve", "tiny", "--enforce-eager", "--pipeline-parallel-size", "2", "--block_size", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--enforce-eager" in err
+    assert "--pipeline-parallel-size (nearest supported: --tensor-parallel-size)" in err
+    assert "--block_size (nearest supported: --block-size)" in err
+
+
+def test_serve_help_shows_the_defaults():
+    help_text = cli._subparser(cli.build_parser(), "serve").format_help()
+    for default in ("(default: 64)", "(default: 8000)", "(default: on)", "(default: auto)", "(default: 20)"):
+        assert default in " ".join(help_text.split()), default

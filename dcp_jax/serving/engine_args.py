@@ -19,6 +19,7 @@ from typing import Any
 
 from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPE_CHOICES, INDEX_CACHE_FORMATS,
                             KERNEL_CHOICES, LATENT_CACHE_FORMATS, QUANTIZATION_CHOICES)
+from dcp_jax.host.sampling import MAX_LOGPROBS
 
 # The shipped trained retrieval model (`dcp_jax/checkpoints/dsa-tiny`, docs/training.md).
 DEFAULT_MODEL = "dsa-tiny"
@@ -62,6 +63,14 @@ class EngineArgs:
 
     model: str = _arg(DEFAULT_MODEL, "a shipped checkpoint (dsa-tiny: trained, the default), a preset of random "
                                      "weights (tiny, deepseek-v3.2, glm-5) or a HF directory")
+    tokenizer: str | None = _arg(None, "a HF directory whose tokenizer.json and chat template to use (default: the "
+                                       "model's)")
+    trust_remote_code: bool = _arg(False, "accepted for vLLM's launch lines: this engine runs no checkpoint code "
+                                          "(the architectures it serves are built in)")
+    generation_config: str = _arg("auto", "sampling defaults for what a request leaves unset: auto (the model's "
+                                          "generation_config.json: temperature, top_p, top_k, min_p, "
+                                          "repetition_penalty), vllm (none), or a directory holding one")
+    max_logprobs: int = _arg(MAX_LOGPROBS, "most logprobs and prompt logprobs a request may ask for", type=int)
     num_layers: int | None = _arg(None, "use only the first N decoder layers (default: all)", type=int)
     seed: int = _arg(0, "weights seed of a preset; the default sampling seed", type=int)
     dtype: str = _arg("auto", "weights, activations and exact caches: auto (the checkpoint's; bfloat16 for presets)",
@@ -180,7 +189,7 @@ class EngineArgs:
             flags = ["--" + f.name.replace("_", "-"), *meta["flags"]]
             if isinstance(f.default, bool):
                 parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                                    help=meta["help"])
+                                    help=meta["help"] + f" (default: {'on' if default else 'off'})")
                 continue
             parser.add_argument(*flags, dest=f.name, default=default, type=meta["type"], choices=meta["choices"],
                                 help=meta["help"] + ("" if default is None else f" (default: {_shown(default)})"))

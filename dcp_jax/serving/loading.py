@@ -11,11 +11,13 @@ from dcp_jax.config import (KERNEL_CHOICES, ONLINE_FP8_BLOCK, PRESETS, QUANTIZAT
                             ParallelConfig, kv_layers, model_directory, num_speculative_tokens, preset, resolve_dtype,
                             unknown_model)
 from dcp_jax.host.layout import DcpLayout
+from dcp_jax.host.sampling import MAX_LOGPROBS
 from dcp_jax.model import architecture
 from dcp_jax.model.attention.variant import CacheFormats
 from dcp_jax.runtime.multihost import Distributed, initialize
 from dcp_jax.runtime.xla_flags import apply_gpu_flags, flags_not_applied
 from dcp_jax.serving.engine_args import EngineArgs
+from dcp_jax.serving.generation_config import sampling_defaults
 from dcp_jax.serving.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -145,6 +147,11 @@ def load_model(args: EngineArgs, *, distributed: Distributed | None = None) -> L
     is_dir = directory is not None
     if not is_dir and model not in PRESETS:
         raise ValueError(unknown_model(model))
+    if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
+        raise ValueError(f"tokenizer {args.tokenizer!r} is not a directory (a HF tokenizer's: tokenizer.json)")
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"max_logprobs={args.max_logprobs} must be in [0, {MAX_LOGPROBS}]")
+    sampling_defaults(args.generation_config, directory)  # refused here, before any weight loads
     cfg = architecture.config_from_hf(directory) if is_dir else preset(model, num_layers=num_layers)
     cfg = architecture.with_hf_overrides(cfg, args.hf_overrides)
     if is_dir and num_layers is not None:
@@ -253,7 +260,7 @@ def load_model(args: EngineArgs, *, distributed: Distributed | None = None) -> L
         cfg=cfg,
         parallel=parallel,
         engine=engine,
-        tokenizer=load_tokenizer(directory, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id),
+        tokenizer=load_tokenizer(args.tokenizer or directory, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id),
         runner=ModelRunner(cfg, params, parallel, engine, mesh, backend, dtype=jnp.dtype(dtype),
                            unroll_layers=args.unroll_layers, mtp_params=mtp_params, enable_tbo=args.enable_tbo),
         backend=jax.default_backend(),

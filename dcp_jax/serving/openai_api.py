@@ -30,9 +30,11 @@ from starlette.requests import ClientDisconnect
 from dcp_jax.host.sampling import SamplingParams, TokenLogprob
 from dcp_jax.serving import protocol
 from dcp_jax.serving.engine import Engine, EngineStoppedError
+from dcp_jax.serving.generation_config import sampling_defaults
 from dcp_jax.serving.metrics import CONTENT_TYPE
 from dcp_jax.serving.protocol import ProtocolError
 from dcp_jax.serving.streams import LoopSink, StreamEvent
+from dcp_jax.config import model_directory
 from dcp_jax.serving.chat_template import PLAIN_CHAT_TEMPLATE, ChatTemplateError, render_chat
 from dcp_jax.serving.tokenizer import TokenizerView
 
@@ -43,9 +45,11 @@ MAX_BODY_BYTES = 16 << 20
 
 @dataclasses.dataclass
 class CorsOptions:
-    """vLLM's `--allowed-origins`, `--allowed-methods`, `--allowed-headers`, `--allow-credentials`."""
+    """vLLM's `--allowed-origins`, `--allowed-methods`, `--allowed-headers`, `--allow-credentials`. No origin by
+    default (vLLM allows every one): a web page of another origin cannot read a reply, and a body whose
+    Content-Type is not JSON (what a page may send without asking) is refused (`_read_body`)."""
 
-    allowed_origins: Sequence[str] = ("*",)
+    allowed_origins: Sequence[str] = ()
     allowed_methods: Sequence[str] = ("*",)
     allowed_headers: Sequence[str] = ("*",)
     allow_credentials: bool = False
@@ -103,10 +107,13 @@ class OpenAIServing:
     (`abort_all` when draining). `chat_template`: vLLM's --chat-template (the template's text; default: the
     checkpoint's, else the project's plain one); `trust_request_chat_template`: a request may bring its own."""
 
-    def __init__(self, *, served_model_name: str | None = None, api_key: str | None = None,
+    def __init__(self, *, served_model_name: str | Sequence[str] | None = None, api_key: str | None = None,
                  body_timeout_s: float = 30.0, chat_template: str | None = None,
                  trust_request_chat_template: bool = False):
-        self.served_model_name, self.api_key, self.body_timeout_s = served_model_name, api_key, body_timeout_s
+        # vLLM's --served-model-name: replies name the first; a request may name any.
+        self.served_model_names = [served_model_name] if isinstance(served_model_name, str) else list(
+            served_model_name or [])
+        self.api_key, self.body_timeout_s = api_key, body_timeout_s
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
         self.engine: Engine | None = None
@@ -121,13 +128,16 @@ class OpenAIServing:
         self.tokens = TokenizerView(engine.tokenizer, bos_token_id=engine.model_config.bos_token_id,
                                     eos_token_id=engine.model_config.eos_token_id)
         self.sink = LoopSink(loop)
-        self.served_model_name = self.served_model_name or engine.model_name
+        self.served_model_names = self.served_model_names or [engine.model_name]
         self.chat_template = self.chat_template or engine.tokenizer.chat_template or PLAIN_CHAT_TEMPLATE
+        self.sampling_defaults = sampling_defaults(engine.args.generation_config, model_directory(engine.args.model))
+        self.max_logprobs = engine.args.max_logprobs
         self.engine = engine
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or "(loading)"
+        """The name replies carry: the first served name."""
+        return self.served_model_names[0] if self.served_model_names else "(loading)"
 
     def ready_engine(self) -> Engine:
         """The engine, or a 503 while it loads, once the server drains, or when its loop stopped."""
@@ -163,9 +173,23 @@ class OpenAIServing:
         return tokens.encode(text, add_special_tokens=False)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise ProtocolError(f"the model '{model}' does not exist; this server serves '{self.served_model_name}'",
+        if model is not None and model not in self.served_model_names:
+            served = ", ".join(f"'{name}'" for name in self.served_model_names)
+            raise ProtocolError(f"the model '{model}' does not exist; this server serves {served}",
                                 "model", status=404, type="NotFoundError", code="model_not_found")
+
+    def sampling_params(self, req, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The request's SamplingParams: the generation config's defaults for what it leaves unset, its logprobs
+        within --max-logprobs."""
+        for name, asked in (("logprobs", logprobs), ("prompt_logprobs", req.prompt_logprobs)):
+            if asked is not None and asked > self.max_logprobs:
+                raise ProtocolError(f"{name}={asked} is over this server's --max-logprobs (max allowed: "
+                                    f"{self.max_logprobs})",
+                                    "top_logprobs" if isinstance(req, protocol.ChatCompletionRequest) and
+                                    name == "logprobs" else name)
+        return req.to_sampling_params(max_tokens=max_tokens, logprobs=logprobs,
+                                      vocab_size=self.engine.model_config.vocab_size,
+                                      defaults=self.sampling_defaults)
 
     def submit(self, response_id: str, prompts: list[list[int]], params: list[SamplingParams], *,
                prompt_logprobs: int | None) -> Submission:
@@ -266,9 +290,10 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         engine = _loaded(serving)
-        card = protocol.ModelCard(id=serving.model_name, created=serving.created, root=engine.model_name,
-                                  max_model_len=engine.engine_config.max_model_len)
-        return _json(protocol.ModelList(data=[card]))
+        cards = [protocol.ModelCard(id=name, created=serving.created, root=engine.model_name,
+                                    max_model_len=engine.engine_config.max_model_len)
+                 for name in serving.served_model_names]
+        return _json(protocol.ModelList(data=cards))
 
     @app.api_route("/tokenizer_info", methods=["GET", "HEAD"])
     async def tokenizer_info():
@@ -316,9 +341,8 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
         prompts = await asyncio.to_thread(  # a large prompt's tokenization never holds up the event loop
             lambda: [serving.tokens.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str)
                      else list(p) for p in req.prompts])
-        params = [req.to_sampling_params(max_tokens=_max_tokens(req.max_tokens, prompt, engine, "prompt"),
-                                         logprobs=req.logprobs, vocab_size=engine.model_config.vocab_size)
-                  for prompt in prompts]
+        params = [serving.sampling_params(req, max_tokens=_max_tokens(req.max_tokens, prompt, engine, "prompt"),
+                                          logprobs=req.logprobs) for prompt in prompts]
         prompt_logprobs = _prompt_logprobs(req, req.logprobs if req.echo else None)
         response_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         submission = serving.submit(response_id, prompts, params, prompt_logprobs=prompt_logprobs)
@@ -334,9 +358,9 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
         engine = serving.ready_engine()  # (before the model name: unknown while the engine loads)
         serving.check_model(req.model)
         prompt = await asyncio.to_thread(serving.chat_prompt, req)
-        params = req.to_sampling_params(max_tokens=_max_tokens(req.requested_max_tokens, prompt, engine, "messages"),
-                                        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                        vocab_size=engine.model_config.vocab_size)
+        params = serving.sampling_params(req, max_tokens=_max_tokens(req.requested_max_tokens, prompt, engine,
+                                                                      "messages"),
+                                         logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         response_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
         submission = serving.submit(response_id, [prompt], [params], prompt_logprobs=_prompt_logprobs(req, None))
         chat = _ChatCompletions(serving, req, len(prompt), response_id)
@@ -446,7 +470,19 @@ def _loaded(serving: OpenAIServing) -> Engine:
 
 async def _read_body(request: Request, timeout_s: float) -> bytes:
     """The whole body (chunked or not): 408 when it does not arrive within `timeout_s` (a body shorter than its
-    Content-Length), 413 past MAX_BODY_BYTES; both close the connection."""
+    Content-Length), 413 past MAX_BODY_BYTES (at once when Content-Length says so); refused before it is read, a
+    Content-Type other than JSON (415: what a web page of another origin may send without a CORS preflight) and a
+    Content-Length beside chunked encoding (400, RFC 9112 6.3). Each error closes the connection."""
+    headers = request.headers
+    content_type = headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if content_type != "application/json" and not content_type.endswith("+json"):
+        raise _Closing(ProtocolError(f"the body must be JSON (Content-Type: application/json), not {content_type}",
+                                     status=415, type="invalid_request_error"))
+    if "content-length" in headers and "chunked" in headers.get("transfer-encoding", "").lower():
+        raise _Closing(ProtocolError("a request may not have both Content-Length and chunked Transfer-Encoding"))
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _Closing(ProtocolError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413))
     chunks, size = [], 0
 
     async def read():

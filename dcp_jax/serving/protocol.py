@@ -184,20 +184,27 @@ class _SamplingRequest(OpenAIBaseModel):
     def continuous_usage(self) -> bool:
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
-    def to_sampling_params(self, *, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
-        """vLLM's defaults for what the request leaves unset; ProtocolError for values the engine refuses."""
+    def to_sampling_params(self, *, max_tokens: int, logprobs: int | None, vocab_size: int,
+                           defaults: dict[str, float] | None = None) -> SamplingParams:
+        """For what the request leaves unset: `defaults` (the model's generation config, `generation_config.py`),
+        else vLLM's; ProtocolError for values the engine refuses."""
         bad = [t for t in self.stop_token_ids or [] if t >= vocab_size]
         if bad:
             raise ProtocolError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})",
                                 "stop_token_ids")
+        defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0} | (
+            defaults or {})
+
+        def value(name: str):
+            given = getattr(self, name)
+            return defaults[name] if given is None else given
+
         try:
             return SamplingParams(
-                n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
-                frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=value("temperature"),
+                top_p=value("top_p"), top_k=value("top_k"), min_p=value("min_p"),
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=value("repetition_penalty"),
                 # vLLM takes any 64-bit seed; the engine keys its draws by the seed's 64 bits.
                 seed=None if self.seed is None else self.seed % 2**64,
                 logprobs=logprobs, stop=self.stops, stop_token_ids=self.stop_token_ids or [],

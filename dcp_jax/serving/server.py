@@ -19,7 +19,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -127,8 +127,9 @@ class OpenAIServer:
     are `chat_template` (the template's text) and `trust_request_chat_template` (`OpenAIServing`)."""
 
     def __init__(self, engine: Engine | None = None, *, host: str = "127.0.0.1", port: int = 8000,
-                 api_key: str | None = None, served_model_name: str | None = None, cors: CorsOptions = CorsOptions(),
-                 root_path: str = "", timeout_keep_alive: float = 5.0, limit_concurrency: int | None = None,
+                 api_key: str | None = None, served_model_name: str | Sequence[str] | None = None,
+                 cors: CorsOptions = CorsOptions(), root_path: str = "", timeout_keep_alive: float = 5.0,
+                 limit_concurrency: int | None = None,
                  shutdown_timeout: float = 10.0, body_timeout_s: float = 30.0, uvicorn_log_level: str = "info",
                  access_log: bool = True, chat_template: str | None = None,
                  trust_request_chat_template: bool = False):

@@ -20,7 +20,9 @@ MAX_MODEL_LEN = 64  # serving_utils.ENGINE_KW
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory, body_timeout_s=1.0)
+    from dcp_jax.serving.openai_api import CorsOptions
+
+    srv = start_server(tmp_path_factory, body_timeout_s=1.0, cors=CorsOptions(allowed_origins=["http://ok"]))
     yield srv
     srv.stop()
 
@@ -292,9 +294,10 @@ DEEPSEEK_LIKE = """{% if not add_generation_prompt is defined %}{% set add_gener
 
 @pytest.fixture(scope="module")
 def templated(server, tmp_path_factory):
-    """A server on the same engine with --chat-template DEEPSEEK_LIKE and --trust-request-chat-template."""
+    """A server on the same engine with --chat-template DEEPSEEK_LIKE, --trust-request-chat-template and two
+    served names."""
     srv = start_server(tmp_path_factory, engine=server.engine, chat_template=DEEPSEEK_LIKE,
-                       trust_request_chat_template=True)
+                       trust_request_chat_template=True, served_model_name=["deepseek-like", "alias"])
     yield srv
     srv.stop(stop_engine=False)
 
@@ -316,6 +319,14 @@ def test_the_chat_template_given_is_rendered_as_hf_renders_it(templated, server)
     status, reply = post(templated, "/v1/chat/completions", {"messages": short, "max_tokens": 2})
     assert status == 200, reply
     assert reply["usage"]["prompt_tokens"] == len(post(templated, "/tokenize", {"messages": short})[1]["tokens"])
+
+
+def test_every_served_name_is_listed_and_taken_and_replies_carry_the_first(templated):
+    status, _, data = http(templated, "GET", "/v1/models")
+    assert [card["id"] for card in json.loads(data)["data"]] == ["deepseek-like", "alias"]
+    status, reply = post(templated, "/v1/completions", {"model": "alias", "prompt": "x", "max_tokens": 1})
+    assert status == 200 and reply["model"] == "deepseek-like"
+    assert post(templated, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})[0] == 404
 
 
 def test_a_requests_own_chat_template_needs_the_servers_trust(templated, server):
@@ -436,12 +447,33 @@ def test_chunked_bodies_are_read_and_truncated_ones_time_out(server):
     assert reply.startswith(b"HTTP/1.1 408") and b'"error"' in reply
 
 
+def test_a_web_page_cannot_drive_the_server_and_framing_is_checked(server):
+    """A body a page of another origin may send without a preflight (text/plain, a form) is a 415 before
+    anything is read; a Content-Length over the cap is a 413 at once; Content-Length beside chunked encoding a 400;
+    each closes the connection."""
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        status, headers, data = http(server, "POST", "/v1/completions", body, headers={"Content-Type": content_type})
+        assert status == 415 and headers.get("connection") == "close", (content_type, data)
+    assert http(server, "POST", "/v1/completions", body, headers={"Content-Type": "application/json; charset=utf-8"}
+                )[0] == 200
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    reply = raw_exchange(server, head + b"Content-Length: %d\r\n\r\n" % (64 << 20))  # no body follows
+    assert reply.startswith(b"HTTP/1.1 413") and b"connection: close" in reply.lower()
+    both = head + b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (
+        len(body), len(body), body)
+    reply = raw_exchange(server, both)
+    assert reply.startswith(b"HTTP/1.1 400") and b"connection: close" in reply.lower(), reply[:200]
+
+
 def test_head_options_and_routes_are_json(server):
     status, headers, data = http(server, "HEAD", "/health")
     assert status == 200 and data == b""
-    status, headers, _ = http(server, "OPTIONS", "/v1/completions",
-                              headers={"Origin": "http://example.com", "Access-Control-Request-Method": "POST"})
-    assert status == 200 and headers["access-control-allow-origin"] == "*"
+    preflight = {"Origin": "http://example.com", "Access-Control-Request-Method": "POST"}
+    status, headers, _ = http(server, "OPTIONS", "/v1/completions", headers=preflight)
+    assert status == 400 and "access-control-allow-origin" not in headers  # no CORS origin by default
+    status, headers, _ = http(server, "OPTIONS", "/v1/completions", headers=preflight | {"Origin": "http://ok"})
+    assert status == 200 and headers["access-control-allow-origin"] == "http://ok"  # --allowed-origins
     assert_openai_error(*http(server, "OPTIONS", "/v1/completions"))  # no preflight: a 405 in JSON
     error = assert_openai_error(*http(server, "GET", "/nope"))
     assert error["type"] == "NotFoundError"
