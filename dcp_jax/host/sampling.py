@@ -15,6 +15,9 @@ import numpy as np
 
 # The most top logprobs a request may ask for (vLLM's max_logprobs default); the device computes this many.
 MAX_LOGPROBS = 20
+# Stop strings a request may give, and their length: the engine thread looks for each after every token, so a
+# long list must not cost the other requests their time.
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 512
 _SEED_MASK = (1 << 64) - 1
 
 
@@ -80,6 +83,8 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
         object.__setattr__(self, "stop", tuple(stop))
         ids = list(self.stop_token_ids or [])
         if any(not isinstance(i, int) or i < 0 for i in ids):

@@ -338,6 +338,8 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
         req = protocol.parse(protocol.CompletionRequest, body)
         engine = serving.ready_engine()  # (before the model name: unknown while the engine loads)
         serving.check_model(req.model)
+        if len(req.prompts) * req.n > protocol.MAX_CHOICES:  # before any tokenizing
+            raise ProtocolError(f"{len(req.prompts)} prompts x n={req.n} choices exceed {protocol.MAX_CHOICES}", "n")
         prompts = await asyncio.to_thread(  # a large prompt's tokenization never holds up the event loop
             lambda: [serving.tokens.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str)
                      else list(p) for p in req.prompts])

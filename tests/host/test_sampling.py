@@ -20,6 +20,8 @@ from dcp_jax.host.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob, re
     (dict(logprobs=-1), "logprobs"),
     (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
     (dict(stop=[""]), "stop"),
+    (dict(stop=["s"] * 65), "stop takes at most 64 strings"),
+    (dict(stop=["s" * 513]), "of at most 512 characters"),
     (dict(stop_token_ids=[-3]), "stop_token_ids"),
     (dict(temperature=2.5), "temperature"),
     (dict(n=0), "n must"),

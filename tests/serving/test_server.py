@@ -370,6 +370,8 @@ def test_sampling_extras_are_served(client):
     (dict(extra_body=dict(use_beam_search=True)), "beam search"),
     (dict(extra_body=dict(frobnicate=1)), "unknown field 'frobnicate'"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
+    (dict(stop=["x" * 600]), "at most 512 characters"),
+    (dict(prompt=["a"] * 100, n=2), "choices exceed"),
 ])
 def test_bad_completions_are_400_in_openai_shape(server, client, kw, match):
     with pytest.raises(openai.BadRequestError, match=match) as info:
