@@ -8,6 +8,8 @@ groups into the test ids in its own pytest_collection_modifyitems, so ours runs 
 import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# No compilation cache in the home directory: a test that wants one names its directory.
+os.environ.setdefault("DCP_JAX_DISABLE_COMPILE_CACHE", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -126,12 +127,26 @@ class EngineArgs:
     speculative_config: dict | None = _arg(None, "speculative decoding with the model's MTP layer, a JSON object: "
                                                  "'{\"method\": \"mtp\", \"num_speculative_tokens\": 1}' (1 to 3 "
                                                  "drafts; steps then run synchronously)", type=json_object)
-    compilation_cache_dir: str | None = _arg(None, "persistent XLA compilation cache directory")
+    compilation_cache_dir: str | None = _arg(None, "persistent XLA compilation cache directory (default: "
+                                                   "$DCP_JAX_CACHE_ROOT/xla, ~/.cache/dcp-jax/xla; "
+                                                   "DCP_JAX_DISABLE_COMPILE_CACHE=1 turns it off)")
     coordinator_address: str | None = _arg(None, "multi-host: HOST:PORT of process 0 (jax.distributed's "
                                                  "coordinator; the step channel uses PORT + 1); every process runs "
                                                  "with the same arguments but --process-id")
     num_processes: int = _arg(1, "multi-host: processes of the deployment", type=int)
     process_id: int = _arg(0, "multi-host: this process (0 schedules; the others run its steps)", type=int)
+
+    @property
+    def compilation_cache(self) -> str | None:
+        """The persistent compilation cache's directory: `compilation_cache_dir`, else the cache root's (vLLM's
+        VLLM_CACHE_ROOT idea: $DCP_JAX_CACHE_ROOT, default ~/.cache/dcp-jax); None when
+        DCP_JAX_DISABLE_COMPILE_CACHE=1 and no directory is given."""
+        if self.compilation_cache_dir:
+            return self.compilation_cache_dir
+        if os.environ.get("DCP_JAX_DISABLE_COMPILE_CACHE", "0") not in ("", "0"):
+            return None
+        root = os.environ.get("DCP_JAX_CACHE_ROOT") or os.path.join(os.path.expanduser("~"), ".cache", "dcp-jax")
+        return os.path.join(root, "xla")
 
     @property
     def tensor_parallel_size(self) -> int:

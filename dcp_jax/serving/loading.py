@@ -179,8 +179,8 @@ def load_model(args: EngineArgs, *, distributed: Distributed | None = None) -> L
 
     if not xla_bridge.backends_are_initialized():  # the allocator reads its share when the backend starts
         os.environ.setdefault(MEM_FRACTION, str(args.gpu_memory_utilization))
-    if args.compilation_cache_dir:  # a restart reuses the compiled programs
-        jax.config.update("jax_compilation_cache_dir", os.fspath(args.compilation_cache_dir))
+    if args.compilation_cache:  # a restart reuses the compiled programs
+        jax.config.update("jax_compilation_cache_dir", os.fspath(args.compilation_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if not apply_gpu_flags() and (why := flags_not_applied(jax.default_backend(), unroll_layers=args.unroll_layers)):
         log.warning(why)

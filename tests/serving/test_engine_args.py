@@ -88,3 +88,16 @@ def test_llm_engine_and_load_model_keep_no_defaults_of_their_own():
     assert list(inspect.signature(load_model).parameters) == ["args", "distributed"]
     with pytest.raises(TypeError, match="unknown engine argument 'page_sizes'"):
         LLM("tiny", page_sizes=4)
+
+
+def test_the_compilation_cache_is_on_by_default_under_the_cache_root(monkeypatch, tmp_path):
+    monkeypatch.delenv("DCP_JAX_DISABLE_COMPILE_CACHE", raising=False)
+    monkeypatch.delenv("DCP_JAX_CACHE_ROOT", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert EngineArgs().compilation_cache == str(tmp_path / ".cache" / "dcp-jax" / "xla")
+    monkeypatch.setenv("DCP_JAX_CACHE_ROOT", str(tmp_path / "root"))
+    assert EngineArgs().compilation_cache == str(tmp_path / "root" / "xla")
+    assert EngineArgs(compilation_cache_dir="/elsewhere").compilation_cache == "/elsewhere"
+    monkeypatch.setenv("DCP_JAX_DISABLE_COMPILE_CACHE", "1")
+    assert EngineArgs().compilation_cache is None
+    assert EngineArgs(compilation_cache_dir="/elsewhere").compilation_cache == "/elsewhere"
