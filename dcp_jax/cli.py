@@ -352,10 +352,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse_args(argv)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 2
+    args = parse_args(argv)  # a bad command line exits with status 2 (argparse's)
     if getattr(args, "trust_remote_code", False):
         print("dcp-jax: --trust-remote-code has no effect: no checkpoint code runs here (the architectures are "
               "built in)", file=sys.stderr)

@@ -79,13 +79,14 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512):
     and lse f32 [R, H] (natural log of the sum of exp(scaled scores)); a row with count 0 gives out 0 and
     lse -inf.
     """
-    if isinstance(kv_cache, Fp8LatentCache):
-        kv_cache = dequantize_latent_cache(kv_cache)
-    num_pages, page_size, width = kv_cache.shape
-    flat = kv_cache.reshape(num_pages * page_size, width).astype(jnp.float32)
+    fp8 = isinstance(kv_cache, Fp8LatentCache)
+    num_pages, page_size = (kv_cache.latent if fp8 else kv_cache).shape[:2]
     num_slots = slots.shape[1]
     is_valid = jnp.arange(num_slots)[None, :] < counts[:, None]
-    kv = flat[jnp.clip(jnp.where(is_valid, slots, 0), 0, num_pages * page_size - 1)]  # [R, K, C+E]
+    slot = jnp.clip(jnp.where(is_valid, slots, 0), 0, num_pages * page_size - 1)
+    # The selected tokens only, then in f32: work that follows the selection, not the pool.
+    gathered = jax.tree.map(lambda pool: pool[slot // page_size, slot % page_size], kv_cache)
+    kv = dequantize_latent_cache(gathered) if fp8 else gathered.astype(jnp.float32)  # [R, K, C+E]
     scores = jnp.einsum("rhd,rsd->rhs", q.astype(jnp.float32), kv, precision=HIGHEST) * sm_scale
     scores = jnp.where(is_valid[:, None, :], scores, NEG_INF)
     lse = jax.nn.logsumexp(scores, axis=-1)

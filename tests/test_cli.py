@@ -241,7 +241,9 @@ def test_a_vllm_launch_line_parses_as_vllm_reads_it():
 
 
 def test_flags_a_command_does_not_take_are_one_line_with_the_nearest(capsys):
-    assert cli.main(["serve", "tiny", "--enforce-eager", "--pipeline-parallel-size", "2", "--block_size", "4"]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "tiny", "--enforce-eager", "--pipeline-parallel-size", "2", "--block_size", "4"])
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--enforce-eager" in err
     assert "--pipeline-parallel-size (nearest supported: --tensor-parallel-size)" in err

@@ -37,9 +37,8 @@ def write_slots(cache, slots, values):
 
     def write(pool, new):
         pages, page_size = pool.shape[:2]
-        flat = pool.reshape(pages * page_size, *pool.shape[2:])
-        target = jnp.where(slots >= 0, slots, pages * page_size)  # out of range -> dropped
-        return flat.at[target].set(new.astype(pool.dtype), mode="drop").reshape(pool.shape)
+        page = jnp.where(slots >= 0, slots // page_size, pages)  # out of range -> dropped
+        return pool.at[page, slots % page_size].set(new.astype(pool.dtype), mode="drop")
 
     return jax.tree.map(write, cache, values)
 
