@@ -29,11 +29,11 @@ def overlap(ids, exact_ids):
     return np.array([len(np.intersect1d(a[a >= 0], b[b >= 0])) / TOP_K for a, b in zip(ids, exact_ids)])
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     jax.config.update("jax_default_matmul_precision", "highest")
     print(f"rows={args.rows} Hi={INDEX_HEADS} Di={INDEX_HEAD_DIM} k={TOP_K}, N(0, 1) queries and keys, N(0, 1/Hi) "
           "head weights")

@@ -34,13 +34,13 @@ def median_ms(fn, repeats: int) -> float:
     return 1e3 * median_seconds(fn, [()], repeats, sync=None)
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dcp", type=int, default=1)
     parser.add_argument("--interleave", type=int, default=1)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     layout = DcpLayout(dcp_size=args.dcp, interleave=args.interleave, page_size=args.page_size)
     max_blocks = int(layout.virtual_blocks(max(CONTEXT_LENGTHS)))
     print(f"dcp={args.dcp} interleave={args.interleave} page_size={args.page_size} max_blocks={max_blocks}")

@@ -282,7 +282,7 @@ def plot(report: dict, path: str) -> None:
     save_figure(fig, path)
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--modes", default="fp8,bf16",
@@ -299,7 +299,7 @@ def main():
     parser.add_argument("--reference-budget", type=float, default=150.0, help="seconds; XLA timings stop here")
     parser.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None,
                         help="measure nothing: plot the table of a bench_indexer.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.plot:
         plot(read_json(args.plot[0]), args.plot[1])
         return

@@ -234,7 +234,7 @@ def compared_variants(names: str, knobs_json: str) -> dict[str, dict]:
     return {**{name: VARIANTS.get(name, labelled.get(name)) for name in named}, **labelled}
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="also time knob variants")
     parser.add_argument("--sweep-budget", type=float, default=110.0, help="seconds after which the sweep stops")
@@ -254,7 +254,7 @@ def main():
     parser.add_argument("--breakdown", default="",
                         help="only list the GPU kernels of one call at these B,H,W shapes, e.g. '8,128,1;1,128,1', "
                              "for the default and each variant")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.plot:
         plot(read_json(args.plot[0]), args.plot[1])
         return

@@ -177,7 +177,7 @@ def plot(rows: list[dict], path: str) -> None:
     save_figure(fig, path)
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--out", default=default_out_dir())
@@ -189,7 +189,7 @@ def main():
                              '{"sorted": false}})')
     parser.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None,
                         help="measure nothing: plot the rows of a bench_topk.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.plot:
         plot(read_json(args.plot[0]), args.plot[1])
         return 0

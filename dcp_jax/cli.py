@@ -239,7 +239,17 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    """Run bench/bench_<name>.py of the source checkout with the remaining arguments."""
+    """Run bench/bench_<name>.py of the source checkout with the remaining arguments; without a name (or with
+    --help) list them."""
+    if args.name is None or args.list_benchmarks:
+        scripts = sorted(BENCH_DIR.glob("bench_*.py"))
+        if not scripts:
+            print(f"dcp-jax bench: {BENCH_DIR} is not there (bench/ comes with the source checkout)", file=sys.stderr)
+            return 2
+        print("usage: dcp-jax bench NAME [its options; dcp-jax bench NAME --help]\n\nbenchmarks:")
+        for script in scripts:
+            print(f"  {script.stem.removeprefix('bench_'):16} {_first_line(script)}")
+        return 0
     script = BENCH_DIR / f"bench_{args.name}.py"
     if not script.is_file():
         have = sorted(p.stem.removeprefix("bench_") for p in BENCH_DIR.glob("bench_*.py"))
@@ -248,6 +258,14 @@ def bench(args: argparse.Namespace) -> int:
         return 2
     sys.path.insert(0, str(BENCH_DIR.parent))
     return runpy.run_path(str(script), run_name="dcp_jax_bench")["main"](args.args)
+
+
+def _first_line(script) -> str:
+    """The first line of a script's module docstring."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
 
 
 def plan(args: argparse.Namespace) -> int:
@@ -330,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(run=plan)
     b = commands.add_parser("bench", help="a benchmark of bench/ (source checkout): dcp-jax bench decode --help",
                             add_help=False)
-    b.add_argument("name", help="decode: the sharded decode step over DCP sizes x contexts x batches")
+    b.add_argument("-h", "--help", action="store_true", dest="list_benchmarks", help="list the benchmarks")
+    b.add_argument("name", nargs="?", default=None, help="a benchmark (dcp-jax bench --help lists them)")
     b.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     b.set_defaults(run=bench)
     return parser

@@ -204,6 +204,18 @@ def test_bench_names_what_it_has(capsys):
     assert cli.main(["bench", "nope"]) == 2
     err = capsys.readouterr().err
     assert "no benchmark 'nope'" in err and "'decode'" in err
+    assert cli.main(["bench", "--help"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert listed == sorted(p.stem.removeprefix("bench_") for p in (ROOT / "bench").glob("bench_*.py"))
+
+
+def test_every_benchmark_takes_its_arguments_from_the_command(capsys):
+    """`dcp-jax bench NAME --help` reaches each script's own parser (a script that read sys.argv instead failed)."""
+    for script in sorted((ROOT / "bench").glob("bench_*.py")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["bench", script.stem.removeprefix("bench_"), "--help"])
+        assert exit_info.value.code == 0, script.name
+        assert "usage:" in capsys.readouterr().out, script.name
 
 
 @pytest.mark.parametrize("content, message", [(None, "no such file"), ("{not json", "Expecting property name"),
