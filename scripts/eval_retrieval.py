@@ -10,6 +10,7 @@ the answers are identical across configurations) and accuracy.png under --out.
       --configs dcp=1 dcp=2 dcp=2,interleave=2 dcp=1,index_cache=fp8,latent_cache=fp8 dense
 
 A configuration is `dense` or comma-separated key=value of: dcp, interleave, index_cache, latent_cache, dtype.
+`--base-url http://HOST:PORT` evaluates a server already running there instead (any engine, any model).
 On a CPU the server (or LLM) runs on simulated devices (one per DCP rank).
 """
 
@@ -153,6 +154,14 @@ def run_lm_eval(url: str, served_model: str, client: str, tasks: list[str], task
     return answers
 
 
+def served_model(url: str) -> str:
+    """The model id the server at `url` serves (the first of GET /v1/models)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as reply:
+        return json.load(reply)["data"][0]["id"]
+
+
 def read_task(task_dir: str, task: str, field: str) -> list[str]:
     """One field (prompt or target) of each of a task's examples, in order."""
     with open(os.path.join(task_dir, f"{task}.jsonl")) as f:
@@ -247,7 +256,8 @@ def plot(results: dict, contexts: list[int], path: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True,
-                        help="an HF checkpoint directory, a shipped checkpoint (dsa-tiny) or a preset")
+                        help="an HF checkpoint directory, a shipped checkpoint (dsa-tiny) or a preset (with "
+                             "--base-url: the name the results carry)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--examples", type=int, default=100)
@@ -256,6 +266,9 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", default=",".join(SERVER_CLIENTS), help=f"comma-separated, of {CLIENTS}")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--port", type=int, default=None, help="default: a free one")
+    parser.add_argument("--base-url", default=None,
+                        help="evaluate the server already running at this URL (http://HOST:PORT) instead of "
+                             "starting one per configuration (--configs is then ignored)")
     parser.add_argument("--num-speculative-tokens", type=int, default=0,
                         help="client llm: draft this many tokens a step with the model's MTP layer and record the "
                              "drafts' acceptance (greedy: the answers are the same as without)")
@@ -264,6 +277,8 @@ def main(argv=None) -> int:
     clients = args.clients.split(",")
     if set(clients) - set(CLIENTS):
         parser.error(f"--clients: choose from {CLIENTS}")
+    if args.base_url and set(clients) - set(SERVER_CLIENTS):
+        parser.error(f"--base-url: the clients of a running server are {SERVER_CLIENTS}")
     if args.num_speculative_tokens and clients != ["llm"]:
         parser.error("--num-speculative-tokens: the acceptance is read from the in-process engine (--clients llm)")
 
@@ -280,14 +295,22 @@ def main(argv=None) -> int:
     # A prompt of `context` leaves room for the chat template and the generation (`evaluate.EVAL_ROOM`).
     max_model_len = max(contexts)
     directory = model_directory(args.model)
-    cfg = config_from_hf(directory) if directory else preset(args.model)
-    if max_model_len > cfg.max_position_embeddings:
+    cfg = None if args.base_url else config_from_hf(directory) if directory else preset(args.model)
+    if cfg is not None and max_model_len > cfg.max_position_embeddings:
         parser.error(f"--contexts: {max_model_len} tokens exceed the model's {cfg.max_position_embeddings}")
     results = {"model": args.model, "examples": args.examples, "seed": args.seed, "configs": {},
                "llm_num_pages": {}}  # client llm: each configuration's KV pool
-    for config in args.configs:
+    configs = [{"name": "server"}] if args.base_url else args.configs
+    for config in configs:
         started, answers, acceptance = time.perf_counter(), {}, {}
-        if set(clients) & set(SERVER_CLIENTS):
+        if args.base_url:
+            url = args.base_url.rstrip("/")
+            served = served_model(url)
+            for client in clients:
+                answers[client] = run_lm_eval(url, served, client, tasks, task_dir,
+                                              os.path.join(args.out, "lm_eval", config["name"], client),
+                                              args.max_num_seqs)
+        elif set(clients) & set(SERVER_CLIENTS):
             server = Server(args.model, config, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
                             port=args.port or _free_port(), log=os.path.join(args.out, f"server_{config['name']}.log"))
             try:

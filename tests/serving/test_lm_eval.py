@@ -71,3 +71,17 @@ def test_lm_eval_local_chat_completions_with_the_chat_template(server, tmp_path)
             .read_text().splitlines()]
     assert len(gens) == 3 and all("\n" not in str(g["filtered_resps"]) for g in gens)
     assert server.engine.num_free_pages == server.engine.num_pages
+
+
+def test_eval_retrieval_targets_a_running_server(server, tmp_path):
+    """scripts/eval_retrieval.py --base-url: lm-eval's two clients against the server already running, its
+    served model read from /v1/models; every page back in the pool."""
+    from scripts.eval_retrieval import main
+
+    assert main(["--model", "tiny", "--base-url", server.url, "--out", str(tmp_path), "--contexts", "64",
+                 "--examples", "2", "--max-num-seqs", "2"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    per_client = results["configs"]["server"]
+    assert set(per_client) == {"completions", "chat"}
+    assert all(len(per_client[client]["64"]["answers"]) == 2 for client in per_client)
+    assert server.engine.num_free_pages == server.engine.num_pages
