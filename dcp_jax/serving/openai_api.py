@@ -309,7 +309,7 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
     async def tokenize(request: Request):
         body = await _read_body(request, serving.body_timeout_s)
         engine = _loaded(serving)
-        data = protocol.parse_json(body)
+        data = await asyncio.to_thread(protocol.parse_json, body)  # a large body's parse never holds the loop
         chat = isinstance(data, dict) and "messages" in data
         req = protocol.validate(protocol.TokenizeChatRequest if chat else protocol.TokenizeCompletionRequest, data)
         serving.check_model(req.model)
@@ -325,7 +325,7 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
     async def detokenize(request: Request):
         body = await _read_body(request, serving.body_timeout_s)
         engine = _loaded(serving)
-        req = protocol.parse(protocol.DetokenizeRequest, body)
+        req = await asyncio.to_thread(protocol.parse, protocol.DetokenizeRequest, body)
         serving.check_model(req.model)
         vocab = engine.model_config.vocab_size
         if any(t >= vocab for t in req.tokens):
@@ -335,7 +335,7 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
     @app.post("/v1/completions")
     async def create_completion(request: Request):
         body = await _read_body(request, serving.body_timeout_s)
-        req = protocol.parse(protocol.CompletionRequest, body)
+        req = await asyncio.to_thread(protocol.parse, protocol.CompletionRequest, body)
         engine = serving.ready_engine()  # (before the model name: unknown while the engine loads)
         serving.check_model(req.model)
         if len(req.prompts) * req.n > protocol.MAX_CHOICES:  # before any tokenizing
@@ -356,7 +356,7 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request):
         body = await _read_body(request, serving.body_timeout_s)
-        req = protocol.parse(protocol.ChatCompletionRequest, body)
+        req = await asyncio.to_thread(protocol.parse, protocol.ChatCompletionRequest, body)
         engine = serving.ready_engine()  # (before the model name: unknown while the engine loads)
         serving.check_model(req.model)
         prompt = await asyncio.to_thread(serving.chat_prompt, req)
