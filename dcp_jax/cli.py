@@ -163,7 +163,8 @@ def load_engine(args: argparse.Namespace, distributed):
 
 
 def _follow(args: argparse.Namespace, engine) -> int:
-    """A multi-host process after process 0: run its steps until it stops (0) or is gone (1)."""
+    """A multi-host process after process 0: run its steps until it stops (0) or is gone (exit 1 at once, with the
+    error: the exit handlers' jax.distributed shutdown would wait on the dead coordinator and abort)."""
     from dcp_jax.runtime.multihost import PeerLost
 
     print(f"dcp-jax serve: process {args.process_id} of {args.num_processes} ready, following process 0",
@@ -171,8 +172,9 @@ def _follow(args: argparse.Namespace, engine) -> int:
     try:
         engine.follow()
     except PeerLost as e:
-        print(f"dcp-jax serve: {e}", file=sys.stderr)
-        return 1
+        print(f"dcp-jax serve: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     print(f"dcp-jax serve: process 0 stopped; process {args.process_id} exits", flush=True)
     return 0
 

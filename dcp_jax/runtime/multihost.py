@@ -209,8 +209,8 @@ class FollowerChannel:
         try:
             command, kind, bucket, size = _HEADER.unpack(_recv_exactly(self._sock, _HEADER.size))
             return command, kind, bucket, _recv_exactly(self._sock, size)
-        except OSError as e:
-            raise PeerLost(f"the leader is gone: {e}") from None
+        except (OSError, PeerLost) as e:
+            raise PeerLost(f"the leader (process 0) is gone: {e}") from None
 
     def close(self) -> None:
         self._sock.close()

@@ -162,6 +162,18 @@ def test_process_0_serves_the_openai_client_and_a_killed_follower_fails_the_stre
                 p.kill()
 
 
+def test_a_follower_whose_leader_died_exits_1_with_the_error():
+    """`dcp-jax serve` process 1 after process 0 is killed: exit status 1 and the error on stderr, not an abort
+    (jax.distributed's client aborts the process once it polls the dead service's error)."""
+    processes, _ = start_serving(2, 2)
+    ready = time.monotonic() + BOUND_S
+    while time.monotonic() < ready and "following process 0" not in processes[1].stdout.readline():
+        pass
+    processes[0].send_signal(signal.SIGKILL)
+    results = finish(processes, timeout=60)
+    assert results[1][0] == 1 and "is gone" in results[1][2], (results[1][0], results[1][2][-2000:])
+
+
 @pytest.mark.slow
 def test_sigterm_to_process_0_drains_and_every_process_exits_0():
     processes, _ = start_serving(2, 2)
