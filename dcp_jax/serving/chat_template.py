@@ -120,9 +120,9 @@ def render_chat(source: str, messages: Sequence[dict], *, add_generation_prompt:
     if continue_final_message and messages:  # transformers': the text ends with the last message's content
         final = messages[-1].get("content") or ""
         if final:
-            if final.strip() not in text:
+            printed = next((c for c in (final, final.strip()) if c in text), None)  # as given, else trimmed
+            if printed is None:
                 raise ChatTemplateError("continue_final_message: the template does not print the last message's "
                                         "content")
-            end = text.rindex(final) + len(final) if final in text else text.rindex(final.strip()) + len(final.strip())
-            text = text[:end]
+            text = text[:text.rindex(printed) + len(printed)]
     return text
