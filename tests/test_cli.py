@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from bench import bench_fairness
 from dcp_jax import cli
 from dcp_jax.config import shipped_checkpoints
 from tests.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVE_DEMO_ARGS = ["--dcp", "2", "--interleave", "2", "--max-model-len", "352", "--page-size", "4",
-                   "--buckets", "8", "--max-num-batched-tokens", "64"]  # scripts/serve_demo.sh's, so the
-# compilation cache serves both
+SERVE_DEMO_ARGS = bench_fairness.SERVE_DEMO_ARGS
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +106,38 @@ def stream_completion(port: int, prompt: list[int], max_tokens: int, started: th
         out["data"] = data.decode()
 
 
-def test_sigterm_drains_the_streams_in_flight_and_exits_0(xla_cache):
-    """SIGTERM with 4 streams in flight: no new connections, the short streams finish, the long ones are aborted
-    after --shutdown-timeout; every one ends with a final chunk and [DONE]; every page free; exit 0, logged."""
+@pytest.fixture(scope="module")
+def served(xla_cache):
+    """A `dcp-jax serve` process of dsa-tiny, ready: (process, port, its output lines so far). The SIGTERM test,
+    this file's last to use it, ends it."""
     proc = serve_process("--port", "0", "--compilation-cache-dir", str(xla_cache), "--shutdown-timeout", "1",
                          *SERVE_DEMO_ARGS)
     lines = []
     try:
         port = int(read_until(proc, r"listening on http://127\.0\.0\.1:(\d+)", lines).group(1))
         read_until(proc, r"^dcp-jax serve: ready:", lines)
+        yield proc, port, lines
+    finally:
+        proc.kill()
+        proc.wait(60)
+
+
+def test_a_hostile_client_hurts_no_bystander(served):
+    """While one client sends huge bodies again and again (15 MiB to tokenize, 1000 long stop strings, a 2M-character
+    prompt: bench/bench_fairness.py, which measures the bystander's latency), each of those gets its answer (the
+    tokens; 400s for the two over the caps) and a bystander's streams get every token."""
+    _, port, _ = served
+    row = bench_fairness.measure(port, bystander_tokens=60)
+    assert set(row["hostile_replies"]) <= {"/tokenize 200", "/v1/completions 400"}, row
+    assert row["alone"]["tokens"] == 2 * 29 + 1 and row["attacked"]["tokens"] == 60, row
+
+
+def test_sigterm_drains_the_streams_in_flight_and_exits_0(served):
+    """SIGTERM with 4 streams in flight: no new connections, a request that arrives then is a 503, the short streams
+    finish, the long ones are aborted after --shutdown-timeout; every one ends with a final chunk and [DONE]; every
+    page free; exit 0, logged."""
+    proc, port, lines = served
+    try:
         results = [{} for _ in range(4)]
         started = [threading.Event() for _ in results]
         threads = [threading.Thread(target=stream_completion, args=(port, [5 + i, 6, 7], 8 if i < 2 else 120,
@@ -123,7 +145,21 @@ def test_sigterm_drains_the_streams_in_flight_and_exits_0(xla_cache):
         for t in threads:
             t.start()
         assert all(event.wait(120) for event in started)
+        # A request whose head arrived before the signal and whose body after it: the documented 503.
+        body = json.dumps(dict(prompt=[5, 6], max_tokens=2)).encode()
+        late = socket.create_connection(("127.0.0.1", port), timeout=30)
+        late.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
+        read_until(proc, r"SIGTERM: draining", lines)
+        late.sendall(body)
+        reply = b""
+        while chunk := late.recv(65536):  # the server closes the connection after it
+            reply += chunk
+        late.close()
+        reply = reply.decode()
+        assert reply.startswith("HTTP/1.1 503") and "the server is shutting down" in reply, reply
         for t in threads:
             t.join(120)
         out, _ = proc.communicate(timeout=120)

@@ -74,6 +74,7 @@ class ServingCore:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        self.scheduler.check_fits(len(prompt_ids), params.max_tokens)  # first: a huge prompt is never scanned
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise ValueError(f"the prompt has token ids outside [0, {self.vocab_size})")
         if prompt_logprobs is not None and not self.has_prompt_logprobs:
@@ -82,7 +83,6 @@ class ServingCore:
         if params.min_tokens and held > MIN_TOKENS_STOP_IDS:
             raise ValueError(f"min_tokens holds back at most {MIN_TOKENS_STOP_IDS} stop tokens (EOS included), got "
                              f"{held}")
-        self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
 
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
                      prompt_logprobs: int | None = None, id_prefix: str = "req") -> Request:

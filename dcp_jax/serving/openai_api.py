@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -317,9 +318,12 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
             ids = await asyncio.to_thread(serving.chat_prompt, req)
         else:
             ids = await asyncio.to_thread(serving.tokens.encode, req.prompt, add_special_tokens=req.add_special_tokens)
-        strs = [serving.tokens.token_text(t) for t in ids] if req.return_token_strs else None
-        return _json(protocol.TokenizeResponse(count=len(ids), max_model_len=engine.engine_config.max_model_len,
-                                               tokens=ids, token_strs=strs), exclude_none=True)
+
+        def reply() -> bytes:
+            strs = [serving.tokens.token_text(t) for t in ids] if req.return_token_strs else None
+            return protocol.tokenize_response_json(ids, engine.engine_config.max_model_len, strs)
+
+        return Response(await asyncio.to_thread(reply), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -343,7 +347,9 @@ def build_app(serving: OpenAIServing, *, cors: CorsOptions = CorsOptions(), root
         prompts = await asyncio.to_thread(  # a large prompt's tokenization never holds up the event loop
             lambda: [serving.tokens.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str)
                      else list(p) for p in req.prompts])
-        params = [serving.sampling_params(req, max_tokens=_max_tokens(req.max_tokens, prompt, engine, "prompt"),
+        # An echo without generation runs the prefill, which samples one token; the reply drops it (vLLM's way).
+        max_tokens = 1 if req.echo_only else req.max_tokens
+        params = [serving.sampling_params(req, max_tokens=_max_tokens(max_tokens, prompt, engine, "prompt"),
                                           logprobs=req.logprobs) for prompt in prompts]
         prompt_logprobs = _prompt_logprobs(req, req.logprobs if req.echo else None)
         response_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
@@ -600,41 +606,52 @@ class _Completions:
         for index, choice in sorted(choices.items()):
             prompt = self._prompt_of(index)
             echo = self.tokens.decode(prompt) if req.echo else ""
-            text = echo + choice.text
+            generated, finish_reason, stop_reason = self._generated(choice.text, choice.finish_reason,
+                                                                    choice.stop_reason)
+            text = echo + generated
             logprobs = None
             if req.logprobs is not None:
-                logprobs = self._logprobs(prompt if req.echo else [], choice.prompt_logprobs, choice.logprobs,
-                                          base=len(echo), end=len(text))
+                logprobs = self._logprobs(prompt if req.echo else [], choice.prompt_logprobs,
+                                          [] if req.echo_only else choice.logprobs, base=len(echo), end=len(text))
             out.append(protocol.CompletionResponseChoice(
-                index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason, prompt_logprobs=self._prompt_logprobs(prompt, choice.prompt_logprobs)))
-        completion_tokens = sum(len(c.token_ids) for c in choices.values())
+                index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason,
+                prompt_logprobs=self._prompt_logprobs(prompt, choice.prompt_logprobs)))
+        completion_tokens = 0 if req.echo_only else sum(len(c.token_ids) for c in choices.values())
         return protocol.CompletionResponse(id=self.id, model=self.serving.model_name, choices=out,
                                            usage=protocol.UsageInfo.of(self.prompt_tokens, completion_tokens))
 
     def stream(self, submission: Submission) -> AsyncIterator[str]:
         return _stream_choices(submission, self._chunk, self._final_usage, self.id)
 
+    def _generated(self, text: str, finish_reason: str | None, stop_reason) -> tuple[str, str | None, Any]:
+        """(text, finish_reason, stop_reason) a choice reports of its generation: for an echo alone, none of the
+        token its prefill sampled, finished by length (max_tokens 0)."""
+        if not self.req.echo_only:
+            return text, finish_reason, stop_reason
+        return "", None if finish_reason is None else "length", None
+
     def _chunk(self, event: StreamEvent) -> protocol.CompletionStreamResponse:
         """One choice's delta; text_offset stays an index into the choice's whole streamed text."""
         req, index = self.req, event.tag
-        text, echoed = event.text, []
+        generated, finish_reason, stop_reason = self._generated(event.text, event.finish_reason, event.stop_reason)
+        generated_ids = [] if req.echo_only else event.token_ids
+        text, echoed = generated, []
         if req.echo and event.prompt_token_ids is not None:
             echoed = self._prompt_of(index)
             text = self.tokens.decode(echoed) + text
-        base = self.echo_chars.setdefault(index, len(text) - len(event.text))
+        base = self.echo_chars.setdefault(index, len(text) - len(generated))
         self.sent_chars[index] = self.sent_chars.get(index, 0) + len(text)
-        choice = protocol.CompletionResponseChoice(index=index, text=text, finish_reason=event.finish_reason,
-                                                   stop_reason=event.stop_reason)
+        choice = protocol.CompletionResponseChoice(index=index, text=text, finish_reason=finish_reason,
+                                                   stop_reason=stop_reason)
         if event.prompt_token_ids is not None and req.prompt_logprobs is not None:  # the choice's first chunk
             choice.prompt_logprobs = self._prompt_logprobs(self._prompt_of(index), event.prompt_logprobs)
         if req.logprobs is not None:
             end = self.sent_chars[index] if event.finish_reason is not None else None
-            choice.logprobs = self._logprobs(echoed, event.prompt_logprobs, event.logprobs or [], base=base,
-                                             end=end)
+            choice.logprobs = self._logprobs(echoed, event.prompt_logprobs,
+                                             [] if req.echo_only else event.logprobs or [], base=base, end=end)
         chunk = protocol.CompletionStreamResponse(id=self.id, model=self.serving.model_name, choices=[choice])
-        self.generated += len(event.token_ids)
-        self.sent_tokens[index] = self.sent_tokens.get(index, 0) + len(event.token_ids)
+        self.generated += len(generated_ids)
+        self.sent_tokens[index] = self.sent_tokens.get(index, 0) + len(generated_ids)
         if req.continuous_usage:  # vLLM's: this choice's prompt and its tokens so far
             chunk.usage = protocol.UsageInfo.of(len(self._prompt_of(index)), self.sent_tokens[index])
         return chunk
@@ -697,6 +714,13 @@ class _ChatCompletions:
 
     def stream(self, submission: Submission) -> AsyncIterator[str]:
         return _stream_choices(submission, self._chunk, self._final_usage, self.id)
+
+    def _generated(self, text: str, finish_reason: str | None, stop_reason) -> tuple[str, str | None, Any]:
+        """(text, finish_reason, stop_reason) a choice reports of its generation: for an echo alone, none of the
+        token its prefill sampled, finished by length (max_tokens 0)."""
+        if not self.req.echo_only:
+            return text, finish_reason, stop_reason
+        return "", None if finish_reason is None else "length", None
 
     def _chunk(self, event: StreamEvent) -> protocol.ChatCompletionStreamResponse:
         delta = protocol.DeltaMessage(content=event.text)

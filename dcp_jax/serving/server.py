@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable, Sequence
 
@@ -29,6 +31,9 @@ from dcp_jax.serving.openai_api import CorsOptions, OpenAIServing, build_app
 
 log = logging.getLogger(__name__)
 
+# The GIL's hand-over interval while serving (Python's default: 5 ms): a thread that parses, tokenizes or serializes a
+# large request hands the GIL back to the engine's thread within this, so it cannot stretch another request's step.
+SWITCH_INTERVAL_S = 0.0005
 # How long past the shutdown timeout uvicorn waits for the aborted requests' replies before it cancels them (a
 # client that stopped reading its stream).
 ABORT_GRACE_S = 10
@@ -109,6 +114,7 @@ class _Uvicorn(uvicorn.Server):
             return
         log.info("%s: draining (no new connections; up to %g s for the %d requests in flight, then they are "
                  "aborted)", name, self.owner.shutdown_timeout, len(self.owner.serving.in_flight))
+        self.owner.serving.is_draining = True  # a request that reaches the app from now on is a 503
         self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
@@ -184,6 +190,7 @@ class OpenAIServer:
         """Serve in this thread until SIGTERM or SIGINT (or `stop`), then drain and stop the engine. `load` builds
         the engine while the socket already answers (/health 503); `on_ready` runs once it serves. Raises what
         `load` raised (after the server stopped)."""
+        sys.setswitchinterval(SWITCH_INTERVAL_S)  # (this thread owns the process: signals are handled here too)
         asyncio.run(self._serve(load, on_ready, stop_engine=True))
         if self._load_error is not None:
             raise self._load_error
@@ -238,6 +245,10 @@ class OpenAIServer:
             self._load_error = e
             self._uvicorn.should_exit = True
             return
+        # What loading left lives as long as the process: frozen, a full collection (tens of ms, holding the GIL
+        # the engine's thread needs) never walks it (vLLM's gc.freeze after start-up).
+        gc.collect()
+        gc.freeze()
         try:
             self.loop.call_soon_threadsafe(self._attach, engine, on_ready)
         except RuntimeError:  # the server stopped while the engine was loading

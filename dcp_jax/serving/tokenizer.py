@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from dcp_jax.host.detokenizer import REPLACEMENT_CHAR, StreamDetokenizer, Utf8ByteDetokenizer
 from dcp_jax.serving.chat_template import checkpoint_chat_template
+
+# Bytes a ByteTokenizer encodes per call (the GIL is held for one call).
+ENCODE_SLICE = 1 << 14
 
 
 class ByteTokenizer:
@@ -23,8 +28,13 @@ class ByteTokenizer:
         self.chat_template: str | None = None  # the checkpoint's (`load_tokenizer`)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = [self.offset + b for b in text.encode("utf-8")]
-        return [self.bos_token_id, *ids] if add_special_tokens else ids
+        data = text.encode("utf-8")
+        head = 1 if add_special_tokens else 0
+        ids = [self.bos_token_id] * (head + len(data))
+        for start in range(0, len(data), ENCODE_SLICE):  # a slice per call: a long text lets other threads run
+            piece = np.frombuffer(data, np.uint8, count=min(ENCODE_SLICE, len(data) - start), offset=start)
+            ids[head + start: head + start + len(piece)] = (piece.astype(np.int64) + self.offset).tolist()
+        return ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Ids outside the byte range (specials, the rest of a larger vocab) are dropped."""
@@ -52,7 +62,7 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.bos_token_id is not None:
-            ids = [self.bos_token_id, *ids]
+            ids.insert(0, self.bos_token_id)
         return ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -98,17 +108,18 @@ class TokenizerView:
         return self.tokenizer.id_to_token(token_id) or ""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = []
-        if add_special_tokens and self.bos_token_id is not None:
-            ids.append(self.bos_token_id)
+        """Ids of `text`, special tokens spelled in it included. A text without any is not copied (a long prompt's
+        copy would hold the GIL, which the engine's thread needs, for tens of ms)."""
         pieces = [text]
         for name in self.specials:
             pieces = [part for piece in pieces for part in _split_keep(piece, name)]
-        for piece in pieces:
-            if piece in self.specials:
-                ids.append(self.specials[piece])
-            elif piece:
-                ids += self.tokenizer.encode(piece, add_special_tokens=False)
+        parts = [[self.specials[piece]] if piece in self.specials else
+                 self.tokenizer.encode(piece, add_special_tokens=False) for piece in pieces if piece]
+        ids = parts[0] if len(parts) == 1 else []
+        for part in parts if len(parts) > 1 else ():
+            ids += part
+        if add_special_tokens and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
         return ids
 
     def decode(self, ids) -> str:

@@ -103,6 +103,25 @@ def test_echo_logprobs_cover_the_whole_prompt(server, client):
     assert r.choices[0].text.startswith(server.tokens.decode(ids))
 
 
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs_alone(server, client):
+    ids = [300, 301, 302, 303, 304, 305]
+    full = completion_tokens(client, prompt=[ids], max_tokens=1, echo=True, logprobs=1)
+    alone = completion_tokens(client, prompt=[ids], max_tokens=0, echo=True, logprobs=1)
+    choice = alone.choices[0]
+    assert choice.text == server.tokens.decode(ids) and choice.finish_reason == "length"
+    assert alone.usage.completion_tokens == 0 and alone.usage.prompt_tokens == len(ids)
+    assert choice.logprobs.tokens == full.choices[0].logprobs.tokens[: len(ids)]
+    assert choice.logprobs.token_logprobs == full.choices[0].logprobs.token_logprobs[: len(ids)]
+    body = dict(model="tiny", prompt=[ids], max_tokens=0, echo=True, logprobs=1, stream=True)
+    chunks = [json.loads(line[6:]) for line in http(server, "POST", "/v1/completions", body)[2].decode()
+              .split("\n\n") if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks) == len(ids)
+    status, reply = post(server, "/v1/completions", dict(model="tiny", prompt=[ids], max_tokens=0))
+    assert status == 400 and reply["error"]["param"] == "max_tokens" and "echo" in reply["error"]["message"]
+
+
 def test_prompt_logprobs_are_vllms_and_agree_with_the_echo(server, client):
     ids = [300, 301, 302, 303, 304, 305]
     body = dict(model="tiny", prompt=[ids], max_tokens=1, temperature=0, prompt_logprobs=2)
