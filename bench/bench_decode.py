@@ -6,6 +6,8 @@ Usage (repository root; --help lists every option):
       --steps 20 --out /tmp/decode.jsonl                      # CPU, 8 simulated devices
   PYTHONPATH=. python3 bench/bench_decode.py --dcp 2 --budget-s 300 --out $OUT/decode_w2.jsonl   # 2 GPUs
   python bench/bench_decode.py --report a.jsonl b.jsonl --img-dir docs/img     # merge runs: tables + plots
+  PYTHONPATH=. python3 bench/bench_decode.py --num-layers 4 --dcp 1 --kernels pallas --no-fallback \
+      --breakdown-batches none --profile --out $OUT/profile.jsonl     # the step against its roofline, by kernel
 Method and GPU commands: docs/perf_decode.md.
 
 For every DCP size W (TP = W, one DCP group) x kernels ('pallas' / 'reference') x batch bucket B x context L it
@@ -20,6 +22,9 @@ with another attention variant in its step context (`StepContext.attention`), sa
 - stage-isolating variants `through_<stage>` (see `STAGES`, `StagedAttention`): each layer runs the attention data
   flow of `attention/sparse_dcp.py` only up to that stage (the rest of the layer as it is), and the per-stage time
   is the difference of consecutive variants.
+With `--profile`, each host step's point also gets its roofline and the device time of a profiler trace of a few
+steps by kernel category (`step_profile.py`; the step-efficiency table). DeepSeek-V3.2's first three layers are
+dense, so `--num-layers 3` is three dense layers and `--num-layers 4` adds one MoE layer.
 Tables, plots and target checks: `decode_results.py`; see docs/perf_decode.md for the method.
 Letters: see the legend in `dcp_jax/__init__.py` (here B is the batch of decode rows, the bucket R).
 """
@@ -47,7 +52,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_kernels
-from bench.common import CompileCounter, hlo_op_counts, run_info as common_run_info
+from bench import step_profile
+from bench.common import CompileCounter, hlo_op_counts, run_info as common_run_info, sizes as parse_sizes
 from bench.decode_results import STAGES, report
 from dcp_jax.config import (EngineConfig, ModelConfig, ParallelConfig, check_index_cache, check_latent_cache, preset,
                             resolve_dtype)
@@ -190,6 +196,12 @@ class Grid:
     expert_parallel: bool = False
     device_memory_gb: float | None = None
     seed: int = 0
+    # `--profile`: the step-efficiency profile of each host step (`step_profile`), its trace over profile_steps
+    # steps, its rates over a copy of copy_bytes and a bf16 matmul of matmul_size^3.
+    profile: bool = False
+    profile_steps: int = 5
+    copy_bytes: int = 2 << 30
+    matmul_size: int = 8192
 
     def __post_init__(self):
         check_index_cache(self.index_cache)
@@ -312,9 +324,7 @@ def time_steps(step: StepProgram, params, state, inputs, md, *, steps: int, warm
             out, state = step(params, state, inputs, md)
         jax.block_until_ready((out, state))
         pipelined = (time.perf_counter() - begin) / steps
-        packed = step.pack_inputs(inputs, md)
-        placed = Placed(packed.bucket, jax.device_put(packed.packed, NamedSharding(step.mesh, P())))
-        jax.block_until_ready(placed.packed)
+        placed = place_inputs(step, inputs, md)
         begin = time.perf_counter()
         for _ in range(steps):
             out, state = step.run_placed(params, state, placed)
@@ -324,6 +334,38 @@ def time_steps(step: StepProgram, params, state, inputs, md, *, steps: int, warm
     if not np.all(np.isfinite(sampler.unpack(out).logprobs if out.dtype == np.int32 else out)):
         raise FloatingPointError("non-finite logprobs or logits")
     return times, pipelined, device, counter.count, state
+
+
+def place_inputs(step: StepProgram, inputs, md) -> Placed:
+    """The step's inputs packed and placed once, for back-to-back `StepProgram.run_placed` calls."""
+    packed = step.pack_inputs(inputs, md)
+    placed = Placed(packed.bucket, jax.device_put(packed.packed, NamedSharding(step.mesh, P())))
+    jax.block_until_ready(placed.packed)
+    return placed
+
+
+def profile_point(step: StepProgram, params, state, inputs, md, *, grid: Grid, batch: int, context: int,
+                  dcp: int, ceilings: tuple[float, float], device_s: float) -> tuple[dict, DeviceState]:
+    """The `step_profile` fields of one host step's point: its roofline at the same-run rates `ceilings` (copy
+    TB/s, matmul TFLOP/s), the ratio of its device step time `device_s` to that, and the kernel time of
+    `grid.profile_steps` traced steps of the program alone. Returns (fields, the device state after them)."""
+    cfg = grid.cfg
+    latent_bytes, index_bytes = _bytes_per_token(cfg, jnp.dtype(grid.dtype).itemsize, grid.index_cache,
+                                                  grid.latent_cache)
+    roofline = step_profile.roofline(cfg, params, batch=batch, context=context, dcp=dcp,
+                                     latent_token_bytes=latent_bytes, index_token_bytes=index_bytes,
+                                     copy_tbps=ceilings[0], matmul_tflops=ceilings[1])
+    placed = place_inputs(step, inputs, md)
+
+    def run_step():
+        nonlocal state
+        out, state = step.run_placed(params, state, placed)
+        return out, state
+
+    kernels = step_profile.traced_kernel_time(run_step, calls=grid.profile_steps, ranks=dcp)
+    moe_layers = sum(cfg.is_moe_layer(layer) for layer in range(cfg.num_hidden_layers))
+    return dict(roofline.as_row(), roofline_ratio=1e3 * device_s / roofline.ms, **kernels, moe_layers=moe_layers,
+                profile_steps=grid.profile_steps), state
 
 
 def run_info(grid: Grid) -> dict:
@@ -408,6 +450,8 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
     once per point and once for the compile phase (progress bars)."""
     cfg, dtype = grid.cfg, jnp.dtype(grid.dtype)
     sizes, _ = plan(grid)
+    # Measured before the weights and pools take the memory.
+    ceilings = step_profile.measure_ceilings(grid.copy_bytes, grid.matmul_size) if grid.profile else None
     fp8_block = (FP8_BLOCK, FP8_BLOCK) if grid.weight_format == "fp8" else None
     host_params = architecture.of(cfg).model.init_params(cfg, grid.seed, dtype, fp8_block)
     memory, memory_source = device_memory(grid)
@@ -488,6 +532,11 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                         kv_cache = fresh_pool()
                     times, pipelined, device, compiles, kv_cache = time_steps(step, params, kv_cache, tokens, md,
                                                                       steps=grid.steps, warmup=grid.warmup)
+                    profile = {}
+                    if ceilings and variant == "host":
+                        profile, kv_cache = profile_point(step, params, kv_cache, tokens, md, grid=grid, batch=batch,
+                                                          context=context, dcp=w, ceilings=ceilings,
+                                                          device_s=device)
                 except Exception as e:  # noqa: BLE001
                     yield dict(point, kind="error", stage="run", error=f"{type(e).__name__}: {e}"[:2000])
                     continue
@@ -503,7 +552,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
                            device_ms=1e3 * device, tokens_per_s=batch / median,
                            pipelined_tokens_per_s=batch / pipelined,
                            recompiles=compiles, kv_latent_bytes_per_rank=latent_bytes,
-                           kv_index_bytes_per_rank=index_bytes)
+                           kv_index_bytes_per_rank=index_bytes, **profile)
         steps.clear()  # free this DCP size's programs, weights and pool before the next one's
         del params, kv_cache
 
@@ -560,6 +609,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tbo", action="store_true", help="also time the step with two-batch overlap (`tbo`)")
     parser.add_argument("--steps", type=int, default=d.steps, help="timed steps per point")
     parser.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per point first")
+    parser.add_argument("--profile", action="store_true",
+                        help="each host step's roofline and kernel time by category (bench/step_profile.py)")
+    parser.add_argument("--profile-steps", type=int, default=d.profile_steps, help="steps the profiler traces")
+    parser.add_argument("--copy-bytes", type=lambda t: parse_sizes(t)[0], default=d.copy_bytes,
+                        help="--profile: bytes of the same-run copy rate's array, e.g. 2G")
+    parser.add_argument("--matmul-size", type=int, default=d.matmul_size,
+                        help="--profile: n of the same-run n x n x n bf16 matmul rate")
     # The engine's own options (their one default each): the weights' and caches' formats, the layout, the seed.
     EngineArgs.add_cli_args(parser, only=ENGINE_ARGUMENTS)
     parser.add_argument("--device-memory-gb", type=float, default=None,
@@ -593,7 +649,8 @@ def grid_from_args(args: argparse.Namespace) -> Grid:
                 weight_format="fp8" if engine_args.quantization == "fp8" else "plain",
                 index_cache=engine_args.index_cache_format, latent_cache=engine_args.latent_cache_format,
                 fallback=args.fallback, tbo=args.tbo, expert_parallel=engine_args.enable_expert_parallel,
-                device_memory_gb=args.device_memory_gb, seed=engine_args.seed)
+                device_memory_gb=args.device_memory_gb, seed=engine_args.seed, profile=args.profile,
+                profile_steps=args.profile_steps, copy_bytes=args.copy_bytes, matmul_size=args.matmul_size)
 
 
 def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None) -> int:
@@ -616,8 +673,8 @@ def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None)
             echo(f"bench decode: context {c} exceeds {grid.preset}'s max_position_embeddings "
                  f"{cfg.max_position_embeddings}")
             return 2
+    info = run_info(grid)  # starts the backend with the engine's GPU flags (`xla_flags`), so before plan() does
     sizes, notes = plan(grid)
-    info = run_info(grid)
     memory, memory_source = device_memory(grid)
     echo(f"{info['num_devices']} x {info['device']} ({info['backend']}), commit {info['commit']}, {grid.preset} "
          f"{cfg.num_hidden_layers} layers {grid.dtype}, {grid.index_cache} index cache, {grid.latent_cache} latent "
@@ -632,6 +689,7 @@ def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None)
     bar = progress(total=num_points(grid, sizes)) if progress else None
     on_point = (lambda text: (bar.set_description(text[:60]), bar.update(1))) if bar else None
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    has_profile_header = False
     with open(args.out, "w") as f:
         f.write(json.dumps(info) + "\n")
         for row in run_grid(grid, budget_s=args.budget_s, on_point=on_point,
@@ -639,6 +697,11 @@ def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None)
             rows.append(row)
             f.write(json.dumps(row, default=str) + "\n")
             f.flush()
+            if step_profile.is_profiled(row):  # the table's rows as they come; the whole table in the report
+                if not has_profile_header:
+                    echo(step_profile.HEADER)
+                    has_profile_header = True
+                echo(step_profile.table_row(row))
     if bar:
         bar.close()
     echo(f"wrote {len(rows)} rows to {args.out}")

@@ -29,10 +29,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dcp_jax.runtime.xla_flags import apply_gpu_flags  # noqa: E402
-
-apply_gpu_flags()
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from bench.gpu_trace import Event, trace_events
 from dcp_jax.config import DEEPSEEK_V32
-from dcp_jax.runtime.xla_flags import apply_gpu_flags
+from dcp_jax.runtime.xla_flags import step_compiler_options
 from pallas_kernels import _indexer_mosaic, _indexer_triton, _sparse_mla_mosaic, _sparse_mla_triton, _topk_triton
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,13 +57,13 @@ def sizes(text: str) -> tuple[int, ...]:
 
 
 def run_info() -> dict:
-    """Date, commit, backend, device kind and count, jax version and XLA flags of this run. Starts the backend,
-    with the GPU flags the engine sets at load (`xla_flags`), so what a benchmark runs is what users run."""
-    apply_gpu_flags()
+    """Date, commit, backend, device kind and count, jax version, XLA flags and the step programs' compiler
+    options (`xla_flags`) of this run. Starts the backend."""
     dev = jax.devices()[0]
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), commit=commit(),
                 backend=jax.default_backend(), device=dev.device_kind, num_devices=len(jax.devices()),
-                jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
+                jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                step_compiler_options=step_compiler_options())
 
 
 class CompileCounter:

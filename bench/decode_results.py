@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from bench import step_profile
+
 # Cumulative prefixes of one layer's attention, in data-flow order (DESIGN.md); the rest of each layer (its MLP or
 # MoE) runs whole in every variant. "base" runs no attention at all (embeddings, the MLPs, the final norm, lm_head,
 # sampling, dispatch and the metadata transfer); through "merge" is the whole step (`host`), so the staged variants
@@ -204,9 +206,12 @@ def plot(rows: list[dict], img_dir: str) -> list[str]:
 
 
 def report(rows: list[dict], *, img_dir: str, echo: Callable[[str], None]) -> int:
-    """Plots, the markdown tables and the target checks of `rows` (one run, or several merged with
-    --report); returns the exit code: 1 when a target is not met, 2 for runs of different index- or latent-cache
-    formats (their rows share keys, so one would hide the other)."""
+    """The step-efficiency table (`step_profile.report`), plots, the markdown tables and the target checks of
+    `rows` (one run, or several merged with --report); returns the exit code: 1 when a target is not met, 2 for
+    runs of different index- or latent-cache formats (their rows share keys, so one would hide the other)."""
+    efficiency = step_profile.report(rows)
+    if efficiency:  # its rows name their own formats, so it merges runs of any formats
+        echo(efficiency)
     formats = {(r.get("index_cache", "exact"), r.get("latent_cache", "exact"))
                for r in rows if r["kind"] in ("point", "program")}
     if len(formats) > 1:

@@ -30,7 +30,8 @@ STAGED = [f"through_{s}" for s in decode_bench_results.STAGES[:-1]]  # through t
 # page 4, L = 64: 16 pages per row at DCP 1, 8 at DCP 2 (exactly half).
 SMOKE = ["bench", "decode", "--preset", "tiny", "--num-layers", "1", "--dcp", "1,2,16", "--contexts", "64",
          "--batches", "2", "--breakdown-batches", "2", "--kernels", "reference", "--steps", "2", "--warmup", "1",
-         "--page-size", "4", "--device-memory-gb", "0.05", "--img-dir", "none", "--tbo"]
+         "--page-size", "4", "--device-memory-gb", "0.05", "--img-dir", "none", "--tbo", "--profile",
+         "--profile-steps", "2", "--copy-bytes", "1M", "--matmul-size", "128"]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,27 @@ def test_the_grid_runs_and_meets_its_targets(smoke):
     for header in ("| kernels | dcp | B | L | latency ms", "| rest | projections | indexer | topk | exchange",
                    "length-derived int ops host / fallback"):
         assert header in text
+
+
+def test_profile_gives_each_host_step_its_roofline_and_no_device_trace_on_cpu(smoke):
+    """`--profile` on CPU: each host point gets the roofline at the same-run rates and its ratio, and the trace
+    has no GPU lines, so no kernel categories; the other variants get no profile."""
+    _, rows, text = smoke
+    points = [r for r in rows if r["kind"] == "point"]
+    profiled = {r["dcp"]: r for r in points if "roofline_ms" in r}
+    assert set(profiled) == {1, 2} and all(r["variant"] == "host" for r in profiled.values())
+    weights = {r["dcp"]: r["weights_bytes_per_rank"] for r in rows if r["kind"] == "program" and r["variant"] == "host"}
+    for w, r in profiled.items():
+        assert r["copy_tbps"] > 0 and r["matmul_tflops"] > 0 and r["moe_layers"] == 0
+        assert r["roofline_ms"] == max(r["bytes_ms"], r["flops_ms"]) > 0
+        assert r["roofline_ratio"] == pytest.approx(r["device_ms"] / r["roofline_ms"])
+        assert 0 < r["weight_bytes"] < weights[w]  # the embedding table is left out
+        assert r["has_device_trace"] is False and "kernel_us" not in r
+    # L = 64 over 2 ranks: half the index keys a rank reads; topk 16 of 64: half the selected latents
+    assert 2 * profiled[2]["index_key_bytes"] == profiled[1]["index_key_bytes"]
+    assert 2 * profiled[2]["latent_bytes"] == profiled[1]["latent_bytes"]
+    assert text.count("| 1 layers (0 MoE), bf16 weights, exact/exact index/latent cache, dcp 1 | 2 | 64 |") == 2
+    assert "no device trace |" in text  # the row as it came, and the report's table
 
 
 def test_host_lengths_compile_no_fallback_ops_and_the_fallback_does(smoke):
