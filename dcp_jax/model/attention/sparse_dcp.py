@@ -35,10 +35,19 @@ def write_slots(cache, slots, values):
     """cache [pages, B, ...] with values [R, ...] written at physical slots [R]; slot -1 writes nothing. A pytree
     cache (`Fp8IndexKeys`, `Fp8LatentCache`) takes values of the same structure, written leaf by leaf."""
 
+    # In place on either platform: XLA GPU copies the whole pool for a (page, offset) scatter (which ran an fp8
+    # pool of 2^31 elements out of memory), XLA CPU copies it around the flattening reshape (0.2 s a token).
+    by_page = jax.default_backend() == "cpu"
+
     def write(pool, new):
         pages, page_size = pool.shape[:2]
-        page = jnp.where(slots >= 0, slots // page_size, pages)  # out of range -> dropped
-        return pool.at[page, slots % page_size].set(new.astype(pool.dtype), mode="drop")
+        new = new.astype(pool.dtype)
+        if by_page:
+            page = jnp.where(slots >= 0, slots // page_size, pages)  # out of range -> dropped
+            return pool.at[page, slots % page_size].set(new, mode="drop")
+        flat = pool.reshape(pages * page_size, *pool.shape[2:])
+        target = jnp.where(slots >= 0, slots, pages * page_size)  # out of range -> dropped
+        return flat.at[target].set(new, mode="drop").reshape(pool.shape)
 
     return jax.tree.map(write, cache, values)
 
