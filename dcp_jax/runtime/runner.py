@@ -44,10 +44,11 @@ from dcp_jax.runtime.step import Placed, StepProgram
 
 def step_kind(params: Sequence[SamplingParams], *, prompt_logprobs: bool) -> ProgramKind:
     """The serving program of a step whose sampled rows have `params`: the prompt-logprobs one when a chunk wants
-    them, else drawing when a row draws, else greedy."""
+    them, else drawing when a row draws or wants logprobs (the greedy program computes no top logprobs), else
+    greedy."""
     if prompt_logprobs:
         return PROMPT_LOGPROBS
-    return SAMPLED if any(not p.is_greedy for p in params) else GREEDY
+    return SAMPLED if any(not p.is_greedy or p.logprobs is not None for p in params) else GREEDY
 
 
 def step_context(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, backend: str, *, dtype,

@@ -179,9 +179,12 @@ def processed_logits(logits, *, temperature, top_k, top_p, min_p, presence_penal
     """Logits [R, A] through the sampler's processing in vLLM's order (`sample`'s parameters): the raw logprobs,
     then min_tokens' hold-back and the penalties, then, when `draws`, the temperature (1 on greedy rows, whose
     argmax the filters keep) and min-p, top-k, top-p. `sample` draws from the result, `speculative.verify_groups`
-    verifies drafts against it."""
+    verifies drafts against it. The top logprobs (a sort of every row's vocabulary) only when `draws`: the host
+    runs a step whose rows want logprobs in the drawing program (`runner.step_kind`); the greedy one's are 0."""
     raw_logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, min(TOP_LOGPROBS, logits.shape[-1]))
+    shape = (logits.shape[0], min(TOP_LOGPROBS, logits.shape[-1]))
+    top_logprobs, top_ids = (jax.lax.top_k(raw_logprobs, shape[1]) if draws else
+                             (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32)))
     penalized = apply_penalties(hold_back_stops(logits.astype(jnp.float32), stop_ids, stops_from, positions),
                                 output_counts, prompt_mask, presence_penalty, frequency_penalty, repetition_penalty)
     kept = penalized
