@@ -141,9 +141,6 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-examples", type=int, default=100)
     args = parser.parse_args(argv)
 
-    from dcp_jax.runtime.xla_flags import apply_gpu_flags
-
-    apply_gpu_flags()  # the engine's GPU flags (cuBLAS GEMMs: no Triton GEMM autotuning at every compile)
     import numpy as np
 
     from dcp_jax.model.weights import save_hf

@@ -27,6 +27,7 @@ from dcp_jax.host.step_inputs import StepInputs
 from dcp_jax.host.step_metadata import StepMetadata, check_step_metadata, step_metadata_sizes
 from dcp_jax.model.mesh import PER_DCP_RANK, REPLICATED, sharding
 from dcp_jax.runtime.jaxpr_check import flat_indices_of, host_syncs, length_derivations
+from dcp_jax.runtime.xla_flags import step_compiler_options
 
 
 def metadata_specs(cls):
@@ -125,7 +126,8 @@ class StepProgram:
             inputs, md = layout.unpack(packed)
             return self._sharded(params, state, inputs, md)
 
-        self._jitted = jax.jit(packed_program, static_argnums=(3,), donate_argnums=(1,))
+        self._jitted = jax.jit(packed_program, static_argnums=(3,), donate_argnums=(1,),
+                               compiler_options=step_compiler_options())
         self._replicated = sharding(mesh, REPLICATED)
         self._lowered: dict[int, object] = {}
         self._compiled: dict[int, object] = {}

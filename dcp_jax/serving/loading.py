@@ -15,7 +15,6 @@ from dcp_jax.host.sampling import MAX_LOGPROBS
 from dcp_jax.model import architecture
 from dcp_jax.model.attention.variant import CacheFormats
 from dcp_jax.runtime.multihost import Distributed, initialize
-from dcp_jax.runtime.xla_flags import apply_gpu_flags, flags_not_applied
 from dcp_jax.serving.engine_args import EngineArgs
 from dcp_jax.serving.generation_config import sampling_defaults
 from dcp_jax.serving.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -182,8 +181,6 @@ def load_model(args: EngineArgs, *, distributed: Distributed | None = None) -> L
     if args.compilation_cache:  # a restart reuses the compiled programs
         jax.config.update("jax_compilation_cache_dir", os.fspath(args.compilation_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    if not apply_gpu_flags() and (why := flags_not_applied(jax.default_backend(), unroll_layers=args.unroll_layers)):
-        log.warning(why)
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx

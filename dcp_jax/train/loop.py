@@ -22,6 +22,7 @@ import optax
 
 from dcp_jax.config import TINY, ModelConfig
 from dcp_jax.model import architecture
+from dcp_jax.runtime.xla_flags import step_compiler_options
 from dcp_jax.train.forward import DENSE, SPARSE, CacheFormats, mtp_forward, sequence_forward
 from dcp_jax.train.retrieval import (CHAT_BYTES, chat_prompt, encode_batch, make_example, mixed_example,
                                      records_for)
@@ -158,7 +159,7 @@ class Trainer:
         self.opt_state = self.optimizer.init(params)
         self.updates = 0  # optimizer steps taken (the schedule's position)
         self._steps = {mode: jax.jit(functools.partial(self._step, loss=functools.partial(loss, mode=mode)),
-                                     donate_argnums=(0, 1))
+                                     donate_argnums=(0, 1), compiler_options=step_compiler_options())
                        for mode in (DENSE, SPARSE)}
         self._evals = {mode: jax.jit(functools.partial(loss, mode=mode)) for mode in (DENSE, SPARSE)}
 

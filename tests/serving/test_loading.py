@@ -106,22 +106,21 @@ def test_the_pool_takes_what_the_memory_leaves(monkeypatch):
     assert pool_pages_from_memory(TINY, LAYOUT, CacheFormats(), gpu_memory_utilization=0.9, **kw) is None
 
 
-def test_a_gpu_backend_started_without_the_scan_flags_is_named(monkeypatch):
-    """A GPU backend started before loading (the flags come too late): the load says why its step is slower and
-    what to do; not with the flags in XLA_FLAGS, with the layers unrolled, or on the CPU."""
+def test_the_gpu_options_are_compile_options_whenever_jax_started(monkeypatch):
+    """The scan's GPU options go to each compile of the step programs, not to XLA_FLAGS read when the backend starts:
+    they hold in a process that started JAX before loading (this one); one set in XLA_FLAGS stays as the user set
+    it; each is an option XLA knows (a CPU compile takes them, refusing unknown names)."""
     import jax
+    import jax.numpy as jnp
 
-    from dcp_jax.runtime.xla_flags import GPU_FLAGS, apply_gpu_flags, flags_not_applied
+    from dcp_jax.runtime.xla_flags import GPU_OPTIONS, step_compiler_options
 
     jax.devices()  # the backend starts
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    assert not apply_gpu_flags()  # this process's backend has started: nothing changes
-    why = flags_not_applied("gpu", unroll_layers=False)
-    assert all(f"--{name}=" in why for name in GPU_FLAGS) and "unroll_layers=True" in why
-    assert flags_not_applied("gpu", unroll_layers=True) is None
-    assert flags_not_applied("cpu", unroll_layers=False) is None
-    monkeypatch.setenv("XLA_FLAGS", " ".join(f"--{name}={value}" for name, value in GPU_FLAGS.items()))
-    assert flags_not_applied("gpu", unroll_layers=False) is None
+    assert step_compiler_options() == GPU_OPTIONS
+    assert float(jax.jit(lambda x: x @ x, compiler_options=step_compiler_options())(jnp.ones((2, 2)))[0, 0]) == 2
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert step_compiler_options() == {"xla_gpu_enable_dynamic_slice_fusion": True}
 
 
 def test_hf_overrides_replace_config_fields_and_bad_ones_are_refused_before_loading():
