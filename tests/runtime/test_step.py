@@ -3,6 +3,8 @@ afterwards, no device-side derivation of local lengths in any step program (deco
 same programs; and the check catches one wired in), and metadata errors before anything is traced."""
 
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,11 +15,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
 from dcp_jax.demo import decode_stack_body, init_stack_params, make_stack_step
 from dcp_jax.host.layout import DcpLayout
+from dcp_jax.host.sampling import SamplingParams
 from dcp_jax.host.step_metadata import build_step_metadata
 from dcp_jax.model.kv_cache import allocate_kv_cache
 from dcp_jax.model.mesh import DCP, make_mesh
 from dcp_jax.runtime.forward import GREEDY, PROMPT_LOGPROBS, SAMPLED
 from dcp_jax.runtime.jaxpr_check import host_syncs, length_derivations, local_context_lens_on_device
+from dcp_jax.runtime.runner import step_kind
 from dcp_jax.runtime.step import Placed
 from dcp_jax.serving.engine_args import EngineArgs
 from dcp_jax.serving.loading import load_model
@@ -272,3 +276,23 @@ def test_a_decode_step_does_no_work_the_size_of_the_kv_pool():
         compiled = runner.steps["greedy"].compile(runner.params, runner.state, 1)
         temp[pages] = compiled.memory_analysis().temp_size_in_bytes
     assert temp[512] < pool / 8 and abs(temp[512] - temp[64]) < 2**20, (temp, pool)
+
+
+def vocab_top_ks(text: str, vocab: int) -> int:
+    """top_k ops over a last axis of `vocab` in lowered StableHLO text."""
+    shapes = re.findall(r"top_k\(.*?: tensor<([0-9x]+)x[a-z0-9]+> ->", text)
+    return sum(int(shape.split("x")[-1]) == vocab for shape in shapes)
+
+
+def test_only_steps_that_want_logprobs_sort_the_vocabulary():
+    """The greedy program computes no top logprobs (a full-vocabulary top_k: a quarter of the greedy step at B = 64
+    on an H100); a step whose greedy rows want logprobs runs the drawing program, which does. dsa-tiny, f32."""
+    runner = load_model(EngineArgs(model="dsa-tiny", dcp=1, num_pages=64, max_model_len=256, max_num_seqs=2,
+                                   max_num_batched_tokens=8, kernels="reference")).runner
+    vocab = runner.ctx.cfg.vocab_size
+    counts = {kind: vocab_top_ks(runner.steps[kind].lower(runner.params, runner.state, 2).as_text(), vocab)
+              for kind in ("greedy", "sampled")}
+    assert counts["greedy"] == 0 and counts["sampled"] >= 1, counts
+    greedy = SamplingParams(temperature=0)
+    assert step_kind([greedy, greedy], prompt_logprobs=False) is GREEDY
+    assert step_kind([greedy, SamplingParams(temperature=0, logprobs=0)], prompt_logprobs=False) is SAMPLED
