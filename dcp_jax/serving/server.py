@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import socket
@@ -245,10 +244,6 @@ class OpenAIServer:
             self._load_error = e
             self._uvicorn.should_exit = True
             return
-        # What loading left lives as long as the process: frozen, a full collection (tens of ms, holding the GIL
-        # the engine's thread needs) never walks it (vLLM's gc.freeze after start-up).
-        gc.collect()
-        gc.freeze()
         try:
             self.loop.call_soon_threadsafe(self._attach, engine, on_ready)
         except RuntimeError:  # the server stopped while the engine was loading
