@@ -55,12 +55,13 @@ def inter_token_latencies(port: int, max_tokens: int) -> list[float]:
     """Seconds between consecutive chunks of one streamed greedy completion of exactly max_tokens tokens."""
     body = json.dumps({"prompt": [[5, 6, 7]], "max_tokens": max_tokens, "temperature": 0, "stream": True,
                        "ignore_eos": True}).encode()
-    arrivals = []
+    arrivals, received = [], b""
     with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        while (chunk := sock.recv(65536)) and b"[DONE]" not in chunk:
-            arrivals += [time.perf_counter()] * chunk.count(b"data: {")
+        while b"data: [DONE]" not in received and (chunk := sock.recv(65536)):
+            received += chunk  # (an event may arrive in two pieces, or with the next ones)
+            arrivals += [time.perf_counter()] * (received.count(b"data: {") - len(arrivals))
     return [later - earlier for earlier, later in zip(arrivals, arrivals[1:])]
 
 
