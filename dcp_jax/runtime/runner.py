@@ -107,14 +107,15 @@ def state_allocator(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineCo
 
 def compile_programs(steps: dict[str, StepProgram], programs: Sequence[tuple[str, int]], params, state, *,
                      workers: int = 1, on_compiled=None) -> None:
-    """Compile the (kind name, bucket) `programs` of `steps`: each lowered in turn (tracing is single-threaded),
-    then `workers` XLA compiles at once (they run outside the GIL); on_compiled(kind name, bucket) after each.
-    `params` and `state` may be ShapeDtypeStructs in the steps' sharding (`StepProgram.param_shapes`): nothing is
-    read."""
-    for name, rows in programs:
-        steps[name].lower(params, state, rows)
+    """Compile the (kind name, bucket) `programs` of `steps`: each lowered in turn in this thread (tracing is
+    single-threaded), its XLA compile started as soon as it is, `workers` at once (they run outside the GIL, beside
+    the next one's tracing); on_compiled(kind name, bucket) after each. `params` and `state` may be
+    ShapeDtypeStructs in the steps' sharding (`StepProgram.param_shapes`): nothing is read."""
     with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-        compiling = {pool.submit(steps[name].compile, params, state, rows): (name, rows) for name, rows in programs}
+        compiling = {}
+        for name, rows in programs:
+            steps[name].lower(params, state, rows)
+            compiling[pool.submit(steps[name].compile, params, state, rows)] = (name, rows)
         for done in concurrent.futures.as_completed(compiling):
             done.result()
             if on_compiled:
@@ -191,9 +192,24 @@ class ModelRunner:
         its greedy steps run the drawing program (greedy rows take the argmax there too): one program fewer."""
         return SAMPLED if kind is GREEDY and bucket > self.engine.widest_decode else kind
 
+    def serving_bucket(self, kind: ProgramKind, rows: int) -> int:
+        """The bucket a step of `kind` and `rows` rows runs in: the smallest that holds it, but a step with prompt
+        logprobs (rare: echo, lm-eval) runs in one wider than every decode step, so their programs compile only for
+        those buckets (dsa-tiny's serve: 24 programs, not 28)."""
+        engine = self.engine
+        bucket = engine.bucket_for(rows)
+        if kind is PROMPT_LOGPROBS:
+            bucket = max(bucket, engine.bucket_for(min(engine.widest_decode + 1, engine.max_num_batched_tokens)))
+        return bucket
+
     def programs(self, kinds: Sequence[ProgramKind] = (GREEDY, SAMPLED)) -> list[tuple[str, int]]:
-        """Every (kind name, bucket) program that steps of `kinds` run (`serving_kind`), each once."""
-        pairs = [(self.serving_kind(kind, rows).name, rows) for kind in kinds for rows in self.engine.buckets]
+        """Every (kind name, bucket) program that steps of `kinds` run (`serving_bucket`, `serving_kind`), each
+        once."""
+        pairs = []
+        for kind in kinds:
+            for rows in self.engine.buckets:
+                bucket = self.serving_bucket(kind, rows)
+                pairs.append((self.serving_kind(kind, bucket).name, bucket))
         return list(dict.fromkeys(pairs))
 
     def compile_all(self, programs: Sequence[tuple[str, int]], *, workers: int = 1, on_compiled=None) -> None:
@@ -220,7 +236,7 @@ class ModelRunner:
     def run(self, rows: ScheduledRows, kind: ProgramKind):
         """Run one step of `rows` in the `kind` program of its bucket (compiled at first use); its outputs, on the
         device."""
-        bucket = self.engine.bucket_for(rows.num_rows)
+        bucket = self.serving_bucket(kind, rows.num_rows)
         kind = self.serving_kind(kind, bucket)
         step = self.program(kind)
         step.compile(self.params, self.state, bucket)  # a no-op once compiled (an engine compiles every one first)
