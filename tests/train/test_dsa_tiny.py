@@ -86,8 +86,8 @@ def test_dsa_tiny_answers_alike_with_fp8_caches_of_2g_to_4g_elements():
     cases = examples_for(1024, 4, seed=HIDDEN_SEED)
     served = {}
     for num_pages in (100_000, 400_000, 2_000_000):
-        llm = LLM("dsa-tiny", index_cache="fp8", latent_cache="fp8", num_pages=num_pages, max_model_len=1024,
-                  max_num_seqs=4, kernels="pallas")
+        llm = LLM("dsa-tiny", index_cache="fp8", latent_cache="fp8", num_pages=num_pages, page_size=16,
+                  max_model_len=1024, max_num_seqs=4, kernels="pallas")
         served[num_pages] = answers(llm, cases)
         del llm
     assert served[400_000] == served[100_000] and served[2_000_000] == served[100_000], served
