@@ -264,13 +264,16 @@ def test_a_step_filled_into_a_packed_template_is_the_packed_step(setup):
         step.pack_filled(template, shared_page)
 
 
-def test_a_decode_step_does_no_work_the_size_of_the_kv_pool():
+@pytest.mark.parametrize("model", [dict(model="dsa-tiny"),  # bf16, one stack of 4 layers
+                                   dict(model="tiny", num_layers=2, speculative_config={  # two one-layer stacks, MTP
+                                       "method": "mtp", "num_speculative_tokens": 1})])
+def test_a_decode_step_does_no_work_the_size_of_the_kv_pool(model):
     """The serving decode program's workspace does not grow with the pool (no copy of it, no whole-pool convert):
     a decode step costs what its context costs (on a CPU a copy of the default pool once cost 0.2 s a token).
-    dsa-tiny at DCP 2, bf16, reference kernels."""
+    DCP 2, reference kernels."""
     temp, pool = {}, 0
     for pages in (64, 512):
-        runner = load_model(EngineArgs(model="dsa-tiny", dcp=2, num_pages=pages, max_model_len=1024,
+        runner = load_model(EngineArgs(**model, dcp=2, num_pages=pages, max_model_len=1024,
                                        max_num_seqs=1, max_num_batched_tokens=8, kernels="reference")).runner
         pool = sum(leaf.nbytes for leaf in jax.tree.leaves(runner.state.kv_cache)) // 2  # per rank
         compiled = runner.steps["greedy"].compile(runner.params, runner.state, 1)

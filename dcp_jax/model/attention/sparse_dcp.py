@@ -35,8 +35,8 @@ def write_slots(cache, slots, values):
     """cache [pages, B, ...] with values [R, ...] written at physical slots [R]; slot -1 writes nothing. A pytree
     cache (`Fp8IndexKeys`, `Fp8LatentCache`) takes values of the same structure, written leaf by leaf."""
 
-    # In place on either platform: XLA GPU copies the whole pool for a (page, offset) scatter (which ran an fp8
-    # pool of 2^31 elements out of memory), XLA CPU copies it around the flattening reshape (0.2 s a token).
+    # In place on either platform: XLA GPU copied the whole pool for a (page, offset) scatter (bench decode's 27 GiB
+    # pool ran an H100 out of memory), XLA CPU copies it around the flattening reshape (0.2 s a token).
     by_page = jax.default_backend() == "cpu"
 
     def write(pool, new):
@@ -44,7 +44,9 @@ def write_slots(cache, slots, values):
         new = new.astype(pool.dtype)
         if by_page:
             page = jnp.where(slots >= 0, slots // page_size, pages)  # out of range -> dropped
-            return pool.at[page, slots % page_size].set(new, mode="drop")
+            # Reads see this result, never the pool before it: XLA CPU rewrote a lone row's read-back to the old pool,
+            # which then had to be copied whole.
+            return jax.lax.optimization_barrier(pool.at[page, slots % page_size].set(new, mode="drop"))
         flat = pool.reshape(pages * page_size, *pool.shape[2:])
         target = jnp.where(slots >= 0, slots, pages * page_size)  # out of range -> dropped
         return flat.at[target].set(new, mode="drop").reshape(pool.shape)
