@@ -673,7 +673,7 @@ def run(args: argparse.Namespace, *, echo: Callable[[str], None], progress=None)
             echo(f"bench decode: context {c} exceeds {grid.preset}'s max_position_embeddings "
                  f"{cfg.max_position_embeddings}")
             return 2
-    info = run_info(grid)  # starts the backend with the engine's GPU flags (`xla_flags`), so before plan() does
+    info = run_info(grid)
     sizes, notes = plan(grid)
     memory, memory_source = device_memory(grid)
     echo(f"{info['num_devices']} x {info['device']} ({info['backend']}), commit {info['commit']}, {grid.preset} "

@@ -5,8 +5,8 @@ iteration copies its slice of the stacked weights before the GEMM reads it (+260
 dense MLP); with dynamic-slice fusion on and cuBLAS for every GEMM (no Triton GEMM fusions, which cannot take the
 slice in place) the scan reads the weights where they lie and equals the unrolled loop under the same flags, still
 18% slower than the unrolled loop under XLA's defaults, whose Triton GEMMs beat cuBLAS on these shapes
-(docs/performance.md, "Layers compiled once"). They were XLA_FLAGS, which XLA reads once, when its backend starts:
-a process that had touched JAX before loading ran without them. An option the user sets in XLA_FLAGS stays as set.
+(docs/performance.md, "Layers compiled once"). As compile options they need no XLA_FLAGS (read once, when the
+backend starts); an option the user sets in XLA_FLAGS stays as set.
 """
 
 from __future__ import annotations

@@ -715,13 +715,6 @@ class _ChatCompletions:
     def stream(self, submission: Submission) -> AsyncIterator[str]:
         return _stream_choices(submission, self._chunk, self._final_usage, self.id)
 
-    def _generated(self, text: str, finish_reason: str | None, stop_reason) -> tuple[str, str | None, Any]:
-        """(text, finish_reason, stop_reason) a choice reports of its generation: for an echo alone, none of the
-        token its prefill sampled, finished by length (max_tokens 0)."""
-        if not self.req.echo_only:
-            return text, finish_reason, stop_reason
-        return "", None if finish_reason is None else "length", None
-
     def _chunk(self, event: StreamEvent) -> protocol.ChatCompletionStreamResponse:
         delta = protocol.DeltaMessage(content=event.text)
         if event.prompt_token_ids is not None:  # a choice's first chunk

@@ -501,7 +501,6 @@ def tokenize_response_json(tokens: list[int], max_model_len: int, token_strs: li
     """vLLM's /tokenize reply (`count`, `max_model_len`, `tokens`, `token_strs` when asked) as JSON, serialized
     JSON_SLICE items per call: a long prompt's reply never holds the GIL, which the engine's thread needs every step,
     for longer than a slice (pydantic serializes a list in one call: 0.4 s for 15M tokens)."""
-
     pieces = [b'{"count":%d,"max_model_len":%d' % (len(tokens), max_model_len)]
     for name, items in (("tokens", tokens), ("token_strs", token_strs)):
         if items is not None:

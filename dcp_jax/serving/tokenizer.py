@@ -5,6 +5,7 @@ random model), each with the chat template the directory ships (`chat_template.p
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -115,9 +116,7 @@ class TokenizerView:
             pieces = [part for piece in pieces for part in _split_keep(piece, name)]
         parts = [[self.specials[piece]] if piece in self.specials else
                  self.tokenizer.encode(piece, add_special_tokens=False) for piece in pieces if piece]
-        ids = parts[0] if len(parts) == 1 else []
-        for part in parts if len(parts) > 1 else ():
-            ids += part
+        ids = parts[0] if len(parts) == 1 else list(itertools.chain.from_iterable(parts))
         if add_special_tokens and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
