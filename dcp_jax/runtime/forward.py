@@ -145,6 +145,7 @@ class StepResult(NamedTuple):
     sampled: SampledTokens  # the sampled rows' tokens and logprobs
     selected: jax.Array | None  # [layers, R, K]: the positions each row attended (when the kind keeps them)
     mtp_hidden: jax.Array | None  # [R, D]: the MTP layer's output at every row (with an MTP layer)
+    backend: str  # the kernels' (`StepContext.backend`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +164,8 @@ def _tokens(result: StepResult):
 
 
 def _tokens_and_prompt_logprobs(result: StepResult):
-    return sampler.pack(result.sampled), prompt_logprobs(result.model, result.hidden, result.inputs.next_tokens)
+    return sampler.pack(result.sampled), prompt_logprobs(result.model, result.hidden, result.inputs.next_tokens,
+                                                       backend=result.backend)
 
 
 # The serving programs of a bucket: its sampled rows all greedy (no draw); rows that draw (any mix of parameters);
@@ -198,7 +200,8 @@ def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, 
     drafts, mtp_hidden = state.drafts, None
     if mtp is None:
         logits = model.logits(hidden[inputs.sample_rows])
-        sampled, sampler_state = sampler.sample_rows(logits, inputs.sampling, sampler_state, draws=kind.draws)
+        sampled, sampler_state = sampler.sample_rows(logits, inputs.sampling, sampler_state, draws=kind.draws,
+                                                    backend=ctx.backend)
     else:
         # Groups of G = N + 1 sampled rows (`StepInputs.sample_rows`): each sampling sequence's row of its last
         # token, then its drafts' rows (pads past the ones it verifies).
@@ -209,7 +212,8 @@ def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, 
         has_draft = group_rows[:, 1:] < inputs.tokens.shape[0]  # a pad entry is R
         verified = jnp.where(has_draft, drafts[slots], -1)
         sampled, accepted, sampler_state = verify_groups(model.head(normed[inputs.sample_rows]), inputs.sampling,
-                                                         sampler_state, verified, draws=kind.draws)
+                                                         sampler_state, verified, draws=kind.draws,
+                                                         backend=ctx.backend)
         following = jnp.maximum(_following_tokens(inputs, sampled.tokens), 0)  # rejected rows: any token
         mtp_hidden, kv_cache = _mtp_rows(model, mtp, normed, following, inputs.is_position_zero, rope, kv_cache, md,
                                          ctx=ctx)
@@ -220,13 +224,13 @@ def step_body(params, state: DeviceState, inputs: StepInputs, md: StepMetadata, 
                                                 kv_cache, md, ctx=ctx)
             drafted = jnp.concatenate([drafted, chained], axis=1)
         drafts = drafts.at[slots].set(drafted)  # pads: the scratch slot's
-    result = StepResult(model, mtp, inputs, hidden, sampled, selected, mtp_hidden)
+    result = StepResult(model, mtp, inputs, hidden, sampled, selected, mtp_hidden, ctx.backend)
     return kind.outputs(result), DeviceState(kv_cache, sampler_state, drafts)
 
 
-def prompt_logprobs(model, hidden, next_tokens) -> PromptLogprobs:
+def prompt_logprobs(model, hidden, next_tokens, *, backend: str) -> PromptLogprobs:
     """PromptLogprobs of hidden [R, D] (after the last layer) and the tokens after the rows [R] (-1: none),
-    PROMPT_LOGPROBS_CHUNK rows at a time."""
+    PROMPT_LOGPROBS_CHUNK rows at a time; the top ones by the kernels of `backend` (`sampler.top_logprobs`)."""
     rows = hidden.shape[0]
     chunk = min(PROMPT_LOGPROBS_CHUNK, rows)
     padded = -(-rows // chunk) * chunk
@@ -236,8 +240,8 @@ def prompt_logprobs(model, hidden, next_tokens) -> PromptLogprobs:
     def one_chunk(args):
         h, nxt = args  # [chunk, D], [chunk]
         lps = jax.nn.log_softmax(model.logits(h), axis=-1)
-        top_lps, top_ids = jax.lax.top_k(lps, min(sampler.TOP_LOGPROBS, lps.shape[-1]))
-        return jnp.take_along_axis(lps, nxt[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lps
+        top_lps, top_ids = sampler.top_logprobs(lps, backend=backend)
+        return jnp.take_along_axis(lps, nxt[:, None], axis=-1)[:, 0], top_ids, top_lps
 
     chunks = jax.lax.map(one_chunk, (hidden.reshape(-1, chunk, hidden.shape[-1]), following.reshape(-1, chunk)))
     return PromptLogprobs(*(a.reshape(padded, *a.shape[2:])[:rows] for a in chunks))

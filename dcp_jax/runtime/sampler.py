@@ -10,7 +10,8 @@ compiled drawing program serves any mix of them (a step whose rows are all greed
 order-preserving integer keys of the logits (8 passes over a row each, 16 candidates a pass, no sort).
 Draws are counter-based: row r draws Gumbel noise from a key made of its request's 64-bit seed and the position of
 the token it samples, so a request's tokens depend on nothing else (not its batch, bucket or preemptions).
-Logprobs are those of the raw logits (vLLM's default): the sampled token's and the TOP_LOGPROBS largest.
+Logprobs are those of the raw logits (vLLM's default): the sampled token's and the TOP_LOGPROBS largest (the
+kernels' exact top-k, `top_logprobs`: no sort of the vocabulary).
 Letters: see the legend in `dcp_jax/__init__.py`; the top logprobs are TOP_LOGPROBS wide.
 """
 
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from dcp_jax.host.step_inputs import GENERATED, PROMPT
 
 # The most top logprobs a request may ask for (vLLM's default max_logprobs): every row gets this many.
@@ -101,6 +103,14 @@ def apply_penalties(logits, output_counts, prompt_mask, presence, frequency, rep
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 
+def top_logprobs(logprobs, *, backend: str):
+    """The TOP_LOGPROBS largest of each row's logprobs [R, A] f32 (largest first, the lower id first among ties) and
+    their ids int32, by the exact top-k of the kernels of `backend` (`pallas_kernels.topk`)."""
+    rows, vocab = logprobs.shape
+    return pallas_kernels.topk(logprobs, jnp.full((rows,), vocab, jnp.int32), k=min(TOP_LOGPROBS, vocab),
+                               backend=backend)
+
+
 def filter_logits(logits, temperature, min_p, top_k, top_p):
     """Scaled logits [R, A] f32 with -inf at the tokens min-p, top-k and top-p remove (vLLM's order, after the
     temperature). temperature [R] > 0 (greedy rows take 1: their draw is unused), min_p [R] in [0, 1], top_k [R]
@@ -141,7 +151,8 @@ def hold_back_stops(logits, stop_ids, stops_from, positions):
 
 
 def sample(logits, *, temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
-           seeds, positions, stop_ids, stops_from, output_counts, prompt_mask, draws: bool) -> SampledTokens:
+           seeds, positions, stop_ids, stops_from, output_counts, prompt_mask, draws: bool,
+           backend: str) -> SampledTokens:
     """One token per row of logits [R, A] f32 and its logprobs; every parameter a [R] array (seeds [R, 2] uint32,
     positions [R] int32 the sampled token's position, stop_ids [R, MIN_TOKENS_STOP_IDS] with stops_from [R] what
     min_tokens holds back: `hold_back_stops`), output_counts [R, A] int32 and prompt_mask [R, A] bool the rows'
@@ -149,11 +160,13 @@ def sample(logits, *, temperature, top_k, top_p, min_p, presence_penalty, freque
     included.
     draws (static): False when every row is greedy (the host knows, and picks that program): no filter, no noise.
     Never a traced branch on the parameters: the GPU runtime reads a `lax.cond`'s predicate on the host, so the
-    program's launch would wait for the device and no step could be dispatched ahead."""
+    program's launch would wait for the device and no step could be dispatched ahead. `backend` names the kernels'
+    (the top logprobs' top-k)."""
     out = processed_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                            repetition_penalty=repetition_penalty, positions=positions, stop_ids=stop_ids,
-                           stops_from=stops_from, output_counts=output_counts, prompt_mask=prompt_mask, draws=draws)
+                           stops_from=stops_from, output_counts=output_counts, prompt_mask=prompt_mask, draws=draws,
+                           backend=backend)
     tokens = jnp.argmax(out.penalized, axis=-1).astype(jnp.int32)  # the first maximum: the lowest id among ties
     if draws:
         noise = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(
@@ -175,22 +188,22 @@ class ProcessedLogits(NamedTuple):
 
 def processed_logits(logits, *, temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
                      repetition_penalty, positions, stop_ids, stops_from, output_counts, prompt_mask,
-                     draws: bool) -> ProcessedLogits:
+                     draws: bool, backend: str) -> ProcessedLogits:
     """Logits [R, A] through the sampler's processing in vLLM's order (`sample`'s parameters): the raw logprobs,
     then min_tokens' hold-back and the penalties, then, when `draws`, the temperature (1 on greedy rows, whose
     argmax the filters keep) and min-p, top-k, top-p. `sample` draws from the result, `speculative.verify_groups`
-    verifies drafts against it. The top logprobs (a sort of every row's vocabulary) only when `draws`: the host
-    runs a step whose rows want logprobs in the drawing program (`runner.step_kind`); the greedy one's are 0."""
+    verifies drafts against it. The top logprobs (`top_logprobs`, the kernels of `backend`) only when `draws`: the
+    host runs a step whose rows want logprobs in the drawing program (`runner.step_kind`); the greedy one's are 0."""
     raw_logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     shape = (logits.shape[0], min(TOP_LOGPROBS, logits.shape[-1]))
-    top_logprobs, top_ids = (jax.lax.top_k(raw_logprobs, shape[1]) if draws else
-                             (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32)))
+    top_lps, top_ids = (top_logprobs(raw_logprobs, backend=backend) if draws else
+                        (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32)))
     penalized = apply_penalties(hold_back_stops(logits.astype(jnp.float32), stop_ids, stops_from, positions),
                                 output_counts, prompt_mask, presence_penalty, frequency_penalty, repetition_penalty)
     kept = penalized
     if draws:
         kept = filter_logits(penalized, jnp.where(temperature <= 0, 1.0, temperature), min_p, top_k, top_p)
-    return ProcessedLogits(raw_logprobs, top_logprobs, top_ids.astype(jnp.int32), penalized, kept)
+    return ProcessedLogits(raw_logprobs, top_lps, top_ids.astype(jnp.int32), penalized, kept)
 
 
 @jax.tree_util.register_dataclass
@@ -223,8 +236,8 @@ def row_arguments(sampling, state: SamplerState) -> dict:
                 output_counts=state.output_counts[sampling.slots], prompt_mask=state.prompt_mask[sampling.slots])
 
 
-def _sample_rows(logits, sampling, state: SamplerState, draws: bool) -> SampledTokens:
-    return sample(logits, seeds=sampling.seeds, draws=draws, **row_arguments(sampling, state))
+def _sample_rows(logits, sampling, state: SamplerState, draws: bool, backend: str) -> SampledTokens:
+    return sample(logits, seeds=sampling.seeds, draws=draws, backend=backend, **row_arguments(sampling, state))
 
 
 def _record(state: SamplerState, slots, tokens) -> SamplerState:
@@ -250,7 +263,9 @@ def add_history(state: SamplerState, tokens, roles, slots, fresh_slots) -> Sampl
     return dataclasses.replace(state, prompt_mask=prompt_mask, output_counts=output_counts)
 
 
-def sample_rows(logits, sampling, state: SamplerState, *, draws: bool) -> tuple[SampledTokens, SamplerState]:
-    """Sample each sampled row's next token from logits [Q, A] (`sample`'s draws) and record it in its slot."""
-    out = _sample_rows(logits, sampling, state, draws)
+def sample_rows(logits, sampling, state: SamplerState, *, draws: bool,
+                backend: str) -> tuple[SampledTokens, SamplerState]:
+    """Sample each sampled row's next token from logits [Q, A] (`sample`'s draws and backend) and record it in its
+    slot."""
+    out = _sample_rows(logits, sampling, state, draws, backend)
     return out, _record(state, sampling.slots, out.tokens)

@@ -67,14 +67,15 @@ def accept_drafts(kept_logits, drafts, *, is_greedy, seeds, positions, draws: bo
     return accepted, tokens.astype(jnp.int32)
 
 
-def verify_groups(logits, sampling, state: SamplerState, drafts, *, draws: bool):
+def verify_groups(logits, sampling, state: SamplerState, drafts, *, draws: bool, backend: str):
     """Each request's group of n + 1 sampled rows, flat: logits [U, A] f32 (U = M (n + 1); row 0 at its last token,
     row i at its draft i; rows past a request's drafts are pads), `sampling` (`SamplingMetadata`) per row, drafts [M, n]
     int32 (-1 past a request's). Each row's logits go through the sampler's processing (`processed_logits`; row i's
     penalties over the history before the group and drafts 0..i-1, the tokens it follows when it counts: as
-    decoding without drafts would penalize it); `accept_drafts` decides. Returns (SampledTokens per row: the
-    token it emits, -1 past the group's last, with the raw logits' logprobs; accepted [M]; the state with every
-    emitted token counted and each group's last one its slot's last token)."""
+    decoding without drafts would penalize it; the top logprobs by the kernels of `backend`); `accept_drafts`
+    decides. Returns (SampledTokens per row: the token it emits, -1 past the group's last, with the raw logits'
+    logprobs; accepted [M]; the state with every emitted token counted and each group's last one its slot's last
+    token)."""
     groups, n = drafts.shape
     g = n + 1
     arguments = row_arguments(sampling, state)
@@ -84,7 +85,7 @@ def verify_groups(logits, sampling, state: SamplerState, drafts, *, draws: bool)
         kept_rows = (group_first[:, None] + jnp.arange(k + 1, g)[None, :]).reshape(-1)
         draft = jnp.repeat(jnp.where(drafts[:, k] >= 0, drafts[:, k], vocab), n - k)
         counts = counts.at[kept_rows, draft].add(1, mode="drop")
-    out = processed_logits(logits, draws=draws, **(arguments | dict(output_counts=counts)))
+    out = processed_logits(logits, draws=draws, backend=backend, **(arguments | dict(output_counts=counts)))
     accepted, tokens = accept_drafts(out.kept.reshape(groups, g, -1), drafts,
                                      is_greedy=sampling.temperature[::g] <= 0, seeds=sampling.seeds[::g],
                                      positions=sampling.positions.reshape(groups, g), draws=draws)

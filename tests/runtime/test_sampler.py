@@ -36,7 +36,8 @@ def _draw(logits, counts, prompt_mask, params, *, rows, seed=7, draws=True):
     return sampler.sample(jnp.broadcast_to(logits, (rows, VOCAB)), **params, seeds=seeds,
                           positions=jnp.arange(rows, dtype=jnp.int32),
                           output_counts=jnp.broadcast_to(counts, (rows, VOCAB)),
-                          prompt_mask=jnp.broadcast_to(prompt_mask, (rows, VOCAB)), draws=draws).tokens
+                          prompt_mask=jnp.broadcast_to(prompt_mask, (rows, VOCAB)), draws=draws,
+                          backend="reference").tokens
 
 
 def expected(logits, counts=None, prompt_mask=None, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
@@ -124,7 +125,7 @@ def test_a_rows_draw_depends_only_on_its_seed_and_position():
     params = _params(rows, temperature=1.0, top_p=0.95)
     zeros, no_prompt = jnp.zeros((rows, VOCAB), jnp.int32), jnp.zeros((rows, VOCAB), bool)
     run = jax.jit(lambda lg, s, pos, prm, c, m: sampler.sample(lg, **prm, seeds=s, positions=pos, output_counts=c,
-                                                               prompt_mask=m, draws=True).tokens)
+                                                               prompt_mask=m, draws=True, backend="reference").tokens)
     want = np.asarray(run(logits, seeds, positions, params, zeros, no_prompt))
     perm = rng.permutation(rows)
     shuffled = np.asarray(run(logits[perm], seeds[perm], positions[perm], jax.tree.map(lambda a: a[perm], params),
@@ -144,12 +145,29 @@ def test_logprobs_are_the_raw_log_softmax():
     seeds = jnp.zeros((rows, 2), jnp.uint32)
     out = sampler.sample(jnp.asarray(logits), **_params(rows, temperature=0.5, presence_penalty=1.0), seeds=seeds,
                          positions=jnp.arange(rows, dtype=jnp.int32), output_counts=jnp.ones((rows, VOCAB), jnp.int32),
-                         prompt_mask=jnp.zeros((rows, VOCAB), bool), draws=True)
+                         prompt_mask=jnp.zeros((rows, VOCAB), bool), draws=True, backend="reference")
     want = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     np.testing.assert_allclose(out.logprobs, want[np.arange(rows), np.asarray(out.tokens)], rtol=1e-5, atol=1e-6)
     n = min(sampler.TOP_LOGPROBS, VOCAB)
     np.testing.assert_array_equal(out.top_ids, np.argsort(-want, axis=-1, kind="stable")[:, :n])
     np.testing.assert_allclose(out.top_logprobs, -np.sort(-want, axis=-1)[:, :n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [7, 300])
+def test_top_logprobs_by_the_kernel_equal_a_full_sort(vocab):
+    """The drawing program's top logprobs (the Pallas top-k, interpreted) equal a sort of the row: largest first,
+    the lower id first among exact ties, -inf entries (held-back ids) last; a vocabulary under TOP_LOGPROBS gives
+    every id. f32."""
+    rng = np.random.default_rng(3)
+    rows = 5
+    logprobs = np.round(rng.standard_normal((rows, vocab)), 1).astype(np.float32)  # many exact ties
+    logprobs[1, : vocab // 2] = -np.inf
+    logprobs[2] = -1.0  # a row of ties only
+    values, ids = jax.jit(functools.partial(sampler.top_logprobs, backend="pallas"))(jnp.asarray(logprobs))
+    n = min(sampler.TOP_LOGPROBS, vocab)
+    order = np.argsort(-logprobs, axis=-1, kind="stable")[:, :n]
+    np.testing.assert_array_equal(np.asarray(ids), order)
+    np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(logprobs, order, axis=-1))
 
 
 def test_add_history_restarts_fresh_slots_then_adds_the_rows_tokens():
@@ -183,7 +201,7 @@ def test_min_tokens_holds_the_stop_tokens_back_until_their_position():
     out = sampler.sample(jnp.broadcast_to(jnp.asarray(LOGITS), (rows, VOCAB)), **params,
                          seeds=jnp.zeros((rows, 2), jnp.uint32), positions=positions,
                          output_counts=jnp.zeros((rows, VOCAB), jnp.int32),
-                         prompt_mask=jnp.zeros((rows, VOCAB), bool), draws=True)
+                         prompt_mask=jnp.zeros((rows, VOCAB), bool), draws=True, backend="reference")
     assert np.asarray(out.tokens).tolist() == [1, 2, 0, 0]  # held; both held; from stops_from on; nothing held
     raw = LOGITS - np.log(np.exp(LOGITS).sum())
     np.testing.assert_allclose(np.asarray(out.logprobs), raw[[1, 2, 0, 0]], rtol=1e-5)
