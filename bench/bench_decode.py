@@ -61,7 +61,7 @@ from dcp_jax.host.sampling_metadata import SamplingTable
 from dcp_jax.host.step_inputs import FED_BACK, StepInputs, build_step_inputs
 from dcp_jax.host.step_metadata import build_step_metadata
 from dcp_jax.model import architecture
-from dcp_jax.model.attention import cache_formats, sparse_dcp
+from dcp_jax.model.attention import cache_formats, mla_dcp, sparse_dcp
 from dcp_jax.model.kv_cache import KVCache, cache_pools
 from dcp_jax.model.memory_plan import FP8_BLOCK
 from dcp_jax.model.mesh import DCP, make_mesh
@@ -111,7 +111,7 @@ def attention_through(p, x, pools, rope, md, *, ctx: StepContext, through: str):
         return sunk(queries.index_q, queries.index_weights)
     if through == "indexer":
         q, weights = cache_formats.encode_index_queries(queries.index_q, queries.index_weights, index_k)
-        return sunk(pallas_kernels.indexer_logits(q, weights, index_k, sparse_dcp.row_block_tables(md),
+        return sunk(pallas_kernels.indexer_logits(q, weights, index_k, mla_dcp.row_block_tables(md),
                                                   md.local_context_lens, backend=backend))
     values, local_ids = sparse_dcp.local_top_k(queries, index_k, md, cfg=cfg, backend=backend)
     if through == "topk":
@@ -122,7 +122,7 @@ def attention_through(p, x, pools, rope, md, *, ctx: StepContext, through: str):
     out, lse = sparse_dcp.attend(p, queries, latent, owned_slots, counts, cfg=cfg, backend=backend)
     if through == "sparse_mla":
         return sunk(out, lse, has_dangling_query=False)
-    return sparse_dcp.merge_heads(p, out, lse, x.dtype, backend=backend), pools
+    return mla_dcp.merge_heads(p, out, lse, x.dtype, backend=backend), pools
 
 
 class StagedAttention(sparse_dcp.SparseMla):
@@ -596,7 +596,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `dcp-jax bench decode` (defaults: the GPU grid of docs/perf_decode.md)."""
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     d = Grid()
-    parser.add_argument("--preset", default=d.preset, help="model preset: tiny, deepseek-v3.2, glm-5")
+    parser.add_argument("--preset", default=d.preset, help="a DSA preset: tiny, deepseek-v3.2, glm-5")
     parser.add_argument("--num-layers", type=int, default=d.num_layers, help="layer-count override (0: the preset's)")
     parser.add_argument("--dcp", type=_ints, default=d.dcp_sizes,
                         help="DCP sizes (TP = DCP), in run order; sizes past the device count are skipped")

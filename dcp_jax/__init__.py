@@ -35,6 +35,7 @@ out: layers, pages, splits, slots):
 | V | v_head_dim |
 | W | DCP size: the ranks of a DCP group |
 | X | routed experts (x: a rank's) |
+| Y | query rows of one sequence in a dense MLA call (`pallas_kernels.mla_decode`: 1 at decode, n + 1 for MTP) |
 
 Lowercase: h a rank's heads, x a rank's experts, k the experts a row is routed to, n a request's drafts
 (num_speculative_tokens).

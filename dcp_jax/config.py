@@ -35,7 +35,7 @@ class ModelConfig:
     num_hidden_layers: int
     first_k_dense_replace: int
     num_attention_heads: int
-    q_lora_rank: int
+    q_lora_rank: int | None  # None: no low-rank query (HF's q_proj instead of q_a_proj, its norm and q_b_proj)
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
@@ -63,6 +63,11 @@ class ModelConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def query_input_dim(self) -> int:
+        """Width of what the per-head query projection (wq_b) reads: q_lora_rank, or hidden_size without it."""
+        return self.hidden_size if self.q_lora_rank is None else self.q_lora_rank
 
     @property
     def latent_dim(self) -> int:
@@ -125,6 +130,9 @@ TINY = ModelConfig(
     num_nextn_predict_layers=1,
 )
 
+# The tiny preset as a dense-MLA model (DeepSeek-V3's architecture: no indexer, every cached token attended).
+TINY_MLA = dataclasses.replace(TINY, architecture="DeepseekV3ForCausalLM", indexer=None)
+
 _DEEPSEEK_V32_YARN = (
     ("beta_fast", 32),
     ("beta_slow", 1),
@@ -173,7 +181,31 @@ GLM5 = dataclasses.replace(
     indexer=IndexerConfig(heads=32, head_dim=128, topk=2048),
 )
 
-PRESETS = {"tiny": TINY, "deepseek-v3.2": DEEPSEEK_V32, "glm-5": GLM5}
+# DeepSeek-V3 / R1 / V3.1 (their config.json shapes: V3.2's without the indexer).
+DEEPSEEK_R1 = dataclasses.replace(DEEPSEEK_V32, architecture="DeepseekV3ForCausalLM", indexer=None)
+
+# Kimi-K2-Instruct as published (`DeepseekV3ForCausalLM` under model_type kimi_k2): 64 heads, 384 routed experts in
+# one group, one dense layer, no MTP layer.
+KIMI_K2 = dataclasses.replace(
+    DEEPSEEK_R1,
+    vocab_size=163840,
+    first_k_dense_replace=1,
+    num_attention_heads=64,
+    n_routed_experts=384,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.827,
+    rope_theta=50000.0,
+    rope_scaling=(("beta_fast", 1.0), ("beta_slow", 1.0), ("factor", 32.0), ("mscale", 1.0),
+                  ("mscale_all_dim", 1.0), ("original_max_position_embeddings", 4096), ("rope_type", "yarn")),
+    max_position_embeddings=131072,
+    num_nextn_predict_layers=0,
+    bos_token_id=163584,
+    eos_token_id=163585,
+)
+
+PRESETS = {"tiny": TINY, "tiny-mla": TINY_MLA, "deepseek-v3.2": DEEPSEEK_V32, "glm-5": GLM5, "deepseek-r1": DEEPSEEK_R1,
+           "kimi-k2": KIMI_K2}
 
 
 # Trained checkpoints shipped inside the package (HF layout), served by name like a preset: `dsa-tiny`, the tiny

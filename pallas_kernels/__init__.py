@@ -6,6 +6,7 @@ by default, "reference", "triton", "mosaic"):
 - `topk`: exact per-row top-k of length-masked scores;
 - `indexer_top_k`: the two, fused where the Mosaic indexer allows;
 - `sparse_mla_decode`: absorbed sparse MLA over compacted physical slots, with the log-sum-exp of each row;
+- `mla_decode`: absorbed dense MLA over a sequence's paged local tokens (one DCP rank's), with the log-sum-exp;
 - `grouped_matmul`: rows sorted by group times their group's matrix (an MoE layer's routed experts), and
   `grouped_matmul_fp8` of block-fp8 operands;
 - `fp8_gemm`: DeepSeek's fine-grained fp8 GEMM (a linear layer of block-fp8 weights).
@@ -20,11 +21,11 @@ from pallas_kernels import formats, reference
 from pallas_kernels._lse import lse_merge_weights
 from pallas_kernels._triton_offsets import widen_one_byte_offsets
 from pallas_kernels.api import (BACKENDS, IMPLEMENTATIONS, choose, fp8_gemm, grouped_matmul, grouped_matmul_fp8,
-                                indexer_logits, indexer_top_k, sparse_mla_decode, topk, unsupported)
+                                indexer_logits, indexer_top_k, mla_decode, sparse_mla_decode, topk, unsupported)
 from pallas_kernels.formats import Fp8IndexKeys, Fp8LatentCache
 
 widen_one_byte_offsets()  # before any kernel is lowered
 
 __all__ = ["BACKENDS", "IMPLEMENTATIONS", "Fp8IndexKeys", "Fp8LatentCache", "choose", "formats", "fp8_gemm",
-           "grouped_matmul", "grouped_matmul_fp8", "indexer_logits", "indexer_top_k", "lse_merge_weights", "reference",
-           "sparse_mla_decode", "topk", "unsupported"]
+           "grouped_matmul", "grouped_matmul_fp8", "indexer_logits", "indexer_top_k", "lse_merge_weights",
+           "mla_decode", "reference", "sparse_mla_decode", "topk", "unsupported"]

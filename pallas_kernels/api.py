@@ -19,7 +19,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 
 from pallas_kernels import (_fp8_gemm_mosaic, _grouped_matmul_triton, _indexer_mosaic, _indexer_triton,
-                            _sparse_mla_mosaic, _sparse_mla_triton, _topk_triton, reference)
+                            _mla_decode_triton, _sparse_mla_mosaic, _sparse_mla_triton, _topk_triton, reference)
 from pallas_kernels.formats import Fp8IndexKeys, Fp8LatentCache
 
 BACKENDS = ("pallas", "reference", "triton", "mosaic")
@@ -137,6 +137,28 @@ def _sparse_mla_mosaic_run(q, kv_cache, slots, counts, sm_scale, value_dim=512, 
     return _sparse_mla_mosaic.sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, value_dim=value_dim, **knobs)
 
 
+# ---- mla_decode ------------------------------------------------------------------------------------------------
+
+
+def _check_mla_decode_inputs(q, kv_cache, block_tables, lens, sm_scale, value_dim):
+    leading = kv_cache.latent.shape if isinstance(kv_cache, Fp8LatentCache) else kv_cache.shape
+    if q.ndim != 4 or len(leading) != 3 or block_tables.ndim != 2 or lens.ndim != 2:
+        raise ValueError(f"want q [M, Y, H, Dq], kv_cache [pages, B, Dq], block_tables [M, P], lens [M, Y]; got "
+                         f"{q.shape=}, {leading=}, {block_tables.shape=}, {lens.shape=}")
+    if block_tables.shape[0] != q.shape[0] or lens.shape != q.shape[:2]:
+        raise ValueError(f"mismatched sequences or query rows: {q.shape=}, {block_tables.shape=}, {lens.shape=}")
+    if block_tables.dtype != jnp.int32 or lens.dtype != jnp.int32:
+        raise ValueError(f"block_tables and lens must be int32; got {block_tables.dtype=}, {lens.dtype=}")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"q must be bf16 or f32; got {q.dtype=}")
+    if not 0 < value_dim < q.shape[-1]:
+        raise ValueError(f"value_dim must be in (0, Dq={q.shape[-1]}); got {value_dim=}")
+
+
+def _mla_decode_triton_unsupported(q, kv_cache, block_tables, lens, sm_scale, value_dim=512, *, interpret=None, **_):
+    return _mla_decode_triton.unsupported(q, kv_cache, block_tables, lens, value_dim)
+
+
 # ---- grouped_matmul ---------------------------------------------------------------------------------------------
 
 
@@ -243,6 +265,11 @@ IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
         "triton": Implementation(_sparse_mla_triton.sparse_mla_decode, _sparse_mla_triton_unsupported),
         "mosaic": Implementation(_sparse_mla_mosaic_run, _sparse_mla_mosaic_unsupported),
     },
+    # A Mosaic GPU (sm_90) kernel would be its "mosaic" row; until then "pallas" runs the Triton kernel.
+    "mla_decode": {
+        "reference": Implementation(_reference_run(reference.mla_decode), _never),
+        "triton": Implementation(_mla_decode_triton.mla_decode, _mla_decode_triton_unsupported),
+    },
 }
 
 
@@ -341,6 +368,27 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512, ba
     """
     _check_sparse_mla_inputs(q, kv_cache, slots, counts, sm_scale, value_dim)
     return _run("sparse_mla_decode", backend, (q, kv_cache, slots, counts, sm_scale), dict(value_dim=value_dim),
+                interpret, knobs)
+
+
+def mla_decode(q, kv_cache, block_tables, lens, sm_scale, *, value_dim=512, backend="pallas", interpret=None,
+               **knobs):
+    """Absorbed dense MLA decode over one DCP rank's paged local tokens (DeepSeek-V3/R1, Kimi-K2).
+
+    q [M, Y, H, C+E] bf16 or f32 (absorbed MLA query: the latent part, value_dim = C wide, then the rope part; Y
+    query rows per sequence: 1 at decode, n + 1 for MTP verify rows or a prefill chunk's tokens), kv_cache
+    [pages, B, C+E] bf16 or f32 (latent then roped key) or an `Fp8LatentCache` (FlashMLA's 656-byte fp8 latent
+    format, dequantized as `reference.sparse_mla_decode` does), block_tables [M, P] int32 page ids of each
+    sequence's local pages (entries past what lens reach are never read, may be -1), lens [M, Y] int32
+    host-computed, 0 <= lens <= P*B: query row (m, s) attends local tokens t < lens[m, s], token t at page
+    block_tables[m, t // B], offset t % B (causality within a chunk or among MTP rows is expressed only through
+    lens), sm_scale a Python float. scores = q . kv over all C+E columns times sm_scale. Returns out f32
+    [M, Y, H, value_dim] (softmax-weighted latents: the first value_dim columns of the rows) and lse f32 [M, Y, H]
+    (natural log of the sum of exp(scaled scores)); a row with lens 0 gives out 0 and lse -inf.
+    Knobs: `_mla_decode_triton.mla_decode`.
+    """
+    _check_mla_decode_inputs(q, kv_cache, block_tables, lens, sm_scale, value_dim)
+    return _run("mla_decode", backend, (q, kv_cache, block_tables, lens, sm_scale), dict(value_dim=value_dim),
                 interpret, knobs)
 
 

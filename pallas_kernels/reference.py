@@ -95,6 +95,35 @@ def sparse_mla_decode(q, kv_cache, slots, counts, sm_scale, *, value_dim=512):
     return out, lse
 
 
+def mla_decode(q, kv_cache, block_tables, lens, sm_scale, *, value_dim=512):
+    """Absorbed dense MLA over a sequence's paged local tokens.
+
+    q [M, Y, H, C+E] (latent query then rope query; Y query rows per sequence), kv_cache [pages, B, C+E] (latent
+    then roped key) or an Fp8LatentCache (dequantized first), block_tables [M, P] int32 page ids (entries past
+    what lens reach are ignored, may be -1), lens [M, Y] int32: row (m, s) attends tokens t < lens[m, s], token t
+    at page block_tables[m, t // B], offset t % B. Returns out f32 [M, Y, H, value_dim] (softmax-weighted
+    latents) and lse f32 [M, Y, H] (natural log of the sum of exp(scaled scores)); a row with lens 0 gives out 0
+    and lse -inf.
+    """
+    fp8 = isinstance(kv_cache, Fp8LatentCache)
+    num_pages, page_size = (kv_cache.latent if fp8 else kv_cache).shape[:2]
+    seqs, max_pages = block_tables.shape
+    num_tokens = max_pages * page_size
+    pages = jnp.clip(block_tables, 0, num_pages - 1)
+    gathered = jax.tree.map(lambda pool: pool[pages].reshape(seqs, num_tokens, pool.shape[-1]), kv_cache)
+    kv = dequantize_latent_cache(gathered) if fp8 else gathered.astype(jnp.float32)  # [M, T, C+E]
+    # Tokens no row of the sequence reaches hold anything (NaN included): zero them so that 0 * them stays 0.
+    is_reached = jnp.arange(num_tokens)[None, :] < jnp.max(lens, axis=1, initial=0)[:, None]  # [M, T]
+    kv = jnp.where(is_reached[..., None], kv, 0.0)
+    scores = jnp.einsum("mshd,mtd->msht", q.astype(jnp.float32), kv, precision=HIGHEST) * sm_scale
+    is_valid = (jnp.arange(num_tokens)[None, None, :] < lens[..., None])[:, :, None, :]  # [M, Y, 1, T]
+    scores = jnp.where(is_valid, scores, NEG_INF)
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    probs = jnp.where(is_valid, jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
+    out = jnp.einsum("msht,mtd->mshd", probs, kv[..., :value_dim], precision=HIGHEST)
+    return out, lse
+
+
 def grouped_matmul(x, w, group_sizes, *, rows_per_group=None):
     """Grouped matmul (an MoE's routed experts): x [rows, in] rows sorted by group, w [groups, in, out],
     group_sizes [groups] int32 (sum <= rows). Rows offset_g .. offset_g + group_sizes[g] - 1 times w[g] (f32), the

@@ -75,7 +75,7 @@ def test_a_bad_model_is_one_line_and_exit_2_after_binding():
     assert out.splitlines()[0].startswith("dcp-jax serve: listening on http://127.0.0.1:")
     assert out.strip().splitlines()[-1] == (f"dcp-jax serve: model '/no/such/model' is neither a directory, a "
                                             f"shipped checkpoint {shipped_checkpoints()} nor a preset "
-                                            f"['deepseek-v3.2', 'glm-5', 'tiny']")
+                                            f"['deepseek-r1', 'deepseek-v3.2', 'glm-5', 'kimi-k2', 'tiny', 'tiny-mla']")
 
 
 def read_until(proc, pattern: str, lines: list[str], timeout: float = 300.0) -> re.Match:

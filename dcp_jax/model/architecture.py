@@ -84,10 +84,15 @@ class Architecture:
     """One architecture of the registry (module docstring)."""
 
     name: str  # HF's, config.json `architectures`
-    model_type: str  # config.json `model_type`
+    model_type: str  # config.json `model_type` (the one `config_to_hf` writes)
     reading: ConfigReading
     model_file: str  # the module defining MODEL
     attention_file: str  # the module defining VARIANT (an `AttentionVariant`)
+    other_model_types: tuple[str, ...] = ()  # model_type values released configs of it also carry
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return (self.model_type, *self.other_model_types)
 
     @functools.cached_property
     def model(self) -> ModelFunctions:
@@ -119,7 +124,23 @@ DEEPSEEK_V32 = Architecture(
     attention_file="dcp_jax.model.attention.sparse_dcp",
 )
 
-ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (DEEPSEEK_V32,)}
+# The fields both DeepSeek architectures read, and the values of theirs they implement.
+_DEEPSEEK_FIELDS = DEEPSEEK_V32.reading.fields
+_DEEPSEEK_IMPLEMENTED = DEEPSEEK_V32.reading.implemented
+
+# DeepSeek-V3, R1 and V3.1 (`DeepseekV3ForCausalLM`), and Kimi-K2, which ships the same architecture under its own
+# model_type (64 heads, 384 experts in one group): dense MLA (every cached token attended), DeepSeek MoE, YaRN, one
+# MTP layer (V3 / R1). MLA's RoPE is interleaved (HF's `rope_interleave`, default true).
+DEEPSEEK_V3 = Architecture(
+    name="DeepseekV3ForCausalLM",
+    model_type="deepseek_v3",
+    reading=ConfigReading(fields=_DEEPSEEK_FIELDS, implemented=_DEEPSEEK_IMPLEMENTED),
+    model_file="dcp_jax.model.deepseek_v32",
+    attention_file="dcp_jax.model.attention.dense_dcp",
+    other_model_types=("kimi_k2",),
+)
+
+ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (DEEPSEEK_V32, DEEPSEEK_V3)}
 
 
 def lookup(name: str) -> Architecture:
@@ -161,7 +182,7 @@ def config_from_hf(path: str | os.PathLike) -> ModelConfig:
 def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     """A config.json's dict -> ModelConfig (`config_from_hf`'s checks)."""
     if "architectures" not in raw:  # HF's AutoConfig names the architecture by model_type alone
-        by_type = [arch for arch in ARCHITECTURES.values() if arch.model_type == raw.get("model_type")]
+        by_type = [arch for arch in ARCHITECTURES.values() if raw.get("model_type") in arch.model_types]
         if not by_type:
             raise ValueError(f"config.json lacks required fields ['architectures'] (and its model_type "
                              f"{raw.get('model_type')!r} names no architecture this engine runs)")
@@ -185,8 +206,9 @@ def read_config(arch: Architecture, raw: dict[str, Any]) -> ModelConfig:
              for name, values in reading.implemented.items() if name in raw and raw[name] not in values]
     if wrong:
         raise ValueError(f"{arch.name}: config values not implemented by this engine: {', '.join(wrong)}")
-    if "model_type" in raw and raw["model_type"] != arch.model_type:
-        raise ValueError(f"{arch.name}: model_type {raw['model_type']!r} is not {arch.model_type!r}")
+    if "model_type" in raw and raw["model_type"] not in arch.model_types:
+        raise ValueError(f"{arch.name}: model_type {raw['model_type']!r} is not "
+                         f"{' or '.join(map(repr, arch.model_types))}")
     kwargs = {k: v for k, v in raw.items() if k in reading.fields}
     kwargs.update(_read_rope(raw))
     if isinstance(raw.get("torch_dtype", raw.get("dtype")), str):
@@ -194,6 +216,8 @@ def read_config(arch: Architecture, raw: dict[str, Any]) -> ModelConfig:
     if isinstance(kwargs.get("eos_token_id"), list):
         kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
     indexer = None
+    if reading.has_indexer and raw.get("q_lora_rank", 0) is None:
+        raise ValueError(f"{arch.name}: q_lora_rank null is not implemented (the indexer reads the low-rank query)")
     if reading.has_indexer:
         missing = sorted(n for n in _INDEXER_FIELDS if n not in raw)
         if missing:

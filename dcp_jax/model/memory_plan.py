@@ -129,10 +129,14 @@ def make_plan(cfg: ModelConfig, parallel: ParallelConfig, *, dtype: str, weight_
         specs = model.param_specs(cfg, abstract, expert_parallel=parallel.enable_expert_parallel)
         weights += weight_bytes_per_rank(abstract, specs, parallel, weight_format)
     itemsize, layers = np.dtype(dtype).itemsize, kv_layers(cfg, int(mtp))
-    per_token, tokens = {}, {}
+    per_token, tokens, listed = {}, {}, set()
     for formats in CACHE_FORMAT_PAIRS:
         if formats.latent == "fp8" and cfg.kv_lora_rank % FP8_BLOCK:
             continue
+        pools = tuple((pool.name, pool.format) for pool in architecture.of(cfg).attention.cache_pools(cfg, formats))
+        if pools in listed:  # a variant without an index pool: one row per latent format
+            continue
+        listed.add(pools)
         per_token[formats] = kv_bytes_per_token(cfg, formats, itemsize=itemsize, layers=layers)
         pages = pool_pages(device_bytes * gpu_memory_utilization - weights, cfg, formats, page_size=page_size,
                            itemsize=itemsize, max_num_seqs=max_num_seqs, layers=layers)
@@ -145,17 +149,21 @@ def _size(n: float) -> str:
 
 
 def format_plan(plan: MemoryPlan, name: str) -> str:
-    """The plan as the CLI prints it."""
+    """The plan as the CLI prints it: a row per cache format of the variant's pools (latent and index for DSA, the
+    latent alone for dense MLA)."""
     p = plan.parallel
+    pool_names = list(next(iter(plan.kv_bytes_per_token.values())))
     lines = [f"{name} on tp={p.tp}{' (expert parallel)' if p.enable_expert_parallel else ''} dcp={p.dcp}, "
              f"weights in {plan.weight_format}{', with the MTP layer (drafting)' if plan.mtp else ''}",
              f"  weights per rank: {_size(plan.weight_bytes)}",
              f"  device memory: {_size(plan.device_bytes)} x gpu_memory_utilization {plan.gpu_memory_utilization}",
-             f"  {'latent/index cache':<20}{'B/token on its rank':>22}{'(latent + index)':>22}"
+             f"  {'/'.join(pool_names) + ' cache':<20}{'B/token on its rank':>22}"
+             f"{'(' + ' + '.join(pool_names) + ')':>22}"
              f"{'B/context token/rank':>22}{'context tokens fit':>20}"]
     for formats, sizes in plan.kv_bytes_per_token.items():
         total = sum(sizes.values())
         parts = "(" + " + ".join(f"{size:,}" for size in sizes.values()) + ")"
-        lines.append(f"  {formats.latent + '/' + formats.index:<20}{total:>22,}{parts:>22}"
+        label = "/".join(formats.latent if pool == "latent" else formats.index for pool in sizes)
+        lines.append(f"  {label:<20}{total:>22,}{parts:>22}"
                      f"{total / p.dcp:>22,.0f}{plan.pool_tokens[formats]:>20,}")
     return "\n".join(lines)

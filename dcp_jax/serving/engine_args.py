@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from dcp_jax.config import (DEFAULT_BUCKETS, DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPE_CHOICES, INDEX_CACHE_FORMATS,
-                            KERNEL_CHOICES, LATENT_CACHE_FORMATS, QUANTIZATION_CHOICES)
+                            KERNEL_CHOICES, LATENT_CACHE_FORMATS, PRESETS, QUANTIZATION_CHOICES)
 from dcp_jax.host.sampling import MAX_LOGPROBS
 
 # The shipped trained retrieval model (`dcp_jax/checkpoints/dsa-tiny`, docs/training.md).
@@ -63,7 +63,7 @@ class EngineArgs:
     `EngineConfig`, `ParallelConfig`), before anything is traced or allocated."""
 
     model: str = _arg(DEFAULT_MODEL, "a shipped checkpoint (dsa-tiny: trained, the default), a preset of random "
-                                     "weights (tiny, deepseek-v3.2, glm-5) or a HF directory")
+                                     f"weights ({', '.join(PRESETS)}) or a HF directory")
     tokenizer: str | None = _arg(None, "a HF directory whose tokenizer.json and chat template to use (default: the "
                                        "model's)")
     trust_remote_code: bool = _arg(False, "accepted for vLLM's launch lines: this engine runs no checkpoint code "

@@ -36,7 +36,7 @@ def test_an_unknown_architecture_is_refused_by_name_before_any_weight_is_read(tm
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG | {"architectures": ["LlamaForCausalLM"]}))
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")  # never opened
     with pytest.raises(ValueError, match="architecture 'LlamaForCausalLM' is not supported; this engine runs "
-                                         r"\['DeepseekV32ForCausalLM'\]"):
+                                         r"\['DeepseekV32ForCausalLM', 'DeepseekV3ForCausalLM'\]"):
         LLM(str(tmp_path))
     for bad in ([], ["A", "B"], "DeepseekV32ForCausalLM", None):
         with pytest.raises(ValueError, match="must name one architecture"):
@@ -102,3 +102,21 @@ def test_no_module_but_the_registry_imports_a_model_file():
     assert importers == [], f"{importers} import a model file; reach it through architecture.of(cfg).model"
     registry = (PACKAGE / "model" / "architecture.py").read_text()
     assert all(f'"{name}"' in registry for name in model_files)
+
+
+def test_deepseek_v3_reads_kimi_k2_and_moonlight_configs():
+    """DeepseekV3ForCausalLM: dense MLA (no indexer; its fields are unknown to it), under model_type deepseek_v3 or
+    Kimi-K2's kimi_k2, with or without a low-rank query (Moonlight's q_lora_rank null; the indexer of V3.2 needs
+    one)."""
+    v3 = {k: v for k, v in HF_CONFIG.items() if not k.startswith("index_")}
+    v3 |= {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+    cfg = config_from_dict(v3)
+    assert cfg.architecture == "DeepseekV3ForCausalLM" and cfg.indexer is None
+    assert config_from_dict(v3 | {"model_type": "kimi_k2"}) == cfg
+    assert config_from_dict(v3 | {"q_lora_rank": None}).query_input_dim == cfg.hidden_size
+    with pytest.raises(ValueError, match=r"config fields \['index_topk'\] are not implemented"):
+        config_from_dict(v3 | {"index_topk": 16})
+    with pytest.raises(ValueError, match="model_type 'llama' is not 'deepseek_v3' or 'kimi_k2'"):
+        config_from_dict(v3 | {"model_type": "llama"})
+    with pytest.raises(ValueError, match="q_lora_rank null is not implemented"):
+        config_from_dict(HF_CONFIG | {"q_lora_rank": None})

@@ -1,6 +1,7 @@
 """HF safetensors in and out (`dcp_jax/weights.py`): strict loading, sharded placement, exact round trip."""
 
 import dataclasses
+import json
 import functools
 from unittest import mock
 
@@ -482,3 +483,26 @@ def test_quantization_fp8_quantizes_an_unquantized_checkpoint_on_load(tensors, c
     assert jax.tree.structure(as_fp8) == jax.tree.structure(as_auto)  # the blocks (pytree metadata) included
     for a, b in zip(jax.tree.leaves(as_fp8), jax.tree.leaves(as_auto)):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+def test_a_deepseek_v3_block_fp8_checkpoint_stays_fp8(tensors, tmp_path):
+    """DeepseekV3ForCausalLM (dense MLA, no indexer) in DeepSeek's block-fp8 release format: its MLA and MLP leaves
+    stay e4m3 (every leaf of `fp8_linear.FP8_AXES` but the indexer's) and each dequantizes to exactly the "none"
+    load's weight; the config reads as the dense architecture."""
+    v3_tensors = {name: t for name, t in tensors.items() if ".indexer." not in name}
+    quantized, _ = _block_fp8(v3_tensors)
+    v3_config = {k: v for k, v in HF_CONFIG.items() if not k.startswith("index_")}
+    v3_config |= FP8_CONFIG | {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+    _write_fp8(tmp_path, v3_tensors | quantized | MTP, {})
+    (tmp_path / "config.json").write_text(json.dumps(v3_config))
+    cfg = config_from_hf(tmp_path)
+    assert cfg.architecture == "DeepseekV3ForCausalLM" and cfg.indexer is None
+    kept, dequantized = load_hf_params(cfg, tmp_path), load_hf_params(cfg, tmp_path, quantization="none")
+    flat = jax.tree_util.tree_flatten_with_path(kept, is_leaf=fp8_linear.is_fp8)[0]
+    fp8_names = set()
+    for (path, a), b in zip(flat, jax.tree.leaves(dequantized), strict=True):
+        if fp8_linear.is_fp8(a):
+            fp8_names.add(path[-1].key)
+            a = fp8_linear.dequantize(a)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    assert fp8_names == {name for name in fp8_linear.FP8_AXES if not name.startswith("index_")}

@@ -1,8 +1,10 @@
-"""Tiny DeepSeek-V3.2 configs and seeded random checkpoints in HF's on-disk layout (numpy only, no torch, no jax).
+"""Tiny DeepSeek-V3.2 and DeepSeek-V3 configs and seeded random checkpoints in HF's on-disk layout (numpy only, no
+torch, no jax).
 
-The oracle fixtures (`tests/fixtures/oracle/*.npz`) were produced by HF `DeepseekV32ForCausalLM` from exactly the
-checkpoint `write_random_checkpoint(tiny_configs()[name], seed, dir)` writes; a test rebuilds the same checkpoint
-here (CI has no torch), loads it into our model and compares against the recorded HF outputs. The fixture stores
+The oracle fixtures (`tests/fixtures/oracle/*.npz`) were produced by HF `DeepseekV32ForCausalLM` (configs with an
+indexer) or `DeepseekV3ForCausalLM` (the `v3_*` configs) from exactly the checkpoint
+`write_random_checkpoint(tiny_configs()[name], seed, dir)` writes; a test rebuilds the same checkpoint here (CI has
+no torch), loads it into our model and compares against the recorded HF outputs. The fixture stores
 `checkpoint_sha256` so a test can prove it rebuilt the very bytes HF read.
 
 Determinism: every tensor has its own `numpy.random.Generator(PCG64)` seeded from `(seed, crc32(name))`, draws
@@ -65,6 +67,8 @@ _BASE_CONFIG: dict = {
 def tiny_configs() -> dict[str, dict]:
     """Named config dicts, each written verbatim as `config.json` (fresh deep copies on every call).
 
+    `DeepseekV32ForCausalLM` (indexer: 8 heads of 32, index_topk 16):
+
     - `default_rope`: plain RoPE, HF v5 style `rope_parameters = {"rope_type": "default", "rope_theta": 1e4}`.
     - `yarn`: YaRN in the legacy style the real DeepSeek-V3.2 `config.json` uses (`rope_theta` at top level,
       `rope_scaling = {"type": "yarn", ...}`); HF v5 normalizes it into `rope_parameters`. `factor` 4 with
@@ -72,6 +76,16 @@ def tiny_configs() -> dict[str, dict]:
       `mscale_all_dim` = 1.0 as in the real checkpoint (softmax scale * (0.1 ln 4 + 1)^2, cos/sin unscaled).
     - `yarn_mscale`: `yarn` with `mscale` 1.0 != `mscale_all_dim` 0.707, so both YaRN factors differ from `yarn`:
       cos/sin * (0.1 ln 4 + 1) / (0.0707 ln 4 + 1) and softmax scale * (0.0707 ln 4 + 1)^2.
+
+    `DeepseekV3ForCausalLM` (dense MLA, no indexer: the same tensors minus `*.indexer.*`):
+    - `v3_default_rope`, `v3_yarn_mscale`: `default_rope` and `yarn_mscale` without the indexer.
+    - `v3_kimi`: shaped like Kimi-K2 (model_type `kimi_k2`, `n_group` = `topk_group` = 1, YaRN factor 32 with
+      `beta_fast` = `beta_slow` = 1 and `rope_theta` 50000 in the legacy spelling, as in its config.json).
+    - `v3_no_q_lora`: `v3_default_rope` with `q_lora_rank` null (HF's direct `q_proj` [H*(N+E), D] instead of
+      q_a_proj, q_a_layernorm and q_b_proj, as in Moonlight's and DeepSeek-V2-Lite's config.json) and legacy YaRN
+      `rope_scaling = {"type": "yarn", "factor": 8, "original_max_position_embeddings": 32}`: no mscale, no
+      mscale_all_dim (HF then scales cos/sin by 0.1 ln 8 + 1 and leaves the softmax scale at 48^-0.5) and no
+      beta_fast / beta_slow (HF's defaults 32 / 1).
     """
     default_rope = copy.deepcopy(_BASE_CONFIG)
     default_rope["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
@@ -91,7 +105,69 @@ def tiny_configs() -> dict[str, dict]:
 
     yarn_mscale = copy.deepcopy(yarn)
     yarn_mscale["rope_scaling"]["mscale_all_dim"] = 0.707
-    return {"default_rope": default_rope, "yarn": yarn, "yarn_mscale": yarn_mscale}
+
+    # Kimi-K2-Instruct's config.json at tiny shapes: model_type kimi_k2 on the V3 architecture, one expert group,
+    # one dense layer, routed_scaling_factor 2.827, rope_theta 50000 and YaRN factor 32 with beta_fast = beta_slow
+    # = 1 (its original_max_position_embeddings 4096 scaled down to 32, max_position_embeddings = factor * that),
+    # no MTP layer, plus the fields it carries that change nothing at inference.
+    kimi = _deepseek_v3(default_rope, model_type="kimi_k2")
+    del kimi["rope_parameters"]
+    kimi.update({
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.827,
+        "max_position_embeddings": 1024,
+        "rope_theta": 50000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "moe_layer_freq": 1,
+        "seq_aux": True,
+        "aux_loss_alpha": 0.001,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+    })
+    # q_lora_rank null (a direct q_proj) with YaRN spelled without mscale, mscale_all_dim, beta_fast and beta_slow:
+    # HF's cos/sin factor is then 0.1 ln(factor) + 1 and the softmax scale stays qk_head_dim^-0.5.
+    no_q_lora = _deepseek_v3(default_rope)
+    del no_q_lora["rope_parameters"]
+    no_q_lora.update({
+        "q_lora_rank": None,
+        "max_position_embeddings": 256,  # = factor * original_max_position_embeddings
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32},
+    })
+    return {
+        "default_rope": default_rope,
+        "yarn": yarn,
+        "yarn_mscale": yarn_mscale,
+        "v3_default_rope": _deepseek_v3(default_rope),
+        "v3_yarn_mscale": _deepseek_v3(yarn_mscale),
+        "v3_kimi": kimi,
+        "v3_no_q_lora": no_q_lora,
+    }
+
+
+def _deepseek_v3(cfg: dict, model_type: str = "deepseek_v3") -> dict:
+    """`cfg` as a `DeepseekV3ForCausalLM` config.json: no `index_*` fields, and `num_nextn_predict_layers` 0 (HF's
+    V3 default is 1; the tiny checkpoints have no MTP layer). `rope_interleave` is left out, as in the released
+    V3 / R1 / Kimi-K2 configs: HF's default (true) applies."""
+    v3 = {k: copy.deepcopy(v) for k, v in cfg.items() if not k.startswith("index_")}
+    v3.update(architectures=["DeepseekV3ForCausalLM"], model_type=model_type, num_nextn_predict_layers=0)
+    return v3
+
+
+def has_indexer(cfg: dict) -> bool:
+    """Whether `cfg` is a DSA model (`DeepseekV32ForCausalLM`: lightning indexer tensors and `index_*` fields)."""
+    return "index_topk" in cfg
 
 
 def _linear(out_dim: int, in_dim: int) -> tuple[tuple[int, int], str]:
@@ -103,13 +179,14 @@ def tensor_specs(cfg: dict) -> Iterator[tuple[str, tuple[int, ...], str]]:
 
     `kind` is one of `linear` (normal * fan_in^-0.5), `embed` (normal), `norm` (1 + 0.2 * normal),
     `bias` (0.1 * normal: the indexer k_norm bias) and `router_bias` (0.1 * normal: e_score_correction_bias).
-    Expert weights are one tensor per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`), as on disk.
+    Expert weights are one tensor per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`), as on disk. The
+    indexer's tensors exist only for a config with one (`has_indexer`); `q_lora_rank` null gives `self_attn.q_proj`
+    in place of `q_a_proj`, `q_a_layernorm` and `q_b_proj`.
     """
     h = cfg["hidden_size"]
     n_heads = cfg["num_attention_heads"]
     nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     q_lora, kv_lora = cfg["q_lora_rank"], cfg["kv_lora_rank"]
-    hi, di = cfg["index_n_heads"], cfg["index_head_dim"]
     n_exp, moe_i = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
     shared_i = moe_i * cfg["n_shared_experts"]
 
@@ -119,18 +196,23 @@ def tensor_specs(cfg: dict) -> Iterator[tuple[str, tuple[int, ...], str]]:
         yield p + "input_layernorm.weight", (h,), "norm"
         yield p + "post_attention_layernorm.weight", (h,), "norm"
         a = p + "self_attn."
-        yield (a + "q_a_proj.weight", *_linear(q_lora, h))
-        yield a + "q_a_layernorm.weight", (q_lora,), "norm"
-        yield (a + "q_b_proj.weight", *_linear(n_heads * (nope + rope), q_lora))
+        if q_lora is None:  # no low-rank query: HF's direct q_proj
+            yield (a + "q_proj.weight", *_linear(n_heads * (nope + rope), h))
+        else:
+            yield (a + "q_a_proj.weight", *_linear(q_lora, h))
+            yield a + "q_a_layernorm.weight", (q_lora,), "norm"
+            yield (a + "q_b_proj.weight", *_linear(n_heads * (nope + rope), q_lora))
         yield (a + "kv_a_proj_with_mqa.weight", *_linear(kv_lora + rope, h))
         yield a + "kv_a_layernorm.weight", (kv_lora,), "norm"
         yield (a + "kv_b_proj.weight", *_linear(n_heads * (nope + v), kv_lora))
         yield (a + "o_proj.weight", *_linear(h, n_heads * v))
-        yield (a + "indexer.wq_b.weight", *_linear(hi * di, q_lora))
-        yield (a + "indexer.wk.weight", *_linear(di, h))
-        yield a + "indexer.k_norm.weight", (di,), "norm"
-        yield a + "indexer.k_norm.bias", (di,), "bias"
-        yield (a + "indexer.weights_proj.weight", *_linear(hi, h))
+        if has_indexer(cfg):
+            hi, di = cfg["index_n_heads"], cfg["index_head_dim"]
+            yield (a + "indexer.wq_b.weight", *_linear(hi * di, q_lora))
+            yield (a + "indexer.wk.weight", *_linear(di, h))
+            yield a + "indexer.k_norm.weight", (di,), "norm"
+            yield a + "indexer.k_norm.bias", (di,), "bias"
+            yield (a + "indexer.weights_proj.weight", *_linear(hi, h))
         m = p + "mlp."
         if i < cfg["first_k_dense_replace"]:
             inter = cfg["intermediate_size"]

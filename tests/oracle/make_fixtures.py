@@ -1,9 +1,11 @@
-"""Record HF `DeepseekV32ForCausalLM` outputs on tiny random checkpoints as `.npz` oracle fixtures.
+"""Record HF `DeepseekV32ForCausalLM` and `DeepseekV3ForCausalLM` outputs on tiny random checkpoints as `.npz`
+oracle fixtures.
 
 Needs torch + transformers (run it through `scripts/make_oracle_fixtures.sh`). For every config of
-`hf_tiny.tiny_configs()` it searches seeds until no indexer top-k boundary and no greedy choice is tie-fragile, then
-writes `tests/fixtures/oracle/<config>.npz` (fields in `tests/oracle/README.md`). Everything recorded comes from HF;
-the checkpoint bytes come from `hf_tiny.write_random_checkpoint`, which the JAX tests rerun without torch.
+`hf_tiny.tiny_configs()` it searches seeds until no greedy choice is tie-fragile, and neither is any indexer top-k
+boundary (V3.2 configs) or MoE routing choice (V3 configs, `v3_*`), then writes `tests/fixtures/oracle/<config>.npz`
+(fields in `tests/oracle/README.md`). Everything recorded comes from HF; the checkpoint bytes come from
+`hf_tiny.write_random_checkpoint`, which the JAX tests rerun without torch.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import transformers
 from torch.overrides import TorchFunctionMode
 from transformers import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_tiny  # noqa: E402
@@ -189,7 +192,10 @@ def _margin(logits: np.ndarray) -> float:
 
 
 @torch.no_grad()
-def _run_prompt(model, rec: IndexerRecorder, ids: np.ndarray, n_gen: int, k: int, n_layers: int, want_hidden: bool):
+def _run_prompt(model, rec: IndexerRecorder | None, ids: np.ndarray, n_gen: int, k: int | None, n_layers: int,
+                want_hidden: bool):
+    """Prefill `ids`, then greedy decode through HF's DynamicCache; `rec` None (a model without an indexer) records
+    no top-k fields (they are None)."""
     length = len(ids)
     hidden = []
     hooks = []
@@ -208,24 +214,27 @@ def _run_prompt(model, rec: IndexerRecorder, ids: np.ndarray, n_gen: int, k: int
     prefill_logits = out.logits[0].numpy().astype(np.float32)  # [L, V]
     cache = out.cache
 
-    calls = rec.take()
-    assert [c.layer for c in calls] == list(range(n_layers)), [c.layer for c in calls]
-    prefill_topk = np.full((n_layers, length, k), -1, np.int16)
-    prefill_gap = np.full((n_layers, length), np.inf)
-    prefill_rel_gap = np.full((n_layers, length), np.inf)
-    prefill_scores = np.full((n_layers, length, length), -np.inf, np.float32)
-    for c in calls:
-        for s in range(length):
-            sel, gap, rel = _row_selection(c.scores[s], c.indices[s], s, k)
-            prefill_topk[c.layer, s], prefill_gap[c.layer, s], prefill_rel_gap[c.layer, s] = sel, gap, rel
-            prefill_scores[c.layer, s, : s + 1] = c.scores[s, : s + 1]
+    prefill_topk = prefill_gap = prefill_rel_gap = prefill_scores = None
+    decode_topk = decode_gap = decode_rel_gap = None
+    if rec is not None:
+        calls = rec.take()
+        assert [c.layer for c in calls] == list(range(n_layers)), [c.layer for c in calls]
+        prefill_topk = np.full((n_layers, length, k), -1, np.int16)
+        prefill_gap = np.full((n_layers, length), np.inf)
+        prefill_rel_gap = np.full((n_layers, length), np.inf)
+        prefill_scores = np.full((n_layers, length, length), -np.inf, np.float32)
+        for c in calls:
+            for s in range(length):
+                sel, gap, rel = _row_selection(c.scores[s], c.indices[s], s, k)
+                prefill_topk[c.layer, s], prefill_gap[c.layer, s], prefill_rel_gap[c.layer, s] = sel, gap, rel
+                prefill_scores[c.layer, s, : s + 1] = c.scores[s, : s + 1]
+        decode_topk = np.full((n_layers, n_gen - 1, k), -1, np.int16)
+        decode_gap = np.full((n_layers, n_gen - 1), np.inf)
+        decode_rel_gap = np.full((n_layers, n_gen - 1), np.inf)
 
     # Greedy decode through HF's own DynamicCache; gen_logits[j] is the distribution that chose gen_tokens[j].
     gen_logits = [prefill_logits[-1]]
     gen_tokens = [int(np.argmax(gen_logits[0]))]
-    decode_topk = np.full((n_layers, n_gen - 1, k), -1, np.int16)
-    decode_gap = np.full((n_layers, n_gen - 1), np.inf)
-    decode_rel_gap = np.full((n_layers, n_gen - 1), np.inf)
     for j in range(1, n_gen):
         out = model(input_ids=torch.tensor([[gen_tokens[-1]]]), cache=cache, use_cache=True)
         cache = out.cache
@@ -233,7 +242,7 @@ def _run_prompt(model, rec: IndexerRecorder, ids: np.ndarray, n_gen: int, k: int
         gen_logits.append(logits)
         gen_tokens.append(int(np.argmax(logits)))
         pos = length + j - 1  # position of the token fed at this step
-        for c in rec.take():
+        for c in rec.take() if rec is not None else []:
             if c.scores.shape != (1, pos + 1):
                 raise RuntimeError(f"decode step {j}: index scores {c.scores.shape}, expected (1, {pos + 1})")
             sel, gap, rel = _row_selection(c.scores[0], c.indices[0], pos, k)
@@ -243,7 +252,8 @@ def _run_prompt(model, rec: IndexerRecorder, ids: np.ndarray, n_gen: int, k: int
     # The cached decode must equal a full recompute of the grown sequence (HF semantics: same mask rule).
     full = np.concatenate([ids, np.array(gen_tokens[:-1], ids.dtype)])
     recompute = model(input_ids=torch.from_numpy(full[None].astype(np.int64))).logits[0, length - 1 :].numpy()
-    rec.take()
+    if rec is not None:
+        rec.take()
     recompute_diff = float(np.abs(recompute - gen_logits).max())
 
     return {
@@ -414,6 +424,161 @@ def make_config_fixture(name: str, cfg: dict, args, workdir: str) -> str:
     return path
 
 
+# --------------------------------------------------------------------------------------------------------------
+# DeepseekV3ForCausalLM: dense MLA, so no indexer fields; seeds are screened for MoE routing near-ties instead.
+
+
+@dataclass
+class RouterRecorder:
+    """Forward hooks on every MoE layer's router (`mlp.gate`): per token, the margin of HF's routing choice.
+
+    The margin of one token is the smaller of the group stage gap (topk_group-th vs (topk_group+1)-th group score,
+    a group scoring the sum of its top 2 biased scores; none with one group) and the expert stage gap (k-th vs
+    (k+1)-th biased score among the chosen groups' experts), in sigmoid units. A near-tie there lets an fp32
+    reimplementation pick another expert, which moves every later logit.
+    """
+
+    model: torch.nn.Module
+    margins: list = field(default_factory=list)
+
+    def __enter__(self):
+        self._hooks = [
+            layer.mlp.gate.register_forward_hook(self._record)
+            for layer in self.model.model.layers
+            if hasattr(layer.mlp, "gate")
+        ]
+        if not self._hooks:
+            raise RuntimeError("no MoE router found; update the hook")
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        return False
+
+    def _record(self, router, inputs, output):
+        logits, _, hf_ids = output
+        choice = (logits.double().sigmoid() + router.e_score_correction_bias.double()).numpy()  # [T, E]
+        n_tok, n_exp = choice.shape
+        n_group, topk_group, k = router.num_group, router.topk_group, router.top_k
+        groups = choice.reshape(n_tok, n_group, n_exp // n_group)
+        group_scores = np.sort(groups, -1)[..., -2:].sum(-1)  # [T, G]
+        margin = np.full(n_tok, np.inf)
+        if n_group > topk_group:
+            ordered = np.sort(group_scores, -1)[:, ::-1]
+            margin = ordered[:, topk_group - 1] - ordered[:, topk_group]
+        chosen_groups = np.argsort(-group_scores, -1, kind="stable")[:, :topk_group]
+        allowed = np.full_like(groups, -np.inf)
+        np.put_along_axis(allowed, chosen_groups[..., None], np.take_along_axis(groups, chosen_groups[..., None], 1), 1)
+        allowed = allowed.reshape(n_tok, n_exp)
+        ordered = np.sort(allowed, -1)[:, ::-1]
+        if topk_group * (n_exp // n_group) > k:
+            margin = np.minimum(margin, ordered[:, k - 1] - ordered[:, k])
+        ours = np.sort(np.argsort(-allowed, -1, kind="stable")[:, :k], -1)
+        if not np.array_equal(ours, np.sort(hf_ids.numpy(), -1)):
+            raise RuntimeError("HF's routed experts are not the top-k of its own biased scores; update the recorder")
+        self.margins.append(margin)
+
+    def min_margin(self) -> float:
+        return float(min(m.min() for m in self.margins))
+
+
+def _register_v3_model_type(model_type: str) -> None:
+    """Let `DeepseekV3ForCausalLM.from_pretrained` read a checkpoint whose config.json says `model_type` (Kimi-K2's
+    `kimi_k2`, which HF knows only through remote code): HF picks the tensor-name conversion (per-expert tensors ->
+    fused `gate_up_proj`) by model_type, so `model_type` gets `deepseek_v3`'s. The modeling code never reads it."""
+    if model_type != "deepseek_v3" and get_checkpoint_conversion_mapping(model_type) is None:
+        register_checkpoint_conversion_mapping(model_type, get_checkpoint_conversion_mapping("deepseek_v3"))
+
+
+def _try_v3_seed(name: str, cfg: dict, seed: int, prompts: list[np.ndarray], args, workdir: str):
+    _register_v3_model_type(cfg["model_type"])
+    ckpt = os.path.join(workdir, f"{name}-{seed}")
+    tensors = hf_tiny.random_tensors(cfg, seed)
+    sha = hf_tiny.write_checkpoint(cfg, tensors, ckpt)
+    assert sha == hf_tiny.write_random_checkpoint(cfg, seed, ckpt)  # the public entry point writes these bytes
+    model = _load(DeepseekV3ForCausalLM, ckpt, tensors)
+    with RouterRecorder(model) as router:
+        runs = [_run_prompt(model, None, p, args.gen_steps, None, cfg["num_hidden_layers"], False) for p in prompts]
+    min_margin = min(_margin(row) for r in runs for row in r["gen_logits"])
+    return model, sha, runs, router.min_margin(), float(min_margin)
+
+
+def make_v3_fixture(name: str, cfg: dict, args, workdir: str) -> str:
+    """The fixture of a `DeepseekV3ForCausalLM` config: prefill logits, greedy decode, provenance, rope constants."""
+    lengths = args.prompt_lengths
+    prompts = _prompts(cfg, lengths, args.prompt_seed)
+    for seed in range(args.seed_start, args.seed_start + args.max_seed_tries):
+        t0 = time.time()
+        model, sha, runs, min_router_gap, min_margin = _try_v3_seed(name, cfg, seed, prompts, args, workdir)
+        ok = min_router_gap >= args.min_router_gap and min_margin >= args.min_margin
+        print(
+            f"[{name}] seed {seed}: min routing gap {min_router_gap:.3g}, min greedy margin {min_margin:.3g} "
+            f"-> {'accept' if ok else 'reject'} ({time.time() - t0:.1f}s)",
+            flush=True,
+        )
+        if ok:
+            break
+    else:
+        raise RuntimeError(f"[{name}] no seed in {args.max_seed_tries} tries passed the tie rules; relax them?")
+
+    worst_recompute = max(r["recompute_diff"] for r in runs)
+    if worst_recompute > args.recompute_tol:
+        raise RuntimeError(f"[{name}] cached decode differs from full recompute by {worst_recompute:.3g}")
+    if model.config.rope_interleave is not True or model.config.q_lora_rank != cfg["q_lora_rank"]:
+        raise RuntimeError(f"[{name}] HF read {model.config.rope_interleave=}, {model.config.q_lora_rank=}")
+    direct_q = cfg["q_lora_rank"] is None  # HF's q_proj alone, or q_a_proj + q_a_layernorm + q_b_proj
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if (attn.q_proj is not None) != direct_q or (attn.q_a_proj is not None) == direct_q:
+            raise RuntimeError(f"[{name}] HF built {attn.q_proj=}, {attn.q_a_proj=} for {direct_q=}")
+
+    max_len = max(lengths)
+    fixture = {
+        # provenance
+        "config_name": np.array(name),
+        "config_json": np.array(json.dumps(cfg, sort_keys=True)),
+        "hf_rope_parameters_json": np.array(json.dumps(model.config.rope_parameters, sort_keys=True)),
+        "seed": np.array(seed, np.int64),
+        "prompt_seed": np.array(args.prompt_seed, np.int64),
+        "checkpoint_sha256": np.array(sha),
+        "transformers_version": np.array(transformers.__version__),
+        "torch_version": np.array(torch.__version__),
+        "numpy_version": np.array(np.__version__),
+        "hf_class": np.array("transformers.models.deepseek_v3.DeepseekV3ForCausalLM"),
+        "attn_implementation": np.array("eager"),
+        "decode_mode": np.array("hf_dynamic_cache"),
+        # what HF derived from the config (rope init, softmax scale, rope layout), for unit tests of our own
+        "hf_rope_inv_freq": model.model.rotary_emb.inv_freq.numpy().astype(np.float32),
+        "hf_rope_attention_scaling": np.array(model.model.rotary_emb.attention_scaling, np.float64),
+        "hf_softmax_scale": np.array(model.model.layers[0].self_attn.scaling, np.float64),
+        "hf_rope_interleave": np.array(model.config.rope_interleave),
+        # prompts and prefill
+        "prompt_lens": np.array(lengths, np.int32),
+        "prompt_ids": _pad_stack(prompts, max_len, 0, -1).astype(np.int32),
+        "prefill_logits": _pad_stack([r["prefill_logits"] for r in runs], max_len, 0, np.nan).astype(np.float32),
+        # greedy decode
+        "gen_tokens": np.stack([r["gen_tokens"] for r in runs]),
+        "gen_logprobs": np.stack(
+            [np.take_along_axis(_log_softmax(r["gen_logits"]), r["gen_tokens"][:, None], 1)[:, 0] for r in runs]
+        ),
+        "gen_logsoftmax": np.stack([_log_softmax(r["gen_logits"]) for r in runs]),
+        # diagnostics
+        "min_router_gap": np.array(min_router_gap, np.float64),
+        "min_greedy_margin": np.array(min_margin, np.float64),
+        "cached_vs_recompute_max_abs_diff": np.array(worst_recompute, np.float64),
+    }
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, f"{name}.npz")
+    np.savez_compressed(path, **fixture)
+    print(
+        f"[{name}] wrote {path} ({os.path.getsize(path) / 1024:.0f} KiB): seed {seed}, "
+        f"cache-vs-recompute {worst_recompute:.2g}",
+        flush=True,
+    )
+    return path
+
+
 def main(argv=None) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -433,6 +598,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--min-margin", type=float, default=1e-3, help="reject seeds with a greedy top-1/top-2 logit gap below this"
     )
+    p.add_argument(
+        "--min-router-gap",
+        type=float,
+        default=3e-4,
+        help="V3 configs: reject seeds with a MoE group or expert choice gap (biased sigmoid scores) below this",
+    )
     p.add_argument("--recompute-tol", type=float, default=1e-4)
     p.add_argument("--v3-tol", type=float, default=1e-5)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps reductions reproducible)")
@@ -447,7 +618,10 @@ def main(argv=None) -> int:
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, numpy {np.__version__}", flush=True)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="oracle-ckpt-") as workdir:
-        paths = [make_config_fixture(n, configs[n], args, workdir) for n in names]
+        paths = [
+            (make_config_fixture if hf_tiny.has_indexer(configs[n]) else make_v3_fixture)(n, configs[n], args, workdir)
+            for n in names
+        ]
     total = sum(os.path.getsize(x) for x in paths)
     print(f"done in {time.time() - t0:.0f}s: {len(paths)} fixtures, {total / 1024:.0f} KiB in all", flush=True)
     return 0

@@ -3,6 +3,7 @@ afterwards, no device-side derivation of local lengths in any step program (deco
 same programs; and the check catches one wired in), and metadata errors before anything is traced."""
 
 
+import dataclasses
 import re
 
 import jax
@@ -143,12 +144,13 @@ def test_the_check_lets_host_rows_be_picked_but_not_computed_from():
     assert "add" in found(lambda p, a: jnp.take_along_axis(p, a[:, None], axis=1) + 1)
 
 
-@pytest.mark.parametrize("kernels", ["reference", "pallas"])
-def test_no_program_of_the_model_derives_local_lengths(kernels):
-    """Every bucket of every variant (decode rows and prefill chunks alike, sampling included), with either
-    kernels."""
+@pytest.mark.parametrize("model, kernels", [("tiny", "reference"), ("tiny", "pallas"), ("tiny-mla", "reference"),
+                                           ("tiny-mla", "pallas")])
+def test_no_program_of_the_model_derives_local_lengths(model, kernels):
+    """Every bucket of every program kind (decode rows and prefill chunks alike, sampling included), with either
+    kernels, of the sparse (tiny) and the dense attention variant (tiny-mla)."""
     # Experts twice the preset's width, so each of the 4 ranks' slice (16) is what the grouped matmul kernel takes.
-    runner = load_model(EngineArgs(model="tiny", dcp=4, interleave=2, max_num_seqs=4, max_model_len=64,
+    runner = load_model(EngineArgs(model=model, dcp=4, interleave=2, max_num_seqs=4, max_model_len=64,
                                    kernels=kernels, max_num_batched_tokens=16,
                                    hf_overrides={"moe_intermediate_size": 64})).runner
     assert runner.engine.buckets == (1, 2, 4, 8, 16)
@@ -289,13 +291,17 @@ def vocab_top_ks(text: str, vocab: int) -> int:
 
 def test_only_steps_that_want_logprobs_sort_the_vocabulary():
     """The greedy program computes no top logprobs (a full-vocabulary top_k: a quarter of the greedy step at B = 64
-    on an H100); a step whose greedy rows want logprobs runs the drawing program, which does. dsa-tiny, f32."""
-    runner = load_model(EngineArgs(model="dsa-tiny", dcp=1, num_pages=64, max_model_len=256, max_num_seqs=2,
-                                   max_num_batched_tokens=8, kernels="reference")).runner
+    on an H100); a step whose greedy rows want logprobs runs the drawing program, which does: a full top_k with the
+    reference kernels, the Pallas top-k kernel with the Pallas ones (no top_k op). dsa-tiny, f32."""
+    args = EngineArgs(model="dsa-tiny", dcp=1, num_pages=64, max_model_len=256, max_num_seqs=2,
+                      max_num_batched_tokens=8, kernels="reference")
+    runner = load_model(args).runner
     vocab = runner.ctx.cfg.vocab_size
     counts = {kind: vocab_top_ks(runner.steps[kind].lower(runner.params, runner.state, 2).as_text(), vocab)
               for kind in ("greedy", "sampled")}
     assert counts["greedy"] == 0 and counts["sampled"] >= 1, counts
+    pallas = load_model(dataclasses.replace(args, kernels="pallas")).runner
+    assert vocab_top_ks(pallas.steps["sampled"].lower(pallas.params, pallas.state, 2).as_text(), vocab) == 0
     greedy = SamplingParams(temperature=0)
     assert step_kind([greedy, greedy], prompt_logprobs=False) is GREEDY
     assert step_kind([greedy, SamplingParams(temperature=0, logprobs=0)], prompt_logprobs=False) is SAMPLED

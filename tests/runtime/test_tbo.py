@@ -11,7 +11,7 @@ import pytest
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
 from dcp_jax.host.step_plan import ScheduledRows
 from dcp_jax.host import arrays
-from dcp_jax.model.attention import sparse_dcp
+from dcp_jax.model.attention import mla_dcp
 from dcp_jax.model.deepseek_v32 import init_params
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.runtime.forward import GREEDY
@@ -77,9 +77,9 @@ def test_a_micro_batch_reading_the_other_ones_rows_is_caught(monkeypatch):
 
 
 def test_micro_batches_are_consecutive_static_row_ranges():
-    assert sparse_dcp.micro_batch_rows(7, 2) == [slice(0, 3), slice(3, 7)]
-    assert sparse_dcp.micro_batch_rows(1, 2) == [slice(0, 1)]
-    assert sparse_dcp.micro_batch_rows(8, 1) == [slice(0, 8)]
+    assert mla_dcp.micro_batch_rows(7, 2) == [slice(0, 3), slice(3, 7)]
+    assert mla_dcp.micro_batch_rows(1, 2) == [slice(0, 1)]
+    assert mla_dcp.micro_batch_rows(8, 1) == [slice(0, 8)]
 
 
 def collectives(runner, rows: int) -> dict[str, int]:

@@ -36,15 +36,18 @@ def layer_norm(x, weight, bias, eps):
 
 
 def low_rank_projections(p: MlaParams, x, cfg: ModelConfig, *, backend: str):
-    """x [R, D] -> (q_a [R, Q], ckv [R, C+E]): q_a_proj and kv_a_proj_with_mqa as one product (`wqkv_a`)."""
+    """x [R, D] -> (q_a [R, Q], ckv [R, C+E]): q_a_proj and kv_a_proj_with_mqa as one product (`wqkv_a`); without a
+    low-rank query, q_a is x itself (what q_proj reads)."""
     qkv_a = einsum("rd,dn->rn", x, p.wqkv_a, backend=backend)
+    if cfg.q_lora_rank is None:
+        return x, qkv_a
     return qkv_a[..., : cfg.q_lora_rank], qkv_a[..., cfg.q_lora_rank :]
 
 
 def mla_query(p: MlaParams, q_a, cos, sin, cfg: ModelConfig, *, backend: str):
     """q_a [R, Q] (`low_rank_projections`) -> (q_resid [R, Q], q_nope [R, H, N], roped q_pe [R, H, E]) for the
-    heads in `p`."""
-    q_resid = rms_norm(q_a, p.q_a_norm, LATENT_NORM_EPS)
+    heads in `p` (without a low-rank query q_a is x, not normed: HF's q_proj)."""
+    q_resid = q_a if cfg.q_lora_rank is None else rms_norm(q_a, p.q_a_norm, LATENT_NORM_EPS)
     q = einsum("rq,qhk->rhk", q_resid, p.wq_b, backend=backend)
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
     return q_resid, q_nope, apply_rope(q_pe, cos, sin, interleaved=True)

@@ -25,33 +25,10 @@ from dcp_jax.config import ModelConfig, check_index_cache
 from dcp_jax.host.layout import DcpLayout
 from dcp_jax.host import arrays
 from dcp_jax.host.step_metadata import StepMetadata
-from dcp_jax.model.attention import cache_formats, exchange, params, projections
+from dcp_jax.model.attention import cache_formats, exchange, mla_dcp, params, projections
 from dcp_jax.model.attention.params import DsaParams
 from dcp_jax.model.attention.variant import AttentionVariant, CacheFormats, CachePool
-from dcp_jax.model.mesh import DCP, HEADS
-
-
-def write_slots(cache, slots, values):
-    """cache [pages, B, ...] with values [R, ...] written at physical slots [R]; slot -1 writes nothing. A pytree
-    cache (`Fp8IndexKeys`, `Fp8LatentCache`) takes values of the same structure, written leaf by leaf."""
-
-    # In place on either platform: XLA GPU copied the whole pool for a (page, offset) scatter (bench decode's 27 GiB
-    # pool ran an H100 out of memory), XLA CPU copies it around the flattening reshape (0.2 s a token).
-    by_page = jax.default_backend() == "cpu"
-
-    def write(pool, new):
-        pages, page_size = pool.shape[:2]
-        new = new.astype(pool.dtype)
-        if by_page:
-            page = jnp.where(slots >= 0, slots // page_size, pages)  # out of range -> dropped
-            # Reads see this result, never the pool before it: XLA CPU rewrote a lone row's read-back to the old pool,
-            # which then had to be copied whole.
-            return jax.lax.optimization_barrier(pool.at[page, slots % page_size].set(new, mode="drop"))
-        flat = pool.reshape(pages * page_size, *pool.shape[2:])
-        target = jnp.where(slots >= 0, slots, pages * page_size)  # out of range -> dropped
-        return flat.at[target].set(new, mode="drop").reshape(pool.shape)
-
-    return jax.tree.map(write, cache, values)
+from dcp_jax.model.mesh import DCP
 
 
 class Queries(NamedTuple):
@@ -76,24 +53,19 @@ def project_and_write(p, x, kv_cache, index_cache, rope, slots, *, cfg: ModelCon
     queries = Queries(q_nope, q_pe, projections.index_query(p, q_resid, cos, sin, cfg, backend=backend),
                       projections.index_weights(p, x, cfg))
     latents = cache_formats.encode_latents(projections.mla_latent(p, ckv, cos, sin, cfg), kv_cache)
-    kv_cache = write_slots(kv_cache, slots, latents)
+    kv_cache = mla_dcp.write_slots(kv_cache, slots, latents)
     index_keys = cache_formats.encode_index_keys(projections.index_key(p, x, cos, sin, cfg, backend=backend),
                                                  index_cache)
-    index_cache = write_slots(index_cache, slots, index_keys)
+    index_cache = mla_dcp.write_slots(index_cache, slots, index_keys)
     return queries, kv_cache, index_cache
-
-
-def row_block_tables(md: StepMetadata):
-    """[R, P]: the page ids of each row's sequence (the step's [M, P] tables gathered by query_seqs)."""
-    return md.block_tables[md.query_seqs]
 
 
 def local_top_k(queries: Queries, index_cache, md: StepMetadata, *, cfg: ModelConfig, backend: str):
     """2-3. This rank's top-k of its indexer logits (fused where the kernels allow): (scores [R, K], local token
     ids [R, K], -1 padded), in column order: the exchange sorts the merged candidates anyway."""
     q, weights = cache_formats.encode_index_queries(queries.index_q, queries.index_weights, index_cache)
-    return pallas_kernels.indexer_top_k(q, weights, index_cache, row_block_tables(md), md.local_context_lens,
-                                        k=cfg.indexer.topk, sorted=False, backend=backend)
+    return pallas_kernels.indexer_top_k(q, weights, index_cache, mla_dcp.row_block_tables(md),
+                                        md.local_context_lens, k=cfg.indexer.topk, sorted=False, backend=backend)
 
 
 def select_owned(values, local_ids, md: StepMetadata, *, cfg: ModelConfig, layout: DcpLayout):
@@ -101,29 +73,15 @@ def select_owned(values, local_ids, md: StepMetadata, *, cfg: ModelConfig, layou
     share of them as compacted slots [R, K] and counts [R]."""
     rank = jax.lax.axis_index(DCP)
     selected = exchange.exchange_top_k(values, local_ids, rank, k=cfg.indexer.topk, layout=layout)
-    owned_slots, counts = exchange.owner_filter(selected, row_block_tables(md), rank, layout=layout)
+    owned_slots, counts = exchange.owner_filter(selected, mla_dcp.row_block_tables(md), rank, layout=layout)
     return selected, owned_slots, counts
 
 
 def attend(p, queries: Queries, kv_cache, owned_slots, counts, *, cfg: ModelConfig, backend: str):
     """6. Sparse MLA over the owned slots for the heads of the whole DCP group: (out [R, W*h, C], lse [R, W*h])."""
-    q = jax.lax.all_gather(projections.absorb_query(p, queries.q_nope, queries.q_pe), DCP, axis=1, tiled=True)
+    q = mla_dcp.group_queries(p, queries.q_nope, queries.q_pe)
     return pallas_kernels.sparse_mla_decode(cache_formats.cast_query(q, kv_cache), kv_cache, owned_slots, counts,
                                             cfg.softmax_scale, value_dim=cfg.kv_lora_rank, backend=backend)
-
-
-def merge_heads(p, out, lse, dtype, *, backend: str):
-    """7. LSE merge back to this rank's h heads, W_UV, o_proj and the TP all-reduce: [R, D]."""
-    latent_out = exchange.merge_partial_attention(out, lse).astype(dtype)
-    return jax.lax.psum(projections.output_projection(p, latent_out, backend=backend), HEADS)
-
-
-def micro_batch_rows(rows: int, micro_batches: int) -> list[slice]:
-    """The static row ranges of `micro_batches` micro-batches of a step of `rows` rows (the first ones one row
-    longer when it does not divide; fewer when there are fewer rows)."""
-    count = max(1, min(micro_batches, rows))
-    bounds = [rows * i // count for i in range(count + 1)]
-    return [slice(bounds[i], bounds[i + 1]) for i in range(count)]
 
 
 def _attend_rows(p, queries: Queries, kv_cache, index_cache, md: StepMetadata, *, cfg: ModelConfig,
@@ -136,7 +94,7 @@ def _attend_rows(p, queries: Queries, kv_cache, index_cache, md: StepMetadata, *
     with jax.named_scope("sparse_mla"):
         out, lse = attend(p, queries, kv_cache, owned_slots, counts, cfg=cfg, backend=backend)
     with jax.named_scope("merge"):
-        return merge_heads(p, out, lse, dtype, backend=backend), selected
+        return mla_dcp.merge_heads(p, out, lse, dtype, backend=backend), selected
 
 
 def sparse_dcp_attention(p: DsaParams, x, kv_cache, index_cache, rope, md: StepMetadata, *, cfg: ModelConfig,
@@ -150,7 +108,7 @@ def sparse_dcp_attention(p: DsaParams, x, kv_cache, index_cache, rope, md: StepM
     with jax.named_scope("projections"):
         queries, kv_cache, index_cache = project_and_write(p, x, kv_cache, index_cache, rope, md.slot_mapping,
                                                            cfg=cfg, backend=backend)
-    outputs, ranges = [], micro_batch_rows(x.shape[0], micro_batches)
+    outputs, ranges = [], mla_dcp.micro_batch_rows(x.shape[0], micro_batches)
     for index, rows in enumerate(ranges):
         with jax.named_scope(f"micro_batch_{index}") if len(ranges) > 1 else contextlib.nullcontext():
             outputs.append(_attend_rows(p, Queries(*(q[rows] for q in queries)), kv_cache, index_cache,

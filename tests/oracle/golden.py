@@ -1,0 +1,93 @@
+"""What a model-level oracle test does with a golden fixture (`tests/fixtures/oracle/<name>.npz`): read it, rebuild
+the checkpoint HF read, feed its prompts and HF's greedy tokens through a `ModelRunner`, and compare logits, greedy
+tokens and logprobs with HF's. Used by `tests/model/test_deepseek_v3_oracle.py`; the comparisons are those of
+`test_deepseek_v32_oracle.py` (prefill log-softmax at every position, greedy tokens, chosen-token logprobs and
+whole log-softmax rows at every step, one absolute tolerance).
+
+numpy here; the runner's helpers (`dcp_jax.runtime.oracle`) are imported when a case runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tests.oracle import hf_tiny
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "oracle"
+
+
+@functools.cache
+def fixture(name: str) -> dict[str, np.ndarray]:
+    """The fixture `name` (its fields: `tests/oracle/README.md`), read once."""
+    with np.load(FIXTURES / f"{name}.npz") as f:
+        return dict(f)
+
+
+def write_checkpoint(name: str, out_dir: str | os.PathLike) -> str:
+    """Rebuild the checkpoint of fixture `name` from its config and seed into `out_dir`; returns its sha256 (the
+    fixture's `checkpoint_sha256` when the bytes are the ones HF read)."""
+    return hf_tiny.write_random_checkpoint(hf_tiny.tiny_configs()[name], int(fixture(name)["seed"]), out_dir)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    shifted = x - x.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def prompts_of(fx: dict) -> list[list[int]]:
+    return [fx["prompt_ids"][i, :n].tolist() for i, n in enumerate(fx["prompt_lens"])]
+
+
+def block_tables(engine, dcp: int, rows: int, seed: int) -> list[list[int]]:
+    """Each row gets its own pages of `engine`'s pool, scattered over it."""
+    blocks = engine.max_blocks_per_seq(dcp)
+    pages = np.random.default_rng(seed).permutation(engine.num_pages)[: rows * blocks]
+    return pages.reshape(rows, blocks).tolist()
+
+
+def run_greedy(runner, fx: dict, tables: list[list[int]], chunk: int) -> dict[str, np.ndarray | list]:
+    """Prefill the fixture's prompts in chunks of `chunk` tokens (logits at every position), then one decode step per
+    later greedy token, each fed HF's previous token. Returns `prefill_logits` [P, Lmax, V] (NaN padded),
+    `decode_logits` (N-1 arrays [P, V]) and `sampled` [P, N] (the tokens the device sampled greedily)."""
+    from dcp_jax.runtime import oracle
+
+    prompts = prompts_of(fx)
+    prefill_logits, _, first_tokens = oracle.prefill(runner, prompts, tables, chunk_size=chunk, all_logits=True)
+    decode_logits, sampled = [], [first_tokens]
+    context = np.array([len(p) for p in prompts])
+    for j in range(1, fx["gen_tokens"].shape[1]):
+        context = context + 1
+        logits, _, tokens = oracle.decode(runner, fx["gen_tokens"][:, j - 1].tolist(), context.tolist(), tables)
+        decode_logits.append(logits)
+        sampled.append(tokens)
+    return dict(prefill_logits=prefill_logits, decode_logits=decode_logits, sampled=np.stack(sampled, axis=1))
+
+
+def assert_prefill_equal(fx: dict, prefill_logits: np.ndarray, tol: float) -> None:
+    """Every prompt position: log-softmax within `tol` of HF's (absolute), and the same argmax."""
+    for i, n in enumerate(fx["prompt_lens"]):
+        want = log_softmax(fx["prefill_logits"][i, :n])
+        got = log_softmax(prefill_logits[i, :n])
+        np.testing.assert_allclose(got, want, atol=tol, rtol=0, err_msg=f"prompt {i}")
+        np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1), err_msg=f"prompt {i}")
+
+
+def assert_greedy_equal(fx: dict, result: dict, tol: float) -> None:
+    """The greedy tokens equal HF's (the device sampler's and the argmax of our logits at every step: the prefill's
+    last position, then each decode step), the chosen tokens' logprobs and whole log-softmax rows within `tol`."""
+    prompt_lens = fx["prompt_lens"]
+    last = np.stack([result["prefill_logits"][i, n - 1] for i, n in enumerate(prompt_lens)])
+    steps = [last] + list(result["decode_logits"])
+    assert len(steps) == fx["gen_tokens"].shape[1]
+    np.testing.assert_array_equal(result["sampled"], fx["gen_tokens"])
+    for j, logits in enumerate(steps):
+        logprobs = log_softmax(logits)
+        np.testing.assert_array_equal(logprobs.argmax(-1), fx["gen_tokens"][:, j], err_msg=f"step {j}")
+        chosen = np.take_along_axis(logprobs, fx["gen_tokens"][:, j, None], axis=1)[:, 0]
+        np.testing.assert_allclose(chosen, fx["gen_logprobs"][:, j], atol=tol, rtol=0, err_msg=f"step {j}")
+        np.testing.assert_allclose(logprobs, fx["gen_logsoftmax"][:, j], atol=tol, rtol=0, err_msg=f"step {j}")
