@@ -19,9 +19,10 @@ with another attention variant in its step context (`StepContext.attention`), sa
 - `tbo` (`--tbo`): the same step with two-batch overlap (each layer's attention as two micro-batches);
 - `fallback`: every layer re-derives the local lengths on device from the global ones (`DerivedLengths`,
   `runtime.jaxpr_check.local_context_lens_on_device`) - the failure mode the design forbids;
-- stage-isolating variants `through_<stage>` (see `STAGES`, `StagedAttention`): each layer runs the attention data
-  flow of `attention/sparse_dcp.py` only up to that stage (the rest of the layer as it is), and the per-stage time
-  is the difference of consecutive variants.
+- stage-isolating variants `through_<stage>` (see `STAGES`, `StagedAttention`; DSA presets): each layer runs the
+  attention data flow of `attention/sparse_dcp.py` only up to that stage (the rest of the layer as it is), and the
+  per-stage time is the difference of consecutive variants.
+A dense-MLA preset (`deepseek-r1`, `kimi-k2`: `attention/dense_dcp.py`) runs the host, TBO and fallback variants.
 With `--profile`, each host step's point also gets its roofline and the device time of a profiler trace of a few
 steps by kernel category (`step_profile.py`; the step-efficiency table). DeepSeek-V3.2's first three layers are
 dense, so `--num-layers 3` is three dense layers and `--num-layers 4` adds one MoE layer.
@@ -61,7 +62,7 @@ from dcp_jax.host.sampling_metadata import SamplingTable
 from dcp_jax.host.step_inputs import FED_BACK, StepInputs, build_step_inputs
 from dcp_jax.host.step_metadata import build_step_metadata
 from dcp_jax.model import architecture
-from dcp_jax.model.attention import cache_formats, mla_dcp, sparse_dcp
+from dcp_jax.model.attention import cache_formats, dense_dcp, mla_dcp, sparse_dcp
 from dcp_jax.model.kv_cache import KVCache, cache_pools
 from dcp_jax.model.memory_plan import FP8_BLOCK
 from dcp_jax.model.mesh import DCP, make_mesh
@@ -139,14 +140,22 @@ class StagedAttention(sparse_dcp.SparseMla):
         return update, pools, jnp.full((x.shape[0], ctx.cfg.indexer.topk), -1, jnp.int32)
 
 
-class DerivedLengths(sparse_dcp.SparseMla):
-    """The forbidden variant: DSA's attention with each layer's local lengths re-derived on device from the global
-    ones (what a captured graph recorded in the engine this project ports)."""
+class _DerivedLengths:
+    """The forbidden variant's step: the attention with each layer's local lengths re-derived on device from the
+    global ones (what a captured graph recorded in the engine this project ports)."""
 
     def attend(self, p, x, pools, rope, md, *, ctx):
         derived = local_context_lens_on_device(md.context_lens, jax.lax.axis_index(DCP), dcp=ctx.layout.dcp_size,
                                                interleave=ctx.layout.interleave)
         return super().attend(p, x, pools, rope, md._replace(local_context_lens=derived), ctx=ctx)
+
+
+class DerivedLengths(_DerivedLengths, sparse_dcp.SparseMla):
+    """DSA's attention with device-derived local lengths."""
+
+
+class DenseDerivedLengths(_DerivedLengths, dense_dcp.DenseMla):
+    """Dense MLA with device-derived local lengths."""
 
 
 def variant_context(ctx: StepContext, variant: str) -> StepContext:
@@ -157,7 +166,8 @@ def variant_context(ctx: StepContext, variant: str) -> StepContext:
     if variant == "tbo":
         return dataclasses.replace(ctx, micro_batches=2)
     if variant == "fallback":
-        return dataclasses.replace(ctx, attention=DerivedLengths())
+        dense = isinstance(ctx.attention, dense_dcp.DenseMla)
+        return dataclasses.replace(ctx, attention=DenseDerivedLengths() if dense else DerivedLengths())
     if variant.startswith("through_"):
         return dataclasses.replace(ctx, attention=StagedAttention(variant[len("through_"):]))
     raise ValueError(f"unknown variant {variant!r}")
@@ -221,7 +231,7 @@ class Grid:
 
     def variants(self, batch: int) -> tuple[str, ...]:
         out = ("host",) + (("tbo",) if self.tbo else ()) + (("fallback",) if self.fallback else ())
-        if batch in self.breakdown_batches:
+        if batch in self.breakdown_batches and self.cfg.indexer is not None:  # DSA's stages; dense MLA has none
             out += tuple(f"through_{s}" for s in STAGES[:-1])  # through the last stage is the host step
         return out
 
@@ -256,10 +266,11 @@ def block_tables_for(batch: int, context: int, *, dcp: int, page_size: int, max_
 
 
 def _bytes_per_token(cfg: ModelConfig, itemsize: int, index_cache: str, latent_cache: str) -> tuple[int, int]:
-    """(latent, index-K) bytes of one cached token in one layer, in the named formats."""
+    """(latent, index-K) bytes of one cached token in one layer, in the named formats (index-K 0 for dense MLA)."""
     pools = {pool.name: pool for pool in cache_pools(cfg, EngineConfig(index_cache=index_cache,
                                                                        latent_cache=latent_cache))}
-    return pools["latent"].token_bytes(itemsize), pools["index_k"].token_bytes(itemsize)
+    index_k = pools.get("index_k")
+    return pools["latent"].token_bytes(itemsize), index_k.token_bytes(itemsize) if index_k else 0
 
 
 def kv_bytes_used(cfg: ModelConfig, *, batch: int, context: int, dcp: int, page_size: int, itemsize: int,

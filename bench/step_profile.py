@@ -6,9 +6,10 @@ each row's tokens and the weights, every rank attends with all heads):
 - bytes: every weight read once except the embedding table (a gather of B rows), at its stored size (block-fp8
   values and their scales); the routed experts at the share that B rows touch, 1 - (1 - k/X)^B under uniform
   routing (every expert from B = 256 on, k of X at B = 1); per layer, the index keys of B x L/W tokens and the
-  min(L, topk)/W selected latents of each row, in the cache formats' bytes per token (scales included);
+  K' = min(L, topk)/W selected latents of each row (dense MLA: no index keys, K' = L/W, every latent a rank holds),
+  in the cache formats' bytes per token (scales included);
 - FLOPs: 2 B per weight element a row multiplies (the GEMMs; routed experts at k/X of theirs); per layer, the
-  indexer's scores 2 B (L/W) I J and sparse MLA's 2 B H K' (C + E) + 2 B H K' C, K' = min(L, topk)/W;
+  indexer's scores 2 B (L/W) I J (dense MLA: none) and MLA's 2 B H K' (C + E) + 2 B H K' C;
 - time: max(bytes / same-run copy rate, FLOPs / same-run bf16 matmul rate) (`bench.common.copy_tbps`,
   `matmul_tflops`); both terms are kept. The matmul rate is bf16's: fp8 GEMMs may run up to twice as fast.
 Letters: see the legend in `dcp_jax/__init__.py` (here B is the batch of decode rows, the bucket R).
@@ -26,8 +27,8 @@ from bench.common import (copy_tbps, kernel_durations_us, matmul_tflops, through
 from dcp_jax.config import ModelConfig
 
 # Kernel categories of a trace, in table order; "other" holds the names no rule matches.
-CATEGORIES = ("GEMM", "fp8 GEMM", "grouped MoE", "indexer", "top-k", "sparse MLA", "merge", "collectives", "copies",
-              "other fusions", "sort", "other")
+CATEGORIES = ("GEMM", "fp8 GEMM", "grouped MoE", "indexer", "top-k", "sparse MLA", "dense MLA", "merge", "collectives",
+              "copies", "other fusions", "sort", "other")
 # (category, name fragments) in the order they are tried; names are lowercased first. The project's kernels go
 # first, by the names traces show: a Pallas-Triton kernel's `name=`, a Mosaic GPU kernel's body function +
 # "_mosaic_gpu_kernel". Then vendor libraries' and XLA's kernels.
@@ -36,6 +37,7 @@ _RULES = (
     ("top-k", ("topk",)),  # topk_maxima_ / topk_floor_ / topk_candidates_ / topk_select_
     # Mosaic sparse MLA's body is `entry` (pallas_kernels/_sparse_mla_mosaic.py); Triton sparse_mla_decode_...
     ("sparse MLA", ("sparse_mla", "entry_mosaic_gpu")),
+    ("dense MLA", ("mla_decode",)),  # Triton mla_decode_...
     ("merge", ("merge_splits",)),  # the Triton split-k combine of sparse MLA
     # Mosaic fp8_gemm_mosaic; cuBLAS and CUTLASS name fp8 kernels by their e4m3 operands. An fp8 GEMM that the
     # Mosaic kernel does not take runs as a one-group Triton grouped_matmul_fp8: counted as grouped MoE.
@@ -163,14 +165,16 @@ def roofline(cfg: ModelConfig, params, *, batch: int, context: int, dcp: int, la
     docstring), `params` placed as the step runs them, the caches' bytes per token of one layer."""
     layers, indexer = cfg.num_hidden_layers, cfg.indexer
     tokens = -(-context // dcp)  # a row's tokens one rank holds
-    selected = -(-min(context, indexer.topk) // dcp)  # the selected ones it attends
+    # The ones it attends: the selected (DSA), or all of them (dense MLA, which scores no index key).
+    selected = tokens if indexer is None else -(-min(context, indexer.topk) // dcp)
+    scored = 0 if indexer is None else tokens
     weight_bytes, weight_elements = weight_traffic(params, cfg, batch)
     return Roofline(
         weight_bytes=weight_bytes,
-        index_key_bytes=layers * batch * tokens * index_token_bytes,
+        index_key_bytes=layers * batch * scored * index_token_bytes,
         latent_bytes=layers * batch * selected * latent_token_bytes,
         gemm_flops=2 * batch * weight_elements,
-        indexer_flops=layers * 2 * batch * tokens * indexer.heads * indexer.head_dim,
+        indexer_flops=0 if indexer is None else layers * 2 * batch * tokens * indexer.heads * indexer.head_dim,
         sparse_mla_flops=layers * 2 * batch * cfg.num_attention_heads * selected
         * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim),  # scores over C + E, values over C
         copy_tbps=copy_tbps, matmul_tflops=matmul_tflops)

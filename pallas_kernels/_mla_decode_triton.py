@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import formats
 from pallas_kernels._lse import merge_splits
 from pallas_kernels._platform import default_interpret
-from pallas_kernels._sparse_mla_triton import fp8_cache_rows
+from pallas_kernels._sparse_mla_triton import fp8_block_step, fp8_cache_rows
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -179,22 +179,9 @@ def _mla_decode_fp8_kernel(tables_ref, lens_ref, q_ref, latent_ref, scales_ref, 
         accs, m_prev, l_prev = carry
         t, is_token, slot = _block_tokens(tables_ref, seq, start + block * block_t, end, block_t=block_t,
                                           page_size=page_size, max_pages=max_pages)
-        mask = is_token[:, None]
-        k_tiles = [plgpu.load(latent_ref.at[slot, n * formats.LATENT_TILE + tile_cols], mask=mask,
-                              other=jnp.zeros((), latent_ref.dtype)).astype(jnp.bfloat16)
-                   for n in tiles]                                                 # [block_t, 128] each
-        k_scales = [plgpu.load(scales_ref.at[slot, jnp.full((1, 1), n)], mask=mask, other=0.0).T
-                    for n in tiles]                                                # [1, block_t] each
-        k_rope = plgpu.load(rope_ref.at[slot, rope_cols], mask=mask, other=0)      # [block_t, E]
-        scores = jnp.dot(q_rope, k_rope.T, preferred_element_type=jnp.float32)
-        for q_tile, k_tile, k_scale in zip(q_tiles, k_tiles, k_scales):
-            scores += jnp.dot(q_tile, k_tile.T, preferred_element_type=jnp.float32) * k_scale
         is_valid = is_token[None, :] & (t[None, :] < length[:, None])
-        probs, correction, m_next, l_next = _softmax_step(scores, scale, is_valid, m_prev, l_prev)
-        accs = tuple(acc * correction[:, None] + jnp.dot((probs * k_scale).astype(jnp.bfloat16), k_tile,
-                                                         preferred_element_type=jnp.float32)
-                     for acc, k_tile, k_scale in zip(accs, k_tiles, k_scales))
-        return accs, m_next, l_next
+        return fp8_block_step(latent_ref, scales_ref, rope_ref, slot, is_token[:, None], q_tiles, q_rope, accs,
+                              lambda scores: _softmax_step(scores, scale, is_valid, m_prev, l_prev))
 
     accs = tuple(jnp.zeros((block_r, formats.LATENT_TILE), jnp.float32) for _ in tiles)
     m = jnp.full((block_r,), -jnp.inf, jnp.float32)

@@ -123,6 +123,30 @@ def _sparse_mla_kernel(slots_ref, counts_ref, q_ref, kv_ref,  # inputs
     lse_ref[...] = lse
 
 
+def fp8_block_step(latent_ref, scales_ref, rope_ref, slot, mask, q_tiles, q_rope, accs, softmax_step):
+    """One block of tokens of an fp8 latent cache (cache rows `slot` [n, 1], `mask` [n, 1] the real ones) against
+    query tiles q_tiles (bf16 [r, 128] each) and q_rope [r, E]: each e4m3 tile multiplies in bf16 (exact) and its
+    per-token scale multiplies the tile's scores and the probabilities of its values, so no dequantized tile is
+    formed. `softmax_step(scores)` -> (probs, correction, m, l) is the kernel's online-softmax update. Returns (the
+    per-tile accumulators updated, m, l)."""
+    tiles = range(len(q_tiles))
+    tile_cols = jnp.arange(formats.LATENT_TILE)[None, :]
+    k_tiles = [plgpu.load(latent_ref.at[slot, t * formats.LATENT_TILE + tile_cols], mask=mask,
+                          other=jnp.zeros((), latent_ref.dtype)).astype(jnp.bfloat16)
+               for t in tiles]                                                     # [n, 128] each
+    k_scales = [plgpu.load(scales_ref.at[slot, jnp.full((1, 1), t)], mask=mask, other=0.0).T
+                for t in tiles]                                                    # [1, n] each
+    k_rope = plgpu.load(rope_ref.at[slot, jnp.arange(q_rope.shape[1])[None, :]], mask=mask, other=0)  # [n, E]
+    scores = jnp.dot(q_rope, k_rope.T, preferred_element_type=jnp.float32)
+    for q_tile, k_tile, k_scale in zip(q_tiles, k_tiles, k_scales):
+        scores += jnp.dot(q_tile, k_tile.T, preferred_element_type=jnp.float32) * k_scale
+    probs, correction, m_next, l_next = softmax_step(scores)
+    accs = tuple(acc * correction[:, None] + jnp.dot((probs * k_scale).astype(jnp.bfloat16), k_tile,
+                                                     preferred_element_type=jnp.float32)
+                 for acc, k_tile, k_scale in zip(accs, k_tiles, k_scales))
+    return accs, m_next, l_next
+
+
 def _sparse_mla_fp8_kernel(slots_ref, counts_ref, q_ref, latent_ref, scales_ref, rope_ref,  # inputs
                            out_ref, lse_ref,                                                # outputs
                            *, sm_scale: float, value_dim: int, rope_dim: int, block_h: int, block_s: int,
@@ -137,28 +161,13 @@ def _sparse_mla_fp8_kernel(slots_ref, counts_ref, q_ref, latent_ref, scales_ref,
     q_tiles = [q_ref[row, heads, pl.ds(t * formats.LATENT_TILE, formats.LATENT_TILE)].astype(jnp.bfloat16)
                for t in tiles]                                                    # [block_h, 128] each
     q_rope = q_ref[row, heads, pl.ds(value_dim, rope_dim)].astype(jnp.bfloat16)   # [block_h, E]
-    tile_cols = jnp.arange(formats.LATENT_TILE)[None, :]
-    rope_cols = jnp.arange(rope_dim)[None, :]
     scale = sm_scale * LOG2E
 
     def body(block, carry):
         accs, m_prev, l_prev = carry
         is_valid, slot = _block_slots(slots_ref, row, start + block * block_s, end, block_s)
-        mask = is_valid[:, None]
-        k_tiles = [plgpu.load(latent_ref.at[slot, t * formats.LATENT_TILE + tile_cols], mask=mask,
-                              other=jnp.zeros((), latent_ref.dtype)).astype(jnp.bfloat16)
-                   for t in tiles]                                                 # [block_s, 128] each
-        k_scales = [plgpu.load(scales_ref.at[slot, jnp.full((1, 1), t)], mask=mask, other=0.0).T
-                    for t in tiles]                                                # [1, block_s] each
-        k_rope = plgpu.load(rope_ref.at[slot, rope_cols], mask=mask, other=0)      # [block_s, E]
-        scores = jnp.dot(q_rope, k_rope.T, preferred_element_type=jnp.float32)
-        for q_tile, k_tile, k_scale in zip(q_tiles, k_tiles, k_scales):
-            scores += jnp.dot(q_tile, k_tile.T, preferred_element_type=jnp.float32) * k_scale
-        probs, correction, m_next, l_next = _softmax_step(scores, scale, is_valid, m_prev, l_prev)
-        accs = tuple(acc * correction[:, None] + jnp.dot((probs * k_scale).astype(jnp.bfloat16), k_tile,
-                                                         preferred_element_type=jnp.float32)
-                     for acc, k_tile, k_scale in zip(accs, k_tiles, k_scales))
-        return accs, m_next, l_next
+        return fp8_block_step(latent_ref, scales_ref, rope_ref, slot, is_valid[:, None], q_tiles, q_rope, accs,
+                              lambda scores: _softmax_step(scores, scale, is_valid, m_prev, l_prev))
 
     accs = tuple(jnp.zeros((block_h, formats.LATENT_TILE), jnp.float32) for _ in tiles)
     m = jnp.full((block_h,), -jnp.inf, jnp.float32)

@@ -275,3 +275,25 @@ def test_fp8_weights_run_the_step_and_shrink_the_weight_bytes():
         assert {r["weight_format"] for r in rows if r["kind"] == "point"} == {fmt}
         programs[fmt] = next(r for r in rows if r["kind"] == "program")
     assert programs["fp8"]["weights_bytes_per_rank"] < 0.75 * programs["plain"]["weights_bytes_per_rank"]
+
+
+def test_a_dense_mla_preset_runs_its_host_and_fallback_steps_and_its_roofline(tmp_path):
+    """tiny-mla (DeepseekV3ForCausalLM): the host, TBO and fallback variants (no DSA stages to cut), no index-key
+    bytes, every latent a rank holds in the roofline; the fallback derives lengths, the host step does not."""
+    out = tmp_path / "dense.jsonl"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        rc = cli.main(["bench", "decode", "--preset", "tiny-mla", "--num-layers", "1", "--dcp", "2", "--contexts",
+                       "64", "--batches", "2", "--kernels", "reference", "--steps", "2", "--warmup", "1",
+                       "--page-size", "4", "--img-dir", "none", "--tbo", "--profile", "--profile-steps", "2",
+                       "--copy-bytes", "1M", "--matmul-size", "128", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rc == 0
+    points = {r["variant"]: r for r in rows if r["kind"] == "point"}
+    assert set(points) == {"host", "tbo", "fallback"}
+    host = points["host"]
+    assert host["kv_index_bytes_per_rank"] == 0 and host["index_key_bytes"] == 0
+    assert host["latent_bytes"] == 1 * 2 * 32 * decode_bench._bytes_per_token(preset("tiny-mla"), 2, "exact",
+                                                                                "exact")[0]
+    programs = {r["variant"]: r for r in rows if r["kind"] == "program"}
+    assert programs["host"]["length_derivations"] == 0 and programs["fallback"]["length_derivations"] > 0
+

@@ -29,6 +29,7 @@ NAMES = {
     "topk_maxima_k_2048_groups_4096_tile_4096_capacity_4096_split": "top-k",
     "entry_mosaic_gpu_kernel": "sparse MLA",
     "sparse_mla_decode_fp8_block_h_64_block_s_64_num_splits_4": "sparse MLA",
+    "mla_decode_block_r=64_block_t=64_splits=1": "dense MLA",
     "merge_splits_num_splits_4_block_h_64_block_c_128": "merge",
     "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "collectives",
     "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": "collectives",
@@ -117,6 +118,16 @@ def test_roofline_terms_by_hand():
     short = step_profile.roofline(cfg, params, batch=2, context=8, dcp=1, latent_token_bytes=288,
                                   index_token_bytes=64, copy_tbps=2.0, matmul_tflops=1.0)
     assert short.latent_bytes == 2 * 2 * 8 * 288  # a row of 8 < topk tokens attends all 8
+
+
+def test_the_dense_roofline_reads_every_latent_and_no_index_key():
+    """tiny-mla (dense MLA): B = 2, L = 64, W = 2: a rank attends all 32 tokens it holds of a row, scores none."""
+    params = {"wo": jnp.zeros((8, 16), jnp.bfloat16)}
+    r = step_profile.roofline(preset("tiny-mla"), params, batch=2, context=64, dcp=2, latent_token_bytes=288,
+                              index_token_bytes=0, copy_tbps=2.0, matmul_tflops=1.0)
+    assert r.index_key_bytes == 0 and r.indexer_flops == 0
+    assert r.latent_bytes == 2 * 2 * 32 * 288
+    assert r.sparse_mla_flops == 2 * 2 * 2 * 8 * 32 * (128 + 16 + 128)
 
 
 def test_the_table_names_each_config_and_its_top_categories():

@@ -22,7 +22,8 @@ from dcp_jax.runtime import oracle
 from pallas_kernels import api, formats
 
 from tests.model.test_deepseek_v32_oracle import (ONE_SHOT, TOL, checkpoints, fixture,  # noqa: F401 (a fixture)
-                                                  log_softmax, run_case)
+                                                  run_case)
+from tests.oracle.golden import log_softmax
 
 # The bound is the CPU oracle's TOL = 2e-3; measured on the H200 (default_rope, dcp 1): 4.1e-6 over the prefill
 # logprobs, 4.7e-6 over the decode steps'.

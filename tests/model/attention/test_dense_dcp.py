@@ -17,7 +17,7 @@ from dcp_jax.model import architecture
 from dcp_jax.model.architecture import config_from_hf
 from dcp_jax.model.attention.dense_dcp import DENSE_MLA
 from dcp_jax.model.attention.variant import CacheFormats
-from dcp_jax.model.deepseek_v32 import init_params
+from dcp_jax.model.deepseek_v32 import init_mtp_params, init_params
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.model.weights import load_hf_params, save_hf
 from dcp_jax.runtime.runner import ModelRunner
@@ -76,6 +76,7 @@ def test_every_dcp_size_equals_one_device(unsharded, dcp, interleave, kernels, e
     assert_same(outputs(dcp, interleave, kernels=kernels, enable_tbo=enable_tbo, chunk_size=chunk_size), unsharded)
 
 
+@pytest.mark.slow  # the kernel's fp8 path: tests/kernels/test_mla_decode.py; the format's plumbing: the sparse tests
 def test_the_fp8_latent_cache_by_the_kernel_equals_its_reference():
     """The fp8 latent cache (FlashMLA's 656-byte format) at DCP 2: the Pallas kernel (interpreted; it rounds the
     queries to bf16 where it multiplies) against the reference's f32 math on the same cache: logits within 2e-2."""
@@ -108,8 +109,8 @@ def test_the_architecture_caches_latents_only():
     assert [pool.name for pool in DENSE_MLA.cache_pools(TINY_MLA, CacheFormats())] == ["latent"]
 
 
-def _llm(**kwargs):
-    return LLM("tiny-mla", max_model_len=64, max_num_seqs=4, page_size=4, dtype="float32", kernels="reference",
+def _llm(model="tiny-mla", **kwargs):
+    return LLM(model, max_model_len=64, max_num_seqs=4, page_size=4, dtype="float32", kernels="reference",
                **kwargs)
 
 
@@ -118,15 +119,16 @@ def _token_ids(llm, prompts):
     return [out.outputs[0].token_ids for out in llm.generate(prompt_token_ids=prompts, sampling_params=greedy)]
 
 
-def test_mtp_drafts_and_prefix_hits_keep_greedy_decoding():
-    """The MTP layer drafting 3 tokens (verify rows causal on global positions, built on the host) and prompts
-    served from the prefix cache give plain decoding's greedy tokens, at DCP 2 with interleave 2; every page comes
-    back."""
+def test_mtp_drafts_and_prefix_hits_keep_greedy_decoding(tmp_path):
+    """A DeepseekV3ForCausalLM checkpoint with its MTP layer (HF layer num_hidden_layers): the layer drafting 3
+    tokens (verify rows causal on global positions, built on the host) and prompts served from the prefix cache
+    give plain decoding's greedy tokens, at DCP 2 with interleave 2; every page comes back."""
+    save_hf(TINY_MLA, init_params(TINY_MLA, seed=0), tmp_path, mtp=init_mtp_params(TINY_MLA, seed=1))
     prompts = [np.random.default_rng(7).integers(2, TINY_MLA.vocab_size, n).tolist() for n in (5, 23, 40)]
     shared = prompts[2][:32] + [3, 4]  # 32 tokens (whole virtual blocks) cached by the 40-token prompt
-    want = _token_ids(_llm(dcp=2, interleave=2), [*prompts, shared])
-    drafted = _llm(dcp=2, interleave=2, speculative_config={"method": "mtp", "num_speculative_tokens": 3},
-                   enable_prefix_caching=True)
+    want = _token_ids(_llm(str(tmp_path), dcp=2, interleave=2), [*prompts, shared])
+    drafted = _llm(str(tmp_path), dcp=2, interleave=2, enable_prefix_caching=True,
+                   speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     assert _token_ids(drafted, prompts) == want[:3]
     hits = drafted.core.metrics.value("dcp_jax_prefix_cache_hits_total")
     assert _token_ids(drafted, [shared]) == want[3:]
