@@ -22,7 +22,6 @@ Usage (repository root):
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -35,8 +34,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pallas_kernels  # noqa: E402
-from bench.common import (copy_tbps, kernel_durations_us, matmul_tflops, median_seconds, pyplot,  # noqa: E402
-                          run_info, save_figure, sizes, throughput_seconds, traced_device_events, warm_up_clocks)
+from bench.common import (copy_tbps, device_seconds, matmul_tflops, median_seconds, pyplot,  # noqa: E402
+                          run_info, save_figure, sizes, warm_up_clocks)
 from dcp_jax.model import fp8_linear  # noqa: E402
 from dcp_jax.model.memory_plan import FP8_BLOCK  # noqa: E402
 
@@ -79,18 +78,6 @@ def _fp8_per_tensor(x, w, scale):
 @jax.jit
 def _engine_fp8_xla(x, weight):
     return fp8_linear.einsum("mk,kn->mn", x, weight, backend="reference")
-
-
-def _device_seconds(fn, arg_sets: list[tuple], calls: int) -> float:
-    """Seconds of one call of fn rotating over arg_sets: on a GPU its kernels' summed durations over `calls`
-    traced calls (each call compiled and warmed first), elsewhere `throughput_seconds`."""
-    if jax.default_backend() != "gpu":
-        return throughput_seconds(fn, arg_sets, min_seconds=0.0, reps=1)
-    for arg_set in arg_sets:
-        jax.block_until_ready(fn(*arg_set))
-    rotation = itertools.cycle(arg_sets)
-    lines = traced_device_events(lambda: fn(*next(rotation)), (), calls)
-    return sum(map(sum, kernel_durations_us(lines, line_prefix="Stream").values())) / calls / 1e6
 
 
 def plot(jsonl: str, png: str) -> None:
@@ -154,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             out.flush()
 
     def seconds(fn, arg_sets):
-        return _device_seconds(fn, arg_sets, args.calls)
+        return device_seconds(fn, arg_sets, args.calls)
 
     if jax.default_backend() == "gpu":
         warm_up_clocks()

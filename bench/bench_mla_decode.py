@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import itertools
 import json
 import math
 import os
@@ -41,8 +40,8 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pallas_kernels  # noqa: E402
-from bench.common import (LATENT_DIM, ROPE_DIM, copy_tbps, kernel_durations_us, matmul_tflops,  # noqa: E402
-                          median_seconds, run_info, sizes, throughput_seconds, traced_device_events, warm_up_clocks)
+from bench.common import (LATENT_DIM, ROPE_DIM, copy_tbps, device_seconds, matmul_tflops,  # noqa: E402
+                          median_seconds, run_info, sizes, warm_up_clocks)
 from pallas_kernels import _mla_decode_triton, formats, reference  # noqa: E402
 
 VALUE_DIM = LATENT_DIM  # C = 512
@@ -90,18 +89,6 @@ def make_sets(seed: int, num_sets: int, pool_pages: int, batch: int, queries: in
     tables = pages.astype(jnp.int32).reshape(num_sets, batch, max_pages)
     return [(jax.random.normal(key, (batch, queries, heads, WIDTH), jnp.bfloat16), tables[i])
             for i, key in enumerate(jax.random.split(key_q, num_sets))]
-
-
-def device_seconds(fn, arg_sets: list[tuple], calls: int) -> float:
-    """Seconds of one call of fn rotating over arg_sets: on a GPU its kernels' summed durations over `calls` traced
-    calls (each set run once first: compiles, warms), elsewhere `throughput_seconds` (wall time)."""
-    if jax.default_backend() != "gpu":
-        return throughput_seconds(fn, arg_sets, min_seconds=0.0, reps=1)
-    for arg_set in arg_sets:
-        jax.block_until_ready(fn(*arg_set))
-    rotation = itertools.cycle(arg_sets)
-    lines = traced_device_events(lambda: fn(*next(rotation)), (), calls)
-    return sum(map(sum, kernel_durations_us(lines, line_prefix="Stream").values())) / calls / 1e6
 
 
 def check(run, q, cache, tables, lens) -> dict:

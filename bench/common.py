@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
+import itertools
 import json
 import math
 import os
@@ -275,6 +276,18 @@ def matmul_tflops(seconds: Callable[[Callable, list[tuple]], float], n: int = 81
 
 
 # ---- kernel times from a profiler trace ----------------------------------------------------------------------------
+
+
+def device_seconds(fn, arg_sets: list[tuple], calls: int) -> float:
+    """Seconds of one call of fn rotating over arg_sets: on a GPU its kernels' summed durations over `calls` traced
+    calls (each set run once first: compiles, warms), elsewhere `throughput_seconds` (wall time)."""
+    if jax.default_backend() != "gpu":
+        return throughput_seconds(fn, arg_sets, min_seconds=0.0, reps=1)
+    for arg_set in arg_sets:
+        jax.block_until_ready(fn(*arg_set))
+    rotation = itertools.cycle(arg_sets)
+    lines = traced_device_events(lambda: fn(*next(rotation)), (), calls)
+    return sum(map(sum, kernel_durations_us(lines, line_prefix="Stream").values())) / calls / 1e6
 
 
 def traced_device_events(fn, args: tuple, calls: int, plane_prefix: str = "/device:GPU") -> dict[str, list[Event]]:

@@ -131,14 +131,9 @@ def test_checkpoint_is_the_one_hf_read(checkpoints):
 @pytest.mark.parametrize("name", NAMES)
 def test_config_matches_hf_constants(checkpoints, name):
     """Both rope spellings (v5 rope_parameters, legacy rope_scaling type=yarn) give HF's rope and scales."""
-    from dcp_jax.model.rope import rope_tables
-
     fx = fixture(name)
     cfg = config_from_hf(checkpoints[name][0])
-    inv_freq, attention_factor = rope_tables(cfg)
-    np.testing.assert_allclose(inv_freq, fx["hf_rope_inv_freq"], rtol=1e-6)
-    assert attention_factor == pytest.approx(float(fx["hf_rope_attention_scaling"]))
-    assert cfg.softmax_scale == pytest.approx(float(fx["hf_softmax_scale"]), rel=1e-12)
+    golden.assert_rope_constants(fx, cfg)
 
 
 @pytest.mark.parametrize("name, dcp, interleave, kernels, chunk", CASES, ids=CASE_IDS)

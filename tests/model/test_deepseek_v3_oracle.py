@@ -19,7 +19,6 @@ cases.
 import json
 import math
 
-import numpy as np
 import pytest
 
 from dcp_jax.config import EngineConfig, ParallelConfig
@@ -100,17 +99,12 @@ def test_checkpoint_is_the_one_hf_read(checkpoints):
 def test_config_matches_hf_constants(checkpoints, name):
     """config.json reads as a dense DeepseekV3 model (no indexer), with HF's rope frequencies, cos/sin factor and
     softmax scale (YaRN: legacy `rope_scaling` spelling, mscale != mscale_all_dim, beta_fast = beta_slow)."""
-    from dcp_jax.model.rope import rope_tables
-
     fx = golden.fixture(name)
     cfg = config_from_hf(checkpoints[name][0])
     assert cfg.architecture == "DeepseekV3ForCausalLM" and cfg.indexer is None
     assert cfg.q_lora_rank == json.loads(str(fx["config_json"]))["q_lora_rank"]  # null: v3_no_q_lora
     assert bool(fx["hf_rope_interleave"])  # HF's default when config.json leaves rope_interleave out
-    inv_freq, attention_factor = rope_tables(cfg)
-    np.testing.assert_allclose(inv_freq, fx["hf_rope_inv_freq"], rtol=1e-6)
-    assert attention_factor == pytest.approx(float(fx["hf_rope_attention_scaling"]))
-    assert cfg.softmax_scale == pytest.approx(float(fx["hf_softmax_scale"]), rel=1e-12)
+    golden.assert_rope_constants(fx, cfg)
 
 
 @pytest.mark.parametrize("name, dcp, interleave, kernels, chunk", CASES, ids=CASE_IDS)

@@ -68,6 +68,16 @@ def run_greedy(runner, fx: dict, tables: list[list[int]], chunk: int) -> dict[st
     return dict(prefill_logits=prefill_logits, decode_logits=decode_logits, sampled=np.stack(sampled, axis=1))
 
 
+def assert_rope_constants(fx: dict, cfg) -> None:
+    """The engine's rope frequencies, cos/sin factor and softmax scale of `cfg` (a ModelConfig) equal HF's."""
+    from dcp_jax.model.rope import rope_tables
+
+    inv_freq, attention_factor = rope_tables(cfg)
+    np.testing.assert_allclose(inv_freq, fx["hf_rope_inv_freq"], rtol=1e-6)
+    assert abs(attention_factor - float(fx["hf_rope_attention_scaling"])) <= 1e-6 * abs(attention_factor)
+    assert abs(cfg.softmax_scale - float(fx["hf_softmax_scale"])) <= 1e-12 * cfg.softmax_scale
+
+
 def assert_prefill_equal(fx: dict, prefill_logits: np.ndarray, tol: float) -> None:
     """Every prompt position: log-softmax within `tol` of HF's (absolute), and the same argmax."""
     for i, n in enumerate(fx["prompt_lens"]):
