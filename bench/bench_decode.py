@@ -25,7 +25,9 @@ with another attention variant in its step context (`StepContext.attention`), sa
 A dense-MLA preset (`deepseek-r1`, `kimi-k2`: `attention/dense_dcp.py`) runs the host, TBO and fallback variants.
 With `--profile`, each host step's point also gets its roofline and the device time of a profiler trace of a few
 steps by kernel category (`step_profile.py`; the step-efficiency table). DeepSeek-V3.2's first three layers are
-dense, so `--num-layers 3` is three dense layers and `--num-layers 4` adds one MoE layer.
+dense, so `--num-layers 3` is three dense layers and `--num-layers 4` adds one MoE layer (GLM-5.2's fourth layer is
+an IndexShare "shared" one: `--preset glm-5.2 --num-layers 4` mixes three full layers with one that reuses their
+selection; its stage variants are refused, they cut the full layers' data flow).
 Tables, plots and target checks: `decode_results.py`; see docs/perf_decode.md for the method.
 Letters: see the legend in `dcp_jax/__init__.py` (here B is the batch of decode rows, the bucket R).
 """
@@ -62,8 +64,8 @@ from dcp_jax.host.sampling_metadata import SamplingTable
 from dcp_jax.host.step_inputs import FED_BACK, StepInputs, build_step_inputs
 from dcp_jax.host.step_metadata import build_step_metadata
 from dcp_jax.model import architecture
-from dcp_jax.model.attention import cache_formats, dense_dcp, mla_dcp, sparse_dcp
-from dcp_jax.model.kv_cache import KVCache, cache_pools
+from dcp_jax.model.attention import cache_formats, mla_dcp, sparse_dcp
+from dcp_jax.model.kv_cache import KVCache, cache_pools, pool_layers
 from dcp_jax.model.memory_plan import FP8_BLOCK
 from dcp_jax.model.mesh import DCP, make_mesh
 from dcp_jax.runtime.context import StepContext, kernel_backend
@@ -120,7 +122,8 @@ def attention_through(p, x, pools, rope, md, *, ctx: StepContext, through: str):
     _, owned_slots, counts = sparse_dcp.select_owned(values, local_ids, md, cfg=cfg, layout=ctx.layout)
     if through == "exchange":
         return sunk(owned_slots, counts)
-    out, lse = sparse_dcp.attend(p, queries, latent, owned_slots, counts, cfg=cfg, backend=backend)
+    out, lse = sparse_dcp.attend(p, queries.q_nope, queries.q_pe, latent, owned_slots, counts, cfg=cfg,
+                                 backend=backend)
     if through == "sparse_mla":
         return sunk(out, lse, has_dangling_query=False)
     return mla_dcp.merge_heads(p, out, lse, x.dtype, backend=backend), pools
@@ -135,27 +138,23 @@ class StagedAttention(sparse_dcp.SparseMla):
             raise ValueError(f"unknown stage {through!r}; choose from {STAGES}")
         self.through = through
 
-    def attend(self, p, x, pools, rope, md, *, ctx):
-        update, pools = attention_through(p, x, pools, rope, md, ctx=ctx, through=self.through)
+    def attend(self, p, x, pools, rope, mds, *, ctx, selection):
+        update, pools = attention_through(p, x, pools, rope, mds["latent"], ctx=ctx, through=self.through)
         return update, pools, jnp.full((x.shape[0], ctx.cfg.indexer.topk), -1, jnp.int32)
 
 
-class _DerivedLengths:
-    """The forbidden variant's step: the attention with each layer's local lengths re-derived on device from the
-    global ones (what a captured graph recorded in the engine this project ports)."""
+class DerivedLengths:
+    """The forbidden variant's step: a layer's own attention variant with its local lengths re-derived on device
+    from the global ones (what a captured graph recorded in the engine this project ports)."""
 
-    def attend(self, p, x, pools, rope, md, *, ctx):
-        derived = local_context_lens_on_device(md.context_lens, jax.lax.axis_index(DCP), dcp=ctx.layout.dcp_size,
-                                               interleave=ctx.layout.interleave)
-        return super().attend(p, x, pools, rope, md._replace(local_context_lens=derived), ctx=ctx)
+    def __init__(self, variant):
+        self.variant = variant
 
-
-class DerivedLengths(_DerivedLengths, sparse_dcp.SparseMla):
-    """DSA's attention with device-derived local lengths."""
-
-
-class DenseDerivedLengths(_DerivedLengths, dense_dcp.DenseMla):
-    """Dense MLA with device-derived local lengths."""
+    def attend(self, p, x, pools, rope, mds, *, ctx, selection):
+        derived = local_context_lens_on_device(mds["latent"].context_lens, jax.lax.axis_index(DCP),
+                                               dcp=ctx.layout.dcp_size, interleave=ctx.layout.interleave)
+        mds = {name: md._replace(local_context_lens=derived) for name, md in mds.items()}
+        return self.variant.attend(p, x, pools, rope, mds, ctx=ctx, selection=selection)
 
 
 def variant_context(ctx: StepContext, variant: str) -> StepContext:
@@ -166,10 +165,13 @@ def variant_context(ctx: StepContext, variant: str) -> StepContext:
     if variant == "tbo":
         return dataclasses.replace(ctx, micro_batches=2)
     if variant == "fallback":
-        dense = isinstance(ctx.attention, dense_dcp.DenseMla)
-        return dataclasses.replace(ctx, attention=DenseDerivedLengths() if dense else DerivedLengths())
+        return dataclasses.replace(ctx, attention=DerivedLengths)
     if variant.startswith("through_"):
-        return dataclasses.replace(ctx, attention=StagedAttention(variant[len("through_"):]))
+        if any(ctx.cfg.shares_index_selection(layer) for layer in range(ctx.cfg.num_hidden_layers)):
+            raise ValueError(f"variant {variant!r} cuts the full DSA layers' data flow; {ctx.cfg.architecture} has "
+                             f"IndexShare layers (run host, tbo or fallback)")
+        staged = StagedAttention(variant[len("through_"):])
+        return dataclasses.replace(ctx, attention=lambda layer_variant: staged)
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -231,7 +233,9 @@ class Grid:
 
     def variants(self, batch: int) -> tuple[str, ...]:
         out = ("host",) + (("tbo",) if self.tbo else ()) + (("fallback",) if self.fallback else ())
-        if batch in self.breakdown_batches and self.cfg.indexer is not None:  # DSA's stages; dense MLA has none
+        cfg = self.cfg
+        all_full = cfg.indexer is not None and not any(map(cfg.shares_index_selection, range(cfg.num_hidden_layers)))
+        if batch in self.breakdown_batches and all_full:  # DSA's stages; dense MLA and IndexShare have none
             out += tuple(f"through_{s}" for s in STAGES[:-1])  # through the last stage is the host step
         return out
 
@@ -279,7 +283,12 @@ def kv_bytes_used(cfg: ModelConfig, *, batch: int, context: int, dcp: int, page_
     index keys in format `index_cache`, the latents in format `latent_cache`."""
     tokens = batch * -(-context // (page_size * dcp)) * page_size
     latent_bytes, index_bytes = _bytes_per_token(cfg, itemsize, index_cache, latent_cache)
-    return tokens * cfg.num_hidden_layers * latent_bytes, tokens * cfg.num_hidden_layers * index_bytes
+    return tokens * _entries(cfg, "latent") * latent_bytes, tokens * _entries(cfg, "index_k") * index_bytes
+
+
+def _entries(cfg: ModelConfig, pool: str) -> int:
+    """The decoder layers with an entry in `pool` (IndexShare's shared layers keep no index key)."""
+    return len(pool_layers(cfg, pool, cfg.num_hidden_layers))
 
 
 def _is_consumed(kv_cache: KVCache) -> bool:
@@ -302,7 +311,8 @@ def max_tokens(cfg: ModelConfig, *, dcp: int, memory: int, weights: int, workspa
     """Global KV tokens (summed over rows) that fit: each rank keeps 1/W of them, beside its weights and the
     step's workspace (the compiled program's temp bytes); index keys in format `index_cache`, latents in format
     `latent_cache`."""
-    per_token = cfg.num_hidden_layers * sum(_bytes_per_token(cfg, itemsize, index_cache, latent_cache))
+    latent_bytes, index_bytes = _bytes_per_token(cfg, itemsize, index_cache, latent_cache)
+    per_token = _entries(cfg, "latent") * latent_bytes + _entries(cfg, "index_k") * index_bytes
     return max(0, (memory - weights - workspace) * dcp // per_token)
 
 
@@ -607,7 +617,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `dcp-jax bench decode` (defaults: the GPU grid of docs/perf_decode.md)."""
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     d = Grid()
-    parser.add_argument("--preset", default=d.preset, help="a DSA preset: tiny, deepseek-v3.2, glm-5")
+    parser.add_argument("--preset", default=d.preset, help="a preset: tiny, deepseek-v3.2, glm-5.2, deepseek-r1, ...")
     parser.add_argument("--num-layers", type=int, default=d.num_layers, help="layer-count override (0: the preset's)")
     parser.add_argument("--dcp", type=_ints, default=d.dcp_sizes,
                         help="DCP sizes (TP = DCP), in run order; sizes past the device count are skipped")

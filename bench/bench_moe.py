@@ -6,10 +6,13 @@ decode batches and prefill lengths, beside same-run ceilings. `dcp-jax bench moe
 The layer is the model's (`moe.route`, `moe.grouped_experts` or `moe.dense_experts`, the shared experts'
 `mlp.gated_mlp`) at a preset's shapes (DeepSeek-V3.2: hidden 7168, 256 experts, 8 per token, width 2048, one
 shared expert), random weights in `--dtype` (the router f32; `--weight-format fp8`: the routed experts in block fp8,
-through `pallas_kernels.grouped_matmul_fp8`), random rows, the whole layer on one device (tp 1).
+through `pallas_kernels.grouped_matmul_fp8`; `mxfp4`: in OCP MXFP4 as AMD Quark exports GLM-5.2's, [x, out, in / 2]
+through `pallas_kernels.grouped_matmul_mxfp4`, which the computations other than `pallas` dequantize to `--dtype`
+in the timed program), random rows, the whole layer on one device (tp 1).
 Ceilings of the same run:
 - decode, B rows: the activated weights read once, (the distinct experts the rows chose + the shared ones) x 3 D F
-  weights and the f32 router, at the copy bandwidth (x -> x + 1 over `--copy-bytes`: `common.copy_tbps`);
+  weights (`WEIGHT_BYTES` a routed weight) and the f32 router, at the copy bandwidth (x -> x + 1 over
+  `--copy-bytes`: `common.copy_tbps`);
 - prefill, T tokens: the activated FLOPs, 2 T (3 D F (k + shared) + D X), at the bf16 matmul rate
   (`common.matmul_tflops`).
 A ratio is a time over its ceiling (1.0 is the ceiling). `--experts` picks the computations timed (`EXPERTS`;
@@ -22,6 +25,7 @@ Usage (repository root):
   python bench/bench_moe.py --preset tiny --decode 1,8 --prefill 64 --copy-bytes 8M --matmul-size 256 \
       --json-out /tmp/moe.jsonl                             # CPU smoke
   python3 bench/bench_moe.py --json-out $OUT/moe.jsonl      # H200: decode 1, 8, 64, 256; prefill 4K, 16K
+  python3 bench/bench_moe.py --preset glm-5 --weight-format mxfp4 --json-out $OUT/moe_mxfp4.jsonl
 """
 
 from __future__ import annotations
@@ -39,14 +43,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from bench.common import copy_tbps, matmul_tflops, median_seconds, run_info, sizes
 from dcp_jax.config import ModelConfig, preset
 from dcp_jax.model import fp8_linear, moe
 from dcp_jax.model.mlp import gated_mlp
+from pallas_kernels.formats import Mxfp4Weight, dequantize_mxfp4, quantize_mxfp4
 
-EXPERTS = {"pallas": functools.partial(moe.grouped_experts, matmul=functools.partial(fp8_linear.grouped_matmul,
-                                                                                   backend="pallas")),
+
+def grouped_matmul(x, w, group_sizes, *, backend: str, **knobs):
+    """The model's Pallas grouped matmul (`fp8_linear.grouped_matmul`: plain or block-fp8 weights), and MXFP4 weights
+    through `pallas_kernels.grouped_matmul_mxfp4`; the output in x's dtype. `knobs` go to the kernel."""
+    if isinstance(w, Mxfp4Weight):
+        return pallas_kernels.grouped_matmul_mxfp4(x, w, group_sizes, out_dtype=x.dtype, backend=backend, **knobs)
+    return fp8_linear.grouped_matmul(x, w, group_sizes, backend=backend, **knobs)
+
+
+EXPERTS = {"pallas": functools.partial(moe.grouped_experts, matmul=functools.partial(grouped_matmul, backend="pallas")),
            "ragged_dot": moe.grouped_experts, "dense": moe.dense_experts}
+# Bytes a routed weight (None: --dtype's): block fp8's f32 scales are 1/16384 of its values, left out; MXFP4's
+# e8m0 scales, one byte a 32, are counted.
+WEIGHT_BYTES = {"plain": None, "fp8": 1, "mxfp4": 0.5 + 1 / 32}
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -69,6 +86,18 @@ def random_weights(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
     return weights
 
 
+def on_dequantized(experts_fn, dtype):
+    """`experts_fn` taking the MXFP4 expert weights dequantized to `dtype` [x, in, out] in its own program (what
+    a computation without an MXFP4 kernel runs); plain and block-fp8 weights pass as they are."""
+
+    def run(x, experts, combine, *weights, first_expert):
+        plain = [jnp.swapaxes(dequantize_mxfp4(w.packed, w.scales, dtype), 1, 2) if isinstance(w, Mxfp4Weight)
+                 else w for w in weights]
+        return experts_fn(x, experts, combine, *plain, first_expert=first_expert)
+
+    return run
+
+
 def layer(experts_fn, cfg: ModelConfig):
     """The jitted layer: (weights, x [R, D]) -> routed + shared output [R, D] (the shared experts as the model runs
     them under the Pallas kernels; the shared weights are plain)."""
@@ -83,11 +112,10 @@ def layer(experts_fn, cfg: ModelConfig):
     return run
 
 
-def activated_weight_bytes(cfg: ModelConfig, distinct_experts: int, itemsize: int,
-                           shared_itemsize: int | None = None) -> int:
-    """Bytes a decode step must read: the chosen routed experts' gate, up and down (`itemsize` bytes a weight; the
-    scales of block fp8 are 1/16384 of that, left out), the shared experts' (`shared_itemsize`, default the same)
-    and the f32 router."""
+def activated_weight_bytes(cfg: ModelConfig, distinct_experts: int, itemsize: float,
+                           shared_itemsize: float | None = None) -> float:
+    """Bytes a decode step must read: the chosen routed experts' gate, up and down (`itemsize` bytes a weight,
+    `WEIGHT_BYTES`), the shared experts' (`shared_itemsize`, default the same) and the f32 router."""
     weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     shared = cfg.n_shared_experts * weights * (shared_itemsize or itemsize)
     return distinct_experts * weights * itemsize + shared + cfg.hidden_size * cfg.n_routed_experts * 4
@@ -106,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=sizes, default=(1, 8, 64, 256), help="decode batches B (rows)")
     parser.add_argument("--prefill", type=sizes, default=(4096, 16384), help="prefill lengths T (rows)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="expert weights, rows")
-    parser.add_argument("--weight-format", choices=["plain", "fp8"], default="plain",
-                        help="fp8: the routed experts in DeepSeek's block fp8 (blocks of 128), as its release")
+    parser.add_argument("--weight-format", choices=sorted(WEIGHT_BYTES), default="plain",
+                        help="fp8: the routed experts in DeepSeek's block fp8 (blocks of 128), as its release; "
+                             "mxfp4: in OCP MXFP4 (AMD Quark's layout, GLM-5.2-MXFP4)")
     parser.add_argument("--experts", default="pallas,dense", help=f"computations timed, of {sorted(EXPERTS)}")
     parser.add_argument("--pallas-knobs", default="[]",
                         help='JSON list of knob sets of the Pallas grouped matmul, each timed too: [{"block_m": 64}]')
@@ -144,12 +173,17 @@ def main(argv: list[str] | None = None) -> int:
         block = (min(128, cfg.moe_intermediate_size), min(128, cfg.hidden_size))
         for name in ("gate", "up", "down"):
             weights[name] = jax.jit(fp8_linear.quantize, static_argnums=(1, 2, 3))(weights[name], block, (-2,), (-1,))
+    if args.weight_format == "mxfp4":  # [x, in, out] -> the checkpoint's [x, out, in], packed, an expert at a time
+        quantize_experts = jax.jit(lambda w: jax.lax.map(lambda expert: quantize_mxfp4(expert.T), w))
+        for name in ("gate", "up", "down"):
+            weights[name] = Mxfp4Weight(*quantize_experts(weights[name]))
     unknown = set(args.experts.split(",")) - set(EXPERTS)
     if unknown:
         parser.error(f"--experts: unknown {sorted(unknown)}; choose from {sorted(EXPERTS)}")
-    computations = {name: EXPERTS[name] for name in args.experts.split(",")}
+    computations = {name: EXPERTS[name] if name == "pallas" else on_dequantized(EXPERTS[name], dtype)
+                    for name in args.experts.split(",")}
     for knobs in json.loads(args.pallas_knobs):
-        matmul = functools.partial(fp8_linear.grouped_matmul, backend="triton", **knobs)
+        matmul = functools.partial(grouped_matmul, backend="triton", **knobs)
         computations[f"pallas {json.dumps(knobs)}"] = functools.partial(moe.grouped_experts, matmul=matmul)
     layers = {name: layer(fn, cfg) for name, fn in computations.items()}
     print("| phase | rows | experts chosen | ceiling | ceiling ms | computation | ms | / ceiling |")
@@ -160,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = moe.route(x, weights["router"], weights["router_bias"], cfg)[0]
         distinct = int(np.unique(np.asarray(chosen)).size)
         if phase == "decode":
-            nbytes = activated_weight_bytes(cfg, distinct, 1 if args.weight_format == "fp8" else dtype.itemsize,
+            nbytes = activated_weight_bytes(cfg, distinct, WEIGHT_BYTES[args.weight_format] or dtype.itemsize,
                                             dtype.itemsize)
             ceiling_ms, ceiling = 1e3 * nbytes / (tbps * 1e12), f"{nbytes / 1e6:,.1f} MB read"
         else:

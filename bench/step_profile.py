@@ -164,6 +164,8 @@ def roofline(cfg: ModelConfig, params, *, batch: int, context: int, dcp: int, la
     """The roofline of one rank's decode step of `batch` rows of `context` tokens at DCP size `dcp` (module
     docstring), `params` placed as the step runs them, the caches' bytes per token of one layer."""
     layers, indexer = cfg.num_hidden_layers, cfg.indexer
+    # The layers that score index keys: all of a DSA model's but IndexShare's shared ones.
+    scoring = sum(not cfg.shares_index_selection(layer) for layer in range(layers))
     tokens = -(-context // dcp)  # a row's tokens one rank holds
     # The ones it attends: the selected (DSA), or all of them (dense MLA, which scores no index key).
     selected = tokens if indexer is None else -(-min(context, indexer.topk) // dcp)
@@ -171,10 +173,10 @@ def roofline(cfg: ModelConfig, params, *, batch: int, context: int, dcp: int, la
     weight_bytes, weight_elements = weight_traffic(params, cfg, batch)
     return Roofline(
         weight_bytes=weight_bytes,
-        index_key_bytes=layers * batch * scored * index_token_bytes,
+        index_key_bytes=scoring * batch * scored * index_token_bytes,
         latent_bytes=layers * batch * selected * latent_token_bytes,
         gemm_flops=2 * batch * weight_elements,
-        indexer_flops=0 if indexer is None else layers * 2 * batch * tokens * indexer.heads * indexer.head_dim,
+        indexer_flops=0 if indexer is None else scoring * 2 * batch * tokens * indexer.heads * indexer.head_dim,
         sparse_mla_flops=layers * 2 * batch * cfg.num_attention_heads * selected
         * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim),  # scores over C + E, values over C
         copy_tbps=copy_tbps, matmul_tflops=matmul_tflops)

@@ -276,7 +276,7 @@ def plan(args: argparse.Namespace) -> int:
     from dcp_jax.config import unknown_model
     from dcp_jax.model.architecture import config_from_hf
     from dcp_jax.model.memory_plan import format_plan, make_plan
-    from dcp_jax.model.weights import fp8_block_size
+    from dcp_jax.model.weights import checkpoint_weight_format
 
     directory = model_directory(args.model)
     if directory is None and args.model not in PRESETS:
@@ -287,7 +287,7 @@ def plan(args: argparse.Namespace) -> int:
         cfg = config_from_hf(directory) if directory else preset(args.model)
         weight_format = args.weight_format
         if weight_format == "auto":
-            weight_format = "fp8" if directory and fp8_block_size(directory) else "model_dtype"
+            weight_format = checkpoint_weight_format(directory, cfg) if directory else "model_dtype"
         parallel = ParallelConfig(tp=engine_args.tensor_parallel_size, dcp=engine_args.dcp,
                                   enable_expert_parallel=engine_args.enable_expert_parallel)
         result = make_plan(cfg, parallel, dtype=resolve_dtype(engine_args.dtype, cfg), weight_format=weight_format,
@@ -343,8 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     m = commands.add_parser("plan", help="memory plan: weight bytes per rank, KV bytes per token, tokens that fit")
     EngineArgs.add_cli_args(m, only=PLAN_ARGUMENTS, defaults=PLAN_DEFAULTS)
     m.add_argument("--weight-format", choices=("auto",) + WEIGHT_FORMATS, default="auto",
-                   help="auto: the checkpoint's (fp8 for a block-fp8 checkpoint; the model dtype for presets); fp8 "
-                        "also plans a load under --quantization fp8")
+                   help="auto: the checkpoint's (fp8 for a block-fp8 checkpoint, mxfp4 for an AMD Quark MXFP4 one: "
+                        "its routed experts in MXFP4, the rest in --dtype; the model dtype for presets); fp8 also "
+                        "plans a load under --quantization fp8")
     m.add_argument("--device-memory-gib", type=float, default=H200_MEMORY_GIB,
                    help="memory of one device (default: an H200's, as nvidia-smi reports it)")
     m.set_defaults(run=plan)

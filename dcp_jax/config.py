@@ -11,14 +11,28 @@ import os
 from typing import Any
 
 
+# The two kinds of a DSA layer (HF's `indexer_types`): "full" runs its own indexer; "shared" (GLM-5.2's IndexShare)
+# has none and attends to the selection of the most recent full layer of the same step.
+INDEXER_TYPES = ("full", "shared")
+
+
 @dataclasses.dataclass(frozen=True)
 class IndexerConfig:
     """DSA's lightning indexer (HF's `index_n_heads`, `index_head_dim`, `index_topk`): `heads` index heads of
-    `head_dim` score every cached token; each query attends to the `topk` best."""
+    `head_dim` score every cached token; each query attends to the `topk` best. `rope_interleave`: the RoPE of the
+    indexer's first qk_rope_head_dim dims rotates interleaved pairs (GLM) rather than half-split ones (DeepSeek-V3.2).
+    `layer_types`: each decoder layer's kind (`INDEXER_TYPES`, HF's `indexer_types`); None: every layer full."""
 
     heads: int
     head_dim: int
     topk: int
+    rope_interleave: bool = False
+    layer_types: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        types = self.layer_types
+        if types is not None and (not types or types[0] != "full" or set(types) - set(INDEXER_TYPES)):
+            raise ValueError(f"indexer_types must be 'full' or 'shared' per layer, layer 0 'full'; got {types}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +107,17 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
+
+    def __post_init__(self):
+        types = self.indexer.layer_types if self.indexer is not None else None
+        if types is not None and len(types) < self.num_hidden_layers:
+            raise ValueError(f"indexer_types names {len(types)} layers, the model has {self.num_hidden_layers}")
+
+    def shares_index_selection(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a shared DSA layer (`IndexerConfig.layer_types`): no indexer of its own,
+        the selection of the most recent full layer. The MTP layer (`layer` = num_hidden_layers) is full."""
+        types = self.indexer.layer_types if self.indexer is not None else None
+        return types is not None and layer < self.num_hidden_layers and types[layer] == "shared"
 
     def with_indexer(self, **changes) -> ModelConfig:
         """This config with its indexer's fields changed (`IndexerConfig` names: heads, head_dim, topk)."""
@@ -170,15 +195,59 @@ DEEPSEEK_V32 = ModelConfig(
     num_nextn_predict_layers=1,
 )
 
+
+
+def indexer_layer_types(num_layers: int, freq: int, offset: int) -> tuple[str, ...]:
+    """HF's IndexShare schedule (GlmMoeDsaConfig without `indexer_types`): layer i is "full" iff
+    max(i - offset + 1, 0) % freq == 0, else "shared"."""
+    freq = max(freq, 1)
+    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers))
+
+
+# GLM-5 / GLM-5.1 (`GlmMoeDsaForCausalLM`, zai-org/GLM-5's config.json): V3.2's DSA with GLM's shapes, one expert
+# group, plain RoPE (theta 1e6), RoPE interleaved in the indexer too, one MTP layer.
 GLM5 = dataclasses.replace(
     DEEPSEEK_V32,
+    architecture="GlmMoeDsaForCausalLM",
+    vocab_size=154880,
     hidden_size=6144,
+    intermediate_size=12288,
     num_hidden_layers=78,
     num_attention_heads=64,
     q_lora_rank=2048,
     qk_nope_head_dim=192,
     v_head_dim=256,
-    indexer=IndexerConfig(heads=32, head_dim=128, topk=2048),
+    n_group=1,
+    topk_group=1,
+    indexer=IndexerConfig(heads=32, head_dim=128, topk=2048, rope_interleave=True),
+    rms_norm_eps=1e-5,
+    rope_theta=1e6,
+    rope_scaling=None,
+    max_position_embeddings=202752,
+    eos_token_id=154820,
+)
+
+# GLM-5.2: GLM-5's shapes with IndexShare (21 of the 78 layers run the indexer; the others reuse the selection of
+# the most recent one), RoPE theta 8e6 and 1M positions. The preset places the full layers by HF's schedule with
+# index_topk_freq 4 and index_skip_topk_offset 3 (layers 0-2, then 6, 10, ..., 74); a checkpoint's own
+# `indexer_types` replaces it.
+GLM52 = dataclasses.replace(
+    GLM5,
+    indexer=dataclasses.replace(GLM5.indexer, layer_types=indexer_layer_types(78, freq=4, offset=3)),
+    rope_theta=8e6,
+    max_position_embeddings=1048576,
+)
+
+# The tiny preset as a GLM-5.2-style model: five layers, the shared ones (1 and 3) reusing the selection of the full
+# layer before them (HF's schedule with freq 2, offset 1), RoPE interleaved in the indexer.
+TINY_GLM = dataclasses.replace(
+    TINY,
+    architecture="GlmMoeDsaForCausalLM",
+    num_hidden_layers=5,
+    n_group=1,
+    topk_group=1,
+    indexer=dataclasses.replace(TINY.indexer, rope_interleave=True, layer_types=indexer_layer_types(5, freq=2,
+                                                                                                    offset=1)),
 )
 
 # DeepSeek-V3 / R1 / V3.1 (their config.json shapes: V3.2's without the indexer).
@@ -204,8 +273,8 @@ KIMI_K2 = dataclasses.replace(
     eos_token_id=163585,
 )
 
-PRESETS = {"tiny": TINY, "tiny-mla": TINY_MLA, "deepseek-v3.2": DEEPSEEK_V32, "glm-5": GLM5, "deepseek-r1": DEEPSEEK_R1,
-           "kimi-k2": KIMI_K2}
+PRESETS = {"tiny": TINY, "tiny-mla": TINY_MLA, "tiny-glm": TINY_GLM, "deepseek-v3.2": DEEPSEEK_V32, "glm-5": GLM5,
+           "glm-5.2": GLM52, "deepseek-r1": DEEPSEEK_R1, "kimi-k2": KIMI_K2}
 
 
 # Trained checkpoints shipped inside the package (HF layout), served by name like a preset: `dsa-tiny`, the tiny
@@ -289,13 +358,16 @@ def resolve_dtype(dtype: str, cfg: ModelConfig) -> str:
     return "float32" if cfg.torch_dtype == "float32" else "bfloat16"
 
 
-# Formats of the weights: the model dtype, or DeepSeek's block fp8 (the linear layers' weights in e4m3 with one f32
-# scale per 128 x 128 block; embeddings, norms, the router and lm_head in the model dtype).
-WEIGHT_FORMATS = ("model_dtype", "fp8")
+# Formats of the weights: the model dtype, DeepSeek's block fp8 (the linear layers' weights in e4m3 with one f32
+# scale per 128 x 128 block; embeddings, norms, the router and lm_head in the model dtype), or mxfp4: the decoder
+# layers' routed experts in OCP MXFP4 (0.5 + 1/32 bytes a weight, AMD Quark's export, `model/mxfp4.py`), the rest
+# in the model dtype.
+WEIGHT_FORMATS = ("model_dtype", "fp8", "mxfp4")
 # How a checkpoint's weights load (vLLM's `quantization`): auto is the checkpoint's format (a block fp8 one stays in
-# fp8, `model/fp8_linear.py`), none dequantizes into the model dtype, fp8 quantizes an unquantized checkpoint's (or a
-# preset's) linear weights to DeepSeek's block fp8 on load (ONLINE_FP8_BLOCK; a block fp8 checkpoint stays as it is).
-QUANTIZATION_CHOICES = ("auto", "none", "fp8")
+# fp8, `model/fp8_linear.py`; a Quark MXFP4 one keeps its routed experts in MXFP4, `model/quark.py`), none
+# dequantizes into the model dtype, fp8 quantizes an unquantized checkpoint's (or a preset's) linear weights to
+# DeepSeek's block fp8 on load (ONLINE_FP8_BLOCK; a block fp8 checkpoint stays as it is).
+QUANTIZATION_CHOICES = ("auto", "none", "fp8", "ptpc_fp8")
 ONLINE_FP8_BLOCK = (128, 128)  # DeepSeek-V3.2's weight_block_size
 
 # Which kernels the model runs (attention, the MoE's grouped matmul, block-fp8 linear layers): auto (Pallas on a GPU,

@@ -18,13 +18,15 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
-from pallas_kernels import (_fp8_gemm_mosaic, _grouped_matmul_triton, _indexer_mosaic, _indexer_triton,
-                            _mla_decode_triton, _sparse_mla_mosaic, _sparse_mla_triton, _topk_triton, reference)
-from pallas_kernels.formats import Fp8IndexKeys, Fp8LatentCache
+from pallas_kernels import (_fp8_gemm_mosaic, _grouped_matmul_mxfp4_triton, _grouped_matmul_triton, _indexer_mosaic,
+                            _indexer_triton, _mla_decode_triton, _sparse_mla_mosaic, _sparse_mla_triton, _topk_triton,
+                            reference)
+from pallas_kernels.formats import MX_BLOCK, Fp8IndexKeys, Fp8LatentCache, Mxfp4Weight
 
 BACKENDS = ("pallas", "reference", "triton", "mosaic")
 _PALLAS_ORDER = ("mosaic", "triton")
 _INDEX_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
+_ROW_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +203,34 @@ def _check_grouped_matmul_fp8_inputs(x, x_scales, w, w_scales, group_sizes, bloc
     _check_block_fp8(x, x_scales, w, w_scales, block)
 
 
+def _check_grouped_matmul_mxfp4_inputs(x, w, group_sizes):
+    if not isinstance(w, Mxfp4Weight):
+        raise TypeError(f"w must be an Mxfp4Weight (formats.py); got {type(w).__name__}")
+    packed, scales = w.packed, w.scales
+    if packed.dtype != jnp.uint8 or scales.dtype != jnp.uint8:
+        raise ValueError(f"Mxfp4Weight's packed and scales must be uint8; got {packed.dtype=} {scales.dtype=}")
+    if x.ndim != 2 or packed.ndim != 3 or scales.ndim != 3 or group_sizes.ndim != 1:
+        raise ValueError(f"need x [rows, in], packed [groups, out, in / 2], scales [groups, out, in / {MX_BLOCK}], "
+                         f"group_sizes [groups]; got {x.shape=} {packed.shape=} {scales.shape=} "
+                         f"{group_sizes.shape=}")
+    groups, width, depth = w.shape
+    if depth % MX_BLOCK or scales.shape != (groups, width, depth // MX_BLOCK):
+        raise ValueError(f"need in a multiple of {MX_BLOCK} and scales [groups, out, in / {MX_BLOCK}] = "
+                         f"{(groups, width, depth // MX_BLOCK)} for packed {packed.shape} (in = {depth}); got "
+                         f"{scales.shape=}")
+    if x.shape[1] != depth or group_sizes.shape != (groups,):
+        raise ValueError(f"need x [rows, in = {depth}] and group_sizes [groups = {groups}] for w {w.shape} (groups, "
+                         f"out, in); got {x.shape=} {group_sizes.shape=}")
+    if jnp.dtype(x.dtype) not in _ROW_DTYPES:
+        raise ValueError(f"x must be bf16 or f32; got {x.dtype=}")
+    if group_sizes.dtype != jnp.int32:
+        raise ValueError(f"group_sizes must be int32; got {group_sizes.dtype}")
+
+
+def _grouped_matmul_mxfp4_triton_unsupported(x, w, group_sizes, *, interpret=None, **_):
+    return _grouped_matmul_mxfp4_triton.unsupported(x, w)
+
+
 # ---- fp8_gemm ---------------------------------------------------------------------------------------------------
 
 
@@ -254,6 +284,11 @@ IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
     "grouped_matmul_fp8": {
         "reference": Implementation(_reference_run(reference.grouped_matmul_fp8), _never),
         "triton": Implementation(_grouped_matmul_triton.grouped_matmul_fp8, _grouped_matmul_fp8_triton_unsupported),
+    },
+    "grouped_matmul_mxfp4": {
+        "reference": Implementation(_reference_run(reference.grouped_matmul_mxfp4), _never),
+        "triton": Implementation(_grouped_matmul_mxfp4_triton.grouped_matmul_mxfp4,
+                                 _grouped_matmul_mxfp4_triton_unsupported),
     },
     "fp8_gemm": {
         "reference": Implementation(_reference_run(reference.fp8_gemm), _never),
@@ -418,6 +453,22 @@ def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtyp
     _check_grouped_matmul_fp8_inputs(x, x_scales, w, w_scales, group_sizes, block)
     return _run("grouped_matmul_fp8", backend, (x, x_scales, w, w_scales, group_sizes),
                 dict(block=block, out_dtype=out_dtype, rows_per_group=rows_per_group), interpret, knobs)
+
+
+def grouped_matmul_mxfp4(x, w, group_sizes, *, out_dtype, rows_per_group=None, backend="pallas", interpret=None,
+                         **knobs):
+    """`grouped_matmul` of MXFP4 weights (OCP microscaling fp4 as AMD Quark exports it, e.g. GLM-5.2-MXFP4's routed
+    experts): x [rows, in] bf16 or f32, rows sorted by group; w an `Mxfp4Weight` of packed uint8
+    [groups, out, in / 2] (two e2m1 codes a byte, input 2i in the low nibble) and scales uint8
+    [groups, out, in / 32] (e8m0, one per 32 inputs of a row; the formula: `formats.py`), K-major as the
+    checkpoint's [out, in] per expert; group_sizes [groups] int32 with sum <= rows. Rows times w[g]^T, f32
+    accumulation, the output [rows, out] in out_dtype, rows past the last group unspecified. The Triton kernel
+    reads the weights packed (0.53 bytes a weight) and dequantizes them in registers to x's dtype for the tensor
+    cores; it needs out a multiple of 16. rows_per_group as `grouped_matmul`'s. Knobs:
+    `_grouped_matmul_mxfp4_triton.grouped_matmul_mxfp4`."""
+    _check_grouped_matmul_mxfp4_inputs(x, w, group_sizes)
+    return _run("grouped_matmul_mxfp4", backend, (x, w, group_sizes),
+                dict(out_dtype=out_dtype, rows_per_group=rows_per_group), interpret, knobs)
 
 
 def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, backend="pallas", interpret=None, **knobs):

@@ -1,6 +1,7 @@
-"""The fp8 cache formats the kernels take, plain jnp: the lightning indexer's keys and queries as DeepSeek-V3.2
-builds them (spec 1.2), and the latent cache of sparse MLA (FlashMLA's). Both caches are registered dataclasses,
-passed to their kernels whole in place of a plain array.
+"""The quantized formats the kernels take, plain jnp: the lightning indexer's fp8 keys and queries as DeepSeek-V3.2
+builds them (spec 1.2), the fp8 latent cache of sparse MLA (FlashMLA's), and MXFP4 expert weights (AMD Quark's
+OCP microscaling fp4). The caches and the weights are registered dataclasses, passed to their kernels whole in
+place of a plain array.
 
 Formulas (J = index head dim, a power of two):
 - `hadamard(x) = x @ Had_J * J^-0.5` with Had_J the J x J Sylvester Hadamard matrix: orthogonal and symmetric, so
@@ -20,6 +21,19 @@ Formulas (J = index head dim, a power of two):
   token, the latent's C values in e4m3 with one ue8m0 scale per 128 columns (4 f32), and the roped key's E values
   in bf16, kept as three arrays. An e4m3 value times a power of two is exact in bf16, so dequantizing loses
   nothing.
+- MXFP4 weights (`Mxfp4Weight`, OCP Microscaling Formats v1.0 as AMD Quark exports them, e.g. amd/GLM-5.2-MXFP4):
+  per matrix [out, in], `packed` uint8 [out, in / 2] (element 2i of a row in the low nibble of byte i, element
+  2i + 1 in the high nibble) and `scales` uint8 [out, in / 32] (one e8m0 code per 32 consecutive inputs of a row):
+  `w[o, i] = e2m1(code[o, i]) * 2^(scales[o, i // 32] - 127)`, where an e2m1 code has the sign in bit 3 and
+  magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 for codes 0..7, and e8m0 code 255 is NaN. 0.5 + 1/32 = 0.53 B a weight.
+  Every value is exact in bf16 (1 mantissa bit) but for scales near the ends of its range.
+- `quantize_mxfp4(w)`, the OCP spec's conversion (section 6.3): per block of 32, `shared = floor(log2(amax)) - 2`
+  (2: e2m1's largest exponent, 6 = 1.5 * 2^2) clamped to e8m0's [-127, 127] (-127 for an all-zero block), then
+  each `w / 2^shared` clamped to +-6 (the spec saturates to the largest normal) and rounded to the nearest e2m1
+  value, ties to the even code. Quark's Triton quantizer (quark/torch/kernel/mx/triton.py,
+  `_compute_quant_and_scale`) takes this exponent after rounding amax's mantissa to e2m1's precision (its "even"
+  mode) or 2^ceil / 2^floor of amax / 6 (its other modes), and breaks element ties away from zero: a block may
+  land one scale apart, a halfway value one code apart. Dequantizing is the same for all.
 Letters: see the legend in `dcp_jax/__init__.py`.
 """
 
@@ -29,10 +43,18 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 AMAX_FLOOR = 1e-4  # keeps all-zero vectors at a finite scale
 LATENT_TILE = 128  # latent columns per scale in the fp8 latent cache
+MX_BLOCK = 32  # inputs of a row per e8m0 scale (OCP MX)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of the e2m1 codes 0..7; bit 3 is the sign
+E2M1_MAX = 6.0
+E2M1_MAX_EXPONENT = 2  # 6 = 1.5 * 2^2
+E8M0_BIAS = 127
+E8M0_NAN = 255
+F32_MIN_NORMAL = 2.0**-126
 
 
 def hadamard(x):
@@ -137,3 +159,66 @@ def dequantize_latent_cache(cache: Fp8LatentCache):
     latent = cache.latent.astype(jnp.float32)
     tiles = latent.reshape(*latent.shape[:-1], -1, LATENT_TILE) * cache.scales[..., None]
     return jnp.concatenate([tiles.reshape(latent.shape), cache.rope.astype(jnp.float32)], axis=-1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mxfp4Weight:
+    """Grouped weights in OCP MXFP4 (the module's formula), each group's matrix [out, in] as AMD Quark exports an
+    expert's `weight` and `weight_scale`: K-major, read so by `pallas_kernels.grouped_matmul_mxfp4`."""
+    # [groups, out, in / 2] uint8: two e2m1 codes a byte, input 2i in the low nibble, 2i + 1 in the high one.
+    packed: jax.Array
+    # [groups, out, in / 32] uint8: e8m0 codes, 2^(code - 127), one per 32 consecutive inputs of a row.
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dequantized weights' shape, [groups, out, in]."""
+        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+
+
+def _namespace(*arrays):
+    """numpy for numpy arrays (the loader's), jax.numpy for anything else."""
+    return np if all(isinstance(a, (np.ndarray, np.generic)) for a in arrays) else jnp
+
+
+def quantize_mxfp4(w):
+    """w [..., in] finite (f32 or bf16, in a multiple of 32; numpy in, numpy out) -> (packed uint8 [..., in / 2],
+    scales uint8 [..., in / 32]) by the module's rule: `dequantize_mxfp4(*quantize_mxfp4(w))` returns w exactly when
+    each block of 32 already lies on its own MXFP4 grid."""
+    xp = _namespace(w)
+    if w.shape[-1] % MX_BLOCK:
+        raise ValueError(f"MXFP4 needs the input axis a multiple of {MX_BLOCK}; got {w.shape=}")
+    blocks = w.astype(xp.float32).reshape(*w.shape[:-1], w.shape[-1] // MX_BLOCK, MX_BLOCK)
+    amax = xp.max(xp.abs(blocks), axis=-1, keepdims=True)
+    # amax = mantissa * 2^exponent, mantissa in [0.5, 1): floor(log2(amax)) = exponent - 1, exact. Blocks of f32
+    # subnormals (which XLA flushes to zero) and all-zero ones take the smallest scale.
+    _, exponent = xp.frexp(amax)
+    shared = xp.where(amax >= F32_MIN_NORMAL, exponent - 1 - E2M1_MAX_EXPONENT, -E8M0_BIAS)
+    shared = xp.clip(shared, -E8M0_BIAS, E8M0_BIAS).astype(xp.int32)
+    magnitude = xp.minimum(xp.abs(xp.ldexp(blocks, -shared)), E2M1_MAX)  # exact: a power of two
+    # The e2m1 grid is 0.5 apart below 2, 1 apart in [2, 4), 2 apart from 4; round half to even on it.
+    step = xp.where(magnitude < 2, 0.5, xp.where(magnitude < 4, 1.0, 2.0)).astype(xp.float32)
+    rounded = xp.round(magnitude / step) * step
+    # 0 0.5 1 1.5 -> codes 0..3; 2 3 -> 4 5; 4 6 -> 6 7.
+    code = xp.where(rounded < 2, 2 * rounded, xp.where(rounded < 4, rounded + 2, rounded / 2 + 4))
+    codes = (code + 8 * xp.signbit(blocks)).astype(xp.uint8).reshape(w.shape)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.astype(xp.uint8), (shared[..., 0] + E8M0_BIAS).astype(xp.uint8)
+
+
+def dequantize_mxfp4(packed, scales, dtype=jnp.float32):
+    """packed uint8 [..., in / 2] and scales uint8 [..., in / 32] (numpy in, numpy out) -> [..., in] in `dtype`:
+    `e2m1(code) * 2^(scale - 127)`, NaN for scale code 255. Values under 2^-126 (f32 subnormals, only at scale
+    codes 0 and 1) come out 0 from XLA, which flushes subnormals; numpy keeps them."""
+    xp = _namespace(packed, scales)
+    if packed.shape[:-1] != scales.shape[:-1] or packed.shape[-1] != scales.shape[-1] * MX_BLOCK // 2:
+        raise ValueError(f"need packed [..., in / 2] and scales [..., in / {MX_BLOCK}]; got {packed.shape=} "
+                         f"{scales.shape=}")
+    codes = xp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    magnitude = xp.asarray(E2M1_VALUES, xp.float32)[codes & 7]
+    values = xp.where(codes >= 8, -magnitude, magnitude).reshape(*scales.shape, MX_BLOCK)
+    is_nan = scales[..., None] == E8M0_NAN
+    exponents = xp.where(is_nan, 0, scales.astype(xp.int32)[..., None] - E8M0_BIAS)  # 2^128 would overflow
+    scaled = xp.where(is_nan, xp.float32(np.nan), xp.ldexp(values, exponents))
+    return scaled.reshape(codes.shape).astype(dtype)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.formats import Fp8IndexKeys, Fp8LatentCache, dequantize_latent_cache, kept_e4m3
+from pallas_kernels.formats import (Fp8IndexKeys, Fp8LatentCache, Mxfp4Weight, dequantize_latent_cache,
+                                    dequantize_mxfp4, kept_e4m3)
 
 HIGHEST = jax.lax.Precision.HIGHEST
 NEG_INF = float("-inf")
@@ -143,6 +144,15 @@ def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, block, out_dtyp
     x32 = x.astype(jnp.float32) * jnp.repeat(x_scales, bk, axis=1)[:, :depth]
     w32 = w.astype(jnp.float32) * jnp.repeat(jnp.repeat(w_scales, bn, axis=1), bk, axis=2)[:, :width, :depth]
     return grouped_matmul(x32, jnp.swapaxes(w32, 1, 2), group_sizes).astype(out_dtype)
+
+
+def grouped_matmul_mxfp4(x, w: Mxfp4Weight, group_sizes, *, out_dtype, rows_per_group=None):
+    """`grouped_matmul` of MXFP4 weights (OCP microscaling fp4 in AMD Quark's layout, `formats.Mxfp4Weight`): x
+    [rows, in] (bf16 or f32) rows sorted by group, w's packed uint8 [groups, out, in / 2] and scales uint8
+    [groups, out, in / 32] dequantized (`formats.dequantize_mxfp4`) to f32 [groups, out, in]; the output
+    [rows, out] = x . w[g]^T in out_dtype. rows_per_group: the kernels' tile hint, no effect here."""
+    w32 = dequantize_mxfp4(w.packed, w.scales, jnp.float32)
+    return grouped_matmul(x.astype(jnp.float32), jnp.swapaxes(w32, 1, 2), group_sizes).astype(out_dtype)
 
 
 def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate tests/fixtures/oracle/*.npz from HF transformers' DeepseekV32ForCausalLM and DeepseekV3ForCausalLM
-# (CPU torch).
+# Regenerate tests/fixtures/oracle/*.npz from HF transformers' DeepseekV32ForCausalLM, DeepseekV3ForCausalLM and
+# GlmMoeDsaForCausalLM (CPU torch).
 # Makes .venv-oracle (Python 3.11: this machine's disk has the CPU torch 2.13.0 wheel for it), installs torch,
 # transformers, safetensors and numpy there, then runs tests/oracle/make_fixtures.py with any extra arguments
 # (e.g. --configs yarn v3_kimi). The project's own .venv (Python >= 3.12, jax) is not touched: the fixtures never
@@ -40,7 +40,7 @@ pip_install() {  # quiet pip; drops this machine's notes about missing local ind
 if ! "$VENV/bin/python" - "$TORCH_VERSION" "$MIN_TRANSFORMERS" <<'PY' 2>/dev/null; then
 import sys
 import numpy, safetensors, torch, transformers
-from transformers import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM  # noqa: F401
+from transformers import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM  # noqa: F401
 have = tuple(int(x) for x in transformers.__version__.split(".")[:2])
 need = tuple(int(x) for x in sys.argv[2].split("."))
 sys.exit(torch.__version__.split("+")[0] != sys.argv[1] or have < need)

@@ -15,7 +15,7 @@ import pytest
 
 from bench import bench_fairness
 from dcp_jax import cli
-from dcp_jax.config import shipped_checkpoints
+from dcp_jax.config import PRESETS, shipped_checkpoints
 from tests.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def test_a_bad_model_is_one_line_and_exit_2_after_binding():
     assert out.splitlines()[0].startswith("dcp-jax serve: listening on http://127.0.0.1:")
     assert out.strip().splitlines()[-1] == (f"dcp-jax serve: model '/no/such/model' is neither a directory, a "
                                             f"shipped checkpoint {shipped_checkpoints()} nor a preset "
-                                            f"['deepseek-r1', 'deepseek-v3.2', 'glm-5', 'kimi-k2', 'tiny', 'tiny-mla']")
+                                            f"{sorted(PRESETS)}")
 
 
 def read_until(proc, pattern: str, lines: list[str], timeout: float = 300.0) -> re.Match:

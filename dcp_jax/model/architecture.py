@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dcp_jax.config import IndexerConfig, ModelConfig
+from dcp_jax.config import IndexerConfig, ModelConfig, indexer_layer_types
 
 # config.json fields HF writes for every model that change nothing at inference: bookkeeping, training-only knobs
 # (dropout, initialization), generation and output switches, and fields read elsewhere (`quantization_config` by
@@ -52,12 +52,17 @@ class ConfigReading:
     refused by name. A field absent from config.json takes HF's default, which must be implemented too.
     no_effect: the fields besides NO_EFFECT_FIELDS that change nothing at inference.
     has_indexer: whether the model has DSA's lightning indexer (its three fields are then required).
+    defaults: the values HF's config class gives the fields config.json may leave out (none: they are required).
+    indexer_extras: config.json -> the `IndexerConfig` fields beyond the three (RoPE layout, layer types) and the
+    config fields they were read from; None: the DeepSeek-V3.2 indexer.
     """
 
     fields: frozenset[str]
     implemented: Mapping[str, tuple[Any, ...]]
     no_effect: frozenset[str] = frozenset()
     has_indexer: bool = False
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    indexer_extras: Callable[[dict[str, Any]], tuple[dict[str, Any], frozenset[str]]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +76,7 @@ class ModelFunctions:
     param_specs: Callable  # (params, *, expert_parallel) -> PartitionSpecs, same tree
     check_divisible: Callable  # (cfg, tp, *, expert_parallel) -> None or ValueError
     layer_stacks: Callable  # (cfg) -> the layer stacks, in layer order
+    scan_groups: Callable  # (cfg) -> the stacks as the scans run them (groups of stacks taking turns), in order
     stack_of: Callable  # (cfg, layer) -> the stack holding a decoder layer
     layer_params: Callable  # (cfg, params, layer) -> one decoder layer's weights
     abstract_mtp: Callable  # (cfg, dtype, fp8_block) -> (graphdef, abstract) of the MTP layer
@@ -140,7 +146,68 @@ DEEPSEEK_V3 = Architecture(
     other_model_types=("kimi_k2",),
 )
 
-ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (DEEPSEEK_V32, DEEPSEEK_V3)}
+
+
+# config.json fields GLM's indexer layout is read from (`_glm_indexer_extras`).
+_GLM_LAYER_FIELDS = frozenset({"indexer_types", "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset",
+                               "mlp_layer_types", "layer_types"})
+
+
+def _glm_indexer_extras(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
+    """GLM's indexer beyond V3.2's: RoPE interleaved, and each layer's kind as HF's GlmMoeDsaConfig derives it
+    (`indexer_types`; else `index_topk_pattern` ("F" / "S" per layer, or a list); else the schedule of
+    `index_topk_freq` / `index_skip_topk_offset`, HF's defaults 1 and 2: every layer full). ValueError for
+    `mlp_layer_types` other than first_k_dense_replace's dense-then-sparse and `layer_types` other than indexed
+    attention everywhere (what HF derives; this engine runs that)."""
+    layers = raw["num_hidden_layers"]
+    types = raw.get("indexer_types")
+    pattern = raw.get("index_topk_pattern")
+    if types is None and pattern is not None:
+        if isinstance(pattern, str):
+            if set(pattern) - {"F", "S"}:
+                raise ValueError(f"index_topk_pattern must be 'F' / 'S' per layer, got {pattern!r}")
+            types = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        else:
+            types = list(pattern)
+    if types is None:
+        types = indexer_layer_types(layers, raw.get("index_topk_freq", 1), raw.get("index_skip_topk_offset", 2))
+    if not isinstance(types, (list, tuple)) or len(types) != layers:
+        raise ValueError(f"indexer_types must name each of the {layers} layers, got {types!r}")
+    dense = min(raw["first_k_dense_replace"], layers)
+    derived_mlp = ["dense"] * dense + ["sparse"] * (layers - dense)
+    if raw.get("mlp_layer_types") is not None and list(raw["mlp_layer_types"]) != derived_mlp:
+        raise ValueError(f"mlp_layer_types {raw['mlp_layer_types']} is not implemented: this engine runs the first "
+                         f"first_k_dense_replace={dense} layers dense and the rest MoE")
+    if raw.get("layer_types") is not None and set(raw["layer_types"]) != {"indexed_attention"}:
+        raise ValueError(f"layer_types {raw['layer_types']} is not implemented (only 'indexed_attention')")
+    layer_types = None if all(t == "full" for t in types) else tuple(types)
+    return {"rope_interleave": True, "layer_types": layer_types}, _GLM_LAYER_FIELDS
+
+
+# GLM-5, 5.1 and 5.2 (`GlmMoeDsaForCausalLM`): V3.2's DSA with RoPE interleaved in the indexer too, and (5.2's
+# IndexShare) layers without an indexer that reuse the selection of the most recent full layer (`indexer_types`).
+# One expert group, plain RoPE. HF's config class defaults every field (GLM-5's shapes), so config.json may omit any.
+GLM_MOE_DSA = Architecture(
+    name="GlmMoeDsaForCausalLM",
+    model_type="glm_moe_dsa",
+    reading=ConfigReading(
+        fields=_DEEPSEEK_FIELDS,
+        implemented=_DEEPSEEK_IMPLEMENTED | {"indexer_rope_interleave": (True,)},
+        has_indexer=True,
+        defaults={
+            "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+            "num_hidden_layers": 78, "num_attention_heads": 64, "n_shared_experts": 1, "n_routed_experts": 256,
+            "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 2048, "qk_rope_head_dim": 64,
+            "v_head_dim": 256, "qk_nope_head_dim": 192, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
+            "norm_topk_prob": True, "max_position_embeddings": 202752, "rms_norm_eps": 1e-5, "bos_token_id": 0,
+            "eos_token_id": 1, "first_k_dense_replace": 3, "index_topk": 2048, "index_head_dim": 128,
+            "index_n_heads": 32},
+        indexer_extras=_glm_indexer_extras),
+    model_file="dcp_jax.model.deepseek_v32",
+    attention_file="dcp_jax.model.attention.sparse_dcp",
+)
+
+ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (DEEPSEEK_V32, DEEPSEEK_V3, GLM_MOE_DSA)}
 
 
 def lookup(name: str) -> Architecture:
@@ -196,7 +263,11 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
 def read_config(arch: Architecture, raw: dict[str, Any]) -> ModelConfig:
     """`raw` (config.json's fields) as `arch` reads it (`ConfigReading`)."""
     reading = arch.reading
+    raw = dict(reading.defaults) | raw
     indexer_fields = set(_INDEXER_FIELDS) if reading.has_indexer else set()
+    if reading.indexer_extras is not None:
+        extras, extra_fields = reading.indexer_extras(raw)
+        indexer_fields |= extra_fields
     known = reading.fields | indexer_fields | set(reading.implemented) | reading.no_effect | NO_EFFECT_FIELDS
     unknown = sorted(set(raw) - known - _ROPE_FIELDS)
     if unknown:
@@ -222,7 +293,8 @@ def read_config(arch: Architecture, raw: dict[str, Any]) -> ModelConfig:
         missing = sorted(n for n in _INDEXER_FIELDS if n not in raw)
         if missing:
             raise ValueError(f"config.json lacks required fields {missing}")
-        indexer = IndexerConfig(**{ours: raw[hf] for hf, ours in _INDEXER_FIELDS.items()})
+        indexer = IndexerConfig(**{ours: raw[hf] for hf, ours in _INDEXER_FIELDS.items()},
+                                **(extras if reading.indexer_extras is not None else {}))
     required = {f.name for f in dataclasses.fields(ModelConfig)
                 if f.default is dataclasses.MISSING and f.name not in ("architecture", "indexer")}
     missing = sorted(required - set(kwargs))
@@ -258,6 +330,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     raw["rope_parameters"] = {"rope_theta": cfg.rope_theta, **cfg.rope}
     if cfg.indexer is not None:
         raw |= {hf: getattr(cfg.indexer, ours) for hf, ours in _INDEXER_FIELDS.items()}
+        if cfg.indexer.layer_types is not None:
+            raw["indexer_types"] = list(cfg.indexer.layer_types[:cfg.num_hidden_layers])
     if cfg.torch_dtype is not None:
         raw["torch_dtype"] = cfg.torch_dtype
     return raw | dict(architectures=[arch.name], model_type=arch.model_type,

@@ -19,6 +19,7 @@ Letters: see the legend in `dcp_jax/__init__.py`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,18 +39,23 @@ from dcp_jax.model.moe import MoE, check_routed_experts, expert_specs
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+def _attention(cfg: ModelConfig, layer: int):
+    """Decoder layer `layer`'s attention variant (`AttentionVariant.layer_variant`)."""
+    return architecture.of(cfg).attention.layer_variant(cfg, layer)
+
+
 def norm_param(rngs: nnx.Rngs, size: int, dtype) -> nnx.Param:
     """An RMSNorm weight of `size`: 1 + 0.1 normal, in `dtype`."""
     return nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (size,), jnp.float32)).astype(dtype))
 
 
 class Attention(nnx.Module):
-    """One layer's attention in its architecture's variant: the fields of the variant's `params_class`, initialized
-    by its `init_params` (DSA's index_weights f32 whatever `dtype`)."""
+    """Decoder layer `layer`'s attention in its architecture's variant for that layer (`layer_variant`): the fields
+    of the variant's `params_class`, initialized by its `init_params` (DSA's index_weights f32 whatever `dtype`)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
-        self.variant = architecture.of(cfg).attention
+        self.variant = _attention(cfg, layer)
         weights = self.variant.init_params(cfg, rngs.params(), dtype)
         for f in dataclasses.fields(weights):
             setattr(self, f.name, nnx.Param(getattr(weights, f.name)))
@@ -59,12 +65,13 @@ class Attention(nnx.Module):
         cls = self.variant.params_class
         return cls(**{f.name: getattr(self, f.name).get_value() for f in dataclasses.fields(cls)})
 
-    def __call__(self, x, rope, pools: dict, md, *, ctx):
-        """Per rank: this layer's attention in the step context's variant (`AttentionVariant.attend`, ctx.attention:
-        the architecture's, or a benchmark's cut of it); x [R, D] the step's rows, md the rank's view of its
-        StepMetadata on this layer's pages. Returns (output [R, D] summed over TP ranks, the pools, the global
-        positions [R, K] each row attended)."""
-        return ctx.attention.attend(self.params(), x, pools, rope, md, ctx=ctx)
+    def __call__(self, x, rope, pools: dict, mds: dict, *, ctx, selection):
+        """Per rank: this layer's attention (`AttentionVariant.attend`: its own variant, or what a benchmark's
+        step context makes of it, ctx.attention); x [R, D] the step's rows, mds the rank's view of its
+        StepMetadata on this layer's entry of each pool it caches in, selection [R, K] the most recent layer's.
+        Returns (output [R, D] summed over TP ranks, the pools, the global positions [R, K] each row attended)."""
+        variant = self.variant if ctx.attention is None else ctx.attention(self.variant)
+        return variant.attend(self.params(), x, pools, rope, mds, ctx=ctx, selection=selection)
 
 
 class DecoderLayer(nnx.Module):
@@ -72,7 +79,7 @@ class DecoderLayer(nnx.Module):
         self.cfg = cfg
         self.input_norm = norm_param(rngs, cfg.hidden_size, dtype)
         self.post_attention_norm = norm_param(rngs, cfg.hidden_size, dtype)
-        self.attention = Attention(cfg, rngs=rngs, dtype=dtype)
+        self.attention = Attention(cfg, layer, rngs=rngs, dtype=dtype)
         if cfg.is_moe_layer(layer):
             self.mlp = MoE(cfg, rngs=rngs, dtype=dtype)
         else:
@@ -93,30 +100,72 @@ class DecoderLayer(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class LayerStack:
-    """Consecutive decoder layers of one structure: their weights are stacked along a leading axis (one attribute
-    of `DeepseekV32`, named `name`) and run under one `jax.lax.scan`, so a program compiles each structure once
-    whatever the depth."""
+    """Decoder layers of one structure, `count` of them `stride` apart from `first`: their weights are stacked along
+    a leading axis (one attribute of `DeepseekV32`, named `name`) and run under one `jax.lax.scan` with the other
+    stacks of their scan group (`scan_groups`), so a program compiles each structure once whatever the depth."""
 
     name: str
     first: int
     count: int
+    stride: int = 1
 
     @property
     def layers(self) -> range:
-        return range(self.first, self.first + self.count)
+        return range(self.first, self.first + self.count * self.stride, self.stride)
+
+    def index_of(self, layer: int) -> int:
+        """Layer `layer`'s position along the stack's leading axis."""
+        return self.layers.index(layer)
 
 
-# The attributes of `DeepseekV32` holding its layer stacks, in layer order.
-STACK_NAMES = ("dense_layers", "moe_layers")
+def _layer_structure(cfg: ModelConfig, layer: int) -> tuple[bool, str]:
+    """What makes two layers stackable: their MLP kind and their attention variant."""
+    return cfg.is_moe_layer(layer), _attention(cfg, layer).name
+
+
+def _periodic_runs(kinds: list, limit: int = 8) -> list[tuple[int, int]]:
+    """`kinds` cut into runs that each repeat one block: [(block length p, repeats n)] covering it in order, with
+    the fewest distinct blocks' layers in all (each block layer is one stack: one compiled layer body). A uniform
+    sequence is one run of p = 1; IndexShare's "SSSF" x 18 + "SSS" is (4, 18), (1, 3)."""
+
+    @functools.cache
+    def best(start: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+        if start == len(kinds):
+            return 0, ()
+        choices = []
+        for p in range(1, min(limit, len(kinds) - start) + 1):
+            block, n = kinds[start:start + p], 1
+            while kinds[start + n * p:start + (n + 1) * p] == block:
+                n += 1
+            cost, rest = best(start + n * p)
+            choices.append((p + cost, ((p, n),) + rest))
+        return min(choices, key=lambda choice: choice[0])
+
+    return list(best(0)[1])
+
+
+@functools.cache
+def scan_groups(cfg: ModelConfig) -> tuple[tuple[LayerStack, ...], ...]:
+    """The model's layers in order as scan groups: each runs its stacks' layers in turn under one scan (a group of
+    p stacks of stride p repeats a block of p layers). The dense-MLP layers (the first `first_k_dense_replace`, or
+    all without routed experts) are "dense_layers", the MoE layers "moe_layers" (further stacks of either kind
+    "<name>_<i>", where IndexShare's shared layers break a kind into repeating blocks)."""
+    kinds = [_layer_structure(cfg, layer) for layer in range(cfg.num_hidden_layers)]
+    groups, first, used = [], 0, {}
+    for p, n in _periodic_runs(kinds):
+        group = []
+        for j in range(p):
+            base = "moe_layers" if kinds[first + j][0] else "dense_layers"
+            index = used[base] = used.get(base, -1) + 1
+            group.append(LayerStack(base if index == 0 else f"{base}_{index}", first + j, n, p))
+        groups.append(tuple(group))
+        first += p * n
+    return tuple(groups)
 
 
 def layer_stacks(cfg: ModelConfig) -> tuple[LayerStack, ...]:
-    """The model's stacks in layer order: the dense-MLP layers (the first `first_k_dense_replace`, or all without
-    routed experts), then the MoE layers."""
-    layers = cfg.num_hidden_layers
-    dense = min(cfg.first_k_dense_replace, layers) if cfg.n_routed_experts else layers
-    stacks = (LayerStack(STACK_NAMES[0], 0, dense), LayerStack(STACK_NAMES[1], dense, layers - dense))
-    return tuple(stack for stack in stacks if stack.count)
+    """Every stack of the model (`scan_groups`' in order)."""
+    return tuple(stack for group in scan_groups(cfg) for stack in group)
 
 
 def stack_of(cfg: ModelConfig, layer: int) -> LayerStack:
@@ -127,7 +176,7 @@ def stack_of(cfg: ModelConfig, layer: int) -> LayerStack:
 def layer_params(cfg: ModelConfig, params: dict, layer: int) -> dict:
     """Decoder layer `layer`'s weights (its slice of its stack) from the model's pure-dict params."""
     stack = stack_of(cfg, layer)
-    return jax.tree.map(lambda a: a[layer - stack.first], params[stack.name])
+    return jax.tree.map(lambda a: a[stack.index_of(layer)], params[stack.name])
 
 
 def _stacked(layers: list[DecoderLayer]) -> DecoderLayer:
@@ -144,7 +193,7 @@ class DeepseekV32(nnx.Module):
         self.embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size)).astype(dtype))
         layers = [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_hidden_layers)]
         for stack in layer_stacks(cfg):
-            setattr(self, stack.name, _stacked(layers[stack.first:stack.first + stack.count]))
+            setattr(self, stack.name, _stacked([layers[i] for i in stack.layers]))
         self.final_norm = norm_param(rngs, cfg.hidden_size, dtype)
         self.lm_head = dense_param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.hidden_size, dtype)
 
@@ -152,7 +201,7 @@ class DeepseekV32(nnx.Module):
         """Decoder layer `layer` on its own (its slice of its stack), for code that walks the layers one by one."""
         stack = stack_of(self.cfg, layer)
         graphdef, weights = nnx.split(getattr(self, stack.name))
-        return nnx.merge(graphdef, jax.tree.map(lambda a: a[layer - stack.first], weights))
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[stack.index_of(layer)], weights))
 
     def embed_tokens(self, tokens):
         return jnp.take(self.embed[...], tokens, axis=0)
@@ -181,6 +230,7 @@ def param_specs(cfg: ModelConfig, params: dict, *, expert_parallel: bool) -> dic
     split."""
     feed_forward = _MLP_SPECS | expert_specs(expert_parallel)
     attention_specs = vars(architecture.of(cfg).attention.partition_specs())
+    stack_names = {stack.name for stack in layer_stacks(cfg)}
 
     def spec(path, leaf):
         names = [getattr(k, "key", None) for k in path]
@@ -190,11 +240,11 @@ def param_specs(cfg: ModelConfig, params: dict, *, expert_parallel: bool) -> dic
             plain = feed_forward.get(names[-1], P())
         else:
             plain = P()
-        if names[0] in STACK_NAMES:
+        if names[0] in stack_names:
             plain = P(None, *plain)
-        return fp8_linear.weight_spec(leaf, plain) if fp8_linear.is_fp8(leaf) else plain
+        return fp8_linear.weight_spec(leaf, plain) if fp8_linear.is_quantized(leaf) else plain
 
-    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=fp8_linear.is_fp8)
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=fp8_linear.is_quantized)
 
 
 def check_divisible(cfg: ModelConfig, tp: int, *, expert_parallel: bool) -> None:
@@ -365,7 +415,7 @@ class DeepseekCheckpoint:
         """Decoder layer `layer`'s tensors (names relative to its prefix) -> shape."""
         d = cfg.hidden_size
         shapes = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
-                  **architecture.of(cfg).attention.hf_tensor_shapes(cfg)}
+                  **_attention(cfg, layer).hf_tensor_shapes(cfg)}
         if cfg.is_moe_layer(layer):
             f, shared = cfg.moe_intermediate_size, cfg.moe_intermediate_size * cfg.n_shared_experts
             shapes["mlp.gate.weight"] = (cfg.n_routed_experts, d)
@@ -398,12 +448,12 @@ class DeepseekCheckpoint:
         else:
             mlp = _mlp_to_ours(t, "mlp.")
         return {"input_norm": t["input_layernorm.weight"], "post_attention_norm": t["post_attention_layernorm.weight"],
-                "attention": architecture.of(cfg).attention.to_ours(cfg, t), "mlp": mlp}
+                "attention": _attention(cfg, layer).to_ours(cfg, t), "mlp": mlp}
 
     def layer_to_hf(self, cfg: ModelConfig, layer: int, p: dict) -> dict[str, np.ndarray]:
         """Inverse of `layer_to_ours` (numpy arrays in, names relative to the layer's prefix out)."""
         out = {"input_layernorm.weight": p["input_norm"], "post_attention_layernorm.weight": p["post_attention_norm"],
-               **architecture.of(cfg).attention.to_hf(cfg, p["attention"])}
+               **_attention(cfg, layer).to_hf(cfg, p["attention"])}
         mlp = p["mlp"]
         if cfg.is_moe_layer(layer):
             out["mlp.gate.weight"] = mlp["router"].T
@@ -432,7 +482,7 @@ class DeepseekCheckpoint:
             mlp["shared"] = mlp_scales("mlp.shared_experts.")
         else:
             mlp = mlp_scales("mlp.")
-        return {"attention": architecture.of(cfg).attention.fp8_scales_to_ours(cfg, scales, block), "mlp": mlp}
+        return {"attention": _attention(cfg, layer).fp8_scales_to_ours(cfg, scales, block), "mlp": mlp}
 
     def fp8_problems(self, cfg: ModelConfig, block: tuple[int, int]) -> list[str]:
         """Why this config's weights cannot stay in block fp8 of `block` (empty: they can)."""
@@ -463,6 +513,7 @@ class DeepseekCheckpoint:
 
 
 MODEL = ModelFunctions(abstract_model=abstract_model, init_params=init_params, merge=merge, param_specs=param_specs,
-                       check_divisible=check_divisible, layer_stacks=layer_stacks, stack_of=stack_of,
-                       layer_params=layer_params, abstract_mtp=abstract_mtp, init_mtp_params=init_mtp_params,
+                       check_divisible=check_divisible, layer_stacks=layer_stacks, scan_groups=scan_groups,
+                       stack_of=stack_of, layer_params=layer_params, abstract_mtp=abstract_mtp,
+                       init_mtp_params=init_mtp_params,
                        check_kernels=check_kernels, checkpoint=DeepseekCheckpoint())

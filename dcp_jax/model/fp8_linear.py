@@ -13,6 +13,15 @@ Sharding (`weight_spec`): the values split as the plain weight's axes they hold;
 values', their output-block axis as the first output axis, their input-block axis as the first input axis. A
 rank's slice must be whole blocks (`check_shardable`).
 
+Per-channel fp8 (`Fp8ChannelWeight`, `--quantization ptpc_fp8`: vLLM's and ATOM's online "per-token per-channel"
+fp8): e4m3 `values` in the same K-major order, `scales` f32 [*batch, N], one static scale per output channel (amax
+over its whole input / 448); the activations take one dynamic scale per token over the inputs a rank contracts
+(amax / 448). An output channel's scale factors out of a contraction split over TP ranks, so any split works
+(`channel_weight_spec`). `quantize_channels_params` makes them of a loaded model's linear leaves but the excluded
+ones (`PTPC_EXCLUDED`, the seed's `exclude_layer` list). They multiply in pure jnp under every kernels backend (the
+activations quantized per token and back, the weight dequantized, f32 at HIGHEST precision): no fp8 GEMM kernel of
+the project takes per-channel scales yet.
+
 Multiplying (`einsum`, `ragged_dot`, `grouped_matmul`: plain weights multiply in full precision as before). With an
 `Fp8BlockWeight` it is DeepSeek's fine-grained fp8 GEMM: the activations are quantized at run time per token per
 bk channels of K (`act_quant`: e4m3, f32 scale amax / 448; DeepSeek's group of 128 is its weights' block), the
@@ -24,6 +33,11 @@ kernel where it applies, on an sm_90 GPU with K a multiple of 128 and N of 64, e
 CPU): one GEMM of a weight with no batch axis, or of one whose batch axes the activations lack (the fused
 gate_up's pair: its matrices stacked along N, or one GEMM a matrix where N ends mid-block). A weight the kernel
 cannot take, or whose batch axes the activations share, is a ValueError saying why (`kernels='reference'` runs it).
+
+MXFP4 routed experts (`mxfp4.Mxfp4Experts`, AMD Quark's export) multiply here too: `grouped_matmul` through
+`pallas_kernels.grouped_matmul_mxfp4` of the backend ("reference": the dequantize + ragged_dot reference),
+`ragged_dot` and `einsum` (dense experts, the reference) on the dequantized weight; each after its inputs went
+through what the checkpoint declares for them (`mxfp4.activations_as_declared`).
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from dcp_jax.model import mxfp4
 from pallas_kernels import formats
 from pallas_kernels.formats import AMAX_FLOOR, E4M3_MAX
 
@@ -65,9 +80,25 @@ def _axes_order(ndim: int, in_axes, out_axes) -> tuple[tuple[int, ...], tuple[in
     return tuple(range(ndim - len(ins) - len(outs))), outs, ins
 
 
+class _KMajor:
+    """The plain weight's axes as a K-major leaf holds them (`values`: batch, output, input; `in_axes` /
+    `out_axes` name the plain weight's)."""
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """The plain weight's axes in the order `values` holds them."""
+        return sum(_axes_order(self.values.ndim, self.in_axes, self.out_axes), ())
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The plain weight's shape."""
+        order = self.order
+        return tuple(self.values.shape[order.index(a)] for a in range(len(order)))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Fp8BlockWeight:
+class Fp8BlockWeight(_KMajor):
     """A block-fp8 weight (module docstring)."""
 
     # float8_e4m3fn: the plain weight's axes reordered batch, output, input (K-major).
@@ -80,17 +111,6 @@ class Fp8BlockWeight:
     # negative (from the last); the leading others are batch axes.
     in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     out_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def order(self) -> tuple[int, ...]:
-        """The plain weight's axes in the order `values` holds them."""
-        return sum(_axes_order(self.values.ndim, self.in_axes, self.out_axes), ())
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The plain weight's shape."""
-        order = self.order
-        return tuple(self.values.shape[order.index(a)] for a in range(len(order)))
 
     @property
     def batch_axes(self) -> tuple[int, ...]:
@@ -111,6 +131,94 @@ def from_plain_layout(values, scales, block: tuple[int, int], in_axes, out_axes)
 
 def is_fp8(x) -> bool:
     return isinstance(x, Fp8BlockWeight)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8ChannelWeight(_KMajor):
+    """A per-channel fp8 weight (module docstring, ptpc_fp8)."""
+
+    # float8_e4m3fn: the plain weight's axes reordered batch, output, input (K-major), as Fp8BlockWeight's.
+    values: jax.Array
+    # f32 [*batch, N]: one scale per output channel (N the output axes flattened).
+    scales: jax.Array
+    in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    out_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+
+# The linear leaves ptpc_fp8 leaves unquantized (the seed's exclude_layer: lm_head, model.embed_tokens, *.mlp.gate,
+# *expert*): every expert, routed (kept as the checkpoint holds them) and shared (params under "shared"); lm_head, the
+# embedding and the router are no `FP8_AXES` leaf anyway.
+PTPC_EXCLUDED = ("experts_gate", "experts_up", "experts_down")
+
+
+def quantize_channels(w, in_axes: tuple[int, ...], out_axes: tuple[int, ...]) -> Fp8ChannelWeight:
+    """A weight in our layout -> its per-channel fp8 form: scale = max(amax of the output channel, 1e-4) / 448,
+    values e4m3(w / scale)."""
+    batch, outs, ins = _axes_order(w.ndim, in_axes, out_axes)
+    reordered = jnp.transpose(w.astype(jnp.float32), batch + outs + ins)
+    m = reordered.reshape(*reordered.shape[: len(batch)], math.prod(w.shape[a] for a in outs), -1)  # [.., N, K]
+    scales = jnp.maximum(jnp.abs(m).max(axis=-1), AMAX_FLOOR) / E4M3_MAX
+    values = (m / scales[..., None]).astype(jnp.float8_e4m3fn).reshape(reordered.shape)
+    return Fp8ChannelWeight(values, scales, tuple(in_axes), tuple(out_axes))
+
+
+def dequantize_channels(w: Fp8ChannelWeight):
+    """f32 weight in our layout: each e4m3 value times its output channel's scale."""
+    batch = len(w.values.shape) - len(w.in_axes) - len(w.out_axes)
+    width = math.prod(w.values.shape[batch: batch + len(w.out_axes)])
+    m = w.values.reshape(*w.values.shape[:batch], width, -1).astype(jnp.float32) * w.scales[..., None]
+    return jnp.transpose(m.reshape(w.values.shape), [w.order.index(a) for a in range(w.values.ndim)])
+
+
+def quantize_channels_params(params: dict) -> dict:
+    """A pure-dict model state with every `FP8_AXES` leaf outside `PTPC_EXCLUDED` and the shared experts ("shared"
+    in its path) in per-channel fp8 (`quantize_channels`); the rest unchanged. Under `jax.eval_shape` it gives the
+    abstract state."""
+
+    def leaf(path, x):
+        names = [getattr(k, "key", None) for k in path]
+        name = names[-1]
+        if name not in FP8_AXES or name in PTPC_EXCLUDED or "shared" in names or is_quantized(x):
+            return x
+        return quantize_channels(x, *FP8_AXES[name])
+
+    return jax.tree_util.tree_map_with_path(leaf, params, is_leaf=is_quantized)
+
+
+def has_channel_weights(params) -> bool:
+    """Whether `params` hold per-channel fp8 weights (ptpc_fp8)."""
+    return any(isinstance(leaf, Fp8ChannelWeight) for leaf in jax.tree.leaves(params, is_leaf=is_quantized))
+
+
+def channel_weight_spec(w: Fp8ChannelWeight, spec: P) -> Fp8ChannelWeight:
+    """The specs of an Fp8ChannelWeight's values and scales for `spec`, the plain weight's: the values as its axes;
+    the scales [*batch, N] as the batch axes and the first output axis (N flattens the output axes, the first
+    leading)."""
+    axes = _padded(spec, len(w.shape))
+    batch, outs, ins = _axes_order(len(w.shape), w.in_axes, w.out_axes)
+    if any(axes[a] is not None for a in outs[1:]):
+        raise ValueError(f"{spec=} splits an inner output axis of {outs}: the channel scales would not follow")
+    return Fp8ChannelWeight(P(*(axes[a] for a in batch + outs + ins)), P(*(axes[a] for a in batch), axes[outs[0]]),
+                            w.in_axes, w.out_axes)
+
+
+def _channel_einsum(equation: str, x, w: Fp8ChannelWeight):
+    """The product with a per-channel fp8 weight: x's contracted axes (its last ones) quantized per token and back,
+    the weight dequantized, f32."""
+    inputs, output = equation.replace("...", "").split("->")
+    lhs, rhs = inputs.split(",")
+    contracted = "".join(rhs[a] for a in w.in_axes)
+    if set(contracted) != set(lhs) & set(rhs) - set(output) or not lhs.endswith(contracted):
+        raise ValueError(f"{equation=}: an fp8 weight contracts its input axes {contracted!r}, the activations' last")
+    depth = math.prod(x.shape[x.ndim - len(contracted):])
+    x32 = _quantized_activations(x, len(contracted), depth)
+    return jnp.einsum(equation, x32, dequantize_channels(w), precision=HIGHEST).astype(x.dtype)
+
+
+def is_quantized(x) -> bool:
+    """A quantized weight leaf: block or per-channel fp8, or MXFP4 experts (a pytree node of its arrays)."""
+    return isinstance(x, (Fp8BlockWeight, Fp8ChannelWeight)) or mxfp4.is_mxfp4(x)
 
 
 def _expand(scales, rows: int, cols: int, block_rows: int, block_cols: int):
@@ -141,7 +249,12 @@ def dequantize(w: Fp8BlockWeight):
 
 
 def weight_values(w, dtype):
-    """The weight as a plain array: a plain one as it is, an `Fp8BlockWeight` dequantized into `dtype`."""
+    """The weight as a plain array: a plain one as it is, an `Fp8BlockWeight` or `Mxfp4Experts` dequantized into
+    `dtype`."""
+    if mxfp4.is_mxfp4(w):
+        return mxfp4.dequantize(w, dtype)
+    if isinstance(w, Fp8ChannelWeight):
+        return dequantize_channels(w).astype(dtype)
     return dequantize(w).astype(dtype) if isinstance(w, Fp8BlockWeight) else w
 
 
@@ -174,7 +287,22 @@ def einsum(equation: str, x, w, *, backend: str):
         raise ValueError(f"backend must be one of {pallas_kernels.BACKENDS}; got {backend!r}")
     if isinstance(w, Fp8BlockWeight):
         return _fp8_einsum(equation, x, w, backend)
+    if isinstance(w, Fp8ChannelWeight):
+        return _channel_einsum(equation, x, w)
+    if mxfp4.is_mxfp4(w):
+        return _mxfp4_einsum(equation, x, w)
     return jnp.einsum(equation, x, w, precision=HIGHEST)
+
+
+def _mxfp4_einsum(equation: str, x, w):
+    """The product with MXFP4 experts (plain layout [..., X, in, out]): x's inputs as declared, the weight
+    dequantized, f32; x's last letter must be w's input letter (its blocks of 32 are x's)."""
+    inputs, _ = equation.split("->")
+    x_letters, w_letters = inputs.split(",")
+    if x_letters[-1] != w_letters[-2]:
+        raise ValueError(f"{equation!r}: MXFP4 experts contract their input axis with x's last axis")
+    x32 = mxfp4.activations_as_declared(x, w).astype(jnp.float32)
+    return jnp.einsum(equation, x32, mxfp4.dequantize(w), precision=HIGHEST).astype(x.dtype)
 
 
 def _fp8_einsum(equation: str, x, w: Fp8BlockWeight, backend: str):
@@ -241,16 +369,26 @@ def _gemm_implementation(num_rows: int, matrices, scales, w: Fp8BlockWeight, bac
 
 
 def ragged_dot(x, w, group_sizes):
-    """`jax.lax.ragged_dot(x [A, K], w [G, K, N], group_sizes)` for a plain or `Fp8BlockWeight` w; x's dtype."""
+    """`jax.lax.ragged_dot(x [A, K], w [G, K, N], group_sizes)` for a plain, `Fp8BlockWeight` or `Mxfp4Experts` w
+    (x's inputs as declared, the weight dequantized, f32); x's dtype."""
     if isinstance(w, Fp8BlockWeight):
         return _fp8_ragged_dot(x, w, group_sizes)
+    if mxfp4.is_mxfp4(w):
+        x32 = mxfp4.activations_as_declared(x, w).astype(jnp.float32)
+        return jax.lax.ragged_dot(x32, mxfp4.dequantize(w), group_sizes, precision=HIGHEST).astype(x.dtype)
     return jax.lax.ragged_dot(x, w, group_sizes, precision=HIGHEST)
 
 
 def grouped_matmul(x, w, group_sizes, *, backend: str, rows_per_group=None, **knobs):
     """`ragged_dot(x, w, group_sizes)` through the Pallas kernels of `backend` (`pallas_kernels.grouped_matmul`; an
     `Fp8BlockWeight` with x quantized by `act_quant` per its input blocks: `pallas_kernels.grouped_matmul_fp8`, whose
-    scaling of each block's product equals the dequantized product's sum); x's dtype. `knobs` go to the kernel."""
+    scaling of each block's product equals the dequantized product's sum; `Mxfp4Experts` with x as declared:
+    `pallas_kernels.grouped_matmul_mxfp4`, "reference" its dequantize + ragged_dot reference); x's dtype. `knobs` go
+    to the kernel."""
+    if mxfp4.is_mxfp4(w):
+        return pallas_kernels.grouped_matmul_mxfp4(mxfp4.activations_as_declared(x, w), w.weight(), group_sizes,
+                                                   out_dtype=x.dtype, rows_per_group=rows_per_group,
+                                                   backend=backend, **knobs)
     if not isinstance(w, Fp8BlockWeight):
         return pallas_kernels.grouped_matmul(x, w, group_sizes, rows_per_group=rows_per_group, backend=backend,
                                              **knobs)
@@ -298,8 +436,13 @@ def _padded(spec: P, ndim: int) -> tuple:
     return tuple(spec) + (None,) * (ndim - len(spec))
 
 
-def weight_spec(w: Fp8BlockWeight, spec: P) -> Fp8BlockWeight:
-    """The specs of w's values and scales (module docstring) for `spec`, the plain weight's, as an Fp8BlockWeight."""
+def weight_spec(w, spec: P):
+    """The specs of a quantized leaf's arrays for `spec`, the plain weight's, as a leaf of its kind: an
+    Fp8BlockWeight's values and scales (module docstring), `mxfp4.weight_spec` for `Mxfp4Experts`."""
+    if mxfp4.is_mxfp4(w):
+        return mxfp4.weight_spec(w, spec)
+    if isinstance(w, Fp8ChannelWeight):
+        return channel_weight_spec(w, spec)
     axes = _padded(spec, len(w.shape))
     batch, outs, ins = _axes_order(len(w.shape), w.in_axes, w.out_axes)
     for group in (ins, outs):

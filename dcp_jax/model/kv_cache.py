@@ -2,9 +2,10 @@
 DSA's "latent" and "index_k"), each in its format, split along tokens over "dcp", and whole pages exported from
 and imported into them.
 
-A pool holds every layer's entries: [W, layers, pages, B, ...] (W over "dcp": rank w's own tokens; the MTP
-layer's after the decoder layers' when drafting). One page id names the same page of every layer and every rank
-(a virtual block of B * W tokens, `host/layout.py`).
+A pool holds an entry for each layer that caches in it (`pool_layers`: every layer, except where an architecture's
+layers differ, as IndexShare's shared layers keep no index key): [W, entries, pages, B, ...] (W over "dcp": rank w's
+own tokens; the MTP layer's entry after the decoder layers' when drafting). One page id names the same page of
+every entry and every rank (a virtual block of B * W tokens, `host/layout.py`).
 Page export / import (`gather_pages`, `scatter_pages`; compiled per page-count bucket by the runner): the pages of
 host-built page ids, every pool, every layer, every rank, as [W, layers, n, B, ...] arrays sharded like the pools;
 -1 ids are pads (export zeros, import nothing).
@@ -17,6 +18,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dcp_jax.config import EngineConfig, ModelConfig
@@ -38,9 +40,9 @@ class KVCache:
     def _leading(self) -> tuple[int, ...]:
         return cache_formats.leading_shape(next(iter(self.pools.values())))
 
-    @property
-    def num_layers(self) -> int:
-        return self._leading[1]
+    def entries(self, name: str) -> int:
+        """The layer entries pool `name` holds (`pool_layers`)."""
+        return cache_formats.leading_shape(self.pools[name])[1]
 
     @property
     def num_pages(self) -> int:
@@ -51,8 +53,8 @@ class KVCache:
         return self._leading[3]
 
     def local_pools(self) -> dict:
-        """Per rank (inside shard_map, W = 1 local shard): each pool with the layers folded into the pages axis,
-        [layers * pages, B, ...] (free: a reshape): layer l owns pages l * pages .. (l + 1) * pages - 1, which
+        """Per rank (inside shard_map, W = 1 local shard): each pool with its entries folded into the pages axis,
+        [entries * pages, B, ...] (free: a reshape): entry e owns pages e * pages .. (e + 1) * pages - 1, which
         `on_layer` moves a step's page ids and slots to. The layers of a scan write into one buffer in place."""
         return jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), self.pools)
 
@@ -61,14 +63,14 @@ class KVCache:
         return KVCache(jax.tree.map(lambda new, old: new.reshape(old.shape), folded, self.pools))
 
 
-def on_layer(md: StepMetadata, layer, *, num_pages: int, page_size: int) -> StepMetadata:
-    """md with its page ids (block_tables) and write slots (slot_mapping) moved to layer `layer`'s pages of the
-    folded pools (`KVCache.local_pools`); -1 entries stay -1. `layer` may be a scan's traced counter: the shift is
-    a constant per layer, the host's per-step indices are otherwise untouched."""
+def on_layer(md: StepMetadata, entry, *, num_pages: int, page_size: int) -> StepMetadata:
+    """md with its page ids (block_tables) and write slots (slot_mapping) moved to entry `entry`'s pages of a folded
+    pool (`KVCache.local_pools`); -1 entries stay -1. `entry` may come from a scan's traced counter (`entry_table`):
+    the shift is a constant per layer, the host's per-step indices are otherwise untouched."""
     def shift(ids, by):
         return jnp.where(ids >= 0, ids + by, ids)
 
-    first_page = layer * num_pages
+    first_page = entry * num_pages
     return md._replace(block_tables=shift(md.block_tables, first_page),
                        slot_mapping=shift(md.slot_mapping, first_page * page_size))
 
@@ -78,6 +80,21 @@ def cache_pools(cfg: ModelConfig, engine: EngineConfig) -> tuple[CachePool, ...]
     return architecture.of(cfg).attention.cache_pools(cfg, CacheFormats(engine.latent_cache, engine.index_cache))
 
 
+def pool_layers(cfg: ModelConfig, name: str, layers: int) -> list[int]:
+    """The layers, of the first `layers` (the decoder layers, then the MTP layer's), with an entry in pool `name`:
+    those whose attention variant caches in it (`AttentionVariant.pool_names`), in order (entry i is the i-th)."""
+    attention = architecture.of(cfg).attention
+    return [layer for layer in range(layers) if name in attention.layer_variant(cfg, layer).pool_names]
+
+
+def entry_table(cfg: ModelConfig, name: str, layers: int) -> np.ndarray:
+    """[layers] int32: each layer's entry in pool `name` (`pool_layers`), -1 where it has none."""
+    table = np.full(layers, -1, np.int32)
+    held = pool_layers(cfg, name, layers)
+    table[held] = np.arange(len(held), dtype=np.int32)
+    return table
+
+
 def kv_cache_specs(pools) -> KVCache:
     """The PartitionSpecs of a KVCache of these pools (`CachePool`s or names): split along W over "dcp", replicated
     over the DCP groups (a prefix spec for every leaf)."""
@@ -85,12 +102,16 @@ def kv_cache_specs(pools) -> KVCache:
 
 
 def allocate_kv_cache(cfg: ModelConfig, engine: EngineConfig, dcp: int, mesh: Mesh, dtype=jnp.float32) -> KVCache:
-    """Zero-filled pools (`cache_pools`: exact ones of `dtype`), created directly in their sharded placement;
-    `engine.kv_layers` layers (the MTP layer's last)."""
-    leading = (dcp, engine.kv_layers(cfg), engine.num_pages, engine.page_size)
+    """Zero-filled pools (`cache_pools`: exact ones of `dtype`), created directly in their sharded placement; an
+    entry for each of `engine.kv_layers` layers that caches in the pool (`pool_layers`; the MTP layer's last)."""
     placed = sharding(mesh, P(DCP))
-    return KVCache({pool.name: jax.jit(lambda pool=pool: pool.zeros(leading, dtype), out_shardings=placed)()
-                    for pool in cache_pools(cfg, engine)})
+
+    def zeros(pool):
+        entries = len(pool_layers(cfg, pool.name, engine.kv_layers(cfg)))
+        return jax.jit(lambda: pool.zeros((dcp, entries, engine.num_pages, engine.page_size), dtype),
+                       out_shardings=placed)()
+
+    return KVCache({pool.name: zeros(pool) for pool in cache_pools(cfg, engine)})
 
 
 # ---- page export / import ---------------------------------------------------------------------------------------

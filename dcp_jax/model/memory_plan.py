@@ -18,8 +18,14 @@ import numpy as np
 from dcp_jax.config import WEIGHT_FORMATS, ModelConfig, ParallelConfig, kv_layers
 from dcp_jax.model import architecture
 from dcp_jax.model.attention.variant import CacheFormats
+from dcp_jax.model.kv_cache import pool_layers
 
 FP8_BLOCK = 128
+# The leaves an AMD Quark MXFP4 checkpoint keeps in MXFP4 (`mxfp4.EXPERT_LEAVES`): the routed experts, at 0.5 bytes
+# of e2m1 codes plus one e8m0 byte a 32 weights.
+MXFP4_LEAVES = frozenset({"experts_gate", "experts_up", "experts_down"})
+MXFP4_BYTES = 0.5 + 1 / 32
+MX_BLOCK = 32
 # The leaves that DeepSeek's fp8 release stores in e4m3 (their HF tensors carry a weight_scale_inv).
 BLOCK_FP8_LEAVES = frozenset({
     "wqkv_a", "wq_b", "w_uk", "w_uv", "wo", "index_wq", "index_wk",  # attention and the indexer
@@ -42,11 +48,13 @@ def shards(spec, parallel: ParallelConfig) -> int:
 
 def leaf_bytes(name: str, shape: tuple[int, ...], itemsize: int, weight_format: str) -> float:
     """Bytes of one weight leaf in `weight_format`: e4m3 plus an f32 scale per FP8_BLOCK^2 elements for the block
-    fp8 leaves (exact when the dims are multiples of the block, as DeepSeek-V3.2's nearly all are), else
-    `itemsize` per element."""
+    fp8 leaves (exact when the dims are multiples of the block, as DeepSeek-V3.2's nearly all are), MXFP4_BYTES a
+    weight for the MXFP4 leaves (exact: their input width is whole blocks of 32), else `itemsize` per element."""
     numel = math.prod(shape)
     if weight_format == "fp8" and name in BLOCK_FP8_LEAVES:
         return numel * (1 + 4 / FP8_BLOCK**2)
+    if weight_format == "mxfp4" and name in MXFP4_LEAVES:
+        return numel * MXFP4_BYTES
     return numel * itemsize
 
 
@@ -67,9 +75,10 @@ def kv_bytes_per_token(cfg: ModelConfig, formats: CacheFormats, *, itemsize: int
                        layers: int | None = None) -> dict[str, int]:
     """Bytes one cached token takes on the rank that holds it, all `layers` layers (default the decoder layers;
     `EngineConfig.kv_layers` with the MTP layer's), in each pool of the architecture's attention variant (DSA: its
-    latent and its index key), the pools in `formats`."""
+    latent and its index key; IndexShare's shared layers hold no index key: `kv_cache.pool_layers`), the pools in
+    `formats`."""
     layers = cfg.num_hidden_layers if layers is None else layers
-    return {pool.name: layers * pool.token_bytes(itemsize)
+    return {pool.name: len(pool_layers(cfg, pool.name, layers)) * pool.token_bytes(itemsize)
             for pool in architecture.of(cfg).attention.cache_pools(cfg, formats)}
 
 
@@ -111,7 +120,10 @@ def make_plan(cfg: ModelConfig, parallel: ParallelConfig, *, dtype: str, weight_
               mtp: bool = False) -> MemoryPlan:
     """The plan of `cfg` on `parallel` in model dtype `dtype` ('bfloat16' / 'float32') with weights in
     `weight_format`, for devices of `device_bytes`; the pool at gpu_memory_utilization as the engine sizes it. With
-    `mtp` the MTP layer drafts: its weights (split as the decoder layers') and its layer of KV are counted."""
+    `mtp` the MTP layer drafts: its weights (split as the decoder layers') and its layer of KV are counted.
+    "mxfp4" is what loading an AMD Quark MXFP4 checkpoint keeps (`weights.py`): the decoder layers' routed experts
+    in MXFP4, everything else (the MTP layer's experts too) in `dtype`; ValueError where tp would split an expert's
+    input width into partial scale blocks (`mxfp4.check_shardable`)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -121,13 +133,16 @@ def make_plan(cfg: ModelConfig, parallel: ParallelConfig, *, dtype: str, weight_
     if mtp and cfg.num_nextn_predict_layers < 1:
         raise ValueError("speculative_config: the model has no MTP layer (num_nextn_predict_layers is 0)")
     model.check_divisible(cfg, parallel.tp, expert_parallel=parallel.enable_expert_parallel)
-    weights, abstracts = 0, [model.abstract_model(cfg, jnp.dtype(dtype))[1]]
-    if mtp:
-        abstracts.append(model.abstract_mtp(cfg, jnp.dtype(dtype))[1])
-    for abstract in abstracts:
+    if weight_format == "mxfp4":
+        _check_mxfp4_split(cfg, parallel)
+    weights, abstracts = 0, [(model.abstract_model(cfg, jnp.dtype(dtype))[1], weight_format)]
+    if mtp:  # an MXFP4 checkpoint's MTP layer loads dequantized
+        abstracts.append((model.abstract_mtp(cfg, jnp.dtype(dtype))[1],
+                          "model_dtype" if weight_format == "mxfp4" else weight_format))
+    for abstract, leaf_format in abstracts:
         abstract = nnx.to_pure_dict(abstract)
         specs = model.param_specs(cfg, abstract, expert_parallel=parallel.enable_expert_parallel)
-        weights += weight_bytes_per_rank(abstract, specs, parallel, weight_format)
+        weights += weight_bytes_per_rank(abstract, specs, parallel, leaf_format)
     itemsize, layers = np.dtype(dtype).itemsize, kv_layers(cfg, int(mtp))
     per_token, tokens, listed = {}, {}, set()
     for formats in CACHE_FORMAT_PAIRS:
@@ -144,6 +159,17 @@ def make_plan(cfg: ModelConfig, parallel: ParallelConfig, *, dtype: str, weight_
     return MemoryPlan(parallel, weight_format, weights, per_token, device_bytes, gpu_memory_utilization, tokens, mtp)
 
 
+def _check_mxfp4_split(cfg: ModelConfig, parallel: ParallelConfig) -> None:
+    """ValueError unless the routed experts' input widths (D for gate / up, F or F/tp for down) are whole MXFP4
+    scale blocks on every rank (what the loader refuses otherwise)."""
+    down_depth = cfg.moe_intermediate_size // (1 if parallel.enable_expert_parallel else parallel.tp)
+    bad = {name: width for name, width in (("hidden_size", cfg.hidden_size), ("a rank's moe_intermediate_size",
+                                                                              down_depth)) if width % MX_BLOCK}
+    if bad:
+        raise ValueError(f"weight_format='mxfp4': {bad} not a multiple of {MX_BLOCK} (an expert's input slice must "
+                         f"be whole scale blocks) on tp={parallel.tp}")
+
+
 def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
@@ -151,10 +177,11 @@ def _size(n: float) -> str:
 def format_plan(plan: MemoryPlan, name: str) -> str:
     """The plan as the CLI prints it: a row per cache format of the variant's pools (latent and index for DSA, the
     latent alone for dense MLA)."""
-    p = plan.parallel
+    p, mxfp4 = plan.parallel, plan.weight_format == "mxfp4"
     pool_names = list(next(iter(plan.kv_bytes_per_token.values())))
     lines = [f"{name} on tp={p.tp}{' (expert parallel)' if p.enable_expert_parallel else ''} dcp={p.dcp}, "
-             f"weights in {plan.weight_format}{', with the MTP layer (drafting)' if plan.mtp else ''}",
+             f"weights in {plan.weight_format}{' (the routed experts; the rest in the model dtype)' if mxfp4 else ''}"
+             f"{', with the MTP layer (drafting)' if plan.mtp else ''}",
              f"  weights per rank: {_size(plan.weight_bytes)}",
              f"  device memory: {_size(plan.device_bytes)} x gpu_memory_utilization {plan.gpu_memory_utilization}",
              f"  {'/'.join(pool_names) + ' cache':<20}{'B/token on its rank':>22}"

@@ -24,7 +24,7 @@ def dense_param(rngs: nnx.Rngs, shape, fan_in: int, dtype) -> nnx.Param:
 def gated_mlp(x, gate_up, down, *, backend: str):
     """x [..., D], gate_up [2, D, F] (gate, then up) and down [F, D] (plain or block fp8) -> down(silu(x gate) *
     x up) [..., D] in x's dtype; `backend` the kernels' (`fp8_linear.einsum`)."""
-    if fp8_linear.is_fp8(gate_up):
+    if fp8_linear.is_quantized(gate_up):
         gate_and_up = fp8_linear.einsum("...d,gdf->...gf", x, gate_up, backend=backend)
         gate, up = gate_and_up[..., 0, :], gate_and_up[..., 1, :]
     else:  # one plain [2, D, F] product would copy the weight into [D, 2F] each call (CPU's XLA did): two products

@@ -12,7 +12,10 @@ sizes are traced counts. `dense_experts` is the reference: every expert on every
 `MoE.partial`'s `backend`: grouped through `pallas_kernels.grouped_matmul` (block-fp8 experts: `grouped_matmul_fp8`)
 under a kernels backend (weights it cannot take are a ValueError saying why), dense under "reference" (jax 0.11.2
 lowers `jax.lax.ragged_dot` to a masked dense product on the GPU as on CPU: no faster than dense at decode, 3.4x
-slower at 256 rows, and out of memory at prefill rows; bench_moe, docs/performance.md).
+slower at 256 rows, and out of memory at prefill rows; bench_moe, docs/performance.md). MXFP4 experts
+(`mxfp4.Mxfp4Experts`, AMD Quark's checkpoints) run grouped under every backend, through
+`pallas_kernels.grouped_matmul_mxfp4` ("reference": its dequantize + ragged_dot reference), their inputs as the
+checkpoint declares them (`mxfp4.activations_as_declared`: MXFP4 activations are a quantize-dequantize, emulated).
 
 Parallelism, inside shard_map over the TP ranks (`mesh.HEADS`). The hidden state is replicated on every rank (the
 attention block ends in a psum), so each rank routes every row itself: the dispatch is a local selection, and the
@@ -40,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from dcp_jax.config import ModelConfig
-from dcp_jax.model import fp8_linear
+from dcp_jax.model import fp8_linear, mxfp4
 from dcp_jax.model.mesh import HEADS
 from dcp_jax.model.mlp import MLP, dense_param
 
@@ -77,7 +80,7 @@ def route(x, router, router_bias, cfg: ModelConfig):
 
 def grouped_experts(x, experts, weights, gate, up, down, *, first_expert, matmul=fp8_linear.ragged_dot):
     """x [R, D]; experts [R, k] global expert ids and weights [R, k] f32 (`route`); gate, up [x, D, F] and down
-    [x, F, D] (plain or block fp8) the experts first_expert .. first_expert + x - 1 (an int, or a traced one) ->
+    [x, F, D] (plain, block fp8 or MXFP4) the experts first_expert .. first_expert + x - 1 (an int, or a traced one) ->
     [R, D] in x's dtype: each row's sum over its assignments to these experts of weight * down(silu(x gate) * x up).
     Assignments to other experts add nothing. Only the rows routed to an expert are multiplied by its weights, by
     `matmul(rows [R k, in], w [x, in, out], group_sizes [x])` (`jax.lax.ragged_dot`'s contract)."""
@@ -117,12 +120,12 @@ def dense_experts(x, experts, weights, gate, up, down, *, first_expert):
 
 def routed_experts(backend: str, x, gate, up, down, *, rows_per_expert: float):
     """The routed experts' computation for a kernels backend (`pallas_kernels.BACKENDS`) and these (local)
-    weights: "reference" runs `dense_experts`; a kernels backend `grouped_experts` through
-    `fp8_linear.grouped_matmul` (plain weights of x's dtype: `pallas_kernels.grouped_matmul`; block fp8:
-    `grouped_matmul_fp8`), its tiles chosen for `rows_per_expert` (the assignments over all the experts: under
-    expert parallelism the rows the kernel sees include other ranks'), or a ValueError saying why it cannot
-    (`check_routed_experts`)."""
-    if backend == "reference":
+    weights: "reference" runs `dense_experts` (MXFP4 experts: `grouped_experts` through the reference of
+    `grouped_matmul_mxfp4`); a kernels backend `grouped_experts` through `fp8_linear.grouped_matmul` (plain weights
+    of x's dtype: `pallas_kernels.grouped_matmul`; block fp8: `grouped_matmul_fp8`; MXFP4: `grouped_matmul_mxfp4`),
+    its tiles chosen for `rows_per_expert` (the assignments over all the experts: under expert parallelism the rows
+    the kernel sees include other ranks'), or a ValueError saying why it cannot (`check_routed_experts`)."""
+    if backend == "reference" and not mxfp4.is_mxfp4(gate):
         return dense_experts
     check_routed_experts(backend, x.dtype, gate, up, down)
     matmul = functools.partial(fp8_linear.grouped_matmul, backend=backend, rows_per_group=rows_per_expert)
@@ -145,6 +148,9 @@ def _kernel_refusals(backend: str, dtype, w) -> list[str]:
     """Why the grouped matmul of `backend` does not take rows of `dtype` times the expert weights w (empty: it
     does)."""
     sizes = jax.ShapeDtypeStruct((w.shape[0],), jnp.int32)
+    if mxfp4.is_mxfp4(w):
+        rows = jax.ShapeDtypeStruct((1, w.shape[-1]), dtype)
+        return pallas_kernels.unsupported("grouped_matmul_mxfp4", backend, rows, w.weight(), sizes, out_dtype=dtype)
     if not fp8_linear.is_fp8(w):
         rows = jax.ShapeDtypeStruct((1, w.shape[1]), dtype)
         return pallas_kernels.unsupported("grouped_matmul", backend, rows, w, sizes)

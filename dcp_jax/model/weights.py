@@ -20,6 +20,16 @@ blocks are ValueErrors naming the tensor, raised before anything is placed. `loa
 the config does not use: the multi-token-prediction layer (`num_nextn_predict_layers`, numbered after the decoder
 layers; `load_mtp_params` reads it, in fp8 alike), and decoder layers past a `num_hidden_layers` lowered to load
 only the first ones.
+
+AMD Quark MXFP4 checkpoints (`quantization_config` {"quant_method": "quark", ...}: which modules, what scheme and
+what is refused: `quark.py`) store each MXFP4 module X as `X.weight` uint8 [out, in / 2] beside `X.weight_scale`
+uint8 [out, in / 32] (e8m0). Under "auto" the decoder layers' routed experts stay MXFP4, as `mxfp4.Mxfp4Experts` of
+the checkpoint's own bytes stacked per layer (`load_hf_params` places them split like the experts: a rank's input
+slice must be whole scale blocks of 32, `check_fp8_shardable`); the other MXFP4 modules (shared experts, the MTP
+layer's experts) and, under "none", all of them are dequantized (exact: e2m1 value x 2^(scale - 127)) into the
+load dtype; "fp8" is refused. Everything the config declares and this engine does not implement is a ValueError
+before any file is opened; a tensor whose dtype or shape contradicts the config (a quantized module not uint8, an
+excluded one in uint8, a missing weight_scale) one before any weight is read.
 """
 
 from __future__ import annotations
@@ -38,10 +48,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dcp_jax.config import ONLINE_FP8_BLOCK, QUANTIZATION_CHOICES, ModelConfig
-from dcp_jax.model import architecture, fp8_linear
+from dcp_jax.model import architecture, fp8_linear, mxfp4, quark
 from dcp_jax.model.mesh import sharding
+from pallas_kernels.formats import MX_BLOCK, dequantize_mxfp4
 
 FP8 = "F8_E4M3"  # the safetensors dtype of DeepSeek's fp8 weights
+U8 = "U8"  # the safetensors dtype of MXFP4 codes and scales
+MXFP4_SCALE = "_scale"  # X.weight's e8m0 scales are X.weight_scale
 
 
 def _safetensors_files(path: str) -> list[str]:
@@ -96,19 +109,107 @@ class _Reader:
         return data.view(ml_dtypes.float8_e4m3fn).reshape(meta["shape"])
 
 
-def fp8_block_size(path: str) -> tuple[int, int] | None:
-    """(bn, bk) of a block-fp8 checkpoint directory's `quantization_config`, None when it has none; ValueError for
-    any other quantization."""
+def _quantization_config(path: str) -> dict | None:
     with open(os.path.join(path, "config.json")) as f:
-        quantization = json.load(f).get("quantization_config")
-    if not quantization:
+        return json.load(f).get("quantization_config") or None
+
+
+def fp8_block_size(path: str) -> tuple[int, int] | None:
+    """(bn, bk) of a block-fp8 checkpoint directory's `quantization_config`, None when it has none or is AMD
+    Quark's (`quark_config`); ValueError for any other quantization."""
+    quantization = _quantization_config(path)
+    if not quantization or quark.is_quark(quantization):
         return None
     block = quantization.get("weight_block_size")
     if (quantization.get("quant_method") != "fp8" or quantization.get("fmt", "e4m3") != "e4m3"
             or not isinstance(block, list) or len(block) != 2 or min(block) < 1):
         raise ValueError(f"unsupported quantization_config {quantization}: only block fp8 (quant_method 'fp8', "
-                         "fmt 'e4m3', weight_block_size [bn, bk]) is read")
+                         "fmt 'e4m3', weight_block_size [bn, bk]) and AMD Quark's MXFP4 (quant_method 'quark') "
+                         "are read")
     return int(block[0]), int(block[1])
+
+
+def quark_config(path: str) -> quark.QuarkMxfp4 | None:
+    """A checkpoint directory's Quark `quantization_config` after `quark.read`'s checks (None: not Quark)."""
+    quantization = _quantization_config(path)
+    return quark.read(quantization) if quark.is_quark(quantization) else None
+
+
+def linear_modules(shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The HF linear modules among a checkpoint's tensors (name -> plain shape): each 2-D `X.weight` but the
+    embeddings, as X."""
+    return [n[: -len(".weight")] for n, shape in shapes.items()
+            if n.endswith(".weight") and len(shape) == 2 and not n.endswith("embed_tokens.weight")]
+
+
+def mxfp4_plan(path: str, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> quark.Mxfp4Plan | None:
+    """The MXFP4 modules among the tensors `shapes` (name -> plain shape) of a Quark checkpoint directory and what
+    they become (`quark.QuarkMxfp4.plan`: ValueError for what is not implemented); None for another checkpoint."""
+    config = quark_config(path)
+    if config is None:
+        return None
+    moe_layers = [layer for layer in range(cfg.num_hidden_layers) if cfg.is_moe_layer(layer)]
+    return config.plan(linear_modules(shapes), num_hidden_layers=cfg.num_hidden_layers, moe_layers=moe_layers,
+                       num_experts=cfg.n_routed_experts)
+
+
+def loaded_mxfp4_experts(path: str, cfg: ModelConfig, quantization: str) -> mxfp4.ExpertsFormat | None:
+    """The format of the MXFP4 routed experts a load of `cfg` from `path` under `quantization` keeps: a Quark
+    checkpoint's under "auto" (None: the experts load plain). ValueError for a Quark config not implemented."""
+    kept_fp8_block(path, quantization)  # refuses an unknown quantization, and "fp8" of a Quark checkpoint
+    plan = mxfp4_plan(path, cfg, architecture.of(cfg).model.checkpoint.tensor_shapes(cfg))
+    if quantization != "auto" or plan is None or not plan.routed:
+        return None
+    return mxfp4.ExpertsFormat(plan.activations, plan.scale_mode)
+
+
+def checkpoint_weight_format(path: str, cfg: ModelConfig) -> str:
+    """The `config.WEIGHT_FORMATS` entry a load under "auto" gives (`memory_plan`'s): "fp8" for a block fp8
+    checkpoint, "mxfp4" for a Quark one whose routed experts are MXFP4, else "model_dtype"."""
+    if fp8_block_size(path):
+        return "fp8"
+    return "mxfp4" if loaded_mxfp4_experts(path, cfg, "auto") is not None else "model_dtype"
+
+
+def abstract_params(cfg: ModelConfig, path: str, dtype, quantization: str) -> dict:
+    """The pure-dict abstract state (ShapeDtypeStructs) `load_hf_params` fills for `quantization`: block fp8 leaves
+    kept or quantized on load (`loaded_fp8_block`), MXFP4 routed experts kept (`loaded_mxfp4_experts`), the rest in
+    `dtype` (f32 where the model keeps f32)."""
+    _, abstract = architecture.of(cfg).model.abstract_model(cfg, dtype, loaded_fp8_block(path, quantization))
+    return mxfp4.with_mxfp4_experts(nnx.to_pure_dict(abstract), loaded_mxfp4_experts(path, cfg, quantization))
+
+
+def _stored_shapes(shapes: dict[str, tuple[int, ...]], plan: quark.Mxfp4Plan | None) -> dict[str, tuple[int, ...]]:
+    """The tensors (name -> shape) a checkpoint of these plain `shapes` stores: an MXFP4 module's weight as packed
+    codes [out, in / 2] with its e8m0 scales [out, in / 32]."""
+    if plan is None:
+        return dict(shapes)
+    stored = {}
+    for name, shape in shapes.items():
+        if name[: -len(".weight")] in plan.modules and name.endswith(".weight"):
+            out, depth = shape
+            stored |= {name: (out, depth // 2), name + MXFP4_SCALE: (out, -(-depth // MX_BLOCK))}
+        else:
+            stored[name] = shape
+    return stored
+
+
+def _mxfp4_type_problems(reader: "_Reader", shapes: dict[str, tuple[int, ...]],
+                         plan: quark.Mxfp4Plan | None) -> list[str]:
+    """Tensors whose dtype contradicts the Quark config: MXFP4 codes and scales not uint8, or plain tensors in
+    uint8; and MXFP4 modules whose input width is not whole scale blocks."""
+    if plan is None:
+        return []
+    names = {n + ".weight" for n in plan.modules}
+    problems = [f"{n}: in {shapes[n][1]} is not a multiple of {MX_BLOCK}" for n in sorted(names)
+                if shapes[n][1] % MX_BLOCK]
+    for name in shapes:
+        want_u8 = name in names
+        for stored in (name, name + MXFP4_SCALE) if want_u8 else (name,):
+            if stored in reader.location and (reader.dtype(stored) == U8) != want_u8:
+                problems.append(f"{stored}: {reader.dtype(stored)}, the Quark config says "
+                                f"{'MXFP4 (U8)' if want_u8 else 'unquantized (excluded)'}")
+    return problems
 
 
 def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
@@ -122,6 +223,9 @@ def kept_fp8_block(path: str, quantization: str) -> tuple[int, int] | None:
     checkpoint's under "auto" or "fp8" when it is block fp8; None when the weights load in the load dtype."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization={quantization!r} must be one of {QUANTIZATION_CHOICES}")
+    if quantization == "fp8" and quark_config(path) is not None:
+        raise ValueError("quantization='fp8' does not apply to an AMD Quark MXFP4 checkpoint: 'auto' keeps its "
+                         "routed experts in MXFP4, 'none' dequantizes them")
     return fp8_block_size(path) if quantization != "none" else None
 
 
@@ -238,29 +342,34 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
     """Read a HF checkpoint directory into our pure-dict params, placed on `mesh` with the model's `param_specs` (routed
     experts split along X when `expert_parallel`, else along F; default device when `mesh` is None). A block fp8
     checkpoint's fp8 weights stay fp8 under `quantization` "auto" (or "fp8") and load in `dtype` under "none"; an
-    unquantized checkpoint's `fp8_linear.FP8_AXES` leaves are quantized to `config.ONLINE_FP8_BLOCK` under "fp8". Raises
-    ValueError listing missing / unexpected tensors, shape mismatches or malformed fp8 scales before any
-    conversion. `progress(iterable)` may wrap the per-layer loop (e.g. tqdm)."""
+    unquantized checkpoint's `fp8_linear.FP8_AXES` leaves are quantized to `config.ONLINE_FP8_BLOCK` under "fp8". A
+    Quark MXFP4 checkpoint's routed experts stay MXFP4 under "auto" (`mxfp4.Mxfp4Experts`), its other MXFP4
+    modules (and all under "none") load dequantized in `dtype`. Raises ValueError for a quantization not
+    implemented before any file is opened, and listing missing / unexpected tensors, shape or dtype mismatches or
+    malformed fp8 scales before any conversion. `progress(iterable)` may wrap the per-layer loop (e.g. tqdm)."""
     path = os.fspath(path)
-    reader = _Reader(_safetensors_files(path))
     model = architecture.of(cfg).model
     expected = model.checkpoint.tensor_shapes(cfg)
+    plan = mxfp4_plan(path, cfg, expected)
+    kept_experts = loaded_mxfp4_experts(path, cfg, quantization)
+    reader = _Reader(_safetensors_files(path))
     block = fp8_block_size(path)
     scale_names = {n + "_scale_inv" for n, shape in expected.items() if len(shape) == 2} if block else set()
+    stored = _stored_shapes(expected, plan)
     ignored = _unused_layer_names(path, cfg, reader.location)
-    missing = sorted(set(expected) - set(reader.location))
-    unexpected = sorted(set(reader.location) - set(expected) - scale_names - ignored)
+    missing = sorted(set(stored) - set(reader.location))
+    unexpected = sorted(set(reader.location) - set(stored) - scale_names - ignored)
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the config: missing tensors {missing[:20]}"
                          f"{' ...' if len(missing) > 20 else ''}, unexpected tensors {unexpected[:20]}"
                          f"{' ...' if len(unexpected) > 20 else ''}")
-    wrong = [f"{n}: file {reader.shape(n)} != expected {s}" for n, s in expected.items() if reader.shape(n) != s]
+    wrong = [f"{n}: file {reader.shape(n)} != expected {s}" for n, s in stored.items() if reader.shape(n) != s]
+    wrong += _mxfp4_type_problems(reader, expected, plan)
     if wrong:
         raise ValueError(f"checkpoint {path} has tensors of the wrong shape or type: {wrong[:20]}")
-    read, read_layer = _readers(path, cfg, reader, expected, quantization)
+    read, read_layer = _readers(path, cfg, reader, expected, quantization, plan, kept_experts)
 
-    _, abstract = model.abstract_model(cfg, dtype, loaded_fp8_block(path, quantization))
-    abstract = nnx.to_pure_dict(abstract)
+    abstract = abstract_params(cfg, path, dtype, quantization)
     specs = model.param_specs(cfg, abstract, expert_parallel=expert_parallel)
     if mesh is not None:
         check_fp8_shardable(abstract, specs, mesh)
@@ -271,7 +380,7 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
         ours = read_layer(layer)
         stack = model.stack_of(cfg, layer)
         placed = _place(jax.tree.map(lambda x: x[None], ours), specs[stack.name], abstract[stack.name], mesh)
-        stacks[stack.name] = _write_layer(stacks[stack.name], placed, layer - stack.first)
+        stacks[stack.name] = _write_layer(stacks[stack.name], placed, stack.index_of(layer))
     top = {ours: read(name).T if transposed else read(name)
            for ours, (name, transposed) in model.checkpoint.TOP.items()}
     params = stacks | {k: _place(v, specs[k], abstract[k], mesh) for k, v in top.items()}
@@ -280,15 +389,19 @@ def load_hf_params(cfg: ModelConfig, path: str | os.PathLike, mesh: Mesh | None 
 
 
 def _readers(path: str, cfg: ModelConfig, reader: _Reader, expected: dict[str, tuple[int, ...]],
-             quantization: str) -> tuple[Callable[[str], np.ndarray], Callable[[int], dict]]:
+             quantization: str, plan: quark.Mxfp4Plan | None,
+             kept_experts: mxfp4.ExpertsFormat | None) -> tuple[Callable[[str], np.ndarray], Callable[[int], dict]]:
     """(read(name), read_layer(layer)) of the checkpoint under `quantization` (`_fp8_reader`, `_read_layer`), once
-    its fp8 scales pass `_checked_fp8_scales`."""
+    its fp8 scales pass `_checked_fp8_scales`; a Quark checkpoint's MXFP4 modules of `plan` dequantized but the
+    routed experts kept in `kept_experts`'s format (when not None)."""
     block, kept_block = fp8_block_size(path), kept_fp8_block(path, quantization)
     scale_values = _checked_fp8_scales(path, cfg, reader, expected, block, kept_block is not None)
     fp8_tensors = architecture.of(cfg).model.checkpoint.fp8_tensors(cfg)
-    read = _fp8_reader(reader, scale_values, block, kept_block, fp8_tensors)
+    mxfp4_weights = {n + ".weight" for n in plan.modules} if plan is not None else set()
+    read = _fp8_reader(reader, scale_values, block, kept_block, fp8_tensors, mxfp4_weights)
     return read, functools.partial(_read_layer, cfg, read=read, scale_values=scale_values, kept_block=kept_block,
-                                   online_block=online_fp8_block(path, quantization), fp8_tensors=fp8_tensors)
+                                   online_block=online_fp8_block(path, quantization), fp8_tensors=fp8_tensors,
+                                   reader=reader, kept_experts=kept_experts)
 
 
 def _kept(name: str, kept_block: tuple[int, int] | None, fp8_tensors: tuple[str, ...]) -> bool:
@@ -298,10 +411,14 @@ def _kept(name: str, kept_block: tuple[int, int] | None, fp8_tensors: tuple[str,
 
 
 def _fp8_reader(reader: _Reader, scale_values: dict[str, np.ndarray], block: tuple[int, int] | None,
-                kept_block: tuple[int, int] | None, fp8_tensors: tuple[str, ...]) -> Callable[[str], np.ndarray]:
-    """read(name): the tensor as stored, dequantized from fp8 unless it is kept (`_kept`)."""
+                kept_block: tuple[int, int] | None, fp8_tensors: tuple[str, ...],
+                mxfp4_weights: set[str]) -> Callable[[str], np.ndarray]:
+    """read(name): the tensor as stored, dequantized from fp8 unless it is kept (`_kept`), dequantized to f32 from
+    MXFP4 (codes and `X.weight_scale`) when it is one of `mxfp4_weights`."""
 
     def read(name: str) -> np.ndarray:
+        if name in mxfp4_weights:
+            return dequantize_mxfp4(reader.get(name), reader.get(name + MXFP4_SCALE), np.float32)
         if name in scale_values and not _kept(name, kept_block, fp8_tensors):
             return dequantize_fp8(reader.get(name), scale_values[name], block)
         return reader.get(name)
@@ -311,13 +428,20 @@ def _fp8_reader(reader: _Reader, scale_values: dict[str, np.ndarray], block: tup
 
 def _read_layer(cfg: ModelConfig, layer: int, read: Callable[[str], np.ndarray], scale_values: dict[str, np.ndarray],
                 kept_block: tuple[int, int] | None, online_block: tuple[int, int] | None,
-                fp8_tensors: tuple[str, ...]) -> dict:
+                fp8_tensors: tuple[str, ...], reader: _Reader, kept_experts: mxfp4.ExpertsFormat | None) -> dict:
     """Decoder layer `layer` (a main one or the MTP layer) as our params: its kept fp8 leaves `Fp8BlockWeight`s, or
-    with `online_block` its fp8 leaves quantized to that block here."""
+    with `online_block` its fp8 leaves quantized to that block here; with `kept_experts` a main MoE layer's routed
+    experts `mxfp4.Mxfp4Experts` of the checkpoint's bytes (`_kept_experts`)."""
     checkpoint = architecture.of(cfg).model.checkpoint
     prefix = checkpoint.layer_prefix(layer)
     names = [prefix + name for name in checkpoint.layer_tensor_shapes(cfg, layer)]
-    ours = checkpoint.layer_to_ours(cfg, layer, {n[len(prefix):]: read(n) for n in names})
+    keeps_experts = kept_experts is not None and layer < cfg.num_hidden_layers and cfg.is_moe_layer(layer)
+    # Kept experts reach `layer_to_ours` as empty placeholders: its plain stacks of them are replaced below.
+    ours = checkpoint.layer_to_ours(cfg, layer, {
+        n[len(prefix):]: _PLACEHOLDER if keeps_experts and n[len(prefix):].startswith(_ROUTED) else read(n)
+        for n in names})
+    if keeps_experts:
+        ours["mlp"] |= _kept_experts(cfg, reader, prefix, kept_experts)
     if online_block:
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             return jax.tree.map(np.asarray, _quantized_on_host(ours, online_block))
@@ -328,14 +452,33 @@ def _read_layer(cfg: ModelConfig, layer: int, read: Callable[[str], np.ndarray],
     return _with_scales(ours, checkpoint.layer_scales_to_ours(cfg, layer, layer_scales, kept_block), kept_block)
 
 
+_ROUTED = "mlp.experts."  # a layer's routed experts' tensors (relative names)
+_PLACEHOLDER = np.empty((0, 0), np.uint8)
+
+
+def _kept_experts(cfg: ModelConfig, reader: _Reader, prefix: str, fmt: mxfp4.ExpertsFormat) -> dict:
+    """One MoE layer's routed experts as `Mxfp4Experts`: each kind's HF tensors (packed [out, in / 2], scales [out,
+    in / 32], uint8) stacked over the experts, the bytes as stored."""
+    def stacked(kind: str, suffix: str) -> np.ndarray:
+        return np.stack([reader.get(f"{prefix}{_ROUTED}{x}.{kind}_proj.weight{suffix}")
+                         for x in range(cfg.n_routed_experts)])
+
+    return {f"experts_{kind}": mxfp4.from_checkpoint(stacked(kind, ""), stacked(kind, MXFP4_SCALE), fmt)
+            for kind in ("gate", "up", "down")}
+
+
 def check_fp8_shardable(abstract: dict, specs: dict, mesh: Mesh) -> None:
-    """ValueError naming the first fp8 leaf of `abstract` whose rank slice under `specs` on `mesh` is not whole
-    blocks (`fp8_linear.check_shardable`)."""
-    flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=fp8_linear.is_fp8)[0]
-    for (path, leaf), spec in zip(flat, jax.tree.leaves(specs, is_leaf=fp8_linear.is_fp8)):
+    """ValueError naming the first quantized leaf of `abstract` whose rank slice under `specs` on `mesh` is not
+    whole blocks: block fp8 (`fp8_linear.check_shardable`) and MXFP4 experts' scale blocks of 32 inputs
+    (`mxfp4.check_shardable`)."""
+    flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=fp8_linear.is_quantized)[0]
+    for (path, leaf), spec in zip(flat, jax.tree.leaves(specs, is_leaf=fp8_linear.is_quantized)):
         if fp8_linear.is_fp8(leaf):
             fp8_linear.check_shardable(jax.tree_util.keystr(path), leaf, fp8_linear.plain_spec(leaf, spec.values),
                                        dict(mesh.shape))
+        elif mxfp4.is_mxfp4(leaf):
+            mxfp4.check_shardable(jax.tree_util.keystr(path), leaf, mxfp4.plain_spec(leaf, spec.packed),
+                                  dict(mesh.shape))
 
 
 def _check_filled(abstract: dict, params: dict) -> None:
@@ -383,18 +526,24 @@ def load_mtp_params(cfg: ModelConfig, path: str | os.PathLike, quantization: str
     """The MTP layer of a HF checkpoint directory as an `MtpLayer`'s pure dict of numpy arrays, f32; a block fp8
     checkpoint's as `load_hf_params` reads its layers: its decoder layer's fp8 leaves stay fp8 under quantization
     "auto" or "fp8", the rest (eh_proj among them, if stored in fp8) dequantized; an unquantized checkpoint's
-    decoder-layer fp8 leaves quantized under "fp8". Strict: ValueError naming missing tensors,
-    wrong shapes or malformed fp8 scales; its copies of the embedding and the head must equal the main model's."""
+    decoder-layer fp8 leaves quantized under "fp8"; a Quark checkpoint's MXFP4 modules of the layer (its experts)
+    dequantized. Strict: ValueError naming missing tensors, wrong shapes or dtypes, malformed fp8 scales or a
+    Quark scheme not implemented; its copies of the embedding and the head must equal the main model's."""
     path = os.fspath(path)
-    reader = _Reader(_safetensors_files(path))
     checkpoint = architecture.of(cfg).model.checkpoint
     expected = checkpoint.mtp_tensor_shapes(cfg)
-    missing = sorted(set(expected) - set(reader.location))
-    wrong = [f"{n}: file {reader.shape(n)} != expected {s}" for n, s in expected.items()
+    kept_fp8_block(path, quantization)  # refuses an unknown quantization, and "fp8" of a Quark checkpoint
+    plan = mxfp4_plan(path, cfg, expected)
+    reader = _Reader(_safetensors_files(path))
+    stored = _stored_shapes(expected, plan)
+    missing = sorted(set(stored) - set(reader.location))
+    wrong = [f"{n}: file {reader.shape(n)} != expected {s}" for n, s in stored.items()
              if n in reader.location and reader.shape(n) != s]
+    wrong += _mxfp4_type_problems(reader, expected, plan) if not missing else []
     if missing or wrong:
-        raise ValueError(f"checkpoint {path}: MTP layer missing tensors {missing[:20]}, wrong shapes {wrong[:20]}")
-    read, read_layer = _readers(path, cfg, reader, expected, quantization)
+        raise ValueError(f"checkpoint {path}: MTP layer missing tensors {missing[:20]}, wrong shapes or types "
+                         f"{wrong[:20]}")
+    read, read_layer = _readers(path, cfg, reader, expected, quantization, plan, None)
     prefix = checkpoint.layer_prefix(cfg.num_hidden_layers)
 
     def own(name: str) -> np.ndarray:

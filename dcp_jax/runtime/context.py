@@ -5,6 +5,7 @@ the metadata."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from dcp_jax.config import KERNEL_CHOICES, ModelConfig
@@ -42,7 +43,8 @@ class StepContext:
     layer's attention as two micro-batches (two-batch overlap); unroll_layers: one copy of each layer instead of a
     scan over each stack; model / mtp: the model's and, when it drafts, its MTP layer's `ModelDef` (what a step
     body merges its params into; None where only the attention runs, and mtp None without drafting); attention:
-    the attention variant every layer runs (`attention/variant.py`; the architecture's by default)."""
+    None (each layer runs its own variant, `attention/variant.py`), or a function of a layer's variant giving the
+    one it runs instead (a benchmark's cut or fallback of it)."""
 
     cfg: ModelConfig
     layout: DcpLayout
@@ -51,11 +53,7 @@ class StepContext:
     unroll_layers: bool = False
     model: ModelDef | None = None
     mtp: ModelDef | None = None
-    attention: Any = None
-
-    def __post_init__(self):
-        if self.attention is None:  # the architecture's variant, unless one is given (a benchmark's staged one)
-            object.__setattr__(self, "attention", self.architecture.attention)
+    attention: Callable[[Any], Any] | None = None
 
     @property
     def architecture(self) -> architecture.Architecture:

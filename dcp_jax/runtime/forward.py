@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from dcp_jax.host.step_inputs import DRAFT_TOKEN, StepInputs
 from dcp_jax.host.step_metadata import StepMetadata, draft_pass_view
-from dcp_jax.model.kv_cache import KVCache, kv_cache_specs, on_layer
+from dcp_jax.model.kv_cache import KVCache, entry_table, kv_cache_specs, on_layer
 from dcp_jax.model.rope import cos_sin, rope_tables
 from dcp_jax.runtime import sampler
 from dcp_jax.runtime.context import StepContext
@@ -72,42 +72,55 @@ class PromptLogprobs:
 
 
 def _layers(model, kv_cache: KVCache, hidden, rope, md: StepMetadata, *, ctx: StepContext, keep_selected: bool):
-    """Run every decoder layer, each stack of layers of one structure (`layer_stacks`) under one `jax.lax.scan`
-    (compiled once, whatever its depth; fully unrolled when ctx.unroll_layers). Returns (hidden, kv_cache, the
-    global positions [layers, R, K] each row attended when `keep_selected`, else None)."""
-    pools = kv_cache.local_pools()
+    """Run every decoder layer, each scan group (`scan_groups`: stacks of one structure each, taking turns) under one
+    `jax.lax.scan` (compiled once, whatever its depth; fully unrolled when ctx.unroll_layers). The carry holds the
+    hidden states, the folded pools and the most recent layer's selection [R, K] (what a layer without an indexer
+    attends: IndexShare). Each layer reads md moved to its entry of each pool it caches in (`entry_table`: static
+    per layer). Returns (hidden, kv_cache, the global positions [layers, R, K] each row attended when
+    `keep_selected`, else None)."""
+    cfg, pools = ctx.cfg, kv_cache.local_pools()
+    tables = {name: jnp.asarray(entry_table(cfg, name, cfg.num_hidden_layers)) for name in pools}
+    topk = cfg.indexer.topk if cfg.indexer is not None else 0
+    selection = jnp.full((hidden.shape[0], topk), -1, jnp.int32)
     selected = []
-    for stack in ctx.architecture.model.layer_stacks(ctx.cfg):
-        graphdef, weights = nnx.split(getattr(model, stack.name))
+    for group in ctx.architecture.model.scan_groups(cfg):
+        graphdefs, weights = zip(*(nnx.split(getattr(model, stack.name)) for stack in group))
 
-        def one_layer(carry, layer_weights_and_index, graphdef=graphdef):
-            hidden, pools = carry
-            layer_weights, index = layer_weights_and_index
-            layer = nnx.merge(graphdef, layer_weights)
-            layer_md = on_layer(md, index, num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
-            attn, pools, layer_selected = layer.attention(layer.attention_input(hidden), rope, pools, layer_md,
-                                                          ctx=ctx)
-            return (layer.feed_forward(hidden + attn, backend=ctx.backend), pools), (
-                layer_selected if keep_selected else None)
+        def block(carry, group_xs, graphdefs=graphdefs, group=group):
+            hidden, pools, selection = carry
+            kept = []
+            for stack, graphdef, (layer_weights, index) in zip(group, graphdefs, group_xs):
+                with jax.named_scope(stack.name):
+                    layer = nnx.merge(graphdef, layer_weights)
+                    mds = {name: on_layer(md, tables[name][index], num_pages=kv_cache.num_pages,
+                                          page_size=kv_cache.page_size) for name in layer.attention.variant.pool_names}
+                    attn, pools, selection = layer.attention(layer.attention_input(hidden), rope, pools, mds, ctx=ctx,
+                                                             selection=selection)
+                    hidden = layer.feed_forward(hidden + attn, backend=ctx.backend)
+                kept.append(selection)
+            return (hidden, pools, selection), (jnp.stack(kept) if keep_selected else None)
 
-        with jax.named_scope(stack.name):
-            (hidden, pools), stack_selected = jax.lax.scan(
-                one_layer, (hidden, pools), (weights, jnp.arange(stack.first, stack.first + stack.count)),
-                unroll=stack.count if ctx.unroll_layers else 1)
-        selected.append(stack_selected)
+        xs = tuple((w, jnp.asarray(stack.layers)) for w, stack in zip(weights, group))
+        (hidden, pools, selection), group_selected = jax.lax.scan(
+            block, (hidden, pools, selection), xs, unroll=group[0].count if ctx.unroll_layers else 1)
+        if keep_selected:  # [repeats, block, R, K] -> layer order
+            selected.append(group_selected.reshape(group[0].count * len(group), *group_selected.shape[2:]))
     return hidden, kv_cache.with_local_pools(pools), jnp.concatenate(selected) if keep_selected else None
 
 
 def _mtp_rows(model, mtp, hidden, following, is_position_zero, rope, kv_cache: KVCache, md: StepMetadata, *,
               ctx: StepContext):
-    """The MTP layer (`MtpLayer` of the model file) over rows, its cache the pools' last layer: row r reads the
+    """The MTP layer (`MtpLayer` of the model file) over rows, its cache each pool's last entry: row r reads the
     state hidden[r] [R, D] (the main model's final-normed one; in a chained pass the layer's output of the pass
     before, as vLLM's deepseek_mtp chains it) and the token after it following[r] [R] (is_position_zero [R] masks
     it). Returns (the layer's output [R, D], before the shared head's norm (`MtpLayer.head_input`), the KV
     cache)."""
     x = mtp.layer_input(model.embed_tokens(following), hidden, is_position_zero > 0)
-    layer_md = on_layer(md, kv_cache.num_layers - 1, num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
-    attn, pools, _ = mtp.layer.attention(mtp.layer.attention_input(x), rope, kv_cache.local_pools(), layer_md, ctx=ctx)
+    mds = {name: on_layer(md, kv_cache.entries(name) - 1, num_pages=kv_cache.num_pages, page_size=kv_cache.page_size)
+           for name in mtp.layer.attention.variant.pool_names}
+    topk = ctx.cfg.indexer.topk if ctx.cfg.indexer is not None else 0
+    attn, pools, _ = mtp.layer.attention(mtp.layer.attention_input(x), rope, kv_cache.local_pools(), mds, ctx=ctx,
+                                         selection=jnp.full((x.shape[0], topk), -1, jnp.int32))
     return mtp.layer.feed_forward(x + attn, backend=ctx.backend), kv_cache.with_local_pools(pools)
 
 

@@ -31,7 +31,7 @@ from dcp_jax.host.sampling_metadata import SamplingTable
 from dcp_jax.host.step_inputs import StepInputs, step_inputs_sizes
 from dcp_jax.host.step_metadata import draft_offsets
 from dcp_jax.host.step_plan import ScheduledRows, build_step, fill_decode_rows
-from dcp_jax.model import architecture, fp8_linear
+from dcp_jax.model import architecture, fp8_linear, mxfp4
 from dcp_jax.model.kv_cache import (KVCache, allocate_kv_cache, cache_pools, gather_pages, kv_cache_specs,
                                     page_buckets, scatter_pages)
 from dcp_jax.model.mesh import REPLICATED, sharding
@@ -53,14 +53,22 @@ def step_kind(params: Sequence[SamplingParams], *, prompt_logprobs: bool) -> Pro
 
 def step_context(cfg: ModelConfig, parallel: ParallelConfig, engine: EngineConfig, backend: str, *, dtype,
                  fp8_block: tuple[int, int] | None = None, mtp_fp8_block: tuple[int, int] | None = None,
-                 drafts: bool = False, unroll_layers: bool = False, enable_tbo: bool = False) -> StepContext:
+                 mxfp4_experts: mxfp4.ExpertsFormat | None = None, channel_fp8: bool = False, drafts: bool = False,
+                 unroll_layers: bool = False, enable_tbo: bool = False) -> StepContext:
     """The context of a runner's programs: the model's abstract state in `dtype` (its `fp8_linear.FP8_AXES` leaves
-    block fp8 of `fp8_block`), its MTP layer's when it `drafts`; `enable_tbo`: each layer's attention runs as two
-    micro-batches of the step's rows (two-batch overlap)."""
+    block fp8 of `fp8_block`, its routed experts MXFP4 of `mxfp4_experts`'s format, its linear leaves per-channel
+    fp8 with `channel_fp8`: ptpc_fp8), its MTP layer's when it
+    `drafts`; `enable_tbo`: each layer's attention runs as two micro-batches of the step's rows (two-batch
+    overlap)."""
     model = architecture.of(cfg).model
     mtp = ModelDef(*model.abstract_mtp(cfg, dtype, mtp_fp8_block)) if drafts else None
+    abstract = mxfp4.with_mxfp4_leaves(model.abstract_model(cfg, dtype, fp8_block), mxfp4_experts)
+    if channel_fp8:
+        graphdef, state = abstract
+        nnx.replace_by_pure_dict(state, jax.eval_shape(fp8_linear.quantize_channels_params, nnx.to_pure_dict(state)))
+        abstract = graphdef, state
     return StepContext(cfg=cfg, layout=DcpLayout(parallel.dcp, parallel.interleave, engine.page_size),
-                       backend=backend, model=ModelDef(*model.abstract_model(cfg, dtype, fp8_block)), mtp=mtp,
+                       backend=backend, model=ModelDef(*abstract), mtp=mtp,
                        micro_batches=2 if enable_tbo else 1, unroll_layers=unroll_layers)
 
 
@@ -141,6 +149,8 @@ class ModelRunner:
         self.cfg, self.parallel, self.engine, self.mesh = cfg, parallel, engine, mesh
         self.ctx = step_context(cfg, parallel, engine, backend, dtype=dtype, fp8_block=fp8_linear.weight_block(params),
                                 mtp_fp8_block=fp8_linear.weight_block(mtp_params) if mtp_params is not None else None,
+                                mxfp4_experts=mxfp4.experts_format(params),
+                                channel_fp8=fp8_linear.has_channel_weights(params),
                                 drafts=mtp_params is not None, unroll_layers=unroll_layers, enable_tbo=enable_tbo)
         self.layout = self.ctx.layout
         self.max_blocks = engine.max_blocks_per_seq(parallel.dcp)

@@ -79,7 +79,10 @@ class EngineArgs:
     quantization: str = _arg("auto", "auto: the checkpoint's (a block fp8 checkpoint's linear weights stay fp8); "
                                      "none: dequantize them into --dtype; fp8: also quantize an unquantized "
                                      "checkpoint's or a preset's linear weights to DeepSeek's block fp8 (128 x 128) "
-                                     "on load", ["-q"], choices=QUANTIZATION_CHOICES)
+                                     "on load; ptpc_fp8: the linear weights but the experts (routed and shared) to "
+                                     "e4m3 with a scale per output channel, activations with one per token (vLLM's "
+                                     "and ATOM's online ptpc_fp8; routed experts stay as stored, MXFP4 too)",
+                             ["-q"], choices=QUANTIZATION_CHOICES)
     hf_overrides: dict | None = _arg(None, "config.json fields to replace, a JSON object (e.g. '{\"index_topk\": "
                                            "16384}')", type=json_object)
     kernels: str = _arg("auto", "auto: the Pallas kernels on a GPU, the references elsewhere; pallas (interpreted "

@@ -185,20 +185,31 @@ def load_model(args: EngineArgs, *, distributed: Distributed | None = None) -> L
     import numpy as np
     from flax import nnx
 
-    from dcp_jax.model.fp8_linear import is_fp8, quantize_params
+    from dcp_jax.model.fp8_linear import is_fp8, quantize_channels_params, quantize_params
     from dcp_jax.model.mesh import make_mesh, sharding
-    from dcp_jax.model.weights import check_fp8_shardable, load_hf_params, load_mtp_params, loaded_fp8_block
+    from dcp_jax.model.weights import (abstract_params, check_fp8_shardable, fp8_block_size, load_hf_params,
+                                       load_mtp_params, loaded_fp8_block)
     from dcp_jax.runtime.context import kernel_backend
     from dcp_jax.runtime.runner import ModelRunner
 
     functions = architecture.of(cfg).model
     functions.check_divisible(cfg, parallel.tp, expert_parallel=parallel.enable_expert_parallel)
     architecture.of(cfg).attention.cache_pools(cfg, formats)  # refuses a format the model cannot take
+    # ptpc_fp8 quantizes the loaded weights (`fp8_linear.quantize_channels_params`): the checkpoint loads as "auto".
+    ptpc = args.quantization == "ptpc_fp8"
+    quantization = "auto" if ptpc else args.quantization
+    if ptpc and is_dir and fp8_block_size(directory):
+        raise ValueError(f"quantization='ptpc_fp8' quantizes an unquantized checkpoint; {directory} is block fp8 "
+                         f"(serve it with quantization='auto')")
     # The block of the fp8 weights the load gives (a preset's random weights are quantized under "fp8").
-    block = (loaded_fp8_block(directory, args.quantization) if is_dir
-             else ONLINE_FP8_BLOCK if args.quantization == "fp8" else None)
+    block = (loaded_fp8_block(directory, quantization) if is_dir
+             else ONLINE_FP8_BLOCK if quantization == "fp8" else None)
     mesh = make_mesh(parallel, deployment_devices(parallel.tp, processes) if processes > 1 else None)
-    abstract = nnx.to_pure_dict(functions.abstract_model(cfg, jnp.dtype(dtype), block)[1])
+    abstract = (abstract_params(cfg, directory, jnp.dtype(dtype), quantization) if is_dir  # MXFP4 experts too
+                else nnx.to_pure_dict(functions.abstract_model(cfg, jnp.dtype(dtype), block)[1]))
+    loaded_specs = functions.param_specs(cfg, abstract, expert_parallel=parallel.enable_expert_parallel)
+    if ptpc:
+        abstract = jax.eval_shape(quantize_channels_params, abstract)
     specs = functions.param_specs(cfg, abstract, expert_parallel=parallel.enable_expert_parallel)
     check_fp8_shardable(abstract, specs, mesh)  # before anything is read or drawn
     backend = kernel_backend(args.kernels)
@@ -210,16 +221,19 @@ def load_model(args: EngineArgs, *, distributed: Distributed | None = None) -> L
     functions.check_kernels(cfg, per_rank(abstract, specs), backend, jnp.dtype(dtype))
     if is_dir:
         params = load_hf_params(cfg, directory, mesh, dtype=jnp.dtype(dtype),
-                                expert_parallel=parallel.enable_expert_parallel, quantization=args.quantization)
+                                expert_parallel=parallel.enable_expert_parallel, quantization=quantization)
     else:
         params = functions.init_params(cfg, args.seed, jnp.dtype(dtype), block)
         if processes > 1:  # host values, each process placing its own shards of them
             params = jax.tree.map(np.asarray, params)
-    params = jax.device_put(params, jax.tree.map(lambda spec: sharding(mesh, spec), specs))
+    params = jax.device_put(params, jax.tree.map(lambda spec: sharding(mesh, spec), loaded_specs))
+    if ptpc:  # on the devices, each leaf's copy freed as it goes (donated)
+        params = jax.jit(quantize_channels_params, donate_argnums=0,
+                         out_shardings=jax.tree.map(lambda spec: sharding(mesh, spec), specs))(params)
     mtp_params = None
     if drafts:  # placed split as the decoder layers are, before the pool is sized by what is left
         if is_dir:
-            mtp_params = load_mtp_params(cfg, directory, args.quantization)
+            mtp_params = load_mtp_params(cfg, directory, quantization)
         else:
             mtp_params = functions.init_mtp_params(cfg, args.seed + 1, jnp.dtype(dtype))
             mtp_params = mtp_params if block is None else quantize_params(mtp_params, block)

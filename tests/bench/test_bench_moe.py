@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench.bench_moe import activated_flops, activated_weight_bytes
+from bench.bench_moe import WEIGHT_BYTES, activated_flops, activated_weight_bytes
 from dcp_jax import cli
 from dcp_jax.config import DEEPSEEK_V32
 
@@ -36,11 +36,15 @@ def test_moe_bench_reports_each_computation_against_the_ceilings(tmp_path):
     assert "| ragged_dot |" in table and "skipped" in table
 
 
-def test_moe_bench_times_block_fp8_experts(tmp_path):
+@pytest.mark.parametrize("weight_format", ["fp8", "mxfp4"])
+def test_moe_bench_times_quantized_experts(tmp_path, weight_format):
+    """Block-fp8 or MXFP4 routed experts: the Pallas kernel of the format and the dense reference (MXFP4:
+    dequantized in its program) both run."""
     out = tmp_path / "moe.jsonl"
     with contextlib.redirect_stdout(io.StringIO()):
-        rc = cli.main(["bench", "moe", "--preset", "tiny", "--decode", "4", "--prefill", "", "--weight-format", "fp8",
-                       "--runs", "1", "--copy-bytes", "4M", "--matmul-size", "128", "--json-out", str(out)])
+        rc = cli.main(["bench", "moe", "--preset", "tiny", "--decode", "4", "--prefill", "", "--weight-format",
+                       weight_format, "--runs", "1", "--copy-bytes", "4M", "--matmul-size", "128", "--json-out",
+                       str(out)])
     assert rc == 0
     point = [json.loads(line) for line in out.read_text().splitlines()][-1]
     assert point["pallas_ms"] > 0 and point["dense_ms"] > 0 and not point["notes"]
@@ -53,3 +57,5 @@ def test_ceilings_count_the_activated_experts():
     assert activated_weight_bytes(DEEPSEEK_V32, 8, 2) == 9 * expert * 2 + 7168 * 256 * 4
     assert activated_weight_bytes(DEEPSEEK_V32, 8, 2) / 1e6 == pytest.approx(800, rel=0.01)
     assert activated_weight_bytes(DEEPSEEK_V32, 8, 1, 2) == 8 * expert + expert * 2 + 7168 * 256 * 4  # fp8 routed
+    mxfp4 = activated_weight_bytes(DEEPSEEK_V32, 8, WEIGHT_BYTES["mxfp4"], 2)  # a byte of scale a 32 weights
+    assert mxfp4 == 8 * expert * 17 / 32 + expert * 2 + 7168 * 256 * 4

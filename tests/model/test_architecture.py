@@ -36,7 +36,8 @@ def test_an_unknown_architecture_is_refused_by_name_before_any_weight_is_read(tm
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG | {"architectures": ["LlamaForCausalLM"]}))
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")  # never opened
     with pytest.raises(ValueError, match="architecture 'LlamaForCausalLM' is not supported; this engine runs "
-                                         r"\['DeepseekV32ForCausalLM', 'DeepseekV3ForCausalLM'\]"):
+                                         r"\['DeepseekV32ForCausalLM', 'DeepseekV3ForCausalLM', "
+                                         r"'GlmMoeDsaForCausalLM'\]"):
         LLM(str(tmp_path))
     for bad in ([], ["A", "B"], "DeepseekV32ForCausalLM", None):
         with pytest.raises(ValueError, match="must name one architecture"):
@@ -120,3 +121,42 @@ def test_deepseek_v3_reads_kimi_k2_and_moonlight_configs():
         config_from_dict(v3 | {"model_type": "llama"})
     with pytest.raises(ValueError, match="q_lora_rank null is not implemented"):
         config_from_dict(HF_CONFIG | {"q_lora_rank": None})
+
+
+def test_glm_reads_its_indexer_layout_and_hf_defaults():
+    """GlmMoeDsaForCausalLM: fields config.json leaves out take HF's GlmMoeDsaConfig defaults (GLM-5's shapes); the
+    indexer's RoPE is interleaved; the layer kinds come from `indexer_types`, else `index_topk_pattern`, else the
+    `index_topk_freq` / `index_skip_topk_offset` schedule (HF's defaults: every layer full); and read back."""
+    bare = config_from_dict({"architectures": ["GlmMoeDsaForCausalLM"]})
+    assert (bare.hidden_size, bare.num_hidden_layers, bare.vocab_size, bare.n_group, bare.rms_norm_eps) == (
+        6144, 78, 154880, 1, 1e-5)
+    assert bare.indexer.rope_interleave and bare.indexer.layer_types is None
+    assert not any(bare.shares_index_selection(layer) for layer in range(78))
+    small = {"architectures": ["GlmMoeDsaForCausalLM"], "num_hidden_layers": 4, "first_k_dense_replace": 1}
+    by_pattern = config_from_dict(small | {"index_topk_pattern": "FSSF"})
+    by_types = config_from_dict(small | {"indexer_types": ["full", "shared", "shared", "full"]})
+    by_schedule = config_from_dict(small | {"index_topk_freq": 3, "index_skip_topk_offset": 1})
+    assert by_pattern == by_types == by_schedule
+    assert [by_types.shares_index_selection(layer) for layer in range(5)] == [False, True, True, False, False]
+    assert config_from_dict(config_to_hf(by_types)) == by_types
+    assert config_from_dict(small | {"mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}).num_hidden_layers == 4
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"mlp_layer_types": ["sparse", "dense", "sparse", "sparse"]}, "mlp_layer_types"),
+    ({"layer_types": ["full_attention"] * 4}, "layer_types"),
+    ({"indexer_types": ["shared", "full", "full", "full"]}, "layer 0 'full'"),
+    ({"indexer_types": ["full", "full"]}, "each of the 4 layers"),
+    ({"index_topk_pattern": "FXSF"}, "index_topk_pattern"),
+    ({"indexer_rope_interleave": False}, "indexer_rope_interleave"),
+])
+def test_glm_layouts_it_does_not_run_are_refused_by_name(fields, message):
+    small = {"architectures": ["GlmMoeDsaForCausalLM"], "num_hidden_layers": 4, "first_k_dense_replace": 1}
+    with pytest.raises(ValueError, match=message):
+        config_from_dict(small | fields)
+
+
+def test_deepseek_v32_refuses_glms_indexer_types():
+    raw = config_to_hf(TINY) | {"indexer_types": ["full", "shared"]}
+    with pytest.raises(ValueError, match="indexer_types"):
+        config_from_dict(raw)

@@ -24,7 +24,8 @@ def test_the_pools_are_the_variants_by_name_in_their_formats():
     fp8 = EngineConfig(page_size=4, num_pages=3, latent_cache="fp8", index_cache="fp8")
     cache = allocate_kv_cache(TINY, fp8, 2, make_mesh(ParallelConfig(tp=2, dcp=2)))
     assert list(cache.pools) == [pool.name for pool in cache_pools(TINY, fp8)] == ["latent", "index_k"]
-    assert (cache.num_layers, cache.num_pages, cache.page_size) == (TINY.num_hidden_layers, 3, 4)
+    assert (cache.entries("latent"), cache.entries("index_k"), cache.num_pages, cache.page_size) == (
+        TINY.num_hidden_layers, TINY.num_hidden_layers, 3, 4)
     assert cache.pools["index_k"].keys.dtype == jnp.float8_e4m3fn
     assert [pool.format for pool in cache_pools(TINY, fp8)] == ["fp8", "fp8"]
 

@@ -47,6 +47,36 @@ def test_fp8_weights_take_a_byte_and_a_scale_per_block_for_the_linear_layers_onl
         weight_bytes_per_rank(abstract, specs, one, "int4")
 
 
+@pytest.mark.parametrize("tp,expert_parallel", [(2, False), (4, True)])
+def test_mxfp4_weight_bytes_per_rank_are_those_placed_on_a_device(tp, expert_parallel):
+    """The "mxfp4" plan of the plain model equals the bytes a device holds of the model whose routed experts are
+    `mxfp4.Mxfp4Experts` (codes and scales, placed by their own specs); the rest in bf16. Experts 64 wide, so tp 2
+    leaves down_proj 32 inputs (one scale block) a rank."""
+    from dcp_jax.model import mxfp4
+    from pallas_kernels.formats import quantize_mxfp4
+
+    cfg = dataclasses.replace(TINY, moe_intermediate_size=64)
+    parallel = ParallelConfig(tp=tp, dcp=2, enable_expert_parallel=expert_parallel)
+    mesh = make_mesh(parallel)
+    abstract = nnx.to_pure_dict(abstract_model(cfg, jnp.bfloat16)[1])
+    specs = param_specs(cfg, abstract, expert_parallel=expert_parallel)
+
+    def kept(path, x):
+        if path[-1].key not in mxfp4.EXPERT_LEAVES:
+            return x
+        return mxfp4.from_checkpoint(*quantize_mxfp4(np.swapaxes(np.asarray(x, np.float32), -1, -2)),
+                                     mxfp4.ExpertsFormat())
+
+    params = jax.tree_util.tree_map_with_path(kept, init_params(cfg, 0, jnp.bfloat16))
+    mxfp4_abstract = mxfp4.with_mxfp4_experts(abstract, mxfp4.ExpertsFormat())
+    placed = jax.device_put(params, jax.tree.map(lambda s: sharding(mesh, s),
+                                                 param_specs(cfg, mxfp4_abstract, expert_parallel=expert_parallel)))
+    on_device_0 = sum(shard.data.nbytes for leaf in jax.tree.leaves(placed) for shard in leaf.addressable_shards
+                      if shard.device == mesh.devices.flat[0])
+    assert weight_bytes_per_rank(abstract, specs, parallel, "mxfp4") == on_device_0
+    assert on_device_0 < weight_bytes_per_rank(abstract, specs, parallel, "model_dtype")
+
+
 @pytest.mark.parametrize("latent,index", [("exact", "exact"), ("fp8", "fp8")])
 def test_bytes_per_token_are_the_pools_bytes(latent, index):
     parallel = ParallelConfig(tp=2, dcp=2)

@@ -1,8 +1,9 @@
 """The MoE (`dcp_jax/model/moe.py`): the grouped experts equal the dense reference (f32 and bf16, balanced and
 unbalanced routing, experts given no row, 1 and odd row counts; through XLA's ragged_dot and the Pallas grouped
 matmul); the rank shares of both splits (whole experts, slices of the width) sum to the whole; which computation a
-kernels backend runs; the whole model with expert parallelism equals it without, and the single-device model, at
-tp 2, 4, 8 and dcp 1, 2."""
+kernels backend runs; MXFP4 experts (AMD Quark's) run grouped under every backend as the dense experts of their
+values, their declared MXFP4 activations quantize-dequantized before each product; the whole model with expert
+parallelism equals it without, and the single-device model, at tp 2, 4, 8 and dcp 1, 2."""
 
 import functools
 
@@ -13,11 +14,12 @@ import pytest
 from flax import nnx
 
 from dcp_jax.config import TINY, EngineConfig, ParallelConfig
-from dcp_jax.model import fp8_linear, moe
+from dcp_jax.model import fp8_linear, moe, mxfp4
 from dcp_jax.model.deepseek_v32 import init_params
 from dcp_jax.model.mesh import make_mesh
 from dcp_jax.runtime.runner import ModelRunner
 from dcp_jax.runtime import oracle
+from pallas_kernels import formats
 
 X = TINY.n_routed_experts  # 8 experts, 2 per row, in 2 groups of 4 (one kept per row)
 
@@ -147,6 +149,79 @@ def test_block_fp8_experts_run_grouped_through_the_fp8_kernel_as_dense():
     assert grouped.func is moe.grouped_experts
     assert_grouped_equals_dense((x, experts, weights, *block_fp8), jnp.float32, first_expert=0,
                                 matmul=grouped.keywords["matmul"])
+
+
+def _mxfp4(w, fmt=mxfp4.ExpertsFormat()):
+    """A plain expert weight [X, in, out] rounded to MXFP4 (the OCP conversion) as `mxfp4.Mxfp4Experts`."""
+    packed, scales = formats.quantize_mxfp4(np.swapaxes(np.asarray(w, np.float32), -1, -2))
+    return mxfp4.from_checkpoint(jnp.asarray(packed), jnp.asarray(scales), fmt)
+
+
+@pytest.mark.slow  # the GLM-5.2 MXFP4 oracle test runs both in the whole model (tests/model/test_glm_mxfp4.py)
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_mxfp4_experts_run_grouped_as_the_dense_experts_of_their_values(backend):
+    """MXFP4 experts run grouped under every backend ("reference": the dequantize + ragged_dot reference of
+    grouped_matmul_mxfp4; "pallas": its Triton kernel, interpreted) and equal the dense experts of their dequantized
+    values, on every expert and on one rank's half (expert parallel)."""
+    x, experts, weights, gate, up, down = inputs(11, jnp.float32, seed=5)
+    kept = [_mxfp4(w) for w in (gate, up, down)]
+    run = moe.routed_experts(backend, x, *kept, rows_per_expert=11 * TINY.num_experts_per_tok / X)
+    assert run.func is moe.grouped_experts and run.keywords["matmul"].keywords["backend"] == backend
+    half = slice(X // 2, X)
+    for first, ws in ((0, kept), (X // 2, [jax.tree.map(lambda a: a[half], w) for w in kept])):
+        got = jax.jit(functools.partial(run, first_expert=first))(x, experts, weights, *ws)
+        want = moe.dense_experts(x, experts, weights, *(mxfp4.dequantize(w) for w in ws), first_expert=first)
+        assert np.abs(want).max() > 0.1
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_declared_mxfp4_activations_are_quantize_dequantized_before_each_product(backend):
+    """With activations "mxfp4" every product's inputs (x for gate and up, silu(x gate) * x up for down) are rounded
+    to MXFP4 per 32 inputs first (`fp8_linear.grouped_matmul`, before either backend's kernel); the result differs
+    from unquantized activations'."""
+    x, experts, weights, gate, up, down = inputs(6, jnp.float32, seed=6)
+    fmt = mxfp4.ExpertsFormat("mxfp4", "even")
+    kept = [_mxfp4(w, fmt) for w in (gate, up, down)]
+    wg, wu, wd = (np.asarray(mxfp4.dequantize(w)) for w in kept)
+
+    def qdq(v):
+        return np.asarray(mxfp4.quantize_dequantize(jnp.asarray(v), "even"))
+
+    want = np.zeros(x.shape, np.float32)
+    for r in range(x.shape[0]):
+        for e, weight in zip(np.asarray(experts[r]), np.asarray(weights[r])):
+            xr = qdq(x[r][None])[0]
+            hidden = np.asarray(jax.nn.silu(xr @ wg[e])) * (xr @ wu[e])
+            want[r] += weight * (qdq(hidden[None])[0] @ wd[e])
+    run = moe.routed_experts(backend, x, *kept, rows_per_expert=1.5)
+    np.testing.assert_allclose(run(x, experts, weights, *kept, first_expert=0), want, atol=1e-4, rtol=0)
+    unquantized = moe.dense_experts(x, experts, weights, wg, wu, wd, first_expert=0)
+    assert np.abs(np.asarray(unquantized) - want).max() > 1e-2
+
+
+def test_mxfp4_activation_scale_rules():
+    """OCP's scale 2^(floor(log2 amax) - 2) saturates a block whose amax has a mantissa of 1.75 (1.75 / 0.25 = 7 ->
+    6: 1.5), Quark's "even" rule takes the next scale (1.75 / 0.5 = 3.5 -> 4, ties to even: 2.0); the OCP rule
+    equals formats.quantize_mxfp4 then dequantize_mxfp4; widths not whole blocks are refused."""
+    block = jnp.zeros((1, 32), jnp.float32).at[0, 0].set(1.75).at[0, 1].set(-0.3)
+    assert float(mxfp4.quantize_dequantize(block)[0, 0]) == 1.5
+    assert float(mxfp4.quantize_dequantize(block, "even")[0, 0]) == 2.0
+    assert float(mxfp4.quantize_dequantize(block, "even")[0, 1]) == -0.25  # 0.6 of the scale 0.5 -> 0.5
+    x = np.asarray(jax.random.normal(jax.random.key(0), (5, 96)) * 3, np.float32)
+    np.testing.assert_array_equal(np.asarray(mxfp4.quantize_dequantize(jnp.asarray(x))),
+                                  formats.dequantize_mxfp4(*formats.quantize_mxfp4(x), np.float32))
+    assert mxfp4.quantize_dequantize(jnp.asarray(x, jnp.bfloat16)).dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mxfp4.quantize_dequantize(jnp.ones((2, 40)))
+
+
+def test_mxfp4_experts_the_kernel_cannot_take_are_refused_with_the_reason():
+    x, _, _, gate, up, down = inputs(2, jnp.float32)
+    narrow = [_mxfp4(w[..., :8]) for w in (gate, up)] + [_mxfp4(down)]  # out = 8: no Triton dot that narrow
+    with pytest.raises(ValueError, match="out a multiple of 16.*kernels='reference'"):
+        moe.routed_experts("pallas", x, *narrow, rows_per_expert=0.5)
+    assert moe.routed_experts("reference", x, *narrow, rows_per_expert=0.5).func is moe.grouped_experts
 
 
 # ---- the whole model -----------------------------------------------------------------------------------------------

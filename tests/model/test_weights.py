@@ -506,3 +506,29 @@ def test_a_deepseek_v3_block_fp8_checkpoint_stays_fp8(tensors, tmp_path):
             a = fp8_linear.dequantize(a)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
     assert fp8_names == {name for name in fp8_linear.FP8_AXES if not name.startswith("index_")}
+
+
+def test_a_glm_block_fp8_checkpoint_loads_kept_and_dequantized(tmp_path):
+    """GLM-5's FP8 release layout (DeepSeek's 128 x 128 block e4m3 with weight_scale_inv, the indexer's
+    weights_proj unquantized) on the IndexShare fixture's shapes: the full layers' indexer projections and every
+    layer's MLA and MLP projections stay e4m3, the shared layers have no indexer at all, and each kept weight
+    dequantizes to exactly the "none" load's."""
+    from safetensors.numpy import save_file
+
+    config = hf_tiny.tiny_configs()["glm52_index_share"]
+    cfg = config_from_dict(config)
+    glm_tensors = hf_tiny.random_tensors(config, seed=3)
+    quantized, _ = _block_fp8(glm_tensors, BLOCK16)
+    save_file({k: np.ascontiguousarray(v) for k, v in (glm_tensors | quantized).items()},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config | {"quantization_config": FP8_16_CONFIG[
+        "quantization_config"]}))
+    kept, dequantized = load_hf_params(cfg, tmp_path), load_hf_params(cfg, tmp_path, quantization="none")
+    full, shared = layer_params(cfg, kept, 2)["attention"], layer_params(cfg, kept, 3)["attention"]
+    assert fp8_linear.is_fp8(full["index_wq"]) and fp8_linear.is_fp8(shared["wq_b"]) and "index_wq" not in shared
+    assert full["index_weights"].dtype == jnp.float32
+    for layer in (2, 3):
+        for name, leaf in layer_params(cfg, kept, layer)["attention"].items():
+            want = layer_params(cfg, dequantized, layer)["attention"][name]
+            np.testing.assert_array_equal(np.asarray(fp8_linear.weight_values(leaf, jnp.float32)), np.asarray(want),
+                                          err_msg=f"layer {layer} {name}")

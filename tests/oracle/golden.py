@@ -1,6 +1,7 @@
 """What a model-level oracle test does with a golden fixture (`tests/fixtures/oracle/<name>.npz`): read it, rebuild
 the checkpoint HF read, feed its prompts and HF's greedy tokens through a `ModelRunner`, and compare logits, greedy
-tokens and logprobs with HF's. Used by `tests/model/test_deepseek_v3_oracle.py`; the comparisons are those of
+tokens, logprobs and selected sets with HF's. Used by `tests/model/test_deepseek_v3_oracle.py` and
+`test_glm_moe_dsa_oracle.py` (and the set comparison by `test_deepseek_v32_oracle.py`); the comparisons are those of
 `test_deepseek_v32_oracle.py` (prefill log-softmax at every position, greedy tokens, chosen-token logprobs and
 whole log-softmax rows at every step, one absolute tolerance).
 
@@ -33,6 +34,54 @@ def write_checkpoint(name: str, out_dir: str | os.PathLike) -> str:
     return hf_tiny.write_random_checkpoint(hf_tiny.tiny_configs()[name], int(fixture(name)["seed"]), out_dir)
 
 
+def write_checkpoints(tmp_path_factory, names) -> dict[str, tuple]:
+    """Each fixture's checkpoint rebuilt in a temporary directory: name -> (path, sha256)."""
+    out = {}
+    for name in names:
+        path = tmp_path_factory.mktemp(name)
+        out[name] = (path, write_checkpoint(name, path))
+    return out
+
+
+_RUNS: dict = {}
+
+
+def run_case(path, name: str, engine, dcp: int, interleave: int, kernels: str, chunk: int, *,
+             selected: bool = False) -> dict:
+    """`run_greedy` of fixture `name` on a runner of the checkpoint at `path` (read by `config_from_hf`, loaded by
+    `load_hf_params`) at tp = dcp, cached per case (a case's tests share one run)."""
+    key = (str(path), name, engine, dcp, interleave, kernels, chunk, selected)
+    if key not in _RUNS:
+        from dcp_jax.config import ParallelConfig
+        from dcp_jax.model.architecture import config_from_hf
+        from dcp_jax.model.mesh import make_mesh
+        from dcp_jax.model.weights import load_hf_params
+        from dcp_jax.runtime.runner import ModelRunner
+
+        cfg = config_from_hf(path)
+        parallel = ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave)
+        mesh = make_mesh(parallel)
+        runner = ModelRunner(cfg, load_hf_params(cfg, path, mesh), parallel, engine, mesh, kernels)
+        fx = fixture(name)
+        tables = block_tables(engine, dcp, len(fx["prompt_lens"]), seed=dcp * 10 + interleave)
+        _RUNS[key] = run_greedy(runner, fx, tables, chunk, selected=selected)
+    return _RUNS[key]
+
+
+def mismatching_sets(ours: np.ndarray, theirs: np.ndarray, rel_gap: np.ndarray, min_rel_gap: float):
+    """ours / theirs [..., K] selected ids (-1 padded), rel_gap [...] HF's relative top-k boundary gap of each row:
+    (rows compared: those not tie-fragile, gap >= min_rel_gap; the rows whose sets differ, with the difference)."""
+    compared, bad = 0, []
+    for idx in np.ndindex(rel_gap.shape):
+        if np.isnan(rel_gap[idx]) or rel_gap[idx] < min_rel_gap:
+            continue
+        compared += 1
+        a, b = set(ours[idx][ours[idx] >= 0].tolist()), set(theirs[idx][theirs[idx] >= 0].tolist())
+        if a != b:
+            bad.append((idx, sorted(a ^ b)))
+    return compared, bad
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, np.float64)
     shifted = x - x.max(-1, keepdims=True)
@@ -50,22 +99,31 @@ def block_tables(engine, dcp: int, rows: int, seed: int) -> list[list[int]]:
     return pages.reshape(rows, blocks).tolist()
 
 
-def run_greedy(runner, fx: dict, tables: list[list[int]], chunk: int) -> dict[str, np.ndarray | list]:
+def run_greedy(runner, fx: dict, tables: list[list[int]], chunk: int, *,
+               selected: bool = False) -> dict[str, np.ndarray | list]:
     """Prefill the fixture's prompts in chunks of `chunk` tokens (logits at every position), then one decode step per
     later greedy token, each fed HF's previous token. Returns `prefill_logits` [P, Lmax, V] (NaN padded),
-    `decode_logits` (N-1 arrays [P, V]) and `sampled` [P, N] (the tokens the device sampled greedily)."""
+    `decode_logits` (N-1 arrays [P, V]) and `sampled` [P, N] (the tokens the device sampled greedily); with
+    `selected`, also each layer's selections: `prefill_selected` [layers, P, Lmax, K] and `decode_selected` (N-1
+    arrays [layers, P, K])."""
     from dcp_jax.runtime import oracle
 
     prompts = prompts_of(fx)
-    prefill_logits, _, first_tokens = oracle.prefill(runner, prompts, tables, chunk_size=chunk, all_logits=True)
-    decode_logits, sampled = [], [first_tokens]
+    prefill_logits, prefill_selected, first_tokens = oracle.prefill(runner, prompts, tables, chunk_size=chunk,
+                                                                    all_logits=True, return_selected=selected)
+    decode_logits, decode_selected, sampled = [], [], [first_tokens]
     context = np.array([len(p) for p in prompts])
     for j in range(1, fx["gen_tokens"].shape[1]):
         context = context + 1
-        logits, _, tokens = oracle.decode(runner, fx["gen_tokens"][:, j - 1].tolist(), context.tolist(), tables)
+        logits, layer_selected, tokens = oracle.decode(runner, fx["gen_tokens"][:, j - 1].tolist(), context.tolist(),
+                                                       tables, return_selected=selected)
         decode_logits.append(logits)
+        decode_selected.append(layer_selected)
         sampled.append(tokens)
-    return dict(prefill_logits=prefill_logits, decode_logits=decode_logits, sampled=np.stack(sampled, axis=1))
+    result = dict(prefill_logits=prefill_logits, decode_logits=decode_logits, sampled=np.stack(sampled, axis=1))
+    if selected:
+        result |= dict(prefill_selected=prefill_selected, decode_selected=decode_selected)
+    return result
 
 
 def assert_rope_constants(fx: dict, cfg) -> None:

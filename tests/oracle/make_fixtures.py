@@ -1,11 +1,15 @@
-"""Record HF `DeepseekV32ForCausalLM` and `DeepseekV3ForCausalLM` outputs on tiny random checkpoints as `.npz`
-oracle fixtures.
+"""Record HF `DeepseekV32ForCausalLM`, `GlmMoeDsaForCausalLM` and `DeepseekV3ForCausalLM` outputs on tiny random
+checkpoints as `.npz` oracle fixtures.
 
 Needs torch + transformers (run it through `scripts/make_oracle_fixtures.sh`). For every config of
 `hf_tiny.tiny_configs()` it searches seeds until no greedy choice is tie-fragile, and neither is any indexer top-k
-boundary (V3.2 configs) or MoE routing choice (V3 configs, `v3_*`), then writes `tests/fixtures/oracle/<config>.npz`
-(fields in `tests/oracle/README.md`). Everything recorded comes from HF; the checkpoint bytes come from
-`hf_tiny.write_random_checkpoint`, which the JAX tests rerun without torch.
+boundary (V3.2 and GLM configs) or MoE routing choice (V3 configs, `v3_*`), then writes
+`tests/fixtures/oracle/<config>.npz` (fields in `tests/oracle/README.md`). Everything recorded comes from HF; the
+checkpoint bytes come from `hf_tiny.write_random_checkpoint`, which the JAX tests rerun without torch. An MXFP4
+config (AMD Quark's
+`quantization_config`, `glm52_mxfp4`) is recorded from HF on its dequantized float32 checkpoint
+(`hf_tiny.dequantized`, written only into this script's temporary directory): HF reads Quark's fp4 only through the
+quark package.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import numpy as np
 import torch
 import transformers
 from torch.overrides import TorchFunctionMode
-from transformers import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
+from transformers import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -72,8 +76,14 @@ def _load(cls, ckpt_dir: str, tensors: dict[str, np.ndarray]):
     return model.eval()
 
 
+# The HF class of each DSA architecture a tiny config names.
+_DSA_CLASSES = {"DeepseekV32ForCausalLM": DeepseekV32ForCausalLM, "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM}
+# GLM's config fields of its layer schedules, which a V3 config does not take.
+_GLM_ONLY = ("index_", "indexer_types", "mlp_layer_types")
+
+
 def _v3_config(cfg: dict) -> dict:
-    v3 = {k: v for k, v in cfg.items() if not k.startswith("index_")}
+    v3 = {k: v for k, v in cfg.items() if not k.startswith(_GLM_ONLY) and k != "quantization_config"}
     v3["architectures"] = ["DeepseekV3ForCausalLM"]
     v3["model_type"] = "deepseek_v3"
     v3["rope_interleave"] = True  # V3.2's MLA always uses interleaved rope; V3 makes it a switch
@@ -118,6 +128,8 @@ class IndexerRecorder:
         self._saved = []
         for layer in self.model.model.layers:
             indexer = layer.self_attn.indexer
+            if indexer is None:  # an IndexShare "shared" layer: the previous full layer's selection
+                continue
             original = indexer.forward
 
             def wrapped(*args, _original=original, _layer=indexer.layer_idx, **kwargs):
@@ -146,7 +158,8 @@ class IndexerRecorder:
 def _set_index_topk(model: torch.nn.Module, k: int) -> None:
     model.config.index_topk = k
     for layer in model.model.layers:
-        layer.self_attn.indexer.index_topk = k
+        if layer.self_attn.indexer is not None:
+            layer.self_attn.indexer.index_topk = k
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -191,11 +204,22 @@ def _margin(logits: np.ndarray) -> float:
 # One seed: prefill + greedy decode on every prompt.
 
 
+def _shared_from_full(topk: np.ndarray, gap: np.ndarray, rel_gap: np.ndarray, types: list[str]) -> None:
+    """In place, along the leading layer axis: each "shared" layer's selection (and its gaps) is the most recent full
+    layer's, what HF hands it (`prev_topk_indices`)."""
+    for layer, kind in enumerate(types):
+        if kind == "shared":
+            topk[layer], gap[layer], rel_gap[layer] = topk[layer - 1], gap[layer - 1], rel_gap[layer - 1]
+
+
 @torch.no_grad()
 def _run_prompt(model, rec: IndexerRecorder | None, ids: np.ndarray, n_gen: int, k: int | None, n_layers: int,
-                want_hidden: bool):
+                want_hidden: bool, types: list[str] | None = None):
     """Prefill `ids`, then greedy decode through HF's DynamicCache; `rec` None (a model without an indexer) records
-    no top-k fields (they are None)."""
+    no top-k fields (they are None). `types`: each layer's indexer kind (`hf_tiny.indexer_types`); a shared layer's
+    selection is recorded as the full layer's it reuses."""
+    types = types or ["full"] * n_layers
+    full_layers = [layer for layer, kind in enumerate(types) if kind == "full"]
     length = len(ids)
     hidden = []
     hooks = []
@@ -218,7 +242,7 @@ def _run_prompt(model, rec: IndexerRecorder | None, ids: np.ndarray, n_gen: int,
     decode_topk = decode_gap = decode_rel_gap = None
     if rec is not None:
         calls = rec.take()
-        assert [c.layer for c in calls] == list(range(n_layers)), [c.layer for c in calls]
+        assert [c.layer for c in calls] == full_layers, [c.layer for c in calls]
         prefill_topk = np.full((n_layers, length, k), -1, np.int16)
         prefill_gap = np.full((n_layers, length), np.inf)
         prefill_rel_gap = np.full((n_layers, length), np.inf)
@@ -228,6 +252,7 @@ def _run_prompt(model, rec: IndexerRecorder | None, ids: np.ndarray, n_gen: int,
                 sel, gap, rel = _row_selection(c.scores[s], c.indices[s], s, k)
                 prefill_topk[c.layer, s], prefill_gap[c.layer, s], prefill_rel_gap[c.layer, s] = sel, gap, rel
                 prefill_scores[c.layer, s, : s + 1] = c.scores[s, : s + 1]
+        _shared_from_full(prefill_topk, prefill_gap, prefill_rel_gap, types)
         decode_topk = np.full((n_layers, n_gen - 1, k), -1, np.int16)
         decode_gap = np.full((n_layers, n_gen - 1), np.inf)
         decode_rel_gap = np.full((n_layers, n_gen - 1), np.inf)
@@ -248,6 +273,8 @@ def _run_prompt(model, rec: IndexerRecorder | None, ids: np.ndarray, n_gen: int,
             sel, gap, rel = _row_selection(c.scores[0], c.indices[0], pos, k)
             decode_topk[c.layer, j - 1], decode_gap[c.layer, j - 1], decode_rel_gap[c.layer, j - 1] = sel, gap, rel
     gen_logits = np.stack(gen_logits)
+    if rec is not None:
+        _shared_from_full(decode_topk, decode_gap, decode_rel_gap, types)
 
     # The cached decode must equal a full recompute of the grown sequence (HF semantics: same mask rule).
     full = np.concatenate([ids, np.array(gen_tokens[:-1], ids.dtype)])
@@ -278,22 +305,35 @@ def _prompts(cfg: dict, lengths: list[int], prompt_seed: int) -> list[np.ndarray
     return [rng.integers(2, cfg["vocab_size"], size=n).astype(np.int32) for n in lengths]
 
 
+def _hf_checkpoint(cfg: dict, tensors: dict[str, np.ndarray], ckpt: str) -> tuple[str, dict[str, np.ndarray], str]:
+    """(directory, float32 tensors, sha256) of the checkpoint HF reads: `ckpt` itself, or for an MXFP4 config its
+    dequantized copy beside it (`hf_tiny.dequantized`)."""
+    hf_cfg, hf_tensors = hf_tiny.dequantized(cfg, tensors)
+    if hf_cfg is cfg:
+        return ckpt, tensors, ""
+    hf_dir = ckpt + "-dequantized"
+    return hf_dir, hf_tensors, hf_tiny.write_checkpoint(hf_cfg, hf_tensors, hf_dir)
+
+
 def _try_seed(name: str, cfg: dict, seed: int, prompts: list[np.ndarray], args, workdir: str):
     ckpt = os.path.join(workdir, f"{name}-{seed}")
     tensors = hf_tiny.random_tensors(cfg, seed)
     sha = hf_tiny.write_checkpoint(cfg, tensors, ckpt)
     assert sha == hf_tiny.write_random_checkpoint(cfg, seed, ckpt)  # the public entry point writes these bytes
-    model = _load(DeepseekV32ForCausalLM, ckpt, tensors)
-    k, n_layers = cfg["index_topk"], cfg["num_hidden_layers"]
+    hf_dir, tensors, hf_sha = _hf_checkpoint(cfg, tensors, ckpt)
+    model = _load(_DSA_CLASSES[cfg["architectures"][0]], hf_dir, tensors)
+    k, n_layers, types = cfg["index_topk"], cfg["num_hidden_layers"], hf_tiny.indexer_types(cfg)
+    if getattr(model.config, "indexer_types", None) not in (None, types):
+        raise RuntimeError(f"[{name}] HF derived indexer_types {model.config.indexer_types}, hf_tiny {types}")
     longest = int(np.argmax([len(p) for p in prompts]))
     with IndexerRecorder(model) as rec:
         runs = [
-            _run_prompt(model, rec, p, args.gen_steps, k, n_layers, want_hidden=(i == longest))
+            _run_prompt(model, rec, p, args.gen_steps, k, n_layers, want_hidden=(i == longest), types=types)
             for i, p in enumerate(prompts)
         ]
     min_rel_gap = min(min(r["prefill_rel_gap"].min(), r["decode_rel_gap"].min()) for r in runs)
     min_margin = min(_margin(row) for r in runs for row in r["gen_logits"])
-    return model, tensors, sha, runs, float(min_rel_gap), float(min_margin)
+    return model, tensors, (sha, hf_sha), runs, float(min_rel_gap), float(min_margin)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -317,7 +357,8 @@ def make_config_fixture(name: str, cfg: dict, args, workdir: str) -> str:
 
     for seed in range(args.seed_start, args.seed_start + args.max_seed_tries):
         t0 = time.time()
-        model, tensors, sha, runs, min_rel_gap, min_margin = _try_seed(name, cfg, seed, prompts, args, workdir)
+        model, tensors, (sha, hf_sha), runs, min_rel_gap, min_margin = _try_seed(name, cfg, seed, prompts, args,
+                                                                                 workdir)
         ok = min_rel_gap >= args.min_rel_gap and min_margin >= args.min_margin
         print(
             f"[{name}] seed {seed}: min top-k rel gap {min_rel_gap:.3g}, min greedy margin {min_margin:.3g} "
@@ -369,10 +410,13 @@ def make_config_fixture(name: str, cfg: dict, args, workdir: str) -> str:
         "seed": np.array(seed, np.int64),
         "prompt_seed": np.array(args.prompt_seed, np.int64),
         "checkpoint_sha256": np.array(sha),
+        # an MXFP4 config's: the dequantized float32 checkpoint HF read ("" when HF read the checkpoint itself)
+        "hf_checkpoint_sha256": np.array(hf_sha),
         "transformers_version": np.array(transformers.__version__),
         "torch_version": np.array(torch.__version__),
         "numpy_version": np.array(np.__version__),
-        "hf_class": np.array("transformers.models.deepseek_v32.DeepseekV32ForCausalLM"),
+        "hf_class": np.array(f"{type(model).__module__}.{type(model).__name__}"),
+        "indexer_types": np.array(hf_tiny.indexer_types(cfg)),
         "attn_implementation": np.array("eager"),
         "decode_mode": np.array("hf_dynamic_cache"),
         "index_topk": np.array(k, np.int32),

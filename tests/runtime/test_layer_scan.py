@@ -53,6 +53,9 @@ def test_on_layer_moves_page_ids_and_slots_to_the_layers_pages_and_keeps_minus_o
     np.testing.assert_array_equal(moved.positions, md.positions)
 
 
+# Slow: tests/model/test_index_share.py compares scanned and unrolled layers (a plain stack and a repeating
+# block) every suite.
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, dcp", [(2, 2)])
 def test_scanned_layers_give_the_unrolled_loops_prefill_and_decode(tp, dcp):
     cfg = _deep(4)  # one dense layer, a stack of three MoE layers

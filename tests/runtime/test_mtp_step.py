@@ -55,7 +55,7 @@ def _served_mtp_logits(dcp: int, chunks: list[int], engine: EngineConfig):
     logits.append(details.mtp_logits[:1])
     drafts.append(np.asarray(runner.state.drafts)[slot].tolist())
     return (np.concatenate(logits), [token, int(sampled.tokens[0])], drafts, (params, mtp_params),
-            runner.state.kv_cache.num_layers)
+            runner.state.kv_cache.entries("latent"))
 
 
 def _chained_drafts(model, mtp, tokens, hidden, last_row: int, n: int) -> list[int]:

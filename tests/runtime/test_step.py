@@ -145,10 +145,11 @@ def test_the_check_lets_host_rows_be_picked_but_not_computed_from():
 
 
 @pytest.mark.parametrize("model, kernels", [("tiny", "reference"), ("tiny", "pallas"), ("tiny-mla", "reference"),
-                                           ("tiny-mla", "pallas")])
+                                           ("tiny-mla", "pallas"), ("tiny-glm", "reference")])
 def test_no_program_of_the_model_derives_local_lengths(model, kernels):
     """Every bucket of every program kind (decode rows and prefill chunks alike, sampling included), with either
-    kernels, of the sparse (tiny) and the dense attention variant (tiny-mla)."""
+    kernels, of the sparse (tiny), the dense (tiny-mla) and the IndexShare model (tiny-glm: shared layers reuse the
+    selection before them)."""
     # Experts twice the preset's width, so each of the 4 ranks' slice (16) is what the grouped matmul kernel takes.
     runner = load_model(EngineArgs(model=model, dcp=4, interleave=2, max_num_seqs=4, max_model_len=64,
                                    kernels=kernels, max_num_batched_tokens=16,

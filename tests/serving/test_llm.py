@@ -160,6 +160,8 @@ def test_fp8_latent_cache_is_refused_for_a_checkpoint_it_cannot_tile(checkpoint,
         LLM(str(checkpoint), latent_cache="fp8", max_model_len=32)
 
 
+# Slow: the seed's line (tests/serving/test_seed_command_line.py) serves both fp8 caches every suite.
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["index", "latent"])
 def test_generate_with_an_fp8_cache_on_the_tiny_preset(cache, capsys):
     """The runner allocates, writes (prefill and decode) and reads the fp8 index (or latent) cache; greedy

@@ -22,8 +22,8 @@ PROMPTS = [np.random.default_rng(i).integers(2, TINY.vocab_size, n).tolist() for
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-def make_llm(dcp=1, interleave=1, speculative_config=MTP, **kwargs):
-    return LLM("tiny", dcp=dcp, interleave=interleave, max_model_len=64, max_num_seqs=4, page_size=4,
+def make_llm(dcp=1, interleave=1, speculative_config=MTP, model="tiny", **kwargs):
+    return LLM(model, dcp=dcp, interleave=interleave, max_model_len=64, max_num_seqs=4, page_size=4,
                dtype="float32", kernels="reference", speculative_config=speculative_config, **kwargs)
 
 
@@ -54,6 +54,16 @@ SIZES = [(2, 2, MTP3), pytest.param(2, 2, MTP, marks=pytest.mark.slow),
 @pytest.mark.parametrize("dcp, interleave, config", SIZES)
 def test_greedy_output_with_mtp_is_greedy_decodings(plain_greedy, dcp, interleave, config):
     assert token_ids(make_llm(dcp, interleave, config)) == plain_greedy
+
+
+def test_glm_index_share_drafts_with_its_mtp_layer():
+    """tiny-glm (IndexShare: layers 1 and 3 reuse the selection before them; the MTP layer runs its own indexer and
+    has an index-key entry of its own, after the full layers'): drafting gives plain greedy decoding's tokens at
+    DCP 2 (one draft a step; chained drafts are the tiny preset's tests)."""
+    prompts = PROMPTS[2:]  # 40 tokens, past index_topk
+    small = dict(model="tiny-glm", max_num_batched_tokens=64)
+    plain = token_ids(make_llm(2, 2, None, **small), prompts=prompts)
+    assert token_ids(make_llm(2, 2, MTP, **small), prompts=prompts) == plain
 
 
 def force_drafts(llm, expected, right):
@@ -201,6 +211,7 @@ def test_a_checkpoints_mtp_layer_drafts_and_a_cut_checkpoint_is_refused(tmp_path
         LLM(str(tmp_path), speculative_config=MTP, num_layers=1, **kw)
 
 
+@pytest.mark.slow  # the fp8 MTP layer's programs also run every suite in tests/bench/test_bench_mtp.py
 def test_a_block_fp8_checkpoints_mtp_layer_drafts_in_fp8(tmp_path):
     """DeepSeek's release format with its MTP layer in block fp8 (blocks of 16): the layer the engine drafts with
     holds its fp8 weights (`quantization` auto) and drafting leaves the fp8 model's greedy output unchanged."""

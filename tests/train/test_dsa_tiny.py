@@ -65,6 +65,7 @@ def test_dsa_tiny_answers_the_same_at_every_dcp_size(single_device_answers, dcp,
     assert answers(llm, cases) == want
 
 
+@pytest.mark.slow  # the Pallas kernels meet HF's outputs every suite in the oracle tests; here on trained weights
 def test_dsa_tiny_answers_with_the_pallas_kernels():
     from dcp_jax.serving.llm import LLM
 

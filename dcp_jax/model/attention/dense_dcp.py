@@ -24,23 +24,12 @@ import pallas_kernels
 from dcp_jax.config import ModelConfig
 from dcp_jax.host import arrays
 from dcp_jax.host.step_metadata import StepMetadata
-from dcp_jax.model.attention import cache_formats, mla_dcp, params, projections
+from dcp_jax.model.attention import cache_formats, mla_dcp
 from dcp_jax.model.attention.params import MlaParams
-from dcp_jax.model.attention.variant import AttentionVariant, CacheFormats, CachePool
-
-
-def project_and_write(p, x, kv_cache, rope, slots, *, cfg: ModelConfig, backend: str):
-    """1. Projections for every row on every rank; the new token's latent (in the cache's format) is written by its
-    owner only (slot -1 elsewhere). Returns (q_nope [R, h, N], roped q_pe [R, h, E], kv_cache)."""
-    cos, sin = rope
-    q_a, ckv = projections.low_rank_projections(p, x, cfg, backend=backend)
-    _, q_nope, q_pe = projections.mla_query(p, q_a, cos, sin, cfg, backend=backend)
-    latents = cache_formats.encode_latents(projections.mla_latent(p, ckv, cos, sin, cfg), kv_cache)
-    return q_nope, q_pe, mla_dcp.write_slots(kv_cache, slots, latents)
 
 
 def attend(p, q_nope, q_pe, kv_cache, md: StepMetadata, *, cfg: ModelConfig, backend: str):
-    """2. MLA over each row's local tokens for the heads of the whole DCP group: (out [R, W*h, C], lse [R, W*h])."""
+    """MLA over each row's local tokens for the heads of the whole DCP group: (out [R, W*h, C], lse [R, W*h])."""
     q = cache_formats.cast_query(mla_dcp.group_queries(p, q_nope, q_pe), kv_cache)
     out, lse = pallas_kernels.mla_decode(q[:, None], kv_cache, mla_dcp.row_block_tables(md),
                                          md.local_context_lens[:, None], cfg.softmax_scale,
@@ -54,7 +43,8 @@ def dense_dcp_attention(p: MlaParams, x, kv_cache, rope, md: StepMetadata, *, cf
     overlap) every row's latent is written first, then the rows attend and merge as independent chains of
     consecutive rows (`mla_dcp.micro_batch_rows`), as the sparse path's do."""
     with jax.named_scope("projections"):
-        q_nope, q_pe, kv_cache = project_and_write(p, x, kv_cache, rope, md.slot_mapping, cfg=cfg, backend=backend)
+        _, q_nope, q_pe, kv_cache = mla_dcp.project_and_write(p, x, kv_cache, rope, md.slot_mapping, cfg=cfg,
+                                                              backend=backend)
     outputs, ranges = [], mla_dcp.micro_batch_rows(x.shape[0], micro_batches)
     for index, rows in enumerate(ranges):
         with jax.named_scope(f"micro_batch_{index}") if len(ranges) > 1 else contextlib.nullcontext():
@@ -66,51 +56,18 @@ def dense_dcp_attention(p: MlaParams, x, kv_cache, rope, md: StepMetadata, *, cf
     return jnp.concatenate(outputs) if len(outputs) > 1 else outputs[0], kv_cache
 
 
-class DenseMla(AttentionVariant):
+class DenseMla(mla_dcp.MlaOnlyVariant):
     """DeepSeek-V3's attention: MLA over every token of the row (`dense_dcp_attention`), caching each token's latent
     ("latent")."""
 
     name = "mla"
-    params_class = MlaParams
 
-    def init_params(self, cfg, key, dtype):
-        return params.init_mla_params(cfg, key, dtype)
-
-    def partition_specs(self):
-        return MlaParams(**params.mla_partition_specs())
-
-    def cache_pools(self, cfg, formats: CacheFormats) -> tuple[CachePool, ...]:
-        cache_formats.check_latent_format(formats.latent, cfg)
-        return (CachePool("latent", formats.latent,
-                          lambda shape, dtype: cache_formats.zero_latents(shape, cfg, formats.latent, dtype),
-                          lambda itemsize: cache_formats.latent_bytes(formats.latent, cfg, itemsize)),)
-
-    def attend(self, p, x, pools, rope, md, *, ctx):
+    def attend(self, p, x, pools, rope, mds, *, ctx, selection):
         """The layer's output, its pools and, as the positions attended, an empty [R, 0] (every one before the row's:
         nothing selected to report)."""
-        out, latent = dense_dcp_attention(p, x, pools["latent"], rope, md, cfg=ctx.cfg, backend=ctx.backend,
-                                          micro_batches=ctx.micro_batches)
+        out, latent = dense_dcp_attention(p, x, pools["latent"], rope, mds["latent"], cfg=ctx.cfg,
+                                          backend=ctx.backend, micro_batches=ctx.micro_batches)
         return out, dict(pools, latent=latent), jnp.zeros((x.shape[0], 0), jnp.int32)
-
-    def hf_tensor_shapes(self, cfg):
-        return params.mla_tensor_shapes(cfg)
-
-    def to_ours(self, cfg, tensors):
-        return params.mla_to_ours(cfg, tensors)
-
-    def to_hf(self, cfg, weights):
-        return params.mla_to_hf(cfg, weights)
-
-    def fp8_scales_to_ours(self, cfg, scales, block):
-        return params.mla_fp8_scales_to_ours(cfg, scales, block)
-
-    def fp8_problems(self, cfg, block):
-        return params.mla_fp8_problems(cfg, block)
-
-    @property
-    def fp8_tensors(self) -> tuple[str, ...]:
-        """The attention tensors DeepSeek's block-fp8 release stores in e4m3."""
-        return params.MLA_FP8_TENSORS
 
 
 DENSE_MLA = DenseMla()

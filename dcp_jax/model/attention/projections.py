@@ -87,18 +87,20 @@ def output_projection(p: MlaParams, latent_out, *, backend: str):
 
 
 def index_query(p: DsaParams, q_resid, cos, sin, cfg: ModelConfig, *, backend: str):
-    """q_resid [R, Q] -> indexer queries [R, I, J]; layout [rope | nope], half-split RoPE."""
+    """q_resid [R, Q] -> indexer queries [R, I, J]; layout [rope | nope], half-split RoPE (interleaved where the
+    config's indexer says so: GLM)."""
     q = einsum("rq,qij->rij", q_resid, p.index_wq, backend=backend)
     e = cfg.qk_rope_head_dim
-    return jnp.concatenate([apply_rope(q[..., :e], cos, sin, interleaved=False), q[..., e:]], axis=-1)
+    roped = apply_rope(q[..., :e], cos, sin, interleaved=cfg.indexer.rope_interleave)
+    return jnp.concatenate([roped, q[..., e:]], axis=-1)
 
 
 def index_key(p: DsaParams, x, cos, sin, cfg: ModelConfig, *, backend: str):
-    """x [R, D] -> indexer key [R, J]: LayerNorm (with bias), [rope | nope], half-split RoPE."""
+    """x [R, D] -> indexer key [R, J]: LayerNorm (with bias), [rope | nope], RoPE as `index_query`'s."""
     k = einsum("rd,dj->rj", x, p.index_wk, backend=backend)
     k = layer_norm(k, p.index_k_norm, p.index_k_norm_bias, INDEX_NORM_EPS)
     e = cfg.qk_rope_head_dim
-    k_pe = apply_rope(k[..., None, :e], cos, sin, interleaved=False)[..., 0, :]
+    k_pe = apply_rope(k[..., None, :e], cos, sin, interleaved=cfg.indexer.rope_interleave)[..., 0, :]
     return jnp.concatenate([k_pe, k[..., e:]], axis=-1)
 
 

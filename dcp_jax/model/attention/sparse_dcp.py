@@ -1,7 +1,8 @@
-"""DSA's sparse attention under DCP, the attention variant of DeepSeek-V3.2 (`SPARSE_MLA`): one layer over the query
-rows of a step, per rank (call inside shard_map over the mesh of `mesh.py`). A row is a decode row or one token of a
-prefill chunk: both run the same data flow, each row with its own host-given local causal length; a chunk's tokens
-are all written before any row scores, so each row sees the tokens before it.
+"""DSA's sparse attention under DCP, the attention variant of DeepSeek-V3.2 and GLM-5.x (`SPARSE_MLA`; GLM-5.2's
+layers without an indexer run `SHARED_SELECTION`): one layer over the query rows of a step, per rank (call inside
+shard_map over the mesh of `mesh.py`). A row is a decode row or one token of a prefill chunk: both run the same
+data flow, each row with its own host-given local causal length; a chunk's tokens are all written before any row
+scores, so each row sees the tokens before it.
 
 Per rank (h = H/tp local heads, W = dcp size, pages/B = this rank's KV pool):
   x [R, D] replicated; the pools "latent" [pages, B, C+E] (exact) or its `Fp8LatentCache` and "index_k"
@@ -26,7 +27,7 @@ from dcp_jax.host.layout import DcpLayout
 from dcp_jax.host import arrays
 from dcp_jax.host.step_metadata import StepMetadata
 from dcp_jax.model.attention import cache_formats, exchange, mla_dcp, params, projections
-from dcp_jax.model.attention.params import DsaParams
+from dcp_jax.model.attention.params import DsaParams, MlaParams
 from dcp_jax.model.attention.variant import AttentionVariant, CacheFormats, CachePool
 from dcp_jax.model.mesh import DCP
 
@@ -43,20 +44,20 @@ class Queries(NamedTuple):
 # The stages of one layer, in data-flow order; `sparse_dcp_attention` runs them all, benchmarks run prefixes.
 
 
-def project_and_write(p, x, kv_cache, index_cache, rope, slots, *, cfg: ModelConfig, backend: str):
+def project_and_write(p, x, kv_cache, index_cache, rope, slots, *, cfg: ModelConfig, backend: str,
+                      index_slots=None):
     """1. Projections for every row on every rank (`backend` the kernels': the fp8 GEMM's, `fp8_linear.einsum`);
     the new token's latent and index key (each in its cache's format) are written by its owner only (slot -1
-    elsewhere). Returns (Queries, kv_cache, index_cache)."""
+    elsewhere), the key at `index_slots` (the index pool's slots of this layer; default `slots`, where the layer's
+    entries of both pools are the same). Returns (Queries, kv_cache, index_cache)."""
     cos, sin = rope
-    q_a, ckv = projections.low_rank_projections(p, x, cfg, backend=backend)
-    q_resid, q_nope, q_pe = projections.mla_query(p, q_a, cos, sin, cfg, backend=backend)
+    q_resid, q_nope, q_pe, kv_cache = mla_dcp.project_and_write(p, x, kv_cache, rope, slots, cfg=cfg,
+                                                                backend=backend)
     queries = Queries(q_nope, q_pe, projections.index_query(p, q_resid, cos, sin, cfg, backend=backend),
                       projections.index_weights(p, x, cfg))
-    latents = cache_formats.encode_latents(projections.mla_latent(p, ckv, cos, sin, cfg), kv_cache)
-    kv_cache = mla_dcp.write_slots(kv_cache, slots, latents)
     index_keys = cache_formats.encode_index_keys(projections.index_key(p, x, cos, sin, cfg, backend=backend),
                                                  index_cache)
-    index_cache = mla_dcp.write_slots(index_cache, slots, index_keys)
+    index_cache = mla_dcp.write_slots(index_cache, slots if index_slots is None else index_slots, index_keys)
     return queries, kv_cache, index_cache
 
 
@@ -77,45 +78,73 @@ def select_owned(values, local_ids, md: StepMetadata, *, cfg: ModelConfig, layou
     return selected, owned_slots, counts
 
 
-def attend(p, queries: Queries, kv_cache, owned_slots, counts, *, cfg: ModelConfig, backend: str):
+def attend(p, q_nope, q_pe, kv_cache, owned_slots, counts, *, cfg: ModelConfig, backend: str):
     """6. Sparse MLA over the owned slots for the heads of the whole DCP group: (out [R, W*h, C], lse [R, W*h])."""
-    q = mla_dcp.group_queries(p, queries.q_nope, queries.q_pe)
+    q = mla_dcp.group_queries(p, q_nope, q_pe)
     return pallas_kernels.sparse_mla_decode(cache_formats.cast_query(q, kv_cache), kv_cache, owned_slots, counts,
                                             cfg.softmax_scale, value_dim=cfg.kv_lora_rank, backend=backend)
 
 
-def _attend_rows(p, queries: Queries, kv_cache, index_cache, md: StepMetadata, *, cfg: ModelConfig,
-                 layout: DcpLayout, backend: str, dtype):
-    """Stages 2-7 for some rows (their queries and metadata): (attention output [r, D], selected [r, K])."""
+def _attend_rows(p, queries: Queries, kv_cache, index_cache, md: StepMetadata, index_md: StepMetadata, *,
+                 cfg: ModelConfig, layout: DcpLayout, backend: str, dtype):
+    """Stages 2-7 for some rows (their queries, their metadata on the latent pool's and the index pool's pages):
+    (attention output [r, D], selected [r, K])."""
     with jax.named_scope("indexer_topk"):
-        values, local_ids = local_top_k(queries, index_cache, md, cfg=cfg, backend=backend)
+        values, local_ids = local_top_k(queries, index_cache, index_md, cfg=cfg, backend=backend)
     with jax.named_scope("exchange"):
         selected, owned_slots, counts = select_owned(values, local_ids, md, cfg=cfg, layout=layout)
     with jax.named_scope("sparse_mla"):
-        out, lse = attend(p, queries, kv_cache, owned_slots, counts, cfg=cfg, backend=backend)
+        out, lse = attend(p, queries.q_nope, queries.q_pe, kv_cache, owned_slots, counts, cfg=cfg, backend=backend)
     with jax.named_scope("merge"):
         return mla_dcp.merge_heads(p, out, lse, dtype, backend=backend), selected
 
 
 def sparse_dcp_attention(p: DsaParams, x, kv_cache, index_cache, rope, md: StepMetadata, *, cfg: ModelConfig,
-                         layout: DcpLayout, backend: str, micro_batches: int = 1):
+                         layout: DcpLayout, backend: str, micro_batches: int = 1, index_md: StepMetadata | None = None):
     """Returns (attention output [R, D] summed over all TP ranks, kv_cache, index_cache, the global top-k
-    positions [R, K] selected for each row (-1 padded, identical on every rank)). With `micro_batches` = 2 (two-
-    batch overlap, TBO) every row's keys are written first, then the rows run stages 2-7 as independent chains of
-    consecutive rows (`micro_batch_rows`; `arrays.rows_view`: a micro-batch reads the rows the host built for it),
-    so the scheduler can run one chain's collectives (the candidate exchange, the query all-gather, the TP
+    positions [R, K] selected for each row (-1 padded, identical on every rank)). md is on this layer's latent
+    pages, index_md on its index-key pages (default md: the same entry of both pools). With `micro_batches` = 2
+    (two-batch overlap, TBO) every row's keys are written first, then the rows run stages 2-7 as independent chains
+    of consecutive rows (`micro_batch_rows`; `arrays.rows_view`: a micro-batch reads the rows the host built for
+    it), so the scheduler can run one chain's collectives (the candidate exchange, the query all-gather, the TP
     all-reduce) beside the other's compute."""
+    index_md = md if index_md is None else index_md
     with jax.named_scope("projections"):
         queries, kv_cache, index_cache = project_and_write(p, x, kv_cache, index_cache, rope, md.slot_mapping,
-                                                           cfg=cfg, backend=backend)
+                                                           cfg=cfg, backend=backend, index_slots=index_md.slot_mapping)
     outputs, ranges = [], mla_dcp.micro_batch_rows(x.shape[0], micro_batches)
     for index, rows in enumerate(ranges):
         with jax.named_scope(f"micro_batch_{index}") if len(ranges) > 1 else contextlib.nullcontext():
             outputs.append(_attend_rows(p, Queries(*(q[rows] for q in queries)), kv_cache, index_cache,
-                                        arrays.rows_view(md, rows), cfg=cfg, layout=layout, backend=backend,
-                                        dtype=x.dtype))
+                                        arrays.rows_view(md, rows), arrays.rows_view(index_md, rows), cfg=cfg,
+                                        layout=layout, backend=backend, dtype=x.dtype))
     attn, selected = (jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*outputs))
     return attn, kv_cache, index_cache, selected
+
+
+def shared_selection_attention(p: MlaParams, x, kv_cache, rope, md: StepMetadata, selection, *, cfg: ModelConfig,
+                               layout: DcpLayout, backend: str, micro_batches: int = 1):
+    """A layer without an indexer (IndexShare, `SharedSparseMla`): MLA's projections and the latent's write (stage
+    1 without the indexer), then each row attends to `selection` [R, K], the global positions the most recent full
+    layer selected (already exchanged: identical on every rank), of which this rank takes its share (stage 5 alone,
+    no second exchange), then stages 6-7. Returns (attention output [R, D] summed over all TP ranks, kv_cache)."""
+    with jax.named_scope("projections"):
+        _, q_nope, q_pe, kv_cache = mla_dcp.project_and_write(p, x, kv_cache, rope, md.slot_mapping, cfg=cfg,
+                                                              backend=backend)
+    rank = jax.lax.axis_index(DCP)
+    outputs, ranges = [], mla_dcp.micro_batch_rows(x.shape[0], micro_batches)
+    for index, rows in enumerate(ranges):
+        with jax.named_scope(f"micro_batch_{index}") if len(ranges) > 1 else contextlib.nullcontext():
+            rows_md = arrays.rows_view(md, rows)
+            with jax.named_scope("owner_filter"):
+                owned_slots, counts = exchange.owner_filter(selection[rows], mla_dcp.row_block_tables(rows_md), rank,
+                                                            layout=layout)
+            with jax.named_scope("sparse_mla"):
+                out, lse = attend(p, q_nope[rows], q_pe[rows], kv_cache, owned_slots, counts, cfg=cfg,
+                                  backend=backend)
+            with jax.named_scope("merge"):
+                outputs.append(mla_dcp.merge_heads(p, out, lse, x.dtype, backend=backend))
+    return jnp.concatenate(outputs) if len(outputs) > 1 else outputs[0], kv_cache
 
 
 class SparseMla(AttentionVariant):
@@ -124,6 +153,11 @@ class SparseMla(AttentionVariant):
 
     name = "dsa"
     params_class = DsaParams
+    pool_names = ("latent", "index_k")
+
+    def layer_variant(self, cfg, layer):
+        """A shared layer of IndexShare (`ModelConfig.shares_index_selection`) runs `SHARED_SELECTION`."""
+        return SHARED_SELECTION if cfg.shares_index_selection(layer) else self
 
     def init_params(self, cfg, key, dtype):
         return params.init_dsa_params(cfg, key, dtype)
@@ -132,22 +166,19 @@ class SparseMla(AttentionVariant):
         return DsaParams(**params.mla_partition_specs(), **params.indexer_partition_specs())
 
     def cache_pools(self, cfg, formats: CacheFormats) -> tuple[CachePool, ...]:
-        cache_formats.check_latent_format(formats.latent, cfg)
         check_index_cache(formats.index)
         head_dim = cfg.indexer.head_dim
         return (
-            CachePool("latent", formats.latent,
-                      lambda shape, dtype: cache_formats.zero_latents(shape, cfg, formats.latent, dtype),
-                      lambda itemsize: cache_formats.latent_bytes(formats.latent, cfg, itemsize)),
+            mla_dcp.latent_pool(cfg, formats.latent),
             CachePool("index_k", formats.index,
                       lambda shape, dtype: cache_formats.zero_index_keys((*shape, head_dim), formats.index, dtype),
                       lambda itemsize: cache_formats.index_key_bytes(formats.index, head_dim, itemsize)),
         )
 
-    def attend(self, p, x, pools, rope, md, *, ctx):
+    def attend(self, p, x, pools, rope, mds, *, ctx, selection):
         out, latent, index_k, selected = sparse_dcp_attention(
-            p, x, pools["latent"], pools["index_k"], rope, md, cfg=ctx.cfg, layout=ctx.layout, backend=ctx.backend,
-            micro_batches=ctx.micro_batches)
+            p, x, pools["latent"], pools["index_k"], rope, mds["latent"], cfg=ctx.cfg, layout=ctx.layout,
+            backend=ctx.backend, micro_batches=ctx.micro_batches, index_md=mds["index_k"])
         return out, dict(pools, latent=latent, index_k=index_k), selected
 
     def hf_tensor_shapes(self, cfg):
@@ -174,3 +205,20 @@ class SparseMla(AttentionVariant):
 SPARSE_MLA = SparseMla()
 # What the architecture registry reads (`architecture.Architecture.attention_file`).
 VARIANT = SPARSE_MLA
+
+
+class SharedSelectionMla(mla_dcp.MlaOnlyVariant):
+    """A DSA layer without an indexer (GLM-5.2's IndexShare "shared" layers): MLA over the selection of the most
+    recent full layer (`shared_selection_attention`), caching only its latent; MLA's weights alone."""
+
+    name = "dsa_shared"
+
+    def attend(self, p, x, pools, rope, mds, *, ctx, selection):
+        """The layer's output, its pools and, as the positions attended, `selection` itself."""
+        out, latent = shared_selection_attention(p, x, pools["latent"], rope, mds["latent"], selection, cfg=ctx.cfg,
+                                                 layout=ctx.layout, backend=ctx.backend,
+                                                 micro_batches=ctx.micro_batches)
+        return out, dict(pools, latent=latent), selection
+
+
+SHARED_SELECTION = SharedSelectionMla()

@@ -5,7 +5,9 @@ pools a layer of it caches (`CachePool`: name, format, zeros, bytes a token) and
 reads the host-built `StepMetadata` whole and returns the layer's output, its pools and the global positions each
 row attended (-1 padded; the oracle tests compare them with HF's). The sparse DSA path (`sparse_dcp.SPARSE_MLA`:
 MLA, the lightning indexer, top-k, the candidate exchange) is one; a dense-MLA variant is another file of this
-shape plus its kernel's row in `pallas_kernels/api.py`.
+shape plus its kernel's row in `pallas_kernels/api.py`. An architecture names one variant; where its layers differ
+(GLM-5.2's IndexShare: layers without an indexer), `layer_variant` gives each layer's, and a pool holds entries
+only for the layers whose variant caches in it (`pool_names`, `kv_cache.pool_layers`).
 Letters: see the legend in `dcp_jax/__init__.py`.
 """
 
@@ -46,6 +48,13 @@ class AttentionVariant(abc.ABC):
     name: str
     #: The registered dataclass of one layer's attention weights.
     params_class: type
+    #: The pools a layer of this variant caches in (names of the architecture variant's `cache_pools`).
+    pool_names: tuple[str, ...]
+
+    def layer_variant(self, cfg, layer: int) -> AttentionVariant:
+        """The variant decoder layer `layer` runs (the MTP layer: `layer` = num_hidden_layers); this one unless the
+        architecture's layers differ."""
+        return self
 
     @abc.abstractmethod
     def init_params(self, cfg, key, dtype):
@@ -60,12 +69,13 @@ class AttentionVariant(abc.ABC):
         """The pools a layer caches, in `formats` (ValueError for a format the variant or the config cannot take)."""
 
     @abc.abstractmethod
-    def attend(self, p, x, pools: dict, rope, md, *, ctx):
+    def attend(self, p, x, pools: dict, rope, mds: dict, *, ctx, selection):
         """Per rank (inside shard_map): one layer's attention for the step's rows x [R, D] with weights p, the folded
-        pools of this layer's pages (`kv_cache.KVCache.local_pools`, by name), rope the (cos, sin) of md.positions
-        and md the rank's view of the step's `StepMetadata` moved to this layer's pages (`kv_cache.on_layer`).
-        Returns (output [R, D] summed over the TP ranks, the pools, the global positions [R, K] each row attended,
-        -1 padded)."""
+        pools (`kv_cache.KVCache.local_pools`, by name), rope the (cos, sin) of the rows' positions and mds, for
+        each pool this layer caches in (`pool_names`), the rank's view of the step's `StepMetadata` moved to this
+        layer's entry of that pool (`kv_cache.on_layer`); selection [R, K] the global positions the most recent
+        layer before it selected (-1 padded; what a layer without an indexer of its own attends). Returns (output
+        [R, D] summed over the TP ranks, the pools, the global positions [R, K] each row attended, -1 padded)."""
 
     @abc.abstractmethod
     def hf_tensor_shapes(self, cfg) -> dict[str, tuple[int, ...]]:

@@ -44,9 +44,11 @@ def _layer_over_prompts(attention, x, kv_cache, index_cache):
     ctx = StepContext(cfg=TINY, layout=layout, backend="reference")
 
     def run(x, kv_cache, index_cache):
+        on_device = jax.tree.map(jnp.asarray, md)
         out, pools, selected = attention(x.reshape(batch * tokens, -1), rope,
                                          dict(latent=kv_cache, index_k=index_cache),
-                                         jax.tree.map(jnp.asarray, md), ctx=ctx)
+                                         dict(latent=on_device, index_k=on_device), ctx=ctx,
+                                         selection=jnp.full((batch * tokens, TINY.indexer.topk), -1, jnp.int32))
         return out, pools["latent"], pools["index_k"], selected
 
     mesh = make_mesh(ParallelConfig(tp=1, dcp=1))
@@ -79,7 +81,7 @@ def _prefill_index(index_cache: str, seed: int = 3):
     """A random tiny attention layer over INDEX_BATCH prompts of INDEX_TOKENS tokens (`_layer_over_prompts`).
     Returns (attention, x, rope, selected [B, T, K], the written index cache)."""
     batch, tokens = INDEX_BATCH, INDEX_TOKENS
-    attention = Attention(TINY, rngs=nnx.Rngs(seed))
+    attention = Attention(TINY, 0, rngs=nnx.Rngs(seed))
     x = jax.random.normal(jax.random.key(seed + 1), (batch, tokens, TINY.hidden_size), jnp.float32)
     kv_cache = jnp.zeros((batch, tokens, TINY.latent_dim))
     index_cache = cache_formats.zero_index_keys((batch, tokens, TINY.indexer.head_dim), index_cache, jnp.float32)
@@ -150,7 +152,7 @@ def test_fp8_pool_is_e4m3_latent_f32_tile_scales_and_bf16_rope():
     assert pool.rope.dtype == jnp.bfloat16 and pool.rope.shape == (2, layers, 8, 4, e)
     for part in jax.tree.leaves(pool):
         assert part.sharding.shard_shape(part.shape)[:4] == (1, layers, 8, 4)  # each DCP rank holds its pages
-    assert (cache.num_layers, cache.num_pages, cache.page_size) == (layers, 8, 4)
+    assert (cache.entries("latent"), cache.num_pages, cache.page_size) == (layers, 8, 4)
     tokens_per_rank = TINY.num_hidden_layers * 8 * 4
     assert kv_bytes_per_rank(cache)["latent"] == tokens_per_rank * cache_formats.latent_bytes("fp8", TINY, 4)
     assert cache_formats.latent_bytes("fp8", TINY, 4) == c + 4 * (c // 128) + 2 * e
@@ -162,7 +164,7 @@ def _prefill_latent(latent_cache: str, seed: int = 3):
     """A random tiny attention layer over LATENT_BATCH prompts of LATENT_TOKENS tokens (`_layer_over_prompts`).
     Returns (attention output, selected [B, T, K], the written latent cache, the layer's latents of the prompts)."""
     batch, tokens = LATENT_BATCH, LATENT_TOKENS
-    attention = Attention(TINY, rngs=nnx.Rngs(seed))
+    attention = Attention(TINY, 0, rngs=nnx.Rngs(seed))
     x = jax.random.normal(jax.random.key(seed + 1), (batch, tokens, TINY.hidden_size), jnp.float32)
     kv_cache = cache_formats.zero_latents((batch, tokens), TINY, latent_cache, jnp.float32)
     index_cache = jnp.zeros((batch, tokens, TINY.indexer.head_dim))

@@ -68,7 +68,8 @@ def assert_same(got, want):
     pytest.param(2, 1, "reference", False, 5, marks=pytest.mark.slow),
     pytest.param(4, 2, "reference", False, None, marks=pytest.mark.slow),
     (8, 1, "reference", True, 7),
-    (2, 2, "pallas", False, 6),
+    # The Pallas kernels on the dense variant run every suite in the V3 oracle test (v3_kimi) against HF.
+    pytest.param(2, 2, "pallas", False, 6, marks=pytest.mark.slow),
     pytest.param(2, 1, "pallas", True, None, marks=pytest.mark.slow),
     pytest.param(8, 2, "reference", False, 6, marks=pytest.mark.slow),
 ])

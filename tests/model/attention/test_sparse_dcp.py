@@ -39,7 +39,9 @@ def test_dcp_step_equals_unsharded(dcp, interleave):
     assert report.max_abs_err < TOL
 
 
-@pytest.mark.parametrize("dcp, interleave", [(2, 2), pytest.param(4, 1, marks=pytest.mark.slow)])
+# Slow at every size: the oracle tests run the whole model under the Pallas kernels against HF every suite.
+@pytest.mark.slow
+@pytest.mark.parametrize("dcp, interleave", [(2, 2), (4, 1)])
 def test_dcp_step_with_pallas_kernels_equals_unsharded(dcp, interleave):
     """The Pallas indexer, top-k and sparse MLA kernels (interpreted on CPU) wired into the DCP step."""
     parallel = ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave)
@@ -49,8 +51,9 @@ def test_dcp_step_with_pallas_kernels_equals_unsharded(dcp, interleave):
     assert tied.max_abs_err < TOL
 
 
+# The fp8 kernels meet their references every suite in tests/kernels (interpreted): their model-level runs are slow.
 @pytest.mark.parametrize("dcp, interleave, kernels",
-                         [(2, 2, "pallas"), (4, 1, "reference"),
+                         [pytest.param(2, 2, "pallas", marks=pytest.mark.slow), (4, 1, "reference"),
                           pytest.param(8, 2, "reference", marks=pytest.mark.slow)])
 def test_dcp_step_with_fp8_index_cache_equals_unsharded_fp8(dcp, interleave, kernels):
     """fp8 index cache on both sides: the DCP step (fp8 keys and scales written per rank, fp8 queries scored by
@@ -63,7 +66,7 @@ def test_dcp_step_with_fp8_index_cache_equals_unsharded_fp8(dcp, interleave, ker
 
 
 @pytest.mark.parametrize("dcp, interleave, kernels",
-                         [(2, 2, "pallas"), (4, 1, "reference"),
+                         [pytest.param(2, 2, "pallas", marks=pytest.mark.slow), (4, 1, "reference"),
                           pytest.param(8, 2, "reference", marks=pytest.mark.slow)])
 def test_dcp_step_with_fp8_latent_cache_equals_unsharded_fp8(dcp, interleave, kernels):
     """fp8 latent cache (and fp8 index cache) on both sides: the DCP step writes each rank's e4m3 latents, tile

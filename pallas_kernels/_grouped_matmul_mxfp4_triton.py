@@ -1,0 +1,157 @@
+"""Grouped matmul of MXFP4 weights (the routed experts of GLM-5.2-MXFP4, AMD Quark's layout): the Triton kernel.
+
+Contract (`pallas_kernels.grouped_matmul_mxfp4`): x [rows, in] bf16 or f32, rows sorted by group; w an
+`Mxfp4Weight`: packed uint8 [groups, out, in / 2] and scales uint8 [groups, out, in / 32] (the format and its
+formula: `formats.py`); group_sizes [groups] int32 (sum <= rows). Rows offset_g .. offset_g + group_sizes[g] - 1
+(offset_g the sum of the sizes before g) times w[g]^T, f32 accumulation, the output [rows, out] in out_dtype; rows
+past the last group unspecified (`jax.lax.ragged_dot`'s contract).
+
+The kernel reads the weights as stored, 0.5 + 1/32 bytes a weight, and dequantizes each [block_n, block_k] tile in
+registers: the two nibbles of a byte are split with shifts and masks and joined back into input order (Triton's
+join and reshape, `tl.interleave`), each e2m1 code becomes 4x its value in integer arithmetic (0 2 4 6 8 12 16 24:
+`(2 + mantissa) << exponent`, twice the mantissa for the subnormal exponent 0), and the scale 2^(code - 127) / 4
+is built from its exponent bits (e8m0 code 0, 2^-127, reads as 0: an f32 subnormal; 255 as NaN). The tile then
+takes x's dtype, exact for bf16 (e2m1 has one mantissa bit) but for scales near the ends of bf16's range, and
+meets x's tile in a tensor-core dot with f32 accumulation (Hopper has no fp4 tensor cores; f32 x: an f32 dot
+at HIGHEST precision).
+Work items as `_grouped_matmul_triton`'s (vLLM's fused-MoE schedule, `work_items`): grid (items, out / block_n),
+one block of block_m rows of one group a program, block_k inputs a step; a group of no rows reads none of its
+weights and each group's weights are read once per block of its rows.
+Letters: see the legend in `dcp_jax/__init__.py`; the matmul's widths are spelled out (rows, in, out, groups).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._grouped_matmul_triton import MIN_DOT_DIM, PREFILL_ROWS_PER_GROUP, work_items
+from pallas_kernels._knobs import with_defaults
+from pallas_kernels._platform import default_interpret
+from pallas_kernels.formats import E8M0_NAN, MX_BLOCK, Mxfp4Weight
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
+
+_BLOCKS_N = (256, 128, 64, 32, 16)  # block_n candidates, largest first
+_BLOCKS_K = (256, 128, 64, 32)  # block_k candidates: whole scale blocks of 32 inputs
+_F32_MANTISSA_BITS = 23
+
+
+def _dequantize_tile(packed, scales, dtype):
+    """packed uint8 [n, k / 2], scales uint8 [n, k / 32] -> [n, k] in `dtype`, the formula of `formats.py`."""
+    width, half = packed.shape
+    # Input 2i is byte i's low nibble, 2i + 1 its high one: join them on a last axis of 2, then merge it.
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(width, 2 * half).astype(jnp.int32)
+    magnitude = codes & 7
+    exponent, mantissa = magnitude >> 1, magnitude & 1
+    quadruple = jnp.where(exponent == 0, 2 * mantissa, (2 + mantissa) << exponent)  # 4 x e2m1: 0 2 4 6 8 12 16 24
+    values = jnp.where(codes >= 8, -quadruple, quadruple).astype(jnp.float32)
+    # 2^(code - 127) has the f32 bits code << 23 (code >= 1); the 1/4 undoes the quadrupling, exactly.
+    powers = lax.bitcast_convert_type(scales.astype(jnp.int32) << _F32_MANTISSA_BITS, jnp.float32)
+    quarter_scales = jnp.where(scales == E8M0_NAN, jnp.float32(jnp.nan), powers * 0.25)  # [n, k / 32]
+    blocks = scales.shape[1]
+    spread = jnp.broadcast_to(quarter_scales[:, :, None], (width, blocks, MX_BLOCK)).reshape(width, blocks * MX_BLOCK)
+    return (values * spread).astype(dtype)
+
+
+def _kernel(groups_ref, starts_ref, rows_ref, x_ref, packed_ref, scales_ref, out_ref, *, block_m: int, block_n: int,
+            block_k: int, precision):
+    item, n_block = pl.program_id(0), pl.program_id(1)
+    num_rows = rows_ref[item]
+
+    @pl.when(num_rows > 0)
+    def _multiply():
+        group, start = groups_ref[item], starts_ref[item]
+        is_row = lax.iota(jnp.int32, block_m) < num_rows
+        columns = pl.ds(n_block * block_n, block_n)
+
+        def step(k, acc):
+            depth = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+            rows = plgpu.load(x_ref.at[pl.ds(start, block_m), depth], other=jnp.zeros((), x_ref.dtype),
+                              mask=jnp.broadcast_to(is_row[:, None], (block_m, block_k)))
+            half = block_k // 2
+            packed = packed_ref[group, columns, pl.ds(pl.multiple_of(k * half, half), half)]  # [block_n, block_k / 2]
+            scales = scales_ref[group, columns, pl.ds(k * (block_k // MX_BLOCK), block_k // MX_BLOCK)]
+            weights = _dequantize_tile(packed, scales, x_ref.dtype)  # [block_n, block_k], K-major
+            return acc + lax.dot_general(rows, weights, (((1,), (1,)), ((), ())), precision=precision,
+                                         preferred_element_type=jnp.float32)
+
+        acc = lax.fori_loop(0, x_ref.shape[1] // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+        plgpu.store(out_ref.at[pl.ds(start, block_m), columns], acc.astype(out_ref.dtype),
+                    mask=jnp.broadcast_to(is_row[:, None], (block_m, block_n)))
+
+
+def _largest_block(dim: int, candidates: tuple[int, ...], at_most: int) -> int | None:
+    return next((b for b in candidates if b <= at_most and dim % b == 0), None)
+
+
+def unsupported(x, w: Mxfp4Weight) -> list[str]:
+    """Why this kernel does not take these inputs (empty: it does); the contract is checked before."""
+    _, width, depth = w.shape
+    reasons = []
+    if depth < MX_BLOCK or _largest_block(depth, _BLOCKS_K, 256) is None:
+        reasons.append(f"it needs in a positive multiple of {MX_BLOCK}; got w {w.shape} (groups, out, in)")
+    if _largest_block(width, _BLOCKS_N, 256) is None:
+        reasons.append(f"it needs out a multiple of {MIN_DOT_DIM}; got w {w.shape} (groups, out, in)")
+    return reasons
+
+
+def default_knobs(rows_per_group: float, x_dtype, w: Mxfp4Weight) -> dict:
+    """The tiles the kernel runs unless told, for groups averaging `rows_per_group` rows of `x_dtype` times w: the
+    bf16 kernel's measured tiles (`_grouped_matmul_triton.default_knobs`: the same dequantized tile in registers
+    and in shared memory), not yet measured for MXFP4. block_n and block_k: the largest candidates of at most the
+    tile's dividing out and in (None where none does: the kernel refuses those shapes)."""
+    _, width, depth = w.shape
+    if rows_per_group < PREFILL_ROWS_PER_GROUP["plain"]:
+        tile = (16, 128, 64, 4, 3)  # (block_m, block_n at most, block_k at most, warps, stages)
+    elif jnp.dtype(x_dtype).itemsize == 2:
+        tile = (128, 256, 64, 8, 4)
+    else:
+        tile = (64, 128, 64, 4, 3)  # f32: 128 x 256 f32 stages would not fit in shared memory
+    block_m, most_n, most_k, num_warps, num_stages = tile
+    return dict(block_m=block_m, block_n=_largest_block(width, _BLOCKS_N, most_n),
+                block_k=_largest_block(depth, _BLOCKS_K, most_k), num_warps=num_warps, num_stages=num_stages)
+
+
+def grouped_matmul_mxfp4(x, w: Mxfp4Weight, group_sizes, *, out_dtype, rows_per_group=None, interpret=None,
+                         **knobs):
+    """The contract of the module docstring; rows_per_group picks the default tiles (None: rows / groups). Knobs
+    (left out or None: `default_knobs`'): block_m rows a block (a power of two >= 16), block_n (a power of two >= 16
+    dividing out), block_k (a power of two >= 32 dividing in), num_warps and num_stages for Triton."""
+    rows_per_group = x.shape[0] / w.packed.shape[0] if rows_per_group is None else rows_per_group
+    knobs = with_defaults(default_knobs(rows_per_group, x.dtype, w), knobs, "grouped matmul mxfp4")
+    return _grouped(x, w, group_sizes, out_dtype, interpret=interpret, **knobs)
+
+
+def _grouped(x, w: Mxfp4Weight, group_sizes, out_dtype, *, interpret, block_m, block_n, block_k, num_warps,
+             num_stages):
+    interpret = default_interpret(interpret)
+    num_rows = x.shape[0]
+    _, width, depth = w.shape
+    if any(b is None or b < MIN_DOT_DIM or b & (b - 1) for b in (block_m, block_n, block_k)) or block_k < MX_BLOCK \
+            or width % block_n or depth % block_k:
+        raise ValueError(f"need powers of two, block_m and block_n >= {MIN_DOT_DIM}, block_n dividing out, block_k "
+                         f">= {MX_BLOCK} dividing in; got {block_m=} {block_n=} {block_k=} for {x.shape=} "
+                         f"w {w.shape} (groups, out, in)")
+    groups, starts, rows = work_items(group_sizes, num_rows, block_m)
+    # One block of pad rows: a block's row slice never runs past the arrays (masked rows are not read or written).
+    padded = jnp.pad(x, ((0, block_m), (0, 0)))
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
+    kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, precision=precision)
+    out = pl.pallas_call(
+        kernel,
+        grid=(groups.shape[0], width // block_n),
+        in_specs=[pl.no_block_spec] * 6,
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((num_rows + block_m, width), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"grouped_matmul_mxfp4_{block_m=}_{block_n=}_{block_k=}",
+    )(groups, starts, rows, padded, w.packed, w.scales)
+    return out[:num_rows]
