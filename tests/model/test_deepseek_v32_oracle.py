@@ -187,7 +187,7 @@ def test_dense_equals_deepseek_v3(checkpoints, name):
     assert np.abs(golden.log_softmax(sparse) - want).max() > 0.1
 
 
-@pytest.mark.parametrize("dcp, interleave", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("dcp, interleave", [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_chunked_prefill_equals_one_shot(checkpoints, dcp, interleave):
     """Chunks of 3 tokens, each attending to the prefix earlier chunks cached, give the one-shot prefill's logits
     and selected sets at every position, and the same decode after it."""
