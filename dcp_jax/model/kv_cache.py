@@ -7,7 +7,7 @@ layers differ, as IndexShare's shared layers keep no index key): [W, entries, pa
 own tokens; the MTP layer's entry after the decoder layers' when drafting). One page id names the same page of
 every entry and every rank (a virtual block of B * W tokens, `host/layout.py`).
 Page export / import (`gather_pages`, `scatter_pages`; compiled per page-count bucket by the runner): the pages of
-host-built page ids, every pool, every layer, every rank, as [W, layers, n, B, ...] arrays sharded like the pools;
+host-built page ids, every pool, every entry, every rank, as [W, entries, n, B, ...] arrays sharded like the pools;
 -1 ids are pads (export zeros, import nothing).
 Letters: see the legend in `dcp_jax/__init__.py`.
 """
@@ -32,7 +32,7 @@ from dcp_jax.model.mesh import DCP, sharding
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    # Pool name -> [W, layers, pages, B, ...] (a plain array or a pytree in the pool's format, every leaf with
+    # Pool name -> [W, entries, pages, B, ...] (a plain array or a pytree in the pool's format, every leaf with
     # these leading axes; `cache_formats.py`).
     pools: dict
 
@@ -128,7 +128,7 @@ def page_buckets(max_pages: int) -> tuple[int, ...]:
 
 
 def gather_pages(cache: KVCache, page_ids) -> KVCache:
-    """The pages `page_ids` [n] int32 of every pool, layer and rank: [W, layers, n, B, ...] each; -1 (a pad)
+    """The pages `page_ids` [n] int32 of every pool, entry and rank: [W, entries, n, B, ...] each; -1 (a pad)
     gives zeros."""
     num_pages = cache.num_pages
     ids = jnp.where(page_ids >= 0, page_ids, num_pages)  # out of range: filled with zeros
@@ -136,7 +136,7 @@ def gather_pages(cache: KVCache, page_ids) -> KVCache:
 
 
 def scatter_pages(cache: KVCache, pages: KVCache, page_ids) -> KVCache:
-    """`cache` with `pages` ([W, layers, n, B, ...] each, `gather_pages`' of another cache of these pools and page
+    """`cache` with `pages` ([W, entries, n, B, ...] each, `gather_pages`' of another cache of these pools and page
     size) written at `page_ids` [n] int32; -1 writes nothing."""
     num_pages = cache.num_pages
     ids = jnp.where(page_ids >= 0, page_ids, num_pages)  # out of range: dropped

@@ -74,14 +74,14 @@ class PromptLogprobs:
 def _layers(model, kv_cache: KVCache, hidden, rope, md: StepMetadata, *, ctx: StepContext, keep_selected: bool):
     """Run every decoder layer, each scan group (`scan_groups`: stacks of one structure each, taking turns) under one
     `jax.lax.scan` (compiled once, whatever its depth; fully unrolled when ctx.unroll_layers). The carry holds the
-    hidden states, the folded pools and the most recent layer's selection [R, K] (what a layer without an indexer
-    attends: IndexShare). Each layer reads md moved to its entry of each pool it caches in (`entry_table`: static
-    per layer). Returns (hidden, kv_cache, the global positions [layers, R, K] each row attended when
-    `keep_selected`, else None)."""
+    hidden states, the folded pools and, where some layer has no indexer of its own (IndexShare), the most recent
+    layer's selection [R, K] (what that layer attends; [R, 0] otherwise, so no other model carries it). Each layer
+    reads md moved to its entry of each pool it caches in (`entry_table`: static per layer). Returns (hidden,
+    kv_cache, the global positions [layers, R, K] each row attended when `keep_selected`, else None)."""
     cfg, pools = ctx.cfg, kv_cache.local_pools()
     tables = {name: jnp.asarray(entry_table(cfg, name, cfg.num_hidden_layers)) for name in pools}
-    topk = cfg.indexer.topk if cfg.indexer is not None else 0
-    selection = jnp.full((hidden.shape[0], topk), -1, jnp.int32)
+    carries = any(map(cfg.shares_index_selection, range(cfg.num_hidden_layers)))
+    selection = jnp.full((hidden.shape[0], cfg.indexer.topk if carries else 0), -1, jnp.int32)
     selected = []
     for group in ctx.architecture.model.scan_groups(cfg):
         graphdefs, weights = zip(*(nnx.split(getattr(model, stack.name)) for stack in group))
@@ -94,10 +94,11 @@ def _layers(model, kv_cache: KVCache, hidden, rope, md: StepMetadata, *, ctx: St
                     layer = nnx.merge(graphdef, layer_weights)
                     mds = {name: on_layer(md, tables[name][index], num_pages=kv_cache.num_pages,
                                           page_size=kv_cache.page_size) for name in layer.attention.variant.pool_names}
-                    attn, pools, selection = layer.attention(layer.attention_input(hidden), rope, pools, mds, ctx=ctx,
-                                                             selection=selection)
+                    attn, pools, layer_selected = layer.attention(layer.attention_input(hidden), rope, pools, mds,
+                                                                  ctx=ctx, selection=selection)
                     hidden = layer.feed_forward(hidden + attn, backend=ctx.backend)
-                kept.append(selection)
+                selection = layer_selected if carries else selection
+                kept.append(layer_selected)
             return (hidden, pools, selection), (jnp.stack(kept) if keep_selected else None)
 
         xs = tuple((w, jnp.asarray(stack.layers)) for w, stack in zip(weights, group))
