@@ -130,7 +130,7 @@ DEEPSEEK_V32 = Architecture(
     attention_file="dcp_jax.model.attention.sparse_dcp",
 )
 
-# The fields both DeepSeek architectures read, and the values of theirs they implement.
+# The fields the DeepSeek-family architectures (V3.2, V3, GLM) read, and the values of theirs they implement.
 _DEEPSEEK_FIELDS = DEEPSEEK_V32.reading.fields
 _DEEPSEEK_IMPLEMENTED = DEEPSEEK_V32.reading.implemented
 

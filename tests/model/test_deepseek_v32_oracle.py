@@ -10,23 +10,16 @@ checkpoint has it (mscale = mscale_all_dim), YaRN with mscale != mscale_all_dim 
 softmax scale change), and one configuration with the Pallas kernels (interpreted) instead of the references.
 """
 
-import functools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dcp_jax.model.architecture import config_from_hf, with_hf_overrides
-from dcp_jax.config import EngineConfig, ParallelConfig
-from dcp_jax.model.mesh import make_mesh
-from dcp_jax.model.weights import load_hf_params
-from dcp_jax.runtime.runner import ModelRunner
-from dcp_jax.runtime import oracle
+from dcp_jax.model.architecture import config_from_hf
+from dcp_jax.config import EngineConfig
 
-from tests.oracle import golden, hf_tiny
+from tests.oracle import golden
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "oracle"
 TOL = 2e-3  # logprob agreement required by the issue (fp32, highest matmul precision)
 # Rows whose K-th vs (K+1)-th index score gap is below this fraction of the row's score range are
 # tie-fragile; the fixture seeds were chosen so that none is (tests/oracle/README.md).
@@ -58,68 +51,20 @@ CASES = [
 CASE_IDS = [f"{c}-dcp{w}-S{s}-{k}-chunk{n}" for c, w, s, k, n in (getattr(case, "values", case) for case in CASES)]
 
 
-@functools.cache
-def fixture(name):
-    return dict(np.load(FIXTURES / f"{name}.npz"))
+fixture = golden.fixture
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for name in NAMES:
-        fx = fixture(name)
-        path = tmp_path_factory.mktemp(name)
-        sha = hf_tiny.write_random_checkpoint(hf_tiny.tiny_configs()[name], int(fx["seed"]), path)
-        out[name] = (path, sha)
-    return out
+    return golden.write_checkpoints(tmp_path_factory, NAMES)
 
 
-def block_tables(dcp, rows, seed):
-    """Each row gets its own pages, scattered over the pool."""
-    blocks = ENGINE.max_blocks_per_seq(dcp)
-    pages = np.random.default_rng(seed).permutation(ENGINE.num_pages)[: rows * blocks]
-    return pages.reshape(rows, blocks).tolist()
-
-
-def prompts_of(fx):
-    return [fx["prompt_ids"][i, :n].tolist() for i, n in enumerate(fx["prompt_lens"])]
-
-
-_RESULTS = {}
-
-
-def run_case(checkpoints, name, dcp, interleave, kernels="reference", chunk=ONE_SHOT, cfg_change=None):
+def run_case(checkpoints, name, dcp, interleave, kernels="reference", chunk=ONE_SHOT, cfg_change=()):
     """Prefill in chunks of `chunk` tokens (logits at every position) + 9 greedy decode steps fed HF's tokens, with
-    the tokens the device sampled; cached per case."""
-    key = (name, dcp, interleave, kernels, chunk, cfg_change)
-    if key in _RESULTS:
-        return _RESULTS[key]
-    fx = fixture(name)
-    path, _ = checkpoints[name]
-    cfg = config_from_hf(path)
-    if cfg_change:
-        cfg = with_hf_overrides(cfg, dict(cfg_change))
-    parallel = ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave)
-    mesh = make_mesh(parallel)
-    runner = ModelRunner(cfg, load_hf_params(cfg, path, mesh), parallel, ENGINE, mesh, kernels)
-    prompts = prompts_of(fx)
-    tables = block_tables(dcp, len(prompts), seed=dcp * 10 + interleave)
-    prefill_logits, prefill_selected, first_tokens = oracle.prefill(runner, prompts, tables, chunk_size=chunk,
-                                                                    all_logits=True, return_selected=True)
-    decode_logits, decode_selected, sampled = [], [], [first_tokens]
-    context = np.array([len(p) for p in prompts])
-    if cfg_change is None:
-        for j in range(1, fx["gen_tokens"].shape[1]):
-            context = context + 1
-            logits, selected, tokens = oracle.decode(runner, fx["gen_tokens"][:, j - 1].tolist(), context.tolist(),
-                                                     tables, return_selected=True)
-            decode_logits.append(logits)
-            decode_selected.append(selected)
-            sampled.append(tokens)
-    result = dict(prefill_logits=prefill_logits, prefill_selected=prefill_selected,
-                  decode_logits=decode_logits, decode_selected=decode_selected, sampled=np.stack(sampled, axis=1))
-    _RESULTS[key] = result
-    return result
+    each layer's selections and the tokens the device sampled (`golden.run_case`; `cfg_change` config.json fields
+    replaced); cached per case."""
+    return golden.run_case(checkpoints[name][0], name, ENGINE, dcp, interleave, kernels, chunk, selected=True,
+                           hf_overrides=cfg_change)
 
 
 def test_checkpoint_is_the_one_hf_read(checkpoints):

@@ -47,18 +47,19 @@ _RUNS: dict = {}
 
 
 def run_case(path, name: str, engine, dcp: int, interleave: int, kernels: str, chunk: int, *,
-             selected: bool = False) -> dict:
-    """`run_greedy` of fixture `name` on a runner of the checkpoint at `path` (read by `config_from_hf`, loaded by
-    `load_hf_params`) at tp = dcp, cached per case (a case's tests share one run)."""
-    key = (str(path), name, engine, dcp, interleave, kernels, chunk, selected)
+             selected: bool = False, hf_overrides: tuple = ()) -> dict:
+    """`run_greedy` of fixture `name` on a runner of the checkpoint at `path` (read by `config_from_hf`, with the
+    config.json fields of `hf_overrides` (name, value) pairs replaced; loaded by `load_hf_params`) at tp = dcp,
+    cached per case (a case's tests share one run)."""
+    key = (str(path), name, engine, dcp, interleave, kernels, chunk, selected, tuple(hf_overrides))
     if key not in _RUNS:
         from dcp_jax.config import ParallelConfig
-        from dcp_jax.model.architecture import config_from_hf
+        from dcp_jax.model.architecture import config_from_hf, with_hf_overrides
         from dcp_jax.model.mesh import make_mesh
         from dcp_jax.model.weights import load_hf_params
         from dcp_jax.runtime.runner import ModelRunner
 
-        cfg = config_from_hf(path)
+        cfg = with_hf_overrides(config_from_hf(path), dict(hf_overrides) or None)
         parallel = ParallelConfig(tp=dcp, dcp=dcp, interleave=interleave)
         mesh = make_mesh(parallel)
         runner = ModelRunner(cfg, load_hf_params(cfg, path, mesh), parallel, engine, mesh, kernels)
