@@ -63,7 +63,7 @@ from dcp_jax.config import (EngineConfig, ModelConfig, ParallelConfig, check_ind
 from dcp_jax.host.sampling_metadata import SamplingTable
 from dcp_jax.host.step_inputs import FED_BACK, StepInputs, build_step_inputs
 from dcp_jax.host.step_metadata import build_step_metadata
-from dcp_jax.model import architecture
+from dcp_jax.model import architecture, fp8_linear, mxfp4
 from dcp_jax.model.attention import cache_formats, mla_dcp, sparse_dcp
 from dcp_jax.model.kv_cache import KVCache, cache_pools, pool_layers
 from dcp_jax.model.memory_plan import FP8_BLOCK
@@ -77,6 +77,7 @@ from dcp_jax.runtime.step import Placed, StepProgram
 from dcp_jax.serving.engine_args import EngineArgs
 from dcp_jax.serving.loading import use_cpu_devices
 from pallas_kernels import Fp8IndexKeys, Fp8LatentCache, formats
+from pallas_kernels.formats import quantize_mxfp4
 
 # A truncated layer adds this times the per-row mean of its dangling outputs to the residual stream, so XLA cannot
 # drop the work and the next layer depends on this one, as in the real step; small enough to keep values tame.
@@ -200,7 +201,11 @@ class Grid:
     page_size: int = 64
     interleave: int = 1
     dtype: str = "bfloat16"
+    # The preset's random weights: "plain" (in dtype), "fp8" (the linear ones block fp8, `--quantization fp8`) or
+    # "mxfp4" (the routed experts MXFP4, as an AMD Quark checkpoint keeps them); channel_fp8: the linear ones but
+    # the experts per-channel fp8 (`--quantization ptpc_fp8`, with plain or mxfp4).
     weight_format: str = "plain"
+    channel_fp8: bool = False
     index_cache: str = "exact"
     latent_cache: str = "exact"
     fallback: bool = True
@@ -218,6 +223,10 @@ class Grid:
     def __post_init__(self):
         check_index_cache(self.index_cache)
         check_latent_cache(self.latent_cache)
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}; got {self.weight_format!r}")
+        if self.channel_fp8 and self.weight_format == "fp8":
+            raise ValueError("ptpc_fp8 quantizes unquantized linear weights: not with block fp8 ones")
 
     @property
     def cfg(self) -> ModelConfig:
@@ -461,6 +470,32 @@ def compile_programs(items, step_of: Callable[[str, str], StepProgram], params, 
     return results
 
 
+WEIGHT_FORMATS = ("plain", "fp8", "mxfp4")
+
+
+def random_params(grid: Grid, cfg, dtype, fp8_block):
+    """The preset's random weights in the grid's formats, on the default device: MXFP4 experts quantized from the
+    plain ones an expert at a time (their [X, in, out] to Quark's [X, out, in / 2] codes and [X, out, in / 32]
+    scales), then ptpc_fp8's per-channel linear layers."""
+    params = architecture.of(cfg).model.init_params(cfg, grid.seed, dtype, fp8_block)
+    if grid.weight_format == "mxfp4":
+        to_mxfp4 = jax.jit(lambda w: jax.lax.map(lambda expert: quantize_mxfp4(expert.T),
+                                                 w.reshape(-1, *w.shape[-2:])))
+
+        def experts(path, leaf):
+            if getattr(path[-1], "key", None) not in mxfp4.EXPERT_LEAVES:
+                return leaf
+            packed, scales = to_mxfp4(leaf)
+            lead = leaf.shape[:-2]
+            return mxfp4.from_checkpoint(packed.reshape(*lead, *packed.shape[1:]),
+                                         scales.reshape(*lead, *scales.shape[1:]), mxfp4.ExpertsFormat())
+
+        params = jax.tree_util.tree_map_with_path(experts, params)
+    if grid.channel_fp8:
+        params = jax.jit(fp8_linear.quantize_channels_params, donate_argnums=0)(params)
+    return params
+
+
 def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[str], None] | None = None,
              compile_workers: int = 1) -> Iterator[dict]:
     """Yield one row (dict) per measurement as it completes: kind 'program' (per dcp x kernels x variant x
@@ -474,7 +509,8 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
     # Measured before the weights and pools take the memory.
     ceilings = step_profile.measure_ceilings(grid.copy_bytes, grid.matmul_size) if grid.profile else None
     fp8_block = (FP8_BLOCK, FP8_BLOCK) if grid.weight_format == "fp8" else None
-    host_params = architecture.of(cfg).model.init_params(cfg, grid.seed, dtype, fp8_block)
+    experts_format = mxfp4.ExpertsFormat() if grid.weight_format == "mxfp4" else None
+    host_params = random_params(grid, cfg, dtype, fp8_block)
     memory, memory_source = device_memory(grid)
     rng = np.random.default_rng(grid.seed)
     for w in sizes:
@@ -489,7 +525,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
         def step_of(kernels_name: str, variant: str) -> StepProgram:
             if (kernels_name, variant) not in steps:
                 ctx = step_context(cfg, parallel, engine, kernel_backend(kernels_name), dtype=dtype,
-                                   fp8_block=fp8_block)
+                                   fp8_block=fp8_block, mxfp4_experts=experts_format, channel_fp8=grid.channel_fp8)
                 steps[kernels_name, variant] = step_program(variant_context(ctx, variant), GREEDY, parallel, engine,
                                                             mesh)
             return steps[kernels_name, variant]
@@ -505,7 +541,7 @@ def run_grid(grid: Grid, *, budget_s: float | None = None, on_point: Callable[[s
         pool = {name: sum(a.nbytes // a.shape[0] for a in jax.tree.leaves(leaves))
                 for name, leaves in kv_cache.kv_cache.pools.items()}
         common = dict(preset=grid.preset, layers=cfg.num_hidden_layers, dtype=grid.dtype,
-                      weight_format=grid.weight_format,
+                      weight_format=grid.weight_format, channel_fp8=grid.channel_fp8,
                       index_cache=grid.index_cache, latent_cache=grid.latent_cache, dcp=w, page_size=grid.page_size,
                       interleave=grid.interleave)
         items = work_items(grid)
@@ -639,6 +675,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--profile: n of the same-run n x n x n bf16 matmul rate")
     # The engine's own options (their one default each): the weights' and caches' formats, the layout, the seed.
     EngineArgs.add_cli_args(parser, only=ENGINE_ARGUMENTS)
+    parser.add_argument("--weight-format", choices=("plain", "mxfp4"), default="plain",
+                        help="mxfp4: the routed experts in MXFP4 (an AMD Quark checkpoint's), the rest in --dtype, "
+                             "or per-channel fp8 under --quantization ptpc_fp8")
     parser.add_argument("--device-memory-gb", type=float, default=None,
                         help="device memory for the capacity column (default: memory_stats, else 139 GiB)")
     parser.add_argument("--budget-s", type=float, default=None,
@@ -655,7 +694,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # The engine arguments (`EngineArgs`) the benchmark takes; quantization fp8 puts the preset's linear weights in
-# block fp8.
+# block fp8, ptpc_fp8 those but the experts' in per-channel fp8.
 ENGINE_ARGUMENTS = ("dtype", "quantization", "page_size", "interleave", "enable_expert_parallel", "kv_cache_dtype",
                     "latent_cache", "index_cache", "seed")
 
@@ -667,7 +706,8 @@ def grid_from_args(args: argparse.Namespace) -> Grid:
                 steps=args.steps, warmup=args.warmup, page_size=engine_args.page_size,
                 interleave=engine_args.interleave,
                 dtype=resolve_dtype(engine_args.dtype, preset(args.preset)),
-                weight_format="fp8" if engine_args.quantization == "fp8" else "plain",
+                weight_format="fp8" if engine_args.quantization == "fp8" else args.weight_format,
+                channel_fp8=engine_args.quantization == "ptpc_fp8",
                 index_cache=engine_args.index_cache_format, latent_cache=engine_args.latent_cache_format,
                 fallback=args.fallback, tbo=args.tbo, expert_parallel=engine_args.enable_expert_parallel,
                 device_memory_gb=args.device_memory_gb, seed=engine_args.seed, profile=args.profile,

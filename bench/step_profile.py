@@ -145,7 +145,7 @@ def _key_name(key) -> str:
 def weight_traffic(params, cfg: ModelConfig, batch: int) -> tuple[float, float]:
     """(bytes one rank reads, weight elements one row multiplies on it) of the placed parameters `params` in a step
     of `batch` rows: every leaf's shard but the embedding table's, the routed experts' (`experts_*`) bytes at
-    `routed_expert_share` and their elements at k/X; fp8 scales count as bytes, not as elements."""
+    `routed_expert_share` and their elements at k/X; fp8 and MXFP4 scales count as bytes, not as elements."""
     nbytes = elements = 0.0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         names = [_key_name(key) for key in path]
@@ -154,8 +154,9 @@ def weight_traffic(params, cfg: ModelConfig, batch: int) -> tuple[float, float]:
         shard = leaf.addressable_shards[0].data
         is_routed = any(name.startswith("experts_") for name in names)
         nbytes += shard.nbytes * (routed_expert_share(cfg, batch) if is_routed else 1)
-        if names[-1] != "scales":
-            elements += shard.size * (cfg.num_experts_per_tok / cfg.n_routed_experts if is_routed else 1)
+        if names[-1] != "scales":  # MXFP4 codes: two weights a byte
+            elements += shard.size * (2 if names[-1] == "packed" else 1) * (
+                cfg.num_experts_per_tok / cfg.n_routed_experts if is_routed else 1)
     return nbytes, elements
 
 
@@ -191,6 +192,10 @@ def is_profiled(row: dict) -> bool:
 
 def _config(row: dict) -> str:
     weights = "block-fp8" if row["weight_format"] == "fp8" else {"bfloat16": "bf16"}.get(row["dtype"], row["dtype"])
+    if row["weight_format"] == "mxfp4":
+        weights = f"MXFP4 experts + {'ptpc_fp8' if row.get('channel_fp8') else weights}"
+    elif row.get("channel_fp8"):
+        weights = f"ptpc_fp8 (experts {weights})"
     return (f"{row['layers']} layers ({row['moe_layers']} MoE), {weights} weights, "
             f"{row['index_cache']}/{row['latent_cache']} index/latent cache, dcp {row['dcp']}")
 

@@ -288,13 +288,16 @@ def plan(args: argparse.Namespace) -> int:
         weight_format = args.weight_format
         if weight_format == "auto":
             weight_format = checkpoint_weight_format(directory, cfg) if directory else "model_dtype"
+            if engine_args.quantization == "fp8" and weight_format == "model_dtype":
+                weight_format = "fp8"  # quantized to block fp8 on load
         parallel = ParallelConfig(tp=engine_args.tensor_parallel_size, dcp=engine_args.dcp,
                                   enable_expert_parallel=engine_args.enable_expert_parallel)
         result = make_plan(cfg, parallel, dtype=resolve_dtype(engine_args.dtype, cfg), weight_format=weight_format,
                            device_bytes=int(args.device_memory_gib * 2**30),
                            gpu_memory_utilization=engine_args.gpu_memory_utilization,
                            page_size=engine_args.page_size, max_num_seqs=engine_args.max_num_seqs,
-                           mtp=num_speculative_tokens(engine_args.speculative_config) > 0)
+                           mtp=num_speculative_tokens(engine_args.speculative_config) > 0,
+                           channel_fp8=engine_args.quantization == "ptpc_fp8")
     except ValueError as e:
         print(f"dcp-jax plan: {e}", file=sys.stderr)
         return 2
@@ -303,8 +306,8 @@ def plan(args: argparse.Namespace) -> int:
 
 
 # The engine arguments a plan reads, and its model's default: a plan sizes a real model, not the shipped tiny one.
-PLAN_ARGUMENTS = ("model", "tp", "dcp", "enable_expert_parallel", "dtype", "page_size", "max_num_seqs",
-                  "gpu_memory_utilization", "speculative_config")
+PLAN_ARGUMENTS = ("model", "tp", "dcp", "enable_expert_parallel", "dtype", "quantization", "page_size",
+                  "max_num_seqs", "gpu_memory_utilization", "speculative_config")
 PLAN_DEFAULTS = {"model": "deepseek-v3.2"}
 
 
@@ -344,8 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(m, only=PLAN_ARGUMENTS, defaults=PLAN_DEFAULTS)
     m.add_argument("--weight-format", choices=("auto",) + WEIGHT_FORMATS, default="auto",
                    help="auto: the checkpoint's (fp8 for a block-fp8 checkpoint, mxfp4 for an AMD Quark MXFP4 one: "
-                        "its routed experts in MXFP4, the rest in --dtype; the model dtype for presets); fp8 also "
-                        "plans a load under --quantization fp8")
+                        "its routed experts in MXFP4, the rest in --dtype; the model dtype for presets, fp8 under "
+                        "--quantization fp8); --quantization ptpc_fp8 puts the linear layers but the experts in "
+                        "per-channel fp8 on top of it")
     m.add_argument("--device-memory-gib", type=float, default=H200_MEMORY_GIB,
                    help="memory of one device (default: an H200's, as nvidia-smi reports it)")
     m.set_defaults(run=plan)

@@ -4,7 +4,9 @@ fine-grained fp8 GEMM, as DeepGEMM runs it).
 Contract: x e4m3 [rows, in] with f32 scales [rows, in / 128] (a row's 128 channels share one), w e4m3 [out, in]
 (K-major: the checkpoint's layout, as fp8 tensor cores read both operands) with f32 scales
 [ceil(out / bn), in / 128] (a block of bn rows by 128 columns shares one); the output [rows, out] = sum over the
-blocks b of 128 input columns of (x_b . w_b^T) * x_scale * w_scale, in out_dtype.
+blocks b of 128 input columns of (x_b . w_b^T) * x_scale * w_scale, in out_dtype. Scale blocks of the whole in
+width (ptpc_fp8's one scale a token and a channel: x_scales [rows, 1], w_scales [ceil(out / bn), 1]) scale the
+sum once, in the epilogue.
 
 Each CTA owns a [cta_m, cta_n] output tile and runs three warpgroups: one streams the tile's x and w slices of 128
 channels (and their scales) through `stages` SMEM buffers by TMA; two compute, each a [64, tile_n] half of the tile
@@ -58,6 +60,9 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
             k_splits: int, overlap_promotion: bool, persistent: bool, grid_tile_width: int, scale_block_rows: int):
     wg = lax.axis_index("wg")
     steps = x_gmem.shape[1] // BLOCK_K // k_splits  # a tile's share of the input columns, in steps of 128
+    # One scale a row and a column along the whole input width (per token, per channel: ptpc_fp8): applied once,
+    # in the epilogue.
+    per_channel = xs_gmem.shape[0] == 1
     cta_m, cta_n = _cta_tile(split_m, tile_n)
     wg_rows = pl.ds(wg * WG_ROWS, WG_ROWS) if split_m else pl.ds(0, WG_ROWS)
     wg_columns = pl.ds(0, tile_n) if split_m else pl.ds(wg * tile_n, tile_n)
@@ -77,6 +82,15 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
         scales = (lax.broadcast_in_dim(row_scales, (WG_ROWS, tile_n), [0])
                   * lax.broadcast_in_dim(column_scales, (WG_ROWS, tile_n), [1]))
         return acc + partial * scales
+
+    def unscaled_step(_, x_smem, w_smem, acc):
+        # Per channel: each step's product joins the f32 sum as it is (the tensor core's reduced-precision
+        # accumulation still spans one step); the epilogue scales the sum.
+        def dot(partial_ref):
+            wgmma(partial_ref, x_smem, w_smem)
+            return partial_ref[...]
+
+        return acc + pl.run_scoped(dot, plgpu.ACC((WG_ROWS, tile_n), jnp.float32))
 
     def promoted(acc, pending, row_factors):
         return acc + pending * lax.broadcast_in_dim(row_factors, (WG_ROWS, tile_n), [0])
@@ -103,10 +117,10 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
 
     def pipeline(body, compute_context):
         in_specs = [plgpu.BlockSpec((cta_m, BLOCK_K), lambda k: (0, k), transforms=_fp8_tiled()),
-                    plgpu.BlockSpec((cta_n, BLOCK_K), lambda k: (0, k), transforms=_fp8_tiled()),
-                    plgpu.BlockSpec((1, cta_m), lambda k: (k, 0))]
-        if not overlap_promotion:  # the expanded column scales travel with the step's operands
-            in_specs.append(plgpu.BlockSpec((1, cta_n), lambda k: (k, 0)))
+                    plgpu.BlockSpec((cta_n, BLOCK_K), lambda k: (0, k), transforms=_fp8_tiled())]
+        if not per_channel:  # x's scales, and the expanded column scales unless overlap_promotion, travel with
+            in_specs += [plgpu.BlockSpec((1, cta_m), lambda k: (k, 0)),  # the step's operands
+                         *([] if overlap_promotion else [plgpu.BlockSpec((1, cta_n), lambda k: (k, 0))])]
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(steps,),
@@ -119,9 +133,13 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
         )
 
     def operands(rows, columns, depth, depth_blocks):
-        """The pipeline's GMEM operands for a tile: x, w and x's scales, and unless overlap_promotion (which reads
-        w's compact scales itself) the expanded column scales."""
-        refs = [x_gmem.at[rows, depth], w_gmem.at[columns, depth], xs_gmem.at[depth_blocks, rows]]
+        """The pipeline's GMEM operands for a tile: x, w and (unless per_channel, whose scales the epilogue reads)
+        x's scales, and unless overlap_promotion (which reads w's compact scales itself) the expanded column
+        scales."""
+        refs = [x_gmem.at[rows, depth], w_gmem.at[columns, depth]]
+        if per_channel:
+            return refs
+        refs.append(xs_gmem.at[depth_blocks, rows])
         return refs if overlap_promotion else refs + [ws_gmem.at[depth_blocks, columns]]
 
     def tile(m, n, part, allocations=None):
@@ -132,6 +150,13 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
 
         def compute(run_pipeline):
             acc = accumulate(run_pipeline)
+            if per_channel:  # the one scale of each row and column, once
+                row_scales = plgpu.load(xs_gmem.at[0, rows].at[wg_rows], layout=row_layout,
+                                        optimized=False)  # no optimized GMEM load of a reduced WGMMA layout
+                column_scales = plgpu.load(ws_gmem.at[0, columns].at[wg_columns], layout=column_layout,
+                                           optimized=False)
+                acc = (acc * lax.broadcast_in_dim(row_scales, (WG_ROWS, tile_n), [0])
+                       * lax.broadcast_in_dim(column_scales, (WG_ROWS, tile_n), [1]))
             if persistent:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             out_smem[wg] = acc.astype(out_smem.dtype)
@@ -144,7 +169,8 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, tile_n: int
             scale_block = lax.div(n * cta_n + wg_columns.start, scale_block_rows)
             return overlapped_step(scale_block, part * steps + indices[0], *refs)
 
-        pipeline(overlapped_body if overlap_promotion else step, compute)(
+        body = overlapped_body if overlap_promotion else unscaled_step if per_channel else step
+        pipeline(body, compute)(
             *operands(rows, columns, depth, depth_blocks), allocations=allocations)
 
     tiles = (out_gmem.shape[1] // cta_m, out_gmem.shape[2] // cta_n)
@@ -178,7 +204,9 @@ def fp8_gemm_tiles(x, xs_t, w, w_scales, *, tile_n: int, split_m: bool, stages: 
     """The kernel on prepared inputs: x e4m3 [rows, in] (rows a multiple of the CTA's rows), xs_t f32
     [in / 128, rows] (x's scales transposed), w e4m3 [out, in] (out a multiple of the CTA's columns), w_scales f32:
     with overlap_promotion w's compact block scales [ceil(out / scale_block_rows), in / 128] (tile_n dividing
-    scale_block_rows), else expanded to one per column, [in / 128, out]. Returns [k_splits, rows, out] in
+    scale_block_rows), else expanded to one per column, [in / 128, out]. Scales of one block along the whole input
+    width (per token and per channel) come as one row each, xs_t [1, rows] and w_scales [1, out], applied once to
+    the sum (no overlap_promotion). Returns [k_splits, rows, out] in
     out_dtype: the products over each k_splits-th of the input columns (in / 128 a multiple of k_splits), whose sum
     is x . w^T."""
     num_rows, depth = x.shape
@@ -276,8 +304,8 @@ def default_knobs(num_rows: int, width: int, depth: int, out_dtype, *, split_m: 
 
 def unsupported(x, w, block, interpret: bool | None) -> list[str]:
     """Why this kernel does not take these inputs (empty: it does): e4m3 operands, the in width a multiple of 128
-    and the out width of 64, scale blocks `block` = (bn, bk) of bk = 128 (its step; any bn); compiled on an sm_90
-    GPU."""
+    and the out width of 64, scale blocks `block` = (bn, bk) of bk = 128 (its step) or the whole in width (one
+    scale a row and a channel: ptpc_fp8's per-token, per-channel scales), any bn; compiled on an sm_90 GPU."""
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
     reasons = []
     if x.dtype != fp8 or w.dtype != fp8:
@@ -285,8 +313,8 @@ def unsupported(x, w, block, interpret: bool | None) -> list[str]:
     width, depth = w.shape
     if depth % BLOCK_K or width % TILE_N[-1]:
         reasons.append(f"it needs K a multiple of {BLOCK_K} and N of {TILE_N[-1]}; got w {w.shape}")
-    if block[1] != BLOCK_K:
-        reasons.append(f"it needs scale blocks of {BLOCK_K} input columns; got {tuple(block)}")
+    if block[1] not in (BLOCK_K, depth):
+        reasons.append(f"it needs scale blocks of {BLOCK_K} input columns or of all {depth}; got {tuple(block)}")
     return reasons + on_hopper_compiled(interpret)
 
 
@@ -305,13 +333,18 @@ def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, interpret=None, **kn
     if num_rows == 0:
         return jnp.zeros((0, width), out_dtype)
     depth = x.shape[1]
+    per_channel = x_scales.shape[1] == 1  # one scale along all of K: the epilogue's (`_kernel`)
     tile_knobs = {name: knobs.get(name) for name in ("split_m", "tile_n", "k_splits")}
-    defaults = default_knobs(num_rows, width, depth, out_dtype, **tile_knobs, scale_block_rows=block[0])
+    defaults = default_knobs(num_rows, width, depth, out_dtype, **tile_knobs,
+                             scale_block_rows=None if per_channel else block[0])
     chosen = with_defaults(defaults, knobs, "fp8 GEMM")
     split_m, tile_n, k_splits = chosen["split_m"], chosen["tile_n"], chosen["k_splits"]
     kernel_out = out_dtype if k_splits == 1 else jnp.dtype(jnp.float32)  # partial products summed after
     if tile_n not in TILE_N or width % _cta_tile(split_m, tile_n)[1]:
         raise ValueError(f"no column tile for N = {width}: {split_m=}, {tile_n=} (of {TILE_N})")
+    if chosen["overlap_promotion"] and per_channel:
+        raise ValueError("overlap_promotion scales each 128-channel step: scales along the whole K (one a channel) "
+                         "apply once, after the sum")
     if chosen["overlap_promotion"] and block[0] % tile_n:
         raise ValueError(f"overlap_promotion needs tile_n to divide the scale block's {block[0]} rows; got {tile_n=}")
     width_of_band = chosen["grid_tile_width"]

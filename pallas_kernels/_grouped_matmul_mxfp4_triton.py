@@ -14,6 +14,12 @@ is built from its exponent bits (e8m0 code 0, 2^-127, reads as 0: an f32 subnorm
 takes x's dtype, exact for bf16 (e2m1 has one mantissa bit) but for scales near the ends of bf16's range, and
 meets x's tile in a tensor-core dot with f32 accumulation (Hopper has no fp4 tensor cores; f32 x: an f32 dot
 at HIGHEST precision).
+With unpack="split_ptx" (bf16 x, compiled) the nibbles are not joined back: inline PTX turns each 4 bytes of
+codes and their 4 scale bytes into the low nibbles' and the high nibbles' bf16 values (a byte pair at a time, as
+Marlin-style kernels do: the 3 magnitude bits shifted into a bf16's exponent and mantissa make the e2m1 value
+times 2^-126, the subnormal code included, which one bf16x2 multiply by 2^126 makes exact; a second multiplies by
+the scale, whose e8m0 byte shifted by 7 is the bf16 2^(code - 127); code 0 reads as 0, 255 as infinity), and x
+comes split into its even and odd inputs, so a step is two dots: x_even . low^T + x_odd . high^T.
 Work items as `_grouped_matmul_triton`'s (vLLM's fused-MoE schedule, `work_items`): grid (items, out / block_n),
 one block of block_m rows of one group a program, block_k inputs a step; a group of no rows reads none of its
 weights and each group's weights are read once per block of its rows.
@@ -58,6 +64,64 @@ def _dequantize_tile(packed, scales, dtype):
     blocks = scales.shape[1]
     spread = jnp.broadcast_to(quarter_scales[:, :, None], (width, blocks, MX_BLOCK)).reshape(width, blocks * MX_BLOCK)
     return (values * spread).astype(dtype)
+
+
+# PTX, per 4 code bytes ($2) and their 4 scale bytes ($3): the low (shift 6, 12) or the high (shift 2, 8) nibbles'
+# bf16 values as two bf16x2 ($0, $1), element i from byte i. `prmt` spreads bytes 0, 1 (2, 3) to bits 0 and 16; a
+# nibble's 3 magnitude bits go to bits 6-8 of its half (bf16 exponent and mantissa: the value times 2^-126), its
+# sign bit to bit 15; 0x7E80 is bf16 2^126; a scale byte << 7 is bf16 2^(code - 127). (Two calls, not one of two
+# results: jax 0.11.2's lowering of a multi-result inline asm returns the op, not its results.)
+_UNPACK_PTX = """{{
+.reg .b32 z, t0, t1, s0, s1, m, g, p, c, nz;
+mov.b32 z, 0; mov.b32 c, 0x7E807E80; mov.b32 nz, 0x80008000;
+prmt.b32 t0, $2, z, 0x4140; prmt.b32 t1, $2, z, 0x4342;
+prmt.b32 s0, $3, z, 0x4140; prmt.b32 s1, $3, z, 0x4342;
+shl.b32 s0, s0, 7; shl.b32 s1, s1, 7;
+shl.b32 m, t0, {magnitude}; and.b32 m, m, 0x01C001C0; shl.b32 g, t0, {sign}; and.b32 g, g, 0x80008000;
+or.b32 p, m, g; fma.rn.bf16x2 p, p, c, nz; fma.rn.bf16x2 $0, p, s0, nz;
+shl.b32 m, t1, {magnitude}; and.b32 m, m, 0x01C001C0; shl.b32 g, t1, {sign}; and.b32 g, g, 0x80008000;
+or.b32 p, m, g; fma.rn.bf16x2 p, p, c, nz; fma.rn.bf16x2 $1, p, s1, nz;
+}}"""
+
+
+def _unpack_ptx(packed, spread_scales):
+    """packed uint8 [n, k / 2] and each byte's scale byte (uint8, same shape) -> (low nibbles, high nibbles) bf16
+    [n, k / 2], by `_UNPACK_PTX`."""
+    return tuple(plgpu.elementwise_inline_asm(
+        _UNPACK_PTX.format(magnitude=magnitude, sign=sign), args=[packed, spread_scales],
+        constraints="=r,=r,r,r", pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])[0]
+        for magnitude, sign in ((6, 12), (2, 8)))
+
+
+def _split_kernel(groups_ref, starts_ref, rows_ref, x_ref, packed_ref, scales_ref, out_ref, *, block_m: int,
+                  block_n: int, block_k: int):
+    """unpack="split_ptx": x_ref [2, rows, in / 2] (even inputs, odd inputs), bf16."""
+    item, n_block = pl.program_id(0), pl.program_id(1)
+    num_rows = rows_ref[item]
+
+    @pl.when(num_rows > 0)
+    def _multiply():
+        group, start = groups_ref[item], starts_ref[item]
+        is_row = lax.iota(jnp.int32, block_m) < num_rows
+        columns = pl.ds(n_block * block_n, block_n)
+        half, blocks = block_k // 2, block_k // MX_BLOCK
+
+        def step(k, acc):
+            depth = pl.ds(pl.multiple_of(k * half, half), half)
+            mask = jnp.broadcast_to(is_row[:, None], (block_m, half))
+            evens, odds = (plgpu.load(x_ref.at[parity, pl.ds(start, block_m), depth], mask=mask,
+                                      other=jnp.zeros((), x_ref.dtype)) for parity in (0, 1))
+            packed = packed_ref[group, columns, depth]  # [block_n, block_k / 2]
+            scales = scales_ref[group, columns, pl.ds(k * blocks, blocks)]  # [block_n, block_k / 32]
+            spread = jnp.broadcast_to(scales[:, :, None], (block_n, blocks, MX_BLOCK // 2)).reshape(block_n, half)
+            low, high = _unpack_ptx(packed, spread)
+            dims = (((1,), (1,)), ((), ()))
+            return (acc + lax.dot_general(evens, low, dims, preferred_element_type=jnp.float32)
+                    + lax.dot_general(odds, high, dims, preferred_element_type=jnp.float32))
+
+        acc = lax.fori_loop(0, x_ref.shape[2] // half, step, jnp.zeros((block_m, block_n), jnp.float32))
+        plgpu.store(out_ref.at[pl.ds(start, block_m), columns], acc.astype(out_ref.dtype),
+                    mask=jnp.broadcast_to(is_row[:, None], (block_m, block_n)))
 
 
 def _kernel(groups_ref, starts_ref, rows_ref, x_ref, packed_ref, scales_ref, out_ref, *, block_m: int, block_n: int,
@@ -116,22 +180,30 @@ def default_knobs(rows_per_group: float, x_dtype, w: Mxfp4Weight) -> dict:
         tile = (64, 128, 64, 4, 3)  # f32: 128 x 256 f32 stages would not fit in shared memory
     block_m, most_n, most_k, num_warps, num_stages = tile
     return dict(block_m=block_m, block_n=_largest_block(width, _BLOCKS_N, most_n),
-                block_k=_largest_block(depth, _BLOCKS_K, most_k), num_warps=num_warps, num_stages=num_stages)
+                block_k=_largest_block(depth, _BLOCKS_K, most_k), num_warps=num_warps, num_stages=num_stages,
+                unpack="interleave")
 
 
 def grouped_matmul_mxfp4(x, w: Mxfp4Weight, group_sizes, *, out_dtype, rows_per_group=None, interpret=None,
                          **knobs):
     """The contract of the module docstring; rows_per_group picks the default tiles (None: rows / groups). Knobs
     (left out or None: `default_knobs`'): block_m rows a block (a power of two >= 16), block_n (a power of two >= 16
-    dividing out), block_k (a power of two >= 32 dividing in), num_warps and num_stages for Triton."""
+    dividing out), block_k (a power of two >= 32 dividing in), num_warps and num_stages for Triton, unpack
+    ("interleave": the module docstring's jnp decoding, nibbles joined into input order; "split_ptx": its inline
+    PTX, bf16 x on a GPU only)."""
     rows_per_group = x.shape[0] / w.packed.shape[0] if rows_per_group is None else rows_per_group
     knobs = with_defaults(default_knobs(rows_per_group, x.dtype, w), knobs, "grouped matmul mxfp4")
     return _grouped(x, w, group_sizes, out_dtype, interpret=interpret, **knobs)
 
 
 def _grouped(x, w: Mxfp4Weight, group_sizes, out_dtype, *, interpret, block_m, block_n, block_k, num_warps,
-             num_stages):
+             num_stages, unpack):
     interpret = default_interpret(interpret)
+    if unpack not in ("interleave", "split_ptx"):
+        raise ValueError(f"unpack must be 'interleave' or 'split_ptx'; got {unpack!r}")
+    if unpack == "split_ptx" and (interpret or x.dtype != jnp.bfloat16):
+        raise ValueError(f"unpack='split_ptx' is inline PTX for bf16 x, compiled on a GPU; got {x.dtype=}, "
+                         f"{interpret=}")
     num_rows = x.shape[0]
     _, width, depth = w.shape
     if any(b is None or b < MIN_DOT_DIM or b & (b - 1) for b in (block_m, block_n, block_k)) or block_k < MX_BLOCK \
@@ -142,8 +214,12 @@ def _grouped(x, w: Mxfp4Weight, group_sizes, out_dtype, *, interpret, block_m, b
     groups, starts, rows = work_items(group_sizes, num_rows, block_m)
     # One block of pad rows: a block's row slice never runs past the arrays (masked rows are not read or written).
     padded = jnp.pad(x, ((0, block_m), (0, 0)))
-    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
-    kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, precision=precision)
+    if unpack == "split_ptx":  # [2, rows, in / 2]: the even inputs, then the odd ones
+        padded = jnp.moveaxis(padded.reshape(padded.shape[0], -1, 2), -1, 0)
+        kernel = functools.partial(_split_kernel, block_m=block_m, block_n=block_n, block_k=block_k)
+    else:
+        precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
+        kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, precision=precision)
     out = pl.pallas_call(
         kernel,
         grid=(groups.shape[0], width // block_n),
@@ -152,6 +228,6 @@ def _grouped(x, w: Mxfp4Weight, group_sizes, out_dtype, *, interpret, block_m, b
         out_shape=jax.ShapeDtypeStruct((num_rows + block_m, width), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"grouped_matmul_mxfp4_{block_m=}_{block_n=}_{block_k=}",
+        name=f"grouped_matmul_mxfp4_{block_m=}_{block_n=}_{block_k=}{'_ptx' if unpack == 'split_ptx' else ''}",
     )(groups, starts, rows, padded, w.packed, w.scales)
     return out[:num_rows]

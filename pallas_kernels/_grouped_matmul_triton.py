@@ -8,7 +8,9 @@ Block fp8 (`pallas_kernels.grouped_matmul_fp8`, DeepSeek's fine-grained fp8 GEMM
 with f32 scales [rows, ceil(in / bk)] (a row's bk channels share one), w e4m3 [groups, out, in] (K-major, as
 fp8 tensor cores read both operands) with f32 scales [groups, ceil(out / bn), ceil(in / bk)] (a [bn, bk] block
 shares one); each block_k slice (block_k divides bk, block_n divides bn) is one fp8 tensor-core dot whose f32
-result is scaled by the row's and the block's scales before it joins the accumulator, as DeepGEMM does.
+result is scaled by the row's and the block's scales before it joins the accumulator, as DeepGEMM does. Scale
+blocks of bn = 1 (one scale a channel, with bk = in: ptpc_fp8's per-channel weights and per-token activations)
+scale each column by its own.
 
 Work items (vLLM's fused-MoE schedule): each group's rows are cut into blocks of block_m; the wrapper lists the
 blocks of every group in order (`work_items`, computed in the program from group_sizes: the item's group, first
@@ -91,6 +93,9 @@ def _kernel(groups_ref, starts_ref, rows_ref, x_ref, w_ref, x_scales_ref, w_scal
             products = fp8_dot_nt(rows, weights, max_num_imprecise_acc=fp8_imprecise_acc)  # [block_m, block_n]
             k_block = k * block_k // scale_block[1]
             row_scales = plgpu.load(x_scales_ref.at[pl.ds(start, block_m), k_block], mask=is_row, other=0.0)
+            if scale_block[0] == 1:  # one scale a channel (ptpc_fp8)
+                column_scales = w_scales_ref[group, columns, k_block]
+                return acc + products * (row_scales[:, None] * column_scales[None, :])
             block_scale = w_scales_ref[group, n_block * block_n // scale_block[0], k_block]
             return acc + products * (row_scales[:, None] * block_scale)
 
@@ -117,9 +122,16 @@ def unsupported_fp8(w, block) -> list[str]:
     """Why this kernel does not take block-fp8 weights w [groups, out, in] of scale blocks `block` = (bn, bk) (empty:
     it does)."""
     width, depth = w.shape[1:]
-    if _largest_block(math.gcd(depth, block[1]), 128) is None or _largest_block(math.gcd(width, block[0]), 128) is None:
-        return [f"it needs K, N and the scale block {tuple(block)} multiples of {MIN_DOT_DIM}; got w {w.shape}"]
+    if _largest_block(math.gcd(depth, block[1]), 128) is None or \
+            _largest_block(_scale_block_width(width, block[0]), 128) is None:
+        return [f"it needs K, N and the scale block {tuple(block)} multiples of {MIN_DOT_DIM} (or bn 1: a scale a "
+                f"channel); got w {w.shape}"]
     return []
+
+
+def _scale_block_width(width: int, scale_block_rows: int) -> int:
+    """The largest width a block_n may divide: a scale block's rows, or any (the width) with one scale a channel."""
+    return width if scale_block_rows == 1 else math.gcd(width, scale_block_rows)
 
 
 def default_knobs(rows_per_group: float, w, scale_block: tuple[int, int] | None = None) -> dict:
@@ -132,7 +144,7 @@ def default_knobs(rows_per_group: float, w, scale_block: tuple[int, int] | None 
     prefill = rows_per_group >= PREFILL_ROWS_PER_GROUP["fp8" if fp8 else "plain"]
     if fp8:  # (block_m, block_n at most, block_k at most, warps, stages)
         tile = (128, 128, 128, 8, 4) if prefill else (16, 128, 128, 4, 3)
-        width, depth = math.gcd(width, scale_block[0]), math.gcd(depth, scale_block[1])
+        width, depth = _scale_block_width(width, scale_block[0]), math.gcd(depth, scale_block[1])
     elif not prefill:
         tile = (16, 128, 64, 4, 3)
     else:
@@ -174,7 +186,7 @@ def _grouped(x, w, group_sizes, x_scales, w_scales, scale_block, out_dtype, *, i
             depth % block_k:
         raise ValueError(f"need powers of two >= {MIN_DOT_DIM}, block_n dividing N and block_k dividing K; got "
                          f"{block_m=} {block_n=} {block_k=} for {x.shape=} {w.shape=}")
-    if scale_block is not None and (scale_block[1] % block_k or scale_block[0] % block_n):
+    if scale_block is not None and (scale_block[1] % block_k or scale_block[0] % block_n and scale_block[0] != 1):
         raise ValueError(f"the blocks must divide the scale blocks {scale_block}; got {block_k=} {block_n=}")
     groups, starts, rows = work_items(group_sizes, num_rows, block_m)
     # One block of pad rows: a block's row slice never runs past the arrays (masked rows are not read or written).

@@ -476,7 +476,8 @@ def fp8_gemm(x, x_scales, w, w_scales, *, block, out_dtype, backend="pallas", in
     weight_block_size): x e4m3 [rows, in] with f32 scales [rows, ceil(in / bk)] (`act_quant`), w e4m3 [out, in]
     (K-major, the checkpoint's layout) with f32 scales [ceil(out / bn), ceil(in / bk)]; the output
     [rows, out] = x . w^T in out_dtype, each block's product scaled by its row's and its block's scales, f32
-    accumulation. Knobs: `_fp8_gemm_mosaic.fp8_gemm`, `_grouped_matmul_triton.grouped_matmul_fp8` (one group)."""
+    accumulation. block (1, in) is ptpc_fp8's GEMM: one scale a token ([rows, 1]) and a channel ([out, 1]).
+    Knobs: `_fp8_gemm_mosaic.fp8_gemm`, `_grouped_matmul_triton.grouped_matmul_fp8` (one group)."""
     block = tuple(block)
     _check_fp8_gemm_inputs(x, x_scales, w, w_scales, block)
     return _run("fp8_gemm", backend, (x, x_scales, w, w_scales), dict(block=block, out_dtype=out_dtype), interpret,

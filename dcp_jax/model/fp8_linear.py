@@ -18,9 +18,9 @@ fp8): e4m3 `values` in the same K-major order, `scales` f32 [*batch, N], one sta
 over its whole input / 448); the activations take one dynamic scale per token over the inputs a rank contracts
 (amax / 448). An output channel's scale factors out of a contraction split over TP ranks, so any split works
 (`channel_weight_spec`). `quantize_channels_params` makes them of a loaded model's linear leaves but the excluded
-ones (`PTPC_EXCLUDED`, the seed's `exclude_layer` list). They multiply in pure jnp under every kernels backend (the
-activations quantized per token and back, the weight dequantized, f32 at HIGHEST precision): no fp8 GEMM kernel of
-the project takes per-channel scales yet.
+ones (`PTPC_EXCLUDED`, the seed's `exclude_layer` list). `einsum` multiplies them as block-fp8 weights (below) of
+scale blocks (1, K) with activations of one scale a token: `pallas_kernels.fp8_gemm` of block (1, K) under a
+kernels backend, the dequantized product in f32 under "reference".
 
 Multiplying (`einsum`, `ragged_dot`, `grouped_matmul`: plain weights multiply in full precision as before). With an
 `Fp8BlockWeight` it is DeepSeek's fine-grained fp8 GEMM: the activations are quantized at run time per token per
@@ -95,6 +95,16 @@ class _KMajor:
         order = self.order
         return tuple(self.values.shape[order.index(a)] for a in range(len(order)))
 
+    @property
+    def batch_axes(self) -> tuple[int, ...]:
+        return _axes_order(self.values.ndim, self.in_axes, self.out_axes)[0]
+
+    def matrices(self):
+        """`values` as [*batch, N, K]."""
+        batch = len(self.batch_axes)
+        width = math.prod(self.values.shape[batch: batch + len(self.out_axes)])
+        return self.values.reshape(*self.values.shape[:batch], width, -1)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -111,16 +121,6 @@ class Fp8BlockWeight(_KMajor):
     # negative (from the last); the leading others are batch axes.
     in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     out_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def batch_axes(self) -> tuple[int, ...]:
-        return _axes_order(self.values.ndim, self.in_axes, self.out_axes)[0]
-
-    def matrices(self):
-        """`values` as [*batch, N, K]."""
-        batch = len(self.batch_axes)
-        width = math.prod(self.values.shape[batch: batch + len(self.out_axes)])
-        return self.values.reshape(*self.values.shape[:batch], width, -1)
 
 
 def from_plain_layout(values, scales, block: tuple[int, int], in_axes, out_axes) -> Fp8BlockWeight:
@@ -165,9 +165,7 @@ def quantize_channels(w, in_axes: tuple[int, ...], out_axes: tuple[int, ...]) ->
 
 def dequantize_channels(w: Fp8ChannelWeight):
     """f32 weight in our layout: each e4m3 value times its output channel's scale."""
-    batch = len(w.values.shape) - len(w.in_axes) - len(w.out_axes)
-    width = math.prod(w.values.shape[batch: batch + len(w.out_axes)])
-    m = w.values.reshape(*w.values.shape[:batch], width, -1).astype(jnp.float32) * w.scales[..., None]
+    m = w.matrices().astype(jnp.float32) * w.scales[..., None]
     return jnp.transpose(m.reshape(w.values.shape), [w.order.index(a) for a in range(w.values.ndim)])
 
 
@@ -178,12 +176,16 @@ def quantize_channels_params(params: dict) -> dict:
 
     def leaf(path, x):
         names = [getattr(k, "key", None) for k in path]
-        name = names[-1]
-        if name not in FP8_AXES or name in PTPC_EXCLUDED or "shared" in names or is_quantized(x):
+        if not channel_quantized(names) or is_quantized(x):
             return x
-        return quantize_channels(x, *FP8_AXES[name])
+        return quantize_channels(x, *FP8_AXES[names[-1]])
 
     return jax.tree_util.tree_map_with_path(leaf, params, is_leaf=is_quantized)
+
+
+def channel_quantized(names: list) -> bool:
+    """Whether ptpc_fp8 quantizes the leaf at this path (its keys): an `FP8_AXES` leaf, no expert."""
+    return names[-1] in FP8_AXES and names[-1] not in PTPC_EXCLUDED and "shared" not in names
 
 
 def has_channel_weights(params) -> bool:
@@ -203,17 +205,20 @@ def channel_weight_spec(w: Fp8ChannelWeight, spec: P) -> Fp8ChannelWeight:
                             w.in_axes, w.out_axes)
 
 
-def _channel_einsum(equation: str, x, w: Fp8ChannelWeight):
-    """The product with a per-channel fp8 weight: x's contracted axes (its last ones) quantized per token and back,
-    the weight dequantized, f32."""
-    inputs, output = equation.replace("...", "").split("->")
-    lhs, rhs = inputs.split(",")
-    contracted = "".join(rhs[a] for a in w.in_axes)
-    if set(contracted) != set(lhs) & set(rhs) - set(output) or not lhs.endswith(contracted):
-        raise ValueError(f"{equation=}: an fp8 weight contracts its input axes {contracted!r}, the activations' last")
-    depth = math.prod(x.shape[x.ndim - len(contracted):])
-    x32 = _quantized_activations(x, len(contracted), depth)
-    return jnp.einsum(equation, x32, dequantize_channels(w), precision=HIGHEST).astype(x.dtype)
+def _channel_einsum(equation: str, x, w: Fp8ChannelWeight, backend: str):
+    """The product with a per-channel fp8 weight, x's contracted axes (its last ones) quantized with one scale a
+    token: under "reference" the activations back in f32 times the dequantized weight; else one fp8 GEMM of scale
+    blocks (1, K) (a scale a channel and a token) over the weight's matrices stacked along N."""
+    _, output, contracted = _fp8_letters(equation, w)
+    depth = math.prod(w.shape[a] for a in w.in_axes)
+    if backend == "reference":
+        x32 = _quantized_activations(x, len(contracted), depth)
+        return jnp.einsum(equation, x32, dequantize_channels(w), precision=HIGHEST).astype(x.dtype)
+    _check_kernel_output(equation, w)
+    values, x_scales = act_quant(x.reshape(-1, depth), depth)
+    out = pallas_kernels.fp8_gemm(values, x_scales, w.matrices().reshape(-1, depth), w.scales.reshape(-1, 1),
+                                  block=(1, depth), out_dtype=x.dtype, backend=backend)
+    return out.reshape(*x.shape[: x.ndim - len(contracted)], *(w.shape[a] for a in w.batch_axes + w.out_axes))
 
 
 def is_quantized(x) -> bool:
@@ -288,7 +293,7 @@ def einsum(equation: str, x, w, *, backend: str):
     if isinstance(w, Fp8BlockWeight):
         return _fp8_einsum(equation, x, w, backend)
     if isinstance(w, Fp8ChannelWeight):
-        return _channel_einsum(equation, x, w)
+        return _channel_einsum(equation, x, w, backend)
     if mxfp4.is_mxfp4(w):
         return _mxfp4_einsum(equation, x, w)
     return jnp.einsum(equation, x, w, precision=HIGHEST)
@@ -305,22 +310,35 @@ def _mxfp4_einsum(equation: str, x, w):
     return jnp.einsum(equation, x32, mxfp4.dequantize(w), precision=HIGHEST).astype(x.dtype)
 
 
-def _fp8_einsum(equation: str, x, w: Fp8BlockWeight, backend: str):
+def _fp8_letters(equation: str, w) -> tuple[str, str, str]:
+    """(x's letters, the output's, the contracted ones) of `equation` for an fp8 weight w; ValueError unless the
+    contracted letters are w's input axes, in order, and x's last ones."""
     inputs, output = equation.replace("...", "").split("->")
     lhs, rhs = inputs.split(",")
     contracted = "".join(rhs[a] for a in w.in_axes)
     if set(contracted) != set(lhs) & set(rhs) - set(output) or not lhs.endswith(contracted):
         raise ValueError(f"{equation=}: an fp8 weight contracts its input axes {contracted!r}, the activations' last")
+    return lhs, output, contracted
+
+
+def _check_kernel_output(equation: str, w) -> None:
+    """ValueError unless the output letters are x's uncontracted ones, then the weight's batch letters (so x lacks
+    them: an einsum output names a letter once; their matrices stack along N), then its output ones: what one fp8
+    GEMM of the stacked matrices gives."""
+    lhs, output, contracted = _fp8_letters(equation, w)
+    rhs = equation.replace("...", "").split("->")[0].split(",")[1]
+    stacked = "".join(rhs[a] for a in w.batch_axes)
+    if output != lhs[: len(lhs) - len(contracted)] + stacked + "".join(rhs[a] for a in w.out_axes):
+        raise ValueError(f"{equation=}: the fp8 GEMM kernels multiply activations by a weight whose batch axes "
+                         f"{stacked!r} they lack; run this product with kernels='reference'")
+
+
+def _fp8_einsum(equation: str, x, w: Fp8BlockWeight, backend: str):
+    _, _, contracted = _fp8_letters(equation, w)
     if backend == "reference":
         x32 = _quantized_activations(x, len(contracted), w.block[1])
         return jnp.einsum(equation, x32, dequantize(w), precision=HIGHEST).astype(x.dtype)
-    produced = "".join(rhs[a] for a in w.out_axes)
-    stacked = "".join(rhs[a] for a in w.batch_axes)  # batch axes x lacks: their matrices stack along N
-    # The output letters must be x's uncontracted ones, then the weight's batch letters (so x lacks them: an
-    # einsum output names a letter once), then its output ones.
-    if output != lhs[: len(lhs) - len(contracted)] + stacked + produced:
-        raise ValueError(f"{equation=}: the fp8 GEMM kernels multiply activations by a weight whose batch axes "
-                         f"{stacked!r} they lack; run this product with kernels='reference'")
+    _check_kernel_output(equation, w)
     rows = x.reshape(-1, math.prod(w.shape[a] for a in w.in_axes))
     values, x_scales = act_quant(rows, w.block[1])
     matrices, scales = _stacked_matrices(w)

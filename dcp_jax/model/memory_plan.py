@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from dcp_jax.config import WEIGHT_FORMATS, ModelConfig, ParallelConfig, kv_layers
-from dcp_jax.model import architecture
+from dcp_jax.model import architecture, fp8_linear
 from dcp_jax.model.attention.variant import CacheFormats
 from dcp_jax.model.kv_cache import pool_layers
 
@@ -58,17 +58,35 @@ def leaf_bytes(name: str, shape: tuple[int, ...], itemsize: int, weight_format: 
     return numel * itemsize
 
 
-def weight_bytes_per_rank(abstract_params: dict, specs: dict, parallel: ParallelConfig, weight_format: str) -> int:
+def weight_bytes_per_rank(abstract_params: dict, specs: dict, parallel: ParallelConfig, weight_format: str,
+                          channel_fp8: bool = False) -> int:
     """Bytes of the weights one rank holds: each leaf of the abstract model (ShapeDtypeStructs) in `weight_format`
-    over the ranks its spec splits it across."""
+    over the ranks its spec splits it across; with `channel_fp8` (ptpc_fp8) the leaves it quantizes
+    (`fp8_linear.quantize_channels_params`) in per-channel fp8 (`channel_fp8_bytes`)."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format={weight_format!r} must be one of {WEIGHT_FORMATS}")
+    if channel_fp8 and weight_format == "fp8":
+        raise ValueError("ptpc_fp8 quantizes unquantized linear weights; weight_format='fp8' is block fp8 already")
 
     def per_rank(path, leaf, spec):
-        name = getattr(path[-1], "key", "")
-        return leaf_bytes(name, leaf.shape, np.dtype(leaf.dtype).itemsize, weight_format) / shards(spec, parallel)
+        names = [getattr(key, "key", "") for key in path]
+        if channel_fp8 and fp8_linear.channel_quantized(names):
+            return channel_fp8_bytes(names[-1], leaf.shape, spec, parallel)
+        return leaf_bytes(names[-1], leaf.shape, np.dtype(leaf.dtype).itemsize, weight_format) / shards(spec,
+                                                                                                         parallel)
 
     return int(sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(per_rank, abstract_params, specs))))
+
+
+def channel_fp8_bytes(name: str, shape: tuple[int, ...], spec, parallel: ParallelConfig) -> float:
+    """Bytes a rank holds of a per-channel fp8 leaf (`fp8_linear.Fp8ChannelWeight`): a byte a weight split as the
+    plain leaf is, and an f32 scale an output channel split as its batch and output axes (a rank contracting part of
+    the input keeps the scales of all its channels)."""
+    in_axes = {a % len(shape) for a in fp8_linear.FP8_AXES[name][0]}
+    numel, depth = math.prod(shape), math.prod(shape[a] for a in in_axes)
+    axes = tuple(spec) + (None,) * (len(shape) - len(spec))
+    scale_spec = tuple(None if a in in_axes else entry for a, entry in enumerate(axes))
+    return numel / shards(spec, parallel) + 4 * numel / depth / shards(scale_spec, parallel)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, formats: CacheFormats, *, itemsize: int,
@@ -109,6 +127,8 @@ class MemoryPlan:
     pool_tokens: dict[CacheFormats, int]
     # Whether the MTP layer drafts (speculative decoding): its weights and its layer of KV counted.
     mtp: bool = False
+    # Whether the decoder layers' linear weights but the experts are per-channel fp8 (ptpc_fp8).
+    channel_fp8: bool = False
 
 
 # The cache formats a plan lists: (latent, index), the pools of a variant in each.
@@ -117,13 +137,14 @@ CACHE_FORMAT_PAIRS = (CacheFormats("exact", "exact"), CacheFormats("exact", "fp8
 
 def make_plan(cfg: ModelConfig, parallel: ParallelConfig, *, dtype: str, weight_format: str, device_bytes: int,
               gpu_memory_utilization: float, page_size: int = 64, max_num_seqs: int = 256,
-              mtp: bool = False) -> MemoryPlan:
+              mtp: bool = False, channel_fp8: bool = False) -> MemoryPlan:
     """The plan of `cfg` on `parallel` in model dtype `dtype` ('bfloat16' / 'float32') with weights in
     `weight_format`, for devices of `device_bytes`; the pool at gpu_memory_utilization as the engine sizes it. With
     `mtp` the MTP layer drafts: its weights (split as the decoder layers') and its layer of KV are counted.
     "mxfp4" is what loading an AMD Quark MXFP4 checkpoint keeps (`weights.py`): the decoder layers' routed experts
     in MXFP4, everything else (the MTP layer's experts too) in `dtype`; ValueError where tp would split an expert's
-    input width into partial scale blocks (`mxfp4.check_shardable`)."""
+    input width into partial scale blocks (`mxfp4.check_shardable`). `channel_fp8` (ptpc_fp8): the decoder layers'
+    linear leaves but the experts in per-channel fp8 (the MTP layer's stay as loaded: `loading.py`)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -135,14 +156,14 @@ def make_plan(cfg: ModelConfig, parallel: ParallelConfig, *, dtype: str, weight_
     model.check_divisible(cfg, parallel.tp, expert_parallel=parallel.enable_expert_parallel)
     if weight_format == "mxfp4":
         _check_mxfp4_split(cfg, parallel)
-    weights, abstracts = 0, [(model.abstract_model(cfg, jnp.dtype(dtype))[1], weight_format)]
+    weights, abstracts = 0, [(model.abstract_model(cfg, jnp.dtype(dtype))[1], weight_format, channel_fp8)]
     if mtp:  # an MXFP4 checkpoint's MTP layer loads dequantized
         abstracts.append((model.abstract_mtp(cfg, jnp.dtype(dtype))[1],
-                          "model_dtype" if weight_format == "mxfp4" else weight_format))
-    for abstract, leaf_format in abstracts:
+                          "model_dtype" if weight_format == "mxfp4" else weight_format, False))
+    for abstract, leaf_format, per_channel in abstracts:
         abstract = nnx.to_pure_dict(abstract)
         specs = model.param_specs(cfg, abstract, expert_parallel=parallel.enable_expert_parallel)
-        weights += weight_bytes_per_rank(abstract, specs, parallel, leaf_format)
+        weights += weight_bytes_per_rank(abstract, specs, parallel, leaf_format, per_channel)
     itemsize, layers = np.dtype(dtype).itemsize, kv_layers(cfg, int(mtp))
     per_token, tokens, listed = {}, {}, set()
     for formats in CACHE_FORMAT_PAIRS:
@@ -156,7 +177,8 @@ def make_plan(cfg: ModelConfig, parallel: ParallelConfig, *, dtype: str, weight_
         pages = pool_pages(device_bytes * gpu_memory_utilization - weights, cfg, formats, page_size=page_size,
                            itemsize=itemsize, max_num_seqs=max_num_seqs, layers=layers)
         tokens[formats] = max(pages, 0) * page_size * parallel.dcp
-    return MemoryPlan(parallel, weight_format, weights, per_token, device_bytes, gpu_memory_utilization, tokens, mtp)
+    return MemoryPlan(parallel, weight_format, weights, per_token, device_bytes, gpu_memory_utilization, tokens, mtp,
+                      channel_fp8)
 
 
 def _check_mxfp4_split(cfg: ModelConfig, parallel: ParallelConfig) -> None:
@@ -181,6 +203,7 @@ def format_plan(plan: MemoryPlan, name: str) -> str:
     pool_names = list(next(iter(plan.kv_bytes_per_token.values())))
     lines = [f"{name} on tp={p.tp}{' (expert parallel)' if p.enable_expert_parallel else ''} dcp={p.dcp}, "
              f"weights in {plan.weight_format}{' (the routed experts; the rest in the model dtype)' if mxfp4 else ''}"
+             f"{'; ptpc_fp8: the linear layers but the experts in per-channel fp8' if plan.channel_fp8 else ''}"
              f"{', with the MTP layer (drafting)' if plan.mtp else ''}",
              f"  weights per rank: {_size(plan.weight_bytes)}",
              f"  device memory: {_size(plan.device_bytes)} x gpu_memory_utilization {plan.gpu_memory_utilization}",

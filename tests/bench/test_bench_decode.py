@@ -300,18 +300,24 @@ def test_a_dense_mla_preset_runs_its_host_and_fallback_steps_and_its_roofline(tm
 
 
 def test_an_index_share_preset_counts_index_keys_of_its_full_layers_only(tmp_path):
-    """tiny-glm cut to 2 layers (layer 0 full, layer 1 shared): host and fallback variants, no stage variants (they
-    would cut the full layers' data flow), and the roofline and the pool count layer 0's index keys alone."""
+    """tiny-glm cut to 2 layers (layer 0 full, layer 1 shared) in the seed's weight formats (MXFP4 routed experts,
+    ptpc_fp8 elsewhere; expert parallel: 32-wide experts split over 2 ranks would cut MXFP4's scale blocks): host
+    and fallback variants, no stage variants (they would cut the full layers' data flow), and the roofline and the
+    pool count layer 0's index keys alone."""
     out = tmp_path / "glm.jsonl"
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
         rc = cli.main(["bench", "decode", "--preset", "tiny-glm", "--num-layers", "2", "--dcp", "2", "--contexts",
                        "64", "--batches", "2", "--breakdown-batches", "2", "--kernels", "reference", "--steps", "2",
                        "--warmup", "1", "--page-size", "4", "--img-dir", "none", "--profile", "--profile-steps", "2",
-                       "--copy-bytes", "1M", "--matmul-size", "128", "--out", str(out)])
+                       "--copy-bytes", "1M", "--matmul-size", "128", "--weight-format", "mxfp4", "--quantization",
+                       "ptpc_fp8", "--enable-expert-parallel", "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rc == 0
     points = {r["variant"]: r for r in rows if r["kind"] == "point"}
     assert set(points) == {"host", "fallback"}
+    assert {(r["weight_format"], r["channel_fp8"]) for r in points.values()} == {("mxfp4", True)}
+    assert "MXFP4 experts + ptpc_fp8 weights" in stdout.getvalue()
     latent, index = decode_bench._bytes_per_token(preset("tiny-glm"), 2, "exact", "exact")
     host = points["host"]
     assert host["kv_index_bytes_per_rank"] == 1 * 2 * 32 * index

@@ -10,7 +10,7 @@ import pytest
 
 from bench import step_profile
 from dcp_jax.config import TINY, preset
-from dcp_jax.model import architecture, fp8_linear
+from dcp_jax.model import architecture, fp8_linear, mxfp4
 
 # Names as H100 traces of the decode and prefill steps show them (docs/data/prefill/profile_32k_h100.jsonl), and the
 # project's kernels by their pallas_call names (Mosaic: the body function + "_mosaic_gpu_kernel").
@@ -72,15 +72,19 @@ def test_kernel_time_is_per_step_and_rank_with_the_top_kernels():
 
 def test_weight_traffic_skips_the_embedding_and_touches_a_share_of_the_experts():
     """A hand-made pytree: bf16 wo [8, 16] (256 B, 128 elements), a block-fp8 [128, 256] weight (32768 B of e4m3
-    values + 2 f32 scales), routed experts_up [4, 8, 2] bf16 (128 B, 64 elements), 1 of 4 experts a row; B = 2
-    rows touch 1 - (3/4)^2 = 7/16 of the experts and each multiplies 1/4 of their elements."""
+    values + 2 f32 scales), routed experts_up [4, 8, 2] bf16 (128 B, 64 elements) and MXFP4 experts_gate of 4 x
+    [out 2, in 32] (128 B of codes, two a byte, + 8 B of scales: 256 elements), 1 of 4 experts a row; B = 2 rows
+    touch 1 - (3/4)^2 = 7/16 of the experts and each multiplies 1/4 of their elements."""
     cfg = dataclasses.replace(TINY, n_routed_experts=4, num_experts_per_tok=1)
     params = {"embed": jnp.zeros((100, 8), jnp.bfloat16),
               "attention": {"wo": jnp.zeros((8, 16), jnp.bfloat16),
                             "w8": fp8_linear.quantize(jnp.ones((128, 256)), (128, 128), (0,), (1,))},
-              "mlp": {"experts_up": jnp.zeros((4, 8, 2), jnp.bfloat16)}}
+              "mlp": {"experts_up": jnp.zeros((4, 8, 2), jnp.bfloat16),
+                      "experts_gate": mxfp4.from_checkpoint(jnp.zeros((4, 2, 16), jnp.uint8),
+                                                            jnp.zeros((4, 2, 1), jnp.uint8), mxfp4.ExpertsFormat())}}
     assert step_profile.routed_expert_share(cfg, 2) == 7 / 16
-    assert step_profile.weight_traffic(params, cfg, 2) == (256 + 32768 + 8 + 128 * 7 / 16, 128 + 32768 + 64 / 4)
+    assert step_profile.weight_traffic(params, cfg, 2) == (256 + 32768 + 8 + (128 + 136) * 7 / 16,
+                                                           128 + 32768 + (64 + 256) / 4)
 
 
 def test_weight_traffic_of_the_tiny_model_matches_its_leaves():

@@ -53,7 +53,8 @@ def _numpy_fp8_gemm(x, x_scales, w, w_scales, block):
     (33, 40, 80, (16, 32)),  # N and K not multiples of their blocks: partial edge blocks (the reference)
     (1, 64, 128, (32, 64)),
     (0, 32, 32, (16, 16)),  # no rows
-], ids=["blocks", "partial-edges", "one-row", "no-rows"])
+    (7, 40, 96, (1, 96)),  # one scale a channel and a token (ptpc_fp8)
+], ids=["blocks", "partial-edges", "one-row", "no-rows", "per-channel"])
 def test_reference_is_the_sum_of_scaled_block_products(rows, width, depth, block):
     args = _case(1, rows, width, depth, block)
     got = np.asarray(reference.fp8_gemm(*args, block=block, out_dtype=jnp.float32))
@@ -71,6 +72,18 @@ def test_triton_equals_reference(rows, width, depth, block):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("rows, width, depth", [(5, 48, 64), (37, 80, 96)], ids=["decode", "rows-past-a-block"])
+def test_triton_takes_one_scale_a_channel_and_a_token(rows, width, depth):
+    """ptpc_fp8's scales as scale blocks (1, in): each column scaled by its own channel's scale (N = 80 is no
+    multiple of the column tile's scale block, only of the tile)."""
+    block = (1, depth)
+    args = _case(5, rows, width, depth, block)
+    assert pallas_kernels.choose("fp8_gemm", "pallas", *args, block=block, interpret=True) == "triton"
+    got = np.asarray(pallas_kernels.fp8_gemm(*args, block=block, out_dtype=jnp.float32, backend="triton"))
+    want = _numpy_fp8_gemm(*args, block)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
 def test_refuses_malformed_inputs_and_says_why_a_backend_does_not_apply():
     x, x_scales, w, w_scales = _case(3, 4, 32, 64, (16, 32))
     with pytest.raises(ValueError, match="x_scales"):
@@ -82,6 +95,9 @@ def test_refuses_malformed_inputs_and_says_why_a_backend_does_not_apply():
                                 out_dtype=jnp.bfloat16)
     reasons = pallas_kernels.unsupported("fp8_gemm", "mosaic", x, x_scales, w, w_scales, block=(16, 32))
     assert any("multiple of 128" in r for r in reasons) and any("sm_90" in r for r in reasons)
+    x, x_scales, w, w_scales = _case(3, 4, 128, 256, (1, 64))
+    reasons = pallas_kernels.unsupported("fp8_gemm", "mosaic", x, x_scales, w, w_scales, block=(1, 64))
+    assert any("scale blocks of 128 input columns or of all 256" in r for r in reasons)
 
 
 def test_mosaic_knobs_are_checked_before_anything_is_traced():
@@ -193,16 +209,22 @@ def test_mosaic_kernel_lowers_for_cuda(rows, width, depth, out_dtype, overlap_pr
                                              out_dtype=jnp.dtype(jnp.float32)).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("rows, width, depth", [(1, 576, 7168), (4096, 7168, 16384)])
-@pytest.mark.parametrize("knobs", [{}, {"overlap_promotion": False}, {"persistent": True}],
-                         ids=["default", "promote-after", "persistent"])
-def test_mosaic_wrapper_lowers_for_cuda(rows, width, depth, knobs):
+@pytest.mark.parametrize("rows, width, depth, block, knobs", [
+    (1, 576, 7168, (128, 128), {}), (4096, 7168, 16384, (128, 128), {}),
+    (1, 576, 7168, (128, 128), {"overlap_promotion": False}), (4096, 7168, 16384, (128, 128), {"persistent": True}),
+    (64, 2112, 6144, (1, 6144), {}), (4096, 6144, 8192, (1, 8192), {"persistent": True}),
+    (64, 6144, 4096, (128, 4096), {})],
+    ids=["default", "prefill", "promote-after", "persistent", "per-channel", "per-channel-prefill",
+         "whole-depth-blocks"])
+def test_mosaic_wrapper_lowers_for_cuda(rows, width, depth, block, knobs):
     """The whole op (padding, the scales as each mode takes them, split K's sum) lowers for CUDA from the
-    contract's inputs: compact w scales in HF's grid."""
+    contract's inputs: compact w scales in HF's grid; one scale a channel and a token (ptpc_fp8, GLM-5.2's shapes)
+    read as one scale row every step."""
     S = jax.ShapeDtypeStruct
-    args = (S((rows, depth), FP8), S((rows, depth // 128), jnp.float32), S((width, depth), FP8),
-            S((-(-width // 128), depth // 128), jnp.float32))
-    jax.jit(functools.partial(fp8_gemm_mosaic.fp8_gemm, block=(128, 128), out_dtype=jnp.bfloat16, **knobs)).trace(
+    k_blocks = -(-depth // block[1])
+    args = (S((rows, depth), FP8), S((rows, k_blocks), jnp.float32), S((width, depth), FP8),
+            S((-(-width // block[0]), k_blocks), jnp.float32))
+    jax.jit(functools.partial(fp8_gemm_mosaic.fp8_gemm, block=block, out_dtype=jnp.bfloat16, **knobs)).trace(
         *args).lower(lowering_platforms=("cuda",))
 
 
@@ -220,4 +242,20 @@ def test_mosaic_compiled_equals_reference(rows, width, depth, knobs):
     got = pallas_kernels.fp8_gemm(*args, block=(128, 128), out_dtype=jnp.bfloat16, backend="mosaic", **knobs)
     got = np.asarray(got.astype(jnp.float32))
     want = np.asarray(reference.fp8_gemm(*args, block=(128, 128), out_dtype=jnp.float32))
+    assert np.linalg.norm(got - want) <= 5e-3 * np.linalg.norm(want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, width, depth, knobs", [(64, 2112, 6144, {}), (300, 6144, 8192, {}),
+                                                       (1, 576, 6144, {"k_splits": 4}),
+                                                       (4096, 6144, 8192, {"persistent": True})])
+def test_mosaic_compiled_per_channel_equals_reference(rows, width, depth, knobs):
+    """ptpc_fp8's per-token, per-channel scales (scale blocks (1, in)), bf16 output, within the fp8 tensor cores'
+    reduced-precision accumulation of one 128-channel step."""
+    block = (1, depth)
+    args = _case(6, rows, width, depth, block)
+    assert pallas_kernels.choose("fp8_gemm", "pallas", *args, block=block) == "mosaic"
+    got = pallas_kernels.fp8_gemm(*args, block=block, out_dtype=jnp.bfloat16, backend="mosaic", **knobs)
+    got = np.asarray(got.astype(jnp.float32))
+    want = np.asarray(reference.fp8_gemm(*args, block=block, out_dtype=jnp.float32))
     assert np.linalg.norm(got - want) <= 5e-3 * np.linalg.norm(want)

@@ -119,9 +119,9 @@ def test_the_default_backend_runs_the_kernel_with_its_default_tiles():
     _check(args, out_dtype=jnp.bfloat16, backend="pallas")
     glm = Mxfp4Weight(S((256, 2048, 3072), jnp.uint8), S((256, 2048, 192), jnp.uint8))  # in 6144, out 2048
     assert kernel.default_knobs(2, jnp.bfloat16, glm) == dict(block_m=16, block_n=128, block_k=64, num_warps=4,
-                                                              num_stages=3)
+                                                              num_stages=3, unpack="interleave")
     assert kernel.default_knobs(8, jnp.bfloat16, glm) == dict(block_m=128, block_n=256, block_k=64, num_warps=8,
-                                                              num_stages=4)
+                                                              num_stages=4, unpack="interleave")
     assert kernel.default_knobs(8, jnp.float32, glm)["block_m"] == 64
 
     def kernel_name(**knobs):
@@ -178,6 +178,22 @@ def test_grouped_matmul_mxfp4_lowers_reading_packed_weights(monkeypatch, rows, d
     assert "tt.join" in module and "arith.shrui" in module and module.count("tt.dot") == 1
 
 
+def test_the_ptx_unpacking_lowers_to_two_dots_of_split_inputs(monkeypatch):
+    """unpack="split_ptx" at GLM-5.2's decode shape: inline PTX turns codes and scales into the low and the high
+    nibbles' bf16 values (no join), two dots a step; refused for f32 x and in interpret mode (PTX runs on a GPU)."""
+    weight = Mxfp4Weight(S((256, 2048, 3072), jnp.uint8), S((256, 2048, 192), jnp.uint8))
+    shapes = (S((512, 6144), jnp.bfloat16), weight, S((256,), jnp.int32))
+    [module] = triton_modules(monkeypatch, lambda *args: pallas_kernels.grouped_matmul_mxfp4(
+        *args, out_dtype=jnp.bfloat16, backend="triton", interpret=False, unpack="split_ptx"), *shapes)
+    assert module.count("tt.elementwise_inline_asm") == 2 and "fma.rn.bf16x2" in module
+    assert "tt.join" not in module and module.count("tt.dot") == 2
+    x, w, sizes = _case(1, [3, 0, 5], rows=8, depth=64, width=32, dtype=jnp.float32)
+    for dtype, interpret in ((jnp.float32, False), (jnp.bfloat16, True)):
+        with pytest.raises(ValueError, match="inline PTX for bf16 x, compiled on a GPU"):
+            pallas_kernels.grouped_matmul_mxfp4(x.astype(dtype), w, sizes, out_dtype=jnp.float32, backend="triton",
+                                                interpret=interpret, unpack="split_ptx")
+
+
 def _per_row_reference(x, w: Mxfp4Weight, sizes, chunk=32):
     """f32 [rows, out]: each row times its own group's dequantized weights, `chunk` rows at a time (XLA's GPU
     ragged_dot of the reference would materialize every group's masked rows)."""
@@ -198,7 +214,8 @@ def _per_row_reference(x, w: Mxfp4Weight, sizes, chunk=32):
 @pytest.mark.gpu
 @pytest.mark.parametrize("depth, width", [(6144, 2048), (2048, 6144)], ids=["gate-up", "down"])
 @pytest.mark.parametrize("rows", [64 * 8, 256 * 8], ids=["decode-64", "decode-256"])
-def test_grouped_matmul_mxfp4_compiled_glm_experts(rows, depth, width):
+@pytest.mark.parametrize("unpack", ["interleave", "split_ptx"])
+def test_grouped_matmul_mxfp4_compiled_glm_experts(rows, depth, width, unpack):
     """GLM-5.2-MXFP4's routed experts (256, 8 a row) at 64 and 256 rows of a decode, compiled, against each row
     times its group's dequantized weights."""
     rng = np.random.default_rng(3)
@@ -208,6 +225,7 @@ def test_grouped_matmul_mxfp4_compiled_glm_experts(rows, depth, width):
                          jax.random.randint(keys[1], (256, width, depth // 32), 118, 124, jnp.int32).astype(jnp.uint8))
     x = jax.random.normal(keys[2], (rows, depth), jnp.bfloat16)
     out = np.asarray(pallas_kernels.grouped_matmul_mxfp4(x, weight, jnp.asarray(sizes, jnp.int32),
-                                                         out_dtype=jnp.float32, interpret=False))
+                                                         out_dtype=jnp.float32, backend="triton", interpret=False,
+                                                         unpack=unpack))
     ref = _per_row_reference(x, weight, sizes)
     assert np.linalg.norm(out - ref) <= 1e-4 * np.linalg.norm(ref)

@@ -262,7 +262,7 @@ def test_glm52_mxfp4_memory_plan_on_four_h200s():
     layer) at 0.5 + 1/32 bytes a weight over 4 ranks, 89.6 GiB per rank, in place of their 2 bytes (337.5 GiB);
     everything else as the bf16 plan has it (13.7 GiB: attention, shared experts, dense layers, embeddings). 103.4
     GiB of weights a rank leave an H200 (140.4 GiB) at gpu_memory_utilization 0.9 room for 1.6M tokens of context in
-    the fp8 caches (bf16: no room)."""
+    the fp8 caches (bf16: no room); with ptpc_fp8 99.2 GiB and 1.9M tokens."""
     parallel = ParallelConfig(tp=4, dcp=4)
     kwargs = dict(dtype="bfloat16", device_bytes=143771 * 2**20, gpu_memory_utilization=0.9)
     plan = make_plan(GLM52, parallel, weight_format="mxfp4", **kwargs)
@@ -272,6 +272,9 @@ def test_glm52_mxfp4_memory_plan_on_four_h200s():
     assert round(routed * (0.5 + 1 / 32) / 4 / 2**30, 1) == 89.6 and round(routed * 2 / 4 / 2**30, 1) == 337.5
     assert round(plan.weight_bytes / 2**30, 1) == 103.4
     assert bf16.pool_tokens["fp8", "fp8"] == 0 and plan.pool_tokens["fp8", "fp8"] == 1_610_240
+    # The seed's --quantization ptpc_fp8 on top: attention, dense and the indexer's projections in per-channel fp8.
+    ptpc = make_plan(GLM52, parallel, weight_format="mxfp4", channel_fp8=True, **kwargs)
+    assert round(ptpc.weight_bytes / 2**30, 1) == 99.2 and ptpc.pool_tokens["fp8", "fp8"] == 1_907_968
     with pytest.raises(ValueError, match="weight_format='mxfp4'"):  # 2064 / 4 = 516 inputs a rank: 16 blocks + 4
         make_plan(dataclasses.replace(GLM52, moe_intermediate_size=2064), parallel, weight_format="mxfp4", **kwargs)
 

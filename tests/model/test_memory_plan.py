@@ -77,6 +77,29 @@ def test_mxfp4_weight_bytes_per_rank_are_those_placed_on_a_device(tp, expert_par
     assert on_device_0 < weight_bytes_per_rank(abstract, specs, parallel, "model_dtype")
 
 
+def test_ptpc_weight_bytes_per_rank_are_those_placed_on_a_device(tp=4, dcp=2):
+    """`--quantization ptpc_fp8` on tiny-glm's first two layers (a dense full layer, an MoE shared one with a shared
+    expert): a byte a quantized weight and a scale an output channel, as the quantized model placed by its own specs
+    puts them on a device (row-parallel leaves keep every channel's scale on each rank); experts and the rest in
+    bf16. Block fp8 does not compose."""
+    from dcp_jax.config import preset
+    from dcp_jax.model import fp8_linear
+
+    cfg = preset("tiny-glm", num_layers=2)
+    parallel = ParallelConfig(tp=tp, dcp=dcp)
+    mesh = make_mesh(parallel)
+    abstract = nnx.to_pure_dict(abstract_model(cfg, jnp.bfloat16)[1])
+    specs = param_specs(cfg, abstract, expert_parallel=False)
+    quantized = fp8_linear.quantize_channels_params(init_params(cfg, 0, jnp.bfloat16))
+    quantized_specs = param_specs(cfg, jax.eval_shape(lambda: quantized), expert_parallel=False)
+    placed = jax.device_put(quantized, jax.tree.map(lambda s: sharding(mesh, s), quantized_specs))
+    on_device_0 = sum(shard.data.nbytes for leaf in jax.tree.leaves(placed) for shard in leaf.addressable_shards
+                      if shard.device == mesh.devices.flat[0])
+    assert weight_bytes_per_rank(abstract, specs, parallel, "model_dtype", channel_fp8=True) == on_device_0
+    with pytest.raises(ValueError, match="block fp8 already"):
+        weight_bytes_per_rank(abstract, specs, parallel, "fp8", channel_fp8=True)
+
+
 @pytest.mark.parametrize("latent,index", [("exact", "exact"), ("fp8", "fp8")])
 def test_bytes_per_token_are_the_pools_bytes(latent, index):
     parallel = ParallelConfig(tp=2, dcp=2)

@@ -8,6 +8,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dcp_jax.config import TINY_GLM, ParallelConfig
 from dcp_jax.model import fp8_linear, mxfp4
@@ -47,6 +48,23 @@ def test_the_product_quantizes_each_token_over_what_it_contracts():
     scale = np.abs(rows).max(-1, keepdims=True) / E4M3_MAX
     x8 = np.asarray(jnp.asarray(rows / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32)) * scale
     want = x8 @ np.asarray(fp8_linear.dequantize_channels(q)).reshape(16, 16)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("equation, x_shape, w_shape, axes", [
+    ("rd,dn->rn", (5, 32), (32, 48), ((-2,), (-1,))),  # wqkv_a
+    ("rq,qhk->rhk", (3, 32), (32, 2, 24), ((-3,), (-2, -1))),  # wq_b: two output axes
+    ("rhv,hvd->rd", (4, 2, 16), (2, 16, 32), ((-3, -2), (-1,))),  # wo: two contracted axes
+    ("...d,gdf->...gf", (2, 3, 32), (2, 32, 16), ((-2,), (-1,))),  # gate_up: the pair stacked along N
+], ids=["wqkv_a", "wq_b", "wo", "gate_up"])
+def test_the_fp8_gemm_kernel_multiplies_per_channel_weights(equation, x_shape, w_shape, axes):
+    """Under a kernels backend the product is one fp8 GEMM of scale blocks (1, K) (the Triton kernel, interpreted):
+    equal to the reference's dequantized product to f32 rounding."""
+    x = jax.random.normal(jax.random.key(3), x_shape)
+    q = fp8_linear.quantize_channels(jax.random.normal(jax.random.key(4), w_shape), *axes)
+    got = fp8_linear.einsum(equation, x, q, backend="pallas")
+    want = fp8_linear.einsum(equation, x, q, backend="reference")
+    assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

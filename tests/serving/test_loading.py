@@ -120,7 +120,8 @@ def test_the_gpu_options_are_compile_options_whenever_jax_started(monkeypatch):
     assert step_compiler_options() == GPU_OPTIONS
     assert float(jax.jit(lambda x: x @ x, compiler_options=step_compiler_options())(jnp.ones((2, 2)))[0, 0]) == 2
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
-    assert step_compiler_options() == {"xla_gpu_enable_dynamic_slice_fusion": True}
+    assert step_compiler_options() == {"xla_gpu_enable_dynamic_slice_fusion": True,
+                                       "xla_disable_hlo_passes": "dot-merger"}
 
 
 def test_hf_overrides_replace_config_fields_and_bad_ones_are_refused_before_loading():
