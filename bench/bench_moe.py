@@ -77,7 +77,7 @@ def random_weights(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
     d, x, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     shared = f * cfg.n_shared_experts
     shapes = {"router": ((d, x), d, jnp.float32), "gate": ((x, d, f), d, dtype), "up": ((x, d, f), d, dtype),
-              "down": ((x, f, d), f, dtype), "shared_gate_up": ((2, d, shared), d, dtype),
+              "down": ((x, f, d), f, dtype), "shared_gate_up": ((d, 2, shared), d, dtype),
               "shared_down": ((shared, d), shared, dtype)}
     keys = jax.random.split(jax.random.key(seed), len(shapes) + 1)
     weights = {name: _normal(key, shape, fan_in, kind)

@@ -4,7 +4,7 @@ architecture's attention variant (`attention/variant.py`: MLA with the lightning
 of all of it (`DeepseekCheckpoint`). `MODEL` is what the registry hands the runtime.
 
 Layouts (HF stores linear weights `[out, in]`; `DeepseekCheckpoint` converts): projections applied as `x @ W` are
-stored `[in, out...]` (the attention's: `attention/params.py`; MLP gate_up [2, D, F] (gate_proj then up_proj,
+stored `[in, out...]` (the attention's: `attention/params.py`; MLP gate_up [D, 2, F] (gate_proj then up_proj,
 vLLM's gate_up_proj) and down [F, D], experts [X, D, F] / [X, F, D], router [D, X], lm_head [D, A]); embed is
 [A, D]. The router and its bias (e_score_correction_bias) are always f32, as HF keeps them, and so is the
 indexer's weights_proj; every other weight has the model's dtype, or, for a block fp8 model, is an
@@ -369,13 +369,14 @@ def abstract_mtp(cfg: ModelConfig, dtype=jnp.float32, fp8_block: tuple[int, int]
 
 
 def _mlp_to_ours(t: dict, prefix: str) -> dict:
-    """HF's gate_proj and up_proj [F, D] as our gate_up [2, D, F]; down_proj [D, F] as down [F, D]."""
-    gate_up = np.stack([t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"]]).transpose(0, 2, 1)
+    """HF's gate_proj and up_proj [F, D] as our gate_up [D, 2, F] (a view of their one stacked copy); down_proj
+    [D, F] as down [F, D]."""
+    gate_up = np.stack([t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"]]).transpose(2, 0, 1)
     return {"gate_up": gate_up, "down": t[prefix + "down_proj.weight"].T}
 
 
 def _mlp_to_hf(p: dict, prefix: str) -> dict:
-    return {prefix + "gate_proj.weight": p["gate_up"][0].T, prefix + "up_proj.weight": p["gate_up"][1].T,
+    return {prefix + "gate_proj.weight": p["gate_up"][:, 0].T, prefix + "up_proj.weight": p["gate_up"][:, 1].T,
             prefix + "down_proj.weight": p["down"].T}
 
 

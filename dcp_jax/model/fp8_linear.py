@@ -66,7 +66,7 @@ FP8_AXES = {
     "wo": ((-3, -2), (-1,)),  # [H, V, D]
     "index_wq": ((-3,), (-2, -1)),  # [Q, I, J]
     "index_wk": ((-2,), (-1,)),  # [D, J]
-    "gate_up": ((-2,), (-1,)),  # [2, D, F]: gate, then up
+    "gate_up": ((-3,), (-1,)),  # [D, 2, F]: gate, then up (the pair a batch axis)
     "down": ((-2,), (-1,)),  # [F, D]
     "experts_gate": ((-2,), (-1,)),  # [X, D, F]
     "experts_up": ((-2,), (-1,)),  # [X, D, F]
@@ -75,9 +75,10 @@ FP8_AXES = {
 
 
 def _axes_order(ndim: int, in_axes, out_axes) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(batch, output, input) axes of a plain weight of `ndim` axes, non-negative."""
+    """(batch, output, input) axes of a plain weight of `ndim` axes, non-negative: the batch axes are the others, in
+    order (gate_up's pair sits between its input and output axes)."""
     ins, outs = (tuple(a % ndim for a in axes) for axes in (in_axes, out_axes))
-    return tuple(range(ndim - len(ins) - len(outs))), outs, ins
+    return tuple(a for a in range(ndim) if a not in ins + outs), outs, ins
 
 
 class _KMajor:

@@ -1,7 +1,9 @@
 """The gated feed-forward block down(silu(x gate) * x up): the dense layers' MLP and DeepSeek's shared experts, with
-the random initializer of the model's projections. gate and up are one weight, gate_up [2, D, F] (vLLM's
-gate_up_proj); in block fp8 one GEMM computes both (its pair stacked along N: `fp8_linear.einsum`). F splits over
-TP.
+the random initializer of the model's projections. gate and up are one weight, gate_up [D, 2, F] (vLLM's
+gate_up_proj), one GEMM for both: plain, of its [D, 2F] view, so the scan reads a layer's slice of its stack in place
+(stored [2, D, F] and multiplied a half at a time, each layer's gate and up were copied out of the stack first:
+docs/performance.md, "The step against its roofline"); in fp8 its pair stacked along N (`fp8_linear.einsum`). F
+splits over TP.
 
 Letters: see the legend in `dcp_jax/__init__.py`.
 """
@@ -22,13 +24,15 @@ def dense_param(rngs: nnx.Rngs, shape, fan_in: int, dtype) -> nnx.Param:
 
 
 def gated_mlp(x, gate_up, down, *, backend: str):
-    """x [..., D], gate_up [2, D, F] (gate, then up) and down [F, D] (plain or block fp8) -> down(silu(x gate) *
-    x up) [..., D] in x's dtype; `backend` the kernels' (`fp8_linear.einsum`)."""
+    """x [..., D], gate_up [D, 2, F] (gate, then up) and down [F, D] (plain, fp8) -> down(silu(x gate) * x up)
+    [..., D] in x's dtype; `backend` the kernels' (`fp8_linear.einsum`)."""
     if fp8_linear.is_quantized(gate_up):
-        gate_and_up = fp8_linear.einsum("...d,gdf->...gf", x, gate_up, backend=backend)
-        gate, up = gate_and_up[..., 0, :], gate_and_up[..., 1, :]
-    else:  # one plain [2, D, F] product would copy the weight into [D, 2F] each call (CPU's XLA did): two products
-        gate, up = (fp8_linear.einsum("...d,df->...f", x, gate_up[i], backend=backend) for i in range(2))
+        gate_and_up = fp8_linear.einsum("...d,dgf->...gf", x, gate_up, backend=backend)
+    else:
+        depth, pair, width = gate_up.shape
+        gate_and_up = fp8_linear.einsum("...d,dn->...n", x, gate_up.reshape(depth, pair * width),
+                                        backend=backend).reshape(*x.shape[:-1], pair, width)
+    gate, up = gate_and_up[..., 0, :], gate_and_up[..., 1, :]
     gated = jax.nn.silu(gate) * up
     return fp8_linear.einsum("...f,fd->...d", gated, down, backend=backend)
 
@@ -37,7 +41,9 @@ class MLP(nnx.Module):
     """down(silu(gate x) * up x); also the shared experts (width moe_intermediate_size * n_shared_experts)."""
 
     def __init__(self, hidden: int, width: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.gate_up = dense_param(rngs, (2, hidden, width), hidden, dtype)
+        # Drawn as [2, D, F] (gate's draws, then up's: every seed's weights as before the [D, 2, F] layout).
+        gate_up = dense_param(rngs, (2, hidden, width), hidden, dtype)
+        self.gate_up = nnx.Param(jnp.moveaxis(gate_up.get_value(), 0, 1))
         self.down = dense_param(rngs, (width, hidden), width, dtype)
 
     def partial(self, x, *, backend: str):

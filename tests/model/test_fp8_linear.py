@@ -110,8 +110,8 @@ def test_scale_specs_follow_the_split_axes():
     spec = fp8_linear.weight_spec(experts, P(None, HEADS, None))  # values [X, D, F]: F split
     assert spec.values == P(None, None, HEADS) and spec.scales == P(None, None, HEADS)
     assert fp8_linear.weight_spec(experts, P(HEADS, None, None)).scales == P(HEADS, None, None)
-    gate_up = fp8_linear.quantize(jnp.ones((2, 16, 32)), (16, 16), *fp8_linear.FP8_AXES["gate_up"])
-    spec = fp8_linear.weight_spec(gate_up, P(None, None, HEADS))  # values [2, F, D]: F split, the pair whole
+    gate_up = fp8_linear.quantize(jnp.ones((16, 2, 32)), (16, 16), *fp8_linear.FP8_AXES["gate_up"])
+    spec = fp8_linear.weight_spec(gate_up, P(None, None, HEADS))  # [D, 2, F] -> values [2, F, D]: F split
     assert spec.values == P(None, HEADS, None) and spec.scales == P(None, HEADS, None)
     for w, plain in ((wq_b, P(None, HEADS, None)), (wo, P(HEADS, None, None)), (experts, P(None, None, HEADS))):
         assert fp8_linear.plain_spec(w, fp8_linear.weight_spec(w, plain).values) == plain
@@ -130,7 +130,7 @@ def test_fp8_leaves_are_the_memory_plans():
     ("rq,qhk->rhk", (5, 32), (32, 4, 24), "wq_b"),
     ("rhv,hvd->rd", (3, 4, 8), (4, 8, 48), "wo"),
     ("...d,df->...f", (2, 3, 64), (64, 40), "down"),
-    ("...d,gdf->...gf", (2, 3, 64), (2, 64, 48), "gate_up"),
+    ("...d,dgf->...gf", (2, 3, 64), (64, 2, 48), "gate_up"),
 ])
 def test_the_gemm_path_equals_the_reference_path(monkeypatch, equation, x_shape, w_shape, leaf):
     """einsum through `pallas_kernels.fp8_gemm` (its reference standing in for the GPU kernel: the rows, the
@@ -161,11 +161,11 @@ def test_a_pair_whose_blocks_do_not_stack_multiplies_matrix_by_matrix_and_shared
     head) is refused under a kernels backend, with the way out."""
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)
-    w = fp8_linear.quantize(jnp.asarray(rng.standard_normal((2, 64, 48)), jnp.float32), (32, 16),
+    w = fp8_linear.quantize(jnp.asarray(rng.standard_normal((64, 2, 48)), jnp.float32), (32, 16),
                             *fp8_linear.FP8_AXES["gate_up"])  # N = 48 ends mid-block of 32
     assert fp8_linear._stacked_matrices(w) == (None, None)
-    got = fp8_linear.einsum("...d,gdf->...gf", x, w, backend="pallas")
-    want = fp8_linear.einsum("...d,gdf->...gf", x, w, backend="reference")
+    got = fp8_linear.einsum("...d,dgf->...gf", x, w, backend="pallas")
+    want = fp8_linear.einsum("...d,dgf->...gf", x, w, backend="reference")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     w_uk = fp8_linear.quantize(jnp.asarray(rng.standard_normal((4, 16, 32)), jnp.float32), (16, 16),
                                *fp8_linear.FP8_AXES["w_uk"])
@@ -185,7 +185,7 @@ def test_a_weight_no_gemm_kernel_takes_is_refused_with_the_reasons():
     ("rq,qhk->rhk", (40, 1536), (1536, 4, 192), "wq_b"),
     ("rhv,hvd->rd", (300, 4, 128), (4, 128, 512), "wo"),
     ("...d,df->...f", (2, 3, 512), (512, 576), "down"),
-    ("...d,gdf->...gf", (2, 3, 512), (2, 512, 640), "gate_up"),
+    ("...d,dgf->...gf", (2, 3, 512), (512, 2, 640), "gate_up"),
 ])
 def test_einsum_runs_the_fp8_gemm_kernel_on_the_gpu(equation, x_shape, w_shape, leaf):
     """On an H100 / H200 an fp8 linear layer runs the Mosaic fp8 GEMM: within fp8 tensor-core accumulation and a
@@ -214,7 +214,7 @@ def test_the_dequantized_path_quantizes_the_activations_under_jit_on_the_gpu():
 @pytest.mark.parametrize("leaf, shape, spec", [
     ("wq_b", (3, 32, 2, 24), P(None, None, HEADS, None)), ("wo", (3, 2, 16, 48), P(None, HEADS, None, None)),
     ("w_uk", (3, 2, 16, 32), P(None, HEADS, None, None)), ("experts_down", (3, 4, 32, 16), P(None, None, HEADS, None)),
-    ("gate_up", (3, 2, 32, 48), P(None, None, None, HEADS))])
+    ("gate_up", (3, 32, 2, 48), P(None, None, None, HEADS))])
 def test_a_leaf_stacked_over_layers_is_its_layers_quantized_alone(leaf, shape, spec):
     """Weights stacked over layers (`deepseek_v32.LayerStack`: a leading L axis, the FP8_AXES counted from the last)
     keep the plain shape, and each layer's values and scales are those of quantizing it alone."""

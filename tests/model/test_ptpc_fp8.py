@@ -55,7 +55,7 @@ def test_the_product_quantizes_each_token_over_what_it_contracts():
     ("rd,dn->rn", (5, 32), (32, 48), ((-2,), (-1,))),  # wqkv_a
     ("rq,qhk->rhk", (3, 32), (32, 2, 24), ((-3,), (-2, -1))),  # wq_b: two output axes
     ("rhv,hvd->rd", (4, 2, 16), (2, 16, 32), ((-3, -2), (-1,))),  # wo: two contracted axes
-    ("...d,gdf->...gf", (2, 3, 32), (2, 32, 16), ((-2,), (-1,))),  # gate_up: the pair stacked along N
+    ("...d,dgf->...gf", (2, 3, 32), (32, 2, 16), ((-3,), (-1,))),  # gate_up: the pair stacked along N
 ], ids=["wqkv_a", "wq_b", "wo", "gate_up"])
 def test_the_fp8_gemm_kernel_multiplies_per_channel_weights(equation, x_shape, w_shape, axes):
     """Under a kernels backend the product is one fp8 GEMM of scale blocks (1, K) (the Triton kernel, interpreted):

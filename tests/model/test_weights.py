@@ -116,7 +116,7 @@ def test_load_places_heads_and_experts_split_and_save_round_trips(checkpoint, te
     assert mlp["experts_gate"].addressable_shards[0].data.shape == (moe.count, CFG.n_routed_experts,
                                                                      CFG.hidden_size, CFG.moe_intermediate_size // 4)
     assert _spec(mlp["shared"]["down"]) == P(None, HEADS, None)
-    assert _spec(mlp["shared"]["gate_up"]) == P(None, None, None, HEADS)  # [L, 2, D, F]: F split, the pair whole
+    assert _spec(mlp["shared"]["gate_up"]) == P(None, None, None, HEADS)  # [L, D, 2, F]: F split, the pair whole
     assert _spec(mlp["router"]) == P(None, None, None)  # replicated
     # HF's kv_b_proj rows are [k_nope | v] per head: w_uk is the first qk_nope_head_dim rows of head 0.
     kv_b = tensors["model.layers.0.self_attn.kv_b_proj.weight"]
