@@ -93,9 +93,9 @@ def _unpack_ptx(packed, spread_scales):
         for magnitude, sign in ((6, 12), (2, 8)))
 
 
-def _split_kernel(groups_ref, starts_ref, rows_ref, x_ref, packed_ref, scales_ref, out_ref, *, block_m: int,
-                  block_n: int, block_k: int):
-    """unpack="split_ptx": x_ref [2, rows, in / 2] (even inputs, odd inputs), bf16."""
+def _kernel(groups_ref, starts_ref, rows_ref, x_ref, packed_ref, scales_ref, out_ref, *, block_m: int, block_n: int,
+            block_k: int, precision, unpack: str):
+    """x_ref [rows, in]; with unpack="split_ptx" [2, rows, in / 2] (the even inputs, then the odd ones), bf16."""
     item, n_block = pl.program_id(0), pl.program_id(1)
     num_rows = rows_ref[item]
 
@@ -106,47 +106,27 @@ def _split_kernel(groups_ref, starts_ref, rows_ref, x_ref, packed_ref, scales_re
         columns = pl.ds(n_block * block_n, block_n)
         half, blocks = block_k // 2, block_k // MX_BLOCK
 
-        def step(k, acc):
-            depth = pl.ds(pl.multiple_of(k * half, half), half)
-            mask = jnp.broadcast_to(is_row[:, None], (block_m, half))
-            evens, odds = (plgpu.load(x_ref.at[parity, pl.ds(start, block_m), depth], mask=mask,
-                                      other=jnp.zeros((), x_ref.dtype)) for parity in (0, 1))
-            packed = packed_ref[group, columns, depth]  # [block_n, block_k / 2]
-            scales = scales_ref[group, columns, pl.ds(k * blocks, blocks)]  # [block_n, block_k / 32]
-            spread = jnp.broadcast_to(scales[:, :, None], (block_n, blocks, MX_BLOCK // 2)).reshape(block_n, half)
-            low, high = _unpack_ptx(packed, spread)
-            dims = (((1,), (1,)), ((), ()))
-            return (acc + lax.dot_general(evens, low, dims, preferred_element_type=jnp.float32)
-                    + lax.dot_general(odds, high, dims, preferred_element_type=jnp.float32))
-
-        acc = lax.fori_loop(0, x_ref.shape[2] // half, step, jnp.zeros((block_m, block_n), jnp.float32))
-        plgpu.store(out_ref.at[pl.ds(start, block_m), columns], acc.astype(out_ref.dtype),
-                    mask=jnp.broadcast_to(is_row[:, None], (block_m, block_n)))
-
-
-def _kernel(groups_ref, starts_ref, rows_ref, x_ref, packed_ref, scales_ref, out_ref, *, block_m: int, block_n: int,
-            block_k: int, precision):
-    item, n_block = pl.program_id(0), pl.program_id(1)
-    num_rows = rows_ref[item]
-
-    @pl.when(num_rows > 0)
-    def _multiply():
-        group, start = groups_ref[item], starts_ref[item]
-        is_row = lax.iota(jnp.int32, block_m) < num_rows
-        columns = pl.ds(n_block * block_n, block_n)
+        def rows_of(parity, width, k):  # [block_m, width]: the step's inputs of the block's rows, masked past them
+            index = (*parity, pl.ds(start, block_m), pl.ds(pl.multiple_of(k * width, width), width))
+            return plgpu.load(x_ref.at[index], other=jnp.zeros((), x_ref.dtype),
+                              mask=jnp.broadcast_to(is_row[:, None], (block_m, width)))
 
         def step(k, acc):
-            depth = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
-            rows = plgpu.load(x_ref.at[pl.ds(start, block_m), depth], other=jnp.zeros((), x_ref.dtype),
-                              mask=jnp.broadcast_to(is_row[:, None], (block_m, block_k)))
-            half = block_k // 2
             packed = packed_ref[group, columns, pl.ds(pl.multiple_of(k * half, half), half)]  # [block_n, block_k / 2]
-            scales = scales_ref[group, columns, pl.ds(k * (block_k // MX_BLOCK), block_k // MX_BLOCK)]
+            scales = scales_ref[group, columns, pl.ds(k * blocks, blocks)]  # [block_n, block_k / 32]
+            dims = (((1,), (1,)), ((), ()))
+            if unpack == "split_ptx":
+                spread = jnp.broadcast_to(scales[:, :, None], (block_n, blocks, MX_BLOCK // 2)).reshape(block_n, half)
+                low, high = _unpack_ptx(packed, spread)
+                return (acc + lax.dot_general(rows_of((0,), half, k), low, dims,
+                                              preferred_element_type=jnp.float32)
+                        + lax.dot_general(rows_of((1,), half, k), high, dims,
+                                          preferred_element_type=jnp.float32))
             weights = _dequantize_tile(packed, scales, x_ref.dtype)  # [block_n, block_k], K-major
-            return acc + lax.dot_general(rows, weights, (((1,), (1,)), ((), ())), precision=precision,
+            return acc + lax.dot_general(rows_of((), block_k, k), weights, dims, precision=precision,
                                          preferred_element_type=jnp.float32)
 
-        acc = lax.fori_loop(0, x_ref.shape[1] // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+        acc = lax.fori_loop(0, packed_ref.shape[2] // half, step, jnp.zeros((block_m, block_n), jnp.float32))
         plgpu.store(out_ref.at[pl.ds(start, block_m), columns], acc.astype(out_ref.dtype),
                     mask=jnp.broadcast_to(is_row[:, None], (block_m, block_n)))
 
@@ -216,10 +196,9 @@ def _grouped(x, w: Mxfp4Weight, group_sizes, out_dtype, *, interpret, block_m, b
     padded = jnp.pad(x, ((0, block_m), (0, 0)))
     if unpack == "split_ptx":  # [2, rows, in / 2]: the even inputs, then the odd ones
         padded = jnp.moveaxis(padded.reshape(padded.shape[0], -1, 2), -1, 0)
-        kernel = functools.partial(_split_kernel, block_m=block_m, block_n=block_n, block_k=block_k)
-    else:
-        precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
-        kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, precision=precision)
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
+    kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, precision=precision,
+                               unpack=unpack)
     out = pl.pallas_call(
         kernel,
         grid=(groups.shape[0], width // block_n),
