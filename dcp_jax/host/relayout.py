@@ -28,13 +28,10 @@ class RelayoutPlan:
     source: DcpLayout
     destination: DcpLayout
     length: int
+    # n_src: the virtual blocks the source exports (the first ones of its block table).
+    source_blocks: int
     # int32 [Wd, n_dst, Bd]: each destination place's flat place in the exported [Ws, n_src, Bs] tokens, -1 for none.
     source_place: np.ndarray
-
-    @property
-    def source_blocks(self) -> int:
-        """n_src: the virtual blocks the source exports (the first ones of its block table)."""
-        return int(self.source.virtual_blocks(self.length))
 
     @property
     def destination_blocks(self) -> int:
@@ -42,20 +39,25 @@ class RelayoutPlan:
         return self.source_place.shape[1]
 
 
-def relayout_plan(source: DcpLayout, destination: DcpLayout, length: int) -> RelayoutPlan:
-    """The plan of a request's first `length` tokens from `source` to `destination`."""
+def relayout_plan(source: DcpLayout, destination: DcpLayout, length: int,
+                  source_blocks: int | None = None) -> RelayoutPlan:
+    """The plan of a request's first `length` tokens from `source` to `destination`, the source exporting
+    `source_blocks` virtual blocks (default: the ones its tokens fill; more: a compiled program's bucket)."""
     if not isinstance(length, (int, np.integer)) or isinstance(length, bool) or length < 0:
         raise ValueError(f"length must be an int >= 0; got {length!r}")
+    needed = int(source.virtual_blocks(length))
+    source_blocks = needed if source_blocks is None else source_blocks
+    if source_blocks < needed:
+        raise ValueError(f"source_blocks={source_blocks} < the {needed} virtual blocks {length} tokens fill")
     tokens = np.arange(length, dtype=np.int64)
     source_local = source.local_index(tokens).astype(np.int64)
-    source_blocks = int(source.virtual_blocks(length))
     flat = (source.owner(tokens) * source_blocks + source_local // source.page_size) * source.page_size \
         + source_local % source.page_size
     place = np.full((destination.dcp_size, int(destination.virtual_blocks(length)), destination.page_size), -1,
                     np.int32)
     local = destination.local_index(tokens).astype(np.int64)
     place[destination.owner(tokens), local // destination.page_size, local % destination.page_size] = flat
-    return RelayoutPlan(source, destination, int(length), place)
+    return RelayoutPlan(source, destination, int(length), source_blocks, place)
 
 
 def padded_places(plan: RelayoutPlan, destination_blocks: int) -> np.ndarray:

@@ -70,47 +70,45 @@ def test_a_wider_bucket_and_the_refusals():
 
 
 def test_pools_move_between_two_meshes_compiled():
-    """tiny's latent and index-key pools (fp8 ones: codes and scales) of a request of 37 tokens, DCP 2 on devices
-    0-1 to DCP 4, interleave 2, page 8 on devices 2-5: exported by `gather_pages`, placed on the destination mesh,
-    relaid out by one jitted gather of a bucket of page counts, written by `scatter_pages`; every token's bytes are
-    where the destination layout keeps them, equal to the numpy plan's move."""
-    import dataclasses
-
+    """tiny's latent and index-key pools (fp8 ones: codes and scales) of requests of 37, 50 and 70 tokens, DCP 2 on
+    devices 0-1 to DCP 4, interleave 2, page 8 on devices 2-5 (`runtime.kv_transfer.KvTransfer`): every token's bytes
+    are where the destination layout keeps them (the numpy plan's move), the rest of the pool as it was; one export
+    and one import program a bucket of page counts (the first two requests share theirs)."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from dcp_jax.config import TINY, EngineConfig, ParallelConfig
-    from dcp_jax.model.kv_cache import allocate_kv_cache, gather_pages, scatter_pages
+    from dcp_jax.model.kv_cache import KVCache, allocate_kv_cache
     from dcp_jax.model.mesh import make_mesh
+    from dcp_jax.runtime.kv_transfer import KvTransfer
 
     devices = jax.devices()
-    source_layout, destination_layout, length = DcpLayout(2, 1, 4), DcpLayout(4, 2, 8), 37
-    engines = [EngineConfig(page_size=layout.page_size, num_pages=16, latent_cache="fp8", index_cache="fp8")
+    source_layout, destination_layout = DcpLayout(2, 1, 4), DcpLayout(4, 2, 8)
+    engines = [EngineConfig(page_size=layout.page_size, num_pages=24, latent_cache="fp8", index_cache="fp8")
                for layout in (source_layout, destination_layout)]
     source_mesh = make_mesh(ParallelConfig(tp=2, dcp=2), devices[:2])
     destination_mesh = make_mesh(ParallelConfig(tp=4, dcp=4, interleave=2), devices[2:6])
     source = allocate_kv_cache(TINY, engines[0], 2, source_mesh, jnp.float32)
     keys = iter(jax.random.split(jax.random.key(0), 8))
-    source = dataclasses.replace(source, pools=jax.tree.map(
-        lambda a: jax.random.randint(next(keys), a.shape, -100, 100).astype(a.dtype), source.pools))
-    plan = relayout_plan(source_layout, destination_layout, length)
-    source_table, destination_table = np.arange(15, 15 - plan.source_blocks, -1), np.array([3, 9])
-    exported = jax.jit(gather_pages)(source, jnp.asarray(source_table, jnp.int32))
-    replicated = NamedSharding(destination_mesh, P())
-    arrived = jax.device_put(exported, replicated)
-    bucket = 4  # the program's page count: the plan's 2 blocks padded
-    places = jax.device_put(jnp.asarray(padded_places(plan, bucket)), replicated)
-    pages = jax.jit(lambda cache, places: dataclasses.replace(cache, pools=jax.tree.map(
-        lambda leaf: relayout_pages(leaf, places, jnp), cache.pools)))(arrived, places)
+    source = KVCache(jax.tree.map(lambda a: jax.random.randint(next(keys), a.shape, -100, 100).astype(a.dtype),
+                                  source.pools))
+    transfer = KvTransfer(source_layout, destination_layout, source_mesh, destination_mesh, max_blocks=(24, 12))
     destination = allocate_kv_cache(TINY, engines[1], 4, destination_mesh, jnp.float32)
-    ids = jnp.asarray(np.pad(destination_table, (0, bucket - len(destination_table)), constant_values=-1), jnp.int32)
-    received = jax.jit(scatter_pages)(destination, pages, ids)
-    leaves = jax.tree_util.tree_leaves_with_path(received.pools)
-    assert len(leaves) == len(jax.tree.leaves(exported.pools)) > 2  # latent and index keys, values and scales
-    for (path, got_leaf), sent_leaf in zip(leaves, jax.tree.leaves(exported.pools)):
-        got = np.asarray(got_leaf).astype(np.float32)
-        want = relayout_pages(np.asarray(sent_leaf).astype(np.float32), plan.source_place)
-        name = jax.tree_util.keystr(path)
-        np.testing.assert_array_equal(got[:, :, destination_table], want, err_msg=name)
-        assert not got[:, :, np.setdiff1d(np.arange(16), destination_table)].any(), name
+    written = set()
+    for length, source_table, destination_table, programs in (
+            (37, np.arange(23, 13, -1), [3, 9], 2), (50, np.arange(10), [5, 0], 2),
+            (70, np.arange(14, 24), [1, 2, 4], 4)):
+        sent = [np.asarray(leaf).astype(np.float32) for leaf in jax.tree.leaves(source.pools)]
+        destination = transfer.move(source, source_table, destination, destination_table, length)
+        assert transfer.compiled_programs() == programs, length
+        plan = relayout_plan(source_layout, destination_layout, length)
+        blocks = np.asarray(destination_table[:plan.destination_blocks])
+        written |= set(blocks.tolist())
+        for (path, got_leaf), sent_leaf in zip(jax.tree_util.tree_leaves_with_path(destination.pools), sent):
+            got, name = np.asarray(got_leaf).astype(np.float32), jax.tree_util.keystr(path)
+            exported = sent_leaf[:, :, np.asarray(source_table)[:plan.source_blocks]]
+            np.testing.assert_array_equal(got[:, :, blocks], relayout_pages(exported, plan.source_place),
+                                          err_msg=f"{name} {length}")
+            assert not got[:, :, sorted(set(range(24)) - written)].any(), name
+    with pytest.raises(ValueError, match="37 tokens fill 5 source and 2 destination virtual blocks"):
+        transfer.move(source, np.arange(4), destination, [3, 9], 37)
