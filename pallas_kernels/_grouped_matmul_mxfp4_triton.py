@@ -37,7 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._grouped_matmul_triton import MIN_DOT_DIM, PREFILL_ROWS_PER_GROUP, work_items
+from pallas_kernels._grouped_matmul_triton import (MIN_DOT_DIM, PREFILL_ROWS_PER_GROUP, RowBlock, multiply_row_block,
+                                                    work_items)
 from pallas_kernels._knobs import with_defaults
 from pallas_kernels._platform import default_interpret
 from pallas_kernels.formats import E8M0_NAN, MX_BLOCK, Mxfp4Weight
@@ -96,39 +97,28 @@ def _unpack_ptx(packed, spread_scales):
 def _kernel(groups_ref, starts_ref, rows_ref, x_ref, packed_ref, scales_ref, out_ref, *, block_m: int, block_n: int,
             block_k: int, precision, unpack: str):
     """x_ref [rows, in]; with unpack="split_ptx" [2, rows, in / 2] (the even inputs, then the odd ones), bf16."""
-    item, n_block = pl.program_id(0), pl.program_id(1)
-    num_rows = rows_ref[item]
+    half, blocks = block_k // 2, block_k // MX_BLOCK
 
-    @pl.when(num_rows > 0)
-    def _multiply():
-        group, start = groups_ref[item], starts_ref[item]
-        is_row = lax.iota(jnp.int32, block_m) < num_rows
-        columns = pl.ds(n_block * block_n, block_n)
-        half, blocks = block_k // 2, block_k // MX_BLOCK
-
-        def rows_of(parity, width, k):  # [block_m, width]: the step's inputs of the block's rows, masked past them
-            index = (*parity, pl.ds(start, block_m), pl.ds(pl.multiple_of(k * width, width), width))
+    def step(k, acc, block: RowBlock):
+        def rows_of(parity, width):  # [block_m, width]: the step's inputs of the block's rows, masked past them
+            index = (*parity, pl.ds(block.start, block_m), pl.ds(pl.multiple_of(k * width, width), width))
             return plgpu.load(x_ref.at[index], other=jnp.zeros((), x_ref.dtype),
-                              mask=jnp.broadcast_to(is_row[:, None], (block_m, width)))
+                              mask=jnp.broadcast_to(block.is_row[:, None], (block_m, width)))
 
-        def step(k, acc):
-            packed = packed_ref[group, columns, pl.ds(pl.multiple_of(k * half, half), half)]  # [block_n, block_k / 2]
-            scales = scales_ref[group, columns, pl.ds(k * blocks, blocks)]  # [block_n, block_k / 32]
-            dims = (((1,), (1,)), ((), ()))
-            if unpack == "split_ptx":
-                spread = jnp.broadcast_to(scales[:, :, None], (block_n, blocks, MX_BLOCK // 2)).reshape(block_n, half)
-                low, high = _unpack_ptx(packed, spread)
-                return (acc + lax.dot_general(rows_of((0,), half, k), low, dims,
-                                              preferred_element_type=jnp.float32)
-                        + lax.dot_general(rows_of((1,), half, k), high, dims,
-                                          preferred_element_type=jnp.float32))
-            weights = _dequantize_tile(packed, scales, x_ref.dtype)  # [block_n, block_k], K-major
-            return acc + lax.dot_general(rows_of((), block_k, k), weights, dims, precision=precision,
-                                         preferred_element_type=jnp.float32)
+        packed = packed_ref[block.group, block.columns, pl.ds(pl.multiple_of(k * half, half), half)]  # [n, k / 2]
+        scales = scales_ref[block.group, block.columns, pl.ds(k * blocks, blocks)]  # [block_n, block_k / 32]
+        dims = (((1,), (1,)), ((), ()))
+        if unpack == "split_ptx":
+            spread = jnp.broadcast_to(scales[:, :, None], (block_n, blocks, MX_BLOCK // 2)).reshape(block_n, half)
+            low, high = _unpack_ptx(packed, spread)
+            return (acc + lax.dot_general(rows_of((0,), half), low, dims, preferred_element_type=jnp.float32)
+                    + lax.dot_general(rows_of((1,), half), high, dims, preferred_element_type=jnp.float32))
+        weights = _dequantize_tile(packed, scales, x_ref.dtype)  # [block_n, block_k], K-major
+        return acc + lax.dot_general(rows_of((), block_k), weights, dims, precision=precision,
+                                     preferred_element_type=jnp.float32)
 
-        acc = lax.fori_loop(0, packed_ref.shape[2] // half, step, jnp.zeros((block_m, block_n), jnp.float32))
-        plgpu.store(out_ref.at[pl.ds(start, block_m), columns], acc.astype(out_ref.dtype),
-                    mask=jnp.broadcast_to(is_row[:, None], (block_m, block_n)))
+    multiply_row_block(groups_ref, starts_ref, rows_ref, out_ref, block_m=block_m, block_n=block_n,
+                       steps=packed_ref.shape[2] // half, step=step)
 
 
 def _largest_block(dim: int, candidates: tuple[int, ...], at_most: int) -> int | None:

@@ -24,6 +24,7 @@ Letters: see the legend in `dcp_jax/__init__.py`; the matmul's widths are spelle
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -71,37 +72,55 @@ def work_items(group_sizes, num_rows: int, block_m: int):
     return group, offsets[group] + within * block_m, rows
 
 
-def _kernel(groups_ref, starts_ref, rows_ref, x_ref, w_ref, x_scales_ref, w_scales_ref, out_ref, *, block_m: int,
-            block_n: int, block_k: int, scale_block: tuple[int, int] | None, precision, fp8_imprecise_acc: int):
+@dataclasses.dataclass(frozen=True)
+class RowBlock:
+    """A program's work item (`work_items`): its group, its first row, which of its block_m rows it has, and its
+    block_n output columns."""
+
+    group: jax.Array
+    start: jax.Array
+    is_row: jax.Array
+    columns: pl.Slice
+
+
+def multiply_row_block(groups_ref, starts_ref, rows_ref, out_ref, *, block_m: int, block_n: int, steps: int, step):
+    """The body every grouped kernel shares: program (item, n_block) of the grid (items, out / block_n) with rows
+    to multiply sums `step(k, acc [block_m, block_n] f32, block: RowBlock)` over k < steps and stores its rows;
+    one without rows does nothing."""
     item, n_block = pl.program_id(0), pl.program_id(1)
     num_rows = rows_ref[item]
 
     @pl.when(num_rows > 0)
     def _multiply():
-        group, start = groups_ref[item], starts_ref[item]
-        is_row = lax.iota(jnp.int32, block_m) < num_rows
-        columns = pl.ds(n_block * block_n, block_n)
+        block = RowBlock(groups_ref[item], starts_ref[item], lax.iota(jnp.int32, block_m) < num_rows,
+                         pl.ds(n_block * block_n, block_n))
+        acc = lax.fori_loop(0, steps, lambda k, acc: step(k, acc, block), jnp.zeros((block_m, block_n), jnp.float32))
+        plgpu.store(out_ref.at[pl.ds(block.start, block_m), block.columns], acc.astype(out_ref.dtype),
+                    mask=jnp.broadcast_to(block.is_row[:, None], (block_m, block_n)))
 
-        def step(k, acc):
-            depth = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
-            rows = plgpu.load(x_ref.at[pl.ds(start, block_m), depth], other=jnp.zeros((), x_ref.dtype),
-                              mask=jnp.broadcast_to(is_row[:, None], (block_m, block_k)))
-            if scale_block is None:
-                weights = w_ref[group, depth, columns]
-                return acc + lax.dot(rows, weights, precision=precision, preferred_element_type=jnp.float32)
-            weights = w_ref[group, columns, depth]  # [block_n, block_k], K-major
-            products = fp8_dot_nt(rows, weights, max_num_imprecise_acc=fp8_imprecise_acc)  # [block_m, block_n]
-            k_block = k * block_k // scale_block[1]
-            row_scales = plgpu.load(x_scales_ref.at[pl.ds(start, block_m), k_block], mask=is_row, other=0.0)
-            if scale_block[0] == 1:  # one scale a channel (ptpc_fp8)
-                column_scales = w_scales_ref[group, columns, k_block]
-                return acc + products * (row_scales[:, None] * column_scales[None, :])
-            block_scale = w_scales_ref[group, n_block * block_n // scale_block[0], k_block]
-            return acc + products * (row_scales[:, None] * block_scale)
 
-        acc = lax.fori_loop(0, x_ref.shape[1] // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
-        plgpu.store(out_ref.at[pl.ds(start, block_m), columns], acc.astype(out_ref.dtype),
-                    mask=jnp.broadcast_to(is_row[:, None], (block_m, block_n)))
+def _kernel(groups_ref, starts_ref, rows_ref, x_ref, w_ref, x_scales_ref, w_scales_ref, out_ref, *, block_m: int,
+            block_n: int, block_k: int, scale_block: tuple[int, int] | None, precision, fp8_imprecise_acc: int):
+    def step(k, acc, block: RowBlock):
+        group, start, is_row, columns = block.group, block.start, block.is_row, block.columns
+        depth = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+        rows = plgpu.load(x_ref.at[pl.ds(start, block_m), depth], other=jnp.zeros((), x_ref.dtype),
+                          mask=jnp.broadcast_to(is_row[:, None], (block_m, block_k)))
+        if scale_block is None:
+            weights = w_ref[group, depth, columns]
+            return acc + lax.dot(rows, weights, precision=precision, preferred_element_type=jnp.float32)
+        weights = w_ref[group, columns, depth]  # [block_n, block_k], K-major
+        products = fp8_dot_nt(rows, weights, max_num_imprecise_acc=fp8_imprecise_acc)  # [block_m, block_n]
+        k_block = k * block_k // scale_block[1]
+        row_scales = plgpu.load(x_scales_ref.at[pl.ds(start, block_m), k_block], mask=is_row, other=0.0)
+        if scale_block[0] == 1:  # one scale a channel (ptpc_fp8)
+            column_scales = w_scales_ref[group, columns, k_block]
+            return acc + products * (row_scales[:, None] * column_scales[None, :])
+        block_scale = w_scales_ref[group, columns.start // scale_block[0], k_block]
+        return acc + products * (row_scales[:, None] * block_scale)
+
+    multiply_row_block(groups_ref, starts_ref, rows_ref, out_ref, block_m=block_m, block_n=block_n,
+                       steps=x_ref.shape[1] // block_k, step=step)
 
 
 def _largest_block(dim: int, at_most: int) -> int | None:
