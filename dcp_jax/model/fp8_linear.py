@@ -1,7 +1,7 @@
 """Block-fp8 weights kept in fp8 (DeepSeek's release format) and the one place a linear layer multiplies.
 
 Format (`Fp8BlockWeight`): `values` float8_e4m3fn holding the plain weight (our layout: `deepseek_v32.py`) with
-its axes reordered batch, output, input (`in_axes` / `out_axes` name them in our layout; the leading others are
+its axes reordered batch, output, input (`in_axes` / `out_axes` name them in our layout; the others, in order, are
 batch axes: the experts X, the heads H of w_uk / w_uv, whose rows are blocks of kv_b_proj's, gate_up's pair of
 gate_proj and up_proj). So each matrix is [N, K], K-major, the checkpoint's own [out, in]: fp8 tensor cores read
 both operands K-major. `scales` f32 [*batch, ceil(N / bn), ceil(K / bk)], the checkpoint's `weight_scale_inv`
@@ -119,7 +119,7 @@ class Fp8BlockWeight(_KMajor):
     # HF's weight_block_size (bn output rows, bk input columns).
     block: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     # The axes of the plain weight that x @ W contracts (K, flattened in order) and those it produces (N),
-    # negative (from the last); the leading others are batch axes.
+    # negative (from the last); the others, in order, are batch axes.
     in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     out_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 

@@ -49,7 +49,7 @@ CASES = [
     ("yarn_mscale", 4, 2, "reference", 5),
     ("default_rope", 2, 2, "pallas", 6),
 ]
-CASE_IDS = [f"{c}-dcp{w}-S{s}-{k}-chunk{n}" for c, w, s, k, n in (getattr(case, "values", case) for case in CASES)]
+CASE_IDS = golden.case_ids(CASES)
 
 
 fixture = golden.fixture

@@ -54,7 +54,7 @@ CASES = [
     pytest.param(*("v3_yarn_mscale", 2, 2, "pallas", ONE_SHOT), marks=pytest.mark.slow),
     pytest.param(*("v3_no_q_lora", 1, 1, "reference", ONE_SHOT), marks=pytest.mark.slow),
 ]
-CASE_IDS = [f"{c}-dcp{w}-S{s}-{k}-chunk{n}" for c, w, s, k, n in (getattr(case, "values", case) for case in CASES)]
+CASE_IDS = golden.case_ids(CASES)
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ CASES = [
     pytest.param(*("glm5", 8, 2, "reference", 5), marks=pytest.mark.slow),
     pytest.param(*("glm5", 2, 2, "pallas", ONE_SHOT), marks=pytest.mark.slow),
 ]
-CASE_IDS = [f"{c}-dcp{w}-S{s}-{k}-chunk{n}" for c, w, s, k, n in (getattr(case, "values", case) for case in CASES)]
+CASE_IDS = golden.case_ids(CASES)
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,11 @@ def write_checkpoints(tmp_path_factory, names) -> dict[str, tuple]:
 _RUNS: dict = {}
 
 
+def case_ids(cases) -> list[str]:
+    """The pytest ids of oracle cases (config, dcp, interleave, kernels, prefill chunk), pytest.params included."""
+    return [f"{c}-dcp{w}-S{s}-{k}-chunk{n}" for c, w, s, k, n in (getattr(case, "values", case) for case in cases)]
+
+
 def run_case(path, name: str, engine, dcp: int, interleave: int, kernels: str, chunk: int, *,
              selected: bool = False, hf_overrides: tuple = ()) -> dict:
     """`run_greedy` of fixture `name` on a runner of the checkpoint at `path` (read by `config_from_hf`, with the
